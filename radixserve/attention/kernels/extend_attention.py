@@ -1,0 +1,168 @@
+"""Prefill-on-a-prefix ("extend") attention over a ragged batch, in Triton.
+
+One program per (query head, block of BLOCK_M new tokens, request). It makes two passes with
+one online softmax:
+  1. the cached prefix, positions 0..prefix_len-1, gathered from the KV pool through
+     req_to_token[req_pool_indices[i], pos] (no causal mask: every prefix token precedes every
+     new token);
+  2. this pass's new tokens, read from the contiguous k/v of the pass, causally. Blocks of keys
+     wholly before the query block need no mask; only the diagonal blocks are masked.
+Programs whose query block starts past the request's extend length exit at once. Query blocks
+are launched longest-work-first (reverse order) so the causal tail does not straggle.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class ExtendKernelConfig:
+    block_m: int = 128   # new tokens (query rows) per program; a multiple of block_n
+    block_n: int = 64    # keys per inner step
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def default_extend_config(head_dim: int) -> ExtendKernelConfig:
+    """Block sizes for a GPU run (Hopper-class shared memory)."""
+    if head_dim <= 64:
+        return ExtendKernelConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return ExtendKernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    return ExtendKernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, m_i, l_i, acc, mask, sm_scale_log2e,
+                         APPLY_MASK: tl.constexpr):
+    """Fold one block of keys into (m_i, l_i, acc). Scores are kept in base-2 units."""
+    qk = tl.dot(q, tl.trans(k)) * sm_scale_log2e
+    if APPLY_MASK:
+        qk = tl.where(mask, qk, float("-inf"))
+    # each row has seen at least one valid key by now (pos 0 is in the first block it
+    # visits), so m_new is finite and no row computes -inf - -inf
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K_Extend, V_Extend, O, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices,
+    Extend_start_loc, Extend_seq_lens, Extend_prefix_lens, sm_scale_log2e,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_ket, stride_keh, stride_vet, stride_veh,
+    stride_kbt, stride_kbh, stride_vbt, stride_vbh, stride_req_row,
+    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    head = tl.program_id(0)
+    block_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    req = tl.program_id(2)
+    kv_head = head // GROUP_SIZE
+
+    ext_len = tl.load(Extend_seq_lens + req).to(tl.int32)
+    block_start = block_m * BLOCK_M
+    if block_start < ext_len:
+        start_loc = tl.load(Extend_start_loc + req).to(tl.int64)
+        prefix_len = tl.load(Extend_prefix_lens + req).to(tl.int32)
+        req_row = tl.load(Req_pool_indices + req).to(tl.int64)
+
+        offs_m = block_start + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < ext_len
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+
+        q = tl.load(Q + (start_loc + offs_m[:, None]) * stride_qt + head * stride_qh
+                    + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        q = q.to(K_Extend.dtype.element_ty)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+        # 1. cached prefix, through the pool
+        for n_start in range(0, prefix_len, BLOCK_N):
+            pos = n_start + offs_n
+            pos_mask = pos < prefix_len
+            slots = tl.load(Req_to_token + req_row * stride_req_row + pos, mask=pos_mask,
+                            other=0).to(tl.int64)
+            kv_mask = pos_mask[:, None] & d_mask[None, :]
+            k = tl.load(K_Buffer + slots[:, None] * stride_kbt + kv_head * stride_kbh
+                        + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(V_Buffer + slots[:, None] * stride_vbt + kv_head * stride_vbh
+                        + offs_d[None, :], mask=kv_mask, other=0.0)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, pos_mask[None, :],
+                                                 sm_scale_log2e, True)
+
+        # 2a. new tokens wholly before this query block: no mask (block_start < ext_len)
+        ke_base = K_Extend + kv_head * stride_keh + offs_d[None, :]
+        ve_base = V_Extend + kv_head * stride_veh + offs_d[None, :]
+        for n_start in range(0, block_start, BLOCK_N):
+            rows = start_loc + n_start + offs_n[:, None]
+            k = tl.load(ke_base + rows * stride_ket, mask=d_mask[None, :], other=0.0)
+            v = tl.load(ve_base + rows * stride_vet, mask=d_mask[None, :], other=0.0)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, m_mask[:, None],
+                                                 sm_scale_log2e, False)
+
+        # 2b. diagonal blocks, causal
+        block_end = tl.minimum(block_start + BLOCK_M, ext_len)
+        for n_start in range(block_start, block_end, BLOCK_N):
+            pos = n_start + offs_n
+            pos_mask = pos < ext_len
+            rows = start_loc + pos[:, None]
+            kv_mask = pos_mask[:, None] & d_mask[None, :]
+            k = tl.load(ke_base + rows * stride_ket, mask=kv_mask, other=0.0)
+            v = tl.load(ve_base + rows * stride_vet, mask=kv_mask, other=0.0)
+            causal = (offs_m[:, None] >= pos[None, :]) & pos_mask[None, :]
+            m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, causal,
+                                                 sm_scale_log2e, True)
+
+        out = acc / l_i[:, None]
+        tl.store(O + (start_loc + offs_m[:, None]) * stride_ot + head * stride_oh
+                 + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=m_mask[:, None] & d_mask[None, :])
+
+
+def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torch.Tensor,
+                         out: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                         req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                         extend_start_loc: torch.Tensor, extend_seq_lens: torch.Tensor,
+                         extend_prefix_lens: torch.Tensor, max_extend_len: int,
+                         sm_scale: float, config: ExtendKernelConfig | None = None) -> None:
+    """Write extend attention into out ([T, H, D]).
+
+    q: [T, H, D]; k/v_extend: [T, Hkv, D], this pass's new tokens packed request after request
+    (request i's start at extend_start_loc[i]); k/v_buffer: [slots, Hkv, D] (one pool layer)
+    holding each request's prefix. max_extend_len is a host int (>= every extend_seq_len) that
+    sizes the grid, so no host sync is needed.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_extend.shape[1]
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    for t in (q, k_extend, v_extend, out, k_buffer, v_buffer):
+        assert t.stride(2) == 1, "the head_dim axis must be contiguous"
+    config = config or default_extend_config(head_dim)
+    assert config.block_m % config.block_n == 0, "block_m must be a multiple of block_n"
+    batch_size = extend_seq_lens.shape[0]
+    if num_tokens == 0 or batch_size == 0:
+        return
+    grid = (num_heads, triton.cdiv(max_extend_len, config.block_m), batch_size)
+    _extend_kernel[grid](
+        q, k_extend, v_extend, out, k_buffer, v_buffer, req_to_token, req_pool_indices,
+        extend_start_loc, extend_seq_lens, extend_prefix_lens, sm_scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_extend.stride(0), k_extend.stride(1), v_extend.stride(0), v_extend.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token.stride(0),
+        GROUP_SIZE=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )

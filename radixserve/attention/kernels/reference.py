@@ -1,0 +1,70 @@
+"""Plain-PyTorch references for the Triton attention kernels (no Triton needed).
+
+They read the KV pool exactly as the kernels do: through `req_to_token[req_pool_indices[i], pos]`
+for cached positions. They loop over requests and compute in float32, so they are slow and
+meant for tests and for checking a kernel on a new shape, not for serving.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _gather_kv(buffer: torch.Tensor, req_to_token: torch.Tensor, req_slot: int,
+               length: int) -> torch.Tensor:
+    """[length, kv_heads, head_dim] of one request's cached positions 0..length-1, in float32."""
+    slots = req_to_token[req_slot, :length].long()
+    return buffer[slots].float()
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+            mask: torch.Tensor | None) -> torch.Tensor:
+    """q: [Tq, H, D], k/v: [Tk, Hkv, D] (float32), mask: [Tq, Tk] True = attend. -> [Tq, H, D]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * sm_scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def decode_attention_reference(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                               seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """q: [bs, H, D]; every request attends to its positions 0..seq_len-1. -> [bs, H, D]."""
+    out = torch.empty_like(q)
+    for i in range(q.shape[0]):
+        req_slot, seq_len = int(req_pool_indices[i]), int(seq_lens[i])
+        k = _gather_kv(k_buffer, req_to_token, req_slot, seq_len)
+        v = _gather_kv(v_buffer, req_to_token, req_slot, seq_len)
+        out[i] = _attend(q[i:i + 1].float(), k, v, sm_scale, None)[0].to(q.dtype)
+    return out
+
+
+def extend_attention_reference(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torch.Tensor,
+                               k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                               extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor,
+                               sm_scale: float) -> torch.Tensor:
+    """q: [T, H, D], k/v_extend: [T, Hkv, D], tokens packed request after request.
+
+    Request i's new tokens attend to its cached prefix (positions 0..prefix_len-1, read from the
+    pool) and causally to its own new tokens (read from k/v_extend). -> [T, H, D].
+    """
+    out = torch.empty_like(q)
+    start = 0
+    for i in range(len(extend_seq_lens)):
+        req_slot = int(req_pool_indices[i])
+        prefix_len, ext_len = int(extend_prefix_lens[i]), int(extend_seq_lens[i])
+        end = start + ext_len
+        k = torch.cat((_gather_kv(k_buffer, req_to_token, req_slot, prefix_len),
+                       k_extend[start:end].float()))
+        v = torch.cat((_gather_kv(v_buffer, req_to_token, req_slot, prefix_len),
+                       v_extend[start:end].float()))
+        query_pos = torch.arange(prefix_len, prefix_len + ext_len)[:, None]
+        key_pos = torch.arange(prefix_len + ext_len)[None, :]
+        mask = (key_pos <= query_pos).to(q.device)
+        out[start:end] = _attend(q[start:end].float(), k, v, sm_scale, mask).to(q.dtype)
+        start = end
+    return out

@@ -1,0 +1,211 @@
+"""The GPU attention backend: Triton split-KV decode and prefix-aware extend kernels.
+
+Invariants:
+- No host sync anywhere: Python ints come from the ForwardBatch's CPU lists, never `.item()`.
+- Decode splits: the host picks an upper bound of KV splits from the batch size alone
+  (`num_kv_splits_for`), so an eager pass and a CUDA-graph replay of the same batch size run the
+  same kernels on the same plan and give identical results. The kernel shortens the plan per
+  request from its seq_len on the device.
+- CUDA graphs: `init_cuda_graph_state` allocates a workspace used only by graphs (never
+  reallocated, so captured pointers stay valid). Capture records the runner's fixed
+  req_pool_indices / seq_lens buffers; replay copies into them only if it is handed other tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import triton
+
+from radixserve.attention.base import AttentionBackend
+from radixserve.attention.kernels.decode_attention import (DecodeKernelConfig,
+                                                           decode_attention_fwd)
+from radixserve.attention.kernels.extend_attention import (ExtendKernelConfig,
+                                                           extend_attention_fwd)
+
+if TYPE_CHECKING:
+    from radixserve.executor.forward_batch import ForwardBatch
+    from radixserve.layers.radix_attention import RadixAttention
+
+
+@dataclass
+class DecodeMetadata:
+    req_pool_indices: torch.Tensor  # [bs]
+    seq_lens: torch.Tensor  # [bs]
+    num_kv_splits: int
+    mid_out: torch.Tensor  # [bs, H, num_kv_splits, D] float32 workspace
+    mid_lse: torch.Tensor  # [bs, H, num_kv_splits] float32 workspace
+
+
+@dataclass
+class ExtendMetadata:
+    req_pool_indices: torch.Tensor
+    extend_start_loc: torch.Tensor
+    extend_seq_lens: torch.Tensor
+    extend_prefix_lens: torch.Tensor
+    max_extend_len: int
+
+
+class DecodeWorkspace:
+    """One flat float32 buffer viewed as (mid_out, mid_lse) for any (bs, splits) that fits."""
+
+    def __init__(self, num_elements: int, num_heads: int, head_dim: int,
+                 device: torch.device) -> None:
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.buffer = torch.empty(num_elements, dtype=torch.float32, device=device)
+
+    @staticmethod
+    def elements_for(bs: int, num_splits: int, num_heads: int, head_dim: int) -> int:
+        return bs * num_heads * num_splits * (head_dim + 1)
+
+    def fits(self, bs: int, num_splits: int) -> bool:
+        need = self.elements_for(bs, num_splits, self.num_heads, self.head_dim)
+        return need <= self.buffer.numel()
+
+    def views(self, bs: int, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        out_elems = bs * self.num_heads * num_splits * self.head_dim
+        lse_elems = bs * self.num_heads * num_splits
+        mid_out = self.buffer[:out_elems].view(bs, self.num_heads, num_splits, self.head_dim)
+        mid_lse = self.buffer[out_elems:out_elems + lse_elems].view(bs, self.num_heads,
+                                                                    num_splits)
+        return mid_out, mid_lse
+
+
+class TritonAttnBackend(AttentionBackend):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 device: str | torch.device, max_bs: int, max_context_len: int,
+                 num_kv_splits: int = 16, num_sms: int | None = None,
+                 decode_config: DecodeKernelConfig | None = None,
+                 extend_config: ExtendKernelConfig | None = None) -> None:
+        """num_heads / num_kv_heads are per TP rank. num_kv_splits is the most KV splits one
+        decode request is cut into (it sizes the workspaces)."""
+        assert num_heads % num_kv_heads == 0
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.device = torch.device(device)
+        self.max_bs, self.max_context_len = max_bs, max_context_len
+        self.max_kv_splits = num_kv_splits
+        if num_sms is None:
+            num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                       if self.device.type == "cuda" else 132)
+        self.num_sms = num_sms
+        self.decode_config = decode_config or DecodeKernelConfig()
+        self.extend_config = extend_config  # None: chosen from head_dim by the kernel module
+        self.workspace = self._new_workspace(max_bs)
+        self.graph_workspace: DecodeWorkspace | None = None
+        self.graph_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.decode_metadata: DecodeMetadata | None = None
+        self.extend_metadata: ExtendMetadata | None = None
+
+    @classmethod
+    def from_model_runner(cls, runner: Any, **kwargs: Any) -> "TritonAttnBackend":
+        cfg, tp_size = runner.model_config, runner.server_args.tp_size
+        return cls(num_heads=cfg.num_attention_heads // tp_size,
+                   num_kv_heads=max(1, cfg.num_key_value_heads // tp_size),
+                   head_dim=cfg.head_dim, device=runner.device,
+                   max_bs=runner.max_num_reqs,
+                   max_context_len=runner.req_to_token_pool.max_context_len, **kwargs)
+
+    # ---- planning ----
+    def num_kv_splits_for(self, bs: int) -> int:
+        """Enough (bs x KV head x split) programs to fill the GPU about twice, a power of two."""
+        want = triton.cdiv(2 * self.num_sms, bs * self.num_kv_heads)
+        return max(1, min(self.max_kv_splits, triton.next_power_of_2(want)))
+
+    def _new_workspace(self, max_bs: int) -> DecodeWorkspace:
+        elements = max(DecodeWorkspace.elements_for(bs, self.num_kv_splits_for(bs),
+                                                    self.num_heads, self.head_dim)
+                       for bs in range(1, max(1, max_bs) + 1))
+        return DecodeWorkspace(elements, self.num_heads, self.head_dim, self.device)
+
+    def _decode_metadata(self, workspace: DecodeWorkspace, bs: int,
+                         req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
+                         ) -> DecodeMetadata:
+        num_splits = self.num_kv_splits_for(bs)
+        mid_out, mid_lse = workspace.views(bs, num_splits)
+        return DecodeMetadata(req_pool_indices, seq_lens, num_splits, mid_out, mid_lse)
+
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        bs = forward_batch.batch_size
+        if forward_batch.forward_mode.is_decode():
+            if not self.workspace.fits(bs, self.num_kv_splits_for(bs)):
+                self.workspace = self._new_workspace(bs)  # eager only: graphs have their own
+            self.decode_metadata = self._decode_metadata(
+                self.workspace, bs, forward_batch.req_pool_indices, forward_batch.seq_lens)
+            return
+        assert forward_batch.extend_seq_lens is not None
+        assert forward_batch.extend_seq_lens_cpu is not None
+        assert forward_batch.extend_start_loc is not None
+        assert forward_batch.extend_prefix_lens is not None
+        self.extend_metadata = ExtendMetadata(
+            forward_batch.req_pool_indices, forward_batch.extend_start_loc,
+            forward_batch.extend_seq_lens, forward_batch.extend_prefix_lens,
+            max(forward_batch.extend_seq_lens_cpu, default=0))
+
+    # ---- forward ----
+    def _store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
+                  forward_batch: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor]:
+        k = k.view(-1, layer.tp_k_head_num, layer.head_dim)
+        v = v.view(-1, layer.tp_v_head_num, layer.head_dim)
+        forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc,
+                                                     k, v)
+        return k, v
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
+        meta = self.extend_metadata
+        assert meta is not None, "init_forward_metadata was not called"
+        k, v = self._store_kv(k, v, layer, forward_batch)
+        num_heads, head_dim = layer.tp_q_head_num, layer.head_dim
+        q = q.view(-1, num_heads, head_dim)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        extend_attention_fwd(q, k, v, out, k_buffer, v_buffer,
+                             forward_batch.req_to_token_pool.req_to_token,
+                             meta.req_pool_indices, meta.extend_start_loc, meta.extend_seq_lens,
+                             meta.extend_prefix_lens, meta.max_extend_len, layer.scaling,
+                             self.extend_config)
+        return out.view(-1, num_heads * head_dim)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
+        meta = self.decode_metadata
+        assert meta is not None, "init_forward_metadata was not called"
+        self._store_kv(k, v, layer, forward_batch)
+        num_heads, head_dim = layer.tp_q_head_num, layer.head_dim
+        q = q.view(-1, num_heads, head_dim)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        decode_attention_fwd(q, k_buffer, v_buffer, out,
+                             forward_batch.req_to_token_pool.req_to_token,
+                             meta.req_pool_indices, meta.seq_lens, meta.mid_out, meta.mid_lse,
+                             layer.scaling, self.decode_config)
+        return out.view(-1, num_heads * head_dim)
+
+    # ---- CUDA graphs (decode) ----
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        ws = self._new_workspace(max_bs)
+        self.graph_workspace = ws
+        self.graph_inputs.clear()
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor) -> None:
+        """req_pool_indices / seq_lens must be the runner's fixed input buffers (>= bs long):
+        the captured kernels read them at replay."""
+        assert self.graph_workspace is not None, "call init_cuda_graph_state first"
+        req_pool_indices, seq_lens = req_pool_indices[:bs], seq_lens[:bs]
+        self.graph_inputs[bs] = (req_pool_indices, seq_lens)
+        self.decode_metadata = self._decode_metadata(self.graph_workspace, bs,
+                                                     req_pool_indices, seq_lens)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_sum: int) -> None:
+        """The graph for `bs` reads the buffers recorded at capture; padding rows of a replay
+        carry req_pool_index 0 and seq_len `get_cuda_graph_seq_len_fill_value()`."""
+        captured_indices, captured_lens = self.graph_inputs[bs]
+        for captured, given in ((captured_indices, req_pool_indices), (captured_lens, seq_lens)):
+            if captured.data_ptr() != given.data_ptr():
+                captured.copy_(given[:bs])
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1

@@ -1,0 +1,189 @@
+"""Benchmark workloads: lists of SampleRequest built from random tokens or a ShareGPT file.
+
+Invariants:
+  * `random`: every prompt has exactly `prompt_len` token ids and asks for exactly `output_len`
+    tokens; both lengths are drawn uniformly from [int(len * range_ratio), len] (at least 1).
+  * `generated-shared-prefix`: group g's prompts are `system_prompt[g] + question[g][p]`; every
+    prompt of a group shares the first `system_prompt_len` ids, groups share nothing on purpose
+    (their system prompts are drawn independently).
+  * All generators are deterministic functions of their seed.
+No download is needed except for the ShareGPT layout, which reads a local file.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+# Without a tokenizer, random token ids are drawn from this range: above the special tokens
+# most vocabularies keep at the bottom, below the smallest vocabulary we expect (32000).
+DEFAULT_TOKEN_RANGE = (1000, 30000)
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass
+class SampleRequest:
+    """One request of a workload. `prompt_ids` is set when the prompt is token ids (random,
+    shared-prefix); `prompt_text` when it is text (ShareGPT, or ids decoded for a chat API)."""
+    prompt_len: int
+    output_len: int
+    prompt_ids: list[int] | None = None
+    prompt_text: str | None = None
+    group: int = 0
+
+
+class TokenSampler:
+    """Draws random token ids, avoiding a tokenizer's special tokens when one is known."""
+
+    def __init__(self, tokenizer: Tokenizer | None = None, vocab_size: int | None = None) -> None:
+        low, high = DEFAULT_TOKEN_RANGE
+        special: set[int] = set()
+        if tokenizer is not None:
+            size = vocab_size or len(tokenizer)  # type: ignore[arg-type]
+            low, high = 0, size
+            special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        elif vocab_size is not None:
+            high = min(high, vocab_size)
+            low = min(low, high // 2)
+        ids = np.arange(low, high, dtype=np.int64)
+        if special:
+            ids = ids[~np.isin(ids, np.fromiter(special, dtype=np.int64))]
+        if ids.size == 0:
+            raise ValueError("no token ids left to sample from")
+        self.allowed_ids = ids
+
+    def sample(self, rng: np.random.Generator, length: int) -> list[int]:
+        return self.allowed_ids[rng.integers(0, self.allowed_ids.size, size=length)].tolist()
+
+
+def uniform_lengths(rng: np.random.Generator, length: int, range_ratio: float,
+                    count: int) -> list[int]:
+    """`count` ints uniform in [max(1, int(length * range_ratio)), length], both ends included."""
+    if length < 1:
+        raise ValueError(f"length must be >= 1, got {length}")
+    if not 0.0 <= range_ratio <= 1.0:
+        raise ValueError(f"range_ratio must be in [0, 1], got {range_ratio}")
+    low = max(1, int(length * range_ratio))
+    return rng.integers(low, length + 1, size=count).tolist()
+
+
+def sample_random_requests(num_prompts: int, input_len: int, output_len: int,
+                           range_ratio: float = 1.0, seed: int = 0,
+                           token_sampler: TokenSampler | None = None) -> list[SampleRequest]:
+    rng = np.random.default_rng(seed)
+    sampler = token_sampler or TokenSampler()
+    input_lens = uniform_lengths(rng, input_len, range_ratio, num_prompts)
+    output_lens = uniform_lengths(rng, output_len, range_ratio, num_prompts)
+    return [SampleRequest(prompt_len=n_in, output_len=n_out, prompt_ids=sampler.sample(rng, n_in))
+            for n_in, n_out in zip(input_lens, output_lens)]
+
+
+def sample_shared_prefix_requests(num_groups: int, prompts_per_group: int, system_prompt_len: int,
+                                  question_len: int, output_len: int, seed: int = 0,
+                                  shuffle: bool = False,
+                                  token_sampler: TokenSampler | None = None
+                                  ) -> list[SampleRequest]:
+    """G groups x P prompts; prompts are emitted group after group unless `shuffle`."""
+    rng = np.random.default_rng(seed)
+    sampler = token_sampler or TokenSampler()
+    requests: list[SampleRequest] = []
+    for group in range(num_groups):
+        system_ids = sampler.sample(rng, system_prompt_len)
+        for _ in range(prompts_per_group):
+            ids = system_ids + sampler.sample(rng, question_len)
+            requests.append(SampleRequest(prompt_len=len(ids), output_len=output_len,
+                                          prompt_ids=ids, group=group))
+    if shuffle:
+        random.Random(seed).shuffle(requests)
+    return requests
+
+
+def _first_exchange(entry: dict[str, Any]) -> tuple[str, str] | None:
+    """The first human turn and the reply to it, from ShareGPT ({from, value}) or chat
+    ({role, content}) layout; None if the conversation has no such pair."""
+    turns = entry.get("conversations") or entry.get("conversation") or entry.get("messages")
+    if not isinstance(turns, list) or len(turns) < 2:
+        return None
+
+    def speaker(turn: dict[str, Any]) -> str:
+        return str(turn.get("from", turn.get("role", ""))).lower()
+
+    def words(turn: dict[str, Any]) -> str:
+        return str(turn.get("value", turn.get("content", "")))
+
+    for first, second in zip(turns, turns[1:]):
+        if speaker(first) in ("human", "user") and speaker(second) in ("gpt", "assistant"):
+            return words(first), words(second)
+    return None
+
+
+def load_conversations(path: str) -> list[dict[str, Any]]:
+    """A JSON list, or JSONL with one conversation object per line."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        return json.loads(stripped)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def sample_sharegpt_requests(path: str, num_prompts: int, tokenizer: Tokenizer,
+                             fixed_output_len: int | None = None, seed: int = 0,
+                             min_len: int = 4, max_prompt_len: int = 1024,
+                             max_total_len: int = 2048) -> list[SampleRequest]:
+    """Prompt = first human turn (text); output length = token length of the reply to it,
+    or `fixed_output_len`. Very short or very long exchanges are skipped."""
+    entries = load_conversations(path)
+    random.Random(seed).shuffle(entries)
+    requests: list[SampleRequest] = []
+    for entry in entries:
+        if len(requests) >= num_prompts:
+            break
+        pair = _first_exchange(entry)
+        if pair is None:
+            continue
+        prompt, reply = pair
+        prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+        output_len = fixed_output_len or len(tokenizer.encode(reply, add_special_tokens=False))
+        if prompt_len < min_len or (output_len < min_len and fixed_output_len is None):
+            continue
+        if prompt_len > max_prompt_len or prompt_len + output_len > max_total_len:
+            continue
+        requests.append(SampleRequest(prompt_len=prompt_len, output_len=output_len,
+                                      prompt_text=prompt))
+    if len(requests) < num_prompts:
+        print(f"warning: {path} gave only {len(requests)} usable conversations "
+              f"of the {num_prompts} asked for")
+    return requests
+
+
+def load_tokenizer(tokenizer_path: str | None, model: str | None = None) -> Tokenizer | None:
+    """`tokenizer_path` through transformers; else the bundled model's tokenizer through
+    radixserve.loader when that is available; else None."""
+    if tokenizer_path:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(tokenizer_path)
+    try:
+        from radixserve.loader import get_tokenizer  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    try:
+        return get_tokenizer(model) if model else get_tokenizer()  # type: ignore[call-arg]
+    except Exception as exc:  # a missing model is not fatal for the random datasets
+        print(f"note: could not load the bundled tokenizer ({exc}); using raw token ids")
+        return None
+
+
+def attach_prompt_text(requests: list[SampleRequest], tokenizer: Tokenizer) -> None:
+    """Decode token-id prompts to text (for APIs that only take text, such as chat)."""
+    for req in requests:
+        if req.prompt_text is None and req.prompt_ids is not None:
+            req.prompt_text = tokenizer.decode(req.prompt_ids, skip_special_tokens=True)

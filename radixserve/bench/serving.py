@@ -1,0 +1,277 @@
+"""Online serving benchmark: an asyncio load generator for radixserve or any OpenAI-compatible
+server. `python -m radixserve.bench.serving --help` (also `radixserve bench serving`).
+
+One run: build the workload, send one warm-up request, then release requests by Poisson
+arrivals at --request-rate (inf: all at once) under an optional --max-concurrency cap, and
+report throughput and latency (metrics.py). Each run prints a table and appends one JSON line to
+--output-file; --request-rate-range runs several rates, each with its own seed (seed + index) so
+no run is served from prompts another run left in the server's prefix cache.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any, AsyncIterator
+
+import aiohttp
+import numpy as np
+from tqdm.asyncio import tqdm
+
+from radixserve.bench.backends import BACKENDS, RequestInput
+from radixserve.bench.datasets import (SampleRequest, TokenSampler, Tokenizer, attach_prompt_text,
+                                       load_tokenizer, sample_random_requests,
+                                       sample_shared_prefix_requests, sample_sharegpt_requests)
+from radixserve.bench.metrics import RequestOutput, compute_metrics, format_report
+
+DATASETS = ("random", "generated-shared-prefix", "sharegpt")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="radixserve bench serving", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", choices=sorted(BACKENDS), default="radixserve")
+    p.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:30000")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--model", default=None, help="model name for OpenAI APIs (default: the "
+                   "first of /v1/models); for radixserve, which tokenizer to load")
+    p.add_argument("--tokenizer", default=None, help="tokenizer path or HF id (ShareGPT lengths, "
+                   "chat prompts, random ids that avoid special tokens)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--dataset-name", choices=DATASETS, default="random")
+    p.add_argument("--dataset-path", default=None, help="ShareGPT-layout JSON or JSONL file")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=1.0)
+    p.add_argument("--gsp-num-groups", type=int, default=8)
+    p.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    p.add_argument("--gsp-system-prompt-len", type=int, default=1024)
+    p.add_argument("--gsp-question-len", type=int, default=64)
+    p.add_argument("--gsp-output-len", type=int, default=64)
+    p.add_argument("--gsp-shuffle", action="store_true", help="interleave the groups")
+    p.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="override each conversation's reply length")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s, Poisson arrivals; inf sends all at once")
+    p.add_argument("--request-rate-range", default=None,
+                   help='comma-separated rates to sweep, e.g. "1,2,4,inf"')
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--disable-stream", action="store_true")
+    p.add_argument("--disable-warmup", action="store_true")
+    p.add_argument("--flush-cache", action="store_true",
+                   help="POST /flush_cache before each run (radixserve, SGLang)")
+    p.add_argument("--extra-request-body", default=None, help="JSON merged into every body")
+    p.add_argument("--output-file", default=None, help="append one JSON line per run")
+    p.add_argument("--output-details", action="store_true",
+                   help="also store per-request lengths and latencies in the JSON line")
+    p.add_argument("--label", default=None, help="name of this series in plots")
+    p.add_argument("--disable-tqdm", action="store_true")
+    return p
+
+
+def parse_rates(args: argparse.Namespace) -> list[float]:
+    if not args.request_rate_range:
+        return [args.request_rate]
+    return [float(part) for part in args.request_rate_range.split(",") if part.strip()]
+
+
+def build_requests(args: argparse.Namespace, tokenizer: Tokenizer | None,
+                   seed: int) -> list[SampleRequest]:
+    sampler = TokenSampler(tokenizer)
+    if args.dataset_name == "random":
+        requests = sample_random_requests(args.num_prompts, args.random_input_len,
+                                          args.random_output_len, args.random_range_ratio, seed,
+                                          sampler)
+    elif args.dataset_name == "generated-shared-prefix":
+        requests = sample_shared_prefix_requests(
+            args.gsp_num_groups, args.gsp_prompts_per_group, args.gsp_system_prompt_len,
+            args.gsp_question_len, args.gsp_output_len, seed, args.gsp_shuffle, sampler)
+    else:
+        if not args.dataset_path:
+            raise SystemExit("--dataset-name sharegpt needs --dataset-path")
+        if tokenizer is None:
+            raise SystemExit("the sharegpt dataset needs a tokenizer: pass --tokenizer")
+        requests = sample_sharegpt_requests(args.dataset_path, args.num_prompts, tokenizer,
+                                            args.sharegpt_output_len, seed)
+    if args.backend == "openai-chat":
+        if tokenizer is None and any(r.prompt_text is None for r in requests):
+            raise SystemExit("openai-chat sends text: pass --tokenizer to decode token ids")
+        if tokenizer is not None:
+            attach_prompt_text(requests, tokenizer)
+    return requests
+
+
+async def poisson_arrivals(requests: list[SampleRequest], rate: float,
+                           rng: np.random.Generator) -> AsyncIterator[SampleRequest]:
+    """Yield requests with exponential gaps of mean 1/rate (no gaps when rate is inf)."""
+    for i, req in enumerate(requests):
+        yield req
+        if math.isinf(rate) or i == len(requests) - 1:
+            continue
+        await asyncio.sleep(rng.exponential(1.0 / rate))
+
+
+class Client:
+    """Turns SampleRequests into RequestInputs for the chosen backend and sends them."""
+
+    def __init__(self, args: argparse.Namespace, base_url: str, model: str | None) -> None:
+        path, self.send = BACKENDS[args.backend]
+        self.api_url = base_url + path
+        self.model = model
+        self.stream = not args.disable_stream
+        self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        self.extra_body = json.loads(args.extra_request_body) if args.extra_request_body else {}
+
+    def make_input(self, req: SampleRequest) -> RequestInput:
+        return RequestInput(api_url=self.api_url, prompt_len=req.prompt_len,
+                            output_len=req.output_len, prompt_ids=req.prompt_ids,
+                            prompt_text=req.prompt_text, model=self.model, stream=self.stream,
+                            headers=self.headers, extra_body=self.extra_body)
+
+
+async def fetch_model_name(session: aiohttp.ClientSession, base_url: str) -> str | None:
+    try:
+        async with session.get(base_url + "/v1/models") as response:
+            data = await response.json()
+        return data["data"][0]["id"]
+    except Exception:
+        return None
+
+
+async def fetch_server_cache_hit_rate(session: aiohttp.ClientSession,
+                                      base_url: str) -> float | None:
+    """The first Prometheus sample whose metric name mentions cache_hit_rate, if any."""
+    try:
+        async with session.get(base_url + "/metrics") as response:
+            if response.status != 200:
+                return None
+            text = await response.text()
+    except Exception:
+        return None
+    for line in text.splitlines():
+        if line.startswith("#") or "cache_hit_rate" not in line.split(" ")[0]:
+            continue
+        try:
+            return float(line.rsplit(" ", 1)[1])
+        except ValueError:
+            continue
+    return None
+
+
+def make_warmup(req: SampleRequest, tokenizer: Tokenizer | None, seed: int) -> SampleRequest:
+    """A prompt as long as the first one but different, so the warm-up caches nothing useful."""
+    warm = SampleRequest(prompt_len=req.prompt_len, output_len=min(req.output_len, 16),
+                         prompt_text=req.prompt_text)
+    if req.prompt_ids is not None:
+        warm.prompt_ids = TokenSampler(tokenizer).sample(np.random.default_rng(seed + 7919),
+                                                         req.prompt_len)
+        if req.prompt_text is not None and tokenizer is not None:
+            warm.prompt_text = tokenizer.decode(warm.prompt_ids, skip_special_tokens=True)
+    return warm
+
+
+async def run_benchmark(args: argparse.Namespace, requests: list[SampleRequest], rate: float,
+                        seed: int, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
+    """One run at one request rate; returns the JSON record (also printed as a table)."""
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    timeout = aiohttp.ClientTimeout(total=6 * 60 * 60)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector,
+                                     read_bufsize=1 << 20) as session:
+        model = args.model
+        if args.backend != "radixserve" and model is None:
+            model = await fetch_model_name(session, base_url)
+        client = Client(args, base_url, model)
+        if args.flush_cache:
+            async with session.post(base_url + "/flush_cache") as response:
+                if response.status != 200:
+                    print(f"warning: /flush_cache answered HTTP {response.status}")
+        if not args.disable_warmup:
+            warm = await client.send(session, client.make_input(
+                make_warmup(requests[0], tokenizer, seed)))
+            if not warm.success:
+                raise RuntimeError(f"warm-up request failed: {warm.error}")
+
+        semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        pbar = tqdm(total=len(requests), disable=args.disable_tqdm)
+
+        async def send_one(req: SampleRequest) -> RequestOutput:
+            if semaphore is None:
+                out = await client.send(session, client.make_input(req))
+            else:
+                async with semaphore:
+                    out = await client.send(session, client.make_input(req))
+            pbar.update(1)
+            return out
+
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(send_one(req))
+                 async for req in poisson_arrivals(requests, rate, np.random.default_rng(seed))]
+        outputs: list[RequestOutput] = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        pbar.close()
+        server_hit_rate = await fetch_server_cache_hit_rate(session, base_url)
+
+    metrics = compute_metrics(outputs, duration)
+    record: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "label": args.label or f"{args.backend}@{base_url}",
+        "backend": args.backend, "base_url": base_url, "model": model,
+        "dataset_name": args.dataset_name, "num_prompts": len(requests),
+        "request_rate": None if math.isinf(rate) else rate,
+        "max_concurrency": args.max_concurrency, "seed": seed,
+        "stream": not args.disable_stream, "server_cache_hit_rate": server_hit_rate,
+    }
+    record.update(metrics.to_flat_dict())
+    if args.output_details:
+        record["details"] = {"prompt_lens": [o.prompt_len for o in outputs],
+                             "output_lens": [o.output_len for o in outputs],
+                             "ttfts": [o.ttft for o in outputs],
+                             "latencies": [o.latency for o in outputs],
+                             "errors": [o.error for o in outputs]}
+    header = {"Backend": args.backend, "Dataset": args.dataset_name,
+              "Request rate (req/s)": "inf" if math.isinf(rate) else rate,
+              "Max concurrency": args.max_concurrency or "none",
+              "Server cache hit rate": server_hit_rate}
+    print(format_report("Serving Benchmark Result", header, metrics))
+    if metrics.output_len_mismatches:
+        print(f"warning: {metrics.output_len_mismatches} requests returned a different number of "
+              "tokens than asked for (does the server honour ignore_eos?)")
+    if args.output_file:
+        with open(args.output_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+    return record
+
+
+def resolve_tokenizer(args: argparse.Namespace) -> Tokenizer | None:
+    """--tokenizer if given; for our own server, the bundled model's tokenizer; else none
+    (random datasets then draw ids from a range every common vocabulary holds)."""
+    if args.tokenizer:
+        return load_tokenizer(args.tokenizer)
+    if args.backend == "radixserve":
+        return load_tokenizer(None, args.model)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    tokenizer = resolve_tokenizer(args)
+    for index, rate in enumerate(parse_rates(args)):
+        seed = args.seed + index
+        requests = build_requests(args, tokenizer, seed)
+        if not requests:
+            raise SystemExit("the dataset produced no requests")
+        asyncio.run(run_benchmark(args, requests, rate, seed, tokenizer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Every message that crosses a process boundary. Sent with pickle over ZMQ (send_pyobj).
+
+  TokenizerManager --(TokenizedGenerateReq, AbortReq, FlushCacheReq, GetInternalStateReq)--> Scheduler
+  Scheduler --(BatchTokenIDOut, and pass-through replies)--> DetokenizerManager
+  DetokenizerManager --(BatchStrOut, and the replies unchanged)--> TokenizerManager
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.core.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenizedGenerateReq:
+    rid: str
+    input_text: str | None
+    input_ids: list[int]
+    sampling_params: SamplingParams  # verified and normalized
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class FlushCacheReply:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class GetInternalStateReq:
+    pass
+
+
+@dataclass
+class InternalState:
+    """Scheduler state for /get_server_info and /metrics."""
+    num_running_reqs: int
+    num_queued_reqs: int
+    max_total_num_tokens: int
+    available_tokens: int
+    evictable_tokens: int
+    protected_tokens: int
+    token_usage: float
+    cache_hit_rate: float
+    num_retractions: int
+    new_token_ratio: float
+    memory_check_ok: bool | None  # None while not idle
+    leaked_tokens: int
+
+
+@dataclass
+class ReqError:
+    """The scheduler refused a request (e.g. queue full). http_status picks the response code."""
+    rid: str
+    message: str
+    http_status: int = 400
+
+
+@dataclass
+class BatchTokenIDOut:
+    """New tokens since the last message, per request. Finished requests appear once more with
+    finished_reason set. meta_infos hold cumulative counts and the *new* logprob entries."""
+    rids: list[str]
+    new_output_ids: list[list[int]]
+    finished_reasons: list[dict[str, Any] | None]
+    meta_infos: list[dict[str, Any]]
+    skip_special_tokens: list[bool]
+    spaces_between_special_tokens: list[bool]
+    stop_strs: list[list[str]] = field(default_factory=list)
+
+
+@dataclass
+class BatchStrOut:
+    rids: list[str]
+    text_deltas: list[str]
+    new_output_ids: list[list[int]]
+    finished_reasons: list[dict[str, Any] | None]
+    meta_infos: list[dict[str, Any]]

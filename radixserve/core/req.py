@@ -1,0 +1,136 @@
+"""Req: one generation request as the scheduler sees it.
+
+Memory fields and who owns them:
+  req_pool_idx     the ReqToTokenPool row, allocated at admission, freed when the request is
+                   cached (finished or retracted) or aborted.
+  prefix_indices   KV slots of the prefix matched in the radix cache (owned by the cache; the
+                   request holds a lock on `last_node` so they cannot be evicted).
+  fill_ids         the tokens whose KV will exist after the current prefill (chunk).
+  kv_len           positions [0, kv_len) of the row hold written KV (set by the scheduler).
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from radixserve.core.finish_reason import FinishReason
+from radixserve.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from radixserve.mem.radix_cache import TreeNode
+
+
+class Detokenizer(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class Req:
+    def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
+                 input_text: str | None = None, return_logprob: bool = False,
+                 logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                 stream: bool = False) -> None:
+        self.rid = rid
+        self.origin_input_text = input_text
+        self.origin_input_ids = list(input_ids)
+        self.sampling_params = sampling_params
+        self.return_logprob = return_logprob
+        # -1: only output logprobs; k >= 0: also input logprobs from prompt position k on
+        self.logprob_start_len = logprob_start_len
+        self.top_logprobs_num = top_logprobs_num
+        self.stream = stream
+
+        self.output_ids: list[int] = []
+        self.finished_reason: FinishReason | None = None
+
+        # memory
+        self.req_pool_idx: int | None = None
+        self.prefix_indices: torch.Tensor = torch.empty(0, dtype=torch.int64)
+        self.last_node: "TreeNode | None" = None
+        self.fill_ids: list[int] = []
+        self.kv_len = 0  # positions of the row whose KV has been written
+        self.extend_input_len = 0
+        self.is_being_chunked = False
+
+        # statistics
+        self.cached_tokens = 0  # prompt tokens served from the radix cache (first admission)
+        self.retraction_count = 0
+        self.created_time = time.time()
+        self.first_token_time: float | None = None
+
+        # logprobs, accumulated over the request's life
+        self.input_token_logprobs: list[tuple[float, int]] = []
+        self.input_top_logprobs: list[list[tuple[float, int]]] = []
+        self.output_token_logprobs: list[tuple[float, int]] = []
+        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+
+        # how much has already been sent to the detokenizer
+        self.sent_output_len = 0
+        self.sent_logprob_len = 0
+        self.sent_input_logprobs = False
+
+    # ---- lengths ----
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    def init_next_round_input(self) -> None:
+        """Before (re)admission: everything so far must be in the KV cache after prefill."""
+        self.fill_ids = self.all_ids()
+
+    def remaining_new_tokens(self) -> int:
+        return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
+
+    # ---- finishing ----
+    def check_finished(self, eos_token_ids: set[int], context_len: int,
+                       tokenizer: Detokenizer | None) -> None:
+        """Set finished_reason after a token was appended to output_ids."""
+        if self.finished:
+            return
+        params = self.sampling_params
+        if len(self.output_ids) >= params.max_new_tokens:
+            self.finished_reason = FinishReason.max_length(params.max_new_tokens)
+            return
+        if self.seqlen >= context_len:
+            self.finished_reason = FinishReason.max_length(len(self.output_ids))
+            return
+        last = self.output_ids[-1]
+        if len(self.output_ids) >= params.min_new_tokens:
+            if (not params.ignore_eos and last in eos_token_ids) or \
+                    (params.stop_token_ids and last in params.stop_token_ids):
+                self.finished_reason = FinishReason.stop_token(last)
+                return
+            if params.stop_strs and tokenizer is not None:
+                matched = self._match_stop_str(tokenizer)
+                if matched is not None:
+                    self.finished_reason = FinishReason.stop_str(matched)
+
+    def _match_stop_str(self, tokenizer: Detokenizer) -> str | None:
+        # a stop string of L chars spans at most L tokens; decode a small tail window
+        window = self.sampling_params.stop_str_max_len + 1
+        tail = tokenizer.decode(self.output_ids[-window:],
+                                skip_special_tokens=self.sampling_params.skip_special_tokens)
+        for stop in self.sampling_params.stop_strs:
+            if stop in tail:
+                return stop
+        return None
+
+    def meta_info(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": len(self.origin_input_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finished_reason.to_json() if self.finished_reason else None,
+        }
+
+    def __repr__(self) -> str:
+        return (f"Req(rid={self.rid!r}, input_len={len(self.origin_input_ids)}, "
+                f"output_len={len(self.output_ids)}, finished={self.finished_reason})")

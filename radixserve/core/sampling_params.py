@@ -1,0 +1,109 @@
+"""Per-request sampling parameters, validated before anything is scheduled."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+_MAX_TOP_LOGPROBS = 20
+
+
+class InvalidRequestError(ValueError):
+    """Raised for bad user input; the server maps it to HTTP 400."""
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    n: int = 1
+    seed: int | None = None
+    # filled by normalize(): stop strings as a list, and the longest one in characters
+    stop_strs: list[str] = field(default_factory=list, repr=False)
+    stop_str_max_len: int = field(default=0, repr=False)
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | None) -> "SamplingParams":
+        params = dict(params or {})
+        known = {f for f in cls.__dataclass_fields__ if f not in ("stop_strs", "stop_str_max_len")}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        return cls(**params)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 1e-6 or self.top_k == 1
+
+    def verify(self) -> None:
+        """Raise InvalidRequestError with a clear message for any out-of-range value."""
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise InvalidRequestError(msg)
+
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and not isinstance(value, bool),
+                  f"{name} must be an integer, got {value!r}")
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            check(isinstance(value, (int, float)) and not isinstance(value, bool),
+                  f"{name} must be a number, got {value!r}")
+        check(self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        check(0 <= self.min_new_tokens <= self.max_new_tokens,
+              f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
+        check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        check(self.top_k == -1 or self.top_k >= 1,
+              f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        check(-2.0 <= self.frequency_penalty <= 2.0,
+              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        check(-2.0 <= self.presence_penalty <= 2.0,
+              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        check(0.0 < self.repetition_penalty <= 2.0,
+              f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        check(1 <= self.n <= 128, f"n must be in [1, 128], got {self.n}")
+        check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+              f"seed must be an integer, got {self.seed!r}")
+        if self.stop is not None:
+            stops = [self.stop] if isinstance(self.stop, str) else self.stop
+            check(isinstance(stops, list) and all(isinstance(s, str) for s in stops),
+                  f"stop must be a string or a list of strings, got {self.stop!r}")
+            check(all(len(s) > 0 for s in stops), "stop strings must not be empty")
+            check(len(stops) <= 16, f"at most 16 stop strings are allowed, got {len(stops)}")
+        if self.stop_token_ids is not None:
+            check(isinstance(self.stop_token_ids, list)
+                  and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                          for t in self.stop_token_ids),
+                  f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+
+    def normalize(self) -> None:
+        """Resolve derived fields (call after verify)."""
+        if self.stop is None:
+            self.stop_strs = []
+        else:
+            self.stop_strs = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        self.stop_str_max_len = max((len(s) for s in self.stop_strs), default=0)
+        if self.temperature <= 1e-6:
+            # greedy: make every other knob a no-op so batches can take the argmax fast path
+            self.temperature = 0.0
+            self.top_k = 1
+
+    @staticmethod
+    def check_top_logprobs_num(num: int) -> None:
+        if not (0 <= num <= _MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(
+                f"top_logprobs_num must be in [0, {_MAX_TOP_LOGPROBS}], got {num}")

@@ -1,0 +1,191 @@
+"""The offline Engine: the scheduler driven in this process, no HTTP.
+
+    engine = radixserve.Engine()            # the bundled SmolLM2-135M-Instruct
+    engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+    for chunk in engine.generate_stream("Tell me a story", {"max_new_tokens": 64}):
+        print(chunk["text"], end="")
+
+Every request goes through the same Scheduler (admission, radix cache, retraction, chunked
+prefill) that the server runs, so an Engine test is a test of the server's scheduling.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from typing import Any, Iterator
+
+from radixserve.config import ServerArgs
+from radixserve.core.io_struct import BatchTokenIDOut, TokenizedGenerateReq
+from radixserve.core.sampling_params import InvalidRequestError, SamplingParams
+from radixserve.scheduler.scheduler import Scheduler
+from radixserve.server.incremental_detokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
+
+Params = dict[str, Any] | SamplingParams | None
+
+
+def _to_params(params: Params) -> SamplingParams:
+    sp = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params)
+    sp.verify()
+    sp.normalize()
+    return sp
+
+
+class _Pending:
+    """One request's accumulated output on the engine side."""
+
+    def __init__(self, rid: str, detok: IncrementalDetokenizer | None) -> None:
+        self.rid = rid
+        self.detok = detok
+        self.text = ""
+        self.output_ids: list[int] = []
+        self.meta: dict[str, Any] = {"id": rid}
+        self.finished = False
+
+    def absorb(self, new_ids: list[int], finish: dict[str, Any] | None,
+               meta: dict[str, Any]) -> str:
+        self.output_ids += new_ids
+        for key in ("output_token_logprobs", "output_top_logprobs"):
+            if key in meta:
+                self.meta.setdefault(key, []).extend(meta.pop(key))
+        self.meta.update(meta)
+        delta = ""
+        if self.detok is not None:
+            if finish is None:
+                delta = self.detok.append(new_ids)
+            else:
+                matched = finish.get("matched") if isinstance(finish.get("matched"), str) else None
+                delta = self.detok.finish(new_ids, matched)
+        self.text += delta
+        self.finished = finish is not None
+        return delta
+
+    def result(self) -> dict[str, Any]:
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta}
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+        if model_path is not None:
+            kwargs["model_path"] = model_path
+        self.server_args = ServerArgs(**kwargs).resolve()
+        self.scheduler = Scheduler.build(self.server_args)
+        self.tokenizer = self.scheduler.tokenizer
+        self._ids = itertools.count()
+
+    # ---- inputs ----
+    def _make_reqs(self, prompt: str | list[str] | None, input_ids: Any, sampling_params: Any,
+                   return_logprob: bool, logprob_start_len: int, top_logprobs_num: int,
+                   stream: bool) -> list[TokenizedGenerateReq]:
+        if (prompt is None) == (input_ids is None):
+            raise InvalidRequestError("give exactly one of prompt and input_ids")
+        single = isinstance(prompt, str) or (input_ids is not None and input_ids
+                                             and isinstance(input_ids[0], int))
+        prompts = [prompt] if isinstance(prompt, str) else prompt
+        ids_list = [input_ids] if single and input_ids is not None else input_ids
+        n_items = len(prompts) if prompts is not None else len(ids_list)
+        if n_items == 0:
+            raise InvalidRequestError("empty batch")
+        params_list = sampling_params if isinstance(sampling_params, list) \
+            else [sampling_params] * n_items
+        if len(params_list) != n_items:
+            raise InvalidRequestError("sampling_params list must match the number of prompts")
+        SamplingParams.check_top_logprobs_num(top_logprobs_num)
+        reqs: list[TokenizedGenerateReq] = []
+        for i in range(n_items):
+            params = _to_params(params_list[i])
+            text = prompts[i] if prompts is not None else None
+            if text is not None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError("text prompts need a tokenizer; pass input_ids")
+                ids = self.tokenizer.encode(text)
+            else:
+                ids = list(ids_list[i])
+            for _ in range(params.n):
+                reqs.append(TokenizedGenerateReq(
+                    rid=f"{uuid.uuid4().hex}-{next(self._ids)}", input_text=text, input_ids=ids,
+                    sampling_params=params, return_logprob=return_logprob,
+                    logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                    stream=stream))
+        return reqs
+
+    def _submit(self, reqs: list[TokenizedGenerateReq]) -> dict[str, _Pending]:
+        pending: dict[str, _Pending] = {}
+        for req in reqs:
+            error = self.scheduler.add_request(req)
+            if error is not None:
+                for rid in pending:
+                    self.scheduler.abort_request(rid)
+                self._drain()
+                raise InvalidRequestError(error.message)
+            params = req.sampling_params
+            detok = None if self.tokenizer is None else IncrementalDetokenizer(
+                self.tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens,
+                params.stop_strs)
+            pending[req.rid] = _Pending(req.rid, detok)
+        return pending
+
+    def _drain(self) -> None:
+        while self.scheduler.has_work():
+            self.scheduler.run_turn()
+
+    def _apply(self, outs: list[BatchTokenIDOut], pending: dict[str, _Pending]
+               ) -> Iterator[tuple[str, str]]:
+        for out in outs:
+            for i, rid in enumerate(out.rids):
+                if rid in pending:
+                    delta = pending[rid].absorb(out.new_output_ids[i], out.finished_reasons[i],
+                                                out.meta_infos[i])
+                    yield rid, delta
+
+    # ---- public API ----
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: Any = None,
+                 input_ids: list[int] | list[list[int]] | None = None,
+                 return_logprob: bool = False, logprob_start_len: int = -1,
+                 top_logprobs_num: int = 0) -> dict[str, Any] | list[dict[str, Any]]:
+        """Run to completion. One prompt -> one dict (a list when n > 1); a list -> a list."""
+        reqs = self._make_reqs(prompt, input_ids, sampling_params, return_logprob,
+                               logprob_start_len, top_logprobs_num, stream=False)
+        pending = self._submit(reqs)
+        while not all(p.finished for p in pending.values()):
+            for _ in self._apply(self.scheduler.run_turn(), pending):
+                pass
+        results = [pending[r.rid].result() for r in reqs]
+        single = isinstance(prompt, str) or (input_ids is not None and input_ids
+                                             and isinstance(input_ids[0], int))
+        return results[0] if single and len(results) == 1 else results
+
+    def generate_stream(self, prompt: str | None = None, sampling_params: Any = None,
+                        input_ids: list[int] | None = None) -> Iterator[dict[str, Any]]:
+        """Yield {"text": delta, "output_ids": new ids so far, "meta_info", "finished"}."""
+        reqs = self._make_reqs(prompt, input_ids, sampling_params, False, -1, 0, stream=True)
+        if len(reqs) != 1:
+            raise InvalidRequestError("generate_stream takes one prompt with n = 1")
+        pending = self._submit(reqs)
+        state = pending[reqs[0].rid]
+        try:
+            while not state.finished:
+                for _, delta in self._apply(self.scheduler.run_turn(), pending):
+                    yield {"text": delta, "output_ids": list(state.output_ids),
+                           "meta_info": dict(state.meta), "finished": state.finished}
+        finally:
+            if not state.finished:  # the caller stopped iterating: free its memory
+                self.scheduler.abort_request(state.rid)
+                self._drain()
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.abort_request(rid)
+
+    def get_internal_state(self) -> dict[str, Any]:
+        return vars(self.scheduler.get_internal_state())
+
+    def shutdown(self) -> None:
+        self._drain()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,140 @@
+"""ForwardBatch: everything one forward pass needs, as device tensors.
+
+The scheduler hands the ModelRunner a ModelWorkerBatch (plain CPU data); the runner turns it into
+a ForwardBatch on the model's device. Attention backends read the fields below and keep their
+own metadata object (no backend-specific field lives here).
+
+Index conventions (bs = batch size, T = number of tokens in this pass):
+  input_ids, positions, out_cache_loc: [T]. out_cache_loc are the KV slots this pass writes.
+  seq_lens: [bs], the length of each sequence *including* this pass's tokens.
+  EXTEND: extend_seq_lens[i] new tokens of request i sit on top of extend_prefix_lens[i] cached
+    ones; tokens are packed request after request, extend_start_loc[i] = sum(extend_seq_lens[:i]).
+  DECODE: one token per request, T == bs.
+  MIXED: an extend batch whose last `decode_bs` requests have extend_seq_len 1 (chunk + decodes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.attention.base import AttentionBackend
+    from radixserve.executor.sampling_info import SamplingBatchInfo
+    from radixserve.mem.pools import ReqToTokenPool, TokenToKVPool
+
+
+class ForwardMode(Enum):
+    EXTEND = auto()
+    DECODE = auto()
+    MIXED = auto()
+    IDLE = auto()
+
+    def is_extend(self) -> bool:
+        """MIXED runs through the extend path of attention."""
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+
+@dataclass
+class ModelWorkerBatch:
+    """What the scheduler sends to the ModelRunner. CPU data only."""
+    forward_mode: ForwardMode
+    input_ids: list[int]
+    req_pool_indices: list[int]
+    seq_lens: list[int]
+    out_cache_loc: torch.Tensor  # int64 CPU
+    extend_seq_lens: list[int] = field(default_factory=list)
+    extend_prefix_lens: list[int] = field(default_factory=list)
+    # requests whose logits are needed (False: an intermediate prefill chunk)
+    sampling_info: "SamplingBatchInfo | None" = None
+    return_logprob: bool = False
+    top_logprobs_nums: list[int] = field(default_factory=list)
+    # for each request, the position inside its extend tokens from which input logprobs are wanted
+    # (-1: none); only meaningful when return_logprob
+    extend_logprob_start_lens: list[int] = field(default_factory=list)
+    # for each request, the prompt tokens that follow each of its extend positions (targets of
+    # the input logprobs; shorter than extend_seq_len at the end of the prompt)
+    extend_next_token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.req_pool_indices)
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    seq_lens_sum: int
+    seq_lens_cpu: list[int]
+    req_to_token_pool: "ReqToTokenPool"
+    token_to_kv_pool: "TokenToKVPool"
+    attn_backend: "AttentionBackend"
+    extend_seq_lens: torch.Tensor | None = None
+    extend_prefix_lens: torch.Tensor | None = None
+    extend_start_loc: torch.Tensor | None = None
+    extend_seq_lens_cpu: list[int] | None = None
+    extend_prefix_lens_cpu: list[int] | None = None
+    sampling_info: "SamplingBatchInfo | None" = None
+    return_logprob: bool = False
+    top_logprobs_nums: list[int] | None = None
+    extend_logprob_start_lens: list[int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def from_worker_batch(cls, batch: ModelWorkerBatch, device: torch.device,
+                          req_to_token_pool: "ReqToTokenPool", token_to_kv_pool: "TokenToKVPool",
+                          attn_backend: "AttentionBackend") -> "ForwardBatch":
+        def to_dev(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+        seq_lens = batch.seq_lens
+        if batch.forward_mode.is_decode():
+            positions_cpu = [s - 1 for s in seq_lens]
+            ext = dict()
+        else:
+            positions_cpu = []
+            for prefix_len, ext_len in zip(batch.extend_prefix_lens, batch.extend_seq_lens):
+                positions_cpu.extend(range(prefix_len, prefix_len + ext_len))
+            starts = [0]
+            for ext_len in batch.extend_seq_lens[:-1]:
+                starts.append(starts[-1] + ext_len)
+            ext = dict(
+                extend_seq_lens=to_dev(batch.extend_seq_lens),
+                extend_prefix_lens=to_dev(batch.extend_prefix_lens),
+                extend_start_loc=to_dev(starts),
+                extend_seq_lens_cpu=list(batch.extend_seq_lens),
+                extend_prefix_lens_cpu=list(batch.extend_prefix_lens),
+            )
+        return cls(
+            forward_mode=batch.forward_mode,
+            batch_size=batch.batch_size,
+            input_ids=to_dev(batch.input_ids),
+            positions=to_dev(positions_cpu),
+            req_pool_indices=to_dev(batch.req_pool_indices),
+            seq_lens=to_dev(seq_lens),
+            out_cache_loc=batch.out_cache_loc.to(device, non_blocking=True),
+            seq_lens_sum=sum(seq_lens),
+            seq_lens_cpu=list(seq_lens),
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool=token_to_kv_pool,
+            attn_backend=attn_backend,
+            sampling_info=batch.sampling_info,
+            return_logprob=batch.return_logprob,
+            top_logprobs_nums=batch.top_logprobs_nums,
+            extend_logprob_start_lens=batch.extend_logprob_start_lens,
+            **ext,
+        )

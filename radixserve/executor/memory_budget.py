@@ -1,0 +1,46 @@
+"""How many KV tokens and request slots the pools get."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from radixserve.config import ModelConfig, ServerArgs
+from radixserve.mem.pools import TokenToKVPool
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    return TokenToKVPool.bytes_per_token(dtype, config.num_key_value_heads, config.head_dim,
+                                         config.num_hidden_layers)
+
+
+def max_kv_tokens(args: ServerArgs, config: ModelConfig, dtype: torch.dtype,
+                  device: torch.device) -> int:
+    """--max-total-tokens if given; else --mem-fraction-static of the GPU minus what is already
+    taken (weights, graphs to come are inside the fraction's slack); on CPU a byte budget."""
+    per_token = kv_bytes_per_token(config, dtype)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        assert args.mem_fraction_static is not None
+        budget = free - total * (1.0 - args.mem_fraction_static)
+        if budget <= 0:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
+                f"{total / 2**30:.1f} GiB; raise --mem-fraction-static")
+        tokens = int(budget // per_token)
+    else:
+        tokens = int(args.cpu_kv_cache_bytes // per_token)
+    if args.max_total_tokens is not None:
+        tokens = min(tokens, args.max_total_tokens) if device.type == "cuda" \
+            else args.max_total_tokens
+    if tokens < 16:
+        raise RuntimeError(f"KV cache too small: {tokens} tokens")
+    return tokens
+
+
+def max_request_slots(args: ServerArgs, max_total_tokens: int) -> int:
+    if args.max_running_requests is not None:
+        return args.max_running_requests
+    return max(64, min(4096, max_total_tokens // 32))

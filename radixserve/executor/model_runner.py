@@ -1,0 +1,157 @@
+"""ModelRunner: owns the model, the KV pools, the attention backend and the sampler.
+
+It knows nothing of queues: it takes a ModelWorkerBatch, runs one forward pass (eagerly, or by
+replaying a CUDA graph for decode), samples, and returns token ids (+ logprobs when asked).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple
+
+import torch
+
+from radixserve.attention.base import AttentionBackend
+from radixserve.config import ModelConfig, ServerArgs, resolve_dtype
+from radixserve.executor.forward_batch import ForwardBatch, ModelWorkerBatch
+from radixserve.executor.memory_budget import max_kv_tokens, max_request_slots
+from radixserve.layers.logits import LogitsOutput
+from radixserve.executor.sampler import Sampler, compute_logprobs, compute_input_logprobs
+from radixserve.loader import init_dummy_weights, load_model_source
+from radixserve.loader.model_source import ModelSource
+from radixserve.mem.pools import ReqToTokenPool, TokenToKVPool
+from radixserve.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+
+class ForwardOutput(NamedTuple):
+    next_token_ids: list[int]
+    # per request, when the batch asked for logprobs
+    next_token_logprobs: list[float] | None = None
+    next_top_logprobs: list[list[tuple[float, int]]] | None = None
+    # per request: (logprob, token) for each prompt position from its logprob start, and top-k
+    input_token_logprobs: list[list[tuple[float, int]]] | None = None
+    input_top_logprobs: list[list[list[tuple[float, int]]]] | None = None
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs, source: ModelSource | None = None) -> None:
+        self.server_args = server_args.resolve()
+        self.device = torch.device(server_args.device)
+        t0 = time.perf_counter()
+        self.source = source or load_model_source(server_args.model_path,
+                                                  server_args.load_format)
+        self.model_config: ModelConfig = self.source.model_config
+        self.model_config.resolve_context_length(server_args.context_length)
+        self.dtype = resolve_dtype(server_args.dtype, self.model_config.torch_dtype,
+                                   self.device.type)
+        self.model = self._load_model()
+        logger.info("loaded %s (%s, %s) in %.1f s", self.model_config.architecture,
+                    self.dtype, self.device, time.perf_counter() - t0)
+        self._init_memory_pools()
+        self.attn_backend = self._make_attn_backend()
+        self.sampler = Sampler()
+        self.cuda_graph_runner = None
+        if self.device.type == "cuda" and not server_args.disable_cuda_graph:
+            from radixserve.executor.cuda_graph_runner import CudaGraphRunner
+            self.cuda_graph_runner = CudaGraphRunner(self)
+
+    # ---- setup ----
+    def _load_model(self) -> torch.nn.Module:
+        torch.manual_seed(self.server_args.random_seed)
+        model_cls = get_model_class(self.model_config.architecture)
+        with torch.device(self.device):
+            model = model_cls(self.model_config)
+        if self.source.weights is None:
+            init_dummy_weights(model, self.server_args.random_seed)
+        else:
+            model.load_weights(self.source.weights())
+        model.to(self.dtype)
+        # rope caches stay fp32: they are cast at use, as transformers does
+        for name, buf in model.named_buffers():
+            if "cos_cache" in name or "sin_cache" in name:
+                buf.data = buf.data.float()
+        model.eval().requires_grad_(False)
+        return model
+
+    def _init_memory_pools(self) -> None:
+        cfg = self.model_config
+        self.max_total_num_tokens = max_kv_tokens(self.server_args, cfg, self.dtype, self.device)
+        self.max_num_reqs = max_request_slots(self.server_args, self.max_total_num_tokens)
+        self.req_to_token_pool = ReqToTokenPool(self.max_num_reqs, cfg.context_length + 4,
+                                                self.device)
+        self.token_to_kv_pool = TokenToKVPool(self.max_total_num_tokens, self.dtype,
+                                              cfg.num_key_value_heads, cfg.head_dim,
+                                              cfg.num_hidden_layers, self.device)
+        logger.info("KV cache: %d tokens (%.2f GiB), %d request slots, context %d",
+                    self.max_total_num_tokens,
+                    self.max_total_num_tokens * 2 * cfg.num_hidden_layers
+                    * cfg.num_key_value_heads * cfg.head_dim
+                    * torch.tensor([], dtype=self.dtype).element_size() / 2**30,
+                    self.max_num_reqs, cfg.context_length)
+
+    def _make_attn_backend(self) -> AttentionBackend:
+        name = self.server_args.attention_backend
+        if name == "torch_native":
+            from radixserve.attention.torch_native import TorchNativeAttnBackend
+            return TorchNativeAttnBackend()
+        if name == "triton":
+            from radixserve.attention.triton_backend import TritonAttnBackend
+            return TritonAttnBackend.from_model_runner(self)
+        raise ValueError(f"unknown --attention-backend {name!r}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    # ---- forward ----
+    @torch.inference_mode()
+    def forward(self, batch: ModelWorkerBatch) -> ForwardOutput:
+        logits, extend_logits = self.forward_logits(batch)
+        return self._sample(batch, logits, extend_logits)
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: ModelWorkerBatch) -> LogitsOutput:
+        """Run the model: last-position logits per request (+ all extend logits if asked)."""
+        if (self.cuda_graph_runner is not None and batch.forward_mode.is_decode()
+                and self.cuda_graph_runner.can_run(batch)):
+            return LogitsOutput(self.cuda_graph_runner.replay(batch), None)
+        fb = ForwardBatch.from_worker_batch(batch, self.device, self.req_to_token_pool,
+                                            self.token_to_kv_pool, self.attn_backend)
+        self.attn_backend.init_forward_metadata(fb)
+        return self.model(fb.input_ids, fb.positions, fb)
+
+    def _sample(self, batch: ModelWorkerBatch, logits: torch.Tensor,
+                extend_logits: torch.Tensor | None) -> ForwardOutput:
+        assert batch.sampling_info is not None
+        next_ids = self.sampler.forward(logits, batch.sampling_info)
+        if not batch.return_logprob:
+            return ForwardOutput(next_ids.tolist())
+        chosen, top = compute_logprobs(logits, next_ids, batch.top_logprobs_nums)
+        input_lp = input_top = None
+        if extend_logits is not None:
+            input_lp, input_top = self._input_logprobs(batch, extend_logits)
+        return ForwardOutput(next_ids.tolist(), chosen.tolist(), top, input_lp, input_top)
+
+    def _input_logprobs(self, batch: ModelWorkerBatch, extend_logits: torch.Tensor
+                        ) -> tuple[list[list[tuple[float, int]]], list[list[list[tuple[float, int]]]]]:
+        """Logprob of each prompt token given the tokens before it, per request."""
+        token_lps: list[list[tuple[float, int]]] = []
+        top_lps: list[list[list[tuple[float, int]]]] = []
+        offset = 0
+        for i, ext_len in enumerate(batch.extend_seq_lens):
+            start = batch.extend_logprob_start_lens[i]
+            targets = batch.extend_next_token_ids[i][max(start, 0):] if start >= 0 else []
+            if not targets:
+                token_lps.append([])
+                top_lps.append([])
+            else:
+                # the logits at extend position p predict the prompt token after p
+                rows = extend_logits[offset + start:offset + start + len(targets)]
+                lp, top = compute_input_logprobs(
+                    rows, torch.tensor(targets, device=rows.device), batch.top_logprobs_nums[i])
+                token_lps.append(list(zip(lp.tolist(), targets)))
+                top_lps.append(top)
+            offset += ext_len
+        return token_lps, top_lps

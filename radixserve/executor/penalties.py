@@ -1,0 +1,151 @@
+"""Logit penalties of a batch: frequency/presence, repetition, and the min_new_tokens stop mask.
+
+All penalties act on the raw logits, before temperature, in this order (vLLM's order):
+  1. repetition (HF/vLLM semantics), over every token seen so far (prompt + output):
+       logit > 0 -> logit / penalty, else logit * penalty
+  2. frequency / presence (OpenAI semantics), over the *output* tokens only:
+       logit -= frequency * count + presence * (count > 0)
+  3. min_new_tokens: while a request has fewer than min_new_tokens output tokens, every token
+     that would stop it (EOS unless ignore_eos, and its stop_token_ids) gets -inf.
+
+Invariants: every tensor has one row per request of the batch; a request that does not use a
+penalty holds its neutral value (repetition 1, frequency/presence 0, min_new_tokens 0), so rows
+need no per-row branching. A group of tensors is None when no request of the batch uses it, and
+`BatchPenalties.build` returns None when no request uses any penalty.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.core.req import Req
+
+
+def _token_mask_indices(token_lists: Sequence[Sequence[int]], rows: Sequence[int],
+                        vocab_size: int) -> torch.Tensor:
+    """Flat indices `row * vocab_size + token` (CPU int64) for the tokens of the given rows.
+    numpy's fromiter converts Python ints several times faster than torch.tensor(list)."""
+    lens = np.fromiter((len(tokens) for tokens in token_lists), dtype=np.int64,
+                       count=len(token_lists))
+    tokens = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64,
+                         count=int(lens.sum()))
+    row_ids = np.repeat(np.asarray(rows, dtype=np.int64), lens)
+    return torch.from_numpy(row_ids * vocab_size + tokens)
+
+
+def _stop_token_ids(req: "Req", eos_token_ids: Iterable[int], vocab_size: int) -> list[int]:
+    params = req.sampling_params
+    stops = set(params.stop_token_ids or ())
+    if not params.ignore_eos:
+        stops.update(eos_token_ids)
+    return sorted(t for t in stops if 0 <= t < vocab_size)
+
+
+@dataclass
+class BatchPenalties:
+    """Penalty state of one batch, as device tensors ([bs, 1] coefficients, [bs, vocab] tables)."""
+    vocab_size: int
+    # frequency / presence
+    frequency_penalties: torch.Tensor | None = None  # [bs, 1] float32
+    presence_penalties: torch.Tensor | None = None  # [bs, 1] float32
+    output_token_counts: torch.Tensor | None = None  # [bs, vocab] float32
+    # repetition
+    repetition_penalties: torch.Tensor | None = None  # [bs, 1] float32
+    seen_token_mask: torch.Tensor | None = None  # [bs, vocab] bool, prompt + output tokens
+    # min_new_tokens
+    min_new_tokens: torch.Tensor | None = None  # [bs] int64
+    output_lens: torch.Tensor | None = None  # [bs] int64
+    stop_token_mask: torch.Tensor | None = None  # [bs, vocab] bool
+
+    @classmethod
+    def build(cls, reqs: Sequence["Req"], vocab_size: int, device: torch.device | str,
+              eos_token_ids: Iterable[int] = ()) -> "BatchPenalties | None":
+        """Penalty tensors for `reqs`, or None when no request uses any penalty (the usual case)."""
+        freq_rows: list[int] = []
+        rep_rows: list[int] = []
+        min_new_rows: list[int] = []
+        for i, req in enumerate(reqs):
+            params = req.sampling_params
+            if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
+                freq_rows.append(i)
+            if params.repetition_penalty != 1.0:
+                rep_rows.append(i)
+            if len(req.output_ids) < params.min_new_tokens:
+                min_new_rows.append(i)
+        if not (freq_rows or rep_rows or min_new_rows):
+            return None
+
+        bs = len(reqs)
+        out = cls(vocab_size=vocab_size)
+        if freq_rows:
+            coeffs = torch.tensor([[r.sampling_params.frequency_penalty,
+                                    r.sampling_params.presence_penalty] for r in reqs],
+                                  dtype=torch.float32).to(device, non_blocking=True)
+            out.frequency_penalties, out.presence_penalties = coeffs[:, 0:1], coeffs[:, 1:2]
+            flat = _token_mask_indices([reqs[i].output_ids for i in freq_rows], freq_rows,
+                                       vocab_size).to(device, non_blocking=True)
+            counts = torch.zeros(bs * vocab_size, dtype=torch.float32, device=device)
+            counts.index_add_(0, flat, torch.ones(flat.numel(), dtype=torch.float32,
+                                                  device=device))
+            out.output_token_counts = counts.view(bs, vocab_size)
+        if rep_rows:
+            out.repetition_penalties = torch.tensor(
+                [[r.sampling_params.repetition_penalty] for r in reqs],
+                dtype=torch.float32).to(device, non_blocking=True)
+            segments = [ids for i in rep_rows for ids in (reqs[i].origin_input_ids,
+                                                          reqs[i].output_ids)]
+            segment_rows = [i for i in rep_rows for _ in range(2)]
+            flat = _token_mask_indices(segments, segment_rows,
+                                       vocab_size).to(device, non_blocking=True)
+            seen = torch.zeros(bs * vocab_size, dtype=torch.bool, device=device)
+            seen[flat] = True
+            out.seen_token_mask = seen.view(bs, vocab_size)
+        if min_new_rows:
+            lens = torch.tensor([[r.sampling_params.min_new_tokens, len(r.output_ids)]
+                                 for r in reqs], dtype=torch.int64).to(device, non_blocking=True)
+            out.min_new_tokens, out.output_lens = lens[:, 0], lens[:, 1].clone()
+            flat = _token_mask_indices(
+                [_stop_token_ids(reqs[i], eos_token_ids, vocab_size) for i in min_new_rows],
+                min_new_rows, vocab_size).to(device, non_blocking=True)
+            stop_mask = torch.zeros(bs * vocab_size, dtype=torch.bool, device=device)
+            stop_mask[flat] = True
+            out.stop_token_mask = stop_mask.view(bs, vocab_size)
+        return out
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Return penalised float32 logits [bs, vocab]; `logits` itself is left unchanged."""
+        if logits.shape[-1] != self.vocab_size:
+            raise ValueError(f"logits have {logits.shape[-1]} columns, penalties were built "
+                             f"for vocab_size {self.vocab_size}")
+        logits = logits.float()
+        if self.seen_token_mask is not None:
+            penalties = self.repetition_penalties
+            penalised = torch.where(logits > 0, logits / penalties, logits * penalties)
+            logits = torch.where(self.seen_token_mask, penalised, logits)
+        if self.output_token_counts is not None:
+            counts = self.output_token_counts
+            logits = logits - self.frequency_penalties * counts \
+                - self.presence_penalties * (counts > 0).float()
+        if self.stop_token_mask is not None:
+            still_short = (self.output_lens < self.min_new_tokens).unsqueeze(1)
+            logits = logits.masked_fill(self.stop_token_mask & still_short, float("-inf"))
+        return logits
+
+    def advance(self, next_token_ids: torch.Tensor) -> None:
+        """Account for one sampled token per row (on device, no host sync), so the same batch
+        can run another decode step without rebuilding. Only valid while the batch keeps the
+        same requests in the same order."""
+        ids = next_token_ids.view(-1, 1).to(torch.int64)
+        if self.output_token_counts is not None:
+            self.output_token_counts.scatter_add_(
+                1, ids, torch.ones(ids.shape, dtype=torch.float32, device=ids.device))
+        if self.seen_token_mask is not None:
+            self.seen_token_mask.scatter_(1, ids, True)
+        if self.output_lens is not None:
+            self.output_lens += 1

@@ -1,0 +1,138 @@
+"""SamplingBatchInfo: the sampling parameters of one batch, as device tensors.
+
+Built once per forward pass from the batch's requests (`from_reqs`), read by the Sampler.
+Invariants:
+  * one row per request, in batch order; logits handed to the Sampler have the same rows.
+  * greedy rows (temperature 0 or top_k 1) are sampled by argmax of the penalised logits; their
+    rows in temperatures / top_ps / top_ks / min_ps hold neutral values (1, 1, vocab, 0) so they
+    never force the sort on a batch whose sampled rows do not need it.
+  * the need_* flags are host booleans: they decide which kernels run without a device sync.
+  * a request with a seed draws its noise from a generator seeded by (seed, len(output_ids)), so
+    its token depends only on its own logits, seed and step: not on the batch around it, and not
+    on whether it was retracted and recomputed.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixserve.executor.penalties import BatchPenalties
+
+if TYPE_CHECKING:
+    from radixserve.core.req import Req
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(value: int) -> int:
+    """A 64-bit mixing function: nearby inputs give unrelated outputs."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The generator seed of a seeded request at output position `step` (= len(output_ids))."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
+
+
+@dataclass
+class SamplingBatchInfo:
+    temperatures: torch.Tensor  # [bs, 1] float32 (1.0 on greedy rows)
+    top_ps: torch.Tensor  # [bs] float32
+    top_ks: torch.Tensor  # [bs] int64, vocab_size where disabled
+    min_ps: torch.Tensor  # [bs] float32
+    greedy_mask: torch.Tensor  # [bs] bool
+    vocab_size: int
+    device: torch.device
+    is_all_greedy: bool
+    has_greedy: bool
+    need_top_p: bool
+    need_top_k: bool
+    need_min_p: bool
+    # the largest top_k of the sampled rows; vocab_size when some sampled row has none
+    max_top_k: int
+    # seeded, non-greedy rows: row index, user seed, and len(output_ids) at this step
+    seed_rows: list[int] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)
+    seed_steps: list[int] = field(default_factory=list)
+    penalties: BatchPenalties | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.top_ps.shape[0])
+
+    @classmethod
+    def from_reqs(cls, reqs: Sequence["Req"], vocab_size: int, device: torch.device | str,
+                  eos_token_ids: Iterable[int] = ()) -> "SamplingBatchInfo":
+        """Build the batch's tensors. `reqs[i].sampling_params` must be verify()ed and
+        normalize()d. `eos_token_ids` is only used by min_new_tokens. One host-to-device copy
+        for the per-row parameters; penalty tensors only when some request uses a penalty."""
+        device = torch.device(device)
+        rows: list[tuple[float, float, float, float, float]] = []
+        seed_rows: list[int] = []
+        seeds: list[int] = []
+        seed_steps: list[int] = []
+        need_top_p = need_top_k = need_min_p = False
+        num_greedy = 0
+        max_top_k = 0
+        for i, req in enumerate(reqs):
+            params = req.sampling_params
+            if params.is_greedy:
+                num_greedy += 1
+                rows.append((1.0, 1.0, 0.0, float(vocab_size), 1.0))
+                continue
+            top_k = vocab_size if params.top_k < 0 else min(params.top_k, vocab_size)
+            need_top_k |= top_k < vocab_size
+            max_top_k = max(max_top_k, top_k)
+            need_top_p |= params.top_p < 1.0
+            need_min_p |= params.min_p > 0.0
+            rows.append((float(params.temperature), float(params.top_p), float(params.min_p),
+                         float(top_k), 0.0))
+            if params.seed is not None:
+                seed_rows.append(i)
+                seeds.append(params.seed)
+                seed_steps.append(len(req.output_ids))
+        # top_k <= vocab_size < 2**24 is exact in float32, so one packed tensor carries all
+        packed = torch.tensor(rows, dtype=torch.float32).reshape(-1, 5)
+        packed = packed.to(device, non_blocking=True)
+        return cls(
+            temperatures=packed[:, 0:1],
+            top_ps=packed[:, 1],
+            min_ps=packed[:, 2],
+            top_ks=packed[:, 3].to(torch.int64),
+            greedy_mask=packed[:, 4] > 0.5,
+            vocab_size=vocab_size,
+            device=device,
+            is_all_greedy=num_greedy == len(rows),
+            has_greedy=num_greedy > 0,
+            need_top_p=need_top_p,
+            need_top_k=need_top_k,
+            need_min_p=need_min_p,
+            max_top_k=max_top_k if max_top_k > 0 else vocab_size,
+            seed_rows=seed_rows,
+            seeds=seeds,
+            seed_steps=seed_steps,
+            penalties=BatchPenalties.build(reqs, vocab_size, device, eos_token_ids),
+        )
+
+    def seeded_generators(self) -> list[tuple[int, torch.Generator]]:
+        """(row, generator) for every seeded row, seeded for this step."""
+        gens = []
+        for row, seed, step in zip(self.seed_rows, self.seeds, self.seed_steps):
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(step_seed(seed, step))
+            gens.append((row, gen))
+        return gens
+
+    def advance(self, next_token_ids: torch.Tensor) -> None:
+        """After a decode step appended `next_token_ids` (one per row), bring the info up to date
+        for the next step without rebuilding it (no host sync). Only valid while the batch keeps
+        the same requests in the same order; rebuild with from_reqs otherwise."""
+        self.seed_steps = [step + 1 for step in self.seed_steps]
+        if self.penalties is not None:
+            self.penalties.advance(next_token_ids)

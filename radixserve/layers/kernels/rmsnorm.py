@@ -1,0 +1,80 @@
+"""RMSNorm with an optional fused residual add, in Triton, rounded the way HF transformers is.
+
+With a residual: s = x + residual (rounded to the promoted dtype, as torch adds), returned as the
+new residual; the norm is taken of s. The norm runs in float32, is rounded to s's dtype, then
+multiplied by the weight: out = weight * (s * rsqrt(mean(s^2) + eps)).to(s.dtype), exactly the
+order of HF's LlamaRMSNorm, so the GPU path and the PyTorch path agree up to float32 rounding of
+the mean.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(X, Residual, W, Out, ResidualOut, stride_x, stride_r, stride_o, stride_ro,
+                    n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(Residual + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(ResidualOut.dtype.element_ty)
+        tl.store(ResidualOut + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    variance = tl.sum(xf * xf, axis=0) / n_cols
+    normed = (xf * tl.rsqrt(variance + eps)).to(x.dtype).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row * stride_o + cols, (normed * w).to(Out.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    t = t.reshape(-1, n_cols)
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  residual: torch.Tensor | None = None
+                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Without residual: the normed x. With residual: (norm(x + residual), x + residual).
+
+    x, residual: [..., hidden]; weight: [hidden]. Outputs are new tensors of x's shape.
+    """
+    n_cols = x.shape[-1]
+    assert weight.shape == (n_cols,)
+    x2d = _rows(x, n_cols)
+    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out = torch.empty(x2d.shape, dtype=torch.promote_types(sum_dtype, weight.dtype),
+                      device=x.device)
+    if residual is not None:
+        r2d = _rows(residual, n_cols)
+        residual_out = torch.empty(x2d.shape, dtype=sum_dtype, device=x.device)
+    else:
+        r2d = residual_out = x2d  # unused by the kernel
+    block = triton.next_power_of_2(n_cols)
+    num_warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+    if x2d.shape[0] > 0:
+        _rmsnorm_kernel[(x2d.shape[0],)](
+            x2d, r2d, weight, out, residual_out, x2d.stride(0), r2d.stride(0), out.stride(0),
+            residual_out.stride(0), n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+            num_warps=num_warps)
+    out = out.view(x.shape)
+    if residual is None:
+        return out
+    return out, residual_out.view(x.shape)
+
+
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      residual: torch.Tensor | None = None
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """HF LlamaRMSNorm (with the residual add in front, when given), in plain PyTorch."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, residual)

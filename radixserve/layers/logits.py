@@ -1,0 +1,33 @@
+"""From final hidden states to the logits the sampler needs (last token of each request) and,
+when asked, the logits of every prompt position for input logprobs."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from radixserve.executor.forward_batch import ForwardBatch
+
+
+class LogitsOutput(NamedTuple):
+    next_token_logits: torch.Tensor  # [bs, vocab] fp32
+    extend_logits: torch.Tensor | None  # [T, vocab] fp32 when input logprobs were asked
+
+
+def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:
+    if forward_batch.forward_mode.is_decode():
+        return torch.arange(forward_batch.batch_size, device=forward_batch.input_ids.device)
+    assert forward_batch.extend_start_loc is not None and forward_batch.extend_seq_lens is not None
+    return forward_batch.extend_start_loc + forward_batch.extend_seq_lens - 1
+
+
+def compute_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+                   forward_batch: ForwardBatch) -> LogitsOutput:
+    want_input_logprobs = (forward_batch.return_logprob
+                           and forward_batch.forward_mode.is_extend()
+                           and any(s >= 0 for s in forward_batch.extend_logprob_start_lens or []))
+    if want_input_logprobs:
+        all_logits = torch.matmul(hidden, lm_head_weight.t()).float()
+        return LogitsOutput(all_logits[last_token_indices(forward_batch)], all_logits)
+    last = hidden[last_token_indices(forward_batch)]
+    return LogitsOutput(torch.matmul(last, lm_head_weight.t()).float(), None)

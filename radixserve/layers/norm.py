@@ -1,0 +1,36 @@
+"""RMSNorm, computed in fp32 like HF transformers, with an optional fused residual add."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if x.is_cuda:
+            fused = _cuda_rmsnorm()
+            if fused is not None:
+                return fused(x, self.weight, self.variance_epsilon, residual)
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        out = self.weight * h.to(dtype)
+        return out if residual is None else (out, residual)
+
+
+def _cuda_rmsnorm():  # type: ignore[no-untyped-def]
+    try:
+        from radixserve.layers.kernels.rmsnorm import fused_rmsnorm
+    except ImportError:
+        return None
+    return fused_rmsnorm

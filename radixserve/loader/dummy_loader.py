@@ -1,0 +1,40 @@
+"""Random weights for shape-only runs (`--load-format dummy`), like SGLang's dummy format.
+
+Every floating-point parameter gets U(-1e-3, 1e-3), except norm weights (parameters whose name
+contains "norm"), which get 1 + U(-1e-3, 1e-3): RMSNorm then passes activations through at
+their natural scale instead of shrinking them 1000x per norm, so runs stay numerically sane
+(finite logits, no underflow) for any depth. Buffers (rotary tables, ...) are left alone.
+
+Reproducible: each parameter draws from its own generator seeded from (seed, parameter name), so
+the values do not depend on parameter order; they do depend on the device type (CPU and CUDA
+generators differ) and on the parameter's shape (a TP shard is not a slice of the full tensor).
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+DUMMY_WEIGHT_RANGE = 1e-3
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63)
+
+
+def is_norm_weight(name: str) -> bool:
+    return "norm" in name
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int,
+                       weight_range: float = DUMMY_WEIGHT_RANGE) -> None:
+    """Fill every floating-point parameter of `model` in place (see module docstring)."""
+    for name, param in model.named_parameters():
+        if not param.dtype.is_floating_point:
+            continue
+        generator = torch.Generator(device=param.device)
+        generator.manual_seed(_param_seed(seed, name))
+        param.uniform_(-weight_range, weight_range, generator=generator)
+        if is_norm_weight(name):
+            param.add_(1.0)

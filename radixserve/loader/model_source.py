@@ -1,0 +1,96 @@
+"""`load_model_source`: one entry point from (--model-path, --load-format) to config + weights.
+
+A ModelSource says what the model looks like (HF config dict and the resolved ModelConfig),
+where its weights come from (a callable yielding HF-named tensors, None for dummy weights), and
+what `get_tokenizer` needs to build its tokenizer (None when the model ships none). Nothing
+heavy happens here: weights are read only when `weights()` is iterated, so a ModelSource is cheap
+to build in the server process and picklable to hand to scheduler processes.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixserve.config import ModelConfig
+from radixserve.loader.gguf_loader import iter_gguf_file_weights, load_gguf_hf_config
+from radixserve.loader.model_resolution import ResolvedModel, resolve_model_path
+from radixserve.loader.safetensors_loader import iter_safetensors_weights, read_hf_config
+
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+
+WeightsFn = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+
+
+@dataclass
+class ModelSource:
+    """A model ready to build.
+
+    weights: called once per model build; yields (hf_name, tensor) pairs named like a
+      transformers state dict ("model.layers.0.self_attn.q_proj.weight", ...). GGUF tensors are
+      fp32 (dequantized), safetensors tensors keep their stored dtype; the model casts. A tied
+      checkpoint yields no "lm_head.weight" (model_config.tie_word_embeddings says so). None for
+      "dummy": the model initialises itself (dummy_loader.init_dummy_weights).
+    tokenizer_source: pass to `get_tokenizer`; None when the checkpoint has no tokenizer files.
+    """
+
+    hf_config: dict[str, Any]
+    model_config: ModelConfig
+    weights: WeightsFn | None
+    tokenizer_source: ResolvedModel | None
+    format: str  # "gguf" | "safetensors" | "dummy"
+    model_path: str  # the resolved file (gguf) or folder (hf)
+    served_model_name: str
+
+
+def _gguf_source(resolved: ResolvedModel, load_format: str) -> ModelSource:
+    if load_format == "safetensors":
+        raise ValueError(f"--load-format safetensors needs an HF folder, got GGUF {resolved.path}")
+    hf_config = load_gguf_hf_config(resolved.path)
+    dummy = load_format == "dummy"
+    return ModelSource(
+        hf_config=hf_config,
+        model_config=ModelConfig.from_hf_dict(hf_config),
+        weights=None if dummy else functools.partial(iter_gguf_file_weights, resolved.path),
+        tokenizer_source=resolved,
+        format="dummy" if dummy else "gguf",
+        model_path=resolved.path,
+        served_model_name=resolved.name,
+    )
+
+
+def _hf_folder_source(resolved: ResolvedModel, load_format: str) -> ModelSource:
+    if load_format == "gguf":
+        raise ValueError(f"--load-format gguf needs a .gguf file, got folder {resolved.path}")
+    hf_config = read_hf_config(resolved.path)
+    dummy = load_format == "dummy"
+    if not dummy and not resolved.safetensors_files:
+        raise FileNotFoundError(
+            f"{resolved.path} has config.json but no *.safetensors weights; add them, or run "
+            "with --load-format dummy for random weights")
+    return ModelSource(
+        hf_config=hf_config,
+        model_config=ModelConfig.from_hf_dict(hf_config),
+        weights=None if dummy else functools.partial(iter_safetensors_weights, resolved.path),
+        tokenizer_source=resolved if resolved.has_tokenizer_files else None,
+        format="dummy" if dummy else "safetensors",
+        model_path=resolved.path,
+        served_model_name=resolved.name,
+    )
+
+
+def load_model_source(model_path: str | None, load_format: str = "auto") -> ModelSource:
+    """Resolve `model_path` (see model_resolution) and describe how to load it.
+
+    load_format: "auto" (GGUF for .gguf, safetensors for HF folders), "gguf", "safetensors", or
+    "dummy" (config only: config.json of a folder, or a GGUF's metadata; no weights read).
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown --load-format {load_format!r}; choose from {LOAD_FORMATS}")
+    resolved = resolve_model_path(model_path)
+    if resolved.kind == "gguf":
+        return _gguf_source(resolved, load_format)
+    return _hf_folder_source(resolved, load_format)

@@ -1,0 +1,97 @@
+"""Token-granular KV memory.
+
+ReqToTokenPool maps (request slot, position) -> KV slot. TokenToKVPool holds the per-layer K and
+V tensors indexed by KV slot. Page size is 1. KV slot 0 is never handed out: it is the padding
+sink that padded (CUDA graph) requests write to, so valid slots are 1..size.
+
+Ownership: whoever allocates frees. The scheduler allocates request slots and KV slots; the radix
+cache takes ownership of KV slots it inserts and frees them on eviction.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    def __init__(self, size: int, max_context_len: int, device: str | torch.device) -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32,
+                                        device=self.device)
+        self.free_slots: list[int] = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, need_size: int) -> list[int] | None:
+        if need_size > len(self.free_slots):
+            return None
+        taken = self.free_slots[:need_size]
+        self.free_slots = self.free_slots[need_size:]
+        return taken
+
+    def free(self, slot: int | list[int]) -> None:
+        if isinstance(slot, int):
+            self.free_slots.append(slot)
+        else:
+            self.free_slots.extend(slot)
+
+    def clear(self) -> None:
+        self.free_slots = list(range(self.size))
+
+
+class TokenToKVPool:
+    def __init__(self, size: int, dtype: torch.dtype, head_num: int, head_dim: int,
+                 layer_num: int, device: str | torch.device) -> None:
+        self.size = size
+        self.dtype = dtype
+        self.head_num = head_num
+        self.head_dim = head_dim
+        self.layer_num = layer_num
+        self.device = torch.device(device)
+        shape = (size + 1, head_num, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device)
+                         for _ in range(layer_num)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device)
+                         for _ in range(layer_num)]
+        # kept on the CPU: allocation is a scheduler decision and must not sync the device
+        self.free_slots = torch.arange(1, size + 1, dtype=torch.int64)
+
+    @staticmethod
+    def bytes_per_token(dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int) -> int:
+        return 2 * layer_num * head_num * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    def available_size(self) -> int:
+        return int(self.free_slots.numel())
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """Return `need_size` free KV slots (int64, CPU), or None if there are not enough."""
+        if need_size > self.free_slots.numel():
+            return None
+        taken = self.free_slots[:need_size]
+        self.free_slots = self.free_slots[need_size:]
+        return taken
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        self.free_slots = torch.cat((self.free_slots, slots.to(torch.int64).cpu()))
+
+    def clear(self) -> None:
+        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64)
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> None:
+        """Write k/v ([num_tokens, head_num, head_dim]) into slots `loc` of one layer."""
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)

@@ -1,0 +1,126 @@
+"""Turning a list of Reqs into a ModelWorkerBatch: slot allocation and req_to_token writes.
+
+Every request in a batch has `kv_len` (KV positions written so far) tracked by the scheduler
+through `req.kv_len`; extend writes [prefix_len, prefix_len + extend_len), decode one position.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixserve.core.req import Req
+from radixserve.executor.forward_batch import ForwardMode, ModelWorkerBatch
+from radixserve.executor.sampling_info import SamplingBatchInfo
+
+if TYPE_CHECKING:
+    from radixserve.mem.base_cache import BasePrefixCache
+    from radixserve.mem.pools import ReqToTokenPool, TokenToKVPool
+
+
+class OutOfMemoryError(RuntimeError):
+    """Raised when KV slots cannot be had even after eviction (an admission bug)."""
+
+
+def alloc_kv(num_tokens: int, token_to_kv_pool: "TokenToKVPool",
+             tree_cache: "BasePrefixCache") -> torch.Tensor:
+    slots = token_to_kv_pool.alloc(num_tokens)
+    if slots is None:
+        tree_cache.evict(num_tokens - token_to_kv_pool.available_size())
+        slots = token_to_kv_pool.alloc(num_tokens)
+    if slots is None:
+        raise OutOfMemoryError(f"need {num_tokens} KV slots, "
+                               f"{token_to_kv_pool.available_size()} free after eviction")
+    return slots
+
+
+class BatchBuilder:
+    def __init__(self, req_to_token_pool: "ReqToTokenPool", token_to_kv_pool: "TokenToKVPool",
+                 tree_cache: "BasePrefixCache", vocab_size: int, eos_token_ids: set[int],
+                 device: torch.device) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool = token_to_kv_pool
+        self.tree_cache = tree_cache
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+
+    def _sampling(self, reqs: list[Req]) -> SamplingBatchInfo:
+        return SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device,
+                                           self.eos_token_ids)
+
+    def _write_row(self, req_pool_idx: int, start: int, slots: torch.Tensor) -> None:
+        table = self.req_to_token_pool.req_to_token
+        table[req_pool_idx, start:start + len(slots)] = slots.to(table.device, table.dtype)
+
+    def prepare_extend(self, reqs: list[Req], forward_mode: ForwardMode = ForwardMode.EXTEND
+                       ) -> ModelWorkerBatch:
+        """Allocate rows and KV slots for the requests' extend tokens (prefix already locked)."""
+        new_rows = [r for r in reqs if r.req_pool_idx is None]
+        if new_rows:
+            rows = self.req_to_token_pool.alloc(len(new_rows))
+            if rows is None:
+                raise OutOfMemoryError("no free request slot (admission should prevent this)")
+            for req, row in zip(new_rows, rows):
+                req.req_pool_idx = row
+                self._write_row(row, 0, req.prefix_indices)
+        extend_lens = [r.extend_input_len for r in reqs]
+        out_cache_loc = alloc_kv(sum(extend_lens), self.token_to_kv_pool, self.tree_cache)
+        input_ids: list[int] = []
+        offset = 0
+        for req, ext_len in zip(reqs, extend_lens):
+            prefix_len = len(req.prefix_indices)
+            assert req.req_pool_idx is not None
+            self._write_row(req.req_pool_idx, prefix_len, out_cache_loc[offset:offset + ext_len])
+            input_ids.extend(req.fill_ids[prefix_len:prefix_len + ext_len])
+            req.kv_len = prefix_len + ext_len
+            offset += ext_len
+        return_logprob = any(r.return_logprob for r in reqs)
+        batch = ModelWorkerBatch(
+            forward_mode=forward_mode,
+            input_ids=input_ids,
+            req_pool_indices=[r.req_pool_idx for r in reqs],  # type: ignore[misc]
+            seq_lens=[r.kv_len for r in reqs],
+            out_cache_loc=out_cache_loc,
+            extend_seq_lens=extend_lens,
+            extend_prefix_lens=[len(r.prefix_indices) for r in reqs],
+            sampling_info=self._sampling(reqs),
+            return_logprob=return_logprob,
+            top_logprobs_nums=[r.top_logprobs_num for r in reqs],
+        )
+        if return_logprob:
+            self._add_input_logprob_targets(batch, reqs)
+        return batch
+
+    @staticmethod
+    def _add_input_logprob_targets(batch: ModelWorkerBatch, reqs: list[Req]) -> None:
+        for req, ext_len in zip(reqs, batch.extend_seq_lens):
+            prefix_len = len(req.prefix_indices)
+            want = req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids
+            start = max(req.logprob_start_len - prefix_len, 0) if want else -1
+            # targets: the prompt token after each extend position, up to the prompt's end
+            end = min(prefix_len + ext_len + 1, len(req.origin_input_ids))
+            batch.extend_logprob_start_lens.append(start)
+            batch.extend_next_token_ids.append(req.origin_input_ids[prefix_len + 1:end]
+                                               if want else [])
+
+    def prepare_decode(self, reqs: list[Req]) -> ModelWorkerBatch:
+        """One new KV slot per request for its last sampled token (memory already checked)."""
+        out_cache_loc = alloc_kv(len(reqs), self.token_to_kv_pool, self.tree_cache)
+        table = self.req_to_token_pool.req_to_token
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        table[rows.to(table.device), cols.to(table.device)] = out_cache_loc.to(table.device,
+                                                                               table.dtype)
+        for req in reqs:
+            req.kv_len += 1
+        return ModelWorkerBatch(
+            forward_mode=ForwardMode.DECODE,
+            input_ids=[r.output_ids[-1] for r in reqs],
+            req_pool_indices=[r.req_pool_idx for r in reqs],  # type: ignore[misc]
+            seq_lens=[r.kv_len for r in reqs],
+            out_cache_loc=out_cache_loc,
+            sampling_info=self._sampling(reqs),
+            return_logprob=any(r.return_logprob for r in reqs),
+            top_logprobs_nums=[r.top_logprobs_num for r in reqs],
+        )

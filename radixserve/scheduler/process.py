@@ -1,0 +1,115 @@
+"""The scheduler's process: a ZMQ event loop around `Scheduler`.
+
+Loop invariant: every turn first drains all pending messages without blocking (so aborts and new
+requests are seen between two model steps), then runs one scheduler turn if there is work, and
+only blocks on the socket (with a timeout) when the scheduler is idle.
+
+Messages in (from the TokenizerManager): TokenizedGenerateReq, AbortReq, FlushCacheReq,
+GetInternalStateReq, or a list of them. Messages out (to the detokenizer): BatchTokenIDOut from
+each turn, ReqError for refused requests, FlushCacheReply and InternalState replies (the
+detokenizer passes everything that is not BatchTokenIDOut through unchanged).
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import signal
+import sys
+from typing import TYPE_CHECKING, Any, Callable
+
+import zmq
+
+from radixserve.config import ServerArgs
+from radixserve.core.io_struct import (AbortReq, FlushCacheReq, GetInternalStateReq,
+                                       TokenizedGenerateReq)
+from radixserve.server.ipc import PortArgs, pull_socket, push_socket
+from radixserve.server.process_utils import prepare_child_process, report_failure, send_status
+
+if TYPE_CHECKING:
+    from radixserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+SchedulerFactory = Callable[[ServerArgs], "Scheduler"]
+
+
+def build_default_scheduler(server_args: ServerArgs) -> "Scheduler":
+    from radixserve.scheduler.scheduler import Scheduler
+
+    return Scheduler.build(server_args)
+
+
+class SchedulerLoop:
+    """Owns the scheduler's two sockets; `step()` is one iteration of the event loop."""
+
+    def __init__(self, scheduler: Any, port_args: PortArgs, idle_poll_ms: int = 1000) -> None:
+        self.scheduler = scheduler
+        self.idle_poll_ms = idle_poll_ms
+        self.context = zmq.Context(1)
+        self.recv_sock = pull_socket(self.context, port_args.scheduler_input)
+        self.send_sock = push_socket(self.context, port_args.detokenizer_input)
+        self.stopped = False
+
+    def run_forever(self) -> None:
+        while not self.stopped:
+            self.step()
+
+    def step(self) -> None:
+        for message in self._drain():
+            self._dispatch(message)
+        if self.scheduler.has_work():
+            for out in self.scheduler.run_turn():
+                self.send_sock.send_pyobj(out)
+        else:
+            self.recv_sock.poll(timeout=self.idle_poll_ms)
+
+    def close(self) -> None:
+        self.recv_sock.close(linger=0)
+        self.send_sock.close(linger=0)
+        self.context.term()
+
+    def _drain(self) -> list[Any]:
+        messages: list[Any] = []
+        while True:
+            try:
+                message = self.recv_sock.recv_pyobj(zmq.NOBLOCK)
+            except zmq.Again:
+                return messages
+            messages.extend(message if isinstance(message, list) else [message])
+
+    def _dispatch(self, message: Any) -> None:
+        if isinstance(message, TokenizedGenerateReq):
+            error = self.scheduler.add_request(message)
+            if error is not None:
+                self.send_sock.send_pyobj(error)
+        elif isinstance(message, AbortReq):
+            self.scheduler.abort_request(message.rid)
+        elif isinstance(message, FlushCacheReq):
+            self.send_sock.send_pyobj(self.scheduler.flush_cache())
+        elif isinstance(message, GetInternalStateReq):
+            self.send_sock.send_pyobj(self.scheduler.get_internal_state())
+        else:
+            logger.error("scheduler got an unknown message %r; ignored", type(message).__name__)
+
+
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs,
+                          status_conn: multiprocessing.connection.Connection,
+                          scheduler_factory: SchedulerFactory | None = None) -> None:
+    """Entry point of the scheduler child (spawned). Reports readiness with the model info, or
+    the traceback of whatever failed, through `status_conn`; exits non-zero on failure."""
+    prepare_child_process("scheduler", server_args.log_level)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    loop: SchedulerLoop | None = None
+    try:
+        scheduler = (scheduler_factory or build_default_scheduler)(server_args)
+        loop = SchedulerLoop(scheduler, port_args)
+        send_status(status_conn, {"status": "ready", "model_info": dict(scheduler.model_info)})
+        loop.run_forever()
+    except SystemExit:
+        raise
+    except BaseException:
+        report_failure(status_conn, "scheduler")
+        sys.exit(1)
+    finally:
+        if loop is not None:
+            loop.close()

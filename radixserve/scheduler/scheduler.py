@@ -1,0 +1,346 @@
+"""The scheduler: plain Python on the CPU. It owns the queues, budgets, prefix matching and slot
+allocation; it hands batches to a ModelRunner and gets token ids back.
+
+One turn (run_turn): admit a prefill batch if the budgets allow (continuing the request being
+chunked first) and run it; otherwise run up to --num-continuous-decode-steps decode steps,
+retracting requests when memory runs short and returning early when streamed output waits.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+from radixserve.config import ServerArgs
+from radixserve.core.finish_reason import FinishReason
+from radixserve.core.io_struct import (BatchTokenIDOut, FlushCacheReply, InternalState,
+                                       ReqError, TokenizedGenerateReq)
+from radixserve.core.req import Detokenizer, Req
+from radixserve.executor.forward_batch import ModelWorkerBatch
+from radixserve.mem.base_cache import BasePrefixCache
+from radixserve.scheduler.admission import PrefillAdder
+from radixserve.scheduler.batch import BatchBuilder
+from radixserve.scheduler.output import build_token_output, needs_send
+from radixserve.scheduler.policy import SchedulePolicy
+from radixserve.scheduler.retraction import NewTokenRatio, pick_retractions
+from radixserve.scheduler.stats import SchedulerStats
+
+logger = logging.getLogger("radixserve.scheduler")
+
+
+class ModelRunnerLike(Protocol):
+    """What the scheduler needs of a model runner (the real one, or a fake in tests)."""
+    req_to_token_pool: Any
+    token_to_kv_pool: Any
+    max_total_num_tokens: int
+    max_num_reqs: int
+    vocab_size: int
+    device: Any
+
+    def forward(self, batch: ModelWorkerBatch) -> Any: ...
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, model_runner: ModelRunnerLike,
+                 tokenizer: Detokenizer | None, eos_token_ids: set[int], context_len: int) -> None:
+        self.args = server_args.resolve()
+        self.runner = model_runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.context_len = context_len
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.max_total_num_tokens = model_runner.max_total_num_tokens
+        self.max_running_requests = min(self.args.max_running_requests or model_runner.max_num_reqs,
+                                         model_runner.max_num_reqs)
+        self.tree_cache = self._make_cache()
+        self.policy = SchedulePolicy(self.args.schedule_policy, self.tree_cache,
+                                     self.args.random_seed)
+        self.builder = BatchBuilder(self.req_to_token_pool, self.token_to_kv_pool,
+                                    self.tree_cache, model_runner.vocab_size, eos_token_ids,
+                                    model_runner.device)
+        self.ratio = NewTokenRatio(self.args.schedule_conservativeness)
+        self.stats = SchedulerStats()
+
+        self.waiting_queue: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.outbox: list[Req] = []
+        self.last_memory_check: tuple[bool, int] | None = None
+
+    def _make_cache(self) -> BasePrefixCache:
+        if self.args.disable_radix_cache:
+            from radixserve.mem.chunk_cache import ChunkCache
+            return ChunkCache(self.req_to_token_pool, self.token_to_kv_pool)
+        from radixserve.mem.radix_cache import RadixCache
+        return RadixCache(self.req_to_token_pool, self.token_to_kv_pool)
+
+    @classmethod
+    def build(cls, server_args: ServerArgs) -> "Scheduler":
+        """Load the model and tokenizer named by the args."""
+        from radixserve.executor.model_runner import ModelRunner
+        from radixserve.loader import get_tokenizer
+        server_args.resolve()
+        runner = ModelRunner(server_args)
+        tokenizer = None
+        if not server_args.skip_tokenizer_init and runner.source.tokenizer_source is not None:
+            tokenizer = get_tokenizer(runner.source.tokenizer_source)
+        eos = set(runner.model_config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        return cls(server_args, runner, tokenizer, eos, runner.model_config.context_length)
+
+    @property
+    def model_info(self) -> dict[str, Any]:
+        return {"context_len": self.context_len, "max_total_num_tokens": self.max_total_num_tokens,
+                "vocab_size": self.runner.vocab_size, "eos_token_ids": sorted(self.eos_token_ids),
+                "max_running_requests": self.max_running_requests}
+
+    # ---- requests in ----
+    def add_request(self, msg: TokenizedGenerateReq) -> ReqError | None:
+        error = self._validate(msg)
+        if error is not None:
+            return ReqError(msg.rid, error)
+        limit = self.args.max_queued_requests
+        if limit is not None and len(self.waiting_queue) >= limit:
+            return ReqError(msg.rid, f"too many queued requests (limit {limit}); retry later",
+                            http_status=429)
+        req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.input_text,
+                  msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num, msg.stream)
+        self.waiting_queue.append(req)
+        return None
+
+    def _validate(self, msg: TokenizedGenerateReq) -> str | None:
+        n = len(msg.input_ids)
+        if n == 0:
+            return "the prompt is empty"
+        if n >= self.context_len:
+            return (f"the prompt has {n} tokens, but the context length is {self.context_len}: "
+                    f"at most {self.context_len - 1} prompt tokens are allowed")
+        if n + 1 > self.max_total_num_tokens:
+            return (f"the prompt has {n} tokens, more than the KV cache holds "
+                    f"({self.max_total_num_tokens} tokens)")
+        if not self.args.chunked_prefill_enabled and n > self.args.max_prefill_tokens:
+            return (f"the prompt has {n} tokens, more than --max-prefill-tokens "
+                    f"({self.args.max_prefill_tokens}) with chunked prefill disabled")
+        vocab = self.runner.vocab_size
+        if any(not 0 <= t < vocab for t in msg.input_ids):
+            return f"input_ids must be in [0, {vocab})"
+        return None
+
+    def abort_request(self, rid: str) -> None:
+        for i, req in enumerate(self.waiting_queue):
+            if req.rid == rid:
+                del self.waiting_queue[i]
+                self._finish(req, FinishReason.abort(), release=False)
+                return
+        if self.chunked_req is not None and self.chunked_req.rid == rid:
+            req, self.chunked_req = self.chunked_req, None
+            self._finish(req, FinishReason.abort())
+            return
+        for i, req in enumerate(self.running):
+            if req.rid == rid:
+                del self.running[i]
+                self._finish(req, FinishReason.abort())
+                return
+
+    def _finish(self, req: Req, reason: FinishReason | None = None, release: bool = True) -> None:
+        if reason is not None:
+            req.finished_reason = reason
+        if release:
+            self.tree_cache.cache_finished_req(req, token_ids=req.all_ids()[:req.kv_len])
+            req.kv_len = 0
+        self.outbox.append(req)
+
+    def flush_cache(self) -> FlushCacheReply:
+        if self.running or self.waiting_queue or self.chunked_req is not None:
+            return FlushCacheReply(False, "cannot flush the cache while requests are in flight")
+        self.tree_cache.reset()
+        self.stats = SchedulerStats(num_retractions=self.stats.num_retractions)
+        return FlushCacheReply(True, "cache flushed")
+
+    def has_work(self) -> bool:
+        return bool(self.waiting_queue or self.running or self.chunked_req or self.outbox)
+
+    # ---- one turn ----
+    def run_turn(self) -> list[BatchTokenIDOut]:
+        prefill = self._get_new_prefill_batch()
+        if prefill:
+            self._run_prefill(prefill)
+        elif self.running:
+            for _ in range(max(1, self.args.num_continuous_decode_steps)):
+                self._run_decode_step()
+                if not self.running or self._streamed_output_waiting():
+                    break
+        if not (self.waiting_queue or self.running or self.chunked_req):
+            self._on_idle()
+        return self._drain_outbox()
+
+    def _streamed_output_waiting(self) -> bool:
+        return any(r.stream and needs_send(r, self.args.stream_interval) for r in self.running)
+
+    def _drain_outbox(self) -> list[BatchTokenIDOut]:
+        ready = list(self.outbox)
+        self.outbox.clear()
+        seen = {id(r) for r in ready}
+        ready += [r for r in self.running if id(r) not in seen
+                  and needs_send(r, self.args.stream_interval)]
+        out = build_token_output(ready)
+        return [out] if out is not None else []
+
+    # ---- prefill ----
+    def _get_new_prefill_batch(self) -> list[Req] | None:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        if len(self.running) >= self.max_running_requests:
+            return None
+        chunked = self.chunked_req
+        if chunked is not None:
+            chunked.init_next_round_input()
+            chunked.extend_input_len = len(chunked.fill_ids) - len(chunked.prefix_indices)
+        ordered = self.policy.order(self.waiting_queue) if self.waiting_queue else []
+        adder = PrefillAdder.create(
+            self.tree_cache, self.token_to_kv_pool.available_size(), self.running, chunked,
+            self.ratio.value, self.args.max_prefill_tokens,
+            self.args.chunked_prefill_size if self.args.chunked_prefill_enabled else None,
+            self.max_running_requests - len(self.running))
+        if chunked is not None:
+            adder.add_chunked_req(chunked)
+        for req in ordered:
+            if not adder.add_one_req(req):
+                break
+        if not adder.can_run:
+            return None
+        admitted = {id(r) for r in adder.can_run}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        for req in adder.can_run:
+            if req is not chunked and not req.output_ids and req.retraction_count == 0:
+                req.cached_tokens = len(req.prefix_indices)
+        self.chunked_req = adder.new_chunked_req
+        self.stats.log_prefill(len(adder.can_run), adder.new_input_tokens,
+                               adder.new_cached_tokens, self.token_usage(), len(self.running),
+                               len(self.waiting_queue), self.chunked_req is not None)
+        return adder.can_run
+
+    def _run_prefill(self, reqs: list[Req]) -> None:
+        batch = self.builder.prepare_extend(reqs)
+        out = self.runner.forward(batch)
+        for i, req in enumerate(reqs):
+            if req.return_logprob and out.input_token_logprobs is not None:
+                req.input_token_logprobs += out.input_token_logprobs[i]
+                if req.top_logprobs_num and out.input_top_logprobs is not None:
+                    req.input_top_logprobs += out.input_top_logprobs[i]
+            if req.is_being_chunked:
+                # this chunk's KV becomes the prefix the next chunk extends
+                self.tree_cache.cache_unfinished_req(req)
+                continue
+            if req.sampling_params.max_new_tokens == 0:
+                self._finish(req, FinishReason.max_length(0))
+                continue
+            self._append_token(req, i, out)
+            if req.finished:
+                self._finish(req)
+            else:
+                # share the prompt's KV with later requests right away
+                self.tree_cache.cache_unfinished_req(req)
+                self.running.append(req)
+
+    def _append_token(self, req: Req, i: int, out: Any) -> None:
+        req.output_ids.append(out.next_token_ids[i])
+        if req.return_logprob and out.next_token_logprobs is not None:
+            req.output_token_logprobs.append((out.next_token_logprobs[i], out.next_token_ids[i]))
+            if req.top_logprobs_num and out.next_top_logprobs is not None:
+                req.output_top_logprobs.append(out.next_top_logprobs[i])
+        req.check_finished(self.eos_token_ids, self.context_len, self.tokenizer)
+
+    # ---- decode ----
+    def _run_decode_step(self) -> None:
+        self._ensure_decode_memory()
+        if not self.running:
+            return
+        batch = self.builder.prepare_decode(self.running)
+        out = self.runner.forward(batch)
+        still_running: list[Req] = []
+        for i, req in enumerate(self.running):
+            self._append_token(req, i, out)
+            if req.finished:
+                self._finish(req)
+            else:
+                still_running.append(req)
+        self.stats.on_decode_step(len(self.running), sum(r.kv_len for r in self.running),
+                                  self.token_usage(), len(self.waiting_queue))
+        self.running = still_running
+        self.ratio.decay()
+
+    def _ensure_decode_memory(self) -> None:
+        """Each running request needs one KV slot; retract the cheapest requests if short."""
+        need = len(self.running)
+        if self.token_to_kv_pool.available_size() >= need:
+            return
+        self.tree_cache.evict(need - self.token_to_kv_pool.available_size())
+        if self.token_to_kv_pool.available_size() >= need:
+            return
+        keep, retract = pick_retractions(self.running, self._free_after_retraction)
+        for req in retract:
+            self.tree_cache.cache_finished_req(req, token_ids=req.all_ids()[:req.kv_len])
+            req.kv_len = 0
+            req.retraction_count += 1
+            req.is_being_chunked = False
+        self.running = keep
+        self.waiting_queue = retract + self.waiting_queue
+        self.stats.num_retractions += len(retract)
+        self.ratio.after_retraction(keep)
+        logger.warning("KV cache is full: retracted %d requests (%d still running); "
+                       "new_token_ratio is now %.2f", len(retract), len(keep), self.ratio.value)
+        need = len(self.running)
+        self.tree_cache.evict(need - self.token_to_kv_pool.available_size())
+        if self.token_to_kv_pool.available_size() < need:
+            # one request alone fills the whole cache: it cannot grow, so it ends here
+            for req in self.running:
+                self._finish(req, FinishReason.max_length(len(req.output_ids)))
+            self.running = []
+
+    def _free_after_retraction(self, retracted: list[Req]) -> int:
+        """Slots that would be free (or evictable) if `retracted` gave theirs back."""
+        freed = sum(r.kv_len - len(r.prefix_indices) for r in retracted)
+        return self.token_to_kv_pool.available_size() + self.tree_cache.evictable_size() + freed
+
+    # ---- idle, memory accounting ----
+    def token_usage(self) -> float:
+        used = self.max_total_num_tokens - self.token_to_kv_pool.available_size() \
+            - self.tree_cache.evictable_size()
+        return used / self.max_total_num_tokens
+
+    def check_memory(self) -> tuple[bool, int]:
+        """When idle: free + cached == total, nothing locked, every request row free."""
+        free = self.token_to_kv_pool.available_size()
+        cached = self.tree_cache.total_size()
+        leaked = self.max_total_num_tokens - free - cached
+        ok = (leaked == 0 and self.tree_cache.protected_size() == 0
+              and self.req_to_token_pool.available_size() == self.req_to_token_pool.size)
+        if not ok:
+            logger.error("memory check failed: total %d, free %d, cached %d, protected %d, "
+                         "free request rows %d/%d", self.max_total_num_tokens, free, cached,
+                         self.tree_cache.protected_size(),
+                         self.req_to_token_pool.available_size(), self.req_to_token_pool.size)
+        return ok, leaked
+
+    def _on_idle(self) -> None:
+        self.ratio.reset()
+        self.last_memory_check = self.check_memory()
+
+    def get_internal_state(self) -> InternalState:
+        idle = not (self.waiting_queue or self.running or self.chunked_req)
+        ok, leaked = self.check_memory() if idle else (None, 0)
+        return InternalState(
+            num_running_reqs=len(self.running) + (self.chunked_req is not None),
+            num_queued_reqs=len(self.waiting_queue),
+            max_total_num_tokens=self.max_total_num_tokens,
+            available_tokens=self.token_to_kv_pool.available_size(),
+            evictable_tokens=self.tree_cache.evictable_size(),
+            protected_tokens=self.tree_cache.protected_size(),
+            token_usage=self.token_usage(),
+            cache_hit_rate=self.stats.cache_hit_rate,
+            num_retractions=self.stats.num_retractions,
+            new_token_ratio=self.ratio.value,
+            memory_check_ok=ok,
+            leaked_tokens=leaked)

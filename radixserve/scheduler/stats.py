@@ -1,0 +1,48 @@
+"""Counters the scheduler keeps for its log lines, /get_server_info and /metrics."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("radixserve.scheduler")
+
+DECODE_LOG_INTERVAL = 40
+
+
+@dataclass
+class SchedulerStats:
+    total_input_tokens: int = 0  # prompt tokens admitted (cached + extended)
+    total_cached_tokens: int = 0
+    num_retractions: int = 0
+    num_decode_steps: int = 0
+    generated_since_log: int = 0
+    last_log_time: float = field(default_factory=time.perf_counter)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.total_cached_tokens / self.total_input_tokens if self.total_input_tokens else 0.0
+
+    def log_prefill(self, num_reqs: int, new_tokens: int, cached_tokens: int, token_usage: float,
+                    num_running: int, num_queued: int, chunked: bool) -> None:
+        self.total_input_tokens += new_tokens + cached_tokens
+        self.total_cached_tokens += cached_tokens
+        logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, "
+                    "cache hit rate: %.2f%%, token usage: %.2f, #running-req: %d, #queue-req: %d%s",
+                    num_reqs, new_tokens, cached_tokens, 100 * self.cache_hit_rate, token_usage,
+                    num_running, num_queued, ", chunked" if chunked else "")
+
+    def on_decode_step(self, batch_size: int, num_tokens: int, token_usage: float,
+                       num_queued: int) -> None:
+        self.num_decode_steps += 1
+        self.generated_since_log += batch_size
+        if self.num_decode_steps % DECODE_LOG_INTERVAL:
+            return
+        now = time.perf_counter()
+        throughput = self.generated_since_log / max(now - self.last_log_time, 1e-9)
+        self.generated_since_log = 0
+        self.last_log_time = now
+        logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
+                    "cache hit rate: %.2f%%, gen throughput (token/s): %.2f, #queue-req: %d",
+                    batch_size, num_tokens, token_usage, 100 * self.cache_hit_rate, throughput,
+                    num_queued)

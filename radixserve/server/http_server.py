@@ -1,0 +1,88 @@
+"""The FastAPI application: routes, API key check, and errors in OpenAI's JSON shape.
+
+Every error leaves as {"error": {"message", "type", "param", "code"}} with the status codes
+listed in errors.py; FastAPI's default 422 for validation problems is turned into 400 (as OpenAI
+and vLLM answer).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from radixserve.server.errors import APIError, ClientDisconnected, status_phrase
+from radixserve.server.http_utils import check_api_key
+from radixserve.server.native_api import native_router
+from radixserve.server.openai_api import openai_router
+from radixserve.server.openai_common import OpenAIContext
+from radixserve.server.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+
+class APIKeyMiddleware:
+    """Plain ASGI middleware (not BaseHTTPMiddleware, which gets in the way of streaming and
+    of disconnect detection)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.api_key is not None:
+            error = check_api_key(Request(scope), self.api_key)
+            if error is not None:
+                await error.to_response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(tm: TokenizerManager, api_key: str | None, model_name: str,
+              model_aliases: frozenset[str], server_info: Callable[[], dict[str, Any]],
+              is_ready: Callable[[], bool]) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await tm.start()
+        try:
+            yield
+        finally:
+            await tm.stop()
+
+    app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.include_router(native_router(tm, server_info, is_ready))
+    ctx = OpenAIContext(tokenizer_manager=tm, model_name=model_name, model_aliases=model_aliases)
+    app.include_router(openai_router(ctx, tm.context_len))
+    app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_: Request, exc: APIError) -> Response:
+        return exc.to_response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> Response:
+        return APIError(f"invalid request: {exc.errors()[:1]}").to_response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def on_disconnect(_: Request, __: ClientDisconnected) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        message = exc.detail if isinstance(exc.detail, str) else status_phrase(exc.status_code)
+        return APIError(message, status_code=exc.status_code).to_response()
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, exc: Exception) -> Response:
+        logger.exception("unexpected error while serving a request")
+        return JSONResponse(APIError(f"internal error: {type(exc).__name__}: {exc}",
+                                     status_code=500).to_json(), status_code=500)
+
+    return app

@@ -1,0 +1,156 @@
+"""launch_server: start the child processes, the HTTP server, warm up, and shut down cleanly.
+
+Start-up order: scheduler + detokenizer children (spawned) -> wait until the model is loaded ->
+tokenizer and TokenizerManager -> uvicorn -> a warm-up /generate through HTTP -> /health turns
+200 and "ready" is logged. If any child dies, or the warm-up fails, the server exits non-zero;
+SIGINT/SIGTERM stop it cleanly (exit 0). Children never outlive the server.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import uvicorn
+
+from radixserve.config import DEFAULT_MODEL_NAME, ServerArgs
+from radixserve.scheduler.process import SchedulerFactory
+from radixserve.server.http_server import build_app
+from radixserve.server.ipc import PortArgs
+from radixserve.server.metrics import ServerMetrics
+from radixserve.server.process_group import ChildFailedError, ProcessGroup
+from radixserve.server.process_utils import configure_logging
+from radixserve.server.tokenizer_manager import TokenizerManager
+from radixserve.server.tokenizer_utils import load_tokenizer
+
+logger = logging.getLogger("radixserve.server")
+
+WARMUP_TIMEOUT_S = 600.0
+FORCED_EXIT_DELAY_S = 15.0
+
+
+class ShutdownRequested(Exception):
+    """SIGINT or SIGTERM arrived outside uvicorn's own handling."""
+
+
+def served_model_name(server_args: ServerArgs) -> str:
+    if server_args.served_model_name:
+        return server_args.served_model_name
+    path = (server_args.model_path or DEFAULT_MODEL_NAME).rstrip("/")
+    return os.path.basename(path).removesuffix(".gguf") or DEFAULT_MODEL_NAME
+
+
+@dataclasses.dataclass
+class ServerState:
+    exit_code: int = 0
+    ready: bool = False
+    server: uvicorn.Server | None = None
+
+    def fail(self, message: str) -> None:
+        logger.error("%s", message)
+        self.exit_code = 1
+        if self.server is not None:
+            self.server.should_exit = True
+        # last resort if the graceful stop hangs (children end themselves when we are gone)
+        timer = threading.Timer(FORCED_EXIT_DELAY_S, os._exit, args=(1,))
+        timer.daemon = True
+        timer.start()
+
+
+def _raise_shutdown(signum: int, _frame: Any) -> None:
+    raise ShutdownRequested(signal.Signals(signum).name)
+
+
+def launch_server(server_args: ServerArgs,
+                  scheduler_factory: SchedulerFactory | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; raises SystemExit(1) if a child dies or start-up fails."""
+    server_args.resolve()
+    configure_logging(server_args.log_level, "server")
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, _raise_shutdown)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+    port_args = PortArgs.create()
+    group = ProcessGroup(server_args, port_args, scheduler_factory)
+    state = ServerState()
+    try:
+        group.start()
+        logger.info("loading the model in the scheduler process (pid %s)",
+                    group.pid_of("scheduler"))
+        model_info = group.wait_ready()
+        _serve(server_args, port_args, group, model_info, state)
+    except ChildFailedError as exc:
+        state.exit_code = 1
+        logger.error("%s", exc)
+    except ShutdownRequested as exc:
+        logger.info("shutting down (%s)", exc)
+    finally:
+        group.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if state.exit_code:
+        raise SystemExit(state.exit_code)
+
+
+def _serve(server_args: ServerArgs, port_args: PortArgs, group: ProcessGroup,
+           model_info: dict[str, Any], state: ServerState) -> None:
+    name = served_model_name(server_args)
+    tokenizer = load_tokenizer(server_args)
+    tm = TokenizerManager(port_args, tokenizer, model_info, ServerMetrics(name),
+                          log_requests=server_args.log_requests)
+    aliases = frozenset({name, server_args.model_path or DEFAULT_MODEL_NAME})
+
+    def server_info() -> dict[str, Any]:
+        args = {k: v for k, v in dataclasses.asdict(server_args).items() if k != "api_key"}
+        return {"server_args": args, "served_model_name": name, "model_info": model_info,
+                "scheduler_pid": group.pid_of("scheduler"),
+                "detokenizer_pid": group.pid_of("detokenizer"), "ready": state.ready}
+
+    app = build_app(tm, server_args.api_key, name, aliases, server_info, lambda: state.ready)
+    config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
+                            log_level=server_args.log_level, timeout_keep_alive=5,
+                            timeout_graceful_shutdown=5, access_log=server_args.log_requests)
+    state.server = uvicorn.Server(config)
+    group.start_watchdog(state.fail)
+    threading.Thread(target=_warm_up, args=(server_args, state, tokenizer is None), daemon=True,
+                     name="warm-up").start()
+    state.server.run()
+
+
+def _warm_up(server_args: ServerArgs, state: ServerState, ids_only: bool) -> None:
+    server = state.server
+    assert server is not None
+    while not server.started:
+        if server.should_exit:
+            return
+        time.sleep(0.05)
+    host = "127.0.0.1" if server_args.host in ("0.0.0.0", "") else server_args.host
+    host = "[::1]" if host == "::" else host
+    payload: dict[str, Any] = {"sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+    if ids_only:
+        payload["input_ids"] = [10, 11, 12, 13]
+    else:
+        payload["text"] = "The capital city of France is"
+    request = urllib.request.Request(
+        f"http://{host}:{server_args.port}/generate", data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json",
+                 **({"Authorization": f"Bearer {server_args.api_key}"}
+                    if server_args.api_key else {})})
+    try:
+        started = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=WARMUP_TIMEOUT_S) as response:
+            body = json.loads(response.read())
+        logger.info("warm-up request passed in %.2f s: %r", time.perf_counter() - started,
+                    body.get("text", body.get("output_ids")))
+    except Exception as exc:  # noqa: BLE001 - any failure here means the server is broken
+        state.fail(f"the warm-up request failed: {exc!r}")
+        return
+    state.ready = True
+    logger.info("radixserve is ready on http://%s:%s (model %s)", host, server_args.port,
+                served_model_name(server_args))

@@ -1,0 +1,180 @@
+"""Native (SGLang-style) routes: /generate, /health, /health_generate, /get_model_info,
+/get_server_info, /flush_cache, /abort_request, /metrics.
+
+/generate takes `text` or `input_ids`, single or batched (lists), with per-item or shared
+sampling_params, rid, return_logprob, logprob_start_len, top_logprobs_num. Its response is
+{"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
+"cached_tokens", "finish_reason", logprobs...}}, or a list of those for a batch or n > 1
+(item i*n + j is sample j of prompt i). Streamed chunks (SSE) carry the same object with the
+text so far, plus "index" for batches; the stream ends with "data: [DONE]".
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from pydantic import StrictBool, StrictInt, StrictStr
+from starlette.requests import Request
+
+from radixserve.core.sampling_params import InvalidRequestError, SamplingParams
+from radixserve.server.errors import APIError
+from radixserve.server.http_utils import read_json
+from radixserve.server.metrics import CONTENT_TYPE
+from radixserve.server.openai_common import sample_copies, sse, sse_response
+from radixserve.server.openai_protocol import StrictModel, parse_model
+from radixserve.server.request_state import GenerateRequest
+from radixserve.server.tokenizer_manager import TokenizerManager
+
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+class GenerateReqInput(StrictModel):
+    text: StrictStr | list[StrictStr] | None = None
+    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: StrictStr | list[StrictStr] | None = None
+    return_logprob: StrictBool | list[StrictBool] = False
+    logprob_start_len: StrictInt | list[StrictInt] = -1
+    top_logprobs_num: StrictInt | list[StrictInt] = 0
+    return_text_in_logprobs: StrictBool = False
+    stream: StrictBool = False
+
+    def batch_size(self) -> int | None:
+        """None for a single prompt, else the number of prompts."""
+        if (self.text is None) == (self.input_ids is None):
+            raise APIError("give exactly one of text and input_ids")
+        if isinstance(self.text, list):
+            return len(self.text)
+        if self.input_ids and isinstance(self.input_ids[0], list):
+            return len(self.input_ids)
+        return None
+
+    def item(self, name: str, i: int, size: int) -> Any:
+        """Field `name` for prompt i: lists are per prompt, anything else is shared."""
+        value = getattr(self, name)
+        per_prompt = isinstance(value, list)
+        if name == "input_ids":
+            per_prompt = bool(value) and isinstance(value[0], list)
+        if not per_prompt:
+            return value
+        if len(value) != size:
+            raise APIError(f"{name} has {len(value)} items for {size} prompts", param=name)
+        return value[i]
+
+
+def build_requests(tm: TokenizerManager, obj: GenerateReqInput) -> tuple[list[GenerateRequest],
+                                                                          bool]:
+    """The scheduler requests of one /generate call, and whether the answer is a list."""
+    size = obj.batch_size()
+    is_batch = size is not None
+    if is_batch and size == 0:
+        raise APIError("the batch is empty", param="text" if obj.text is not None else "input_ids")
+    reqs: list[GenerateRequest] = []
+    for i in range(size or 1):
+        try:
+            params = SamplingParams.from_dict(obj.item("sampling_params", i, size or 1))
+        except (InvalidRequestError, TypeError) as exc:
+            raise APIError(str(exc), param="sampling_params") from exc
+        n = params.n
+        params = dataclasses.replace(params, n=1) if isinstance(n, int) else params
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
+            raise APIError(f"n must be an integer in [1, 128], got {n!r}", param="n")
+        req = tm.make_request(
+            text=obj.item("text", i, size or 1), input_ids=obj.item("input_ids", i, size or 1),
+            sampling_params=params, rid=obj.item("rid", i, size or 1),
+            return_logprob=obj.item("return_logprob", i, size or 1),
+            logprob_start_len=obj.item("logprob_start_len", i, size or 1),
+            top_logprobs_num=obj.item("top_logprobs_num", i, size or 1),
+            return_text_in_logprobs=obj.return_text_in_logprobs, stream=obj.stream,
+            param="text" if obj.text is not None else "input_ids")
+        copies = sample_copies(req, n)
+        if n > 1 and req.rid is not None and obj.rid is not None:
+            copies = [dataclasses.replace(c, rid=f"{req.rid}-{j}") for j, c in enumerate(copies)]
+        reqs.extend(copies)
+        is_batch = is_batch or n > 1
+    return reqs, is_batch
+
+
+async def _stream_chunks(tm: TokenizerManager, reqs: list[GenerateRequest], is_batch: bool,
+                         request: Request) -> AsyncIterator[str]:
+    async with contextlib.aclosing(tm.generate_merged(reqs, request)) as outputs:
+        async for index, out in outputs:
+            chunk = out.to_json()
+            if is_batch:
+                chunk["index"] = index
+            yield sse(chunk)
+
+
+def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]],
+                  is_ready: Callable[[], bool]) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/generate")
+    async def generate(request: Request) -> Response:
+        obj: GenerateReqInput = parse_model(GenerateReqInput, await read_json(request))
+        reqs, is_batch = build_requests(tm, obj)
+        if obj.stream:
+            return await sse_response(_stream_chunks(tm, reqs, is_batch, request))
+        outs = await tm.generate_all(reqs, request)
+        result = [o.to_json() for o in outs]
+        return JSONResponse(result if is_batch else result[0])
+
+    @router.get("/health")
+    async def health() -> Response:
+        if not is_ready():
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return Response(status_code=200)
+
+    @router.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        ids = [tm.vocab_size // 2 if tm.vocab_size else 1] * 4
+        req = tm.make_request(input_ids=ids, sampling_params=SamplingParams(
+            max_new_tokens=1, temperature=0.0))
+        try:
+            await asyncio.wait_for(tm.generate_final(req, request), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise APIError("generation did not finish in time", status_code=503) from None
+        return Response(status_code=200)
+
+    @router.get("/get_model_info")
+    async def get_model_info() -> JSONResponse:
+        info = server_info()
+        return JSONResponse({"model_path": info["server_args"]["model_path"],
+                             "served_model_name": info["served_model_name"],
+                             "tokenizer_path": info["server_args"]["tokenizer_path"],
+                             "is_generation": True, **tm.model_info})
+
+    @router.get("/get_server_info")
+    async def get_server_info() -> JSONResponse:
+        state = await tm.get_internal_state()
+        return JSONResponse({**server_info(), "internal_state": dataclasses.asdict(state),
+                             "num_in_flight_requests": len(tm.rid_to_state),
+                             "pid": os.getpid()})
+
+    @router.post("/flush_cache")
+    async def flush_cache() -> JSONResponse:
+        reply = await tm.flush_cache()
+        return JSONResponse({"success": reply.success, "message": reply.message},
+                            status_code=200 if reply.success else 400)
+
+    @router.post("/abort_request")
+    async def abort_request(request: Request) -> JSONResponse:
+        body = await read_json(request)
+        rid = body.get("rid") if isinstance(body, dict) else None
+        if not isinstance(rid, str) or not rid:
+            raise APIError("give the request id to abort as {\"rid\": \"...\"}", param="rid")
+        known = rid in tm.rid_to_state
+        tm.send_abort(rid)
+        return JSONResponse({"success": True, "rid": rid, "was_in_flight": known})
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        await tm.get_internal_state()
+        return Response(tm.metrics.render(), media_type=CONTENT_TYPE)
+
+    return router

@@ -1,0 +1,38 @@
+"""Routes of the OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions."""
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+
+from radixserve.server.http_utils import read_json
+from radixserve.server.openai_chat import create_chat_completion
+from radixserve.server.openai_common import OpenAIContext, now_s
+from radixserve.server.openai_completions import create_completion
+
+
+def openai_router(ctx: OpenAIContext, context_len: int) -> APIRouter:
+    router = APIRouter()
+    created = now_s()
+
+    @router.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{
+            "id": ctx.model_name, "object": "model", "created": created,
+            "owned_by": "radixserve", "max_model_len": context_len}]})
+
+    @router.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> JSONResponse:
+        name = ctx.check_model(model_id)
+        return JSONResponse({"id": name, "object": "model", "created": created,
+                             "owned_by": "radixserve", "max_model_len": context_len})
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(ctx, request, await read_json(request))
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(ctx, request, await read_json(request))
+
+    return router

@@ -1,0 +1,109 @@
+"""Pieces shared by the OpenAI completions and chat handlers: model check, n-expansion,
+usage, finish reasons, and Server-Sent Events."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any, AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from radixserve.server.errors import APIError, ClientDisconnected
+from radixserve.server.request_state import GenerateRequest, ReqOutput
+from radixserve.server.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class OpenAIContext:
+    tokenizer_manager: TokenizerManager
+    model_name: str
+    model_aliases: frozenset[str]
+
+    def check_model(self, requested: str | None) -> str:
+        if requested is None or requested in self.model_aliases:
+            return self.model_name
+        raise APIError(f"The model `{requested}` does not exist. This server serves "
+                       f"`{self.model_name}`.", status_code=404, param="model",
+                       code="model_not_found")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def sample_copies(req: GenerateRequest, n: int) -> list[GenerateRequest]:
+    """n samples of one prompt. With a seed, sample j uses seed + j: identical seeds would make
+    the n samples identical, which is not what n asks for."""
+    if n == 1:
+        return [req]
+    copies = []
+    for j in range(n):
+        params = req.sampling_params
+        seed = params.seed + j if params.seed is not None else None
+        copies.append(replace(req, rid=uuid.uuid4().hex,
+                              sampling_params=replace(params, seed=seed)))
+    return copies
+
+
+def finish_reason_of(out: ReqOutput) -> str | None:
+    reason = out.meta_info.get("finish_reason")
+    if not reason:
+        return None
+    return {"stop": "stop", "length": "length"}.get(reason.get("type"), "abort")
+
+
+def usage_of(outputs: list[ReqOutput], n: int) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (samples of one prompt share it)."""
+    prompt_tokens = sum(o.meta_info["prompt_tokens"] for o in outputs[::n])
+    completion_tokens = sum(o.meta_info["completion_tokens"] for o in outputs)
+    cached_tokens = sum(int(o.meta_info.get("cached_tokens") or 0) for o in outputs[::n])
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+async def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    """Stream `events` (already formatted) and a final "data: [DONE]".
+
+    The first event is awaited before the response starts, so that errors found up to then
+    (bad input, full queue) still get their proper status code. Errors after that are sent as
+    an error event, since the status line is already out."""
+    try:
+        first = await events.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await events.aclose()
+        raise
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            if first is not None:
+                yield first
+                async for event in events:
+                    yield event
+            yield sse("[DONE]")
+        except APIError as exc:
+            yield sse(exc.to_json())
+            yield sse("[DONE]")
+        except ClientDisconnected:
+            return
+        finally:
+            await events.aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})

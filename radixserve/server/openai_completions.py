@@ -1,0 +1,142 @@
+"""POST /v1/completions: prompt as a string, list of strings, token ids or lists of token ids;
+echo, logprobs, n, stop, streaming with usage. Choice i*n + j is sample j of prompt i."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, AsyncIterator
+
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+
+from radixserve.server.openai_common import (OpenAIContext, finish_reason_of, new_id, now_s,
+                                             sample_copies, sse, sse_response, usage_of)
+from radixserve.server.openai_protocol import CompletionRequest, parse_model
+from radixserve.server.request_state import GenerateRequest, ReqOutput
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+def build_requests(ctx: OpenAIContext, body: CompletionRequest) -> list[GenerateRequest]:
+    tm = ctx.tokenizer_manager
+    max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
+    reqs: list[GenerateRequest] = []
+    for prompt in body.prompts():
+        req = tm.make_request(
+            text=prompt if isinstance(prompt, str) else None,
+            input_ids=None if isinstance(prompt, str) else prompt,
+            sampling_params=body.sampling_params(max_tokens),
+            return_logprob=body.logprobs is not None,
+            logprob_start_len=0 if (body.echo and body.logprobs is not None) else -1,
+            top_logprobs_num=body.logprobs or 0, return_text_in_logprobs=True,
+            stream=body.stream, param="prompt")
+        reqs.extend(sample_copies(req, body.n))
+    return reqs
+
+
+class LogprobBuilder:
+    """OpenAI's completion logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+
+    def __init__(self, start_offset: int = 0) -> None:
+        self.offset = start_offset
+
+    def build(self, token_entries: list[Any], top_entries: list[Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                               "text_offset": []}
+        for i, (logprob, _tid, text) in enumerate(token_entries):
+            text = text or ""
+            out["tokens"].append(text)
+            out["token_logprobs"].append(logprob)
+            top = top_entries[i] if i < len(top_entries) else None
+            out["top_logprobs"].append(None if top is None else {t or "": lp for lp, _, t in top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+def prompt_text(ctx: OpenAIContext, req: GenerateRequest) -> str:
+    if req.input_text is not None:
+        return req.input_text
+    tokenizer = ctx.tokenizer_manager.tokenizer
+    return tokenizer.decode(req.input_ids) if tokenizer is not None else ""
+
+
+def choice_of(ctx: OpenAIContext, body: CompletionRequest, index: int, req: GenerateRequest,
+              out: ReqOutput) -> dict[str, Any]:
+    text = out.text
+    logprobs = None
+    meta = out.meta_info
+    if body.echo:
+        echo_text = prompt_text(ctx, req)
+        text = echo_text + text
+    if body.logprobs is not None:
+        builder = LogprobBuilder()
+        tokens = list(meta.get("output_token_logprobs") or [])
+        tops = list(meta.get("output_top_logprobs") or [])
+        if body.echo:
+            tokens = list(meta.get("input_token_logprobs") or []) + tokens
+            in_tops = list(meta.get("input_top_logprobs") or [])
+            in_tops += [None] * (len(meta.get("input_token_logprobs") or []) - len(in_tops))
+            tops = in_tops + tops
+        logprobs = builder.build(tokens, tops if body.logprobs else [])
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": finish_reason_of(out)}
+
+
+async def create_completion(ctx: OpenAIContext, request: Request, raw: Any) -> Response:
+    body: CompletionRequest = parse_model(CompletionRequest, raw)
+    body.check_unsupported()
+    model = ctx.check_model(body.model)
+    reqs = build_requests(ctx, body)
+    tm = ctx.tokenizer_manager
+    if body.stream:
+        return await sse_response(stream_events(ctx, body, model, reqs, request))
+    outs = await tm.generate_all(reqs, request)
+    return JSONResponse({
+        "id": new_id("cmpl"), "object": "text_completion", "created": now_s(), "model": model,
+        "choices": [choice_of(ctx, body, i, r, o) for i, (r, o) in enumerate(zip(reqs, outs))],
+        "usage": usage_of(outs, body.n)})
+
+
+async def stream_events(ctx: OpenAIContext, body: CompletionRequest, model: str,
+                        reqs: list[GenerateRequest], request: Request) -> AsyncIterator[str]:
+    response_id, created = new_id("cmpl"), now_s()
+    sent_text = [0] * len(reqs)
+    sent_logprobs = [0] * len(reqs)
+    echoed = [False] * len(reqs)
+    builders = [LogprobBuilder() for _ in reqs]
+    finals: list[ReqOutput | None] = [None] * len(reqs)
+    merged = ctx.tokenizer_manager.generate_merged(reqs, request)
+    async with contextlib.aclosing(merged) as outputs:
+        async for index, out in outputs:
+            meta = out.meta_info
+            text = out.text[sent_text[index]:]
+            sent_text[index] = len(out.text)
+            logprobs = None
+            if body.logprobs is not None:
+                tokens = list(meta.get("output_token_logprobs") or [])
+                tops = list(meta.get("output_top_logprobs") or [])
+                start = sent_logprobs[index]
+                sent_logprobs[index] = len(tokens)
+                tokens, tops = tokens[start:], tops[start:]
+                if body.echo and not echoed[index]:
+                    inputs = list(meta.get("input_token_logprobs") or [])
+                    in_tops = list(meta.get("input_top_logprobs") or [])
+                    tokens = inputs + tokens
+                    tops = in_tops + [None] * (len(inputs) - len(in_tops)) + tops
+                logprobs = builders[index].build(tokens, tops if body.logprobs else [])
+            if body.echo and not echoed[index]:
+                text = prompt_text(ctx, reqs[index]) + text
+                echoed[index] = True
+            reason = finish_reason_of(out) if out.finished else None
+            if out.finished:
+                finals[index] = out
+            if not text and reason is None and not (logprobs and logprobs["tokens"]):
+                continue
+            yield sse({"id": response_id, "object": "text_completion", "created": created,
+                       "model": model, "choices": [{"index": index, "text": text,
+                                                    "logprobs": logprobs,
+                                                    "finish_reason": reason}]})
+    if body.include_usage:
+        done = [o for o in finals if o is not None]
+        yield sse({"id": response_id, "object": "text_completion", "created": created,
+                   "model": model, "choices": [], "usage": usage_of(done, body.n)})

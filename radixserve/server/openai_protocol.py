@@ -1,0 +1,214 @@
+"""Pydantic models of the OpenAI-compatible API (requests), and their mapping to SamplingParams.
+
+Policy for fields (never silently wrong):
+- OpenAI fields we implement: model, prompt/messages, max_tokens, max_completion_tokens, n,
+  temperature, top_p, stop, stream, stream_options.include_usage, seed, frequency_penalty,
+  presence_penalty, echo, logprobs, top_logprobs, best_of (== n only), user (accepted, unused),
+  response_format {"type": "text"} only, tool_choice "none" only.
+- Extensions (vLLM/SGLang style, send them with the SDK's extra_body): top_k, min_p,
+  repetition_penalty, min_tokens, ignore_eos, skip_special_tokens,
+  spaces_between_special_tokens, stop_token_ids.
+- OpenAI fields we do not implement (suffix, logit_bias, tools, functions, non-text
+  response_format, ...) are rejected with 400 when given a non-empty value; any other unknown
+  field is rejected with 400 naming it. Types are strict: "5" is not an integer.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import ValidationError
+
+from radixserve.core.sampling_params import SamplingParams
+from radixserve.server.errors import APIError
+
+Number = Union[StrictFloat, StrictInt]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(StrictModel):
+    include_usage: StrictBool = False
+
+
+class SamplingFields(StrictModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+    model: StrictStr | None = None
+    n: StrictInt = 1
+    max_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    seed: StrictInt | None = None
+    frequency_penalty: Number | None = None
+    presence_penalty: Number | None = None
+    logit_bias: dict[str, Number] | None = None
+    user: StrictStr | None = None
+    # extensions
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    min_tokens: StrictInt | None = None
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    stop_token_ids: list[StrictInt] | None = None
+
+    def check_unsupported(self) -> None:
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed when stream is true",
+                           param="stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_new_tokens: int) -> SamplingParams:
+        """The SamplingParams of one sample (n is expanded by the caller)."""
+        values: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "min_new_tokens": self.min_tokens if self.min_tokens is not None else 0,
+            "stop": self.stop, "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "seed": self.seed,
+        }
+        optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                    "min_p": self.min_p, "frequency_penalty": self.frequency_penalty,
+                    "presence_penalty": self.presence_penalty,
+                    "repetition_penalty": self.repetition_penalty}
+        values.update({k: v for k, v in optional.items() if v is not None})
+        return SamplingParams(**values)
+
+
+PromptType = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptType
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError("best_of is only supported when equal to n", param="best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise APIError(f"logprobs must be in [0, 20], got {self.logprobs}", param="logprobs")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise APIError("prompt must not be empty", param="prompt")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts (strings or token id lists)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and isinstance(prompt[0], int):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise APIError(f"content parts of type {part.type!r} are not supported; "
+                               "only text", param="messages")
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: StrictBool | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        for name in ("tools", "functions", "function_call"):
+            if getattr(self, name):
+                raise APIError(f"{name} is not supported", param=name)
+        if self.tool_choice not in (None, "none"):
+            raise APIError("tool_choice is not supported", param="tool_choice")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise APIError("only response_format {\"type\": \"text\"} is supported",
+                           param="response_format")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+            if not 0 <= self.top_logprobs <= 20:
+                raise APIError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}",
+                               param="top_logprobs")
+        if (self.max_tokens is not None and self.max_completion_tokens is not None
+                and self.max_tokens != self.max_completion_tokens):
+            raise APIError("max_tokens and max_completion_tokens differ; give one",
+                           param="max_completion_tokens")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    def conversation(self) -> list[dict[str, str]]:
+        """Messages for tokenizer.apply_chat_template ("developer" is sent as "system")."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+
+def parse_model(model_type: type[BaseModel], body: Any) -> Any:
+    """Validate a JSON body; the first problem becomes a 400 in OpenAI's error shape."""
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    try:
+        return model_type.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error_to_api_error(exc) from None
+
+
+def validation_error_to_api_error(exc: ValidationError) -> APIError:
+    error = exc.errors()[0]
+    loc = [p for p in error["loc"] if isinstance(p, int) or not _is_type_tag(p)]
+    param = ".".join(str(p) for p in loc) or None
+    if error["type"] == "extra_forbidden":
+        return APIError(f"unsupported field {param!r}", param=param)
+    if error["type"] == "missing":
+        return APIError(f"missing required field {param!r}", param=param)
+    return APIError(f"invalid value for {param!r}: {error['msg']}", param=param)
+
+
+def _is_type_tag(part: Any) -> bool:
+    # pydantic names the union branch it tried in loc ("str", "list[int]", "function-after")
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool")
+                                      or "[" in part or "-" in part)

@@ -1,0 +1,327 @@
+"""TokenizerManager: the asyncio side of the server (runs in the HTTP process).
+
+It validates and tokenizes requests, sends them to the scheduler, folds the detokenizer's
+BatchStrOut pieces into per-request state, and hands snapshots back to the API handlers.
+
+Ownership: a request's ReqState exists from `_send` until its final output was consumed or the
+consumer went away; a consumer that leaves early (client disconnect, error, cancellation) aborts
+the request in the scheduler, which frees its KV (or returns it to the radix cache).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import replace
+from typing import Any, AsyncIterator
+
+import zmq
+import zmq.asyncio
+from starlette.requests import Request
+
+from radixserve.core.io_struct import (AbortReq, BatchStrOut, FlushCacheReply, FlushCacheReq,
+                                       GetInternalStateReq, InternalState, ReqError,
+                                       TokenizedGenerateReq)
+from radixserve.core.sampling_params import InvalidRequestError, SamplingParams
+from radixserve.server.errors import APIError, ClientDisconnected
+from radixserve.server.ipc import PortArgs, pull_socket, push_socket
+from radixserve.server.metrics import ServerMetrics
+from radixserve.server.request_state import GenerateRequest, ReqOutput, ReqState
+from radixserve.server.tokenizer_utils import token_texts
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 1.0  # how often a waiting request checks that its client is still there
+REPLY_TIMEOUT_S = 60.0
+
+
+class TokenizerManager:
+    def __init__(self, port_args: PortArgs, tokenizer: Any | None, model_info: dict[str, Any],
+                 metrics: ServerMetrics, log_requests: bool = False) -> None:
+        self.port_args = port_args
+        self.tokenizer = tokenizer
+        self.model_info = model_info
+        self.context_len = int(model_info["context_len"])
+        self.vocab_size = int(model_info.get("vocab_size") or 0)
+        self.metrics = metrics
+        self.log_requests = log_requests
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.pending_replies: dict[type, deque[asyncio.Future[Any]]] = {
+            FlushCacheReply: deque(), InternalState: deque()}
+        self.send_sock: zmq.Socket | None = None
+        self.recv_task: asyncio.Task[None] | None = None
+
+    # ---- lifecycle (called inside the server's event loop) ----
+    async def start(self) -> None:
+        self.sync_context = zmq.Context(1)
+        self.async_context = zmq.asyncio.Context(1)
+        self.send_sock = push_socket(self.sync_context, self.port_args.scheduler_input)
+        self.recv_sock = pull_socket(self.async_context, self.port_args.tokenizer_input)
+        self.recv_task = asyncio.create_task(self._recv_loop(), name="tokenizer-manager-recv")
+
+    async def stop(self) -> None:
+        if self.recv_task is not None:
+            self.recv_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.recv_task
+        self.recv_sock.close(linger=0)
+        self.send_sock.close(linger=0)
+        self.async_context.term()
+        self.sync_context.term()
+
+    # ---- building requests ----
+    def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError("the server runs with --skip-tokenizer-init: send input_ids, not text")
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def make_request(self, *, text: str | None = None, input_ids: list[int] | None = None,
+                     sampling_params: SamplingParams, rid: str | None = None,
+                     return_logprob: bool = False, logprob_start_len: int = -1,
+                     top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
+                     stream: bool = False, param: str = "prompt") -> GenerateRequest:
+        """Validate everything and tokenize; raises APIError(400) for bad input."""
+        try:
+            sampling_params.verify()
+            sampling_params.normalize()
+            SamplingParams.check_top_logprobs_num(top_logprobs_num)
+        except InvalidRequestError as exc:
+            raise APIError(str(exc)) from exc
+        if input_ids is None:
+            if text is None:
+                raise APIError("either text or input_ids must be given", param=param)
+            if text == "":
+                raise APIError("the prompt must not be empty", param=param)
+            input_ids = self.tokenize(text)
+        if not input_ids:
+            raise APIError("the prompt must not be empty", param=param)
+        if self.vocab_size and any(not 0 <= t < self.vocab_size for t in input_ids):
+            raise APIError(f"token ids must be in [0, {self.vocab_size})", param=param)
+        self.check_length(len(input_ids), sampling_params.max_new_tokens)
+        if rid is not None and rid in self.rid_to_state:
+            raise APIError(f"request id {rid!r} is already in use", param="rid")
+        if logprob_start_len >= len(input_ids):
+            raise APIError(f"logprob_start_len must be < the prompt length ({len(input_ids)})",
+                           param="logprob_start_len")
+        return GenerateRequest(
+            rid=rid or uuid.uuid4().hex, input_ids=list(input_ids), input_text=text,
+            sampling_params=sampling_params, return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+            return_text_in_logprobs=return_text_in_logprobs, stream=stream)
+
+    def check_length(self, prompt_len: int, max_new_tokens: int) -> None:
+        if prompt_len >= self.context_len:
+            raise APIError(f"The input ({prompt_len} tokens) is longer than the model's context "
+                           f"length ({self.context_len} tokens).")
+        if prompt_len + max_new_tokens > self.context_len:
+            raise APIError(
+                f"Requested {prompt_len + max_new_tokens} tokens ({prompt_len} in the prompt, "
+                f"{max_new_tokens} to generate), but the model's context length is "
+                f"{self.context_len} tokens. Reduce the prompt or max_tokens.",
+                param="max_tokens")
+
+    # ---- generation ----
+    async def generate(self, req: GenerateRequest,
+                       http_request: Request | None = None) -> AsyncIterator[ReqOutput]:
+        """Outputs of one request: each streamed update if req.stream, always the final one."""
+        state = self._send(req)
+        try:
+            while True:
+                await self._wait(state, http_request)
+                if state.error is not None:
+                    raise APIError(state.error.message, status_code=state.error.http_status)
+                if state.finished:
+                    self._log_finish(state)
+                    yield state.snapshot()
+                    return
+                if req.stream:
+                    yield state.snapshot()
+        finally:
+            if not state.finished and state.error is None:
+                self.abort(req.rid)
+            self.rid_to_state.pop(req.rid, None)
+
+    async def generate_final(self, req: GenerateRequest,
+                             http_request: Request | None = None) -> ReqOutput:
+        async with contextlib.aclosing(self.generate(replace(req, stream=False),
+                                                     http_request)) as outputs:
+            async for out in outputs:
+                if out.finished:
+                    return out
+        raise RuntimeError("request ended without a final output")
+
+    async def generate_all(self, reqs: list[GenerateRequest],
+                           http_request: Request | None = None) -> list[ReqOutput]:
+        """Final outputs of several requests; if one fails, the others are aborted."""
+        await self.cache_shared_prefixes(reqs, http_request)
+        tasks = [asyncio.create_task(self.generate_final(r, http_request)) for r in reqs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def generate_merged(self, reqs: list[GenerateRequest], http_request: Request | None
+                              ) -> AsyncIterator[tuple[int, ReqOutput]]:
+        """Streamed updates of several requests, interleaved as they come: (index, output)."""
+        await self.cache_shared_prefixes(reqs, http_request)
+        queue: asyncio.Queue[tuple[int, ReqOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, req: GenerateRequest) -> None:
+            try:
+                async with contextlib.aclosing(self.generate(req, http_request)) as outputs:
+                    async for out in outputs:
+                        await queue.put((index, out))
+                await queue.put((index, None))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                await queue.put((index, exc))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def cache_shared_prefixes(self, reqs: list[GenerateRequest],
+                                    http_request: Request | None) -> None:
+        """Parallel sampling (n > 1): prefill each repeated prompt once with max_new_tokens=0
+        so that its copies hit the radix cache instead of prefilling n times (as SGLang does)."""
+        first_of: dict[tuple[int, ...], GenerateRequest] = {}
+        repeated: dict[tuple[int, ...], GenerateRequest] = {}
+        for req in reqs:
+            key = tuple(req.input_ids)
+            if key in first_of:
+                repeated[key] = first_of[key]
+            else:
+                first_of[key] = req
+        if not repeated:
+            return
+        warmups = [replace(r, rid=uuid.uuid4().hex, stream=False, return_logprob=False,
+                           sampling_params=replace(r.sampling_params, max_new_tokens=0))
+                   for r in repeated.values()]
+        await asyncio.gather(*(self.generate_final(w, http_request) for w in warmups))
+
+    def abort(self, rid: str) -> None:
+        """The consumer of `rid` is gone: abort it and forget it."""
+        self.send_abort(rid)
+        self.rid_to_state.pop(rid, None)
+
+    def send_abort(self, rid: str) -> None:
+        """Abort `rid` in the scheduler; its consumer still gets the final (abort) output."""
+        if self.send_sock is not None:
+            self.send_sock.send_pyobj(AbortReq(rid=rid))
+
+    # ---- control requests ----
+    async def flush_cache(self) -> FlushCacheReply:
+        return await self._request_reply(FlushCacheReq(), FlushCacheReply)
+
+    async def get_internal_state(self) -> InternalState:
+        state = await self._request_reply(GetInternalStateReq(), InternalState)
+        self.metrics.update_state(state)
+        return state
+
+    async def _request_reply(self, message: Any, reply_type: type) -> Any:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.pending_replies[reply_type].append(future)
+        self.send_sock.send_pyobj(message)
+        return await asyncio.wait_for(future, REPLY_TIMEOUT_S)
+
+    # ---- internals ----
+    def _send(self, req: GenerateRequest) -> ReqState:
+        if req.rid in self.rid_to_state:
+            raise APIError(f"request id {req.rid!r} is already in use", param="rid")
+        state = ReqState(req=req)
+        self.rid_to_state[req.rid] = state
+        if self.log_requests:
+            logger.info("request %s: %d prompt tokens, %r", req.rid, len(req.input_ids),
+                        req.input_text if req.input_text is not None else req.input_ids)
+        self.send_sock.send_pyobj(TokenizedGenerateReq(
+            rid=req.rid, input_text=req.input_text, input_ids=req.input_ids,
+            sampling_params=req.sampling_params, return_logprob=req.return_logprob,
+            logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num,
+            stream=req.stream))
+        return state
+
+    async def _wait(self, state: ReqState, http_request: Request | None) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(state.event.wait(), DISCONNECT_POLL_S)
+                state.event.clear()
+                return
+            except asyncio.TimeoutError:
+                if http_request is not None and await http_request.is_disconnected():
+                    logger.info("client of request %s disconnected; aborting", state.req.rid)
+                    raise ClientDisconnected(state.req.rid) from None
+
+    async def _recv_loop(self) -> None:
+        while True:
+            message = await self.recv_sock.recv_pyobj()
+            try:
+                self._handle(message)
+            except Exception:  # noqa: BLE001 - one bad message must not stop the server
+                logger.exception("failed to handle %s", type(message).__name__)
+
+    def _handle(self, message: Any) -> None:
+        if isinstance(message, BatchStrOut):
+            self._handle_outputs(message)
+        elif isinstance(message, ReqError):
+            state = self.rid_to_state.get(message.rid)
+            if state is not None:
+                state.error = message
+                state.event.set()
+        elif type(message) in self.pending_replies:
+            waiters = self.pending_replies[type(message)]
+            while waiters:
+                future = waiters.popleft()
+                if not future.done():
+                    future.set_result(message)
+                    break
+        else:
+            logger.error("tokenizer manager got an unknown message %r", type(message).__name__)
+
+    def _handle_outputs(self, batch: BatchStrOut) -> None:
+        now = time.perf_counter()
+        for i, rid in enumerate(batch.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None:  # aborted by its consumer; nothing waits for it
+                continue
+            new_ids = batch.new_output_ids[i]
+            text_fn = self._token_text_fn(state)
+            state.add_piece(batch.text_deltas[i], new_ids, batch.meta_infos[i],
+                            batch.finished_reasons[i], text_fn)
+            if new_ids:
+                self.metrics.observe_tokens(now, state.created_time, state.first_token_time,
+                                            state.last_token_time, len(new_ids))
+                state.first_token_time = state.first_token_time or now
+                state.last_token_time = now
+            if state.finished:
+                meta = state.meta_info
+                self.metrics.observe_finish(
+                    str((meta.get("finish_reason") or {}).get("type", "unknown")),
+                    len(state.req.input_ids), len(state.output_ids),
+                    int(meta.get("cached_tokens", 0) or 0), now - state.created_time)
+            state.event.set()
+
+    def _token_text_fn(self, state: ReqState) -> Any:
+        if state.req.return_text_in_logprobs:
+            return lambda ids: token_texts(self.tokenizer, ids)
+        return lambda ids: [None] * len(ids)
+
+    def _log_finish(self, state: ReqState) -> None:
+        if self.log_requests:
+            logger.info("finished %s: %r, %s", state.req.rid, state.text,
+                        state.meta_info.get("finish_reason"))

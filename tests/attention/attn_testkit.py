@@ -1,0 +1,51 @@
+"""Random KV pools and batches for the attention kernel tests (shared by the files here)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return {torch.float32: dict(atol=1e-4, rtol=1e-4),
+            torch.float16: dict(atol=3e-3, rtol=3e-3),
+            torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}[dtype]
+
+
+@dataclass
+class RandomPool:
+    req_to_token: torch.Tensor  # [num_rows, max_context_len] int32
+    k_buffer: torch.Tensor  # [num_slots + 1, Hkv, D]
+    v_buffer: torch.Tensor
+    req_pool_indices: torch.Tensor  # [bs] int64, distinct rows in shuffled order
+    seq_lens: torch.Tensor  # [bs] int64
+
+
+def random_pool(seq_lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device = DEVICE, seed: int = 0) -> RandomPool:
+    """KV slots of every request are a random permutation of the pool (slot 0 never used),
+    request rows are scattered over a req_to_token table with spare rows."""
+    gen = torch.Generator().manual_seed(seed)
+    bs, max_len = len(seq_lens), max(seq_lens) + 3
+    total = sum(seq_lens)
+    num_slots = total + 7
+    slots = torch.randperm(num_slots, generator=gen)[:total] + 1
+    num_rows = bs + 3
+    rows = torch.randperm(num_rows, generator=gen)[:bs]
+    req_to_token = torch.zeros((num_rows, max_len), dtype=torch.int32)
+    offset = 0
+    for row, seq_len in zip(rows.tolist(), seq_lens):
+        req_to_token[row, :seq_len] = slots[offset:offset + seq_len].int()
+        offset += seq_len
+    shape = (num_slots + 1, num_kv_heads, head_dim)
+    k_buffer = torch.randn(shape, generator=gen).to(dtype)
+    v_buffer = torch.randn(shape, generator=gen).to(dtype)
+    return RandomPool(req_to_token.to(device), k_buffer.to(device), v_buffer.to(device),
+                      rows.to(device), torch.tensor(seq_lens, device=device))

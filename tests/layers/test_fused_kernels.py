@@ -1,0 +1,133 @@
+"""Fused Triton layer kernels (RMSNorm + residual, SiLU-and-mul, RoPE) vs PyTorch references."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # read when a kernel is decorated: before the imports below
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from radixserve.layers.kernels.rmsnorm import fused_rmsnorm, rmsnorm_reference  # noqa: E402
+from radixserve.layers.kernels.rotary import (apply_rotary_inplace,  # noqa: E402
+                                              rotary_reference)
+from radixserve.layers.kernels.silu_and_mul import (silu_and_mul,  # noqa: E402
+                                                    silu_and_mul_reference)
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+gpu_only = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
+# bf16 under the CPU interpreter is not trusted; it is tested on the GPU
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
+
+
+def rope_caches(rot_dim: int, max_pos: int, base: float = 10000.0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's layout: [max_pos, rot_dim], both halves equal, float32."""
+    inv_freq = 1.0 / base ** (torch.arange(0, rot_dim, 2).float() / rot_dim)
+    freqs = torch.outer(torch.arange(max_pos).float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(DEVICE), emb.sin().to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_rmsnorm(dtype: torch.dtype, hidden: int) -> None:
+    x, weight = randn(5, hidden, dtype=dtype), randn(hidden, dtype=dtype, seed=1)
+    torch.testing.assert_close(fused_rmsnorm(x, weight, 1e-6),
+                               rmsnorm_reference(x, weight, 1e-6), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_fused_residual(dtype: torch.dtype) -> None:
+    x, residual = randn(2, 3, 128, dtype=dtype), randn(2, 3, 128, dtype=dtype, seed=2)
+    weight = randn(128, dtype=dtype, seed=1)
+    out, new_residual = fused_rmsnorm(x, weight, 1e-5, residual)
+    ref_out, ref_residual = rmsnorm_reference(x, weight, 1e-5, residual)
+    assert torch.equal(new_residual, ref_residual)  # one rounded add: bit-exact
+    torch.testing.assert_close(out, ref_out, **TOL[dtype])
+    assert out.shape == x.shape and out.dtype == ref_out.dtype
+
+
+def test_rmsnorm_strided_rows_and_fp32_weight() -> None:
+    x = randn(4, 256, dtype=torch.float16)[:, :128]  # row stride 256
+    weight = randn(128, dtype=torch.float32, seed=3)
+    out, ref = fused_rmsnorm(x, weight, 1e-6), rmsnorm_reference(x, weight, 1e-6)
+    assert out.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(out, ref, **TOL[torch.float16])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("intermediate", [32, 100])
+def test_silu_and_mul(dtype: torch.dtype, intermediate: int) -> None:
+    x = randn(3, 2 * intermediate, dtype=dtype)
+    out = silu_and_mul(x, block=32)  # several column blocks, a ragged last one
+    torch.testing.assert_close(out, silu_and_mul_reference(x), **TOL[dtype])
+    assert out.shape == (3, intermediate)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,rot_dim", [
+    (4, 1, 64, 64), (6, 2, 128, 128), (2, 2, 64, 32),  # GQA, MHA, partial rotary
+])
+def test_rotary_inplace(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                        rot_dim: int) -> None:
+    num_tokens = 7
+    cos, sin = rope_caches(rot_dim, max_pos=64)
+    positions = torch.tensor([0, 1, 2, 40, 41, 5, 63], device=DEVICE)
+    # q and k as views into one qkv projection output (strided rows), as models pass them
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
+                         num_kv_heads * head_dim], dim=-1)
+    v_before = v.clone()
+    ref_q, ref_k = rotary_reference(positions, q.clone(), k.clone(), cos, sin, head_dim)
+    apply_rotary_inplace(positions, q, k, cos, sin, head_dim)
+    torch.testing.assert_close(q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(k, ref_k, **TOL[dtype])
+    assert torch.equal(v, v_before)
+
+
+def test_rotary_reference_matches_transformers() -> None:
+    """The reference itself against HF's apply_rotary_pos_emb (needs no triton)."""
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    cos, sin = rope_caches(64, max_pos=32)
+    positions = torch.tensor([3, 0, 31], device=DEVICE)
+    q, k = randn(3, 2 * 64, dtype=torch.float32), randn(3, 64, dtype=torch.float32, seed=1)
+    ref_q, ref_k = rotary_reference(positions, q, k, cos, sin, 64)
+    hf_q, hf_k = llama.apply_rotary_pos_emb(
+        q.view(1, 3, 2, 64).transpose(1, 2), k.view(1, 3, 1, 64).transpose(1, 2),
+        cos[positions][None], sin[positions][None])
+    torch.testing.assert_close(ref_q, hf_q.transpose(1, 2).reshape(3, -1))
+    torch.testing.assert_close(ref_k, hf_k.transpose(1, 2).reshape(3, -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [4096, 8192])
+def test_fused_ops_real_shapes_gpu(dtype: torch.dtype, hidden: int) -> None:
+    for mark in gpu_only:
+        if mark.name == "skipif" and mark.args[0]:
+            pytest.skip(mark.kwargs["reason"])
+    x, residual = randn(512, hidden, dtype=dtype), randn(512, hidden, dtype=dtype, seed=1)
+    weight = randn(hidden, dtype=dtype, seed=2)
+    out, new_residual = fused_rmsnorm(x, weight, 1e-5, residual)
+    ref_out, ref_residual = rmsnorm_reference(x, weight, 1e-5, residual)
+    assert torch.equal(new_residual, ref_residual)
+    torch.testing.assert_close(out, ref_out, **TOL[dtype])
+    gate_up = randn(512, 2 * 14336, dtype=dtype, seed=3)
+    torch.testing.assert_close(silu_and_mul(gate_up), silu_and_mul_reference(gate_up),
+                               **TOL[dtype])
+    cos, sin = rope_caches(128, max_pos=8192)
+    positions = torch.randint(0, 8192, (512,), device=DEVICE)
+    q, k = randn(512, 32 * 128, dtype=dtype, seed=4), randn(512, 8 * 128, dtype=dtype, seed=5)
+    ref_q, ref_k = rotary_reference(positions, q, k, cos, sin, 128)
+    apply_rotary_inplace(positions, q, k, cos, sin, 128)
+    torch.testing.assert_close(q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(k, ref_k, **TOL[dtype])

@@ -1,0 +1,43 @@
+"""Drive a ModelRunner directly (no scheduler): allocate slots and build worker batches."""
+from __future__ import annotations
+
+import torch
+
+from radixserve.executor.forward_batch import ForwardMode, ModelWorkerBatch
+from radixserve.executor.model_runner import ModelRunner
+
+
+class RunnerDriver:
+    """One sequence per request row; extend and decode by hand, returning logits."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.rows: dict[int, int] = {}  # request key -> req pool row
+        self.lens: dict[int, int] = {}
+
+    def extend(self, tokens_by_req: dict[int, list[int]]) -> torch.Tensor:
+        """Append tokens to each request (new requests start empty); last-token logits."""
+        runner = self.runner
+        prefix_lens, ext_lens, input_ids, rows = [], [], [], []
+        for key, tokens in tokens_by_req.items():
+            if key not in self.rows:
+                self.rows[key] = runner.req_to_token_pool.alloc(1)[0]
+                self.lens[key] = 0
+            prefix_lens.append(self.lens[key])
+            ext_lens.append(len(tokens))
+            input_ids += tokens
+            rows.append(self.rows[key])
+        out_loc = runner.token_to_kv_pool.alloc(len(input_ids))
+        offset = 0
+        for key, ext_len, prefix_len in zip(tokens_by_req, ext_lens, prefix_lens):
+            runner.req_to_token_pool.req_to_token[self.rows[key], prefix_len:prefix_len + ext_len] \
+                = out_loc[offset:offset + ext_len].to(torch.int32)
+            self.lens[key] += ext_len
+            offset += ext_len
+        single_token = all(n == 1 for n in ext_lens) and all(p > 0 for p in prefix_lens)
+        batch = ModelWorkerBatch(
+            forward_mode=ForwardMode.DECODE if single_token else ForwardMode.EXTEND,
+            input_ids=input_ids, req_pool_indices=rows,
+            seq_lens=[self.lens[k] for k in tokens_by_req], out_cache_loc=out_loc,
+            extend_seq_lens=ext_lens, extend_prefix_lens=prefix_lens)
+        return runner.forward_logits(batch).next_token_logits

@@ -1,0 +1,123 @@
+"""IncrementalDetokenizer against tokenizer.decode on the real SmolLM2 tokenizer."""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from radixserve.core.io_struct import BatchTokenIDOut
+from radixserve.server.detokenizer_manager import DetokenizerManager
+from radixserve.server.incremental_detokenizer import IncrementalDetokenizer
+
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "héllo wörld, ça va? Ünïcödé façade naïve",
+    "你好，世界！今天天气很好。日本語のテキストも。",
+    "emoji 🎉🚀👍🏽 and flags 🇫🇷 family 👨‍👩‍👧",
+    "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\nHey!<|im_end|>",
+    "tabs\tand\nnewlines\n\n  spaces   and digits 1234567890",
+    "Ελληνικά и русский текст, עברית, العربية",
+]
+
+
+def stream(tokenizer: Any, ids: list[int], chunks: list[int], **kwargs: Any) -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer, **kwargs)
+    deltas, pos = [], 0
+    for size in chunks:
+        if pos + size >= len(ids):
+            break
+        deltas.append(detok.append(ids[pos:pos + size]))
+        pos += size
+    deltas.append(detok.finish(ids[pos:]))
+    return deltas
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("chunking", ["one", "random"])
+def test_concatenation_equals_decode(smollm_tokenizer: Any, text: str,
+                                     skip_special_tokens: bool, chunking: str) -> None:
+    ids = smollm_tokenizer.encode(text, add_special_tokens=False)
+    rng = random.Random(len(text))
+    chunks = [1 if chunking == "one" else rng.randint(1, 4) for _ in ids]
+    deltas = stream(smollm_tokenizer, ids, chunks, skip_special_tokens=skip_special_tokens)
+    expected = smollm_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert "".join(deltas) == expected
+    # nothing half-decoded is ever streamed: no delta holds a replacement character
+    assert all("\ufffd" not in d for d in deltas[:-1])
+
+
+def test_multibyte_char_waits_for_all_bytes(smollm_tokenizer: Any) -> None:
+    ids = smollm_tokenizer.encode("a🎉", add_special_tokens=False)
+    assert len(ids) >= 3, "the emoji must span several byte tokens for this test"
+    detok = IncrementalDetokenizer(smollm_tokenizer)
+    assert detok.append(ids[:1]) == "a"
+    for i in range(1, len(ids) - 1):
+        assert detok.append([ids[i]]) == ""
+    assert detok.append([ids[-1]]) == "🎉"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(min_value=0, max_value=49151), min_size=1, max_size=24),
+       seed=st.integers(0, 1000))
+def test_random_ids_property(smollm_tokenizer: Any, ids: list[int], seed: int) -> None:
+    rng = random.Random(seed)
+    chunks = [rng.randint(1, 3) for _ in ids]
+    deltas = stream(smollm_tokenizer, ids, chunks, skip_special_tokens=True)
+    assert "".join(deltas) == smollm_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def run_until_stop(tokenizer: Any, ids: list[int], stop: str) -> tuple[list[str], list[int]]:
+    """Feed tokens one by one and finish the way the scheduler does (the stop string appears in
+    the decoded tail window; a string of B UTF-8 bytes spans at most B tokens)."""
+    detok = IncrementalDetokenizer(tokenizer, stop_strs=[stop, "never-matches-xyz"])
+    deltas: list[str] = []
+    for n in range(1, len(ids) + 1):
+        tail = tokenizer.decode(ids[:n][-(len(stop.encode()) + 1):], skip_special_tokens=True)
+        if stop in tail:
+            deltas.append(detok.finish([ids[n - 1]], stop))
+            return deltas, ids[:n]
+        deltas.append(detok.append([ids[n - 1]]))
+    raise AssertionError("stop string never matched")
+
+
+@pytest.mark.parametrize("text,stop", [
+    ("One, two, three. Four, five.", "three"),
+    ("Answer: 42\n\nNext question", "\n\n"),
+    ("Il était une fois un château", "château"),
+    ("数字一二三四五六", "三四"),
+    ("abc abd abe", "abe"),
+])
+def test_stop_string_is_cut_and_never_streamed(smollm_tokenizer: Any, text: str,
+                                               stop: str) -> None:
+    ids = smollm_tokenizer.encode(text, add_special_tokens=False)
+    deltas, used = run_until_stop(smollm_tokenizer, ids, stop)
+    full = smollm_tokenizer.decode(used, skip_special_tokens=True)
+    assert "".join(deltas) == full[:full.find(stop)]
+    streamed = ""
+    for d in deltas:
+        streamed += d
+        assert stop not in streamed
+
+
+def test_manager_frees_state_and_passes_other_messages(smollm_tokenizer: Any) -> None:
+    manager = DetokenizerManager(smollm_tokenizer)
+    ids = smollm_tokenizer.encode("Hello there, friend", add_special_tokens=False)
+
+    def batch(new: list[list[int]], finished: list[Any]) -> BatchTokenIDOut:
+        n = len(new)
+        return BatchTokenIDOut(rids=["a", "b"][:n], new_output_ids=new, finished_reasons=finished,
+                               meta_infos=[{}] * n, skip_special_tokens=[True] * n,
+                               spaces_between_special_tokens=[True] * n, stop_strs=[[]] * n)
+
+    out1 = manager.handle(batch([ids[:2], ids[:1]], [None, None]))
+    out2 = manager.handle(batch([ids[2:], ids[1:]], [{"type": "length", "length": 9},
+                                                    {"type": "abort", "message": "x"}]))
+    assert out1.text_deltas[0] + out2.text_deltas[0] == smollm_tokenizer.decode(ids)
+    assert out1.text_deltas[1] + out2.text_deltas[1] == smollm_tokenizer.decode(ids)
+    assert manager.states == {}
+    sentinel = object()
+    assert manager.handle(sentinel) is sentinel
