@@ -11,6 +11,7 @@ No download is needed except for the ShareGPT layout, which reads a local file.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from dataclasses import dataclass
@@ -47,8 +48,8 @@ class TokenSampler:
         low, high = DEFAULT_TOKEN_RANGE
         special: set[int] = set()
         if tokenizer is not None:
-            size = vocab_size or len(tokenizer)  # type: ignore[arg-type]
-            low, high = 0, size
+            size = len(tokenizer)  # type: ignore[arg-type]
+            low, high = 0, min(size, vocab_size) if vocab_size else size
             special = set(getattr(tokenizer, "all_special_ids", []) or [])
         elif vocab_size is not None:
             high = min(high, vocab_size)
@@ -165,21 +166,22 @@ def sample_sharegpt_requests(path: str, num_prompts: int, tokenizer: Tokenizer,
     return requests
 
 
-def load_tokenizer(tokenizer_path: str | None, model: str | None = None) -> Tokenizer | None:
-    """`tokenizer_path` through transformers; else the bundled model's tokenizer through
-    radixserve.loader when that is available; else None."""
-    if tokenizer_path:
+def load_tokenizer(name: str | None, model: str | None = None) -> Tokenizer | None:
+    """`name` may be anything radixserve's loader resolves (a folder, a .gguf file, the bundled
+    model's name) or an HF hub id. Without it: the tokenizer of `model`, else of the bundled
+    model, through the loader; None (with a note) when that cannot be had."""
+    from radixserve.config import DEFAULT_MODEL_NAME
+    target = name or model or DEFAULT_MODEL_NAME
+    try:
+        from radixserve.loader import get_tokenizer
+        return get_tokenizer(target)
+    except Exception as exc:  # not a local model: maybe a plain tokenizer folder or hub id
+        loader_error = exc
+    if name:
         from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(tokenizer_path)
-    try:
-        from radixserve.loader import get_tokenizer  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    try:
-        return get_tokenizer(model) if model else get_tokenizer()  # type: ignore[call-arg]
-    except Exception as exc:  # a missing model is not fatal for the random datasets
-        print(f"note: could not load the bundled tokenizer ({exc}); using raw token ids")
-        return None
+        return AutoTokenizer.from_pretrained(name)
+    print(f"note: no tokenizer for {target} ({loader_error}); using raw token ids")
+    return None
 
 
 def attach_prompt_text(requests: list[SampleRequest], tokenizer: Tokenizer) -> None:
@@ -187,3 +189,46 @@ def attach_prompt_text(requests: list[SampleRequest], tokenizer: Tokenizer) -> N
     for req in requests:
         if req.prompt_text is None and req.prompt_ids is not None:
             req.prompt_text = tokenizer.decode(req.prompt_ids, skip_special_tokens=True)
+
+
+DATASETS = ("random", "generated-shared-prefix", "sharegpt")
+
+
+def add_dataset_args(parser: argparse.ArgumentParser) -> None:
+    """The workload flags shared by `bench serving` and `bench offline`."""
+    p = parser
+    p.add_argument("--dataset-name", choices=DATASETS, default="random")
+    p.add_argument("--dataset-path", default=None, help="ShareGPT-layout JSON or JSONL file")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=1.0)
+    p.add_argument("--gsp-num-groups", type=int, default=8)
+    p.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    p.add_argument("--gsp-system-prompt-len", type=int, default=1024)
+    p.add_argument("--gsp-question-len", type=int, default=64)
+    p.add_argument("--gsp-output-len", type=int, default=64)
+    p.add_argument("--gsp-shuffle", action="store_true", help="interleave the groups")
+    p.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="override each conversation's reply length")
+
+
+def build_dataset(args: argparse.Namespace, tokenizer: Tokenizer | None, seed: int,
+                  vocab_size: int | None = None) -> list[SampleRequest]:
+    """The workload `add_dataset_args` describes (--num-prompts is ignored by the shared-prefix
+    set, whose size is groups x prompts per group)."""
+    sampler = TokenSampler(tokenizer, vocab_size)
+    if args.dataset_name == "random":
+        return sample_random_requests(args.num_prompts, args.random_input_len,
+                                      args.random_output_len, args.random_range_ratio, seed,
+                                      sampler)
+    if args.dataset_name == "generated-shared-prefix":
+        return sample_shared_prefix_requests(
+            args.gsp_num_groups, args.gsp_prompts_per_group, args.gsp_system_prompt_len,
+            args.gsp_question_len, args.gsp_output_len, seed, args.gsp_shuffle, sampler)
+    if not args.dataset_path:
+        raise SystemExit("--dataset-name sharegpt needs --dataset-path")
+    if tokenizer is None:
+        raise SystemExit("the sharegpt dataset needs a tokenizer: pass --tokenizer")
+    return sample_sharegpt_requests(args.dataset_path, args.num_prompts, tokenizer,
+                                    args.sharegpt_output_len, seed)

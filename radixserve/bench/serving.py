@@ -13,9 +13,9 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import sys
 import time
+import urllib.request
 from datetime import datetime, timezone
 from typing import Any, AsyncIterator
 
@@ -24,12 +24,9 @@ import numpy as np
 from tqdm.asyncio import tqdm
 
 from radixserve.bench.backends import BACKENDS, RequestInput
-from radixserve.bench.datasets import (SampleRequest, TokenSampler, Tokenizer, attach_prompt_text,
-                                       load_tokenizer, sample_random_requests,
-                                       sample_shared_prefix_requests, sample_sharegpt_requests)
+from radixserve.bench.datasets import (SampleRequest, TokenSampler, Tokenizer, add_dataset_args,
+                                       attach_prompt_text, build_dataset, load_tokenizer)
 from radixserve.bench.metrics import RequestOutput, compute_metrics, format_report
-
-DATASETS = ("random", "generated-shared-prefix", "sharegpt")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,23 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--model", default=None, help="model name for OpenAI APIs (default: the "
                    "first of /v1/models); for radixserve, which tokenizer to load")
-    p.add_argument("--tokenizer", default=None, help="tokenizer path or HF id (ShareGPT lengths, "
-                   "chat prompts, random ids that avoid special tokens)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    p.add_argument("--dataset-name", choices=DATASETS, default="random")
-    p.add_argument("--dataset-path", default=None, help="ShareGPT-layout JSON or JSONL file")
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=1.0)
-    p.add_argument("--gsp-num-groups", type=int, default=8)
-    p.add_argument("--gsp-prompts-per-group", type=int, default=16)
-    p.add_argument("--gsp-system-prompt-len", type=int, default=1024)
-    p.add_argument("--gsp-question-len", type=int, default=64)
-    p.add_argument("--gsp-output-len", type=int, default=64)
-    p.add_argument("--gsp-shuffle", action="store_true", help="interleave the groups")
-    p.add_argument("--sharegpt-output-len", type=int, default=None,
-                   help="override each conversation's reply length")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder, .gguf file, model name "
+                   "or HF id (ShareGPT lengths, chat prompts, random ids without special "
+                   "tokens); radixserve backend default: the server's bundled model's")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    add_dataset_args(p)
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests/s, Poisson arrivals; inf sends all at once")
     p.add_argument("--request-rate-range", default=None,
@@ -83,24 +68,9 @@ def parse_rates(args: argparse.Namespace) -> list[float]:
     return [float(part) for part in args.request_rate_range.split(",") if part.strip()]
 
 
-def build_requests(args: argparse.Namespace, tokenizer: Tokenizer | None,
-                   seed: int) -> list[SampleRequest]:
-    sampler = TokenSampler(tokenizer)
-    if args.dataset_name == "random":
-        requests = sample_random_requests(args.num_prompts, args.random_input_len,
-                                          args.random_output_len, args.random_range_ratio, seed,
-                                          sampler)
-    elif args.dataset_name == "generated-shared-prefix":
-        requests = sample_shared_prefix_requests(
-            args.gsp_num_groups, args.gsp_prompts_per_group, args.gsp_system_prompt_len,
-            args.gsp_question_len, args.gsp_output_len, seed, args.gsp_shuffle, sampler)
-    else:
-        if not args.dataset_path:
-            raise SystemExit("--dataset-name sharegpt needs --dataset-path")
-        if tokenizer is None:
-            raise SystemExit("the sharegpt dataset needs a tokenizer: pass --tokenizer")
-        requests = sample_sharegpt_requests(args.dataset_path, args.num_prompts, tokenizer,
-                                            args.sharegpt_output_len, seed)
+def build_requests(args: argparse.Namespace, tokenizer: Tokenizer | None, seed: int,
+                   vocab_size: int | None = None) -> list[SampleRequest]:
+    requests = build_dataset(args, tokenizer, seed, vocab_size)
     if args.backend == "openai-chat":
         if tokenizer is None and any(r.prompt_text is None for r in requests):
             raise SystemExit("openai-chat sends text: pass --tokenizer to decode token ids")
@@ -160,28 +130,44 @@ async def fetch_server_cache_hit_rate(session: aiohttp.ClientSession,
         if line.startswith("#") or "cache_hit_rate" not in line.split(" ")[0]:
             continue
         try:
-            return float(line.rsplit(" ", 1)[1])
+            value = float(line.rsplit(" ", 1)[1])
         except ValueError:
             continue
+        return value if math.isfinite(value) else None
     return None
 
 
-def make_warmup(req: SampleRequest, tokenizer: Tokenizer | None, seed: int) -> SampleRequest:
+def make_warmup(req: SampleRequest, tokenizer: Tokenizer | None, seed: int,
+                vocab_size: int | None = None) -> SampleRequest:
     """A prompt as long as the first one but different, so the warm-up caches nothing useful."""
     warm = SampleRequest(prompt_len=req.prompt_len, output_len=min(req.output_len, 16),
                          prompt_text=req.prompt_text)
     if req.prompt_ids is not None:
-        warm.prompt_ids = TokenSampler(tokenizer).sample(np.random.default_rng(seed + 7919),
-                                                         req.prompt_len)
+        sampler = TokenSampler(tokenizer, vocab_size)
+        warm.prompt_ids = sampler.sample(np.random.default_rng(seed + 7919), req.prompt_len)
         if req.prompt_text is not None and tokenizer is not None:
             warm.prompt_text = tokenizer.decode(warm.prompt_ids, skip_special_tokens=True)
     return warm
 
 
+def base_url_of(args: argparse.Namespace) -> str:
+    return (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+
+
+def fetch_vocab_size(base_url: str) -> int | None:
+    """The served model's vocabulary size from radixserve's (and SGLang's) /get_model_info."""
+    try:
+        with urllib.request.urlopen(base_url + "/get_model_info", timeout=10) as response:
+            value = json.loads(response.read()).get("vocab_size")
+    except (OSError, ValueError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 async def run_benchmark(args: argparse.Namespace, requests: list[SampleRequest], rate: float,
-                        seed: int, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
+                        seed: int, warmup: SampleRequest | None = None) -> dict[str, Any]:
     """One run at one request rate; returns the JSON record (also printed as a table)."""
-    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    base_url = base_url_of(args)
     timeout = aiohttp.ClientTimeout(total=6 * 60 * 60)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector,
@@ -194,9 +180,8 @@ async def run_benchmark(args: argparse.Namespace, requests: list[SampleRequest],
             async with session.post(base_url + "/flush_cache") as response:
                 if response.status != 200:
                     print(f"warning: /flush_cache answered HTTP {response.status}")
-        if not args.disable_warmup:
-            warm = await client.send(session, client.make_input(
-                make_warmup(requests[0], tokenizer, seed)))
+        if warmup is not None:
+            warm = await client.send(session, client.make_input(warmup))
             if not warm.success:
                 raise RuntimeError(f"warm-up request failed: {warm.error}")
 
@@ -264,12 +249,16 @@ def resolve_tokenizer(args: argparse.Namespace) -> Tokenizer | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     tokenizer = resolve_tokenizer(args)
+    # random ids must fit the served model's vocabulary (a small one, with dummy weights)
+    vocab_size = fetch_vocab_size(base_url_of(args)) if args.backend == "radixserve" else None
     for index, rate in enumerate(parse_rates(args)):
         seed = args.seed + index
-        requests = build_requests(args, tokenizer, seed)
+        requests = build_requests(args, tokenizer, seed, vocab_size)
         if not requests:
             raise SystemExit("the dataset produced no requests")
-        asyncio.run(run_benchmark(args, requests, rate, seed, tokenizer))
+        warmup = None if args.disable_warmup else \
+            make_warmup(requests[0], tokenizer, seed, vocab_size)
+        asyncio.run(run_benchmark(args, requests, rate, seed, warmup))
     return 0
 
 

@@ -29,7 +29,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     n: int = 1
     seed: int | None = None
-    # filled by normalize(): stop strings as a list, and the longest one in characters
+    # filled by normalize(): stop strings as a list, and the longest one in UTF-8 bytes
     stop_strs: list[str] = field(default_factory=list, repr=False)
     stop_str_max_len: int = field(default=0, repr=False)
 
@@ -96,7 +96,9 @@ class SamplingParams:
             self.stop_strs = []
         else:
             self.stop_strs = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        self.stop_str_max_len = max((len(s) for s in self.stop_strs), default=0)
+        # in UTF-8 bytes: a byte-level BPE token holds at least one byte, so a stop string of
+        # B bytes spans at most B tokens (a CJK character or an emoji can take several tokens)
+        self.stop_str_max_len = max((len(s.encode("utf-8")) for s in self.stop_strs), default=0)
         if self.temperature <= 1e-6:
             # greedy: make every other knob a no-op so batches can take the argmax fast path
             self.temperature = 0.0

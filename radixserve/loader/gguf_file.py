@@ -72,7 +72,7 @@ class GGUFFile:
 
 
 class _Cursor:
-    """Sequential little-endian reads over an in-memory buffer."""
+    """Sequential little-endian reads over a (memory-mapped) buffer."""
 
     def __init__(self, buf: memoryview) -> None:
         self.buf = buf

@@ -124,6 +124,8 @@ def build_byte_level_tokenizer(gguf: GGUFFile) -> PreTrainedTokenizerFast:
         model_max_length=int(meta.get(f"{arch}.context_length", 1 << 30)),
         clean_up_tokenization_spaces=False,
         add_prefix_space=False,
+        add_bos_token=add_bos,
+        add_eos_token=add_eos,
     )
 
 

@@ -241,7 +241,7 @@ class RadixCache(BasePrefixCache):
         return self._protected_size
 
     def total_size(self) -> int:
-        return sum(len(n.key) for n in self._nodes())
+        return self._evictable_size + self._protected_size
 
     def cached_slots(self) -> torch.Tensor:
         values = [n.value for n in self._nodes() if n is not self.root]

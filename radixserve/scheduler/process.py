@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection
-import signal
+import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -92,15 +92,26 @@ class SchedulerLoop:
             logger.error("scheduler got an unknown message %r; ignored", type(message).__name__)
 
 
+def limit_cpu_threads(server_args: ServerArgs) -> None:
+    """On CPU, leave one core to the HTTP and detokenizer processes: torch's OpenMP threads
+    spin at barriers, and when they compete with the HTTP process for cores every small op
+    (attention on a few tokens) slows down by orders of magnitude. OMP_NUM_THREADS wins."""
+    if not server_args.device.startswith("cpu") or os.environ.get("OMP_NUM_THREADS"):
+        return
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+
+
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs,
                           status_conn: multiprocessing.connection.Connection,
                           scheduler_factory: SchedulerFactory | None = None) -> None:
     """Entry point of the scheduler child (spawned). Reports readiness with the model info, or
     the traceback of whatever failed, through `status_conn`; exits non-zero on failure."""
     prepare_child_process("scheduler", server_args.log_level)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     loop: SchedulerLoop | None = None
     try:
+        limit_cpu_threads(server_args.resolve())
         scheduler = (scheduler_factory or build_default_scheduler)(server_args)
         loop = SchedulerLoop(scheduler, port_args)
         send_status(status_conn, {"status": "ready", "model_info": dict(scheduler.model_info)})

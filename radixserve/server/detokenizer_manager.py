@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection
-import signal
 import sys
 from typing import Any
 
@@ -74,7 +73,6 @@ def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs,
                             status_conn: multiprocessing.connection.Connection) -> None:
     """Entry point of the detokenizer child (spawned)."""
     prepare_child_process("detokenizer", server_args.log_level)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     context = zmq.Context(1)
     try:
         manager = DetokenizerManager(load_tokenizer(server_args))

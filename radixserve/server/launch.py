@@ -7,6 +7,7 @@ SIGINT/SIGTERM stop it cleanly (exit 0). Children never outlive the server.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -15,6 +16,7 @@ import signal
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import uvicorn
@@ -67,6 +69,19 @@ def _raise_shutdown(signum: int, _frame: Any) -> None:
     raise ShutdownRequested(signal.Signals(signum).name)
 
 
+def main(argv: list[str] | None = None) -> int:
+    """`radixserve serve` / `python -m radixserve.launch_server`: parse flags and serve.
+    Returns the exit code (0 after a clean SIGINT/SIGTERM shutdown)."""
+    parser = argparse.ArgumentParser(prog="radixserve serve", description="radixserve HTTP server")
+    ServerArgs.add_cli_args(parser)
+    server_args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    try:
+        launch_server(server_args)
+    except SystemExit as exc:
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 1
+    return 0
+
+
 def launch_server(server_args: ServerArgs,
                   scheduler_factory: SchedulerFactory | None = None) -> None:
     """Serve until SIGINT/SIGTERM; raises SystemExit(1) if a child dies or start-up fails."""
@@ -83,8 +98,10 @@ def launch_server(server_args: ServerArgs,
         group.start()
         logger.info("loading the model in the scheduler process (pid %s)",
                     group.pid_of("scheduler"))
-        model_info = group.wait_ready()
-        _serve(server_args, port_args, group, model_info, state)
+        with ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load") as pool:
+            tokenizer = pool.submit(load_tokenizer, server_args)  # overlaps the model load
+            model_info = group.wait_ready()  # a child's failure is reported first
+            _serve(server_args, port_args, group, model_info, tokenizer.result(), state)
     except ChildFailedError as exc:
         state.exit_code = 1
         logger.error("%s", exc)
@@ -99,9 +116,8 @@ def launch_server(server_args: ServerArgs,
 
 
 def _serve(server_args: ServerArgs, port_args: PortArgs, group: ProcessGroup,
-           model_info: dict[str, Any], state: ServerState) -> None:
+           model_info: dict[str, Any], tokenizer: Any, state: ServerState) -> None:
     name = served_model_name(server_args)
-    tokenizer = load_tokenizer(server_args)
     tm = TokenizerManager(port_args, tokenizer, model_info, ServerMetrics(name),
                           log_requests=server_args.log_requests)
     aliases = frozenset({name, server_args.model_path or DEFAULT_MODEL_NAME})

@@ -12,6 +12,7 @@ from radixserve.server.openai_common import (OpenAIContext, finish_reason_of, ne
                                              sample_copies, sse, sse_response, usage_of)
 from radixserve.server.openai_protocol import CompletionRequest, parse_model
 from radixserve.server.request_state import GenerateRequest, ReqOutput
+from radixserve.server.tokenizer_utils import token_texts
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -53,6 +54,22 @@ class LogprobBuilder:
         return out
 
 
+def input_logprobs(ctx: OpenAIContext, req: GenerateRequest,
+                   meta: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+    """Prompt token logprobs for echo, one entry per prompt token: the first token has no
+    logprob (None), which the scheduler may leave out."""
+    tokens = list(meta.get("input_token_logprobs") or [])
+    tops = list(meta.get("input_top_logprobs") or [])
+    if len(tokens) == len(req.input_ids) - 1:
+        first = req.input_ids[0]
+        text = token_texts(ctx.tokenizer_manager.tokenizer, [first])[0]
+        tokens.insert(0, (None, first, text))
+        if tops:
+            tops.insert(0, None)
+    tops += [None] * (len(tokens) - len(tops))
+    return tokens, tops
+
+
 def prompt_text(ctx: OpenAIContext, req: GenerateRequest) -> str:
     if req.input_text is not None:
         return req.input_text
@@ -73,10 +90,8 @@ def choice_of(ctx: OpenAIContext, body: CompletionRequest, index: int, req: Gene
         tokens = list(meta.get("output_token_logprobs") or [])
         tops = list(meta.get("output_top_logprobs") or [])
         if body.echo:
-            tokens = list(meta.get("input_token_logprobs") or []) + tokens
-            in_tops = list(meta.get("input_top_logprobs") or [])
-            in_tops += [None] * (len(meta.get("input_token_logprobs") or []) - len(in_tops))
-            tops = in_tops + tops
+            in_tokens, in_tops = input_logprobs(ctx, req, meta)
+            tokens, tops = in_tokens + tokens, in_tops + tops
         logprobs = builder.build(tokens, tops if body.logprobs else [])
     return {"index": index, "text": text, "logprobs": logprobs,
             "finish_reason": finish_reason_of(out)}
@@ -119,10 +134,8 @@ async def stream_events(ctx: OpenAIContext, body: CompletionRequest, model: str,
                 sent_logprobs[index] = len(tokens)
                 tokens, tops = tokens[start:], tops[start:]
                 if body.echo and not echoed[index]:
-                    inputs = list(meta.get("input_token_logprobs") or [])
-                    in_tops = list(meta.get("input_top_logprobs") or [])
-                    tokens = inputs + tokens
-                    tops = in_tops + [None] * (len(inputs) - len(in_tops)) + tops
+                    in_tokens, in_tops = input_logprobs(ctx, reqs[index], meta)
+                    tokens, tops = in_tokens + tokens, in_tops + tops
                 logprobs = builders[index].build(tokens, tops if body.logprobs else [])
             if body.echo and not echoed[index]:
                 text = prompt_text(ctx, reqs[index]) + text

@@ -59,6 +59,9 @@ class SamplingFields(StrictModel):
     stop_token_ids: list[StrictInt] | None = None
 
     def check_unsupported(self) -> None:
+        """Raise APIError(400) for unsupported fields or values pydantic cannot express."""
+        if not 1 <= self.n <= 128:
+            raise APIError(f"n must be in [1, 128], got {self.n}", param="n")
         if self.logit_bias:
             raise APIError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:

@@ -43,8 +43,11 @@ def prepare_child_process(process_name: str, log_level: str) -> None:
     """Common set-up at the top of every child's entry function.
 
     Ctrl-C in a terminal reaches the whole process group; only the parent acts on it and then
-    terminates the children, so children ignore SIGINT. SIGTERM keeps its default (exit)."""
+    terminates the children, so children ignore SIGINT. SIGTERM is the parent's "stop now" and
+    keeps the default action: a Python-level handler would only run once the main thread comes
+    back from a blocking ZMQ call, which a signal delivered to another thread does not cause."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     configure_logging(log_level, process_name)
     exit_when_parent_dies()
 

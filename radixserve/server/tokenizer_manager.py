@@ -216,9 +216,12 @@ class TokenizerManager:
         await asyncio.gather(*(self.generate_final(w, http_request) for w in warmups))
 
     def abort(self, rid: str) -> None:
-        """The consumer of `rid` is gone: abort it and forget it."""
+        """The consumer of `rid` is gone: abort it and forget it (counted as an abort)."""
         self.send_abort(rid)
-        self.rid_to_state.pop(rid, None)
+        state = self.rid_to_state.pop(rid, None)
+        if state is not None and not state.finished:
+            self.metrics.observe_finish("abort", len(state.req.input_ids), len(state.output_ids),
+                                        0, time.perf_counter() - state.created_time)
 
     def send_abort(self, rid: str) -> None:
         """Abort `rid` in the scheduler; its consumer still gets the final (abort) output."""
@@ -238,7 +241,11 @@ class TokenizerManager:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.pending_replies[reply_type].append(future)
         self.send_sock.send_pyobj(message)
-        return await asyncio.wait_for(future, REPLY_TIMEOUT_S)
+        try:
+            return await asyncio.wait_for(future, REPLY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise APIError(f"the scheduler did not answer {type(message).__name__} in time",
+                           status_code=503) from None
 
     # ---- internals ----
     def _send(self, req: GenerateRequest) -> ReqState:

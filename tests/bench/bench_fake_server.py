@@ -21,7 +21,10 @@ from aiohttp import web
 class FakeServerState:
     max_prompt_len: int = 10_000
     refuse_prompt_lens: set[int] = field(default_factory=set)
+    # /generate streams one token, then an error event, for prompts of these lengths
+    midstream_error_prompt_lens: set[int] = field(default_factory=set)
     eos_after: int = 2
+    vocab_size: int | None = None  # served by /get_model_info when set
     token_delay_s: float = 0.001
     bodies: list[dict[str, Any]] = field(default_factory=list)
     refused_prompts: list[list[Any]] = field(default_factory=list)
@@ -67,6 +70,7 @@ class FakeServer:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/get_model_info", self.model_info)
         app.router.add_post("/flush_cache", self.flush_cache)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
@@ -122,8 +126,10 @@ class FakeServer:
         texts = [" ".join(f"t{j}" for j in range(i)) for i in range(1, n + 1)]
         if not body.get("stream"):
             return web.json_response({"text": texts[-1] if texts else "", "meta_info": meta(n)})
-        return await self._sse(request, [{"text": t, "meta_info": meta(i + 1)}
-                                         for i, t in enumerate(texts)])
+        events = [{"text": t, "meta_info": meta(i + 1)} for i, t in enumerate(texts)]
+        if len(prompt) in self.state.midstream_error_prompt_lens:
+            events = events[:1] + [{"error": {"message": "scheduler died", "code": 500}}]
+        return await self._sse(request, events)
 
     def _usage(self, prompt: list[Any], n: int, cached: int) -> dict[str, Any]:
         return {"prompt_tokens": len(prompt), "completion_tokens": n,
@@ -166,6 +172,11 @@ class FakeServer:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        if self.state.vocab_size is None:
+            raise web.HTTPNotFound()
+        return web.json_response({"vocab_size": self.state.vocab_size})
 
     async def metrics(self, request: web.Request) -> web.Response:
         s = self.state

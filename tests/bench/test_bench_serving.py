@@ -67,6 +67,31 @@ def test_radixserve_stream_counts_match_what_was_sent(tmp_path: Path, tokenizer_
     assert record["mean_itl_ms"] is not None and record["median_tpot_ms"] is not None
 
 
+def test_random_ids_fit_the_served_vocabulary(tmp_path: Path, tokenizer_dir: str) -> None:
+    state = FakeServerState(vocab_size=40)  # smaller than the tokenizer's 203 ids
+    with FakeServer(state) as server:
+        (record,) = _run(server, tmp_path / "v.jsonl", tokenizer_dir, "--num-prompts", "4",
+                         "--random-input-len", "50", "--random-output-len", "2")
+    assert record["completed"] == 4
+    ids = {t for body in state.bodies for t in body["input_ids"]}
+    assert ids <= set(range(3, 40)) and len(ids) > 20  # in the vocabulary, no special ids
+
+
+def test_error_event_mid_stream_fails_the_request(tmp_path: Path, tokenizer_dir: str) -> None:
+    num = 10
+    dataset = sample_random_requests(num, 12, 4, 0.5, SEED, TokenSampler(tiny_tokenizer()))
+    broken = {r.prompt_len for r in dataset[1:]} - {dataset[0].prompt_len}
+    broken = {min(broken)}
+    state = FakeServerState(midstream_error_prompt_lens=broken)
+    with FakeServer(state) as server:
+        (record,) = _run(server, tmp_path / "e.jsonl", tokenizer_dir, "--num-prompts", str(num),
+                         "--random-input-len", "12", "--random-output-len", "4",
+                         "--random-range-ratio", "0.5")
+    _check_consistent(record, num)
+    assert record["failed"] == sum(r.prompt_len in broken for r in dataset) > 0
+    assert any("scheduler died" in e for e in record["errors"])
+
+
 @pytest.mark.parametrize("backend", ["openai", "openai-chat"])
 def test_openai_backends(tmp_path: Path, tokenizer_dir: str, backend: str) -> None:
     state = FakeServerState()

@@ -99,7 +99,8 @@ def test_seeded_distribution_over_many_seeds_matches_reference(params: dict[str,
     reqs = [make_req(seed=seed, **params) for seed in range(num)]
     info = SamplingBatchInfo.from_reqs(reqs, vocab, "cpu")
     tokens = Sampler().forward(torch.tensor([LOGITS]).expand(num, vocab), info)
-    assert_matches(torch.bincount(tokens, minlength=vocab), reference_distribution(LOGITS, **params))
+    assert_matches(torch.bincount(tokens, minlength=vocab),
+                   reference_distribution(LOGITS, **params))
 
 
 def test_mixed_batch_rows_each_follow_their_own_params() -> None:

@@ -18,7 +18,7 @@ from radixserve.layers.kernels.silu_and_mul import (silu_and_mul,  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-gpu_only = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 # bf16 under the CPU interpreter is not trusted; it is tested on the GPU
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
@@ -109,12 +109,11 @@ def test_rotary_reference_matches_transformers() -> None:
     torch.testing.assert_close(ref_k, hf_k.transpose(1, 2).reshape(3, -1))
 
 
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hidden", [4096, 8192])
 def test_fused_ops_real_shapes_gpu(dtype: torch.dtype, hidden: int) -> None:
-    for mark in gpu_only:
-        if mark.name == "skipif" and mark.args[0]:
-            pytest.skip(mark.kwargs["reason"])
     x, residual = randn(512, hidden, dtype=dtype), randn(512, hidden, dtype=dtype, seed=1)
     weight = randn(hidden, dtype=dtype, seed=2)
     out, new_residual = fused_rmsnorm(x, weight, 1e-5, residual)

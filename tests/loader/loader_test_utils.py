@@ -3,13 +3,16 @@ converter writes them (tensor names, q/k row permutation, `llama.*` hyperparamet
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from gguf import GGUFWriter
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import quantize
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 TINY_LLAMA = dict(
     vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -33,7 +36,7 @@ _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
                  "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 
 
-def make_tiny_llama(tie_word_embeddings: bool = False, seed: int = 0) -> Any:
+def make_tiny_llama(tie_word_embeddings: bool = False, seed: int = 0) -> LlamaForCausalLM:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -60,8 +63,7 @@ def llama_cpp_name(hf_name: str) -> str:
 
 
 def write_llama_gguf(state_dict: dict[str, torch.Tensor], config: dict[str, Any], path: Path,
-                     quant: GGMLQuantizationType = GGMLQuantizationType.F32,
-                     extra_kv: dict[str, Any] | None = None) -> Path:
+                     quant: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
     """Write an HF Llama state dict as llama.cpp would: renamed, q/k permuted, 2-D weights in
     `quant` (norms stay F32), hyperparameters under the `llama.` keys."""
     writer = GGUFWriter(str(path), "llama")
@@ -77,8 +79,6 @@ def write_llama_gguf(state_dict: dict[str, torch.Tensor], config: dict[str, Any]
     writer.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
-    for key, value in (extra_kv or {}).items():
-        writer.add_key_value(key, value[0], value[1])
     for hf_name, tensor in state_dict.items():
         array = tensor.detach().float().numpy()
         if hf_name.endswith("q_proj.weight"):

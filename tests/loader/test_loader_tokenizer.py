@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from gguf import GGUFWriter
+from transformers import PreTrainedTokenizerBase
 
 from radixserve.loader.gguf_file import read_gguf
 from radixserve.loader.gguf_loader import gguf_cache_folder
@@ -23,7 +24,7 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def reference_tokenizer(bundled_gguf: str):  # noqa: ANN201
+def reference_tokenizer(bundled_gguf: str) -> PreTrainedTokenizerBase:
     """transformers' GGUF tokenizer conversion (slow, ~5 s; built once per module)."""
     from transformers import AutoTokenizer
 
@@ -32,7 +33,7 @@ def reference_tokenizer(bundled_gguf: str):  # noqa: ANN201
 
 
 def test_bundled_tokenizer_matches_transformers_gguf_conversion(
-        bundled_gguf: str, reference_tokenizer) -> None:  # noqa: ANN001
+        bundled_gguf: str, reference_tokenizer: PreTrainedTokenizerBase) -> None:
     ours = get_tokenizer(None)
     for text in TEXTS:
         ids = ours.encode(text)
@@ -93,16 +94,16 @@ def _write_tokenizer_only_gguf(source: str, path: Path, add_bos: bool) -> Path:
     return path
 
 
-def test_add_bos_flag_matches_transformers(bundled_gguf: str, tmp_path: Path) -> None:
-    from transformers import AutoTokenizer
-
-    path = _write_tokenizer_only_gguf(bundled_gguf, tmp_path / "bos.gguf", add_bos=True)
-    ours = load_gguf_tokenizer(str(path), use_cache=False)
-    reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="bos.gguf")
+def test_add_bos_flag_prepends_bos(bundled_gguf: str, tmp_path: Path) -> None:
+    with_bos = _write_tokenizer_only_gguf(bundled_gguf, tmp_path / "bos.gguf", add_bos=True)
+    without = _write_tokenizer_only_gguf(bundled_gguf, tmp_path / "nobos.gguf", add_bos=False)
+    ours = load_gguf_tokenizer(str(with_bos), use_cache=False)
+    plain = load_gguf_tokenizer(str(without), use_cache=False)
+    assert ours.add_bos_token and not plain.add_bos_token
     for text in TEXTS[:3]:
-        ids = ours.encode(text)
-        assert ids[0] == 1
-        assert ids == reference.encode(text), text
+        assert ours.encode(text) == [1] + plain.encode(text), text
+        assert ours.encode(text, add_special_tokens=False) == plain.encode(text)
+        assert ours.decode(ours.encode(text), skip_special_tokens=True) == text
 
 
 def test_cache_entry_follows_file_changes(bundled_gguf: str, tmp_path: Path) -> None:

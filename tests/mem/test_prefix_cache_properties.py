@@ -28,8 +28,8 @@ from radixserve.mem.radix_cache import RadixCache, TreeNode
 KV_SIZE = 24
 MAX_SEQ_LEN = 16
 tokens = st.integers(0, 3)
-prompts = st.lists(tokens, min_size=1, max_size=8)
-chunk_lens = st.integers(1, 8)
+prompts = st.lists(tokens, min_size=1, max_size=10)
+chunk_lens = st.integers(1, 4)
 picks = st.integers(0, 1 << 16)
 
 Prefix = tuple[int, ...]
@@ -161,6 +161,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.num_reqs += 1
         self.admit(make_req(f"r{self.num_reqs}", prompt), chunk_len, sampled)
 
+    @precondition(lambda self: self.live)
+    @rule(index=picks, chunk_len=chunk_lens, sampled=tokens)
+    def admit_same_prompt(self, index: int, chunk_len: int, sampled: int) -> None:
+        """Identical prompts in flight at once: one's KV duplicates the other's."""
+        self.num_reqs += 1
+        prompt = self.pick(self.live, index).origin_input_ids
+        self.admit(make_req(f"r{self.num_reqs}", prompt), chunk_len, sampled)
+
     @precondition(lambda self: self.waiting)
     @rule(index=picks, chunk_len=chunk_lens, sampled=tokens)
     def admit_retracted(self, index: int, chunk_len: int, sampled: int) -> None:
@@ -213,6 +221,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for i in range(present, len(key)):
             self.ref[tuple(key[:i + 1])] = int(value[i])
         self.sync_ref(strict=True)
+
+    @precondition(lambda self: self.use_radix and self.prefilling())
+    @rule(index=picks)
+    def insert_prompt_of_prefilling_req(self, index: int) -> None:
+        """Someone caches the rest of a chunked request's prompt before its next chunk."""
+        self.insert(self.pick(self.prefilling(), index).all_ids())
 
     @rule(key=st.lists(tokens, max_size=10))
     def match(self, key: list[int]) -> None:

@@ -41,7 +41,7 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_req_row,
     stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -74,7 +74,7 @@ def _decode_split_kernel(
             kv_mask = pos_mask[:, None] & d_mask[None, :]
             k = tl.load(K_Buffer + slots[:, None] * stride_kt + kv_head * stride_kh
                         + offs_d[None, :], mask=kv_mask, other=0.0)
-            qk = tl.dot(q, tl.trans(k)) * sm_scale_log2e
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2e
             qk = tl.where(pos_mask[None, :], qk, float("-inf"))
             # every block holds at least one valid position, so m_new is finite
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -83,7 +83,7 @@ def _decode_split_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh
                         + offs_d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
         out_ptrs = (Mid_out + batch * stride_mid_b + heads[:, None] * stride_mid_h
@@ -124,6 +124,11 @@ def _decode_merge_kernel(
              out.to(O.dtype.element_ty), mask=d_mask)
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs are multiplied in full precision (tests); tf32 would cost ~1e-3."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def decode_workspace_shapes(batch_size: int, num_heads: int, num_kv_splits: int,
                             head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of (mid_out, mid_lse), both float32."""
@@ -160,6 +165,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP_SIZE=group_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n,
+        DOT_PRECISION=dot_precision(k_buffer.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     _decode_merge_kernel[(batch_size, num_heads)](

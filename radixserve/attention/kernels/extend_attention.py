@@ -1,14 +1,15 @@
 """Prefill-on-a-prefix ("extend") attention over a ragged batch, in Triton.
 
-One program per (query head, block of BLOCK_M new tokens, request). It makes two passes with
+One program per (query head, request, block of BLOCK_M new tokens). It makes two passes with
 one online softmax:
   1. the cached prefix, positions 0..prefix_len-1, gathered from the KV pool through
      req_to_token[req_pool_indices[i], pos] (no causal mask: every prefix token precedes every
      new token);
   2. this pass's new tokens, read from the contiguous k/v of the pass, causally. Blocks of keys
      wholly before the query block need no mask; only the diagonal blocks are masked.
-Programs whose query block starts past the request's extend length exit at once. Query blocks
-are launched longest-work-first (reverse order) so the causal tail does not straggle.
+Programs whose query block starts past the request's extend length exit at once. The query-block
+axis is the slowest grid axis and runs in reverse, so the blocks with the most causal work (the
+last ones of every request) start first and the tail does not straggle.
 """
 from __future__ import annotations
 
@@ -18,29 +19,34 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.attention.kernels.decode_attention import dot_precision
+
 
 @dataclass(frozen=True)
 class ExtendKernelConfig:
-    block_m: int = 128   # new tokens (query rows) per program; a multiple of block_n
+    block_m: int = 64    # new tokens (query rows) per program; a multiple of block_n
     block_n: int = 64    # keys per inner step
-    num_warps: int = 8
-    num_stages: int = 2
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 def default_extend_config(head_dim: int) -> ExtendKernelConfig:
-    """Block sizes for a GPU run (Hopper-class shared memory)."""
-    if head_dim <= 64:
-        return ExtendKernelConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    """Block sizes for a GPU run (Hopper-class shared memory).
+
+    On an H200 (triton 3.6, bf16, head_dim 128, GQA 32/8) 64x64 with 4 warps and 3 stages and
+    128x64 with 8 warps and 3 stages were the best of those tried (benchmarks/gpu_kernels.py
+    --sweep), within 3% of each other; 64-row blocks waste less on short extends.
+    """
     if head_dim <= 128:
-        return ExtendKernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
-    return ExtendKernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+        return ExtendKernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+    return ExtendKernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
 
 @triton.jit
 def _online_softmax_step(q, k, v, m_i, l_i, acc, mask, sm_scale_log2e,
-                         APPLY_MASK: tl.constexpr):
+                         APPLY_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold one block of keys into (m_i, l_i, acc). Scores are kept in base-2 units."""
-    qk = tl.dot(q, tl.trans(k)) * sm_scale_log2e
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2e
     if APPLY_MASK:
         qk = tl.where(mask, qk, float("-inf"))
     # each row has seen at least one valid key by now (pos 0 is in the first block it
@@ -49,7 +55,7 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, mask, sm_scale_log2e,
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -60,11 +66,11 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ket, stride_keh, stride_vet, stride_veh,
     stride_kbt, stride_kbh, stride_vbt, stride_vbh, stride_req_row,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     head = tl.program_id(0)
-    block_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    req = tl.program_id(2)
+    req = tl.program_id(1)
+    block_m = tl.num_programs(2) - 1 - tl.program_id(2)  # heaviest (last) query blocks first
     kv_head = head // GROUP_SIZE
 
     ext_len = tl.load(Extend_seq_lens + req).to(tl.int32)
@@ -99,7 +105,7 @@ def _extend_kernel(
             v = tl.load(V_Buffer + slots[:, None] * stride_vbt + kv_head * stride_vbh
                         + offs_d[None, :], mask=kv_mask, other=0.0)
             m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, pos_mask[None, :],
-                                                 sm_scale_log2e, True)
+                                                 sm_scale_log2e, True, DOT_PRECISION)
 
         # 2a. new tokens wholly before this query block: no mask (block_start < ext_len)
         ke_base = K_Extend + kv_head * stride_keh + offs_d[None, :]
@@ -109,7 +115,7 @@ def _extend_kernel(
             k = tl.load(ke_base + rows * stride_ket, mask=d_mask[None, :], other=0.0)
             v = tl.load(ve_base + rows * stride_vet, mask=d_mask[None, :], other=0.0)
             m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, m_mask[:, None],
-                                                 sm_scale_log2e, False)
+                                                 sm_scale_log2e, False, DOT_PRECISION)
 
         # 2b. diagonal blocks, causal
         block_end = tl.minimum(block_start + BLOCK_M, ext_len)
@@ -122,7 +128,7 @@ def _extend_kernel(
             v = tl.load(ve_base + rows * stride_vet, mask=kv_mask, other=0.0)
             causal = (offs_m[:, None] >= pos[None, :]) & pos_mask[None, :]
             m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, causal,
-                                                 sm_scale_log2e, True)
+                                                 sm_scale_log2e, True, DOT_PRECISION)
 
         out = acc / l_i[:, None]
         tl.store(O + (start_loc + offs_m[:, None]) * stride_ot + head * stride_oh
@@ -153,7 +159,7 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
     batch_size = extend_seq_lens.shape[0]
     if num_tokens == 0 or batch_size == 0:
         return
-    grid = (num_heads, triton.cdiv(max_extend_len, config.block_m), batch_size)
+    grid = (num_heads, batch_size, triton.cdiv(max_extend_len, config.block_m))
     _extend_kernel[grid](
         q, k_extend, v_extend, out, k_buffer, v_buffer, req_to_token, req_pool_indices,
         extend_start_loc, extend_seq_lens, extend_prefix_lens, sm_scale * 1.4426950408889634,
@@ -164,5 +170,6 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
         GROUP_SIZE=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        DOT_PRECISION=dot_precision(k_extend.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -1,0 +1,180 @@
+"""Time the Triton attention kernels on a GPU at Llama-3.1-8B shapes (per TP rank of 1).
+
+  python benchmarks/gpu_kernels.py            # the standard table
+  python benchmarks/gpu_kernels.py --sweep    # also try other block sizes / split counts
+
+Every figure is from CUDA-graph replay (no launch overhead, as decode runs when serving).
+Decode: split-KV kernel over KV slots scattered at random in the pool (the worst case for
+locality), over several layers' KV so reads come from HBM, not L2; reported per layer as bytes
+of K+V read per second against the H200's ~4.25 TB/s copy rate.
+Extend: causal prefill (and one prefill on a cached prefix), reported as TFLOP/s (two matmuls,
+causal pairs only) against ~796 TFLOP/s dense bf16; torch SDPA on the same causal shape is
+printed beside it as a baseline. Figures only; nothing here asserts on time.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+PEAK_BANDWIDTH = 4.25e12  # bytes/s, device-to-device copy measured on an H200
+PEAK_FLOPS = 796e12  # dense bf16 matmul measured on an H200
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
+
+
+@dataclass
+class Pool:
+    req_to_token: torch.Tensor
+    k_buffers: list[torch.Tensor]  # one per layer
+    v_buffers: list[torch.Tensor]
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+def make_pool(seq_lens: list[int], num_layers: int = 1) -> Pool:
+    total = sum(seq_lens)
+    slots = torch.randperm(total, device="cuda").int() + 1
+    req_to_token = torch.zeros((len(seq_lens), max(seq_lens)), dtype=torch.int32, device="cuda")
+    offset = 0
+    for row, seq_len in enumerate(seq_lens):
+        req_to_token[row, :seq_len] = slots[offset:offset + seq_len]
+        offset += seq_len
+    shape = (total + 1, NUM_KV_HEADS, HEAD_DIM)
+    return Pool(req_to_token,
+                [torch.randn(shape, dtype=DTYPE, device="cuda") for _ in range(num_layers)],
+                [torch.randn(shape, dtype=DTYPE, device="cuda") for _ in range(num_layers)],
+                torch.arange(len(seq_lens), device="cuda"),
+                torch.tensor(seq_lens, device="cuda"))
+
+
+def time_graph(fn: Callable[[], None]) -> float:
+    """Seconds per call, replayed from a CUDA graph (no launch overhead, as in serving)."""
+    from triton.testing import do_bench_cudagraph
+    return do_bench_cudagraph(fn, rep=50) * 1e-3
+
+
+def bench_decode(bs: int, context: int, num_kv_splits: int, config: object) -> float:
+    """Seconds per layer. The kernel runs over enough layers' KV (like a model step) that
+    the data read is well past the 60 MB L2 cache."""
+    from radixserve.attention.kernels.decode_attention import decode_attention_fwd
+    layer_bytes = 2 * bs * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    num_layers = max(1, min(32, -(-(1 << 30) // layer_bytes)))
+    pool = make_pool([context] * bs, num_layers)
+    q = torch.randn((bs, NUM_HEADS, HEAD_DIM), dtype=DTYPE, device="cuda")
+    out = torch.empty_like(q)
+    mid_out = torch.empty((bs, NUM_HEADS, num_kv_splits, HEAD_DIM), device="cuda")
+    mid_lse = torch.empty((bs, NUM_HEADS, num_kv_splits), device="cuda")
+
+    def step() -> None:
+        for k_buffer, v_buffer in zip(pool.k_buffers, pool.v_buffers):
+            decode_attention_fwd(q, k_buffer, v_buffer, out, pool.req_to_token,
+                                 pool.req_pool_indices, pool.seq_lens, mid_out, mid_lse,
+                                 HEAD_DIM ** -0.5, config)
+    return time_graph(step) / num_layers
+
+
+def bench_extend(prefix_lens: list[int], extend_lens: list[int], config: object) -> float:
+    from radixserve.attention.kernels.extend_attention import extend_attention_fwd
+    pool = make_pool([p + e for p, e in zip(prefix_lens, extend_lens)])
+    num_tokens = sum(extend_lens)
+    q = torch.randn((num_tokens, NUM_HEADS, HEAD_DIM), dtype=DTYPE, device="cuda")
+    k = torch.randn((num_tokens, NUM_KV_HEADS, HEAD_DIM), dtype=DTYPE, device="cuda")
+    v = torch.randn_like(k)
+    out = torch.empty_like(q)
+    starts = torch.tensor([sum(extend_lens[:i]) for i in range(len(extend_lens))], device="cuda")
+    ext = torch.tensor(extend_lens, device="cuda")
+    pre = torch.tensor(prefix_lens, device="cuda")
+    return time_graph(lambda: extend_attention_fwd(
+        q, k, v, out, pool.k_buffers[0], pool.v_buffers[0], pool.req_to_token,
+        pool.req_pool_indices, starts, ext, pre, max(extend_lens), HEAD_DIM ** -0.5, config))
+
+
+def bench_sdpa_causal(bs: int, seq_len: int) -> float:
+    q = torch.randn((bs, NUM_HEADS, seq_len, HEAD_DIM), dtype=DTYPE, device="cuda")
+    k = torch.randn((bs, NUM_KV_HEADS, seq_len, HEAD_DIM), dtype=DTYPE, device="cuda")
+    v = torch.randn_like(k)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return time_graph(lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True))
+
+
+def decode_report(bs: int, context: int, seconds: float, label: str) -> str:
+    kv_bytes = 2 * bs * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    flops = 4 * bs * NUM_HEADS * context * HEAD_DIM
+    bandwidth = kv_bytes / seconds
+    return (f"decode bs={bs:<4} ctx={context:<5} {label:<24} {seconds * 1e6:9.1f} us  "
+            f"{bandwidth / 1e12:5.2f} TB/s ({100 * bandwidth / PEAK_BANDWIDTH:4.1f}% of 4.25)  "
+            f"{flops / seconds / 1e12:6.1f} TFLOP/s")
+
+
+def extend_flops(prefix_lens: list[int], extend_lens: list[int]) -> float:
+    pairs = sum(e * p + e * (e + 1) // 2 for p, e in zip(prefix_lens, extend_lens))
+    return 4.0 * NUM_HEADS * HEAD_DIM * pairs
+
+
+def extend_report(name: str, flops: float, seconds: float, label: str) -> str:
+    return (f"extend {name:<22} {label:<26} {seconds * 1e6:9.1f} us  "
+            f"{flops / seconds / 1e12:6.1f} TFLOP/s ({100 * flops / seconds / PEAK_FLOPS:4.1f}%"
+            f" of 796)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="try other configs too")
+    parser.add_argument("--only", choices=["decode", "extend"], help="time one kernel only")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/gpu_kernels.py needs a CUDA GPU (none found); nothing was timed.")
+    import triton
+
+    from radixserve.attention.kernels.decode_attention import DecodeKernelConfig
+    from radixserve.attention.kernels.extend_attention import (ExtendKernelConfig,
+                                                               default_extend_config)
+    from radixserve.attention.triton_backend import TritonAttnBackend
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    print(f"Llama-3.1-8B attention: {NUM_HEADS} q heads, {NUM_KV_HEADS} kv heads, "
+          f"head_dim {HEAD_DIM}, {DTYPE}")
+
+    planner = TritonAttnBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, "cuda", max_bs=1,
+                                max_context_len=1)
+    decode_configs = [DecodeKernelConfig()]
+    if args.sweep:
+        decode_configs += [DecodeKernelConfig(*c) for c in (
+            (32, 4, 2), (64, 4, 3), (128, 4, 2), (32, 2, 3), (64, 2, 2))]
+    for bs in (1, 32, 128) if args.only != "extend" else ():
+        for context in (1024, 4096):
+            plan = planner.num_kv_splits_for(bs)
+            split_choices = sorted({plan, 1, 2, 4, 8, 16, 32}) if args.sweep else [plan]
+            for config in decode_configs:
+                for splits in split_choices:
+                    seconds = bench_decode(bs, context, splits, config)
+                    label = (f"splits={splits}{'*' if splits == plan else ''} "
+                             f"n{config.block_n}w{config.num_warps}s{config.num_stages}")
+                    print(decode_report(bs, context, seconds, label))
+
+    cases = {"1x4096": ([0], [4096]), "8x1024": ([0] * 8, [1024] * 8),
+             "1x512 on 3584 prefix": ([3584], [512])}
+    extend_configs = [default_extend_config(HEAD_DIM)]
+    if args.sweep:
+        extend_configs += [ExtendKernelConfig(*c) for c in (
+            (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (64, 32, 4, 3), (128, 128, 8, 2),
+            (128, 32, 4, 3))]
+    for name, (prefix_lens, extend_lens) in cases.items() if args.only != "decode" else ():
+        flops = extend_flops(prefix_lens, extend_lens)
+        for c in extend_configs:
+            seconds = bench_extend(prefix_lens, extend_lens, c)
+            label = f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}"
+            print(extend_report(name, flops, seconds, label))
+        if not any(prefix_lens) and len(set(extend_lens)) == 1:
+            seconds = bench_sdpa_causal(len(extend_lens), extend_lens[0])
+            print(extend_report(name, flops, seconds, "torch SDPA (baseline)"))
+
+
+if __name__ == "__main__":
+    main()

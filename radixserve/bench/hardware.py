@@ -1,0 +1,215 @@
+"""Roofline arithmetic: how long a forward pass must take at the least, on a given device.
+
+A step's lower bound is max(bytes_moved / memory_bandwidth, flops / peak_flops). Bytes moved
+are the weights read once (every linear layer and the LM head; the embedding table is only
+gathered, a few rows per token) plus the KV cache read by attention and written for the new
+tokens; activations are ignored. FLOPs are 2 per weight per token for the linear layers (the LM
+head only for tokens whose logits are needed) plus attention's QK^T and PV products,
+4 * heads * head_dim per key attended to, per layer, per token.
+
+Peaks: the H200 defaults (4.25e12 B/s, 796e12 FLOP/s bf16) were measured on the lent machine;
+any other device is measured here with a large copy and a large matmul. Flags override both.
+`python -m radixserve.bench.hardware` prints the peaks of this machine.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+from radixserve.config import ModelConfig
+
+H200_MEM_BANDWIDTH = 4.25e12  # bytes/s
+H200_BF16_FLOPS = 796e12  # dense FLOP/s
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    return dtype if isinstance(dtype, torch.dtype) else _DTYPES[dtype.replace("torch.", "")]
+
+
+def dtype_bytes(dtype: torch.dtype | str) -> int:
+    return torch.tensor([], dtype=as_dtype(dtype)).element_size()
+
+
+class ParamCounts(NamedTuple):
+    embedding: int  # the input embedding table (gathered, not multiplied)
+    layers: int  # all decoder layers: linear weights, biases, norms
+    final_norm: int
+    lm_head: int  # vocab x hidden; the same matrix as `embedding` when tied
+    linear: int  # weights that take part in matmuls, LM head excluded
+    total: int  # distinct parameters (a tied LM head counted once)
+
+
+def param_counts(cfg: ModelConfig) -> ParamCounts:
+    h, kv_dim, q_dim = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, \
+        cfg.num_attention_heads * cfg.head_dim
+    attn = h * q_dim + 2 * h * kv_dim + q_dim * h
+    attn_bias = 0
+    if cfg.attention_bias:  # Qwen2 biases q/k/v only; Llama's flag also biases o_proj
+        attn_bias = q_dim + 2 * kv_dim + (0 if cfg.architecture.startswith("Qwen2") else h)
+    mlp = 3 * h * cfg.intermediate_size
+    mlp_bias = 2 * cfg.intermediate_size + h if cfg.mlp_bias else 0
+    per_layer_linear = attn + mlp
+    per_layer = per_layer_linear + attn_bias + mlp_bias + 2 * h  # two RMSNorms
+    embedding = lm_head = cfg.vocab_size * h
+    layers = cfg.num_hidden_layers * per_layer
+    total = embedding + layers + h + (0 if cfg.tie_word_embeddings else lm_head)
+    return ParamCounts(embedding, layers, h, lm_head, cfg.num_hidden_layers * per_layer_linear,
+                       total)
+
+
+def weight_bytes_per_forward(cfg: ModelConfig, dtype: torch.dtype | str) -> float:
+    """Every weight read once per forward pass, except the embedding table (LM head included)."""
+    counts = param_counts(cfg)
+    return float((counts.layers + counts.final_norm + counts.lm_head) * dtype_bytes(dtype))
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype | str) -> int:
+    """K and V of one token in all layers (the same figure TokenToKVPool.bytes_per_token gives)."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes(dtype)
+
+
+def decode_step_bytes(cfg: ModelConfig, batch: int, context: float,
+                      dtype: torch.dtype | str) -> float:
+    """One decode step of `batch` sequences that each attend to `context` tokens (the new one
+    included): weights + KV read of batch x context tokens + KV written for batch tokens."""
+    kv = kv_bytes_per_token(cfg, dtype)
+    return weight_bytes_per_forward(cfg, dtype) + batch * context * kv + batch * kv
+
+
+def prefill_bytes(cfg: ModelConfig, batch: int, input_len: int,
+                  dtype: torch.dtype | str) -> float:
+    """Prefill of `batch` fresh prompts: weights + KV written and read back once."""
+    kv = kv_bytes_per_token(cfg, dtype)
+    return weight_bytes_per_forward(cfg, dtype) + 2 * batch * input_len * kv
+
+
+def forward_flops(cfg: ModelConfig, num_tokens: int, context: float,
+                  num_logits: int | None = None) -> float:
+    """FLOPs of one forward pass over `num_tokens` tokens that each attend to `context` keys
+    on average; the LM head runs on `num_logits` tokens (default: all of them)."""
+    counts = param_counts(cfg)
+    logits = num_tokens if num_logits is None else num_logits
+    attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context
+    return 2.0 * counts.linear * num_tokens + 2.0 * counts.lm_head * logits + \
+        attention * num_tokens
+
+
+def prefill_flops(cfg: ModelConfig, batch: int, input_len: int) -> float:
+    """Causal prefill: token i attends to i + 1 keys, (input_len + 1) / 2 on average; logits
+    only for each prompt's last token."""
+    return forward_flops(cfg, batch * input_len, (input_len + 1) / 2, num_logits=batch)
+
+
+@dataclass
+class DevicePeak:
+    name: str
+    mem_bandwidth: float  # bytes/s
+    peak_flops: float  # FLOP/s in the dtype used
+    source: str  # where the figures came from
+
+
+class Roofline(NamedTuple):
+    seconds: float  # the lower bound on the step time
+    bound: str  # "memory" or "compute"
+
+
+def roofline(bytes_moved: float, flops: float, peak: DevicePeak) -> Roofline:
+    memory_s = bytes_moved / peak.mem_bandwidth
+    compute_s = flops / peak.peak_flops
+    return Roofline(max(memory_s, compute_s), "memory" if memory_s >= compute_s else "compute")
+
+
+def _best_seconds(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 5) -> float:
+    """Bytes/s of a large device-to-device copy (each byte read once and written once)."""
+    nbytes = nbytes or ((1 << 30) if device.type == "cuda" else (128 << 20))
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    seconds = _best_seconds(lambda: dst.copy_(src), device, repeats)
+    return 2.0 * src.numel() * 4 / seconds
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int | None = None,
+                         repeats: int = 3) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype`."""
+    n = n or (8192 if device.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    seconds = _best_seconds(lambda: torch.mm(a, b), device, repeats)
+    return 2.0 * n ** 3 / seconds
+
+
+def device_peak(device: torch.device | str, dtype: torch.dtype | str,
+                bandwidth: float | None = None, peak_flops: float | None = None) -> DevicePeak:
+    """Flag values when given; the H200 defaults on an H200 (bf16/fp16); else measured."""
+    device, dtype = torch.device(device), as_dtype(dtype)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    sources: list[str] = []
+    is_h200 = "H200" in name
+    if bandwidth is None:
+        bandwidth = H200_MEM_BANDWIDTH if is_h200 else measure_bandwidth(device)
+        sources.append("bandwidth: H200 default" if is_h200 else "bandwidth: measured")
+    else:
+        sources.append("bandwidth: flag")
+    if peak_flops is None:
+        half = dtype in (torch.bfloat16, torch.float16)
+        peak_flops = H200_BF16_FLOPS if is_h200 and half else measure_matmul_flops(device, dtype)
+        sources.append("flops: H200 default" if is_h200 and half else "flops: measured")
+    else:
+        sources.append("flops: flag")
+    return DevicePeak(name, float(bandwidth), float(peak_flops), ", ".join(sources))
+
+
+def add_peak_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bandwidth", type=float, default=None,
+                        help="memory bandwidth in bytes/s (default: H200 figure or measured)")
+    parser.add_argument("--peak-flops", type=float, default=None,
+                        help="peak FLOP/s in the model dtype (default: H200 figure or measured)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="radixserve bench hardware", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--model-path", default=None, help="a directory with config.json")
+    add_peak_args(parser)
+    args = parser.parse_args(argv)
+    peak = device_peak(args.device, args.dtype, args.bandwidth, args.peak_flops)
+    print(f"device {peak.name}: {peak.mem_bandwidth / 1e9:.1f} GB/s, "
+          f"{peak.peak_flops / 1e12:.2f} TFLOP/s {args.dtype} ({peak.source})")
+    if args.model_path:
+        cfg = ModelConfig.from_path(args.model_path)
+        counts = param_counts(cfg)
+        weights = weight_bytes_per_forward(cfg, args.dtype)
+        print(f"model: {counts.total / 1e9:.3f} B params, {weights / 1e9:.2f} GB read per step, "
+              f"KV {kv_bytes_per_token(cfg, args.dtype)} B/token; decode floor at batch 1: "
+              f"{weights / peak.mem_bandwidth * 1e3:.3f} ms/step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Offline throughput: the in-process Engine on a whole workload at once, no HTTP.
+
+`radixserve bench offline --dataset-name generated-shared-prefix --radix both` (server flags
+such as --model-path, --dtype are accepted too). All requests are handed to the Engine in one
+generate() call; the figure is tokens over wall time, with the radix cache on, off, or both
+(one fresh Engine each, so neither run inherits the other's cache). Every request asks for
+greedy decoding with ignore_eos, and the reported completion lengths are checked against it.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+
+from radixserve.bench.datasets import (SampleRequest, TokenSampler, add_dataset_args,
+                                       build_dataset, load_tokenizer)
+from radixserve.config import ServerArgs
+
+
+@dataclass
+class OfflineResult:
+    radix_cache: bool
+    num_prompts: int
+    duration_s: float
+    total_input_tokens: int
+    total_output_tokens: int
+    expected_output_tokens: int
+    output_len_mismatches: int
+    cached_tokens: int
+    cache_hit_rate: float  # cached prompt tokens / prompt tokens
+    request_throughput: float
+    output_throughput: float  # completion tokens / s
+    total_throughput: float  # (prompt + completion) tokens / s
+
+
+def engine_vocab_size(engine: Any) -> int | None:
+    runner = getattr(getattr(engine, "scheduler", None), "runner", None)
+    return getattr(runner, "vocab_size", None)
+
+
+def _sampling(output_len: int) -> dict[str, Any]:
+    return {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
+
+
+def run_offline(engine: Any, requests: list[SampleRequest], radix_cache: bool,
+                warmup_seed: int = 12345) -> OfflineResult:
+    """One generate() call over the workload after a one-request warm-up (a different prompt)."""
+    sampler = TokenSampler(engine.tokenizer, engine_vocab_size(engine))
+    warm_ids = sampler.sample(np.random.default_rng(warmup_seed), requests[0].prompt_len)
+    engine.generate(input_ids=[warm_ids], sampling_params=[_sampling(4)])
+
+    params = [_sampling(r.output_len) for r in requests]
+    start = time.perf_counter()
+    if all(r.prompt_ids is not None for r in requests):
+        outputs = engine.generate(input_ids=[r.prompt_ids for r in requests],
+                                  sampling_params=params)
+    else:
+        outputs = engine.generate(prompt=[r.prompt_text for r in requests],
+                                  sampling_params=params)
+    duration = time.perf_counter() - start
+
+    metas = [o["meta_info"] for o in outputs]
+    total_in = sum(int(m["prompt_tokens"]) for m in metas)
+    total_out = sum(int(m["completion_tokens"]) for m in metas)
+    cached = sum(int(m.get("cached_tokens") or 0) for m in metas)
+    return OfflineResult(
+        radix_cache=radix_cache, num_prompts=len(requests), duration_s=duration,
+        total_input_tokens=total_in, total_output_tokens=total_out,
+        expected_output_tokens=sum(r.output_len for r in requests),
+        output_len_mismatches=sum(int(m["completion_tokens"]) != r.output_len
+                                  for m, r in zip(metas, requests)),
+        cached_tokens=cached, cache_hit_rate=cached / total_in if total_in else 0.0,
+        request_throughput=len(requests) / duration, output_throughput=total_out / duration,
+        total_throughput=(total_in + total_out) / duration)
+
+
+def format_results(results: list[OfflineResult]) -> str:
+    lines = [f"{'radix':>5} {'prompts':>7} {'duration s':>10} {'in tok':>8} {'out tok':>8} "
+             f"{'hit rate':>8} {'req/s':>7} {'out tok/s':>9} {'total tok/s':>11} {'mismatch':>8}"]
+    for r in results:
+        lines.append(f"{'on' if r.radix_cache else 'off':>5} {r.num_prompts:>7} "
+                     f"{r.duration_s:>10.2f} {r.total_input_tokens:>8} "
+                     f"{r.total_output_tokens:>8} {r.cache_hit_rate:>8.3f} "
+                     f"{r.request_throughput:>7.2f} {r.output_throughput:>9.1f} "
+                     f"{r.total_throughput:>11.1f} {r.output_len_mismatches:>8}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixserve bench offline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_dataset_args(parser)
+    parser.add_argument("--radix", choices=("on", "off", "both"), default="both",
+                        help="run with the radix cache on, off, or one run of each")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer for ShareGPT lengths (default: the model's)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--output-file", default=None, help="append one JSON line per run")
+    ServerArgs.add_cli_args(parser)
+    parser.set_defaults(num_prompts=64, random_input_len=128, random_output_len=128)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from radixserve.engine import Engine
+
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.radix]
+    results: list[OfflineResult] = []
+    for radix in modes:
+        server_args = ServerArgs.from_cli_args(args)
+        server_args.disable_radix_cache = not radix
+        engine = Engine(**{k: v for k, v in vars(server_args).items() if k != "resolved"})
+        try:
+            requests = build_dataset(args, tokenizer or engine.tokenizer, args.seed,
+                                     vocab_size=engine_vocab_size(engine))
+            results.append(run_offline(engine, requests, radix))
+        finally:
+            engine.shutdown()
+            del engine
+            gc.collect()
+    print(format_results(results))
+    if any(r.output_len_mismatches for r in results):
+        print("warning: some requests returned a different number of tokens than asked for")
+    if args.output_file:
+        date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        with open(args.output_file, "a", encoding="utf-8") as f:
+            for r in results:
+                f.write(json.dumps({"date": date, "bench": "offline",
+                                    "model_path": args.model_path,
+                                    "dataset_name": args.dataset_name, "seed": args.seed,
+                                    **asdict(r)}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

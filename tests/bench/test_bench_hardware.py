@@ -1,0 +1,88 @@
+"""Roofline arithmetic checked against real transformers models and torch's FLOP counter."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import (LlamaConfig, LlamaForCausalLM, PretrainedConfig, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+from radixserve.bench import hardware
+from radixserve.config import ModelConfig
+from radixserve.mem.pools import TokenToKVPool
+
+SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _models() -> list[tuple[str, PretrainedConfig, type]]:
+    return [("llama", LlamaConfig(**SHAPE, tie_word_embeddings=False), LlamaForCausalLM),
+            ("llama-tied", LlamaConfig(**SHAPE, tie_word_embeddings=True), LlamaForCausalLM),
+            ("llama-bias", LlamaConfig(**SHAPE, attention_bias=True, mlp_bias=True,
+                                       head_dim=24), LlamaForCausalLM),
+            ("qwen2", Qwen2Config(**SHAPE, tie_word_embeddings=False), Qwen2ForCausalLM)]
+
+
+def _pair(hf_cfg: PretrainedConfig, cls: type) -> tuple[ModelConfig, torch.nn.Module]:
+    torch.manual_seed(0)
+    model = cls(hf_cfg).eval()
+    d = hf_cfg.to_dict()
+    d["architectures"] = [cls.__name__]
+    return ModelConfig.from_hf_dict(d), model
+
+
+@pytest.mark.parametrize("name,hf_cfg,cls", _models(), ids=[m[0] for m in _models()])
+def test_param_counts_match_transformers(name: str, hf_cfg: PretrainedConfig, cls: type) -> None:
+    cfg, model = _pair(hf_cfg, cls)
+    counts = hardware.param_counts(cfg)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings().weight.numel()
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    # read per step: everything but the gathered embedding table, the LM head always
+    expected_read = counts.total - (0 if tied else embed)
+    assert hardware.weight_bytes_per_forward(cfg, torch.float32) == expected_read * 4
+    assert hardware.weight_bytes_per_forward(cfg, "bfloat16") == expected_read * 2
+
+
+@pytest.mark.parametrize("name,hf_cfg,cls", _models()[:3], ids=[m[0] for m in _models()[:3]])
+def test_forward_flops_match_flop_counter(name: str, hf_cfg: PretrainedConfig,
+                                          cls: type) -> None:
+    """FlopCounterMode counts every matmul, with eager attention over the full (masked, not
+    skipped) seq x seq scores, and logits for every token."""
+    hf_cfg._attn_implementation = "eager"  # plain matmuls the counter sees
+    cfg, model = _pair(hf_cfg, cls)
+    batch, seq = 2, 10
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(input_ids=ids)
+    ours = hardware.forward_flops(cfg, num_tokens=batch * seq, context=seq)
+    assert ours == pytest.approx(counter.get_total_flops(), rel=1e-9)
+
+
+def test_prefill_and_decode_arithmetic_by_hand() -> None:
+    cfg = ModelConfig.from_hf_dict(LlamaConfig(**SHAPE).to_dict())
+    counts = hardware.param_counts(cfg)
+    n_attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+    # a 3-token causal prompt attends to 1 + 2 + 3 = 6 keys in all
+    assert hardware.prefill_flops(cfg, batch=1, input_len=3) == pytest.approx(
+        2 * counts.linear * 3 + 2 * counts.lm_head * 1 + n_attn * 6)
+    kv = hardware.kv_bytes_per_token(cfg, torch.bfloat16)
+    assert kv == TokenToKVPool.bytes_per_token(torch.bfloat16, cfg.num_key_value_heads,
+                                               cfg.head_dim, cfg.num_hidden_layers)
+    weights = hardware.weight_bytes_per_forward(cfg, torch.bfloat16)
+    assert hardware.decode_step_bytes(cfg, batch=4, context=100, dtype=torch.bfloat16) == \
+        weights + 4 * 100 * kv + 4 * kv
+
+
+def test_roofline_picks_the_slower_side() -> None:
+    peak = hardware.DevicePeak("x", mem_bandwidth=100.0, peak_flops=1000.0, source="test")
+    assert hardware.roofline(200.0, 1000.0, peak) == (2.0, "memory")
+    assert hardware.roofline(50.0, 3000.0, peak) == (3.0, "compute")
+
+
+def test_device_peak_flags_win_and_cpu_is_measured() -> None:
+    peak = hardware.device_peak("cpu", "float32", bandwidth=1e9, peak_flops=2e9)
+    assert (peak.mem_bandwidth, peak.peak_flops) == (1e9, 2e9) and "flag" in peak.source
+    measured = hardware.device_peak("cpu", "float32")
+    assert measured.mem_bandwidth > 0 and measured.peak_flops > 0
+    assert "measured" in measured.source

@@ -1,0 +1,109 @@
+"""Bad requests get the documented 4xx (radixserve/server/errors.py) in OpenAI's error shape;
+never a 5xx; the server stays healthy."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import requests
+
+from tests.server.conftest import API_KEY
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+CHAT_MSG = [{"role": "user", "content": "hi"}]
+
+# (name, method, path, json body or raw bytes, headers, expected status)
+CASES: list[tuple[str, str, str, Any, dict[str, str], int]] = [
+    ("malformed json completions", "POST", "/v1/completions", b"{not json", AUTH, 400),
+    ("malformed json generate", "POST", "/generate", b'{"text": "a",', AUTH, 400),
+    ("malformed json chat", "POST", "/v1/chat/completions", b"\xff\xfe", AUTH, 400),
+    ("body not an object", "POST", "/v1/completions", [1, 2], AUTH, 400),
+    ("prompt wrong type", "POST", "/v1/completions", {"prompt": 123}, AUTH, 400),
+    ("missing prompt", "POST", "/v1/completions", {"max_tokens": 3}, AUTH, 400),
+    ("max_tokens as string", "POST", "/v1/completions", {"prompt": "a", "max_tokens": "5"},
+     AUTH, 400),
+    ("stream wrong type", "POST", "/v1/completions", {"prompt": "a", "stream": "yes"}, AUTH, 400),
+    ("empty prompt", "POST", "/v1/completions", {"prompt": ""}, AUTH, 400),
+    ("empty prompt list", "POST", "/v1/completions", {"prompt": []}, AUTH, 400),
+    ("empty chat messages", "POST", "/v1/chat/completions", {"messages": []}, AUTH, 400),
+    ("bad chat role", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "wizard", "content": "x"}]}, AUTH, 400),
+    ("negative max_tokens", "POST", "/v1/completions", {"prompt": "a", "max_tokens": -1},
+     AUTH, 400),
+    ("huge max_tokens", "POST", "/v1/completions", {"prompt": "a", "max_tokens": 10**9},
+     AUTH, 400),
+    ("huge max_completion_tokens", "POST", "/v1/chat/completions",
+     {"messages": CHAT_MSG, "max_completion_tokens": 10**9}, AUTH, 400),
+    ("n = 0", "POST", "/v1/completions", {"prompt": "a", "n": 0}, AUTH, 400),
+    ("temperature < 0", "POST", "/v1/chat/completions",
+     {"messages": CHAT_MSG, "temperature": -0.5}, AUTH, 400),
+    ("top_p = 0", "POST", "/v1/completions", {"prompt": "a", "top_p": 0}, AUTH, 400),
+    ("logprobs too many", "POST", "/v1/completions", {"prompt": "a", "logprobs": 50}, AUTH, 400),
+    ("top_logprobs without logprobs", "POST", "/v1/chat/completions",
+     {"messages": CHAT_MSG, "top_logprobs": 2}, AUTH, 400),
+    ("unsupported field", "POST", "/v1/completions", {"prompt": "a", "frobnicate": 1}, AUTH, 400),
+    ("unsupported tools", "POST", "/v1/chat/completions",
+     {"messages": CHAT_MSG, "tools": [{"type": "function"}]}, AUTH, 400),
+    ("token id out of vocabulary", "POST", "/v1/completions", {"prompt": [1, 10**7]}, AUTH, 400),
+    ("unknown model", "POST", "/v1/completions", {"model": "gpt-17", "prompt": "a"}, AUTH, 404),
+    ("unknown model chat", "POST", "/v1/chat/completions",
+     {"model": "gpt-17", "messages": CHAT_MSG}, AUTH, 404),
+    ("missing api key", "POST", "/v1/completions", {"prompt": "a"}, {}, 401),
+    ("wrong api key", "POST", "/v1/completions", {"prompt": "a"},
+     {"Authorization": "Bearer nope"}, 401),
+    ("missing api key native", "POST", "/generate", {"text": "a"}, {}, 401),
+    ("missing api key metrics", "GET", "/metrics", None, {}, 401),
+    ("generate text and input_ids", "POST", "/generate", {"text": "a", "input_ids": [1]},
+     AUTH, 400),
+    ("generate unknown sampling param", "POST", "/generate",
+     {"text": "a", "sampling_params": {"temprature": 1}}, AUTH, 400),
+    ("generate negative max_new_tokens", "POST", "/generate",
+     {"text": "a", "sampling_params": {"max_new_tokens": -3}}, AUTH, 400),
+    ("generate empty input_ids", "POST", "/generate", {"input_ids": []}, AUTH, 400),
+    ("generate batch size mismatch", "POST", "/generate",
+     {"text": ["a", "b"], "rid": ["x"]}, AUTH, 400),
+    ("abort without rid", "POST", "/abort_request", {}, AUTH, 400),
+    ("unknown route", "GET", "/v2/nothing", None, AUTH, 404),
+]
+
+
+def send(server: Any, method: str, path: str, body: Any,
+         headers: dict[str, str]) -> requests.Response:
+    kwargs: dict[str, Any] = {"headers": dict(headers), "timeout": 120}
+    if isinstance(body, bytes):
+        kwargs["data"] = body
+        kwargs["headers"]["Content-Type"] = "application/json"
+    elif body is not None:
+        kwargs["json"] = body
+    return requests.request(method, server.url(path), **kwargs)
+
+
+@pytest.mark.parametrize("name,method,path,body,headers,status", CASES,
+                         ids=[c[0] for c in CASES])
+def test_bad_input(server: Any, name: str, method: str, path: str, body: Any,
+                   headers: dict[str, str], status: int) -> None:
+    response = send(server, method, path, body, headers)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+
+
+def test_over_context_prompt_names_both_lengths(server: Any) -> None:
+    context_len = requests.get(server.url("/get_model_info"), headers=AUTH,
+                               timeout=30).json()["context_len"]
+    prompt = [100] * (context_len + 5)
+    for path, body in (("/v1/completions", {"prompt": prompt, "max_tokens": 1}),
+                       ("/generate", {"input_ids": prompt})):
+        response = send(server, "POST", path, body, AUTH)
+        assert response.status_code == 400
+        message = response.json()["error"]["message"]
+        assert str(len(prompt)) in message and str(context_len) in message
+
+
+def test_health_without_key_and_healthy_after(server: Any) -> None:
+    assert requests.get(server.url("/health"), timeout=30).status_code == 200
+    assert requests.get(server.url("/health_generate"), headers=AUTH,
+                        timeout=120).status_code == 200
+    info = server.wait_idle_memory_check()
+    assert info["internal_state"]["memory_check_ok"] is True

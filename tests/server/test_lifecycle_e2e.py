@@ -1,0 +1,73 @@
+"""Process lifecycle of the real server: the bounded queue answers 429, a dead scheduler takes
+the whole server down (non-zero, no orphans), a failing start-up reports the child's traceback."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import aiohttp
+import requests
+
+from tests.server.server_process import (REPO_ROOT, ServerProcess, free_port, pid_alive,
+                                         wait_gone)
+
+
+async def burst(server: ServerProcess, count: int) -> list[tuple[int, dict]]:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def one(i: int) -> tuple[int, dict]:
+            async with session.post(server.url("/v1/completions"), json={
+                    "prompt": f"Item {i}:", "max_tokens": 4, "temperature": 0}) as response:
+                return response.status, await response.json()
+        return await asyncio.gather(*(one(i) for i in range(count)))
+
+
+def test_queue_limit_then_scheduler_death() -> None:
+    server = ServerProcess("--max-queued-requests", "2")
+    try:
+        results = asyncio.run(burst(server, 48))
+        statuses = [status for status, _ in results]
+        assert set(statuses) <= {200, 429}, statuses
+        assert 429 in statuses and 200 in statuses
+        for status, body in results:
+            if status == 429:
+                assert body["error"]["type"] == "rate_limit_error"
+        info = server.server_info()
+        assert info["internal_state"]["num_queued_reqs"] == 0
+        scheduler_pid, detokenizer_pid = info["scheduler_pid"], info["detokenizer_pid"]
+        assert pid_alive(scheduler_pid) and pid_alive(detokenizer_pid)
+
+        os.kill(scheduler_pid, signal.SIGKILL)
+        code = server.proc.wait(timeout=60)  # hang guard
+        assert code != 0
+        assert wait_gone(detokenizer_pid), "the detokenizer outlived the server"
+        assert "scheduler process died" in server.log_text()
+    finally:
+        server.stop()
+
+
+def test_clean_sigint_shutdown() -> None:
+    server = ServerProcess()
+    try:
+        info = server.server_info()
+        assert requests.get(server.url("/health"), timeout=30).status_code == 200
+        code = server.stop(signal.SIGINT)
+        assert code == 0, server.log_text()[-3000:]
+        assert wait_gone(info["scheduler_pid"]) and wait_gone(info["detokenizer_pid"])
+    finally:
+        server.stop()
+
+
+def test_startup_failure_reports_child_traceback() -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-m", "radixserve.launch_server", "--port", str(free_port()),
+         "--model-path", "/nonexistent/model.gguf"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "process failed to start" in output
+    assert "Traceback" in output and "/nonexistent/model.gguf" in output

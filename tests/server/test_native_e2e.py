@@ -1,0 +1,133 @@
+"""The native API (/generate and the control routes) against the real server."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import requests
+
+PROMPT = "Once upon a time"
+
+
+def post(server: Any, path: str, body: Any, **kwargs: Any) -> requests.Response:
+    return requests.post(server.url(path), json=body, headers=server.headers, timeout=300,
+                         **kwargs)
+
+
+def greedy(max_new_tokens: int) -> dict:
+    return {"max_new_tokens": max_new_tokens, "temperature": 0}
+
+
+def sse_events(response: requests.Response) -> list[Any]:
+    events = []
+    for line in response.iter_lines(decode_unicode=True):
+        if line and line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def test_generate_text_and_input_ids_agree(server: Any, smollm_tokenizer: Any) -> None:
+    by_text = post(server, "/generate", {"text": PROMPT, "sampling_params": greedy(10)}).json()
+    ids = smollm_tokenizer.encode(PROMPT)
+    by_ids = post(server, "/generate", {"input_ids": ids, "sampling_params": greedy(10)}).json()
+    assert by_text["output_ids"] == by_ids["output_ids"]
+    assert by_text["text"] == by_ids["text"]
+    assert by_text["text"] == smollm_tokenizer.decode(by_text["output_ids"],
+                                                      skip_special_tokens=True)
+    meta = by_text["meta_info"]
+    assert meta["prompt_tokens"] == len(ids)
+    assert meta["completion_tokens"] == len(by_text["output_ids"])
+    assert set(meta) >= {"id", "cached_tokens", "finish_reason"}
+
+
+def test_batched_generate_equals_single(server: Any) -> None:
+    prompts = [PROMPT, "The best way to learn", "def fibonacci(n):"]
+    batch = post(server, "/generate", {"text": prompts, "sampling_params": greedy(8)}).json()
+    assert isinstance(batch, list) and len(batch) == 3
+    for prompt, out in zip(prompts, batch):
+        single = post(server, "/generate", {"text": prompt, "sampling_params": greedy(8)}).json()
+        assert out["output_ids"] == single["output_ids"]
+
+
+def test_stream_generate_cumulative(server: Any) -> None:
+    full = post(server, "/generate", {"text": PROMPT, "sampling_params": greedy(12)}).json()
+    response = post(server, "/generate", {"text": PROMPT, "sampling_params": greedy(12),
+                                          "stream": True}, stream=True)
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) > 1
+    texts = [c["text"] for c in chunks]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), "text is cumulative"
+    assert texts[-1] == full["text"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == full["meta_info"]["finish_reason"]
+
+
+def test_generate_logprobs(server: Any) -> None:
+    out = post(server, "/generate", {"text": PROMPT, "sampling_params": greedy(5),
+                                     "return_logprob": True, "top_logprobs_num": 2,
+                                     "logprob_start_len": 0,
+                                     "return_text_in_logprobs": True}).json()
+    meta = out["meta_info"]
+    tokens = meta["output_token_logprobs"]
+    assert [t[1] for t in tokens] == out["output_ids"]
+    for (lp, tid, _), top in zip(tokens, meta["output_top_logprobs"]):
+        assert top[0][1] == tid and abs(top[0][0] - lp) < 1e-4  # greedy picks the top token
+    assert len(meta["input_token_logprobs"]) >= meta["prompt_tokens"] - 1
+
+
+def test_abort_request_route(server: Any) -> None:
+    rid = "abort-me-please"
+    events: list[Any] = []
+
+    def consume() -> None:
+        response = post(server, "/generate", {"text": PROMPT, "rid": rid, "stream": True,
+                                              "sampling_params": {"max_new_tokens": 2000,
+                                                                  "ignore_eos": True}},
+                        stream=True)
+        events.extend(sse_events(response))
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    for _ in range(600):
+        if server.server_info()["num_in_flight_requests"] > 0:
+            break
+        time.sleep(0.05)
+    answer = post(server, "/abort_request", {"rid": rid}).json()
+    assert answer["success"]
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    assert events[-1] == "[DONE]"
+    last = events[-2]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert last["meta_info"]["completion_tokens"] < 2000
+
+
+def test_control_routes(server: Any) -> None:
+    info = requests.get(server.url("/get_model_info"), headers=server.headers, timeout=30).json()
+    assert info["context_len"] > 0 and info["vocab_size"] == 49152
+    assert requests.get(server.url("/health"), timeout=30).status_code == 200
+    assert requests.get(server.url("/health_generate"), headers=server.headers,
+                        timeout=120).status_code == 200
+    state = server.wait_idle_memory_check()
+    assert state["internal_state"]["memory_check_ok"] is True
+    assert state["internal_state"]["leaked_tokens"] == 0
+    flush = post(server, "/flush_cache", {})
+    assert flush.status_code == 200 and flush.json()["success"]
+    metrics = requests.get(server.url("/metrics"), headers=server.headers, timeout=30).text
+    for name in ("radixserve:request_success_total", "radixserve:prompt_tokens_total",
+                 "radixserve:generation_tokens_total",
+                 "radixserve:time_to_first_token_seconds_bucket",
+                 "radixserve:inter_token_latency_seconds_bucket",
+                 "radixserve:e2e_request_latency_seconds_bucket",
+                 "radixserve:num_running_reqs", "radixserve:num_queued_reqs",
+                 "radixserve:token_usage", "radixserve:cache_hit_rate",
+                 "radixserve:num_retractions"):
+        assert name in metrics, name
+    finished = [line for line in metrics.splitlines()
+                if line.startswith("radixserve:request_success_total")]
+    assert sum(float(line.split()[-1]) for line in finished) >= 1

@@ -1,0 +1,178 @@
+"""The OpenAI-compatible API through the real `openai` SDK, against the real server."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import requests
+
+from tests.server.conftest import API_KEY
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name three colors."}]
+
+
+def native_text(server: Any, text: str, max_new_tokens: int) -> dict:
+    response = requests.post(server.url("/generate"), headers=server.headers, timeout=300,
+                             json={"text": text, "sampling_params": {
+                                 "max_new_tokens": max_new_tokens, "temperature": 0}})
+    response.raise_for_status()
+    return response.json()
+
+
+def test_models(openai_client: Any, model_name: str) -> None:
+    assert model_name == "SmolLM2-135M-Instruct"
+    assert openai_client.models.retrieve(model_name).id == model_name
+
+
+def test_completion_matches_native_generate(server: Any, openai_client: Any,
+                                            model_name: str) -> None:
+    completion = openai_client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12,
+                                                  temperature=0)
+    native = native_text(server, PROMPT, 12)
+    choice = completion.choices[0]
+    assert choice.text == native["text"]
+    assert completion.usage.completion_tokens == native["meta_info"]["completion_tokens"]
+    assert completion.usage.prompt_tokens == native["meta_info"]["prompt_tokens"]
+    assert completion.usage.total_tokens == (completion.usage.prompt_tokens
+                                             + completion.usage.completion_tokens)
+    if choice.finish_reason == "length":
+        assert completion.usage.completion_tokens == 12
+
+
+def test_completion_stream_is_incremental_and_equal(openai_client: Any, model_name: str) -> None:
+    full = openai_client.completions.create(model=model_name, prompt=PROMPT, max_tokens=16,
+                                            temperature=0, stop=None)
+    stream = openai_client.completions.create(model=model_name, prompt=PROMPT, max_tokens=16,
+                                              temperature=0, stream=True,
+                                              stream_options={"include_usage": True})
+    pieces, usage, reasons = [], None, []
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.text)
+            reasons.append(choice.finish_reason)
+    assert len([p for p in pieces if p]) > 1, "tokens must arrive in several chunks"
+    assert "".join(pieces) == full.choices[0].text
+    assert reasons[-1] == full.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_chat_stream_equals_non_stream(openai_client: Any, model_name: str) -> None:
+    full = openai_client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=20,
+                                                 temperature=0)
+    stream = openai_client.chat.completions.create(model=model_name, messages=CHAT,
+                                                   max_completion_tokens=20, temperature=0,
+                                                   stream=True,
+                                                   stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert full.choices[0].message.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and
+              c.choices[0].finish_reason]
+    assert finish == [full.choices[0].finish_reason]
+
+
+def test_chat_uses_the_tokenizer_chat_template(server: Any, openai_client: Any,
+                                               model_name: str, smollm_tokenizer: Any) -> None:
+    chat = openai_client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=8,
+                                                 temperature=0)
+    prompt = smollm_tokenizer.apply_chat_template(CHAT, tokenize=False,
+                                                  add_generation_prompt=True)
+    ids = smollm_tokenizer.encode(prompt, add_special_tokens=False)
+    native = requests.post(server.url("/generate"), headers=server.headers, timeout=300, json={
+        "input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
+    assert chat.usage.prompt_tokens == len(ids)
+    assert chat.choices[0].message.content == native["text"]
+
+
+def test_completion_logprobs_and_echo(openai_client: Any, model_name: str,
+                                      smollm_tokenizer: Any) -> None:
+    out = openai_client.completions.create(model=model_name, prompt=PROMPT, max_tokens=6,
+                                           temperature=0, logprobs=3, echo=True)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    n_prompt = len(smollm_tokenizer.encode(PROMPT))
+    assert choice.text.startswith(PROMPT)
+    assert len(lp.tokens) == n_prompt + out.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for i in range(1, len(lp.tokens)):
+        assert lp.token_logprobs[i] <= 0.0 and len(lp.top_logprobs[i]) <= 3
+        assert max(lp.top_logprobs[i].values()) >= lp.token_logprobs[i] - 1e-4
+    # greedy: every generated token is the most likely one
+    for i in range(n_prompt, len(lp.tokens)):
+        assert math.isclose(lp.token_logprobs[i], max(lp.top_logprobs[i].values()),
+                            abs_tol=1e-4)
+
+
+def test_chat_logprobs(openai_client: Any, model_name: str) -> None:
+    out = openai_client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=8,
+                                                temperature=0, logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert math.isclose(entry.logprob, entry.top_logprobs[0].logprob, abs_tol=1e-4)
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+
+
+def test_n_samples(openai_client: Any, model_name: str) -> None:
+    out = openai_client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=8,
+                                                temperature=1.0, n=2, seed=7)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert 2 <= out.usage.completion_tokens <= 16
+    again = openai_client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=8,
+                                                  temperature=1.0, n=2, seed=7)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in out.choices]
+    comp = openai_client.completions.create(model=model_name, prompt=[PROMPT, "1, 2, 3,"],
+                                            max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in comp.choices] == [0, 1, 2, 3]
+    assert comp.choices[0].text == comp.choices[1].text  # greedy copies agree
+    assert comp.choices[2].text == comp.choices[3].text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_cuts_text(openai_client: Any, model_name: str, stream: bool) -> None:
+    prompt = "1, 2, 3, 4,"
+    free = openai_client.completions.create(model=model_name, prompt=prompt, max_tokens=16,
+                                            temperature=0).choices[0].text
+    stop = free[len(free) // 2:len(free) // 2 + 2]
+    assert stop.strip(), f"pick a stop string from {free!r}"
+    expected = free[:free.find(stop)]
+    out = openai_client.completions.create(model=model_name, prompt=prompt, max_tokens=16,
+                                           temperature=0, stop=[stop], stream=stream)
+    if stream:
+        chunks = list(out)
+        text = "".join(c.choices[0].text for c in chunks)
+        reason = chunks[-1].choices[0].finish_reason
+    else:
+        text, reason = out.choices[0].text, out.choices[0].finish_reason
+    assert text == expected
+    assert reason == "stop"
+
+
+def test_token_id_prompts_and_max_tokens(openai_client: Any, model_name: str,
+                                         smollm_tokenizer: Any) -> None:
+    ids = smollm_tokenizer.encode(PROMPT)
+    by_ids = openai_client.completions.create(model=model_name, prompt=ids, max_tokens=5,
+                                              temperature=0, extra_body={"ignore_eos": True})
+    by_text = openai_client.completions.create(model=model_name, prompt=PROMPT, max_tokens=5,
+                                               temperature=0, extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.completion_tokens == 5 and by_ids.choices[0].finish_reason == "length"
+
+
+def test_api_key_is_required(server: Any) -> None:
+    response = requests.get(server.url("/v1/models"), timeout=30)
+    assert response.status_code == 401
+    ok = requests.get(server.url("/v1/models"), timeout=30,
+                      headers={"Authorization": f"Bearer {API_KEY}"})
+    assert ok.status_code == 200

@@ -1,0 +1,103 @@
+"""Request validation of the OpenAI protocol models (no server needed)."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from radixserve.server.errors import APIError
+from radixserve.server.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+                                               parse_model)
+
+
+def completion(**fields: Any) -> CompletionRequest:
+    body = parse_model(CompletionRequest, {"prompt": "hi", **fields})
+    body.check_unsupported()
+    return body
+
+
+def chat(**fields: Any) -> ChatCompletionRequest:
+    body = parse_model(ChatCompletionRequest,
+                       {"messages": [{"role": "user", "content": "hi"}], **fields})
+    body.check_unsupported()
+    return body
+
+
+def test_sampling_params_mapping() -> None:
+    body = completion(temperature=0.5, top_p=0.9, stop=["\n"], seed=3, n=2, top_k=5,
+                      min_tokens=2, frequency_penalty=0.1, ignore_eos=True)
+    params = body.sampling_params(max_new_tokens=7)
+    params.verify()
+    assert (params.max_new_tokens, params.temperature, params.top_p, params.top_k) == (7, 0.5,
+                                                                                       0.9, 5)
+    assert params.stop == ["\n"] and params.seed == 3 and params.min_new_tokens == 2
+    assert params.frequency_penalty == 0.1 and params.ignore_eos
+    assert params.n == 1, "n is expanded by the server, each sample has n=1"
+
+
+def test_unset_fields_keep_sampling_defaults() -> None:
+    params = completion().sampling_params(max_new_tokens=4)
+    from radixserve.core.sampling_params import SamplingParams
+
+    default = SamplingParams(max_new_tokens=4)
+    assert (params.temperature, params.top_p, params.top_k) == (default.temperature,
+                                                                default.top_p, default.top_k)
+
+
+@pytest.mark.parametrize("prompt,expected", [
+    ("a", ["a"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]), ([[1], [2, 3]], [[1], [2, 3]]),
+])
+def test_prompt_forms(prompt: Any, expected: Any) -> None:
+    assert completion(prompt=prompt).prompts() == expected
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"n": 0}, "n"),
+    ({"n": True}, "n"),
+    ({"prompt": 3}, "prompt"),
+    ({"prompt": [True]}, "prompt"),
+    ({"stream": 1}, "stream"),
+    ({"suffix": "x"}, "suffix"),
+    ({"logit_bias": {"1": 2}}, "logit_bias"),
+    ({"best_of": 3}, "best_of"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"bogus": 1}, "bogus"),
+])
+def test_completion_rejections(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as info:
+        completion(**fields)
+    assert info.value.status_code == 400
+    assert info.value.param == param
+    assert set(info.value.to_json()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+    ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
+])
+def test_chat_rejections(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as info:
+        chat(**fields)
+    assert info.value.status_code == 400 and info.value.param == param
+
+
+def test_chat_content_parts_and_developer_role() -> None:
+    body = chat(messages=[{"role": "developer", "content": "be brief"},
+                          {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                       {"type": "text", "text": "b"}]}],
+                max_completion_tokens=9)
+    assert body.conversation() == [{"role": "system", "content": "be brief"},
+                                   {"role": "user", "content": "ab"}]
+    assert body.requested_max_tokens == 9
+    image = chat(messages=[{"role": "user", "content": [{"type": "image_url",
+                                                          "image_url": {"url": "x"}}]}])
+    with pytest.raises(APIError):
+        image.conversation()
