@@ -45,7 +45,7 @@ class BatchBuilder:
         self.eos_token_ids = eos_token_ids
         self.device = device
 
-    def _sampling(self, reqs: list[Req]) -> SamplingBatchInfo:
+    def sampling_info(self, reqs: list[Req]) -> SamplingBatchInfo:
         return SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device,
                                            self.eos_token_ids)
 
@@ -84,7 +84,7 @@ class BatchBuilder:
             out_cache_loc=out_cache_loc,
             extend_seq_lens=extend_lens,
             extend_prefix_lens=[len(r.prefix_indices) for r in reqs],
-            sampling_info=self._sampling(reqs),
+            sampling_info=self.sampling_info(reqs),
             return_logprob=return_logprob,
             top_logprobs_nums=[r.top_logprobs_num for r in reqs],
         )
@@ -120,7 +120,24 @@ class BatchBuilder:
             req_pool_indices=[r.req_pool_idx for r in reqs],  # type: ignore[misc]
             seq_lens=[r.kv_len for r in reqs],
             out_cache_loc=out_cache_loc,
-            sampling_info=self._sampling(reqs),
+            sampling_info=self.sampling_info(reqs),
             return_logprob=any(r.return_logprob for r in reqs),
             top_logprobs_nums=[r.top_logprobs_num for r in reqs],
         )
+
+
+def merge_mixed(extend: ModelWorkerBatch, decode: ModelWorkerBatch,
+                sampling_info: SamplingBatchInfo) -> ModelWorkerBatch:
+    """One MIXED pass: the extend requests first, then each decode request as an extend of one
+    token on top of its whole sequence."""
+    return ModelWorkerBatch(
+        forward_mode=ForwardMode.MIXED,
+        input_ids=extend.input_ids + decode.input_ids,
+        req_pool_indices=extend.req_pool_indices + decode.req_pool_indices,
+        seq_lens=extend.seq_lens + decode.seq_lens,
+        out_cache_loc=torch.cat((extend.out_cache_loc, decode.out_cache_loc)),
+        extend_seq_lens=extend.extend_seq_lens + [1] * decode.batch_size,
+        extend_prefix_lens=extend.extend_prefix_lens + [s - 1 for s in decode.seq_lens],
+        sampling_info=sampling_info,
+        top_logprobs_nums=extend.top_logprobs_nums + decode.top_logprobs_nums,
+    )

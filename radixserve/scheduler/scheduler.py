@@ -18,7 +18,8 @@ from radixserve.core.req import Detokenizer, Req
 from radixserve.executor.forward_batch import ModelWorkerBatch
 from radixserve.mem.base_cache import BasePrefixCache
 from radixserve.scheduler.admission import PrefillAdder
-from radixserve.scheduler.batch import BatchBuilder
+from radixserve.scheduler.batch import BatchBuilder, merge_mixed
+from radixserve.scheduler.in_batch_prefix import InBatchPrefixIndex
 from radixserve.scheduler.output import build_token_output, needs_send
 from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.retraction import NewTokenRatio, pick_retractions
@@ -164,7 +165,9 @@ class Scheduler:
     # ---- one turn ----
     def run_turn(self) -> list[BatchTokenIDOut]:
         prefill = self._get_new_prefill_batch()
-        if prefill:
+        if prefill and self._can_mix(prefill):
+            self._run_mixed(prefill)
+        elif prefill:
             self._run_prefill(prefill)
         elif self.running:
             for _ in range(max(1, self.args.num_continuous_decode_steps)):
@@ -203,11 +206,16 @@ class Scheduler:
             self.ratio.value, self.args.max_prefill_tokens,
             self.args.chunked_prefill_size if self.args.chunked_prefill_enabled else None,
             self.max_running_requests - len(self.running))
+        in_batch = InBatchPrefixIndex() if self.policy.policy in ("lpm", "dfs-weight") else None
         if chunked is not None:
             adder.add_chunked_req(chunked)
         for req in ordered:
+            if in_batch is not None and in_batch.should_defer(req):
+                continue  # its prefix will be cached after this batch
             if not adder.add_one_req(req):
                 break
+            if in_batch is not None:
+                in_batch.add(req.fill_ids)
         if not adder.can_run:
             return None
         admitted = {id(r) for r in adder.can_run}
@@ -223,7 +231,27 @@ class Scheduler:
 
     def _run_prefill(self, reqs: list[Req]) -> None:
         batch = self.builder.prepare_extend(reqs)
-        out = self.runner.forward(batch)
+        self._process_prefill_results(reqs, self.runner.forward(batch))
+
+    def _can_mix(self, prefill: list[Req]) -> bool:
+        """--enable-mixed-chunk: run the prefill (chunk) and the decode batch in one pass."""
+        return (self.args.enable_mixed_chunk and bool(self.running)
+                and not any(r.return_logprob for r in prefill + self.running))
+
+    def _run_mixed(self, prefill: list[Req]) -> None:
+        self._ensure_decode_memory()
+        if not self.running:
+            self._run_prefill(prefill)
+            return
+        extend = self.builder.prepare_extend(prefill)
+        decode = self.builder.prepare_decode(self.running)
+        sampling = self.builder.sampling_info(prefill + self.running)
+        out = self.runner.forward(merge_mixed(extend, decode, sampling))
+        n = len(prefill)
+        self._process_decode_results(_OutputSlice(out, n))
+        self._process_prefill_results(prefill, out)
+
+    def _process_prefill_results(self, reqs: list[Req], out: Any) -> None:
         for i, req in enumerate(reqs):
             if req.return_logprob and out.input_token_logprobs is not None:
                 req.input_token_logprobs += out.input_token_logprobs[i]
@@ -258,7 +286,9 @@ class Scheduler:
         if not self.running:
             return
         batch = self.builder.prepare_decode(self.running)
-        out = self.runner.forward(batch)
+        self._process_decode_results(self.runner.forward(batch))
+
+    def _process_decode_results(self, out: Any) -> None:
         still_running: list[Req] = []
         for i, req in enumerate(self.running):
             self._append_token(req, i, out)
@@ -344,3 +374,12 @@ class Scheduler:
             new_token_ratio=self.ratio.value,
             memory_check_ok=ok,
             leaked_tokens=leaked)
+
+
+class _OutputSlice:
+    """The decode part of a MIXED pass's output (rows offset.. of the batch)."""
+
+    def __init__(self, out: Any, offset: int) -> None:
+        self.next_token_ids = out.next_token_ids[offset:]
+        self.next_token_logprobs = None
+        self.next_top_logprobs = None

@@ -309,3 +309,25 @@ def test_max_new_tokens_zero_caches_the_prompt():
     assert results["warm"]["ids"] == [] and results["warm"]["finish"]["length"] == 0
     assert scheduler.tree_cache.total_size() == len(p)
     assert_memory_clean(scheduler)
+
+
+def test_mixed_chunk_runs_prefill_and_decode_in_one_pass():
+    from radixserve.executor.forward_batch import ForwardMode
+    scheduler, runner = make_scheduler(chunked_prefill_size=16, enable_mixed_chunk=True,
+                                       num_continuous_decode_steps=1)
+    streams = prompts(4, 8, seed=5)
+    for i, p in enumerate(streams):
+        scheduler.add_request(make_req(f"s{i}", p, max_new=40))
+    scheduler.run_turn()
+    long_prompt = [7 + i % 30 for i in range(100)]
+    scheduler.add_request(make_req("long", long_prompt, max_new=5))
+    results = run_all(scheduler)
+    mixed = [b for b in runner.batches if b.forward_mode is ForwardMode.MIXED]
+    # the long prompt's chunks of 16, each alongside the four decoding streams
+    long_chunks = [b for b in mixed if b.extend_seq_lens[0] > 1
+                   and b.extend_seq_lens[1:] == [1, 1, 1, 1]]
+    assert len(long_chunks) >= 6
+    for i, p in enumerate(streams):
+        assert results[f"s{i}"]["ids"] == expected_output(p, 40)
+    assert results["long"]["ids"] == expected_output(long_prompt, 5)
+    assert_memory_clean(scheduler)

@@ -1,0 +1,237 @@
+"""Greedy outputs of tiny random Llama checkpoints: radixserve's three GPU paths vs transformers.
+
+  python benchmarks/gpu_correctness.py [--out DIR] [--dtypes bfloat16 float32]
+
+For each checkpoint (made here with transformers: head_dim 32, 64 and 128, GQA and MHA) and each
+dtype, prompts of several lengths are decoded greedily for --new-tokens tokens through
+radixserve.Engine with (torch_native, no graphs), (triton, no graphs) and (triton, CUDA graphs),
+all prompts in one batch (so decode replays a padded graph), and once more the first prompt
+alone (batch 1). Checks, one PASS/TIE/FAIL line each:
+- "paths": batch-1 == batched, and the three paths give identical token ids;
+- "vs HF": equal to transformers' `generate(do_sample=False)` in the same dtype.
+In fp32 any divergence fails. In bf16 rounding differs between kernels (and between batch
+shapes), so a near tie can flip one argmax: a divergence is TIE when the fp32 transformers model,
+given the common prefix, puts the two tokens within TIE_GAP logits of each other (the position
+and the gap are printed), else FAIL.
+Writes DIR/correctness.json. Without a GPU it says so and exits 0 (--allow-cpu runs the
+torch_native path on the CPU, to check the script itself).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+TIE_GAP = 0.1  # logits; bf16 forward passes of these models differ by ~1e-2 in the logits
+PROMPT_LENS = (1, 7, 33, 100, 257)
+CHECKPOINTS: dict[str, dict[str, Any]] = {
+    "hd32-gqa4": dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32),
+    "hd64-gqa4": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64),
+    "hd128-mha": dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=4,
+                      head_dim=128),
+}
+PATHS = (("torch_native", False), ("triton", False), ("triton", True))
+
+
+@dataclass
+class Check:
+    checkpoint: str
+    dtype: str
+    what: str  # "paths" | "vs HF"
+    status: str  # PASS | TIE | FAIL
+    detail: str
+
+    def line(self) -> str:
+        return f"{self.status:<4}  {self.checkpoint:<10} {self.dtype:<8} {self.what:<6} {self.detail}"
+
+
+def make_checkpoint(name: str, folder: Path, seed: int = 0) -> None:
+    import transformers
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=1024, intermediate_size=768, num_hidden_layers=4, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, **CHECKPOINTS[name])
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # transformers' init is tiny; larger weights make attention matter
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0, 0.06)
+            else:
+                param.uniform_(0.8, 1.2)
+    model.save_pretrained(folder)
+
+
+def make_prompts(vocab_size: int, seed: int = 1) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def load_hf(folder: Path, dtype: torch.dtype, device: str) -> Any:
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return model.to(device).eval()
+
+
+def hf_greedy(model: Any, prompts: list[list[int]], new_tokens: int, device: str
+              ) -> list[list[int]]:
+    import transformers
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=new_tokens,
+                                           min_new_tokens=new_tokens, eos_token_id=None,
+                                           pad_token_id=0, bos_token_id=None)
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:  # one at a time: no padding in the reference
+            ids = torch.tensor([prompt], device=device)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                 generation_config=config)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+def radixserve_greedy(folder: Path, dtype: str, device: str, backend: str, graphs: bool,
+                      prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """All prompts in one generate() call, then the first prompt alone (appended last)."""
+    from radixserve.engine import Engine
+    engine = Engine(model_path=str(folder), dtype=dtype, device=device, attention_backend=backend,
+                    disable_cuda_graph=not graphs, cuda_graph_max_bs=16, max_total_tokens=32768,
+                    max_running_requests=32, skip_tokenizer_init=True, random_seed=0)
+    try:
+        params = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
+        batched = engine.generate(input_ids=prompts, sampling_params=params)
+        alone = engine.generate(input_ids=[prompts[0]], sampling_params=params)
+        return [list(o["output_ids"]) for o in batched] + [list(alone[0]["output_ids"])]
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+class TieJudge:
+    """Decides whether a divergence is a near tie, from the fp32 transformers model's logits."""
+
+    def __init__(self, model32: Any, device: str) -> None:
+        self.model32, self.device = model32, device
+
+    def gap(self, context: list[int], token_a: int, token_b: int) -> float:
+        with torch.no_grad():
+            logits = self.model32(torch.tensor([context], device=self.device)).logits[0, -1]
+        return abs(float(logits[token_a].float() - logits[token_b].float()))
+
+    def compare(self, prompts: list[list[int]], ref: list[list[int]], got: list[list[int]],
+                strict: bool, names: tuple[str, str]) -> tuple[str, str]:
+        """(PASS | TIE | FAIL, detail) for two runs' outputs over the same prompts."""
+        worst: tuple[float, str] | None = None
+        for i, (prompt, a, b) in enumerate(zip(prompts, ref, got)):
+            pos = first_divergence(a, b)
+            if pos is None:
+                continue
+            if pos >= min(len(a), len(b)):
+                return "FAIL", f"prompt {i}: {len(a)} vs {len(b)} tokens"
+            gap = self.gap(prompt + a[:pos], a[pos], b[pos])
+            where = (f"prompt {i} (len {len(prompt)}) diverges at new token {pos}: "
+                     f"{names[0]} {a[pos]} vs {names[1]} {b[pos]}, fp32 logit gap {gap:.4f}")
+            if strict or gap > TIE_GAP:
+                return "FAIL", where
+            if worst is None or gap > worst[0]:
+                worst = (gap, where)
+        if worst is None:
+            return "PASS", f"{len(prompts)} prompts x {len(ref[0])} tokens identical"
+        return "TIE", worst[1]
+
+
+def check_dtype(name: str, dtype: str, device: str, new_tokens: int, folder: Path,
+                judge: TieJudge) -> list[Check]:
+    prompts = make_prompts(1024)
+    strict = dtype == "float32"
+    paths = PATHS if device == "cuda" else PATHS[:1]
+    results: dict[str, list[list[int]]] = {}
+    checks: list[Check] = []
+    for backend, graphs in paths:
+        label = backend + ("+graphs" if graphs else "")
+        try:
+            results[label] = radixserve_greedy(folder, dtype, device, backend, graphs, prompts,
+                                               new_tokens)
+        except Exception as exc:  # report and go on with the other paths
+            checks.append(Check(name, dtype, "paths", "FAIL", f"{label} raised {exc!r:.300}"))
+    labels = list(results)
+    if labels:
+        base = labels[0]
+        status, detail = judge.compare(prompts[:1], results[base][:1], results[base][-1:],
+                                       strict, (f"{base} batched", "batch 1"))
+        checks.append(Check(name, dtype, "paths", status, f"[{base} batched vs batch 1] {detail}"))
+    for label in labels[1:]:
+        status, detail = judge.compare(prompts + prompts[:1], results[labels[0]], results[label],
+                                       strict, (labels[0], label))
+        checks.append(Check(name, dtype, "paths", status, f"[{labels[0]} vs {label}] {detail}"))
+    model = judge.model32 if strict else load_hf(folder, getattr(torch, dtype), device)
+    hf = hf_greedy(model, prompts, new_tokens, device)
+    for label in labels:
+        status, detail = judge.compare(prompts, hf, results[label][:-1], strict, ("HF", "ours"))
+        checks.append(Check(name, dtype, "vs HF", status, f"[{label}] {detail}"))
+    return checks
+
+
+def check_checkpoint(name: str, dtypes: list[str], device: str, new_tokens: int, root: Path
+                     ) -> list[Check]:
+    folder = root / name
+    make_checkpoint(name, folder)
+    judge = TieJudge(load_hf(folder, torch.float32, device), device)
+    checks: list[Check] = []
+    for dtype in dtypes:
+        for check in check_dtype(name, dtype, device, new_tokens, folder, judge):
+            print(check.line(), flush=True)
+            checks.append(check)
+    del judge
+    gc.collect()
+    return checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None, help="folder for correctness.json")
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--checkpoints", nargs="+", default=list(CHECKPOINTS),
+                        choices=list(CHECKPOINTS))
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="without a GPU, check the torch_native path on the CPU")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.allow_cpu:
+        print("gpu_correctness: no CUDA device; skipped (use --allow-cpu to check on the CPU)")
+        return 0
+    checks: list[Check] = []
+    with tempfile.TemporaryDirectory(prefix="rs-tiny-") as tmp:
+        for name in args.checkpoints:
+            checks += check_checkpoint(name, args.dtypes, device, args.new_tokens, Path(tmp))
+    counts = {s: sum(c.status == s for c in checks) for s in ("PASS", "TIE", "FAIL")}
+    print(f"correctness: {counts['PASS']} pass, {counts['TIE']} tie, {counts['FAIL']} fail")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "correctness.json").write_text(
+            json.dumps({"counts": counts, "checks": [asdict(c) for c in checks]}, indent=1))
+    return 1 if counts["FAIL"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

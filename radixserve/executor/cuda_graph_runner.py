@@ -1,0 +1,183 @@
+"""Decode CUDA graphs: capture the model's decode step for a list of batch sizes, then replay.
+
+A decode step of a few requests is launch-bound: hundreds of small kernels whose launch costs
+more than their work. Capturing the step once per batch size and replaying the graph removes that
+overhead.
+
+Invariants:
+- Fixed inputs. One device tensor `[5, max_bs]` holds the rows input_ids, positions,
+  req_pool_indices, seq_lens and out_cache_loc; every graph reads slices `[:bs]` of those rows,
+  so a replay only refills them (one host-to-device copy from a pinned staging buffer, which is
+  rewritten only after the previous copy out of it has completed).
+- Padding. A batch of `bs` requests replays the smallest captured size `graph_bs >= bs`. The
+  `graph_bs - bs` padding rows carry input id 0, position 0, req_pool_index 0, seq_len
+  `attn_backend.get_cuda_graph_seq_len_fill_value()` and out_cache_loc 0: their K/V land in
+  KV slot 0 (the padding sink, never handed out) and their logits are dropped.
+- One memory pool (`torch.cuda.graph_pool_handle()`) is shared by all graphs, captured largest
+  first so the smaller ones fit in the memory the largest already reserved. Graph outputs live in
+  that pool: the logits `replay` returns are valid until the next replay.
+- No host sync: a replay copies host data in (H2D) and launches the graph; nothing is read back.
+- Backends without graph support (torch_native) raise NotImplementedError from
+  `init_cuda_graph_state`; the runner then captures nothing and `can_run` is always False.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+
+import torch
+
+from radixserve.executor.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
+
+if TYPE_CHECKING:
+    from radixserve.executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+NUM_INPUT_ROWS = 5  # input_ids, positions, req_pool_indices, seq_lens, out_cache_loc
+INPUT_IDS, POSITIONS, REQ_POOL_INDICES, SEQ_LENS, OUT_CACHE_LOC = range(NUM_INPUT_ROWS)
+NUM_WARMUP_RUNS = 2
+
+
+def capture_batch_sizes(cuda_graph_max_bs: int, max_num_reqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 from 16, up to min(cuda_graph_max_bs, max_num_reqs); ascending.
+
+    When the cap falls between two steps, the cap itself is added so that every batch up to it
+    can replay a graph."""
+    cap = min(cuda_graph_max_bs, max_num_reqs)
+    if cap < 1:
+        return []
+    sizes = [bs for bs in [1, 2, 4, 8, *range(16, cap + 1, 8)] if bs <= cap]
+    if sizes[-1] != cap:
+        sizes.append(cap)
+    return sizes
+
+
+def pick_graph_batch_size(batch_sizes: Sequence[int], bs: int) -> int:
+    """The smallest captured size >= bs (batch_sizes ascending). ValueError if none fits."""
+    i = bisect.bisect_left(batch_sizes, bs)
+    if bs < 1 or i == len(batch_sizes):
+        raise ValueError(f"no captured CUDA graph for batch size {bs} (sizes {list(batch_sizes)})")
+    return batch_sizes[i]
+
+
+class PaddingPlan(NamedTuple):
+    graph_bs: int  # the captured size that is replayed
+    num_padding: int  # graph_bs - bs padding rows after the real ones
+    seq_lens_sum: int  # over all graph_bs rows, padding included
+
+
+def fill_padded_inputs(batch: ModelWorkerBatch, graph_bs: int, seq_len_fill: int,
+                       out: torch.Tensor) -> PaddingPlan:
+    """Write the batch's decode inputs into `out[:, :graph_bs]` (a CPU int64 `[5, >= graph_bs]`
+    tensor, rows in the order of the module constants), padding rows after the real ones."""
+    bs = batch.batch_size
+    if bs > graph_bs:
+        raise ValueError(f"batch of {bs} does not fit a graph of {graph_bs}")
+    seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
+    out[INPUT_IDS, :bs] = torch.tensor(batch.input_ids, dtype=torch.int64)
+    out[POSITIONS, :bs] = seq_lens - 1  # decode writes the position after the cached ones
+    out[REQ_POOL_INDICES, :bs] = torch.tensor(batch.req_pool_indices, dtype=torch.int64)
+    out[SEQ_LENS, :bs] = seq_lens
+    out[OUT_CACHE_LOC, :bs] = batch.out_cache_loc.to(torch.int64)
+    out[:, bs:graph_bs] = 0
+    out[SEQ_LENS, bs:graph_bs] = seq_len_fill
+    num_padding = graph_bs - bs
+    return PaddingPlan(graph_bs, num_padding, sum(batch.seq_lens) + num_padding * seq_len_fill)
+
+
+class CudaGraphRunner:
+    """Captures decode graphs at construction (the ModelRunner builds one on CUDA unless
+    --disable-cuda-graph) and replays them for decode batches up to the largest captured size."""
+
+    def __init__(self, model_runner: "ModelRunner") -> None:
+        self.model_runner = model_runner
+        self.attn_backend = model_runner.attn_backend
+        self.device = model_runner.device
+        max_bs_flag = model_runner.server_args.cuda_graph_max_bs or 256
+        sizes = capture_batch_sizes(max_bs_flag, model_runner.max_num_reqs)
+        self.batch_sizes: list[int] = []
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        if not sizes:
+            return
+        try:
+            self.attn_backend.init_cuda_graph_state(sizes[-1])
+        except NotImplementedError as exc:
+            logger.warning("CUDA graphs disabled, decode runs eagerly: %s", exc)
+            return
+        self.max_bs = sizes[-1]
+        self.seq_len_fill = self.attn_backend.get_cuda_graph_seq_len_fill_value()
+        with torch.inference_mode():
+            self.inputs = torch.zeros((NUM_INPUT_ROWS, self.max_bs), dtype=torch.int64,
+                                      device=self.device)
+            self.inputs[SEQ_LENS].fill_(self.seq_len_fill)
+            self.staging = torch.zeros((NUM_INPUT_ROWS, self.max_bs), dtype=torch.int64,
+                                       pin_memory=True)
+        self.copy_done = torch.cuda.Event()
+        self.copy_done.record()
+        self._capture_all(sizes)
+
+    # ---- capture ----
+    def _forward_batch(self, bs: int) -> ForwardBatch:
+        runner, rows = self.model_runner, self.inputs
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=bs,
+            input_ids=rows[INPUT_IDS, :bs], positions=rows[POSITIONS, :bs],
+            req_pool_indices=rows[REQ_POOL_INDICES, :bs], seq_lens=rows[SEQ_LENS, :bs],
+            out_cache_loc=rows[OUT_CACHE_LOC, :bs],
+            seq_lens_sum=bs * self.seq_len_fill, seq_lens_cpu=[self.seq_len_fill] * bs,
+            req_to_token_pool=runner.req_to_token_pool,
+            token_to_kv_pool=runner.token_to_kv_pool, attn_backend=self.attn_backend)
+
+    @torch.inference_mode()
+    def _capture_all(self, sizes: list[int]) -> None:
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(sizes):  # largest first: the others reuse its memory
+            self.graphs[bs], self.outputs[bs] = self._capture_one(bs, pool)
+        self.batch_sizes = sorted(sizes)
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info("captured decode CUDA graphs for %d batch sizes (%s) in %.1f s, %.2f GiB",
+                    len(sizes), ", ".join(map(str, sizes)), time.perf_counter() - start,
+                    used / 2**30)
+
+    def _capture_one(self, bs: int, pool: Any
+                     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        model, forward_batch = self.model_runner.model, self._forward_batch(bs)
+        self.attn_backend.init_forward_metadata_capture_cuda_graph(
+            bs, self.inputs[REQ_POOL_INDICES], self.inputs[SEQ_LENS])
+        # warm-up: triton autotuning / compilation and lazy allocations stay out of the graph;
+        # the inputs hold padding values, so these runs only write KV slot 0
+        for _ in range(NUM_WARMUP_RUNS):
+            model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = model(forward_batch.input_ids, forward_batch.positions,
+                           forward_batch).next_token_logits
+        return graph, logits
+
+    # ---- replay ----
+    def can_run(self, batch: ModelWorkerBatch) -> bool:
+        return bool(self.batch_sizes) and 1 <= batch.batch_size <= self.batch_sizes[-1]
+
+    @torch.inference_mode()
+    def replay(self, batch: ModelWorkerBatch) -> torch.Tensor:
+        """Decode logits [bs, vocab] fp32, valid until the next replay."""
+        bs = batch.batch_size
+        graph_bs = pick_graph_batch_size(self.batch_sizes, bs)
+        self.copy_done.synchronize()  # the previous copy out of `staging` has finished
+        plan = fill_padded_inputs(batch, graph_bs, self.seq_len_fill, self.staging)
+        # the whole buffer (a few KiB) in one contiguous copy; rows past graph_bs are not read
+        self.inputs.copy_(self.staging, non_blocking=True)
+        self.copy_done.record()
+        self.attn_backend.init_forward_metadata_replay_cuda_graph(
+            graph_bs, self.inputs[REQ_POOL_INDICES, :graph_bs], self.inputs[SEQ_LENS, :graph_bs],
+            plan.seq_lens_sum)
+        self.graphs[graph_bs].replay()
+        return self.outputs[graph_bs][:bs]

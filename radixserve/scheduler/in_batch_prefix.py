@@ -1,0 +1,43 @@
+"""Deferring requests that share an uncached prefix with one already in the prefill batch.
+
+Two requests admitted in the same prefill batch cannot share KV that is not cached yet: both would
+compute it. When a waiting request shares a long uncached prefix with one just admitted, it is
+better to leave it for the next turn, when that prefix is in the radix cache (SGLang does the same
+for its cache-aware policies). Identical prompts (n > 1) are the common case.
+"""
+from __future__ import annotations
+
+from radixserve.core.req import Req
+
+# defer when the shared uncached part is at least this long (or the whole uncached prompt)
+MIN_SHARED_TOKENS = 32
+
+
+class InBatchPrefixIndex:
+    """A token trie over the prompts admitted in this prefill batch."""
+
+    def __init__(self) -> None:
+        self.root: dict[int, dict] = {}
+
+    def add(self, tokens: list[int]) -> None:
+        node = self.root
+        for token in tokens:
+            node = node.setdefault(token, {})
+
+    def shared_len(self, tokens: list[int]) -> int:
+        node, length = self.root, 0
+        for token in tokens:
+            child = node.get(token)
+            if child is None:
+                break
+            node, length = child, length + 1
+        return length
+
+    def should_defer(self, req: Req) -> bool:
+        """True if `req` would recompute an uncached prefix another admitted request computes."""
+        cached = len(req.prefix_indices)
+        uncached = len(req.fill_ids) - 1 - cached  # the last token is always recomputed
+        if uncached <= 0 or not self.root:
+            return False
+        shared_uncached = self.shared_len(req.fill_ids) - cached
+        return shared_uncached >= min(MIN_SHARED_TOKENS, uncached)

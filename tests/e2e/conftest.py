@@ -1,0 +1,33 @@
+"""Shared fixtures: the bundled SmolLM2-135M as a transformers model (the reference) and
+engines over it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.loader import load_model_source
+
+
+@pytest.fixture(scope="session")
+def smol_source():
+    return load_model_source(None, "auto")
+
+
+@pytest.fixture(scope="session")
+def hf_smol(smol_source):
+    """transformers' LlamaForCausalLM holding the same dequantized GGUF weights, fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(**{k: v for k, v in smol_source.hf_config.items()
+                            if k not in ("architectures", "torch_dtype", "dtype")})
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(dict(smol_source.weights()), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    return model.float().eval()
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, attention_mask=None)
+    return out[0, len(ids):].tolist()

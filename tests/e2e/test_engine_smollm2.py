@@ -1,0 +1,141 @@
+"""The offline Engine on the bundled SmolLM2-135M-Instruct, against transformers and itself."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import radixserve
+from radixserve.core.sampling_params import InvalidRequestError
+from tests.e2e.conftest import hf_greedy
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "List three colours: red,",
+]
+GREEDY = {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return radixserve.Engine(dtype="float32")
+
+
+def test_greedy_matches_transformers_for_64_tokens(engine, hf_smol):
+    outs = engine.generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = engine.tokenizer.encode(prompt)
+        assert out["output_ids"] == hf_greedy(hf_smol, ids, 64), prompt
+        assert out["meta_info"]["completion_tokens"] == 64
+        assert out["text"] == engine.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+    engine_state = engine.get_internal_state()
+    assert engine_state["memory_check_ok"] and engine_state["leaked_tokens"] == 0
+
+
+def test_chat_answers_paris(engine):
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False,
+        add_generation_prompt=True)
+    out = engine.generate(prompt, {"max_new_tokens": 32, "temperature": 0})
+    assert "Paris" in out["text"]
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"  # ends on <|im_end|>
+
+
+def test_logprobs_match_transformers(engine, hf_smol):
+    prompt = "The quick brown fox"
+    out = engine.generate(prompt, {"max_new_tokens": 6, "temperature": 0},
+                          return_logprob=True, logprob_start_len=0, top_logprobs_num=3)
+    ids = engine.tokenizer.encode(prompt)
+    full = ids + out["output_ids"]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_smol(torch.tensor([full])).logits[0].float(), -1)
+    out_lps = out["meta_info"]["output_token_logprobs"]
+    assert [t for _, t in out_lps] == out["output_ids"]
+    for j, (lp, token) in enumerate(out_lps):
+        assert lp == pytest.approx(ref[len(ids) - 1 + j, token].item(), abs=1e-3)
+    top = out["meta_info"]["output_top_logprobs"][0]
+    assert [t for _, t in top] == ref[len(ids) - 1].topk(3).indices.tolist()
+    in_lps = out["meta_info"]["input_token_logprobs"]
+    assert [t for _, t in in_lps] == ids[1:]
+    for j, (lp, token) in enumerate(in_lps):
+        assert lp == pytest.approx(ref[j, token].item(), abs=1e-3)
+
+
+def test_streaming_concatenates_to_the_full_text(engine):
+    params = {"max_new_tokens": 24, "temperature": 0}
+    chunks = list(engine.generate_stream("Tell me about the sea.", params))
+    assert len(chunks) > 3 and chunks[-1]["finished"]
+    full = engine.generate("Tell me about the sea.", params)
+    assert "".join(c["text"] for c in chunks) == full["text"]
+
+
+def test_n_samples_share_the_prompt_through_the_cache(engine):
+    prompt = "Write a haiku about autumn leaves falling on a quiet pond in the evening."
+    before = engine.scheduler.stats.total_cached_tokens
+    outs = engine.generate(prompt, {"max_new_tokens": 8, "temperature": 0.8, "n": 3})
+    assert len(outs) == 3
+    n_prompt = outs[0]["meta_info"]["prompt_tokens"]
+    hits = engine.scheduler.stats.total_cached_tokens - before
+    assert hits >= 2 * (n_prompt - 1)  # at least the second and third reuse the first's prompt
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"max_new_tokens": -1}, "max_new_tokens"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"stop": 5}, "stop"),
+    ({"stop": [None]}, "stop"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"frobnicate": 1}, "unknown sampling parameter"),
+])
+def test_bad_sampling_params_are_refused(engine, bad, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.generate("hello", bad)
+    assert not engine.scheduler.has_work()
+
+
+def test_bad_prompts_are_refused_without_leaks(engine):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.generate(input_ids=[], sampling_params={"max_new_tokens": 4})
+    too_long = [1] * engine.scheduler.context_len
+    with pytest.raises(InvalidRequestError, match="context length"):
+        engine.generate(input_ids=too_long, sampling_params={"max_new_tokens": 4})
+    state = engine.get_internal_state()
+    assert state["memory_check_ok"] and state["leaked_tokens"] == 0
+
+
+def _greedy_outputs(**engine_args) -> tuple[list[list[int]], radixserve.Engine]:
+    eng = radixserve.Engine(dtype="float32", **engine_args)
+    shared = "You are a helpful assistant. Answer briefly and precisely. Question: "
+    prompts = [shared + q for q in ("What is two plus two?", "Name a fruit.",
+                                    "What colour is the sky?", "Who wrote Hamlet?")]
+    prompts += PROMPTS
+    outs = eng.generate(prompts, {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True})
+    state = eng.get_internal_state()
+    assert state["memory_check_ok"] and state["leaked_tokens"] == 0
+    return [o["output_ids"] for o in outs], eng
+
+
+@pytest.fixture(scope="module")
+def reference_outputs():
+    outs, _ = _greedy_outputs(max_total_tokens=20000, chunked_prefill_size=-1)
+    return outs
+
+
+def test_tiny_kv_pool_forces_retraction_with_identical_outputs(reference_outputs):
+    outs, eng = _greedy_outputs(max_total_tokens=160, schedule_conservativeness=0.05)
+    assert eng.scheduler.stats.num_retractions > 0
+    assert outs == reference_outputs
+
+
+def test_radix_cache_off_gives_identical_outputs(reference_outputs):
+    outs, eng = _greedy_outputs(disable_radix_cache=True, chunked_prefill_size=-1)
+    assert eng.scheduler.stats.total_cached_tokens == 0
+    assert outs == reference_outputs
+
+
+@pytest.mark.parametrize("chunk, mixed", [(16, False), (16, True), (64, False), (1024, True)])
+def test_chunked_prefill_gives_identical_outputs(reference_outputs, chunk, mixed):
+    outs, _ = _greedy_outputs(chunked_prefill_size=chunk, enable_mixed_chunk=mixed)
+    assert outs == reference_outputs
