@@ -17,14 +17,15 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def max_kv_tokens(args: ServerArgs, config: ModelConfig, dtype: torch.dtype,
-                  device: torch.device) -> int:
+                  device: torch.device, activation_bytes: int = 0) -> int:
     """--max-total-tokens if given; else --mem-fraction-static of the GPU minus what is already
-    taken (weights, graphs to come are inside the fraction's slack); on CPU a byte budget."""
+    taken (weights) and the activation peak of the largest prefill (measured by the caller);
+    CUDA graphs and the sampler live in the fraction's slack. On CPU a byte budget."""
     per_token = kv_bytes_per_token(config, dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         assert args.mem_fraction_static is not None
-        budget = free - total * (1.0 - args.mem_fraction_static)
+        budget = free - total * (1.0 - args.mem_fraction_static) - activation_bytes
         if budget <= 0:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "

@@ -13,7 +13,7 @@ import torch
 
 from radixserve.attention.base import AttentionBackend
 from radixserve.config import ModelConfig, ServerArgs, resolve_dtype
-from radixserve.executor.forward_batch import ForwardBatch, ModelWorkerBatch
+from radixserve.executor.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
 from radixserve.executor.memory_budget import max_kv_tokens, max_request_slots
 from radixserve.layers.logits import LogitsOutput
 from radixserve.executor.sampler import Sampler, compute_logprobs, compute_input_logprobs
@@ -75,9 +75,39 @@ class ModelRunner:
         model.eval().requires_grad_(False)
         return model
 
+    def _profile_prefill_activation_bytes(self) -> int:
+        """Peak memory of one forward at the largest prefill, on a throw-away pool."""
+        args = self.server_args
+        num_tokens = min(args.chunked_prefill_size if args.chunked_prefill_enabled
+                         else args.max_prefill_tokens, self.model_config.context_length - 1)
+        cfg = self.model_config
+        self.max_num_reqs = 1
+        self.req_to_token_pool = ReqToTokenPool(1, num_tokens + 4, self.device)
+        self.token_to_kv_pool = TokenToKVPool(num_tokens, self.dtype, cfg.num_key_value_heads,
+                                              cfg.head_dim, cfg.num_hidden_layers, self.device)
+        self.attn_backend = self._make_attn_backend()
+        slots = self.token_to_kv_pool.alloc(num_tokens)
+        self.req_to_token_pool.req_to_token[0, :num_tokens] = slots.to(self.device)
+        batch = ModelWorkerBatch(ForwardMode.EXTEND, [1] * num_tokens, [0], [num_tokens], slots,
+                                 extend_seq_lens=[num_tokens], extend_prefix_lens=[0])
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.forward_logits(batch)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend
+        torch.cuda.empty_cache()
+        logger.info("prefill of %d tokens peaks at %.2f GiB of activations", num_tokens,
+                    peak / 2**30)
+        return peak
+
     def _init_memory_pools(self) -> None:
         cfg = self.model_config
-        self.max_total_num_tokens = max_kv_tokens(self.server_args, cfg, self.dtype, self.device)
+        activation = self._profile_prefill_activation_bytes() \
+            if self.device.type == "cuda" and self.server_args.max_total_tokens is None else 0
+        self.max_total_num_tokens = max_kv_tokens(self.server_args, cfg, self.dtype, self.device,
+                                                  activation)
         self.max_num_reqs = max_request_slots(self.server_args, self.max_total_num_tokens)
         self.req_to_token_pool = ReqToTokenPool(self.max_num_reqs, cfg.context_length + 4,
                                                 self.device)
