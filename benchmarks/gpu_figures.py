@@ -6,8 +6,9 @@ The 8B model is loaded once, as a radixserve.Engine (CUDA graphs captured at sta
 Engine's ModelRunner serves every radixserve figure:
 - decode ms/step at context 1024 for each --decode-batches size, graphs on (and off for
   --no-graph-batches), beside its roofline limit (hardware.py: bytes / 4.25 TB/s). The requests'
-  1024 context tokens are KV slots allocated and left zero, not prefilled: the step reads them
-  all the same, and a 256 x 1024 prefill would cost time and memory the figure does not need.
+  1024 context tokens are KV slots allocated but not prefilled (they keep whatever they hold):
+  the step reads them all the same, and a 256 x 1024 prefill would cost time and memory the
+  figure does not need.
   The timed region is what one_batch.py times: prepare_decode + forward + sample + sync.
 - prefill of 1 x 4096 and 8 x 1024 tokens (one_batch.run_one_batch), TFLOP/s vs 796;
 - offline throughput, random 1024/1024 prompts (offline.run_offline) through the same Engine.
@@ -16,19 +17,23 @@ Engine's ModelRunner serves every radixserve figure:
 Then the Engine is freed and transformers runs the same shapes (random init): batch-1 decode
 ms/step after a 1024-token prompt, and batch 128 (plain generate, dynamic cache; the step time
 is taken between consecutive logits-processor calls). Sections that would overrun
---time-budget are skipped and marked so. Writes DIR/figures.json and DIR/figures.txt.
+--time-budget are skipped and marked so; a section that raises is reported and the others still
+run (exit status 1). DIR/figures.json and DIR/figures.txt are rewritten after every section, so
+a run cut short keeps what it measured. Without a GPU it says so and exits 0.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import logging
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import torch
@@ -319,6 +324,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+T = TypeVar("T")
+
+
+def start_engine(args: argparse.Namespace, max_context: int) -> Any:
+    """The Engine for every radixserve figure. Works around one known startup failure: a
+    ModelRunner that profiles its prefill (no --max-total-tokens) before it has set
+    `cuda_graph_runner` raises AttributeError; then the KV pool is sized without the profile
+    (mem fraction 0.85 instead of 0.88 minus the measured activations)."""
+    from radixserve.engine import Engine
+    kwargs: dict[str, Any] = dict(model_path=args.model_path, load_format="dummy",
+                                  dtype=args.dtype, context_length=max_context,
+                                  skip_tokenizer_init=True,
+                                  cuda_graph_max_bs=args.cuda_graph_max_bs)
+    try:
+        return Engine(max_total_tokens=args.max_total_tokens, **kwargs)
+    except AttributeError as exc:
+        if "cuda_graph_runner" not in str(exc) or args.max_total_tokens is not None:
+            raise
+        print(f"warning: engine startup failed ({exc}): ModelRunner profiles the prefill "
+              f"before it sets cuda_graph_runner; retrying with --mem-fraction-static 0.85 "
+              f"and no profile", flush=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return Engine(max_total_tokens=1 << 40, mem_fraction_static=0.85, **kwargs)
+
+
+def guarded(failed: list[str], section: str, fn: Callable[[], T], fallback: T) -> T:
+    """Run one section; if it raises, print the error, note it in `failed` and go on."""
+    try:
+        return fn()
+    except Exception:  # one broken section must not cost the others' figures
+        print(f"gpu_figures: section {section} failed:\n{traceback.format_exc()}", flush=True)
+        failed.append(section)
+        return fallback
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available() and not args.allow_cpu:
@@ -326,15 +368,13 @@ def main(argv: list[str] | None = None) -> int:
               "the script on the CPU)")
         return 0
     budget = Budget(args.time_budget)
-    from radixserve.engine import Engine
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("radixserve.scheduler").setLevel(logging.WARNING)  # one line per batch
     max_context = max(args.context_len + args.decode_warmup + args.decode_steps + 8,
                       *(int(s.split("x")[1]) + 8 for s in args.prefill),
                       sum(args.offline_len) + 8)
     start = time.perf_counter()
-    engine = Engine(model_path=args.model_path, load_format="dummy", dtype=args.dtype,
-                    context_length=max_context, skip_tokenizer_init=True,
-                    cuda_graph_max_bs=args.cuda_graph_max_bs,
-                    max_total_tokens=args.max_total_tokens)
+    engine = start_engine(args, max_context)
     runner = engine.scheduler.runner
     startup_s = time.perf_counter() - start
     peak = hardware.device_peak(runner.device, runner.dtype)
@@ -346,15 +386,20 @@ def main(argv: list[str] | None = None) -> int:
     figures = [Figure("engine startup (load+graphs)", startup_s, "s", float("nan"), float("nan"),
                       f"{len(sizes)} graphs")]
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.prefill]
-    prefill, prefill_tok_s = prefill_figures(runner, shapes, peak)  # also warms up the kernels
+    failed: list[str] = []
+    # prefill first: it also warms up the kernels
+    prefill, prefill_tok_s = guarded(failed, "prefill", lambda: prefill_figures(runner, shapes, peak),
+                                     ([], 20000.0))
     save(args.out, peak, figures + prefill)
-    decode, decode_ms = decode_figures(runner, args, peak, budget)
+    decode, decode_ms = guarded(failed, "decode", lambda: decode_figures(runner, args, peak, budget),
+                                ([], {}))
     figures += decode + prefill
     save(args.out, peak, figures)
-    figures.append(offline_figure(engine, args, decode_ms, prefill_tok_s, budget))
+    figures += guarded(failed, "offline", lambda: [offline_figure(engine, args, decode_ms, prefill_tok_s,
+                                                          budget)], [])
     save(args.out, peak, figures)
     engine.shutdown()
-    del engine, runner, graphs
+    engine = runner = graphs = None  # free the 8B model and its KV cache before transformers
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -362,14 +407,16 @@ def main(argv: list[str] | None = None) -> int:
               f"allocated", flush=True)
     if not args.skip_hf:
         if budget.left() > 15:
-            figures += hf_figures(args.model_path, args, ModelConfig.from_path(args.model_path),
-                                  peak, budget)
+            figures += guarded(failed, "HF", lambda: hf_figures(
+                args.model_path, args, ModelConfig.from_path(args.model_path), peak, budget), [])
         else:
             figures.append(Figure("HF decode", float("nan"), "ms/step", float("nan"),
                                   float("nan"), "skipped: time budget"))
     print(format_table(figures))
     save(args.out, peak, figures)
-    return 0
+    if failed:
+        print(f"gpu_figures: failed sections: {', '.join(failed)} (see above)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -49,10 +49,10 @@ class ModelRunner:
         self.model = self._load_model()
         logger.info("loaded %s (%s, %s) in %.1f s", self.model_config.architecture,
                     self.dtype, self.device, time.perf_counter() - t0)
-        self._init_memory_pools()
-        self.attn_backend = self._make_attn_backend()
         self.sampler = Sampler()
         self.cuda_graph_runner = None
+        self._init_memory_pools()
+        self.attn_backend = self._make_attn_backend()
         if self.device.type == "cuda" and not server_args.disable_cuda_graph:
             from radixserve.executor.cuda_graph_runner import CudaGraphRunner
             self.cuda_graph_runner = CudaGraphRunner(self)

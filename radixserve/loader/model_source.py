@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from radixserve.config import ModelConfig
-from radixserve.loader.gguf_loader import iter_gguf_file_weights, load_gguf_hf_config
 from radixserve.loader.model_resolution import ResolvedModel, resolve_model_path
 from radixserve.loader.safetensors_loader import iter_safetensors_weights, read_hf_config
 
@@ -47,6 +46,8 @@ class ModelSource:
 
 
 def _gguf_source(resolved: ResolvedModel, load_format: str) -> ModelSource:
+    # imported here: the safetensors and dummy paths must not need the gguf package
+    from radixserve.loader.gguf_loader import iter_gguf_file_weights, load_gguf_hf_config
     if load_format == "safetensors":
         raise ValueError(f"--load-format safetensors needs an HF folder, got GGUF {resolved.path}")
     hf_config = load_gguf_hf_config(resolved.path)

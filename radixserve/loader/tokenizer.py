@@ -12,9 +12,6 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from radixserve.loader.cache_dir import write_folder_atomically
-from radixserve.loader.gguf_file import read_gguf
-from radixserve.loader.gguf_loader import gguf_cache_folder
-from radixserve.loader.gguf_tokenizer import build_gguf_tokenizer
 from radixserve.loader.model_resolution import ResolvedModel, resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -22,6 +19,9 @@ logger = logging.getLogger(__name__)
 
 def load_gguf_tokenizer(gguf_path: str, use_cache: bool = True) -> PreTrainedTokenizerBase:
     """The tokenizer a GGUF file describes; built once, then read from the user cache."""
+    from radixserve.loader.gguf_file import read_gguf
+    from radixserve.loader.gguf_loader import gguf_cache_folder
+    from radixserve.loader.gguf_tokenizer import build_gguf_tokenizer
     folder = gguf_cache_folder(gguf_path) / "tokenizer"
     if use_cache and folder.is_dir():
         try:

@@ -179,7 +179,9 @@ def test_replay_matches_eager(tmp_path: Path, dtype: str) -> None:
     graphs = runner.cuda_graph_runner
     assert graphs.batch_sizes == capture_batch_sizes(GRAPH_MAX_BS, runner.max_num_reqs)
     reqs = Requests(runner)
-    tol = dict(atol=2e-4, rtol=2e-4) if dtype == "float32" else dict(atol=3e-2, rtol=3e-2)
+    # fp32 is the strict check; in bf16 a padded graph runs its matmuls at another M, whose
+    # rounding differs by bf16 noise (a wrong row or a stale buffer would be off by ~1)
+    tol = dict(atol=2e-4, rtol=2e-4) if dtype == "float32" else dict(atol=0.15, rtol=0.05)
     k_cache = runner.token_to_kv_pool.k_buffer[0]
     for step, bs in enumerate([1, 2, 3, 8, 13, 16, 24]):  # 3, 13: padded to 4, 16
         batch = reqs.decode(bs, step)
@@ -189,6 +191,7 @@ def test_replay_matches_eager(tmp_path: Path, dtype: str) -> None:
         replayed = runner.forward_logits(batch).next_token_logits.clone()
         assert replayed.shape == (bs, TINY_LLAMA["vocab_size"]) and replayed.dtype == torch.float32
         torch.testing.assert_close(replayed, eager, **tol)
+        assert (replayed - eager).abs().mean() < (1e-5 if dtype == "float32" else 3e-2)
         if dtype == "float32":
             assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
         changed = (k_cache != k_before).flatten(1).any(1).nonzero().flatten().tolist()
