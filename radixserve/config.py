@@ -35,7 +35,7 @@ class ServerArgs:
     # memory
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
-    cpu_kv_cache_bytes: int = 512 * 1024 * 1024
+    cpu_kv_cache_bytes: int = 2 * 1024 * 1024 * 1024
     max_running_requests: int | None = None
     max_queued_requests: int | None = None
 

@@ -87,4 +87,21 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
-        return self._attend(q, k, v, layer, forward_batch)
+        """One query per request: two batched matmuls over the query heads of each KV head
+        (on CPU several times faster than SDPA with a mask, in bf16 about ten times)."""
+        meta = self.metadata
+        assert meta is not None
+        pool = forward_batch.token_to_kv_pool
+        num_kv_heads, head_dim = layer.tp_k_head_num, layer.head_dim
+        pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc,
+                           k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim))
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        bs = forward_batch.batch_size
+        group = layer.tp_q_head_num // num_kv_heads
+        keys = k_buf[meta.kv_indices].permute(0, 2, 3, 1).to(q.dtype)  # [bs, Hkv, D, L]
+        values = v_buf[meta.kv_indices].transpose(1, 2).to(q.dtype)  # [bs, Hkv, L, D]
+        q_grouped = q.view(bs, num_kv_heads, group, head_dim)
+        scores = torch.matmul(q_grouped, keys).float() * layer.scaling  # [bs, Hkv, G, L]
+        scores.masked_fill_(~meta.attn_mask.view(bs, 1, 1, -1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, values).reshape(bs, layer.tp_q_head_num * head_dim)

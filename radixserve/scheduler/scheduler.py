@@ -155,7 +155,9 @@ class Scheduler:
     def flush_cache(self) -> FlushCacheReply:
         if self.running or self.waiting_queue or self.chunked_req is not None:
             return FlushCacheReply(False, "cannot flush the cache while requests are in flight")
-        self.tree_cache.reset()
+        self.tree_cache.reset()  # the tree forgets its slots: hand them all back
+        self.token_to_kv_pool.clear()
+        self.req_to_token_pool.clear()
         self.stats = SchedulerStats(num_retractions=self.stats.num_retractions)
         return FlushCacheReply(True, "cache flushed")
 

@@ -331,3 +331,14 @@ def test_mixed_chunk_runs_prefill_and_decode_in_one_pass():
         assert results[f"s{i}"]["ids"] == expected_output(p, 40)
     assert results["long"]["ids"] == expected_output(long_prompt, 5)
     assert_memory_clean(scheduler)
+
+
+def test_flush_cache_returns_every_slot():
+    scheduler, _ = make_scheduler()
+    scheduler.add_request(make_req("a", list(range(1, 40)), max_new=5))
+    run_all(scheduler)
+    assert scheduler.tree_cache.total_size() > 0
+    assert scheduler.flush_cache().success
+    assert scheduler.tree_cache.total_size() == 0
+    assert scheduler.token_to_kv_pool.available_size() == scheduler.max_total_num_tokens
+    assert_memory_clean(scheduler)

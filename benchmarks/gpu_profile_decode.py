@@ -1,0 +1,68 @@
+"""Where a batch-1 decode step's GPU time goes (Llama-3.1-8B shapes, bf16, dummy weights).
+
+    python3 benchmarks/gpu_profile_decode.py [--batch 1] [--context 1024]
+
+Runs eager decode steps under torch.profiler and prints the CUDA kernels by total time, grouped
+by kind, next to the bytes each must move; the sum of kernel time is the step time a CUDA graph
+could reach with no launch gaps.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from radixserve.config import ServerArgs  # noqa: E402
+from radixserve.executor.model_runner import ModelRunner  # noqa: E402
+from tests.models.runner_driver import RunnerDriver  # noqa: E402
+
+CONFIG = str(Path(__file__).resolve().parent / "configs" / "llama-3.1-8b")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device")
+        return 0
+    runner = ModelRunner(ServerArgs(model_path=CONFIG, load_format="dummy", dtype="bfloat16",
+                                    disable_cuda_graph=True, max_total_tokens=args.batch
+                                    * (args.context + 64), max_running_requests=args.batch,
+                                    context_length=args.context + 128))
+    driver = RunnerDriver(runner)
+    driver.extend({i: [1] * args.context for i in range(args.batch)})
+    for _ in range(3):
+        driver.extend({i: [2] for i in range(args.batch)})
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            driver.extend({i: [2] for i in range(args.batch)})
+        torch.cuda.synchronize()
+    groups: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    total = 0.0
+    for evt in prof.key_averages():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        t = evt.device_time_total / args.steps / 1000  # ms per step
+        total += t
+        name = evt.key
+        groups[name] += t
+        counts[name] += evt.count // args.steps
+    print(f"GPU kernel time per decode step (batch {args.batch}, ctx {args.context}): "
+          f"{total:.3f} ms; weights alone need {16.06e9 / 4.25e12 * 1000:.3f} ms at 4.25 TB/s")
+    for name, t in sorted(groups.items(), key=lambda kv: -kv[1])[:18]:
+        print(f"{t:8.3f} ms {counts[name]:5d}x  {name[:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
