@@ -11,7 +11,6 @@ setting: chunking off (-1), chunking on, and chunking on with --enable-mixed-chu
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
@@ -19,6 +18,7 @@ import numpy as np
 
 from radixserve.core.io_struct import TokenizedGenerateReq
 from radixserve.core.sampling_params import SamplingParams
+from radixserve.bench.report import append_jsonl, format_table
 from radixserve.engine import Engine
 
 
@@ -92,16 +92,12 @@ def main(argv: list[str] | None = None) -> int:
                **run_once(engine, args.streams, args.stream_len, args.long_prompts, long_len, 0)}
         rows.append(row)
         del engine
-    print(f"{'chunking':<10}{'ITL max ms':>12}{'ITL p99 ms':>12}{'ITL p50 ms':>12}"
-          f"{'long TTFT mean ms':>19}{'long TTFT max ms':>18}")
-    for r in rows:
-        print(f"{r['chunking']:<10}{r['itl_max_ms']:>12.1f}{r['itl_p99_ms']:>12.1f}"
-              f"{r['itl_median_ms']:>12.1f}{r['long_ttft_mean_ms']:>19.1f}"
-              f"{r['long_ttft_max_ms']:>18.1f}")
-    if args.output_file:
-        with open(args.output_file, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    print(format_table(rows, [("chunking", "chunking", ""), ("itl_max_ms", "ITL max ms", ".1f"),
+                              ("itl_p99_ms", "ITL p99 ms", ".1f"),
+                              ("itl_median_ms", "ITL p50 ms", ".1f"),
+                              ("long_ttft_mean_ms", "long TTFT mean ms", ".1f"),
+                              ("long_ttft_max_ms", "long TTFT max ms", ".1f")]))
+    append_jsonl(args.output_file, rows)
     return 0
 
 

@@ -10,12 +10,12 @@ LlamaForCausalLM) with `generate` on one static batch. Figures print as a table 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
 import torch
 
+from radixserve.bench.report import append_jsonl, format_table
 from radixserve.engine import Engine
 
 
@@ -126,16 +126,12 @@ def main(argv: list[str] | None = None) -> int:
             del model
         rows.append(row)
         del engine
-    print(f"{'dtype':<10}{'ours b1 tok/s':>15}{'HF b1 tok/s':>13}"
-          f"{'ours batch tok/s':>18}{'HF batch tok/s':>16}")
-    for r in rows:
-        print(f"{r['dtype']:<10}{r['ours_batch1_decode_tok_s']:>15.1f}"
-              f"{r.get('hf_batch1_decode_tok_s', float('nan')):>13.1f}"
-              f"{r['ours_batch_output_tok_s']:>18.1f}{r.get('hf_batch_output_tok_s', float('nan')):>16.1f}")
-    if args.output_file:
-        with open(args.output_file, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    print(format_table(rows, [("dtype", "dtype", ""),
+                              ("ours_batch1_decode_tok_s", "ours b1 tok/s", ".1f"),
+                              ("hf_batch1_decode_tok_s", "HF b1 tok/s", ".1f"),
+                              ("ours_batch_output_tok_s", "ours batch tok/s", ".1f"),
+                              ("hf_batch_output_tok_s", "HF batch tok/s", ".1f")]))
+    append_jsonl(args.output_file, rows)
     return 0
 
 

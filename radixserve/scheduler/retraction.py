@@ -38,15 +38,18 @@ class NewTokenRatio:
             self.value = min(1.0, max(self.value, estimate))
 
 
-def pick_retractions(running: list[Req], free_after: Callable[[list[Req]], int]
-                     ) -> tuple[list[Req], list[Req]]:
+def pick_retractions(running: list[Req], free_after: Callable[[list[Req]], int],
+                     extra_tokens: int = 0) -> tuple[list[Req], list[Req]]:
     """Retract requests with the fewest output tokens (longest prompt first among equals) until
-    the rest have room for RETRACT_DECODE_STEPS steps; always keep at least one."""
+    the rest have room for RETRACT_DECODE_STEPS steps plus `extra_tokens` (a prefill chunk
+    sharing the pass). Without extra tokens at least one request is kept; with them, all may
+    go, since the chunk's own memory was promised at its admission."""
     order = sorted(running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
     retract: list[Req] = []
-    while len(retract) < len(running) - 1:
+    min_keep = 0 if extra_tokens else 1
+    while len(retract) < len(running) - min_keep:
         survivors = len(running) - len(retract)
-        if free_after(retract) >= survivors * RETRACT_DECODE_STEPS:
+        if free_after(retract) >= survivors * RETRACT_DECODE_STEPS + extra_tokens:
             break
         retract.append(order[len(retract)])
     retracted_ids = {id(r) for r in retract}

@@ -241,7 +241,7 @@ class Scheduler:
                 and not any(r.return_logprob for r in prefill + self.running))
 
     def _run_mixed(self, prefill: list[Req]) -> None:
-        self._ensure_decode_memory()
+        self._ensure_decode_memory(extra_tokens=sum(r.extend_input_len for r in prefill))
         if not self.running:
             self._run_prefill(prefill)
             return
@@ -303,33 +303,40 @@ class Scheduler:
         self.running = still_running
         self.ratio.decay()
 
-    def _ensure_decode_memory(self) -> None:
-        """Each running request needs one KV slot; retract the cheapest requests if short."""
-        need = len(self.running)
+    def _ensure_decode_memory(self, extra_tokens: int = 0) -> None:
+        """Each running request needs one KV slot (plus `extra_tokens` for a prefill sharing the
+        pass); retract the cheapest requests if short."""
+        need = len(self.running) + extra_tokens
         if self.token_to_kv_pool.available_size() >= need:
             return
         self.tree_cache.evict(need - self.token_to_kv_pool.available_size())
         if self.token_to_kv_pool.available_size() >= need:
             return
-        keep, retract = pick_retractions(self.running, self._free_after_retraction)
-        for req in retract:
+        keep, retract = pick_retractions(self.running, self._free_after_retraction, extra_tokens)
+        self._retract(retract)
+        self.running = keep
+        self.ratio.after_retraction(keep)
+        logger.warning("KV cache is full: retracted %d requests (%d still running); "
+                       "new_token_ratio is now %.2f", len(retract), len(keep), self.ratio.value)
+        need = len(self.running) + extra_tokens
+        self.tree_cache.evict(need - self.token_to_kv_pool.available_size())
+        if self.running and self.token_to_kv_pool.available_size() < need:
+            if extra_tokens:  # the chunk was promised its memory: the decodes step aside
+                self._retract(self.running)
+            else:  # one request alone fills the whole cache: it cannot grow, so it ends here
+                for req in self.running:
+                    self._finish(req, FinishReason.max_length(len(req.output_ids)))
+            self.running = []
+
+    def _retract(self, reqs: list[Req]) -> None:
+        """Back to the front of the queue with their output; their KV stays in the cache."""
+        for req in reqs:
             self.tree_cache.cache_finished_req(req, token_ids=req.all_ids()[:req.kv_len])
             req.kv_len = 0
             req.retraction_count += 1
             req.is_being_chunked = False
-        self.running = keep
-        self.waiting_queue = retract + self.waiting_queue
-        self.stats.num_retractions += len(retract)
-        self.ratio.after_retraction(keep)
-        logger.warning("KV cache is full: retracted %d requests (%d still running); "
-                       "new_token_ratio is now %.2f", len(retract), len(keep), self.ratio.value)
-        need = len(self.running)
-        self.tree_cache.evict(need - self.token_to_kv_pool.available_size())
-        if self.token_to_kv_pool.available_size() < need:
-            # one request alone fills the whole cache: it cannot grow, so it ends here
-            for req in self.running:
-                self._finish(req, FinishReason.max_length(len(req.output_ids)))
-            self.running = []
+        self.waiting_queue = list(reqs) + self.waiting_queue
+        self.stats.num_retractions += len(reqs)
 
     def _free_after_retraction(self, retracted: list[Req]) -> int:
         """Slots that would be free (or evictable) if `retracted` gave theirs back."""

@@ -342,3 +342,38 @@ def test_flush_cache_returns_every_slot():
     assert scheduler.tree_cache.total_size() == 0
     assert scheduler.token_to_kv_pool.available_size() == scheduler.max_total_num_tokens
     assert_memory_clean(scheduler)
+
+
+def test_retraction_while_a_prompt_is_being_chunked():
+    """With mixed chunks, decode runs (and can run out of memory) between a prompt's chunks."""
+    ps = prompts(6, 12, seed=9)
+    long_prompt = [4 + i % 40 for i in range(200)]
+    ref, _ = make_scheduler(max_total_tokens=4000)
+    for i, p in enumerate(ps):
+        ref.add_request(make_req(f"s{i}", p, max_new=60))
+    ref.add_request(make_req("long", long_prompt, max_new=5))
+    reference = run_all(ref)
+
+    scheduler, _ = make_scheduler(max_total_tokens=330, chunked_prefill_size=8,
+                                  enable_mixed_chunk=True, schedule_conservativeness=0.05,
+                                  num_continuous_decode_steps=2)
+    for i, p in enumerate(ps):
+        scheduler.add_request(make_req(f"s{i}", p, max_new=60))
+    while len(scheduler.running) < len(ps):
+        scheduler.run_turn()
+    scheduler.add_request(make_req("long", long_prompt, max_new=5))
+    results: dict[str, list[int]] = {}
+    retracted_mid_chunk = False
+    for _ in range(3000):
+        if not scheduler.has_work():
+            break
+        before = scheduler.stats.num_retractions
+        for out in scheduler.run_turn():
+            for rid, new in zip(out.rids, out.new_output_ids):
+                results.setdefault(rid, []).extend(new)
+        if scheduler.stats.num_retractions > before and scheduler.chunked_req is not None:
+            retracted_mid_chunk = True
+    assert retracted_mid_chunk
+    for rid, entry in reference.items():
+        assert results[rid] == entry["ids"]
+    assert_memory_clean(scheduler)
