@@ -11,10 +11,12 @@ setting: chunking off (-1), chunking on, and chunking on with --enable-mixed-chu
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from typing import Any
 
 import numpy as np
+import torch
 
 from radixserve.core.io_struct import TokenizedGenerateReq
 from radixserve.core.sampling_params import SamplingParams
@@ -92,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
                **run_once(engine, args.streams, args.stream_len, args.long_prompts, long_len, 0)}
         rows.append(row)
         del engine
+        gc.collect()  # free the model and its KV pool before the next engine sizes its own
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     print(format_table(rows, [("chunking", "chunking", ""), ("itl_max_ms", "ITL max ms", ".1f"),
                               ("itl_p99_ms", "ITL p99 ms", ".1f"),
                               ("itl_median_ms", "ITL p50 ms", ".1f"),

@@ -65,6 +65,7 @@ class Scheduler:
         self.waiting_queue: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
+        self.last_turn_was_chunk = False
         self.outbox: list[Req] = []
         self.last_memory_check: tuple[bool, int] | None = None
 
@@ -166,8 +167,15 @@ class Scheduler:
 
     # ---- one turn ----
     def run_turn(self) -> list[BatchTokenIDOut]:
-        prefill = self._get_new_prefill_batch()
-        if prefill and self._can_mix(prefill):
+        # while a prompt is being chunked, decode gets every other turn (unless the two share
+        # a pass): streams then wait at most one chunk, not the whole prompt
+        decode_turn = (self.chunked_req is not None and bool(self.running)
+                       and self.last_turn_was_chunk and not self.args.enable_mixed_chunk)
+        prefill = None if decode_turn else self._get_new_prefill_batch()
+        self.last_turn_was_chunk = prefill is not None and self.chunked_req is not None
+        if decode_turn:
+            self._run_decode_step()
+        elif prefill and self._can_mix(prefill):
             self._run_mixed(prefill)
         elif prefill:
             self._run_prefill(prefill)

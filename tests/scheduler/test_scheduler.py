@@ -377,3 +377,23 @@ def test_retraction_while_a_prompt_is_being_chunked():
     for rid, entry in reference.items():
         assert results[rid] == entry["ids"]
     assert_memory_clean(scheduler)
+
+
+def test_decode_steps_interleave_with_chunks():
+    """Without mixed passes, streams still get a decode step between two chunks."""
+    scheduler, runner = make_scheduler(chunked_prefill_size=16, num_continuous_decode_steps=4)
+    for i, p in enumerate(prompts(3, 6, seed=2)):
+        scheduler.add_request(make_req(f"s{i}", p, max_new=60))
+    while len(scheduler.running) < 3:
+        scheduler.run_turn()
+    start = len(runner.batches)
+    long_prompt = [5 + i % 30 for i in range(100)]
+    scheduler.add_request(make_req("long", long_prompt, max_new=3))
+    results = run_all(scheduler)
+    modes = [b.forward_mode.is_decode() for b in runner.batches[start:]]
+    first_decode_after_long = modes.index(True)
+    chunk_turns = modes[:first_decode_after_long + 12]
+    # extend, decode, extend, decode, ...: never two chunks in a row while streams run
+    assert not any(a is False and b is False for a, b in zip(chunk_turns, chunk_turns[1:]))
+    assert results["long"]["ids"] == expected_output(long_prompt, 3)
+    assert_memory_clean(scheduler)
