@@ -1,7 +1,10 @@
-"""The reference backend and the CPU path: gather K/V through req_to_token, then SDPA.
+"""The reference backend and the CPU path: gather K/V through req_to_token, then attend.
 
-Requests are padded to the longest one in the batch and run as one SDPA call with a mask, so the
-cost per layer is a few large ops rather than one small op per request.
+Requests are padded to the longest one of their kind and run as a few large ops per layer:
+prefill parts through SDPA with a causal mask over the cached prefix, single-token (decode)
+parts as two grouped matmuls (on CPU several times faster than a masked SDPA, in bf16 about
+ten times). A MIXED batch splits into its extend head and its decode tail, so one long chunk
+does not pad every decode request to the chunk's length.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionBackend
+from radixserve.executor.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
     from radixserve.executor.forward_batch import ForwardBatch
@@ -19,67 +23,110 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class TorchNativeMetadata:
+class PaddedPart:
+    """A run of requests whose tokens are [token_start, token_end) of the pass."""
+    token_start: int
+    token_end: int
     kv_indices: torch.Tensor  # [bs, max_kv_len] KV slots (0 where padded)
     attn_mask: torch.Tensor  # [bs, 1, max_q_len, max_kv_len] bool, True = attend
     q_scatter: torch.Tensor  # [T] flat index into the padded [bs * max_q_len] query layout
     max_q_len: int
 
+    @property
+    def batch_size(self) -> int:
+        return int(self.kv_indices.shape[0])
+
+
+def _build_part(forward_batch: "ForwardBatch", req_start: int, req_end: int,
+                token_start: int, q_lens_cpu: list[int]) -> PaddedPart:
+    device = forward_batch.input_ids.device
+    seq_lens = forward_batch.seq_lens[req_start:req_end]
+    max_kv_len = max(forward_batch.seq_lens_cpu[req_start:req_end])
+    max_q_len = max(q_lens_cpu)
+    q_lens = torch.tensor(q_lens_cpu, dtype=torch.int64, device=device)
+    rows = forward_batch.req_to_token_pool.req_to_token[
+        forward_batch.req_pool_indices[req_start:req_end]]
+    kv_pos = torch.arange(max_kv_len, device=device)
+    kv_valid = kv_pos[None, :] < seq_lens[:, None]
+    kv_indices = torch.where(kv_valid, rows[:, :max_kv_len].to(torch.int64), 0)
+    # query i of a request sits at absolute position prefix_len + i = seq_len - q_len + i
+    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q_len, device=device)[None, :]
+    # every row, padded ones included, may see position 0, so softmax stays finite
+    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
+    q_valid = torch.arange(max_q_len, device=device)[None, :] < q_lens[:, None]
+    flat = torch.arange(len(q_lens_cpu) * max_q_len, device=device).view(-1, max_q_len)
+    return PaddedPart(token_start, token_start + sum(q_lens_cpu), kv_indices, mask[:, None],
+                      flat[q_valid], max_q_len)
+
 
 class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self) -> None:
-        self.metadata: TorchNativeMetadata | None = None
+        self.parts: list[PaddedPart] = []
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
-        device = forward_batch.input_ids.device
         bs = forward_batch.batch_size
-        seq_lens = forward_batch.seq_lens
-        max_kv_len = max(forward_batch.seq_lens_cpu)
         if forward_batch.forward_mode.is_decode():
-            q_lens_cpu = [1] * bs
-            q_lens = torch.ones(bs, dtype=torch.int64, device=device)
-        else:
-            assert forward_batch.extend_seq_lens is not None
-            q_lens_cpu = forward_batch.extend_seq_lens_cpu or []
-            q_lens = forward_batch.extend_seq_lens
-        max_q_len = max(q_lens_cpu)
+            self.parts = [_build_part(forward_batch, 0, bs, 0, [1] * bs)]
+            return
+        q_lens = forward_batch.extend_seq_lens_cpu or []
+        # the decode tail of a MIXED batch (requests with one new token)
+        split = bs
+        if forward_batch.forward_mode is ForwardMode.MIXED:
+            while split > 1 and q_lens[split - 1] == 1:
+                split -= 1
+        if split == bs:
+            self.parts = [_build_part(forward_batch, 0, bs, 0, q_lens)]
+            return
+        head_tokens = sum(q_lens[:split])
+        self.parts = [_build_part(forward_batch, 0, split, 0, q_lens[:split]),
+                      _build_part(forward_batch, split, bs, head_tokens, q_lens[split:])]
 
-        rows = forward_batch.req_to_token_pool.req_to_token[forward_batch.req_pool_indices]
-        kv_pos = torch.arange(max_kv_len, device=device)
-        kv_valid = kv_pos[None, :] < seq_lens[:, None]
-        kv_indices = torch.where(kv_valid, rows[:, :max_kv_len].to(torch.int64), 0)
+    def _store(self, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
+               forward_batch: "ForwardBatch") -> None:
+        forward_batch.token_to_kv_pool.set_kv_buffer(
+            layer.layer_id, forward_batch.out_cache_loc,
+            k.view(-1, layer.tp_k_head_num, layer.head_dim),
+            v.view(-1, layer.tp_v_head_num, layer.head_dim))
 
-        # query i of request b sits at absolute position prefix_len + i = seq_len - q_len + i
-        q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q_len, device=device)[None, :]
-        causal = kv_pos[None, None, :] <= q_pos[:, :, None]
-        # every row, padded ones included, may see position 0, so softmax stays finite
-        mask = causal & kv_valid[:, None, :]
+    def _attend_padded(self, q: torch.Tensor, part: PaddedPart, layer: "RadixAttention",
+                       forward_batch: "ForwardBatch") -> torch.Tensor:
+        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        bs, num_heads, head_dim = part.batch_size, layer.tp_q_head_num, layer.head_dim
+        q_pad = q.new_zeros(bs * part.max_q_len, num_heads, head_dim)
+        q_pad[part.q_scatter] = q.view(-1, num_heads, head_dim)
+        q_pad = q_pad.view(bs, part.max_q_len, num_heads, head_dim).transpose(1, 2)
+        keys = k_buf[part.kv_indices].transpose(1, 2).to(q.dtype)  # [bs, Hkv, L, D]
+        values = v_buf[part.kv_indices].transpose(1, 2).to(q.dtype)
+        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=part.attn_mask,
+                                             scale=layer.scaling,
+                                             enable_gqa=layer.tp_k_head_num != num_heads)
+        out = out.transpose(1, 2).reshape(bs * part.max_q_len, num_heads * head_dim)
+        return out[part.q_scatter]
 
-        q_valid = torch.arange(max_q_len, device=device)[None, :] < q_lens[:, None]
-        flat = torch.arange(bs * max_q_len, device=device).view(bs, max_q_len)
-        self.metadata = TorchNativeMetadata(kv_indices, mask[:, None], flat[q_valid], max_q_len)
+    def _attend_single_token(self, q: torch.Tensor, part: PaddedPart, layer: "RadixAttention",
+                             forward_batch: "ForwardBatch") -> torch.Tensor:
+        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        bs, num_kv_heads, head_dim = part.batch_size, layer.tp_k_head_num, layer.head_dim
+        group = layer.tp_q_head_num // num_kv_heads
+        keys = k_buf[part.kv_indices].permute(0, 2, 3, 1).to(q.dtype)  # [bs, Hkv, D, L]
+        values = v_buf[part.kv_indices].transpose(1, 2).to(q.dtype)  # [bs, Hkv, L, D]
+        q_grouped = q.view(bs, num_kv_heads, group, head_dim)
+        scores = torch.matmul(q_grouped, keys).float() * layer.scaling  # [bs, Hkv, G, L]
+        scores.masked_fill_(~part.attn_mask.view(bs, 1, 1, -1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, values).reshape(bs, layer.tp_q_head_num * head_dim)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
-        meta = self.metadata
-        assert meta is not None
-        pool = forward_batch.token_to_kv_pool
-        pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc,
-                           k.view(-1, layer.tp_k_head_num, layer.head_dim),
-                           v.view(-1, layer.tp_v_head_num, layer.head_dim))
-        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        bs, num_heads, head_dim = forward_batch.batch_size, layer.tp_q_head_num, layer.head_dim
-        # [bs, H, max_q_len, D]
-        q_pad = q.new_zeros(bs * meta.max_q_len, num_heads, head_dim)
-        q_pad[meta.q_scatter] = q.view(-1, num_heads, head_dim)
-        q_pad = q_pad.view(bs, meta.max_q_len, num_heads, head_dim).transpose(1, 2)
-        keys = k_buf[meta.kv_indices].transpose(1, 2).to(q.dtype)  # [bs, Hkv, L, D]
-        values = v_buf[meta.kv_indices].transpose(1, 2).to(q.dtype)
-        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=meta.attn_mask,
-                                             scale=layer.scaling,
-                                             enable_gqa=layer.tp_k_head_num != num_heads)
-        out = out.transpose(1, 2).reshape(bs * meta.max_q_len, num_heads * head_dim)
-        return out[meta.q_scatter]
+        self._store(k, v, layer, forward_batch)
+        outs = []
+        for part in self.parts:
+            q_part = q[part.token_start:part.token_end]
+            if part.max_q_len == 1:
+                outs.append(self._attend_single_token(q_part, part, layer, forward_batch))
+            else:
+                outs.append(self._attend_padded(q_part, part, layer, forward_batch))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
@@ -87,21 +134,4 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
-        """One query per request: two batched matmuls over the query heads of each KV head
-        (on CPU several times faster than SDPA with a mask, in bf16 about ten times)."""
-        meta = self.metadata
-        assert meta is not None
-        pool = forward_batch.token_to_kv_pool
-        num_kv_heads, head_dim = layer.tp_k_head_num, layer.head_dim
-        pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc,
-                           k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim))
-        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        bs = forward_batch.batch_size
-        group = layer.tp_q_head_num // num_kv_heads
-        keys = k_buf[meta.kv_indices].permute(0, 2, 3, 1).to(q.dtype)  # [bs, Hkv, D, L]
-        values = v_buf[meta.kv_indices].transpose(1, 2).to(q.dtype)  # [bs, Hkv, L, D]
-        q_grouped = q.view(bs, num_kv_heads, group, head_dim)
-        scores = torch.matmul(q_grouped, keys).float() * layer.scaling  # [bs, Hkv, G, L]
-        scores.masked_fill_(~meta.attn_mask.view(bs, 1, 1, -1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        return torch.matmul(probs, values).reshape(bs, layer.tp_q_head_num * head_dim)
+        return self._attend(q, k, v, layer, forward_batch)

@@ -15,7 +15,8 @@ class RunnerDriver:
         self.rows: dict[int, int] = {}  # request key -> req pool row
         self.lens: dict[int, int] = {}
 
-    def extend(self, tokens_by_req: dict[int, list[int]]) -> torch.Tensor:
+    def extend(self, tokens_by_req: dict[int, list[int]],
+               forward_mode: ForwardMode | None = None) -> torch.Tensor:
         """Append tokens to each request (new requests start empty); last-token logits."""
         runner = self.runner
         prefix_lens, ext_lens, input_ids, rows = [], [], [], []
@@ -35,8 +36,10 @@ class RunnerDriver:
             self.lens[key] += ext_len
             offset += ext_len
         single_token = all(n == 1 for n in ext_lens) and all(p > 0 for p in prefix_lens)
+        if forward_mode is None:
+            forward_mode = ForwardMode.DECODE if single_token else ForwardMode.EXTEND
         batch = ModelWorkerBatch(
-            forward_mode=ForwardMode.DECODE if single_token else ForwardMode.EXTEND,
+            forward_mode=forward_mode,
             input_ids=input_ids, req_pool_indices=rows,
             seq_lens=[self.lens[k] for k in tokens_by_req], out_cache_loc=out_loc,
             extend_seq_lens=ext_lens, extend_prefix_lens=prefix_lens)

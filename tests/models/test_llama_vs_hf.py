@@ -74,3 +74,24 @@ def test_greedy_continuation_matches(pair):
         ours.append(token)
         logits = driver.extend({20: [token]})
     assert ours == hf_out
+
+
+def test_mixed_batch_matches(pair):
+    """A MIXED pass (a prompt chunk plus single decode tokens) equals transformers."""
+    from radixserve.executor.forward_batch import ForwardMode
+    hf_model, runner = pair
+    gen = torch.Generator().manual_seed(3)
+    vocab = hf_model.config.vocab_size
+    seqs = {k: torch.randint(0, vocab, (n,), generator=gen).tolist()
+            for k, n in ((30, 9), (31, 21), (32, 50))}
+    driver = RunnerDriver(runner)
+    driver.extend({30: seqs[30], 31: seqs[31]})
+    chunk = seqs[32][:20]
+    feed = {32: chunk, 30: [5], 31: [6]}
+    ours = driver.extend(feed, forward_mode=ForwardMode.MIXED)
+    seqs[30] += [5]
+    seqs[31] += [6]
+    for i, key in enumerate(feed):
+        ref_ids = chunk if key == 32 else seqs[key]
+        torch.testing.assert_close(ours[i], hf_logits(hf_model, ref_ids)[-1], atol=ATOL,
+                                   rtol=1e-4)
