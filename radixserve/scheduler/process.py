@@ -93,14 +93,18 @@ class SchedulerLoop:
 
 
 def limit_cpu_threads(server_args: ServerArgs) -> None:
-    """On CPU, leave one core to the HTTP and detokenizer processes: torch's OpenMP threads
-    spin at barriers, and when they compete with the HTTP process for cores every small op
-    (attention on a few tokens) slows down by orders of magnitude. OMP_NUM_THREADS wins."""
-    if not server_args.device.startswith("cpu") or os.environ.get("OMP_NUM_THREADS"):
+    """On CPU with more than four cores, leave one core to the HTTP and detokenizer processes:
+    torch's OpenMP threads spin at barriers, and when they compete with the HTTP process for
+    cores small ops slow down badly. With four or fewer, the core is worth more to the model:
+    on 2 cores, 64 x 128/128 streamed through HTTP ran at 221 output tok/s with both threads
+    and 145 with one (docs/PERFORMANCE.md). OMP_NUM_THREADS wins over both."""
+    cores = os.cpu_count() or 1
+    if not server_args.device.startswith("cpu") or os.environ.get("OMP_NUM_THREADS") \
+            or cores <= 4:
         return
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+    torch.set_num_threads(cores - 1)
 
 
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs,
