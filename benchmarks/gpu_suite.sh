@@ -43,11 +43,7 @@ for name in ("triton", "transformers", "pytest", "gguf", "numpy"):
 EOF
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv 2>/dev/null
 } > "$OUT/env.txt" 2>&1
-if ! $PY -c "import gguf" 2>/dev/null; then
-    # radixserve's loader imports gguf at module level; the stub lets dummy/safetensors load
-    export PYTHONPATH="$PWD/benchmarks/gguf_stub:$PYTHONPATH"
-    echo "note: the gguf package is missing; using benchmarks/gguf_stub" | tee -a "$OUT/env.txt"
-fi
+# (the gguf package is not on the device; the loader imports it only for .gguf files)
 
 STEP_NAMES=()
 STEP_RESULTS=()
