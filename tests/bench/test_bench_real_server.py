@@ -1,16 +1,8 @@
-"""The serving benchmark against the real server (bundled SmolLM2-135M on CPU).
-
-Skips cleanly when the server cannot start (not built yet, no model). Slow: one server start.
-"""
+"""The serving benchmark against the real server (bundled SmolLM2-135M on CPU). Slow: one
+server start."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,51 +11,19 @@ import pytest
 from radixserve.bench import serving
 from radixserve.bench.datasets import TokenSampler, load_tokenizer, sample_random_requests
 from radixserve.config import DEFAULT_MODEL_NAME
+from tests.server.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
-START_TIMEOUT_S = 240.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _healthy(base_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(base_url + "/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "radixserve.launch_server", "--port", str(port),
-             "--log-level", "warning"],
-            stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def server() -> Iterator[str]:
+    """The real server; a failure to start is a test failure, not a skip."""
+    proc = ServerProcess("--log-level", "warning")
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _healthy(base_url):
-            if proc.poll() is not None:
-                pytest.skip(f"server exited with {proc.returncode}: {log.read_text()[-1500:]}")
-            if time.monotonic() > deadline:
-                pytest.skip(f"server not healthy after {START_TIMEOUT_S:.0f} s")
-            time.sleep(1.0)
-        yield base_url
+        yield proc.base_url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        proc.stop()
 
 
 def _run(base_url: str, out_file: Path, *extra: str) -> dict:
