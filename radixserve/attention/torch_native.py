@@ -88,6 +88,14 @@ class TorchNativeAttnBackend(AttentionBackend):
             k.view(-1, layer.tp_k_head_num, layer.head_dim),
             v.view(-1, layer.tp_v_head_num, layer.head_dim))
 
+    @staticmethod
+    def _gather(buffer: torch.Tensor, part: PaddedPart, dtype: torch.dtype) -> torch.Tensor:
+        """[bs, max_kv_len, heads, head_dim] rows of one layer's K or V buffer (index_select
+        is several times faster than advanced indexing on CPU)."""
+        bs, max_kv_len = part.kv_indices.shape
+        rows = buffer.index_select(0, part.kv_indices.reshape(-1))
+        return rows.view(bs, max_kv_len, *buffer.shape[1:]).to(dtype)
+
     def _attend_padded(self, q: torch.Tensor, part: PaddedPart, layer: "RadixAttention",
                        forward_batch: "ForwardBatch") -> torch.Tensor:
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
@@ -95,8 +103,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         q_pad = q.new_zeros(bs * part.max_q_len, num_heads, head_dim)
         q_pad[part.q_scatter] = q.view(-1, num_heads, head_dim)
         q_pad = q_pad.view(bs, part.max_q_len, num_heads, head_dim).transpose(1, 2)
-        keys = k_buf[part.kv_indices].transpose(1, 2).to(q.dtype)  # [bs, Hkv, L, D]
-        values = v_buf[part.kv_indices].transpose(1, 2).to(q.dtype)
+        keys = self._gather(k_buf, part, q.dtype).transpose(1, 2)  # [bs, Hkv, L, D]
+        values = self._gather(v_buf, part, q.dtype).transpose(1, 2)
         out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=part.attn_mask,
                                              scale=layer.scaling,
                                              enable_gqa=layer.tp_k_head_num != num_heads)
@@ -105,16 +113,21 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def _attend_single_token(self, q: torch.Tensor, part: PaddedPart, layer: "RadixAttention",
                              forward_batch: "ForwardBatch") -> torch.Tensor:
+        """Two bmm's over (request, KV head) pairs, each holding its group of query heads."""
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         bs, num_kv_heads, head_dim = part.batch_size, layer.tp_k_head_num, layer.head_dim
         group = layer.tp_q_head_num // num_kv_heads
-        keys = k_buf[part.kv_indices].permute(0, 2, 3, 1).to(q.dtype)  # [bs, Hkv, D, L]
-        values = v_buf[part.kv_indices].transpose(1, 2).to(q.dtype)  # [bs, Hkv, L, D]
-        q_grouped = q.view(bs, num_kv_heads, group, head_dim)
-        scores = torch.matmul(q_grouped, keys).float() * layer.scaling  # [bs, Hkv, G, L]
+        max_kv_len = part.kv_indices.shape[1]
+        pairs = bs * num_kv_heads
+        keys = self._gather(k_buf, part, q.dtype).permute(0, 2, 3, 1).reshape(
+            pairs, head_dim, max_kv_len)
+        values = self._gather(v_buf, part, q.dtype).transpose(1, 2).reshape(
+            pairs, max_kv_len, head_dim)
+        scores = torch.bmm(q.view(pairs, group, head_dim), keys).float() * layer.scaling
+        scores = scores.view(bs, num_kv_heads, group, max_kv_len)
         scores.masked_fill_(~part.attn_mask.view(bs, 1, 1, -1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        return torch.matmul(probs, values).reshape(bs, layer.tp_q_head_num * head_dim)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(pairs, group, max_kv_len)
+        return torch.bmm(probs, values).reshape(bs, layer.tp_q_head_num * head_dim)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
