@@ -194,10 +194,6 @@ class ModelConfig:
         self.context_length = min(requested, self.max_position_embeddings) if requested \
             else self.max_position_embeddings
 
-    @property
-    def kv_bytes_per_token_per_dtype_byte(self) -> int:
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
-
 
 def resolve_dtype(name: str, model_dtype: str, device: str) -> torch.dtype:
     """'auto' takes the checkpoint's dtype on GPU; on CPU bf16 checkpoints run in bf16 too."""

@@ -37,7 +37,3 @@ class FinishReason:
         else:
             out["message"] = self.message
         return out
-
-    @property
-    def openai_reason(self) -> str:
-        return {"stop": "stop", "length": "length", "abort": "abort"}[self.kind]
