@@ -53,9 +53,10 @@ class BatchBuilder:
         table = self.req_to_token_pool.req_to_token
         table[req_pool_idx, start:start + len(slots)] = slots.to(table.device, table.dtype)
 
-    def prepare_extend(self, reqs: list[Req], forward_mode: ForwardMode = ForwardMode.EXTEND
-                       ) -> ModelWorkerBatch:
-        """Allocate rows and KV slots for the requests' extend tokens (prefix already locked)."""
+    def prepare_extend(self, reqs: list[Req], forward_mode: ForwardMode = ForwardMode.EXTEND,
+                       with_sampling: bool = True) -> ModelWorkerBatch:
+        """Allocate rows and KV slots for the requests' extend tokens (prefix already locked).
+        `with_sampling=False` leaves sampling_info empty (a part of a MIXED pass)."""
         new_rows = [r for r in reqs if r.req_pool_idx is None]
         if new_rows:
             rows = self.req_to_token_pool.alloc(len(new_rows))
@@ -84,7 +85,7 @@ class BatchBuilder:
             out_cache_loc=out_cache_loc,
             extend_seq_lens=extend_lens,
             extend_prefix_lens=[len(r.prefix_indices) for r in reqs],
-            sampling_info=self.sampling_info(reqs),
+            sampling_info=self.sampling_info(reqs) if with_sampling else None,
             return_logprob=return_logprob,
             top_logprobs_nums=[r.top_logprobs_num for r in reqs],
         )
@@ -104,7 +105,7 @@ class BatchBuilder:
             batch.extend_next_token_ids.append(req.origin_input_ids[prefix_len + 1:end]
                                                if want else [])
 
-    def prepare_decode(self, reqs: list[Req]) -> ModelWorkerBatch:
+    def prepare_decode(self, reqs: list[Req], with_sampling: bool = True) -> ModelWorkerBatch:
         """One new KV slot per request for its last sampled token (memory already checked)."""
         out_cache_loc = alloc_kv(len(reqs), self.token_to_kv_pool, self.tree_cache)
         table = self.req_to_token_pool.req_to_token
@@ -120,7 +121,7 @@ class BatchBuilder:
             req_pool_indices=[r.req_pool_idx for r in reqs],  # type: ignore[misc]
             seq_lens=[r.kv_len for r in reqs],
             out_cache_loc=out_cache_loc,
-            sampling_info=self.sampling_info(reqs),
+            sampling_info=self.sampling_info(reqs) if with_sampling else None,
             return_logprob=any(r.return_logprob for r in reqs),
             top_logprobs_nums=[r.top_logprobs_num for r in reqs],
         )

@@ -253,8 +253,9 @@ class Scheduler:
         if not self.running:
             self._run_prefill(prefill)
             return
-        extend = self.builder.prepare_extend(prefill)
-        decode = self.builder.prepare_decode(self.running)
+        # the merged pass gets one sampling info for all its requests
+        extend = self.builder.prepare_extend(prefill, with_sampling=False)
+        decode = self.builder.prepare_decode(self.running, with_sampling=False)
         sampling = self.builder.sampling_info(prefill + self.running)
         out = self.runner.forward(merge_mixed(extend, decode, sampling))
         n = len(prefill)
