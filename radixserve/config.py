@@ -79,7 +79,11 @@ class ServerArgs:
         if not on_gpu:
             self.disable_cuda_graph = True
         if self.cuda_graph_max_bs is None:
-            self.cuda_graph_max_bs = 256
+            # large-memory GPUs (H200: 141 GB) hold 500+ running requests of a few thousand
+            # tokens; their decode steps replay graphs too
+            big = on_gpu and torch.cuda.is_available() and \
+                torch.cuda.get_device_properties(torch.device(self.device)).total_memory > 100e9
+            self.cuda_graph_max_bs = 512 if big else 256
         if self.schedule_policy not in ("lpm", "fcfs", "dfs-weight", "random"):
             raise ValueError(f"unknown --schedule-policy {self.schedule_policy!r}")
         if self.disable_radix_cache and self.schedule_policy in ("lpm", "dfs-weight"):

@@ -2,8 +2,12 @@
 
 A backend computes attention for one layer over the token-granular KV pool. Each backend keeps its
 own metadata object, built once per forward pass by `init_forward_metadata` and read by every
-layer. `forward` stores this pass's K/V into the pool at `forward_batch.out_cache_loc` and then
-attends; it returns [num_tokens, num_heads * head_dim].
+layer. `forward` applies rope to q and k when given one (a `RopeInput`: positions and the rotary
+module), stores this pass's K/V (K rotated) into the pool at `forward_batch.out_cache_loc` and
+then attends; it returns [num_tokens, num_heads * head_dim]. The default `forward` rotates with
+`rope.rotary(positions, q, k)` and then calls `forward_decode` / `forward_extend`, which store
+and attend; a backend may override it to fuse the rotation with its store (the Triton backend
+does). q and k may be rotated in place.
 
 CUDA graph support (decode only): `init_cuda_graph_state(max_bs)` allocates fixed buffers;
 `init_forward_metadata_capture_cuda_graph` points the metadata at them for a capture of `bs`
@@ -21,6 +25,7 @@ import torch
 if TYPE_CHECKING:
     from radixserve.executor.forward_batch import ForwardBatch
     from radixserve.layers.radix_attention import RadixAttention
+    from radixserve.layers.rotary import RopeInput
 
 
 class AttentionBackend(ABC):
@@ -29,8 +34,11 @@ class AttentionBackend(ABC):
         """Build per-pass metadata (index tensors, split plans) from the batch."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
-        """q: [T, H*D], k/v: [T, Hkv*D]. Returns [T, H*D]."""
+                layer: "RadixAttention", forward_batch: "ForwardBatch",
+                rope: "RopeInput | None" = None) -> torch.Tensor:
+        """q: [T, H*D], k/v: [T, Hkv*D], q/k unrotated when `rope` is given. Returns [T, H*D]."""
+        if rope is not None:
+            q, k = rope.rotary(rope.positions, q, k)
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer, forward_batch)
         return self.forward_extend(q, k, v, layer, forward_batch)

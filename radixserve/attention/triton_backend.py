@@ -9,6 +9,9 @@ Invariants:
 - CUDA graphs: `init_cuda_graph_state` allocates a workspace used only by graphs (never
   reallocated, so captured pointers stay valid). Capture records the runner's fixed
   req_pool_indices / seq_lens buffers; replay copies into them only if it is handed other tensors.
+- Rope: given a `RopeInput`, `forward` rotates q/k and writes K/V into the pool in one Triton
+  kernel (`RotaryEmbedding.forward_and_store_kv`) instead of a rotary kernel plus two index_put
+  launches; forward_extend / forward_decode are then told not to store again.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from radixserve.attention.kernels.extend_attention import (ExtendKernelConfig,
 if TYPE_CHECKING:
     from radixserve.executor.forward_batch import ForwardBatch
     from radixserve.layers.radix_attention import RadixAttention
+    from radixserve.layers.rotary import RopeInput
 
 
 @dataclass
@@ -151,11 +155,31 @@ class TritonAttnBackend(AttentionBackend):
                                                      k, v)
         return k, v
 
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer: "RadixAttention", forward_batch: "ForwardBatch",
+                rope: "RopeInput | None" = None) -> torch.Tensor:
+        """As the base, but rope and the K/V store run as one fused kernel. Our kernels run on
+        whatever device triton does (CUDA, or the CPU interpreter in tests), so does this one."""
+        store_kv = rope is None
+        if rope is not None:
+            k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+            q, k = rope.rotary.forward_and_store_kv(rope.positions, q, k, v, k_buffer, v_buffer,
+                                                    forward_batch.out_cache_loc)
+        if forward_batch.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch, store_kv=store_kv)
+        return self.forward_extend(q, k, v, layer, forward_batch, store_kv=store_kv)
+
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
+                       layer: "RadixAttention", forward_batch: "ForwardBatch",
+                       store_kv: bool = True) -> torch.Tensor:
+        """store_kv=False: k/v are already in the pool (the fused rope kernel wrote them)."""
         meta = self.extend_metadata
         assert meta is not None, "init_forward_metadata was not called"
-        k, v = self._store_kv(k, v, layer, forward_batch)
+        if store_kv:
+            k, v = self._store_kv(k, v, layer, forward_batch)
+        else:
+            k = k.view(-1, layer.tp_k_head_num, layer.head_dim)
+            v = v.view(-1, layer.tp_v_head_num, layer.head_dim)
         num_heads, head_dim = layer.tp_q_head_num, layer.head_dim
         q = q.view(-1, num_heads, head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -168,10 +192,13 @@ class TritonAttnBackend(AttentionBackend):
         return out.view(-1, num_heads * head_dim)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
+                       layer: "RadixAttention", forward_batch: "ForwardBatch",
+                       store_kv: bool = True) -> torch.Tensor:
+        """store_kv=False: k/v are already in the pool (the fused rope kernel wrote them)."""
         meta = self.decode_metadata
         assert meta is not None, "init_forward_metadata was not called"
-        self._store_kv(k, v, layer, forward_batch)
+        if store_kv:
+            self._store_kv(k, v, layer, forward_batch)
         num_heads, head_dim = layer.tp_q_head_num, layer.head_dim
         q = q.view(-1, num_heads, head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

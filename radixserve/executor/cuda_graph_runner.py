@@ -10,9 +10,12 @@ Invariants:
   so a replay only refills them (one host-to-device copy from a pinned staging buffer, which is
   rewritten only after the previous copy out of it has completed).
 - Padding. A batch of `bs` requests replays the smallest captured size `graph_bs >= bs`. The
-  `graph_bs - bs` padding rows carry input id 0, position 0, req_pool_index 0, seq_len
-  `attn_backend.get_cuda_graph_seq_len_fill_value()` and out_cache_loc 0: their K/V land in
-  KV slot 0 (the padding sink, never handed out) and their logits are dropped.
+  `graph_bs - bs` padding rows carry input id 0, position 0, req_pool_index
+  `req_to_token_pool.padding_row`, seq_len `attn_backend.get_cuda_graph_seq_len_fill_value()`
+  and out_cache_loc 0: their K/V land in KV slot 0 (the padding sink, never handed out), their
+  table write in the padding row, and their outputs are dropped.
+- A graph is the whole decode step short of sampling: the write of the new KV slots into
+  req_to_token, the model, and the argmax of the logits (greedy batches need nothing else).
 - One memory pool (`torch.cuda.graph_pool_handle()`) is shared by all graphs, captured largest
   first so the smaller ones fit in the memory the largest already reserved. Graph outputs live in
   that pool: the logits `replay` returns are valid until the next replay.
@@ -42,14 +45,16 @@ NUM_WARMUP_RUNS = 2
 
 
 def capture_batch_sizes(cuda_graph_max_bs: int, max_num_reqs: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 from 16, up to min(cuda_graph_max_bs, max_num_reqs); ascending.
+    """1, 2, 4, 8, then every 8 from 16 to 256 and every 16 above, up to
+    min(cuda_graph_max_bs, max_num_reqs); ascending.
 
     When the cap falls between two steps, the cap itself is added so that every batch up to it
     can replay a graph."""
     cap = min(cuda_graph_max_bs, max_num_reqs)
     if cap < 1:
         return []
-    sizes = [bs for bs in [1, 2, 4, 8, *range(16, cap + 1, 8)] if bs <= cap]
+    steps = [1, 2, 4, 8, *range(16, 257, 8), *range(272, cap + 1, 16)]
+    sizes = [bs for bs in steps if bs <= cap]
     if sizes[-1] != cap:
         sizes.append(cap)
     return sizes
@@ -70,20 +75,21 @@ class PaddingPlan(NamedTuple):
 
 
 def fill_padded_inputs(batch: ModelWorkerBatch, graph_bs: int, seq_len_fill: int,
-                       out: torch.Tensor) -> PaddingPlan:
+                       padding_row: int, out: torch.Tensor) -> PaddingPlan:
     """Write the batch's decode inputs into `out[:, :graph_bs]` (a CPU int64 `[5, >= graph_bs]`
     tensor, rows in the order of the module constants), padding rows after the real ones."""
     bs = batch.batch_size
     if bs > graph_bs:
         raise ValueError(f"batch of {bs} does not fit a graph of {graph_bs}")
-    seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
-    out[INPUT_IDS, :bs] = torch.tensor(batch.input_ids, dtype=torch.int64)
-    out[POSITIONS, :bs] = seq_lens - 1  # decode writes the position after the cached ones
-    out[REQ_POOL_INDICES, :bs] = torch.tensor(batch.req_pool_indices, dtype=torch.int64)
-    out[SEQ_LENS, :bs] = seq_lens
-    out[OUT_CACHE_LOC, :bs] = batch.out_cache_loc.to(torch.int64)
-    out[:, bs:graph_bs] = 0
-    out[SEQ_LENS, bs:graph_bs] = seq_len_fill
+    rows = out.numpy()  # shares memory: numpy takes Python lists without per-element tensors
+    rows[INPUT_IDS, :bs] = batch.input_ids
+    rows[SEQ_LENS, :bs] = batch.seq_lens
+    rows[POSITIONS, :bs] = rows[SEQ_LENS, :bs] - 1  # decode writes the position after the cache
+    rows[REQ_POOL_INDICES, :bs] = batch.req_pool_indices
+    rows[OUT_CACHE_LOC, :bs] = batch.out_cache_loc.numpy()
+    rows[:, bs:graph_bs] = 0
+    rows[SEQ_LENS, bs:graph_bs] = seq_len_fill
+    rows[REQ_POOL_INDICES, bs:graph_bs] = padding_row
     num_padding = graph_bs - bs
     return PaddingPlan(graph_bs, num_padding, sum(batch.seq_lens) + num_padding * seq_len_fill)
 
@@ -96,11 +102,11 @@ class CudaGraphRunner:
         self.model_runner = model_runner
         self.attn_backend = model_runner.attn_backend
         self.device = model_runner.device
-        max_bs_flag = model_runner.server_args.cuda_graph_max_bs or 256
+        max_bs_flag = model_runner.server_args.cuda_graph_max_bs or 256  # resolve() sets it
         sizes = capture_batch_sizes(max_bs_flag, model_runner.max_num_reqs)
         self.batch_sizes: list[int] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (logits, argmax ids)
         if not sizes:
             return
         try:
@@ -109,11 +115,13 @@ class CudaGraphRunner:
             logger.warning("CUDA graphs disabled, decode runs eagerly: %s", exc)
             return
         self.max_bs = sizes[-1]
+        self.padding_row = model_runner.req_to_token_pool.padding_row
         self.seq_len_fill = self.attn_backend.get_cuda_graph_seq_len_fill_value()
         with torch.inference_mode():
             self.inputs = torch.zeros((NUM_INPUT_ROWS, self.max_bs), dtype=torch.int64,
                                       device=self.device)
             self.inputs[SEQ_LENS].fill_(self.seq_len_fill)
+            self.inputs[REQ_POOL_INDICES].fill_(self.padding_row)
             self.staging = torch.zeros((NUM_INPUT_ROWS, self.max_bs), dtype=torch.int64,
                                        pin_memory=True)
         self.copy_done = torch.cuda.Event()
@@ -146,33 +154,39 @@ class CudaGraphRunner:
                     len(sizes), ", ".join(map(str, sizes)), time.perf_counter() - start,
                     used / 2**30)
 
+    def _decode_step(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        fb.req_to_token_pool.write_decode_slots(fb.req_pool_indices, fb.seq_lens,
+                                                fb.out_cache_loc)
+        logits = self.model_runner.model(fb.input_ids, fb.positions, fb).next_token_logits
+        return logits, logits.argmax(dim=-1)
+
     def _capture_one(self, bs: int, pool: Any
-                     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        model, forward_batch = self.model_runner.model, self._forward_batch(bs)
+                     ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
+        forward_batch = self._forward_batch(bs)
         self.attn_backend.init_forward_metadata_capture_cuda_graph(
             bs, self.inputs[REQ_POOL_INDICES], self.inputs[SEQ_LENS])
         # warm-up: triton autotuning / compilation and lazy allocations stay out of the graph;
-        # the inputs hold padding values, so these runs only write KV slot 0
+        # the inputs hold padding values, so these runs only write KV slot 0 and the padding row
         for _ in range(NUM_WARMUP_RUNS):
-            model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            self._decode_step(forward_batch)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = model(forward_batch.input_ids, forward_batch.positions,
-                           forward_batch).next_token_logits
-        return graph, logits
+            outputs = self._decode_step(forward_batch)
+        return graph, outputs
 
     # ---- replay ----
     def can_run(self, batch: ModelWorkerBatch) -> bool:
         return bool(self.batch_sizes) and 1 <= batch.batch_size <= self.batch_sizes[-1]
 
     @torch.inference_mode()
-    def replay(self, batch: ModelWorkerBatch) -> torch.Tensor:
-        """Decode logits [bs, vocab] fp32, valid until the next replay."""
+    def replay(self, batch: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode logits [bs, vocab] fp32 and their argmax [bs], valid until the next replay."""
         bs = batch.batch_size
         graph_bs = pick_graph_batch_size(self.batch_sizes, bs)
         self.copy_done.synchronize()  # the previous copy out of `staging` has finished
-        plan = fill_padded_inputs(batch, graph_bs, self.seq_len_fill, self.staging)
+        plan = fill_padded_inputs(batch, graph_bs, self.seq_len_fill, self.padding_row,
+                                  self.staging)
         # the whole buffer (a few KiB) in one contiguous copy; rows past graph_bs are not read
         self.inputs.copy_(self.staging, non_blocking=True)
         self.copy_done.record()
@@ -180,4 +194,5 @@ class CudaGraphRunner:
             graph_bs, self.inputs[REQ_POOL_INDICES, :graph_bs], self.inputs[SEQ_LENS, :graph_bs],
             plan.seq_lens_sum)
         self.graphs[graph_bs].replay()
-        return self.outputs[graph_bs][:bs]
+        logits, ids = self.outputs[graph_bs]
+        return logits[:bs], ids[:bs]

@@ -138,17 +138,32 @@ class ModelRunner:
     # ---- forward ----
     @torch.inference_mode()
     def forward(self, batch: ModelWorkerBatch) -> ForwardOutput:
+        if self._uses_graph(batch):
+            logits, greedy_ids = self.cuda_graph_runner.replay(batch)  # type: ignore[union-attr]
+            info = batch.sampling_info
+            if (info is not None and info.is_all_greedy and info.penalties is None
+                    and not batch.return_logprob):
+                # the graph took the argmax already: the id copy is the step's only sync
+                return ForwardOutput(greedy_ids.tolist())
+            return self._sample(batch, logits, None)
         logits, extend_logits = self.forward_logits(batch)
         return self._sample(batch, logits, extend_logits)
 
+    def _uses_graph(self, batch: ModelWorkerBatch) -> bool:
+        return (self.cuda_graph_runner is not None and batch.forward_mode.is_decode()
+                and self.cuda_graph_runner.can_run(batch))
+
     @torch.inference_mode()
     def forward_logits(self, batch: ModelWorkerBatch) -> LogitsOutput:
-        """Run the model: last-position logits per request (+ all extend logits if asked)."""
-        if (self.cuda_graph_runner is not None and batch.forward_mode.is_decode()
-                and self.cuda_graph_runner.can_run(batch)):
-            return LogitsOutput(self.cuda_graph_runner.replay(batch), None)
+        """Run the model: last-position logits per request (+ all extend logits if asked).
+        A DECODE pass first records its new KV slots in req_to_token."""
+        if self._uses_graph(batch):
+            return LogitsOutput(self.cuda_graph_runner.replay(batch)[0], None)  # type: ignore
         fb = ForwardBatch.from_worker_batch(batch, self.device, self.req_to_token_pool,
                                             self.token_to_kv_pool, self.attn_backend)
+        if fb.forward_mode.is_decode():
+            self.req_to_token_pool.write_decode_slots(fb.req_pool_indices, fb.seq_lens,
+                                                      fb.out_cache_loc)
         self.attn_backend.init_forward_metadata(fb)
         return self.model(fb.input_ids, fb.positions, fb)
 

@@ -13,6 +13,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -38,6 +39,18 @@ def _splitmix64(value: int) -> int:
 def step_seed(seed: int, step: int) -> int:
     """The generator seed of a seeded request at output position `step` (= len(output_ids))."""
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
+
+
+@functools.lru_cache(maxsize=1024)
+def _greedy_rows(bs: int, vocab_size: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(temperatures, top_ps, top_ks, min_ps, greedy_mask) of an all-greedy batch: shared,
+    read-only tensors (the Sampler never writes into its info)."""
+    return (torch.ones((bs, 1), dtype=torch.float32, device=device),
+            torch.ones(bs, dtype=torch.float32, device=device),
+            torch.full((bs,), vocab_size, dtype=torch.int64, device=device),
+            torch.zeros(bs, dtype=torch.float32, device=device),
+            torch.ones(bs, dtype=torch.bool, device=device))
 
 
 @dataclass
@@ -73,6 +86,13 @@ class SamplingBatchInfo:
         normalize()d. `eos_token_ids` is only used by min_new_tokens. One host-to-device copy
         for the per-row parameters; penalty tensors only when some request uses a penalty."""
         device = torch.device(device)
+        if all(req.sampling_params.is_greedy for req in reqs):
+            # the usual serving batch: neutral rows, cached per (size, device): no copy at all
+            return cls(*_greedy_rows(len(reqs), vocab_size, device), vocab_size=vocab_size,
+                       device=device, is_all_greedy=True, has_greedy=bool(reqs),
+                       need_top_p=False, need_top_k=False, need_min_p=False,
+                       max_top_k=vocab_size,
+                       penalties=BatchPenalties.build(reqs, vocab_size, device, eos_token_ids))
         rows: list[tuple[float, float, float, float, float]] = []
         seed_rows: list[int] = []
         seeds: list[int] = []

@@ -5,8 +5,45 @@ rank split to the same loaders.
 """
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 from torch import nn
+
+# RADIXSERVE_GEMV=0 sends one-token products to cuBLAS too (for A/B timing)
+_GEMV_ENABLED = os.environ.get("RADIXSERVE_GEMV", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _gemv_for(n: int, k: int):  # -> (gemv function, config) or None
+    try:
+        from radixserve.layers.kernels.gemv import gemv, gemv_config
+    except ImportError:  # no triton
+        return None
+    config = gemv_config(n, k)
+    return None if config is None else (gemv, config)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """x @ weight.T (+ bias). A single row on CUDA in fp16/bf16 (batch-1 decode) goes to the
+    Triton GEMV, which reads the weights faster than cuBLAS does at M=1; the rest to cuBLAS."""
+    if (_GEMV_ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and weight.stride(1) == 1):
+        found = _gemv_for(*weight.shape)
+        if found is not None:
+            gemv, config = found
+            return gemv(x.contiguous(), weight, bias, config)
+    return nn.functional.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward goes through `linear` (same parameters and names)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class MergedLinear(nn.Module):
@@ -33,7 +70,7 @@ class MergedLinear(nn.Module):
         target.data[start:start + size].copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class QKVLinear(MergedLinear):

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from radixserve.executor.forward_batch import ForwardBatch
+from radixserve.layers.linear import linear
 
 
 class LogitsOutput(NamedTuple):
@@ -29,5 +30,7 @@ def compute_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
     if want_input_logprobs:
         all_logits = torch.matmul(hidden, lm_head_weight.t()).float()
         return LogitsOutput(all_logits[last_token_indices(forward_batch)], all_logits)
-    last = hidden[last_token_indices(forward_batch)]
-    return LogitsOutput(torch.matmul(last, lm_head_weight.t()).float(), None)
+    # decode: one row per request already
+    last = hidden if forward_batch.forward_mode.is_decode() else \
+        hidden[last_token_indices(forward_batch)]
+    return LogitsOutput(linear(last, lm_head_weight).float(), None)

@@ -2,10 +2,14 @@
 
 The cos/sin cache is built in fp32 as HF does (including llama3 frequency scaling) and cast to the
 activations' dtype at use, so greedy outputs match transformers.
+
+Models do not rotate q/k themselves: they hand a `RopeInput` to `RadixAttention`, and the
+attention backend applies it (the Triton backend fuses it with its KV-cache store).
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -60,9 +64,26 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
         return (self._rotate(q, cos, sin), self._rotate(k, cos, sin))
 
+    def forward_and_store_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                             v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k in place and write rotated k / v into k_cache[loc] / v_cache[loc]
+        ([slots, Hk, D] pool buffers of one layer), one Triton kernel. Needs triton; returns
+        the rotated q, k (the inputs themselves)."""
+        from radixserve.layers.kernels.rotary import apply_rotary_and_store_kv
+        apply_rotary_and_store_kv(positions, q, k, v, self.cos_cache, self.sin_cache,
+                                  self.head_dim, k_cache, v_cache, loc)
+        return q, k
+
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.view(shape[0], -1, self.head_dim)
         half = self.head_dim // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return (x * cos + rotated * sin).reshape(shape)
+
+
+class RopeInput(NamedTuple):
+    """Rope for the attention backend to apply to q and k before it stores K and attends."""
+    positions: torch.Tensor  # [T] position of each token
+    rotary: RotaryEmbedding

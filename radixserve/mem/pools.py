@@ -2,7 +2,9 @@
 
 ReqToTokenPool maps (request slot, position) -> KV slot. TokenToKVPool holds the per-layer K and
 V tensors indexed by KV slot. Page size is 1. KV slot 0 is never handed out: it is the padding
-sink that padded (CUDA graph) requests write to, so valid slots are 1..size.
+sink that padded (CUDA graph) requests write to, so valid slots are 1..size. Likewise the request
+table has one row past `size`, `padding_row`, never handed out: padded requests point at it, so
+the decode pass's table write for them touches no real request.
 
 Ownership: whoever allocates frees. The scheduler allocates request slots and KV slots; the radix
 cache takes ownership of KV slots it inserts and frees them on eviction.
@@ -17,7 +19,8 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.device = torch.device(device)
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32,
+        self.padding_row = size
+        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32,
                                         device=self.device)
         self.free_slots: list[int] = list(range(size))
 
@@ -39,6 +42,12 @@ class ReqToTokenPool:
 
     def clear(self) -> None:
         self.free_slots = list(range(self.size))
+
+    def write_decode_slots(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                           out_cache_loc: torch.Tensor) -> None:
+        """Record each request's new KV slot at position seq_len - 1 (device tensors, no sync).
+        The ModelRunner calls this for every DECODE pass (inside the CUDA graph on replay)."""
+        self.req_to_token[req_pool_indices, seq_lens - 1] = out_cache_loc.to(torch.int32)
 
 
 class TokenToKVPool:

@@ -12,11 +12,11 @@ from torch import nn
 from radixserve.config import ModelConfig
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.layers.activation import SiluAndMul
-from radixserve.layers.linear import GateUpLinear, QKVLinear
+from radixserve.layers.linear import GateUpLinear, Linear, QKVLinear
 from radixserve.layers.logits import LogitsOutput, compute_logits
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.radix_attention import RadixAttention
-from radixserve.layers.rotary import RotaryEmbedding
+from radixserve.layers.rotary import RopeInput, RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
@@ -24,7 +24,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.qkv_proj = QKVLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
                                   config.num_key_value_heads, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * config.head_dim, config.hidden_size,
+        self.o_proj = Linear(config.num_attention_heads * config.head_dim, config.hidden_size,
                                 bias=False)
         self.rotary = rotary
         self.attn = RadixAttention(config.num_attention_heads, config.head_dim,
@@ -33,8 +33,8 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, forward_batch))
+        # the backend rotates q/k (fused with its KV store where it can)
+        return self.o_proj(self.attn(q, k, v, forward_batch, RopeInput(positions, self.rotary)))
 
 
 class LlamaMLP(nn.Module):
@@ -42,7 +42,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size,
                                          bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size,
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size,
                                    bias=config.mlp_bias)
         self.act = SiluAndMul()
 
@@ -82,7 +82,7 @@ class LlamaForCausalLM(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else \
-            nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -106,13 +106,12 @@ class BatchBuilder:
                                                if want else [])
 
     def prepare_decode(self, reqs: list[Req], with_sampling: bool = True) -> ModelWorkerBatch:
-        """One new KV slot per request for its last sampled token (memory already checked)."""
+        """One new KV slot per request for its last sampled token (memory already checked).
+
+        The slot is not yet in req_to_token: a DECODE pass writes it there on the device
+        (ReqToTokenPool.write_decode_slots, inside the CUDA graph when one is replayed). A batch
+        that is not run as DECODE (the decode part of a MIXED pass) needs write_decode_slots."""
         out_cache_loc = alloc_kv(len(reqs), self.token_to_kv_pool, self.tree_cache)
-        table = self.req_to_token_pool.req_to_token
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
-        table[rows.to(table.device), cols.to(table.device)] = out_cache_loc.to(table.device,
-                                                                               table.dtype)
         for req in reqs:
             req.kv_len += 1
         return ModelWorkerBatch(
@@ -125,6 +124,15 @@ class BatchBuilder:
             return_logprob=any(r.return_logprob for r in reqs),
             top_logprobs_nums=[r.top_logprobs_num for r in reqs],
         )
+
+
+def write_decode_slots(batch: ModelWorkerBatch, req_to_token_pool: "ReqToTokenPool") -> None:
+    """Record a decode batch's new slots in req_to_token from the host (for MIXED passes)."""
+    device = req_to_token_pool.device
+    rows_lens = torch.tensor([batch.req_pool_indices, batch.seq_lens], dtype=torch.int64)
+    rows_lens = rows_lens.to(device, non_blocking=True)
+    req_to_token_pool.write_decode_slots(rows_lens[0], rows_lens[1],
+                                         batch.out_cache_loc.to(device, non_blocking=True))
 
 
 def merge_mixed(extend: ModelWorkerBatch, decode: ModelWorkerBatch,

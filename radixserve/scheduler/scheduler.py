@@ -18,7 +18,7 @@ from radixserve.core.req import Detokenizer, Req
 from radixserve.executor.forward_batch import ModelWorkerBatch
 from radixserve.mem.base_cache import BasePrefixCache
 from radixserve.scheduler.admission import PrefillAdder
-from radixserve.scheduler.batch import BatchBuilder, merge_mixed
+from radixserve.scheduler.batch import BatchBuilder, merge_mixed, write_decode_slots
 from radixserve.scheduler.in_batch_prefix import InBatchPrefixIndex
 from radixserve.scheduler.output import build_token_output, needs_send
 from radixserve.scheduler.policy import SchedulePolicy
@@ -256,6 +256,7 @@ class Scheduler:
         # the merged pass gets one sampling info for all its requests
         extend = self.builder.prepare_extend(prefill, with_sampling=False)
         decode = self.builder.prepare_decode(self.running, with_sampling=False)
+        write_decode_slots(decode, self.req_to_token_pool)  # the pass runs as MIXED, not DECODE
         sampling = self.builder.sampling_info(prefill + self.running)
         out = self.runner.forward(merge_mixed(extend, decode, sampling))
         n = len(prefill)

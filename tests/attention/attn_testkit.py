@@ -49,3 +49,45 @@ def random_pool(seq_lens: list[int], num_kv_heads: int, head_dim: int, dtype: to
     v_buffer = torch.randn(shape, generator=gen).to(dtype)
     return RandomPool(req_to_token.to(device), k_buffer.to(device), v_buffer.to(device),
                       rows.to(device), torch.tensor(seq_lens, device=device))
+
+
+class PoolDriver:
+    """Plays the scheduler's part for one backend: real pools, request rows, KV slots, and the
+    ForwardBatch of each pass (the caller builds the backend's metadata)."""
+
+    def __init__(self, backend: object, dtype: torch.dtype, device: torch.device,
+                 num_kv_heads: int, head_dim: int, num_layers: int, num_rows: int = 8,
+                 max_context_len: int = 96, num_slots: int = 400) -> None:
+        from radixserve.mem.pools import ReqToTokenPool, TokenToKVPool
+        self.backend, self.dtype, self.device = backend, dtype, device
+        self.req_pool = ReqToTokenPool(num_rows, max_context_len, device)
+        self.kv_pool = TokenToKVPool(num_slots, dtype, num_kv_heads, head_dim, num_layers,
+                                     device)
+        self.seq_len: dict[int, int] = {}  # request row -> tokens in the pool
+
+    def new_request(self, shared_prefix_from: int | None = None, prefix_len: int = 0) -> int:
+        row = self.req_pool.alloc(1)[0]
+        if shared_prefix_from is not None:  # a radix-cache hit: reuse another row's KV slots
+            table = self.req_pool.req_to_token
+            table[row, :prefix_len] = table[shared_prefix_from, :prefix_len]
+        self.seq_len[row] = prefix_len
+        return row
+
+    def batch(self, mode: object, rows: list[int], extend_lens: list[int]) -> object:
+        from radixserve.executor.forward_batch import ForwardBatch, ModelWorkerBatch
+        prefix_lens = [self.seq_len[r] for r in rows]
+        out_cache_loc = self.kv_pool.alloc(sum(extend_lens))
+        offset = 0
+        for row, prefix_len, ext_len in zip(rows, prefix_lens, extend_lens):
+            locs = out_cache_loc[offset:offset + ext_len]
+            self.req_pool.req_to_token[row, prefix_len:prefix_len + ext_len] = locs.to(
+                self.device, torch.int32)
+            self.seq_len[row] = prefix_len + ext_len
+            offset += ext_len
+        seq_lens = [self.seq_len[r] for r in rows]
+        worker = ModelWorkerBatch(mode, input_ids=[0] * sum(extend_lens), req_pool_indices=rows,
+                                  seq_lens=seq_lens, out_cache_loc=out_cache_loc)
+        if mode.is_extend():
+            worker.extend_seq_lens, worker.extend_prefix_lens = extend_lens, prefix_lens
+        return ForwardBatch.from_worker_batch(worker, self.device, self.req_pool, self.kv_pool,
+                                              self.backend)

@@ -11,61 +11,30 @@ import torch
 
 pytest.importorskip("triton")
 
-from attn_testkit import DEVICE, gpu, needs_cuda, tolerance  # noqa: E402
+from attn_testkit import DEVICE, PoolDriver, gpu, needs_cuda, tolerance  # noqa: E402
 from radixserve.attention.kernels.decode_attention import DecodeKernelConfig  # noqa: E402
 from radixserve.attention.kernels.extend_attention import ExtendKernelConfig  # noqa: E402
 from radixserve.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from radixserve.executor.forward_batch import (ForwardBatch, ForwardMode,  # noqa: E402
-                                               ModelWorkerBatch)
+from radixserve.executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from radixserve.layers.radix_attention import RadixAttention  # noqa: E402
-from radixserve.mem.pools import ReqToTokenPool, TokenToKVPool  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 4, 1, 64, 2
 
 
-class Driver:
-    """Plays the scheduler's part: pools, request rows, KV slots, ForwardBatches."""
+class Driver(PoolDriver):
+    """PoolDriver over a TritonAttnBackend, with the layers and q/k/v of each pass."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device, max_bs: int = 4,
                  small_blocks: bool = True) -> None:
-        self.dtype, self.device = dtype, device
-        self.req_pool = ReqToTokenPool(8, 96, device)
-        self.kv_pool = TokenToKVPool(400, dtype, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS, device)
         configs = dict(decode_config=DecodeKernelConfig(16, 2, 1),
                        extend_config=ExtendKernelConfig(16, 16, 2, 1)) if small_blocks else {}
-        self.backend = TritonAttnBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, device,
-                                         max_bs=max_bs, max_context_len=96, num_kv_splits=4,
-                                         num_sms=2, **configs)
+        backend = TritonAttnBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, device,
+                                    max_bs=max_bs, max_context_len=96, num_kv_splits=4,
+                                    num_sms=2, **configs)
+        super().__init__(backend, dtype, device, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS)
         self.layers = [RadixAttention(NUM_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, NUM_KV_HEADS, i)
                        for i in range(NUM_LAYERS)]
-        self.seq_len: dict[int, int] = {}  # request row -> tokens in the pool
         self.gen = torch.Generator().manual_seed(0)
-
-    def new_request(self, shared_prefix_from: int | None = None, prefix_len: int = 0) -> int:
-        row = self.req_pool.alloc(1)[0]
-        if shared_prefix_from is not None:  # a radix-cache hit: reuse another row's KV slots
-            table = self.req_pool.req_to_token
-            table[row, :prefix_len] = table[shared_prefix_from, :prefix_len]
-        self.seq_len[row] = prefix_len
-        return row
-
-    def batch(self, mode: ForwardMode, rows: list[int], extend_lens: list[int]) -> ForwardBatch:
-        prefix_lens = [self.seq_len[r] for r in rows]
-        out_cache_loc = self.kv_pool.alloc(sum(extend_lens))
-        offset = 0
-        for row, prefix_len, ext_len in zip(rows, prefix_lens, extend_lens):
-            locs = out_cache_loc[offset:offset + ext_len]
-            self.req_pool.req_to_token[row, prefix_len:prefix_len + ext_len] = locs.to(
-                self.device, torch.int32)
-            self.seq_len[row] = prefix_len + ext_len
-            offset += ext_len
-        seq_lens = [self.seq_len[r] for r in rows]
-        worker = ModelWorkerBatch(mode, input_ids=[0] * sum(extend_lens), req_pool_indices=rows,
-                                  seq_lens=seq_lens, out_cache_loc=out_cache_loc)
-        if mode.is_extend():
-            worker.extend_seq_lens, worker.extend_prefix_lens = extend_lens, prefix_lens
-        return ForwardBatch.from_worker_batch(worker, self.device, self.req_pool, self.kv_pool,
-                                              self.backend)
 
     def qkv(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as views into one projection output, the way a model hands them over."""

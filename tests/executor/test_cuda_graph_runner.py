@@ -30,17 +30,18 @@ def test_capture_sizes_default_list() -> None:
     sizes = capture_batch_sizes(256, 4096)
     assert sizes[:5] == [1, 2, 4, 8, 16]
     assert sizes == [1, 2, 4, 8] + list(range(16, 257, 8))
+    assert capture_batch_sizes(512, 4096)[-17:] == [256] + list(range(272, 513, 16))
 
 
 @pytest.mark.parametrize("flag,max_reqs", [(256, 64), (20, 4096), (3, 100), (1, 1), (8, 5),
-                                           (100, 100)])
+                                           (100, 100), (512, 300), (512, 4096)])
 def test_capture_sizes_capped(flag: int, max_reqs: int) -> None:
     sizes = capture_batch_sizes(flag, max_reqs)
     cap = min(flag, max_reqs)
     assert sizes == sorted(set(sizes))
     assert sizes[-1] == cap  # every batch up to the cap has a graph
     assert all(1 <= s <= cap for s in sizes)
-    standard = {1, 2, 4, 8} | set(range(16, 257, 8))
+    standard = {1, 2, 4, 8} | set(range(16, 257, 8)) | set(range(272, 4097, 16))
     assert set(sizes) - standard <= {cap}
     assert {s for s in standard if s <= cap} <= set(sizes)
 
@@ -71,12 +72,12 @@ def decode_batch(input_ids: list[int], rows: list[int], seq_lens: list[int],
 def test_fill_padded_inputs_real_and_padding_rows() -> None:
     batch = decode_batch([11, 12, 13], [5, 2, 7], [9, 1, 30], [101, 55, 77])
     staging = torch.full((NUM_INPUT_ROWS, 8), -99, dtype=torch.int64)
-    plan = fill_padded_inputs(batch, 4, seq_len_fill=1, out=staging)
+    plan = fill_padded_inputs(batch, 4, seq_len_fill=1, padding_row=31, out=staging)
     assert plan.graph_bs == 4 and plan.num_padding == 1
     assert plan.seq_lens_sum == 9 + 1 + 30 + 1
     assert staging[INPUT_IDS, :4].tolist() == [11, 12, 13, 0]
     assert staging[POSITIONS, :4].tolist() == [8, 0, 29, 0]
-    assert staging[REQ_POOL_INDICES, :4].tolist() == [5, 2, 7, 0]
+    assert staging[REQ_POOL_INDICES, :4].tolist() == [5, 2, 7, 31]  # the pool's padding row
     assert staging[SEQ_LENS, :4].tolist() == [9, 1, 30, 1]
     assert staging[OUT_CACHE_LOC, :4].tolist() == [101, 55, 77, 0]
     assert (staging[:, 4:] == -99).all()  # columns past graph_bs untouched
@@ -85,13 +86,13 @@ def test_fill_padded_inputs_real_and_padding_rows() -> None:
 def test_fill_padded_inputs_fill_value_and_exact_fit() -> None:
     batch = decode_batch([3, 4], [0, 1], [2, 3], [9, 10])
     staging = torch.zeros((NUM_INPUT_ROWS, 4), dtype=torch.int64)
-    plan = fill_padded_inputs(batch, 4, seq_len_fill=7, out=staging)
+    plan = fill_padded_inputs(batch, 4, seq_len_fill=7, padding_row=9, out=staging)
     assert staging[SEQ_LENS].tolist() == [2, 3, 7, 7]
     assert plan.seq_lens_sum == 2 + 3 + 7 + 7
-    plan = fill_padded_inputs(batch, 2, seq_len_fill=7, out=staging)
+    plan = fill_padded_inputs(batch, 2, seq_len_fill=7, padding_row=9, out=staging)
     assert plan.num_padding == 0 and plan.seq_lens_sum == 5
     with pytest.raises(ValueError):
-        fill_padded_inputs(batch, 1, seq_len_fill=1, out=staging)
+        fill_padded_inputs(batch, 1, seq_len_fill=1, padding_row=9, out=staging)
 
 
 def test_backend_without_graphs_disables_runner() -> None:
@@ -163,6 +164,19 @@ class Requests:
         return decode_batch(ids, self.rows[:bs], self.seq_lens[:bs], slots.tolist())
 
 
+def _all_greedy_info(bs: int) -> object:
+    from radixserve.core.req import Req
+    from radixserve.core.sampling_params import SamplingParams
+    from radixserve.executor.sampling_info import SamplingBatchInfo
+    reqs = []
+    for i in range(bs):
+        params = SamplingParams(max_new_tokens=4, temperature=0.0)
+        params.verify()
+        params.normalize()
+        reqs.append(Req(str(i), [1], params))
+    return SamplingBatchInfo.from_reqs(reqs, TINY_LLAMA["vocab_size"], "cuda")
+
+
 def eager_logits(runner: object, batch: ModelWorkerBatch) -> torch.Tensor:
     graphs, runner.cuda_graph_runner = runner.cuda_graph_runner, None
     try:
@@ -183,12 +197,20 @@ def test_replay_matches_eager(tmp_path: Path, dtype: str) -> None:
     # rounding differs by bf16 noise (a wrong row or a stale buffer would be off by ~1)
     tol = dict(atol=2e-4, rtol=2e-4) if dtype == "float32" else dict(atol=0.15, rtol=0.05)
     k_cache = runner.token_to_kv_pool.k_buffer[0]
+    table = runner.req_to_token_pool.req_to_token
     for step, bs in enumerate([1, 2, 3, 8, 13, 16, 24]):  # 3, 13: padded to 4, 16
         batch = reqs.decode(bs, step)
         assert graphs.can_run(batch)
         eager = eager_logits(runner, batch)
         k_before = k_cache.clone()
+        real_rows_before = table[:runner.req_to_token_pool.size].clone()
         replayed = runner.forward_logits(batch).next_token_logits.clone()
+        # the in-graph table write rewrote the real rows' new slots (same values) and the
+        # padding rows wrote only into the padding row
+        assert torch.equal(table[:runner.req_to_token_pool.size], real_rows_before)
+        if step == 0:  # the greedy path returns the graph's own argmax
+            batch.sampling_info = _all_greedy_info(bs)
+            assert runner.forward(batch).next_token_ids == replayed.argmax(-1).tolist()
         assert replayed.shape == (bs, TINY_LLAMA["vocab_size"]) and replayed.dtype == torch.float32
         torch.testing.assert_close(replayed, eager, **tol)
         assert (replayed - eager).abs().mean() < (1e-5 if dtype == "float32" else 3e-2)

@@ -1,4 +1,5 @@
-"""Fused Triton layer kernels (RMSNorm + residual, SiLU-and-mul, RoPE) vs PyTorch references."""
+"""Fused Triton layer kernels (RMSNorm + residual, SiLU-and-mul, RoPE, RoPE + KV-cache store) vs
+PyTorch references."""
 from __future__ import annotations
 
 import os
@@ -11,8 +12,8 @@ if not torch.cuda.is_available():  # read when a kernel is decorated: before the
 pytest.importorskip("triton")
 
 from radixserve.layers.kernels.rmsnorm import fused_rmsnorm, rmsnorm_reference  # noqa: E402
-from radixserve.layers.kernels.rotary import (apply_rotary_inplace,  # noqa: E402
-                                              rotary_reference)
+from radixserve.layers.kernels.rotary import (apply_rotary_and_store_kv,  # noqa: E402
+                                              apply_rotary_inplace, rotary_reference)
 from radixserve.layers.kernels.silu_and_mul import (silu_and_mul,  # noqa: E402
                                                     silu_and_mul_reference)
 
@@ -109,6 +110,92 @@ def test_rotary_reference_matches_transformers() -> None:
     torch.testing.assert_close(ref_k, hf_k.transpose(1, 2).reshape(3, -1))
 
 
+def fused_rope_store_case(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                          head_dim: int, rot_dim: int, loc_dtype: torch.dtype,
+                          num_tokens: int = 5, num_slots: int = 12, max_pos: int = 64,
+                          cache_dtype: torch.dtype | None = None, seed: int = 0) -> None:
+    """Fused rope + KV store against rotary_reference and index writes into a copy of the pool:
+    q/k/v are views of one qkv tensor, loc is unsorted, the other slots must stay untouched."""
+    cache_dtype = cache_dtype or dtype
+    cos, sin = rope_caches(rot_dim, max_pos)
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=gen).to(DEVICE)
+    loc = (torch.randperm(num_slots - 1, generator=gen)[:num_tokens] + 1).to(loc_dtype)
+    loc = loc.to(DEVICE)
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=seed)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
+                         num_kv_heads * head_dim], dim=-1)
+    k_cache = randn(num_slots, num_kv_heads, head_dim, dtype=cache_dtype, seed=seed + 1)
+    v_cache = randn(num_slots, num_kv_heads, head_dim, dtype=cache_dtype, seed=seed + 2)
+    ref_q, ref_k = rotary_reference(positions, q.clone(), k.clone(), cos, sin, head_dim)
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    ref_k_cache[loc.long()] = ref_k.view(num_tokens, num_kv_heads, head_dim).to(cache_dtype)
+    ref_v_cache[loc.long()] = v.view(num_tokens, num_kv_heads, head_dim).to(cache_dtype)
+    k_before, v_before = k.clone(), v.clone()
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[loc.long().cpu()] = False
+    k_cache_before, v_cache_before = k_cache[untouched].clone(), v_cache[untouched].clone()
+
+    apply_rotary_and_store_kv(positions, q, k, v, cos, sin, head_dim, k_cache, v_cache, loc)
+    torch.testing.assert_close(q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(k, ref_k, **TOL[dtype])
+    # the pool holds exactly what the kernel left in k (and v, as it was), cast to its dtype
+    assert torch.equal(v, v_before)
+    sel = loc.long()
+    assert torch.equal(k_cache[sel], k.view(num_tokens, num_kv_heads, head_dim).to(cache_dtype))
+    assert torch.equal(v_cache[sel], v.view(num_tokens, num_kv_heads, head_dim).to(cache_dtype))
+    torch.testing.assert_close(k_cache, ref_k_cache, **TOL[dtype])
+    torch.testing.assert_close(v_cache, ref_v_cache, atol=0, rtol=0)
+    assert torch.equal(k_cache[untouched], k_cache_before)
+    assert torch.equal(v_cache[untouched], v_cache_before)
+    if rot_dim < head_dim:  # dims past rot_dim are stored as they came in
+        k_tail = k_before.view(num_tokens, num_kv_heads, head_dim)[..., rot_dim:]
+        assert torch.equal(k_cache[sel][..., rot_dim:], k_tail.to(cache_dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,rot_dim", [
+    (4, 2, 64, 64), (8, 1, 128, 128), (4, 2, 128, 64), (2, 2, 64, 32),  # GQA; partial rotary
+])
+@pytest.mark.parametrize("loc_dtype", [torch.int64, torch.int32])
+def test_rotary_and_store_kv(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                             head_dim: int, rot_dim: int, loc_dtype: torch.dtype) -> None:
+    fused_rope_store_case(dtype, num_heads, num_kv_heads, head_dim, rot_dim, loc_dtype)
+
+
+def test_rotary_and_store_kv_matches_unfused_bitwise() -> None:
+    """Same rounding as apply_rotary_inplace followed by set_kv_buffer's index writes."""
+    dtype, num_tokens, heads, kv_heads, head_dim = torch.float16, 6, 4, 2, 64
+    cos, sin = rope_caches(head_dim, max_pos=32)
+    positions = torch.tensor([31, 0, 7, 7, 2, 19], device=DEVICE)
+    loc = torch.tensor([9, 3, 1, 8, 2, 5], device=DEVICE)
+    qkv = randn(num_tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=7)
+    qkv_ref = qkv.clone()
+    caches = [randn(11, kv_heads, head_dim, dtype=dtype, seed=s) for s in (8, 9)]
+    ref_caches = [c.clone() for c in caches]
+    widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    q, k, v = qkv.split(widths, dim=-1)
+    rq, rk, rv = qkv_ref.split(widths, dim=-1)
+    apply_rotary_and_store_kv(positions, q, k, v, cos, sin, head_dim, *caches, loc)
+    apply_rotary_inplace(positions, rq, rk, cos, sin, head_dim)
+    ref_caches[0][loc] = rk.view(num_tokens, kv_heads, head_dim)
+    ref_caches[1][loc] = rv.view(num_tokens, kv_heads, head_dim)
+    assert torch.equal(qkv, qkv_ref)
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+
+
+def test_rotary_and_store_kv_casts_to_cache_dtype_and_skips_empty() -> None:
+    fused_rope_store_case(torch.float32, 4, 2, 64, 64, torch.int64,
+                          cache_dtype=torch.float16, seed=3)
+    cos, sin = rope_caches(64, max_pos=8)
+    empty = torch.empty(0, 128, device=DEVICE)
+    cache = torch.zeros(4, 2, 64, device=DEVICE)
+    apply_rotary_and_store_kv(torch.empty(0, dtype=torch.int64, device=DEVICE), empty, empty,
+                              empty, cos, sin, 64, cache, cache.clone(),
+                              torch.empty(0, dtype=torch.int64, device=DEVICE))
+    assert not cache.any()
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -130,3 +217,11 @@ def test_fused_ops_real_shapes_gpu(dtype: torch.dtype, hidden: int) -> None:
     apply_rotary_inplace(positions, q, k, cos, sin, 128)
     torch.testing.assert_close(q, ref_q, **TOL[dtype])
     torch.testing.assert_close(k, ref_k, **TOL[dtype])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rotary_and_store_kv_real_shapes_gpu(dtype: torch.dtype) -> None:
+    fused_rope_store_case(dtype, 32, 8, 128, 128, torch.int64, num_tokens=512,
+                          num_slots=4096, max_pos=8192)

@@ -39,6 +39,10 @@ class FakeRunner:
 
     def forward(self, batch: ModelWorkerBatch) -> ForwardOutput:
         self.batches.append(batch)
+        if batch.forward_mode.is_decode():  # as the ModelRunner does for every DECODE pass
+            self.req_to_token_pool.write_decode_slots(
+                torch.tensor(batch.req_pool_indices), torch.tensor(batch.seq_lens),
+                batch.out_cache_loc)
         self.slot_token[batch.out_cache_loc] = torch.tensor(batch.input_ids)
         out: list[int] = []
         offset = 0

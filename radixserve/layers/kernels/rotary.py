@@ -8,8 +8,14 @@ Within the rotated dims, with x1 / x2 the first / second half:
   out1 = x1 * cos - x2 * sin,   out2 = x2 * cos + x1 * sin.
 Rounding follows HF's `q * cos + rotate_half(q) * sin` in the activation dtype: cos/sin are
 rounded to it, each product is rounded, then the sum.
+
+`apply_rotary_and_store_kv` is the same kernel with the KV-cache store fused in: each token's
+program also writes its rotated k heads and its v heads into the pool slot `loc[token]` (cast to
+the pool's dtype), which saves the attention backend two index_put launches per layer.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -19,6 +25,8 @@ import triton.language as tl
 @triton.jit
 def _rotate_heads(X, row_offset, stride_h, cos, sin, num_heads,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate the first 2 * HALF dims of num_heads heads in place; returns the two rotated
+    halves ([BLOCK_H, BLOCK_HALF] each) in X's dtype."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HALF)
@@ -32,15 +40,25 @@ def _rotate_heads(X, row_offset, stride_h, cos, sin, num_heads,
     x2_sin = (x2 * sin[None, :]).to(dtype).to(tl.float32)
     x2_cos = (x2 * cos[None, :]).to(dtype).to(tl.float32)
     x1_sin = (x1 * sin[None, :]).to(dtype).to(tl.float32)
-    tl.store(ptr1, (x1_cos - x2_sin).to(dtype), mask=mask)
-    tl.store(ptr1 + HALF, (x2_cos + x1_sin).to(dtype), mask=mask)
+    out1 = (x1_cos - x2_sin).to(dtype)
+    out2 = (x2_cos + x1_sin).to(dtype)
+    tl.store(ptr1, out1, mask=mask)
+    tl.store(ptr1 + HALF, out2, mask=mask)
+    return out1, out2
 
 
 @triton.jit
 def _rotary_kernel(Positions, Q, K, Cos, Sin, stride_qt, stride_qh, stride_kt, stride_kh,
                    stride_cos, stride_sin, num_q_heads, num_k_heads,
+                   V, KCache, VCache, Loc, stride_vt, stride_vh, stride_kc_slot, stride_kc_h,
+                   stride_vc_slot, stride_vc_h,
                    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr):
+                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                   STORE_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr):
+    """One program per token. With STORE_KV, the rotated k heads and the v heads of the token
+    also go to KCache[Loc[token]] / VCache[Loc[token]] ([slots, Hk, HEAD_DIM] each); the dims
+    past the rotated ones (TAIL = HEAD_DIM - 2 * HALF of them) are copied unchanged."""
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + token).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -52,31 +70,100 @@ def _rotary_kernel(Positions, Q, K, Cos, Sin, stride_qt, stride_qh, stride_kt, s
     sin = sin.to(Q.dtype.element_ty).to(tl.float32)
     _rotate_heads(Q, token * stride_qt, stride_qh, cos, sin, num_q_heads,
                   HALF, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(K, token * stride_kt, stride_kh, cos, sin, num_k_heads,
-                  HALF, BLOCK_HK, BLOCK_HALF)
+    k1, k2 = _rotate_heads(K, token * stride_kt, stride_kh, cos, sin, num_k_heads,
+                           HALF, BLOCK_HK, BLOCK_HALF)
+    if STORE_KV:
+        slot = tl.load(Loc + token).to(tl.int64)
+        offs_h = tl.arange(0, BLOCK_HK)
+        h_mask = offs_h[:, None] < num_k_heads
+        # rotated halves of k, cast to the cache dtype as set_kv_buffer's `.to` does
+        kc_ptr = KCache + slot * stride_kc_slot + offs_h[:, None] * stride_kc_h + offs_d[None, :]
+        rot_mask = h_mask & d_mask[None, :]
+        tl.store(kc_ptr, k1.to(KCache.dtype.element_ty), mask=rot_mask)
+        tl.store(kc_ptr + HALF, k2.to(KCache.dtype.element_ty), mask=rot_mask)
+        if TAIL > 0:  # partial rotary: the unrotated dims of k, as they are
+            offs_t = tl.arange(0, BLOCK_TAIL)
+            tail_mask = h_mask & (offs_t[None, :] < TAIL)
+            k_tail = tl.load(K + token * stride_kt + offs_h[:, None] * stride_kh + 2 * HALF
+                             + offs_t[None, :], mask=tail_mask, other=0.0)
+            tl.store(KCache + slot * stride_kc_slot + offs_h[:, None] * stride_kc_h + 2 * HALF
+                     + offs_t[None, :], k_tail.to(KCache.dtype.element_ty), mask=tail_mask)
+        offs_v = tl.arange(0, BLOCK_D)
+        v_mask = h_mask & (offs_v[None, :] < HEAD_DIM)
+        v = tl.load(V + token * stride_vt + offs_h[:, None] * stride_vh + offs_v[None, :],
+                    mask=v_mask, other=0.0)
+        tl.store(VCache + slot * stride_vc_slot + offs_h[:, None] * stride_vc_h
+                 + offs_v[None, :], v.to(VCache.dtype.element_ty), mask=v_mask)
+
+
+def _check_qk(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+              cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int
+              ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """[T, H, head_dim] views of q and k, and rot_dim; asserts the layout the kernel needs."""
+    num_tokens = positions.shape[0]
+    q3 = q.view(num_tokens, math.prod(q.shape[1:]) // head_dim, head_dim)  # also for T == 0
+    k3 = k.view(num_tokens, math.prod(k.shape[1:]) // head_dim, head_dim)
+    assert q3.dtype == k3.dtype, "q and k must share a dtype"
+    assert q3.stride(2) == 1 and k3.stride(2) == 1, "head_dim must be contiguous"
+    assert cos_cache.stride(1) == 1 and sin_cache.stride(1) == 1
+    rot_dim = cos_cache.shape[1]
+    assert rot_dim % 2 == 0 and rot_dim <= head_dim
+    return q3, k3, rot_dim
 
 
 def apply_rotary_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                          head_dim: int) -> None:
     """Rotate q and k in place. positions: [T] (any int dtype)."""
+    q3, k3, rot_dim = _check_qk(positions, q, k, cos_cache, sin_cache, head_dim)
     num_tokens = positions.shape[0]
-    q3 = q.view(num_tokens, -1, head_dim)
-    k3 = k.view(num_tokens, -1, head_dim)
-    assert q3.dtype == k3.dtype, "q and k must share a dtype"
-    assert q3.stride(2) == 1 and k3.stride(2) == 1, "head_dim must be contiguous"
-    assert cos_cache.stride(1) == 1 and sin_cache.stride(1) == 1
-    rot_dim = cos_cache.shape[1]
-    assert rot_dim % 2 == 0 and rot_dim <= head_dim
     if num_tokens == 0:
         return
     half = rot_dim // 2
+    # STORE_KV off: the cache arguments are placeholders the kernel never touches
     _rotary_kernel[(num_tokens,)](
         positions, q3, k3, cos_cache, sin_cache, q3.stride(0), q3.stride(1), k3.stride(0),
         k3.stride(1), cos_cache.stride(0), sin_cache.stride(0), q3.shape[1], k3.shape[1],
+        k3, k3, k3, positions, 0, 0, 0, 0, 0, 0,
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(q3.shape[1]),
-        BLOCK_HK=triton.next_power_of_2(k3.shape[1]), num_warps=4)
+        BLOCK_HK=triton.next_power_of_2(k3.shape[1]),
+        STORE_KV=False, HEAD_DIM=head_dim, BLOCK_D=1, TAIL=0, BLOCK_TAIL=1, num_warps=4)
+
+
+def apply_rotary_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                              v: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                              head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              loc: torch.Tensor) -> None:
+    """Rotate q and k in place and store this pass's K/V into the pool, in one launch.
+
+    v: [T, Hk * head_dim] (rows may be strided, like q and k). k_cache / v_cache: one layer's
+    [slots, Hk, head_dim] pool buffers (head_dim contiguous). loc: [T] int32 or int64 KV slot of
+    each token. Afterwards k_cache[loc] == rotated k and v_cache[loc] == v, cast to the caches'
+    dtype, exactly as `apply_rotary_inplace` followed by `TokenToKVPool.set_kv_buffer`."""
+    q3, k3, rot_dim = _check_qk(positions, q, k, cos_cache, sin_cache, head_dim)
+    num_tokens, num_kv_heads = positions.shape[0], k3.shape[1]
+    v3 = v.view(num_tokens, math.prod(v.shape[1:]) // head_dim, head_dim)
+    assert v3.shape == k3.shape, "v must have k's heads"
+    assert v3.stride(2) == 1, "head_dim of v must be contiguous"
+    assert loc.shape == (num_tokens,) and loc.dtype in (torch.int32, torch.int64)
+    for cache in (k_cache, v_cache):
+        assert cache.shape[1:] == (num_kv_heads, head_dim), "cache must be [slots, Hk, head_dim]"
+        assert cache.stride(2) == 1, "head_dim of the cache must be contiguous"
+        assert cache.device == k3.device
+    if num_tokens == 0:
+        return
+    half, tail = rot_dim // 2, head_dim - rot_dim
+    _rotary_kernel[(num_tokens,)](
+        positions, q3, k3, cos_cache, sin_cache, q3.stride(0), q3.stride(1), k3.stride(0),
+        k3.stride(1), cos_cache.stride(0), sin_cache.stride(0), q3.shape[1], num_kv_heads,
+        v3, k_cache, v_cache, loc, v3.stride(0), v3.stride(1), k_cache.stride(0),
+        k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_HQ=triton.next_power_of_2(q3.shape[1]),
+        BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        STORE_KV=True, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        TAIL=tail, BLOCK_TAIL=triton.next_power_of_2(max(tail, 1)), num_warps=4)
 
 
 def rotary_reference(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

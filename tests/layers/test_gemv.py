@@ -1,0 +1,80 @@
+"""The Triton GEMV (one-token linear layers) against torch, and the `linear` dispatch."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # read when a kernel is decorated: before the imports below
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from radixserve.layers.kernels.gemv import GemvConfig, gemv, gemv_config  # noqa: E402
+from radixserve.layers.linear import Linear, linear  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k,config", [
+    (40, 64, GemvConfig(8, 32, 4, 1)),     # N not a multiple of BLOCK_N: masked rows
+    (64, 256, GemvConfig(16, 64, 4, 2)),
+    (3, 128, GemvConfig(4, 128, 2, 1)),    # fewer rows than one block
+])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_torch(dtype: torch.dtype, n: int, k: int, config: GemvConfig,
+                            with_bias: bool) -> None:
+    x, w = randn(1, k, dtype=dtype, seed=0), randn(n, k, dtype=dtype, seed=1)
+    bias = randn(n, dtype=dtype, seed=2) if with_bias else None
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+    out = gemv(x, w, bias, config)
+    assert out.shape == (1, n) and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), ref, atol=tol * k ** 0.5, rtol=tol)
+
+
+def test_gemv_vector_input_and_strided_weight_rows() -> None:
+    big = randn(48, 96, dtype=torch.float32, seed=3)
+    w = big[:, :64]  # rows strided by 96, contiguous within a row
+    x = randn(64, dtype=torch.float32, seed=4)
+    out = gemv(x, w, config=GemvConfig(8, 32, 4, 1))
+    assert out.shape == (48,)
+    torch.testing.assert_close(out, w @ x, atol=1e-4, rtol=1e-5)
+
+
+def test_gemv_config_classes() -> None:
+    assert gemv_config(4096, 4096) == GemvConfig(4, 512, 4, 3)
+    assert gemv_config(6144, 4096) == GemvConfig(8, 512, 4, 3)
+    assert gemv_config(128256, 4096) == GemvConfig(16, 256, 4, 3)
+    assert gemv_config(4096, 14336) == GemvConfig(4, 512, 8, 1)
+    assert gemv_config(1536, 576).block_k == 64  # SmolLM2-135M's hidden size
+    assert gemv_config(100, 100) is None  # no block size divides K: cuBLAS takes it
+    with pytest.raises(ValueError):
+        gemv(torch.zeros(100), torch.zeros(8, 100))
+
+
+def test_linear_layer_keeps_nn_linear_parameters() -> None:
+    layer = Linear(8, 4, bias=True)
+    assert sorted(n for n, _ in layer.named_parameters()) == ["bias", "weight"]
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    torch.testing.assert_close(linear(x[:1], layer.weight), x[:1] @ layer.weight.T)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+                                 (128256, 4096)])
+def test_gemv_real_shapes_bf16_gpu(n: int, k: int) -> None:
+    x = randn(1, k, dtype=torch.bfloat16, seed=5)
+    w = randn(n, k, dtype=torch.bfloat16, seed=6) * 0.02
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    out = linear(x, w)  # the dispatch picks the GEMV for one bf16 row on CUDA
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=1e-2)
