@@ -4,7 +4,10 @@
 
 Runs eager decode steps under torch.profiler and prints the CUDA kernels by total time, grouped
 by kind, next to the bytes each must move; the sum of kernel time is the step time a CUDA graph
-could reach with no launch gaps.
+could reach with no launch gaps. With --graph it also replays the captured decode graph of that
+batch size back to back and prints its GPU time per replay (kernels + the gaps between them,
+no host work): the difference to the kernel sum is launch gaps inside the graph, the difference
+to one-batch's ms/step is host work per step.
 """
 from __future__ import annotations
 
@@ -29,12 +32,14 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--graph", action="store_true", help="also time graph replays")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device")
         return 0
     runner = ModelRunner(ServerArgs(model_path=CONFIG, load_format="dummy", dtype="bfloat16",
-                                    disable_cuda_graph=True, max_total_tokens=args.batch
+                                    disable_cuda_graph=not args.graph,
+                                    cuda_graph_max_bs=args.batch, max_total_tokens=args.batch
                                     * (args.context + 64), max_running_requests=args.batch,
                                     context_length=args.context + 128))
     driver = RunnerDriver(runner)
@@ -42,6 +47,7 @@ def main() -> int:
     for _ in range(3):
         driver.extend({i: [2] for i in range(args.batch)})
     torch.cuda.synchronize()
+    graphs, runner.cuda_graph_runner = runner.cuda_graph_runner, None  # eager for the profile
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             driver.extend({i: [2] for i in range(args.batch)})
@@ -61,6 +67,18 @@ def main() -> int:
           f"{total:.3f} ms; weights alone need {16.06e9 / 4.25e12 * 1000:.3f} ms at 4.25 TB/s")
     for name, t in sorted(groups.items(), key=lambda kv: -kv[1])[:18]:
         print(f"{t:8.3f} ms {counts[name]:5d}x  {name[:110]}")
+    if graphs is not None:
+        graph = graphs.graphs[max(graphs.batch_sizes)]
+        graph.replay()  # the inputs hold padding rows: harmless writes to slot 0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        replays = 200
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        print(f"graph replay (batch {max(graphs.batch_sizes)}), back to back: "
+              f"{start.elapsed_time(end) / replays:.3f} ms per replay (kernel sum {total:.3f} ms)")
     return 0
 
 

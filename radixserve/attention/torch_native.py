@@ -123,7 +123,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             pairs, head_dim, max_kv_len)
         values = self._gather(v_buf, part, q.dtype).transpose(1, 2).reshape(
             pairs, max_kv_len, head_dim)
-        scores = torch.bmm(q.view(pairs, group, head_dim), keys).float() * layer.scaling
+        scores = torch.bmm(q.reshape(pairs, group, head_dim), keys).float() * layer.scaling
         scores = scores.view(bs, num_kv_heads, group, max_kv_len)
         scores.masked_fill_(~part.attn_mask.view(bs, 1, 1, -1), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(pairs, group, max_kv_len)

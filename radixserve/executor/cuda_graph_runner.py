@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
@@ -146,7 +147,17 @@ class CudaGraphRunner:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(sizes):  # largest first: the others reuse its memory
-            self.graphs[bs], self.outputs[bs] = self._capture_one(bs, pool)
+            try:
+                self.graphs[bs], self.outputs[bs] = self._capture_one(bs, pool)
+            except RuntimeError as exc:
+                if bs != sizes[-1] or os.environ.get("RADIXSERVE_PDL") == "0":
+                    raise
+                # a driver that cannot capture programmatic launches: capture without them
+                from radixserve.layers.kernels.pdl import disable_pdl
+                logger.warning("CUDA graph capture failed (%s); retrying without PDL", exc)
+                disable_pdl()
+                torch.cuda.synchronize(self.device)
+                self.graphs[bs], self.outputs[bs] = self._capture_one(bs, pool)
         self.batch_sizes = sorted(sizes)
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]

@@ -78,3 +78,11 @@ def test_gemv_real_shapes_bf16_gpu(n: int, k: int) -> None:
     ref = torch.nn.functional.linear(x.float(), w.float())
     out = linear(x, w)  # the dispatch picks the GEMV for one bf16 row on CUDA
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=1e-2)
+
+
+def test_pdl_is_off_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixserve.layers.kernels import pdl
+    assert pdl.pdl_launch_args(torch.zeros(1)) == {"USE_PDL": False}
+    monkeypatch.setenv("RADIXSERVE_PDL", "1")
+    pdl.disable_pdl()
+    assert pdl.pdl_launch_args(torch.zeros(1)) == {"USE_PDL": False}

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.kernels.pdl import pdl_launch_args, pdl_prologue
+
 
 @dataclass(frozen=True)
 class DecodeKernelConfig:
@@ -45,8 +47,9 @@ def _decode_split_kernel(
     stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h, stride_ob, stride_oh,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -111,7 +114,9 @@ def _decode_merge_kernel(
     Mid_out, Mid_lse, O, Seq_lens, num_kv_splits,
     stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_ALIGN: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     batch = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(Seq_lens + batch).to(tl.int32)
@@ -180,7 +185,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         GROUP_SIZE=group_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(k_buffer.dtype), SINGLE_SPLIT=single_split,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
     )
     if single_split:
         return
@@ -189,5 +194,5 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT_ALIGN=config.block_n,
-        num_warps=4 if block_d >= 256 else 2, num_stages=1,
+        num_warps=4 if block_d >= 256 else 2, num_stages=1, **pdl_launch_args(q),
     )

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.kernels.pdl import pdl_launch_args, pdl_prologue
+
 
 class GemvConfig(NamedTuple):
     block_n: int
@@ -28,7 +30,9 @@ class GemvConfig(NamedTuple):
 
 @triton.jit
 def _gemv_kernel(X, W, B, Y, N, K, stride_wn,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -78,5 +82,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(x))
     return y

@@ -12,10 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.kernels.pdl import pdl_launch_args, pdl_prologue
+
 
 @triton.jit
 def _rmsnorm_kernel(X, Residual, W, Out, ResidualOut, stride_x, stride_r, stride_o, stride_ro,
-                    n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                    n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                    USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -60,7 +64,7 @@ def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rmsnorm_kernel[(x2d.shape[0],)](
             x2d, r2d, weight, out, residual_out, x2d.stride(0), r2d.stride(0), out.stride(0),
             residual_out.stride(0), n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=num_warps)
+            num_warps=num_warps, **pdl_launch_args(x2d))
     out = out.view(x.shape)
     if residual is None:
         return out

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.kernels.pdl import pdl_launch_args, pdl_prologue
+
 
 @triton.jit
 def _rotate_heads(X, row_offset, stride_h, cos, sin, num_heads,
@@ -55,10 +57,11 @@ def _rotary_kernel(Positions, Q, K, Cos, Sin, stride_qt, stride_qh, stride_kt, s
                    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
                    STORE_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr):
+                   TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr, USE_PDL: tl.constexpr):
     """One program per token. With STORE_KV, the rotated k heads and the v heads of the token
     also go to KCache[Loc[token]] / VCache[Loc[token]] ([slots, Hk, HEAD_DIM] each); the dims
     past the rotated ones (TAIL = HEAD_DIM - 2 * HALF of them) are copied unchanged."""
+    pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + token).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -128,7 +131,8 @@ def apply_rotary_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(q3.shape[1]),
         BLOCK_HK=triton.next_power_of_2(k3.shape[1]),
-        STORE_KV=False, HEAD_DIM=head_dim, BLOCK_D=1, TAIL=0, BLOCK_TAIL=1, num_warps=4)
+        STORE_KV=False, HEAD_DIM=head_dim, BLOCK_D=1, TAIL=0, BLOCK_TAIL=1, num_warps=4,
+        **pdl_launch_args(q3))
 
 
 def apply_rotary_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -163,7 +167,8 @@ def apply_rotary_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch
         BLOCK_HQ=triton.next_power_of_2(q3.shape[1]),
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         STORE_KV=True, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        TAIL=tail, BLOCK_TAIL=triton.next_power_of_2(max(tail, 1)), num_warps=4)
+        TAIL=tail, BLOCK_TAIL=triton.next_power_of_2(max(tail, 1)), num_warps=4,
+        **pdl_launch_args(q3))
 
 
 def rotary_reference(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

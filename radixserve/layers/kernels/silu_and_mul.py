@@ -10,9 +10,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from radixserve.layers.kernels.pdl import pdl_launch_args, pdl_prologue
+
 
 @triton.jit
-def _silu_and_mul_kernel(X, Out, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, Out, stride_x, stride_o, n_cols, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -35,7 +39,7 @@ def silu_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
         block = min(block, triton.next_power_of_2(n_cols))
         grid = (x2d.shape[0], triton.cdiv(n_cols, block))
         _silu_and_mul_kernel[grid](x2d, out, x2d.stride(0), out.stride(0), n_cols, BLOCK=block,
-                                   num_warps=4)
+                                   num_warps=4, **pdl_launch_args(x2d))
     return out.view(*x.shape[:-1], n_cols)
 
 
