@@ -52,6 +52,8 @@ class ServerArgs:
     # GPU path
     attention_backend: str | None = None  # torch_native | triton
     disable_cuda_graph: bool = False
+    # decode steps are launched one ahead of reading their ids (scheduler overlap)
+    disable_overlap_schedule: bool = False
     cuda_graph_max_bs: int | None = None
     enable_torch_compile: bool = False
 

@@ -108,6 +108,29 @@ def prefill_flops(cfg: ModelConfig, batch: int, input_len: int) -> float:
     return forward_flops(cfg, batch * input_len, (input_len + 1) / 2, num_logits=batch)
 
 
+def workload_limit_seconds(cfg: ModelConfig, prompt_lens: list[int], output_lens: list[int],
+                           dtype: torch.dtype | str, peak: "DevicePeak") -> float:
+    """The least time a whole offline workload can take: every FLOP at the peak rate plus every
+    KV byte decode must read at the peak bandwidth.
+
+    The two are added, not maxed: in a decode step the linear layers (compute bound once a few
+    hundred requests run together) and attention over the KV cache (memory bound) are separate
+    kernels, one after the other. FLOPs: each prompt's prefill, and one forward token per output
+    token after the first (which prefill produced). Bytes: each decoded token reads its whole
+    context's K/V. Weight reads are left out (shared by the whole batch, small beside the KV at
+    serving batch sizes), so the limit is optimistic for small batches. No prefix sharing."""
+    flops = 0.0
+    kv_bytes = 0.0
+    kv = kv_bytes_per_token(cfg, dtype)
+    for n_in, n_out in zip(prompt_lens, output_lens):
+        flops += prefill_flops(cfg, 1, n_in)
+        steps = max(n_out - 1, 0)  # decode steps; step j attends to n_in + j + 1 keys
+        mean_context = n_in + (steps + 1) / 2 if steps else 0.0
+        flops += forward_flops(cfg, steps, mean_context)
+        kv_bytes += steps * mean_context * kv
+    return flops / peak.peak_flops + kv_bytes / peak.mem_bandwidth
+
+
 @dataclass
 class DevicePeak:
     name: str

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from radixserve.bench import hardware
 from radixserve.bench.datasets import (SampleRequest, TokenSampler, add_dataset_args,
                                        build_dataset, load_tokenizer)
 from radixserve.config import ServerArgs
@@ -38,6 +39,10 @@ class OfflineResult:
     request_throughput: float
     output_throughput: float  # completion tokens / s
     total_throughput: float  # (prompt + completion) tokens / s
+    # hardware.workload_limit_seconds of the workload (NaN when no peak was given), and
+    # limit / duration: the fraction of the hardware's limit the run reached
+    limit_s: float = float("nan")
+    limit_ratio: float = float("nan")
 
 
 def engine_vocab_size(engine: Any) -> int | None:
@@ -50,8 +55,9 @@ def _sampling(output_len: int) -> dict[str, Any]:
 
 
 def run_offline(engine: Any, requests: list[SampleRequest], radix_cache: bool,
-                warmup_seed: int = 12345) -> OfflineResult:
-    """One generate() call over the workload after a one-request warm-up (a different prompt)."""
+                warmup_seed: int = 12345, peak: Any = None) -> OfflineResult:
+    """One generate() call over the workload after a one-request warm-up (a different prompt).
+    With a hardware.DevicePeak, the result carries the workload's roofline limit."""
     sampler = TokenSampler(engine.tokenizer, engine_vocab_size(engine))
     warm_ids = sampler.sample(np.random.default_rng(warmup_seed), requests[0].prompt_len)
     engine.generate(input_ids=[warm_ids], sampling_params=[_sampling(4)])
@@ -78,18 +84,34 @@ def run_offline(engine: Any, requests: list[SampleRequest], radix_cache: bool,
                                   for m, r in zip(metas, requests)),
         cached_tokens=cached, cache_hit_rate=cached / total_in if total_in else 0.0,
         request_throughput=len(requests) / duration, output_throughput=total_out / duration,
-        total_throughput=(total_in + total_out) / duration)
+        total_throughput=(total_in + total_out) / duration,
+        **_limit(engine, requests, duration, peak))
+
+
+def _limit(engine: Any, requests: list[SampleRequest], duration: float,
+           peak: Any) -> dict[str, float]:
+    runner = getattr(getattr(engine, "scheduler", None), "runner", None)
+    if peak is None or runner is None:
+        return {}
+    from radixserve.bench.hardware import workload_limit_seconds
+    limit = workload_limit_seconds(runner.model_config, [r.prompt_len for r in requests],
+                                   [r.output_len for r in requests], runner.dtype, peak)
+    return {"limit_s": limit, "limit_ratio": limit / duration}
 
 
 def format_results(results: list[OfflineResult]) -> str:
     lines = [f"{'radix':>5} {'prompts':>7} {'duration s':>10} {'in tok':>8} {'out tok':>8} "
-             f"{'hit rate':>8} {'req/s':>7} {'out tok/s':>9} {'total tok/s':>11} {'mismatch':>8}"]
+             f"{'hit rate':>8} {'req/s':>7} {'out tok/s':>9} {'total tok/s':>11} {'mismatch':>8} "
+             f"{'limit s':>8} {'ratio':>6}"]
     for r in results:
         lines.append(f"{'on' if r.radix_cache else 'off':>5} {r.num_prompts:>7} "
                      f"{r.duration_s:>10.2f} {r.total_input_tokens:>8} "
                      f"{r.total_output_tokens:>8} {r.cache_hit_rate:>8.3f} "
                      f"{r.request_throughput:>7.2f} {r.output_throughput:>9.1f} "
-                     f"{r.total_throughput:>11.1f} {r.output_len_mismatches:>8}")
+                     f"{r.total_throughput:>11.1f} {r.output_len_mismatches:>8} "
+                     f"{r.limit_s:>8.2f} {r.limit_ratio:>6.3f}")
+    lines.append("limit: hardware.workload_limit_seconds (FLOPs / peak + decode KV bytes / "
+                 "bandwidth, no prefix sharing); ratio = limit / duration")
     return "\n".join(lines)
 
 
@@ -103,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tokenizer for ShareGPT lengths (default: the model's)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--output-file", default=None, help="append one JSON line per run")
+    hardware.add_peak_args(parser)
     ServerArgs.add_cli_args(parser)
     parser.set_defaults(num_prompts=64, random_input_len=128, random_output_len=128)
     return parser
@@ -122,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             requests = build_dataset(args, tokenizer or engine.tokenizer, args.seed,
                                      vocab_size=engine_vocab_size(engine))
-            results.append(run_offline(engine, requests, radix))
+            runner = engine.scheduler.runner
+            peak = hardware.device_peak(runner.device, runner.dtype, args.bandwidth,
+                                        args.peak_flops)
+            results.append(run_offline(engine, requests, radix, peak=peak))
         finally:
             engine.shutdown()
             del engine

@@ -8,7 +8,10 @@ fraction of the hardware's limit the step achieved (1.0 would be perfect).
 
 Batches are built by the scheduler's own BatchBuilder from real Reqs, so per-step host work
 (slot allocation, sampling tensors) is timed as the server pays it; the timed region of a step
-is prepare + forward + sample, ending with a device sync.
+is prepare + forward + sample, ending with a device sync. With --overlap, decode runs as the
+scheduler runs it by default: each step launched before the previous step's ids are read (the
+host work of a step hides behind the GPU work of the one before); ms/step is then the decode
+run's time over its steps.
 """
 from __future__ import annotations
 
@@ -77,9 +80,11 @@ def _make_reqs(batch_size: int, input_len: int, output_len: int, vocab_size: int
 
 
 def run_one_batch(runner: Any, batch_size: int, input_len: int, output_len: int,
-                  peak: hardware.DevicePeak, seed: int = 0) -> OneBatchResult:
+                  peak: hardware.DevicePeak, seed: int = 0, overlap: bool = False
+                  ) -> OneBatchResult:
     """Prefill `batch_size` random prompts of `input_len` tokens, then decode until each has
-    `output_len` tokens (the first comes from prefill). Frees every slot it takes."""
+    `output_len` tokens (the first comes from prefill). Frees every slot it takes. `overlap`
+    times decode as the scheduler's overlap path runs it (see timed_decode_steps)."""
     from radixserve.mem.chunk_cache import ChunkCache
     from radixserve.scheduler.batch import BatchBuilder
 
@@ -96,14 +101,7 @@ def run_one_batch(runner: Any, batch_size: int, input_len: int, output_len: int,
         prefill_s = time.perf_counter() - start
         for req, token in zip(reqs, out.next_token_ids):
             req.output_ids.append(int(token))
-        step_s: list[float] = []
-        for _ in range(output_len - 1):
-            start = time.perf_counter()
-            out = runner.forward(builder.prepare_decode(reqs))
-            _sync(device)
-            step_s.append(time.perf_counter() - start)
-            for req, token in zip(reqs, out.next_token_ids):
-                req.output_ids.append(int(token))
+        step_s = timed_decode_steps(runner, builder, reqs, output_len - 1, overlap)
     finally:
         _free(runner, reqs)
 
@@ -127,6 +125,38 @@ def run_one_batch(runner: Any, batch_size: int, input_len: int, output_len: int,
         decode_bound=max(set(bounds), key=bounds.count) if bounds else "n/a",
         output_ids_ok=all(len(r.output_ids) == output_len for r in reqs),
         output_ids=[list(r.output_ids) for r in reqs])
+
+
+def timed_decode_steps(runner: Any, builder: Any, reqs: list[Req], steps: int,
+                       overlap: bool) -> list[float]:
+    """Run `steps` decode steps of `reqs`, appending their tokens; seconds per step.
+
+    Synchronous: each step is prepare + forward + sample + sync, timed alone. Overlap (as the
+    scheduler runs greedy batches): step k+1 is launched before step k's ids are read, so a
+    step's time is the whole run's over `steps`, the same figure for each."""
+    device = runner.device
+    if not overlap:
+        step_s = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            out = runner.forward(builder.prepare_decode(reqs))
+            _sync(device)
+            step_s.append(time.perf_counter() - start)
+            for req, token in zip(reqs, out.next_token_ids):
+                req.output_ids.append(int(token))
+        return step_s
+    _sync(device)
+    start = time.perf_counter()
+    inflight = None
+    for step in range(steps + 1):
+        launched = runner.forward_decode_async(builder.prepare_decode(reqs), inflight) \
+            if step < steps else None
+        if inflight is not None:
+            for req, token in zip(reqs, inflight.token_ids()):
+                req.output_ids.append(int(token))
+        inflight = launched
+    _sync(device)
+    return [(time.perf_counter() - start) / steps] * steps if steps else []
 
 
 def _free(runner: Any, reqs: list[Req]) -> None:
@@ -162,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overlap", action="store_true",
+                        help="time decode with the scheduler's overlap (launch-ahead) path")
     parser.add_argument("--output-file", default=None, help="append one JSON line per batch size")
     hardware.add_peak_args(parser)
     ServerArgs.add_cli_args(parser)
@@ -180,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     # warm-up: lazy initialisation, allocator growth and kernel autotuning stay out of the figures
     run_one_batch(runner, max(args.batch_size), args.input_len, min(args.output_len, 4), peak,
                   args.seed + 1)
-    results = [run_one_batch(runner, bs, args.input_len, args.output_len, peak, args.seed)
+    results = [run_one_batch(runner, bs, args.input_len, args.output_len, peak, args.seed,
+                             overlap=args.overlap)
                for bs in args.batch_size]
     print(format_table(results, peak))
     if args.output_file:

@@ -46,6 +46,12 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature <= 1e-6 or self.top_k == 1
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Frequency, presence or repetition penalties (they read the output so far)."""
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
     def verify(self) -> None:
         """Raise InvalidRequestError with a clear message for any out-of-range value."""
         def check(ok: bool, msg: str) -> None:

@@ -191,8 +191,10 @@ class CudaGraphRunner:
         return bool(self.batch_sizes) and 1 <= batch.batch_size <= self.batch_sizes[-1]
 
     @torch.inference_mode()
-    def replay(self, batch: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode logits [bs, vocab] fp32 and their argmax [bs], valid until the next replay."""
+    def replay(self, batch: ModelWorkerBatch, input_ids: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode logits [bs, vocab] fp32 and their argmax [bs], valid until the next replay.
+        `input_ids` (device, [bs]) replaces batch.input_ids (the overlap path)."""
         bs = batch.batch_size
         graph_bs = pick_graph_batch_size(self.batch_sizes, bs)
         self.copy_done.synchronize()  # the previous copy out of `staging` has finished
@@ -201,6 +203,8 @@ class CudaGraphRunner:
         # the whole buffer (a few KiB) in one contiguous copy; rows past graph_bs are not read
         self.inputs.copy_(self.staging, non_blocking=True)
         self.copy_done.record()
+        if input_ids is not None:  # device to device, ordered before the replay
+            self.inputs[INPUT_IDS, :bs].copy_(input_ids)
         self.attn_backend.init_forward_metadata_replay_cuda_graph(
             graph_bs, self.inputs[REQ_POOL_INDICES, :graph_bs], self.inputs[SEQ_LENS, :graph_bs],
             plan.seq_lens_sum)

@@ -15,6 +15,7 @@ from radixserve.attention.base import AttentionBackend
 from radixserve.config import ModelConfig, ServerArgs, resolve_dtype
 from radixserve.executor.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
 from radixserve.executor.memory_budget import max_kv_tokens, max_request_slots
+from radixserve.executor.pending_decode import PendingDecode
 from radixserve.layers.logits import LogitsOutput
 from radixserve.executor.sampler import Sampler, compute_logprobs, compute_input_logprobs
 from radixserve.loader import init_dummy_weights, load_model_source
@@ -148,6 +149,47 @@ class ModelRunner:
             return self._sample(batch, logits, None)
         logits, extend_logits = self.forward_logits(batch)
         return self._sample(batch, logits, extend_logits)
+
+    @staticmethod
+    def can_overlap(batch: ModelWorkerBatch) -> bool:
+        """Whether `forward_decode_async` may run this batch: a decode step whose sampling needs
+        nothing but the logits (no penalties, seeds or logprobs: those read the output so far,
+        which is one token behind while a step is in flight)."""
+        info = batch.sampling_info
+        return (batch.forward_mode.is_decode() and info is not None and info.penalties is None
+                and not info.seed_rows and not batch.return_logprob)
+
+    @torch.inference_mode()
+    def forward_decode_async(self, batch: ModelWorkerBatch, prev: PendingDecode | None = None,
+                             prev_rows: list[int] | None = None) -> PendingDecode:
+        """Launch one decode step and return without waiting for it (see can_overlap).
+
+        With `prev`, the input ids are not batch.input_ids but the ids `prev` sampled, on the
+        device: row i of this batch continues row `prev_rows[i]` of prev's batch (same rows in
+        the same order when prev_rows is None)."""
+        assert self.can_overlap(batch), "this batch needs the synchronous forward"
+        input_ids = None
+        if prev is not None:
+            input_ids = prev.ids
+            if prev_rows is not None:
+                rows = torch.tensor(prev_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+                input_ids = input_ids.index_select(0, rows)
+        info = batch.sampling_info
+        assert info is not None
+        if self._uses_graph(batch):
+            logits, greedy_ids = self.cuda_graph_runner.replay(  # type: ignore[union-attr]
+                batch, input_ids)
+            ids = greedy_ids if info.is_all_greedy else self.sampler.forward(logits, info)
+            return PendingDecode(ids)
+        fb = ForwardBatch.from_worker_batch(batch, self.device, self.req_to_token_pool,
+                                            self.token_to_kv_pool, self.attn_backend)
+        if input_ids is not None:
+            fb.input_ids = input_ids
+        self.req_to_token_pool.write_decode_slots(fb.req_pool_indices, fb.seq_lens,
+                                                  fb.out_cache_loc)
+        self.attn_backend.init_forward_metadata(fb)
+        logits = self.model(fb.input_ids, fb.positions, fb).next_token_logits
+        return PendingDecode(self.sampler.forward(logits, info))
 
     def _uses_graph(self, batch: ModelWorkerBatch) -> bool:
         return (self.cuda_graph_runner is not None and batch.forward_mode.is_decode()

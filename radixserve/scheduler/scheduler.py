@@ -180,10 +180,14 @@ class Scheduler:
         elif prefill:
             self._run_prefill(prefill)
         elif self.running:
-            for _ in range(max(1, self.args.num_continuous_decode_steps)):
-                self._run_decode_step()
-                if not self.running or self._streamed_output_waiting():
-                    break
+            steps = max(1, self.args.num_continuous_decode_steps)
+            if self._can_overlap_decode():
+                self._run_decode_steps_overlapped(steps)
+            else:
+                for _ in range(steps):
+                    self._run_decode_step()
+                    if not self.running or self._streamed_output_waiting():
+                        break
         if not (self.waiting_queue or self.running or self.chunked_req):
             self._on_idle()
         return self._drain_outbox()
@@ -308,10 +312,97 @@ class Scheduler:
                 self._finish(req)
             else:
                 still_running.append(req)
-        self.stats.on_decode_step(len(self.running), sum(r.kv_len for r in self.running),
+        self._after_decode_step(len(self.running), still_running)
+
+    def _after_decode_step(self, batch_size: int, still_running: list[Req]) -> None:
+        self.stats.on_decode_step(batch_size, sum(r.kv_len for r in self.running),
                                   self.token_usage(), len(self.waiting_queue))
         self.running = still_running
         self.ratio.decay()
+
+    # ---- decode with overlap ----
+    def _can_overlap_decode(self) -> bool:
+        """Overlap needs a runner that can launch a step without waiting, and requests whose
+        sampling reads nothing but the logits (ModelRunner.can_overlap)."""
+        if self.args.disable_overlap_schedule or not hasattr(self.runner, "forward_decode_async"):
+            return False
+        return all(self._samples_from_logits_alone(r) for r in self.running)
+
+    @staticmethod
+    def _samples_from_logits_alone(req: Req) -> bool:
+        params = req.sampling_params
+        return (not req.return_logprob and not params.uses_penalties
+                and len(req.output_ids) >= params.min_new_tokens
+                and (params.is_greedy or params.seed is None))
+
+    def _ends_after_next_token(self, req: Req) -> bool:
+        """True when the token now in flight is the request's last by length (known ahead)."""
+        return (len(req.output_ids) + 1 >= req.sampling_params.max_new_tokens
+                or req.seqlen + 1 >= self.context_len)
+
+    def _run_decode_steps_overlapped(self, max_steps: int) -> None:
+        """Up to max_steps decode steps, each launched before the previous one's ids are read:
+        step k+1 takes its input ids from step k on the device, and while it runs the host
+        appends step k's tokens and checks which requests finished.
+
+        Step k+1 leaves out requests whose step-k token is their last by length; a request that
+        stops on a token (EOS, stop string) is found one step late: its step-k+1 token is
+        dropped and the KV slot that step wrote goes back with the request's other slots. The
+        turn ends with nothing in flight, so the idle check and aborts see a settled state."""
+        inflight: tuple[Any, list[Req]] | None = None  # (PendingDecode, its requests)
+        for step in range(max_steps + 1):
+            launched = None
+            if step < max_steps:
+                if inflight is None:
+                    self._ensure_decode_memory()
+                    reqs = list(self.running)
+                elif self._stream_due_after_next_token(inflight[1]):
+                    reqs = []  # streamed output is due: send it before running more steps
+                else:
+                    reqs = [r for r in inflight[1]
+                            if not r.finished and not self._ends_after_next_token(r)]
+                    if not self._decode_memory_available(len(reqs)):
+                        reqs = []  # short of KV: settle first; the next turn may retract
+                if reqs:
+                    batch = self.builder.prepare_decode(reqs)
+                    prev_rows = None
+                    if inflight is not None and len(reqs) != len(inflight[1]):
+                        position = {id(r): i for i, r in enumerate(inflight[1])}
+                        prev_rows = [position[id(r)] for r in reqs]
+                    handle = self.runner.forward_decode_async(  # type: ignore[attr-defined]
+                        batch, inflight[0] if inflight else None, prev_rows)
+                    launched = (handle, reqs)
+            if inflight is not None:
+                self._process_overlapped_results(*inflight)
+            inflight = launched
+            if inflight is None:
+                break
+
+    def _stream_due_after_next_token(self, reqs: list[Req]) -> bool:
+        """Whether a streaming request will have output to send once the token in flight is
+        appended (as _streamed_output_waiting will then say)."""
+        interval = self.args.stream_interval
+        return any(r.stream and not r.finished
+                   and (len(r.output_ids) + 1 - r.sent_output_len >= interval
+                        or r.sent_output_len == 0)
+                   for r in reqs)
+
+    def _decode_memory_available(self, need: int) -> bool:
+        available = self.token_to_kv_pool.available_size()
+        if available < need:
+            self.tree_cache.evict(need - available)
+        return self.token_to_kv_pool.available_size() >= need
+
+    def _process_overlapped_results(self, handle: Any, reqs: list[Req]) -> None:
+        token_ids = handle.token_ids()
+        for req, token in zip(reqs, token_ids):
+            if req.finished:  # stopped on the step before; this token is past its end
+                continue
+            req.output_ids.append(token)
+            req.check_finished(self.eos_token_ids, self.context_len, self.tokenizer)
+            if req.finished:
+                self._finish(req)
+        self._after_decode_step(len(reqs), [r for r in self.running if not r.finished])
 
     def _ensure_decode_memory(self, extra_tokens: int = 0) -> None:
         """Each running request needs one KV slot (plus `extra_tokens` for a prefill sharing the

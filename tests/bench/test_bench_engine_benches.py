@@ -38,6 +38,11 @@ def test_one_batch_matches_the_engine_and_frees_its_slots(tiny_model: str) -> No
     assert runner.token_to_kv_pool.available_size() == free_kv
     assert runner.req_to_token_pool.available_size() == free_rows
     assert result.output_ids_ok and len(result.output_ids) == batch
+    # the overlap path (launch-ahead, ids read one step late) decodes the same tokens
+    overlapped = one_batch.run_one_batch(runner, batch, input_len, output_len, peak, seed=4,
+                                         overlap=True)
+    assert overlapped.output_ids == result.output_ids and overlapped.output_ids_ok
+    assert runner.token_to_kv_pool.available_size() == free_kv
     assert result.prefill_tok_s * result.prefill_ms / 1e3 == pytest.approx(batch * input_len)
     assert result.decode_tok_s * result.decode_ms_per_step / 1e3 == pytest.approx(batch)
     assert result.prefill_ratio == pytest.approx(result.prefill_limit_ms / result.prefill_ms)
@@ -77,6 +82,7 @@ def test_offline_radix_on_and_off(tiny_model: str, tmp_path: Path) -> None:
                          str(groups), "--gsp-prompts-per-group", str(per_group),
                          "--gsp-system-prompt-len", str(sys_len), "--gsp-question-len",
                          str(q_len), "--gsp-output-len", str(out_len), "--radix", "both",
+                         "--bandwidth", "1e10", "--peak-flops", "1e11",
                          "--output-file", str(out)]) == 0
     on, off = [json.loads(line) for line in out.read_text().splitlines()]
     n = groups * per_group
@@ -85,5 +91,7 @@ def test_offline_radix_on_and_off(tiny_model: str, tmp_path: Path) -> None:
         assert rec["total_input_tokens"] == n * (sys_len + q_len)
         assert rec["total_output_tokens"] == rec["expected_output_tokens"] == n * out_len
         assert rec["output_throughput"] * rec["duration_s"] == pytest.approx(n * out_len)
+        assert rec["limit_ratio"] == pytest.approx(rec["limit_s"] / rec["duration_s"])
+        assert 0 < rec["limit_s"] < rec["duration_s"]
     assert (on["radix_cache"], off["radix_cache"]) == (True, False)
     assert on["cache_hit_rate"] > 0 and off["cache_hit_rate"] == 0

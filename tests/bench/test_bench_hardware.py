@@ -86,3 +86,25 @@ def test_device_peak_flags_win_and_cpu_is_measured() -> None:
     measured = hardware.device_peak("cpu", "float32")
     assert measured.mem_bandwidth > 0 and measured.peak_flops > 0
     assert "measured" in measured.source
+
+
+def test_workload_limit_sums_compute_and_kv_reads() -> None:
+    """Against an explicit step-by-step sum: each prompt's prefill FLOPs, then one forward token
+    per decode step attending to the prompt plus the tokens so far, and that step's KV read."""
+    cfg = ModelConfig.from_hf_dict(dict(
+        architectures=["LlamaForCausalLM"], vocab_size=1000, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512))
+    peak = hardware.DevicePeak("test", mem_bandwidth=1e9, peak_flops=1e12, source="flag")
+    prompts, outputs = [5, 9], [4, 1]
+    flops = kv_bytes = 0.0
+    kv = hardware.kv_bytes_per_token(cfg, "bfloat16")
+    for n_in, n_out in zip(prompts, outputs):
+        flops += hardware.prefill_flops(cfg, 1, n_in)
+        for step in range(n_out - 1):
+            context = n_in + step + 1
+            flops += hardware.forward_flops(cfg, 1, context)
+            kv_bytes += context * kv
+    expected = flops / 1e12 + kv_bytes / 1e9
+    got = hardware.workload_limit_seconds(cfg, prompts, outputs, "bfloat16", peak)
+    assert got == pytest.approx(expected, rel=1e-12)

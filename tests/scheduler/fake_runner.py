@@ -13,7 +13,8 @@ from radixserve.config import ServerArgs
 from radixserve.core.io_struct import TokenizedGenerateReq
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.executor.forward_batch import ModelWorkerBatch
-from radixserve.executor.model_runner import ForwardOutput
+from radixserve.executor.model_runner import ForwardOutput, ModelRunner
+from radixserve.executor.pending_decode import PendingDecode
 from radixserve.mem.pools import ReqToTokenPool, TokenToKVPool
 from radixserve.scheduler.scheduler import Scheduler
 
@@ -36,14 +37,29 @@ class FakeRunner:
         self.slot_token = torch.full((max_total_tokens + 1,), -1, dtype=torch.int64)
         self.sequences: dict[int, list[int]] = {}  # row -> tokens whose KV must exist
         self.batches: list[ModelWorkerBatch] = []
+        self.async_steps = 0  # decode steps launched through forward_decode_async
 
     def forward(self, batch: ModelWorkerBatch) -> ForwardOutput:
+        return ForwardOutput(self._run(batch, batch.input_ids))
+
+    def forward_decode_async(self, batch: ModelWorkerBatch, prev: PendingDecode | None = None,
+                             prev_rows: list[int] | None = None) -> PendingDecode:
+        """As ModelRunner's: input ids come from `prev` (batch.input_ids is stale then)."""
+        assert ModelRunner.can_overlap(batch)
+        self.async_steps += 1
+        input_ids = batch.input_ids
+        if prev is not None:
+            ids = prev.ids if prev_rows is None else prev.ids[torch.tensor(prev_rows)]
+            input_ids = ids.tolist()
+        return PendingDecode(torch.tensor(self._run(batch, input_ids), dtype=torch.int64))
+
+    def _run(self, batch: ModelWorkerBatch, input_ids: list[int]) -> list[int]:
         self.batches.append(batch)
         if batch.forward_mode.is_decode():  # as the ModelRunner does for every DECODE pass
             self.req_to_token_pool.write_decode_slots(
                 torch.tensor(batch.req_pool_indices), torch.tensor(batch.seq_lens),
                 batch.out_cache_loc)
-        self.slot_token[batch.out_cache_loc] = torch.tensor(batch.input_ids)
+        self.slot_token[batch.out_cache_loc] = torch.tensor(input_ids)
         out: list[int] = []
         offset = 0
         for i, row in enumerate(batch.req_pool_indices):
@@ -51,12 +67,12 @@ class FakeRunner:
             n = 1 if batch.forward_mode.is_decode() else batch.extend_seq_lens[i]
             slots = self.req_to_token_pool.req_to_token[row, :seq_len].to(torch.int64)
             kv_tokens = self.slot_token[slots].tolist()
-            assert kv_tokens[-n:] == batch.input_ids[offset:offset + n]
+            assert kv_tokens[-n:] == input_ids[offset:offset + n]
             assert -1 not in kv_tokens, f"row {row} reads an unwritten slot"
             out.append(next_token(kv_tokens[-1], seq_len - 1))
             self.check_prefix_consistent(kv_tokens)
             offset += n
-        return ForwardOutput(out)
+        return out
 
     def check_prefix_consistent(self, kv_tokens: list[int]) -> None:
         """The tokens read back must follow the fake model's own rule after the prompt: we

@@ -1,0 +1,117 @@
+"""Decode with overlap: step k+1 is launched before step k's ids are read.
+
+The fake runner checks, on every pass, that each request's KV slots hold exactly its tokens, and
+that the input ids it is handed (from the previous step, on the "device") are the right ones; so
+a row mix-up in the overlap path fails here even when the final text would look plausible."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixserve.core.io_struct import TokenizedGenerateReq
+from radixserve.core.sampling_params import SamplingParams
+from tests.scheduler.fake_runner import (assert_memory_clean, expected_output, make_req,
+                                         make_scheduler, run_all)
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 50) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("steps", [1, 3, 10])
+def test_outputs_same_with_and_without_overlap(steps: int) -> None:
+    """Ragged max_new_tokens: requests leave the batch at different steps, so later steps
+    pick their input ids out of the previous step's rows."""
+    results = []
+    for overlap in (True, False):
+        scheduler, runner = make_scheduler(num_continuous_decode_steps=steps,
+                                           disable_overlap_schedule=not overlap)
+        ps = prompts(10, seed=steps)
+        for i, p in enumerate(ps):
+            scheduler.add_request(make_req(f"r{i}", p, max_new=1 + (7 * i) % 23))
+        results.append(run_all(scheduler))
+        assert (runner.async_steps > 0) == overlap
+        assert_memory_clean(scheduler)
+    assert results[0] == results[1]
+    for i, p in enumerate(prompts(10, seed=steps)):
+        assert results[0][f"r{i}"]["ids"] == expected_output(p, 1 + (7 * i) % 23)
+
+
+def test_stop_token_found_one_step_late_is_cut_and_frees_its_slots() -> None:
+    """A stop token is only seen after the next step was launched: the extra token is dropped
+    and the slot that step wrote is released with the request."""
+    scheduler, runner = make_scheduler(num_continuous_decode_steps=10)
+    prompt = [3, 1, 4]
+    expected = expected_output(prompt, 30)
+    k = next(i for i in range(3, 30) if expected[i] not in expected[:i])
+    scheduler.add_request(make_req("stop", prompt, max_new=30, stop_token_ids=[expected[k]]))
+    scheduler.add_request(make_req("long", [9, 9], max_new=30))
+    results = run_all(scheduler)
+    assert results["stop"]["ids"] == expected[:k + 1]
+    assert results["stop"]["finish"] == {"type": "stop", "matched": expected[k]}
+    assert results["long"]["ids"] == expected_output([9, 9], 30)
+    assert runner.async_steps > 0
+    assert_memory_clean(scheduler)
+
+
+def test_length_limits_are_not_overrun() -> None:
+    """Requests that end by length are left out of the step after their last: no request is
+    ever decoded past max_new_tokens or the context length."""
+    scheduler, runner = make_scheduler(num_continuous_decode_steps=8, context_len=40)
+    scheduler.add_request(make_req("ctx", [5] * 30, max_new=100))
+    scheduler.add_request(make_req("len", [6] * 4, max_new=5))
+    results = run_all(scheduler)
+    assert len(results["ctx"]["ids"]) == 10 and results["len"]["ids"] == expected_output([6] * 4, 5)
+    longest = max(max(b.seq_lens) for b in runner.batches)
+    assert longest <= 40
+    assert_memory_clean(scheduler)
+
+
+def sampled_req(rid: str, prompt: list[int], **params) -> TokenizedGenerateReq:
+    sp = SamplingParams(max_new_tokens=6, temperature=0.8, **params)
+    sp.verify()
+    sp.normalize()
+    return TokenizedGenerateReq(rid=rid, input_text=None, input_ids=prompt, sampling_params=sp)
+
+
+@pytest.mark.parametrize("params,overlaps", [
+    ({}, True),                              # plain sampling reads only the logits
+    ({"seed": 7}, False),                    # the seed's stream is indexed by the output length
+    ({"frequency_penalty": 0.5}, False),     # penalties count the output so far
+    ({"min_new_tokens": 6}, False),          # so does the min_new_tokens mask (until met)
+])
+def test_overlap_only_when_sampling_needs_just_the_logits(params: dict, overlaps: bool) -> None:
+    scheduler, runner = make_scheduler(num_continuous_decode_steps=4)
+    scheduler.add_request(sampled_req("s", [1, 2, 3], **params))
+    results = run_all(scheduler)
+    assert results["s"]["ids"] == expected_output([1, 2, 3], 6)  # the fake ignores sampling
+    assert (runner.async_steps > 0) == overlaps
+    assert_memory_clean(scheduler)
+
+
+def test_streaming_turns_send_each_token_before_the_next_step() -> None:
+    scheduler, runner = make_scheduler(num_continuous_decode_steps=5)
+    scheduler.add_request(make_req("s", [4, 5, 6], max_new=6, stream=True))
+    scheduler.run_turn()  # prefill, first token
+    for _ in range(3):
+        before = len(runner.batches)
+        outs = scheduler.run_turn()
+        assert len(runner.batches) - before == 1 and len(outs[0].new_output_ids[0]) == 1
+    run_all(scheduler)
+    assert_memory_clean(scheduler)
+
+
+def test_retraction_under_overlap_keeps_outputs_exact() -> None:
+    """A pool too small for every request: decode runs short of KV mid-turn, stops launching,
+    and the next turn retracts; outputs still match the model's."""
+    scheduler, runner = make_scheduler(max_total_tokens=160, num_continuous_decode_steps=10)
+    ps = prompts(6, seed=3)
+    for i, p in enumerate(ps):
+        scheduler.add_request(make_req(f"r{i}", p[:15], max_new=40))
+    results = run_all(scheduler)
+    for i, p in enumerate(ps):
+        assert results[f"r{i}"]["ids"] == expected_output(p[:15], 40)
+    assert scheduler.stats.num_retractions > 0 and runner.async_steps > 0
+    assert_memory_clean(scheduler)
