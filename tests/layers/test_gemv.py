@@ -50,10 +50,10 @@ def test_gemv_vector_input_and_strided_weight_rows() -> None:
 
 
 def test_gemv_config_classes() -> None:
-    assert gemv_config(4096, 4096) == GemvConfig(4, 512, 4, 3)
+    assert gemv_config(4096, 4096) == GemvConfig(4, 512, 8, 4)
     assert gemv_config(6144, 4096) == GemvConfig(8, 512, 4, 3)
     assert gemv_config(128256, 4096) == GemvConfig(16, 256, 4, 3)
-    assert gemv_config(4096, 14336) == GemvConfig(4, 512, 8, 1)
+    assert gemv_config(4096, 14336) == GemvConfig(2, 1024, 8, 2)
     assert gemv_config(1536, 576).block_k == 64  # SmolLM2-135M's hidden size
     assert gemv_config(100, 100) is None  # no block size divides K: cuBLAS takes it
     with pytest.raises(ValueError):

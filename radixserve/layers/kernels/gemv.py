@@ -3,7 +3,8 @@
 A batch-1 decode step is a stream of GEMVs over 15 GB of weights; its speed is the rate at which
 weight rows are read. On an H200 (Llama-3.1-8B shapes, bf16, benchmarks/gpu_tune.py) cuBLAS
 reaches 2.5-4.2 TB/s depending on the shape (split-K plus a reduction kernel for the narrow ones),
-this kernel 3.2-4.5 TB/s: 3.73 ms instead of 4.19 ms for one step's GEMMs.
+this kernel 3.3-4.5 TB/s: 3.69 ms instead of 4.00-4.19 ms for one step's GEMMs (the
+configurations below are the best of a sweep per shape class).
 
 Each program owns BLOCK_N output rows and walks K in BLOCK_K steps, accumulating elementwise
 products in fp32 registers ([BLOCK_N, BLOCK_K]) and reducing once at the end; weights are loaded
@@ -55,18 +56,19 @@ def _gemv_kernel(X, W, B, Y, N, K, stride_wn,
 def gemv_config(n: int, k: int) -> GemvConfig | None:
     """The measured best shape class (H200, bf16) for an [n, k] weight; None if k fits no
     block size."""
-    if n <= 4096:
-        block_n, block_k = 4, 512
-    elif n <= 8192:
-        block_n, block_k = 8, 512
-    else:
-        block_n, block_k = 16, 256
+    if k >= 8192:  # down_proj: few long rows
+        block_n, block_k, warps, stages = 2, 1024, 8, 2
+    elif n <= 4096:  # o_proj
+        block_n, block_k, warps, stages = 4, 512, 8, 4
+    elif n <= 8192:  # qkv_proj
+        block_n, block_k, warps, stages = 8, 512, 4, 3
+    else:  # gate_up_proj, lm_head
+        block_n, block_k, warps, stages = 16, 256, 4, 3
     while block_k >= 64 and k % block_k:
         block_k //= 2
     if block_k < 64:
         return None
-    long_k = k >= 8192
-    return GemvConfig(block_n, block_k, 8 if long_k else 4, 1 if long_k else 3)
+    return GemvConfig(block_n, block_k, warps, stages)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
