@@ -80,6 +80,17 @@ def test_n_samples_share_the_prompt_through_the_cache(engine):
     assert hits >= 2 * (n_prompt - 1)  # at least the second and third reuse the first's prompt
 
 
+def test_seeded_n_samples_differ_and_repeat(engine):
+    """Sample j of a seeded request uses seed + j (as the server does): the samples differ from
+    each other, and the same call gives the same samples again."""
+    params = {"max_new_tokens": 12, "temperature": 1.0, "n": 3, "seed": 11}
+    first = engine.generate("Name a colour.", params)
+    again = engine.generate("Name a colour.", params)
+    ids = [o["output_ids"] for o in first]
+    assert ids == [o["output_ids"] for o in again]
+    assert len({tuple(i) for i in ids}) > 1
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"max_new_tokens": -1}, "max_new_tokens"),
     ({"top_p": 0.0}, "top_p"),
