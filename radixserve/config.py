@@ -55,7 +55,6 @@ class ServerArgs:
     # decode steps are launched one ahead of reading their ids (scheduler overlap)
     disable_overlap_schedule: bool = False
     cuda_graph_max_bs: int | None = None
-    enable_torch_compile: bool = False
 
     # parallelism (later)
     tp_size: int = 1
@@ -86,6 +85,9 @@ class ServerArgs:
             big = on_gpu and torch.cuda.is_available() and \
                 torch.cuda.get_device_properties(torch.device(self.device)).total_memory > 100e9
             self.cuda_graph_max_bs = 512 if big else 256
+        if self.tp_size != 1:
+            raise ValueError(f"--tp-size {self.tp_size}: tensor parallelism is not implemented "
+                             "yet; only --tp-size 1 runs")
         if self.schedule_policy not in ("lpm", "fcfs", "dfs-weight", "random"):
             raise ValueError(f"unknown --schedule-policy {self.schedule_policy!r}")
         if self.disable_radix_cache and self.schedule_policy in ("lpm", "dfs-weight"):
