@@ -158,6 +158,7 @@ class Engine:
         while not all(p.finished for p in pending.values()):
             for _ in self._apply(self.scheduler.run_turn(), pending):
                 pass
+        self._drain()  # a decode step launched past the last stop token is still in flight
         results = [pending[r.rid].result() for r in reqs]
         single = isinstance(prompt, str) or (input_ids is not None and input_ids
                                              and isinstance(input_ids[0], int))
@@ -179,7 +180,7 @@ class Engine:
         finally:
             if not state.finished:  # the caller stopped iterating: free its memory
                 self.scheduler.abort_request(state.rid)
-                self._drain()
+            self._drain()
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort_request(rid)

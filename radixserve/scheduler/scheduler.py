@@ -68,6 +68,8 @@ class Scheduler:
         self.last_turn_was_chunk = False
         self.outbox: list[Req] = []
         self.last_memory_check: tuple[bool, int] | None = None
+        # the decode step launched but not yet read back (overlap), with its requests
+        self.inflight: tuple[Any, list[Req]] | None = None
 
     def _make_cache(self) -> BasePrefixCache:
         if self.args.disable_radix_cache:
@@ -130,6 +132,7 @@ class Scheduler:
         return None
 
     def abort_request(self, rid: str) -> None:
+        self._settle()  # a request in the step in flight gets its token first
         for i, req in enumerate(self.waiting_queue):
             if req.rid == rid:
                 del self.waiting_queue[i]
@@ -154,6 +157,7 @@ class Scheduler:
         self.outbox.append(req)
 
     def flush_cache(self) -> FlushCacheReply:
+        self._settle()
         if self.running or self.waiting_queue or self.chunked_req is not None:
             return FlushCacheReply(False, "cannot flush the cache while requests are in flight")
         self.tree_cache.reset()  # the tree forgets its slots: hand them all back
@@ -163,7 +167,8 @@ class Scheduler:
         return FlushCacheReply(True, "cache flushed")
 
     def has_work(self) -> bool:
-        return bool(self.waiting_queue or self.running or self.chunked_req or self.outbox)
+        return bool(self.waiting_queue or self.running or self.chunked_req or self.outbox
+                    or self.inflight)
 
     # ---- one turn ----
     def run_turn(self) -> list[BatchTokenIDOut]:
@@ -173,22 +178,25 @@ class Scheduler:
                        and self.last_turn_was_chunk and not self.args.enable_mixed_chunk)
         prefill = None if decode_turn else self._get_new_prefill_batch()
         self.last_turn_was_chunk = prefill is not None and self.chunked_req is not None
+        if decode_turn or prefill:
+            self._settle()  # those passes read every request's tokens so far
         if decode_turn:
             self._run_decode_step()
         elif prefill and self._can_mix(prefill):
             self._run_mixed(prefill)
         elif prefill:
             self._run_prefill(prefill)
-        elif self.running:
+        elif self.running or self.inflight:
             steps = max(1, self.args.num_continuous_decode_steps)
             if self._can_overlap_decode():
                 self._run_decode_steps_overlapped(steps)
             else:
+                self._settle()
                 for _ in range(steps):
                     self._run_decode_step()
                     if not self.running or self._streamed_output_waiting():
                         break
-        if not (self.waiting_queue or self.running or self.chunked_req):
+        if not (self.waiting_queue or self.running or self.chunked_req or self.inflight):
             self._on_idle()
         return self._drain_outbox()
 
@@ -341,51 +349,53 @@ class Scheduler:
                 or req.seqlen + 1 >= self.context_len)
 
     def _run_decode_steps_overlapped(self, max_steps: int) -> None:
-        """Up to max_steps decode steps, each launched before the previous one's ids are read:
+        """Launch up to max_steps decode steps, each before the previous one's ids are read:
         step k+1 takes its input ids from step k on the device, and while it runs the host
-        appends step k's tokens and checks which requests finished.
+        appends step k's tokens, checks which requests finished and (after the turn) sends the
+        output. The last step launched stays in flight across the turn (`self.inflight`); a
+        prefill, a retraction, an abort or a synchronous step settles it first (`_settle`).
 
         Step k+1 leaves out requests whose step-k token is their last by length; a request that
         stops on a token (EOS, stop string) is found one step late: its step-k+1 token is
-        dropped and the KV slot that step wrote goes back with the request's other slots. The
-        turn ends with nothing in flight, so the idle check and aborts see a settled state."""
-        inflight: tuple[Any, list[Req]] | None = None  # (PendingDecode, its requests)
-        for step in range(max_steps + 1):
+        dropped and the KV slot that step wrote goes back with the request's other slots."""
+        launched_steps = 0
+        while True:
             launched = None
-            if step < max_steps:
-                if inflight is None:
+            if launched_steps < max_steps:
+                if self.inflight is None:
                     self._ensure_decode_memory()
                     reqs = list(self.running)
-                elif self._stream_due_after_next_token(inflight[1]):
-                    reqs = []  # streamed output is due: send it before running more steps
                 else:
-                    reqs = [r for r in inflight[1]
+                    reqs = [r for r in self.inflight[1]
                             if not r.finished and not self._ends_after_next_token(r)]
                     if not self._decode_memory_available(len(reqs)):
                         reqs = []  # short of KV: settle first; the next turn may retract
                 if reqs:
-                    batch = self.builder.prepare_decode(reqs)
-                    prev_rows = None
-                    if inflight is not None and len(reqs) != len(inflight[1]):
-                        position = {id(r): i for i, r in enumerate(inflight[1])}
-                        prev_rows = [position[id(r)] for r in reqs]
-                    handle = self.runner.forward_decode_async(  # type: ignore[attr-defined]
-                        batch, inflight[0] if inflight else None, prev_rows)
-                    launched = (handle, reqs)
-            if inflight is not None:
-                self._process_overlapped_results(*inflight)
-            inflight = launched
-            if inflight is None:
-                break
+                    launched = self._launch_decode(reqs)
+                    launched_steps += 1
+            self._settle()
+            self.inflight = launched
+            if launched is None or launched_steps >= max_steps or \
+                    self._streamed_output_waiting():
+                break  # what was launched last runs on while the turn's output goes out
 
-    def _stream_due_after_next_token(self, reqs: list[Req]) -> bool:
-        """Whether a streaming request will have output to send once the token in flight is
-        appended (as _streamed_output_waiting will then say)."""
-        interval = self.args.stream_interval
-        return any(r.stream and not r.finished
-                   and (len(r.output_ids) + 1 - r.sent_output_len >= interval
-                        or r.sent_output_len == 0)
-                   for r in reqs)
+    def _launch_decode(self, reqs: list[Req]) -> tuple[Any, list[Req]]:
+        batch = self.builder.prepare_decode(reqs)
+        prev, prev_rows = None, None
+        if self.inflight is not None:
+            prev, prev_reqs = self.inflight
+            if len(reqs) != len(prev_reqs):
+                position = {id(r): i for i, r in enumerate(prev_reqs)}
+                prev_rows = [position[id(r)] for r in reqs]
+        handle = self.runner.forward_decode_async(  # type: ignore[attr-defined]
+            batch, prev, prev_rows)
+        return handle, reqs
+
+    def _settle(self) -> None:
+        """Read back and process the decode step in flight, if any."""
+        if self.inflight is not None:
+            inflight, self.inflight = self.inflight, None
+            self._process_overlapped_results(*inflight)
 
     def _decode_memory_available(self, need: int) -> bool:
         available = self.token_to_kv_pool.available_size()

@@ -91,15 +91,57 @@ def test_overlap_only_when_sampling_needs_just_the_logits(params: dict, overlaps
     assert_memory_clean(scheduler)
 
 
-def test_streaming_turns_send_each_token_before_the_next_step() -> None:
+def test_steps_stay_in_flight_across_turns() -> None:
+    """A turn launches its steps and returns with the last one still running; the next turn
+    continues from it on the device. Non-streaming: all five steps launched, four read back."""
+    scheduler, runner = make_scheduler(num_continuous_decode_steps=5)
+    scheduler.add_request(make_req("a", [1, 2, 3], max_new=50))
+    scheduler.run_turn()  # prefill
+    before = len(runner.batches)
+    assert scheduler.run_turn() == []
+    assert len(runner.batches) - before == 5 and scheduler.inflight is not None
+    assert len(scheduler.running[0].output_ids) == 1 + 4
+    assert scheduler.has_work()
+    results = run_all(scheduler)
+    assert results["a"]["ids"] == expected_output([1, 2, 3], 50)
+    assert scheduler.inflight is None
+    assert_memory_clean(scheduler)
+
+
+def test_streaming_sends_each_token_while_the_next_step_runs() -> None:
     scheduler, runner = make_scheduler(num_continuous_decode_steps=5)
     scheduler.add_request(make_req("s", [4, 5, 6], max_new=6, stream=True))
-    scheduler.run_turn()  # prefill, first token
-    for _ in range(3):
+    first = scheduler.run_turn()  # prefill: the first token
+    assert first[0].new_output_ids[0] == expected_output([4, 5, 6], 1)
+    before = len(runner.batches)
+    outs = scheduler.run_turn()  # launch step 1, launch step 2, read step 1, send
+    assert len(runner.batches) - before == 2
+    assert outs[0].new_output_ids[0] == expected_output([4, 5, 6], 2)[1:]
+    for k in range(3, 6):  # from then on: one launched, one read back and sent, per turn
         before = len(runner.batches)
         outs = scheduler.run_turn()
-        assert len(runner.batches) - before == 1 and len(outs[0].new_output_ids[0]) == 1
-    run_all(scheduler)
+        assert outs[0].new_output_ids[0] == expected_output([4, 5, 6], k)[k - 1:]
+        assert len(runner.batches) - before == 1  # at k = 5: the step of token 6, the last
+    before = len(runner.batches)
+    outs = scheduler.run_turn()  # nothing left to launch: read token 6 back, finish
+    assert len(runner.batches) == before and outs[0].new_output_ids[0] == \
+        expected_output([4, 5, 6], 6)[5:]
+    assert outs[0].finished_reasons[0] == {"type": "length", "length": 6}
+    assert not scheduler.has_work()
+    assert_memory_clean(scheduler)
+
+
+def test_abort_while_a_step_is_in_flight() -> None:
+    scheduler, _ = make_scheduler(num_continuous_decode_steps=3)
+    scheduler.add_request(make_req("x", [7, 8], max_new=40))
+    scheduler.add_request(make_req("y", [9, 9, 9], max_new=20))
+    scheduler.run_turn()  # prefill both
+    scheduler.run_turn()  # decode, a step left in flight
+    assert scheduler.inflight is not None
+    scheduler.abort_request("x")
+    assert scheduler.inflight is None  # settled before the abort touched x's memory
+    results = run_all(scheduler)
+    assert results["y"]["ids"] == expected_output([9, 9, 9], 20)
     assert_memory_clean(scheduler)
 
 

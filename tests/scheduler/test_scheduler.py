@@ -46,7 +46,10 @@ def test_shared_prefix_is_reused():
 
 
 def test_new_token_ratio_decays_to_floor_and_resets():
-    scheduler, _ = make_scheduler(schedule_conservativeness=1.0, num_continuous_decode_steps=1)
+    # synchronous steps: the ratio decays as each step's tokens are read back, which overlap
+    # delays by one turn (tests/scheduler/test_overlap.py covers that path)
+    scheduler, _ = make_scheduler(schedule_conservativeness=1.0, num_continuous_decode_steps=1,
+                                  disable_overlap_schedule=True)
     assert scheduler.ratio.value == pytest.approx(INIT_NEW_TOKEN_RATIO)
     scheduler.add_request(make_req("a", [1, 2, 3], max_new=60))
     scheduler.run_turn()  # prefill
@@ -147,7 +150,8 @@ def test_retraction_picks_fewest_output_tokens_and_raises_ratio():
 
 
 def test_decode_steps_per_turn_and_early_break_for_streaming():
-    scheduler, runner = make_scheduler(num_continuous_decode_steps=5)
+    scheduler, runner = make_scheduler(num_continuous_decode_steps=5,
+                                       disable_overlap_schedule=True)
     scheduler.add_request(make_req("a", [1, 2, 3], max_new=50))
     scheduler.run_turn()  # prefill
     before = len(runner.batches)
