@@ -36,8 +36,7 @@ class ChunkCache(BasePrefixCache):
     def _read_row(self, req: "Req", length: int) -> torch.Tensor:
         if req.req_pool_idx is None:
             raise AssertionError(f"{req!r} holds no ReqToTokenPool row")
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, :length]
-        return row.to(device="cpu", dtype=torch.int64)
+        return self.req_to_token_pool.read_row(req.req_pool_idx, length)
 
     def cache_finished_req(self, req: "Req", token_ids: list[int] | None = None,
                            allocated_len: int | None = None) -> None:

@@ -6,11 +6,17 @@ sink that padded (CUDA graph) requests write to, so valid slots are 1..size. Lik
 table has one row past `size`, `padding_row`, never handed out: padded requests point at it, so
 the decode pass's table write for them touches no real request.
 
+ReqToTokenPool keeps a host copy of its table (`host_table`, written at the same points as the
+device table) so the scheduler reads a request's slots (`read_row`, when it finishes or its
+prompt is cached) without a device sync: with overlapped decode a step is still running then,
+and reading the device table would wait for it.
+
 Ownership: whoever allocates frees. The scheduler allocates request slots and KV slots; the radix
 cache takes ownership of KV slots it inserts and frees them on eviction.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -22,6 +28,8 @@ class ReqToTokenPool:
         self.padding_row = size
         self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32,
                                         device=self.device)
+        # numpy's zeros are calloc'd: only rows and columns written take host memory
+        self.host_table = np.zeros((size + 1, max_context_len), dtype=np.int32)
         self.free_slots: list[int] = list(range(size))
 
     def available_size(self) -> int:
@@ -43,10 +51,27 @@ class ReqToTokenPool:
     def clear(self) -> None:
         self.free_slots = list(range(self.size))
 
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Table and host copy: row[start:start + len(slots)] = slots (CPU int tensor)."""
+        slots = slots.to("cpu", torch.int32)
+        self.host_table[row, start:start + len(slots)] = slots.numpy()
+        self.req_to_token[row, start:start + len(slots)] = slots.to(self.device)
+
+    def write_host_positions(self, rows: list[int], positions: list[int],
+                             slots: torch.Tensor) -> None:
+        """Host copy only: row[position] = slot for each (the device side of a decode step's
+        slots is written by the pass itself, write_decode_slots)."""
+        self.host_table[rows, positions] = slots.numpy()
+
+    def read_row(self, row: int, length: int) -> torch.Tensor:
+        """The first `length` slots of a row, int64 on the CPU, from the host copy (no sync)."""
+        return torch.from_numpy(self.host_table[row, :length].astype(np.int64))
+
     def write_decode_slots(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                            out_cache_loc: torch.Tensor) -> None:
         """Record each request's new KV slot at position seq_len - 1 (device tensors, no sync).
-        The ModelRunner calls this for every DECODE pass (inside the CUDA graph on replay)."""
+        The ModelRunner calls this for every DECODE pass (inside the CUDA graph on replay); the
+        host copy got the same slots from BatchBuilder.prepare_decode."""
         self.req_to_token[req_pool_indices, seq_lens - 1] = out_cache_loc.to(torch.int32)
 
 

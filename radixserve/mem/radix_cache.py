@@ -137,8 +137,7 @@ class RadixCache(BasePrefixCache):
     # ---- requests ----
     def _read_row(self, req: "Req", length: int) -> torch.Tensor:
         _require(req.req_pool_idx is not None, f"{req!r} holds no ReqToTokenPool row")
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, :length]
-        return row.to(device="cpu", dtype=torch.int64)
+        return self.req_to_token_pool.read_row(req.req_pool_idx, length)
 
     def cache_finished_req(self, req: "Req", token_ids: list[int] | None = None,
                            allocated_len: int | None = None) -> None:
@@ -176,9 +175,8 @@ class RadixCache(BasePrefixCache):
         new_indices, new_last_node = self.match_prefix(token_ids)
         _require(len(new_indices) == kv_len, "just-inserted tokens are not all cached")
         # point the freed duplicate positions at the tree's slots; the rest are unchanged
-        req_to_token = self.req_to_token_pool.req_to_token
-        req_to_token[req.req_pool_idx, prefix_len:already_len] = \
-            new_indices[prefix_len:already_len].to(req_to_token.device, req_to_token.dtype)
+        self.req_to_token_pool.write(req.req_pool_idx, prefix_len,
+                                     new_indices[prefix_len:already_len])
         self.inc_lock_ref(new_last_node)
         self.dec_lock_ref(req.last_node)
         req.prefix_indices = new_indices

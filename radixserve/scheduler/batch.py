@@ -50,8 +50,7 @@ class BatchBuilder:
                                            self.eos_token_ids)
 
     def _write_row(self, req_pool_idx: int, start: int, slots: torch.Tensor) -> None:
-        table = self.req_to_token_pool.req_to_token
-        table[req_pool_idx, start:start + len(slots)] = slots.to(table.device, table.dtype)
+        self.req_to_token_pool.write(req_pool_idx, start, slots)
 
     def prepare_extend(self, reqs: list[Req], forward_mode: ForwardMode = ForwardMode.EXTEND,
                        with_sampling: bool = True) -> ModelWorkerBatch:
@@ -112,6 +111,8 @@ class BatchBuilder:
         (ReqToTokenPool.write_decode_slots, inside the CUDA graph when one is replayed). A batch
         that is not run as DECODE (the decode part of a MIXED pass) needs write_decode_slots."""
         out_cache_loc = alloc_kv(len(reqs), self.token_to_kv_pool, self.tree_cache)
+        self.req_to_token_pool.write_host_positions([r.req_pool_idx for r in reqs],
+                                                    [r.kv_len for r in reqs], out_cache_loc)
         for req in reqs:
             req.kv_len += 1
         return ModelWorkerBatch(

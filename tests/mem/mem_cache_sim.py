@@ -37,8 +37,12 @@ class MiniScheduler:
         self.decoding: set[str] = set()  # live requests whose prefill is done
 
     def row(self, req: Req) -> torch.Tensor:
+        """The request's table row (a copy); the device table and its host copy must agree."""
         assert req.req_pool_idx is not None
-        return self.req_pool.req_to_token[req.req_pool_idx]
+        device_row = self.req_pool.req_to_token[req.req_pool_idx]
+        host_row = torch.from_numpy(self.req_pool.host_table[req.req_pool_idx].copy())
+        assert torch.equal(device_row, host_row), "req_to_token and its host copy differ"
+        return host_row
 
     def alloc_kv(self, num: int) -> torch.Tensor | None:
         slots = self.kv_pool.alloc(num)
@@ -62,7 +66,7 @@ class MiniScheduler:
         prefix, last_node = self.cache.match_prefix(req.fill_ids[:-1])
         req.prefix_indices, req.last_node = prefix, last_node
         self.cache.inc_lock_ref(last_node)
-        self.row(req)[:len(prefix)] = prefix.to(torch.int32)
+        self.req_pool.write(req.req_pool_idx, 0, prefix)
         self.kv_lens[req.rid] = len(prefix)
         if not self._alloc_chunk(req, chunk_len):
             self.cache.dec_lock_ref(last_node)
@@ -79,7 +83,7 @@ class MiniScheduler:
         slots = self.alloc_kv(end - start)
         if slots is None:
             return False
-        self.row(req)[start:end] = slots.to(torch.int32)
+        self.req_pool.write(req.req_pool_idx, start, slots)
         req.fill_ids = req.all_ids()[:end]
         self.kv_lens[req.rid] = end
         return True
@@ -104,7 +108,7 @@ class MiniScheduler:
         if slots is None:
             return False
         kv_len = self.kv_lens[req.rid]
-        self.row(req)[kv_len] = int(slots[0])
+        self.req_pool.write(req.req_pool_idx, kv_len, slots[:1])
         self.kv_lens[req.rid] = kv_len + 1
         req.output_ids.append(sampled)
         return True

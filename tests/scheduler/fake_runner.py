@@ -66,6 +66,8 @@ class FakeRunner:
             seq_len = batch.seq_lens[i]
             n = 1 if batch.forward_mode.is_decode() else batch.extend_seq_lens[i]
             slots = self.req_to_token_pool.req_to_token[row, :seq_len].to(torch.int64)
+            # the scheduler's host copy of the table (what it frees from) must agree
+            assert slots.tolist() == self.req_to_token_pool.host_table[row, :seq_len].tolist()
             kv_tokens = self.slot_token[slots].tolist()
             assert kv_tokens[-n:] == input_ids[offset:offset + n]
             assert -1 not in kv_tokens, f"row {row} reads an unwritten slot"
