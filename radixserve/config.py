@@ -4,11 +4,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -148,7 +151,9 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    context_length: int = 0  # resolved: min(user flag, max_position_embeddings)
+    # attention window of every layer (Mistral v0.1, Qwen2 with use_sliding_window); None: full
+    sliding_window: int | None = None
+    context_length: int = 0  # resolved: min(user flag, max_position_embeddings, sliding window)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -172,6 +177,9 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+        window = cfg.get("sliding_window")
+        if arch.startswith("Qwen2") and not cfg.get("use_sliding_window", False):
+            window = None  # Qwen2 configs name a window they do not use
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -191,6 +199,7 @@ class ModelConfig:
             torch_dtype=str(dtype).replace("torch.", ""),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sliding_window=int(window) if window else None,
         )
 
     @classmethod
@@ -199,8 +208,15 @@ class ModelConfig:
             return cls.from_hf_dict(json.load(f))
 
     def resolve_context_length(self, requested: int | None) -> None:
-        self.context_length = min(requested, self.max_position_embeddings) if requested \
-            else self.max_position_embeddings
+        limit = self.max_position_embeddings
+        if self.sliding_window is not None and self.sliding_window < limit:
+            # sliding-window attention is not implemented; up to the window, full attention is
+            # the same thing, so the context stops there rather than give wrong outputs past it
+            logger.warning("%s attends over a sliding window of %d tokens, which radixserve does "
+                           "not implement: the context length is capped at %d",
+                           self.architecture, self.sliding_window, self.sliding_window)
+            limit = self.sliding_window
+        self.context_length = min(requested, limit) if requested else limit
 
 
 def resolve_dtype(name: str, model_dtype: str, device: str) -> torch.dtype:
