@@ -113,21 +113,20 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def _attend_single_token(self, q: torch.Tensor, part: PaddedPart, layer: "RadixAttention",
                              forward_batch: "ForwardBatch") -> torch.Tensor:
-        """Two bmm's over (request, KV head) pairs, each holding its group of query heads."""
+        """One token per request: each KV head's group of query heads becomes the query length
+        of one SDPA call over (request, KV head) pairs, so K/V are used as gathered (no GQA
+        expansion, no permuted copies); ~2x faster on CPU than two bmm's over permuted copies."""
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         bs, num_kv_heads, head_dim = part.batch_size, layer.tp_k_head_num, layer.head_dim
         group = layer.tp_q_head_num // num_kv_heads
-        max_kv_len = part.kv_indices.shape[1]
-        pairs = bs * num_kv_heads
-        keys = self._gather(k_buf, part, q.dtype).permute(0, 2, 3, 1).reshape(
-            pairs, head_dim, max_kv_len)
-        values = self._gather(v_buf, part, q.dtype).transpose(1, 2).reshape(
-            pairs, max_kv_len, head_dim)
-        scores = torch.bmm(q.reshape(pairs, group, head_dim), keys).float() * layer.scaling
-        scores = scores.view(bs, num_kv_heads, group, max_kv_len)
-        scores.masked_fill_(~part.attn_mask.view(bs, 1, 1, -1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(pairs, group, max_kv_len)
-        return torch.bmm(probs, values).reshape(bs, layer.tp_q_head_num * head_dim)
+        keys = self._gather(k_buf, part, q.dtype).transpose(1, 2)  # [bs, Hkv, L, D]
+        values = self._gather(v_buf, part, q.dtype).transpose(1, 2)
+        # query head h uses KV head h // group: [bs, Hkv, group, D]
+        grouped_q = q.reshape(bs, num_kv_heads, group, head_dim)
+        out = F.scaled_dot_product_attention(grouped_q, keys, values,
+                                             attn_mask=part.attn_mask.view(bs, 1, 1, -1),
+                                             scale=layer.scaling)
+        return out.reshape(bs, layer.tp_q_head_num * head_dim)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
