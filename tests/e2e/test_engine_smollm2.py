@@ -150,3 +150,23 @@ def test_radix_cache_off_gives_identical_outputs(reference_outputs):
 def test_chunked_prefill_gives_identical_outputs(reference_outputs, chunk, mixed):
     outs, _ = _greedy_outputs(chunked_prefill_size=chunk, enable_mixed_chunk=mixed)
     assert outs == reference_outputs
+
+
+def test_overlap_on_and_off_give_identical_outputs_and_stops():
+    """Decode overlap (the default) against synchronous steps on the real model: requests that
+    stop on EOS, on a stop string (both found a step late under overlap) or by length at
+    different steps give the same tokens and finish reasons, and free all their memory."""
+    prompts = PROMPTS + ["Count: one, two, three,", "The capital of France is"]
+    params = [{"max_new_tokens": 5 + 7 * i, "temperature": 0,
+               "stop": ["."] if i % 2 else None} for i in range(len(prompts))]
+    results = []
+    for overlap in (True, False):
+        eng = radixserve.Engine(dtype="float32", disable_overlap_schedule=not overlap)
+        outs = eng.generate(prompts, params)
+        state = eng.get_internal_state()
+        assert state["memory_check_ok"] and state["leaked_tokens"] == 0
+        results.append([(o["output_ids"], o["meta_info"]["finish_reason"]) for o in outs])
+        eng.shutdown()
+    assert results[0] == results[1]
+    reasons = {str(r[1]) for r in results[0]}
+    assert len(reasons) > 1  # more than one way of finishing was exercised
