@@ -20,6 +20,7 @@ from radixserve.mem.base_cache import BasePrefixCache
 from radixserve.scheduler.admission import PrefillAdder
 from radixserve.scheduler.batch import BatchBuilder, merge_mixed, write_decode_slots
 from radixserve.scheduler.in_batch_prefix import InBatchPrefixIndex
+from radixserve.scheduler.overlap_decode import OverlapDecodeMixin
 from radixserve.scheduler.output import build_token_output, needs_send
 from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.retraction import NewTokenRatio, pick_retractions
@@ -40,7 +41,7 @@ class ModelRunnerLike(Protocol):
     def forward(self, batch: ModelWorkerBatch) -> Any: ...
 
 
-class Scheduler:
+class Scheduler(OverlapDecodeMixin):
     def __init__(self, server_args: ServerArgs, model_runner: ModelRunnerLike,
                  tokenizer: Detokenizer | None, eos_token_ids: set[int], context_len: int) -> None:
         self.args = server_args.resolve()
@@ -327,92 +328,6 @@ class Scheduler:
                                   self.token_usage(), len(self.waiting_queue))
         self.running = still_running
         self.ratio.decay()
-
-    # ---- decode with overlap ----
-    def _can_overlap_decode(self) -> bool:
-        """Overlap needs a runner that can launch a step without waiting, and requests whose
-        sampling reads nothing but the logits (ModelRunner.can_overlap)."""
-        if self.args.disable_overlap_schedule or not hasattr(self.runner, "forward_decode_async"):
-            return False
-        return all(self._samples_from_logits_alone(r) for r in self.running)
-
-    @staticmethod
-    def _samples_from_logits_alone(req: Req) -> bool:
-        params = req.sampling_params
-        return (not req.return_logprob and not params.uses_penalties
-                and len(req.output_ids) >= params.min_new_tokens
-                and (params.is_greedy or params.seed is None))
-
-    def _ends_after_next_token(self, req: Req) -> bool:
-        """True when the token now in flight is the request's last by length (known ahead)."""
-        return (len(req.output_ids) + 1 >= req.sampling_params.max_new_tokens
-                or req.seqlen + 1 >= self.context_len)
-
-    def _run_decode_steps_overlapped(self, max_steps: int) -> None:
-        """Launch up to max_steps decode steps, each before the previous one's ids are read:
-        step k+1 takes its input ids from step k on the device, and while it runs the host
-        appends step k's tokens, checks which requests finished and (after the turn) sends the
-        output. The last step launched stays in flight across the turn (`self.inflight`); a
-        prefill, a retraction, an abort or a synchronous step settles it first (`_settle`).
-
-        Step k+1 leaves out requests whose step-k token is their last by length; a request that
-        stops on a token (EOS, stop string) is found one step late: its step-k+1 token is
-        dropped and the KV slot that step wrote goes back with the request's other slots."""
-        launched_steps = 0
-        while True:
-            launched = None
-            if launched_steps < max_steps:
-                if self.inflight is None:
-                    self._ensure_decode_memory()
-                    reqs = list(self.running)
-                else:
-                    reqs = [r for r in self.inflight[1]
-                            if not r.finished and not self._ends_after_next_token(r)]
-                    if not self._decode_memory_available(len(reqs)):
-                        reqs = []  # short of KV: settle first; the next turn may retract
-                if reqs:
-                    launched = self._launch_decode(reqs)
-                    launched_steps += 1
-            self._settle()
-            self.inflight = launched
-            if launched is None or launched_steps >= max_steps or \
-                    self._streamed_output_waiting():
-                break  # what was launched last runs on while the turn's output goes out
-
-    def _launch_decode(self, reqs: list[Req]) -> tuple[Any, list[Req]]:
-        batch = self.builder.prepare_decode(reqs)
-        prev, prev_rows = None, None
-        if self.inflight is not None:
-            prev, prev_reqs = self.inflight
-            if len(reqs) != len(prev_reqs):
-                position = {id(r): i for i, r in enumerate(prev_reqs)}
-                prev_rows = [position[id(r)] for r in reqs]
-        handle = self.runner.forward_decode_async(  # type: ignore[attr-defined]
-            batch, prev, prev_rows)
-        return handle, reqs
-
-    def _settle(self) -> None:
-        """Read back and process the decode step in flight, if any."""
-        if self.inflight is not None:
-            inflight, self.inflight = self.inflight, None
-            self._process_overlapped_results(*inflight)
-
-    def _decode_memory_available(self, need: int) -> bool:
-        available = self.token_to_kv_pool.available_size()
-        if available < need:
-            self.tree_cache.evict(need - available)
-        return self.token_to_kv_pool.available_size() >= need
-
-    def _process_overlapped_results(self, handle: Any, reqs: list[Req]) -> None:
-        token_ids = handle.token_ids()
-        for req, token in zip(reqs, token_ids):
-            if req.finished:  # stopped on the step before; this token is past its end
-                continue
-            req.output_ids.append(token)
-            req.check_finished(self.eos_token_ids, self.context_len, self.tokenizer)
-            if req.finished:
-                self._finish(req)
-        self._after_decode_step(len(reqs), [r for r in self.running if not r.finished])
 
     def _ensure_decode_memory(self, extra_tokens: int = 0) -> None:
         """Each running request needs one KV slot (plus `extra_tokens` for a prefill sharing the
