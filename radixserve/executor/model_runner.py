@@ -152,12 +152,12 @@ class ModelRunner:
 
     @staticmethod
     def can_overlap(batch: ModelWorkerBatch) -> bool:
-        """Whether `forward_decode_async` may run this batch: a decode step whose sampling needs
-        nothing but the logits (no penalties, seeds or logprobs: those read the output so far,
-        which is one token behind while a step is in flight)."""
-        info = batch.sampling_info
-        return (batch.forward_mode.is_decode() and info is not None and info.penalties is None
-                and not info.seed_rows and not batch.return_logprob)
+        """Whether `forward_decode_async` may run this batch: a decode step without logprobs
+        (their values are read back with the ids). Penalties and seeds are fine as long as the
+        caller brings the sampling info up to date on the device (SamplingBatchInfo.advance):
+        the requests' output lists are one token behind while a step is in flight."""
+        return (batch.forward_mode.is_decode() and batch.sampling_info is not None
+                and not batch.return_logprob)
 
     @torch.inference_mode()
     def forward_decode_async(self, batch: ModelWorkerBatch, prev: PendingDecode | None = None,
@@ -179,7 +179,8 @@ class ModelRunner:
         if self._uses_graph(batch):
             logits, greedy_ids = self.cuda_graph_runner.replay(  # type: ignore[union-attr]
                 batch, input_ids)
-            ids = greedy_ids if info.is_all_greedy else self.sampler.forward(logits, info)
+            ids = greedy_ids if info.is_all_greedy and info.penalties is None \
+                else self.sampler.forward(logits, info)
             return PendingDecode(ids)
         fb = ForwardBatch.from_worker_batch(batch, self.device, self.req_to_token_pool,
                                             self.token_to_kv_pool, self.attn_backend)

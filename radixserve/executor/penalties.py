@@ -137,6 +137,17 @@ class BatchPenalties:
             logits = logits.masked_fill(self.stop_token_mask & still_short, float("-inf"))
         return logits
 
+    def filter(self, rows: torch.Tensor) -> "BatchPenalties":
+        """The state of rows `rows` (device int64 indices, in the new batch's order)."""
+        out = BatchPenalties(vocab_size=self.vocab_size)
+        for name in ("frequency_penalties", "presence_penalties", "output_token_counts",
+                     "repetition_penalties", "seen_token_mask", "min_new_tokens", "output_lens",
+                     "stop_token_mask"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(out, name, value.index_select(0, rows))
+        return out
+
     def advance(self, next_token_ids: torch.Tensor) -> None:
         """Account for one sampled token per row (on device, no host sync), so the same batch
         can run another decode step without rebuilding. Only valid while the batch keeps the

@@ -74,6 +74,8 @@ class SamplingBatchInfo:
     seeds: list[int] = field(default_factory=list)
     seed_steps: list[int] = field(default_factory=list)
     penalties: BatchPenalties | None = None
+    # host copy of which rows are greedy (greedy_mask on the host: `filter` needs no sync)
+    greedy_rows: frozenset[int] = frozenset()
 
     @property
     def batch_size(self) -> int:
@@ -92,18 +94,21 @@ class SamplingBatchInfo:
                        device=device, is_all_greedy=True, has_greedy=bool(reqs),
                        need_top_p=False, need_top_k=False, need_min_p=False,
                        max_top_k=vocab_size,
-                       penalties=BatchPenalties.build(reqs, vocab_size, device, eos_token_ids))
+                       penalties=BatchPenalties.build(reqs, vocab_size, device, eos_token_ids),
+                       greedy_rows=frozenset(range(len(reqs))))
         rows: list[tuple[float, float, float, float, float]] = []
         seed_rows: list[int] = []
         seeds: list[int] = []
         seed_steps: list[int] = []
         need_top_p = need_top_k = need_min_p = False
         num_greedy = 0
+        greedy_rows: list[int] = []
         max_top_k = 0
         for i, req in enumerate(reqs):
             params = req.sampling_params
             if params.is_greedy:
                 num_greedy += 1
+                greedy_rows.append(i)
                 rows.append((1.0, 1.0, 0.0, float(vocab_size), 1.0))
                 continue
             top_k = vocab_size if params.top_k < 0 else min(params.top_k, vocab_size)
@@ -138,6 +143,7 @@ class SamplingBatchInfo:
             seeds=seeds,
             seed_steps=seed_steps,
             penalties=BatchPenalties.build(reqs, vocab_size, device, eos_token_ids),
+            greedy_rows=frozenset(greedy_rows),
         )
 
     def seeded_generators(self) -> list[tuple[int, torch.Generator]]:
@@ -148,6 +154,31 @@ class SamplingBatchInfo:
             gen.manual_seed(step_seed(seed, step))
             gens.append((row, gen))
         return gens
+
+    def filter(self, rows: list[int]) -> "SamplingBatchInfo":
+        """The info of a batch made of rows `rows` of this one, in that order (the requests of
+        the next decode step when some have left). No host sync."""
+        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        new_row = {old: new for new, old in enumerate(rows)}
+        kept = [i for i, row in enumerate(self.seed_rows) if row in new_row]
+        greedy_rows = frozenset(new_row[r] for r in self.greedy_rows if r in new_row)
+        return SamplingBatchInfo(
+            temperatures=self.temperatures.index_select(0, index),
+            top_ps=self.top_ps.index_select(0, index),
+            top_ks=self.top_ks.index_select(0, index),
+            min_ps=self.min_ps.index_select(0, index),
+            greedy_mask=self.greedy_mask.index_select(0, index),
+            vocab_size=self.vocab_size, device=self.device,
+            is_all_greedy=len(greedy_rows) == len(rows), has_greedy=bool(greedy_rows),
+            # the filters' flags may now be looser than needed: the kept rows' neutral values
+            # make the extra work a no-op
+            need_top_p=self.need_top_p, need_top_k=self.need_top_k, need_min_p=self.need_min_p,
+            max_top_k=self.max_top_k,
+            seed_rows=[new_row[self.seed_rows[i]] for i in kept],
+            seeds=[self.seeds[i] for i in kept],
+            seed_steps=[self.seed_steps[i] for i in kept],
+            penalties=None if self.penalties is None else self.penalties.filter(index),
+            greedy_rows=greedy_rows)
 
     def advance(self, next_token_ids: torch.Tensor) -> None:
         """After a decode step appended `next_token_ids` (one per row), bring the info up to date

@@ -12,9 +12,12 @@ A mixin of Scheduler: it uses the scheduler's args, runner, builder, pools, tree
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
 
 from radixserve.core.req import Req
+from radixserve.executor.sampling_info import SamplingBatchInfo
 
 if TYPE_CHECKING:
     from radixserve.scheduler.scheduler import Scheduler
@@ -24,20 +27,21 @@ else:
     _Base = object
 
 
+class InflightDecode(NamedTuple):
+    """A launched decode step: its PendingDecode, its requests (row order) and the sampling
+    info it ran with."""
+    handle: Any
+    reqs: list[Req]
+    sampling_info: SamplingBatchInfo
+
+
 class OverlapDecodeMixin(_Base):
     def _can_overlap_decode(self) -> bool:
-        """Overlap needs a runner that can launch a step without waiting, and requests whose
-        sampling reads nothing but the logits (ModelRunner.can_overlap)."""
+        """Overlap needs a runner that can launch a step without waiting, and no request that
+        wants logprobs (ModelRunner.can_overlap)."""
         if self.args.disable_overlap_schedule or not hasattr(self.runner, "forward_decode_async"):
             return False
-        return all(self._samples_from_logits_alone(r) for r in self.running)
-
-    @staticmethod
-    def _samples_from_logits_alone(req: Req) -> bool:
-        params = req.sampling_params
-        return (not req.return_logprob and not params.uses_penalties
-                and len(req.output_ids) >= params.min_new_tokens
-                and (params.is_greedy or params.seed is None))
+        return not any(r.return_logprob for r in self.running)
 
     def _ends_after_next_token(self, req: Req) -> bool:
         """True when the token now in flight is the request's last by length (known ahead)."""
@@ -62,7 +66,7 @@ class OverlapDecodeMixin(_Base):
                     self._ensure_decode_memory()
                     reqs = list(self.running)
                 else:
-                    reqs = [r for r in self.inflight[1]
+                    reqs = [r for r in self.inflight.reqs
                             if not r.finished and not self._ends_after_next_token(r)]
                     if not self._decode_memory_available(len(reqs)):
                         reqs = []  # short of KV: settle first; the next turn may retract
@@ -75,23 +79,36 @@ class OverlapDecodeMixin(_Base):
                     self._streamed_output_waiting():
                 break  # what was launched last runs on while the turn's output goes out
 
-    def _launch_decode(self, reqs: list[Req]) -> tuple[Any, list[Req]]:
-        batch = self.builder.prepare_decode(reqs)
-        prev, prev_rows = None, None
-        if self.inflight is not None:
-            prev, prev_reqs = self.inflight
-            if len(reqs) != len(prev_reqs):
-                position = {id(r): i for i, r in enumerate(prev_reqs)}
-                prev_rows = [position[id(r)] for r in reqs]
+    def _launch_decode(self, reqs: list[Req]) -> InflightDecode:
+        """Launch one step of `reqs`. After a step in flight, its sampling info is carried over
+        (rows kept, then advanced by that step's ids on the device): the requests' output lists,
+        from which a fresh info would count penalties and seed steps, lack the token in flight."""
+        if self.inflight is None:
+            batch = self.builder.prepare_decode(reqs)
+            return InflightDecode(self.runner.forward_decode_async(batch), reqs,
+                                  batch.sampling_info)
+        prev = self.inflight
+        batch = self.builder.prepare_decode(reqs, with_sampling=False)
+        prev_rows = None
+        prev_ids = prev.handle.ids
+        info = prev.sampling_info
+        if len(reqs) != len(prev.reqs):
+            position = {id(r): i for i, r in enumerate(prev.reqs)}
+            prev_rows = [position[id(r)] for r in reqs]
+            info = info.filter(prev_rows)
+            prev_ids = prev_ids.index_select(
+                0, torch.tensor(prev_rows, dtype=torch.int64).to(prev_ids.device))
+        info.advance(prev_ids)
+        batch.sampling_info = info
         handle = self.runner.forward_decode_async(  # type: ignore[attr-defined]
-            batch, prev, prev_rows)
-        return handle, reqs
+            batch, prev.handle, prev_rows)
+        return InflightDecode(handle, reqs, info)
 
     def _settle(self) -> None:
         """Read back and process the decode step in flight, if any."""
         if self.inflight is not None:
             inflight, self.inflight = self.inflight, None
-            self._process_overlapped_results(*inflight)
+            self._process_overlapped_results(inflight.handle, inflight.reqs)
 
     def _decode_memory_available(self, need: int) -> bool:
         available = self.token_to_kv_pool.available_size()

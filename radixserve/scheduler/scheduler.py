@@ -20,7 +20,7 @@ from radixserve.mem.base_cache import BasePrefixCache
 from radixserve.scheduler.admission import PrefillAdder
 from radixserve.scheduler.batch import BatchBuilder, merge_mixed, write_decode_slots
 from radixserve.scheduler.in_batch_prefix import InBatchPrefixIndex
-from radixserve.scheduler.overlap_decode import OverlapDecodeMixin
+from radixserve.scheduler.overlap_decode import InflightDecode, OverlapDecodeMixin
 from radixserve.scheduler.output import build_token_output, needs_send
 from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.retraction import NewTokenRatio, pick_retractions
@@ -70,7 +70,7 @@ class Scheduler(OverlapDecodeMixin):
         self.outbox: list[Req] = []
         self.last_memory_check: tuple[bool, int] | None = None
         # the decode step launched but not yet read back (overlap), with its requests
-        self.inflight: tuple[Any, list[Req]] | None = None
+        self.inflight: InflightDecode | None = None
 
     def _make_cache(self) -> BasePrefixCache:
         if self.args.disable_radix_cache:

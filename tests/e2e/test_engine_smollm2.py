@@ -170,3 +170,27 @@ def test_overlap_on_and_off_give_identical_outputs_and_stops():
     assert results[0] == results[1]
     reasons = {str(r[1]) for r in results[0]}
     assert len(reasons) > 1  # more than one way of finishing was exercised
+
+
+def test_overlap_carries_penalties_and_seeds_exactly():
+    """Seeded sampling and penalties under overlap read the sampling state carried on the device
+    (rows kept, advanced by the token in flight); it must equal the state rebuilt from the
+    requests' outputs each step: the same tokens with overlap on and off."""
+    prompts = PROMPTS + ["List three animals:"]
+    params = [
+        {"max_new_tokens": 24, "temperature": 0.9, "seed": 3, "frequency_penalty": 0.8},
+        {"max_new_tokens": 9, "temperature": 0, "repetition_penalty": 1.3},
+        {"max_new_tokens": 30, "temperature": 0.7, "seed": 11, "presence_penalty": 0.5,
+         "min_new_tokens": 20},
+        {"max_new_tokens": 16, "temperature": 1.0, "seed": 5, "top_k": 20, "top_p": 0.9},
+    ][:len(prompts)]
+    prompts = prompts[:len(params)]
+    results = []
+    for overlap in (True, False):
+        eng = radixserve.Engine(dtype="float32", disable_overlap_schedule=not overlap)
+        results.append([o["output_ids"] for o in eng.generate(prompts, params)])
+        state = eng.get_internal_state()
+        assert state["memory_check_ok"] and state["leaked_tokens"] == 0
+        eng.shutdown()
+    assert results[0] == results[1]
+    assert [len(ids) for ids in results[0]][1] == 9

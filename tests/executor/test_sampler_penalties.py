@@ -147,3 +147,39 @@ def test_min_new_tokens_mask_expires_after_advance() -> None:
         tokens.append(int(token[0]))
         info.advance(token)
     assert tokens[0] != 3 and tokens[1] != 3 and tokens[2] == 3
+
+
+def _info_state(info: SamplingBatchInfo) -> dict[str, Any]:
+    """What a sampling info decides with besides its penalty tables, on the host."""
+    state: dict[str, Any] = {
+        name: getattr(info, name).tolist()
+        for name in ("temperatures", "top_ps", "top_ks", "min_ps", "greedy_mask")}
+    state.update(is_all_greedy=info.is_all_greedy, has_greedy=info.has_greedy,
+                 seeds=list(zip(info.seed_rows, info.seeds, info.seed_steps)),
+                 greedy_rows=sorted(info.greedy_rows))
+    return state
+
+
+def test_filter_then_advance_equals_a_fresh_build() -> None:
+    """What the overlap path carries from one decode step to the next (keep some rows, account
+    for the token each sampled) is what building the info anew from the requests gives."""
+    rng = random.Random(5)
+    reqs = random_reqs(rng, 7)
+    for i, req in enumerate(reqs):
+        if i % 3 == 0:  # seeded rows, to follow their step counters through filter/advance
+            req.sampling_params.seed = 100 + i
+    info = SamplingBatchInfo.from_reqs(reqs, VOCAB, "cpu", EOS)
+    keep = [5, 0, 3, 6]
+    sampled = torch.tensor([rng.randrange(VOCAB) for _ in reqs])
+    carried = info.filter(keep)
+    carried.advance(sampled[keep])
+    for i in keep:
+        reqs[i].output_ids.append(int(sampled[i]))
+    fresh = SamplingBatchInfo.from_reqs([reqs[i] for i in keep], VOCAB, "cpu", EOS)
+    assert _info_state(carried) == _info_state(fresh)
+    # penalty tables may differ where they do not act (a fresh build counts tokens only for
+    # rows that use a penalty); the penalised logits must not
+    assert carried.penalties is not None and fresh.penalties is not None
+    for _ in range(3):
+        logits = torch.randn(len(keep), VOCAB) * 3
+        torch.testing.assert_close(carried.penalties.apply(logits), fresh.penalties.apply(logits))

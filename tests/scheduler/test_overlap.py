@@ -76,15 +76,18 @@ def sampled_req(rid: str, prompt: list[int], **params) -> TokenizedGenerateReq:
     return TokenizedGenerateReq(rid=rid, input_text=None, input_ids=prompt, sampling_params=sp)
 
 
-@pytest.mark.parametrize("params,overlaps", [
-    ({}, True),                              # plain sampling reads only the logits
-    ({"seed": 7}, False),                    # the seed's stream is indexed by the output length
-    ({"frequency_penalty": 0.5}, False),     # penalties count the output so far
-    ({"min_new_tokens": 6}, False),          # so does the min_new_tokens mask (until met)
+@pytest.mark.parametrize("params,return_logprob,overlaps", [
+    ({}, False, True),                           # plain sampling
+    ({"seed": 7}, False, True),                  # seed steps carried and advanced on the device
+    ({"frequency_penalty": 0.5}, False, True),   # penalty counts likewise
+    ({"min_new_tokens": 6}, False, True),        # and the min_new_tokens mask
+    ({}, True, False),                           # logprobs are read back with the ids: no overlap
 ])
-def test_overlap_only_when_sampling_needs_just_the_logits(params: dict, overlaps: bool) -> None:
+def test_which_sampling_overlaps(params: dict, return_logprob: bool, overlaps: bool) -> None:
     scheduler, runner = make_scheduler(num_continuous_decode_steps=4)
-    scheduler.add_request(sampled_req("s", [1, 2, 3], **params))
+    req = sampled_req("s", [1, 2, 3], **params)
+    req.return_logprob = return_logprob
+    scheduler.add_request(req)
     results = run_all(scheduler)
     assert results["s"]["ids"] == expected_output([1, 2, 3], 6)  # the fake ignores sampling
     assert (runner.async_steps > 0) == overlaps
