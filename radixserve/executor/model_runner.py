@@ -17,7 +17,8 @@ from radixserve.executor.forward_batch import ForwardBatch, ForwardMode, ModelWo
 from radixserve.executor.memory_budget import max_kv_tokens, max_request_slots
 from radixserve.executor.pending_decode import PendingDecode
 from radixserve.layers.logits import LogitsOutput
-from radixserve.executor.sampler import Sampler, compute_logprobs, compute_input_logprobs
+from radixserve.executor.sampler import (Sampler, compute_input_logprobs, compute_logprobs,
+                                         compute_logprobs_on_device)
 from radixserve.loader import init_dummy_weights, load_model_source
 from radixserve.loader.model_source import ModelSource
 from radixserve.mem.pools import ReqToTokenPool, TokenToKVPool
@@ -152,12 +153,11 @@ class ModelRunner:
 
     @staticmethod
     def can_overlap(batch: ModelWorkerBatch) -> bool:
-        """Whether `forward_decode_async` may run this batch: a decode step without logprobs
-        (their values are read back with the ids). Penalties and seeds are fine as long as the
-        caller brings the sampling info up to date on the device (SamplingBatchInfo.advance):
-        the requests' output lists are one token behind while a step is in flight."""
-        return (batch.forward_mode.is_decode() and batch.sampling_info is not None
-                and not batch.return_logprob)
+        """Whether `forward_decode_async` may run this batch: any decode step. Penalties and
+        seeds need the caller to bring the sampling info up to date on the device
+        (SamplingBatchInfo.advance): the requests' output lists are one token behind while a
+        step is in flight. Logprobs are copied back with the ids."""
+        return batch.forward_mode.is_decode() and batch.sampling_info is not None
 
     @torch.inference_mode()
     def forward_decode_async(self, batch: ModelWorkerBatch, prev: PendingDecode | None = None,
@@ -181,7 +181,7 @@ class ModelRunner:
                 batch, input_ids)
             ids = greedy_ids if info.is_all_greedy and info.penalties is None \
                 else self.sampler.forward(logits, info)
-            return PendingDecode(ids)
+            return self._pending(batch, logits, ids)
         fb = ForwardBatch.from_worker_batch(batch, self.device, self.req_to_token_pool,
                                             self.token_to_kv_pool, self.attn_backend)
         if input_ids is not None:
@@ -190,7 +190,16 @@ class ModelRunner:
                                                   fb.out_cache_loc)
         self.attn_backend.init_forward_metadata(fb)
         logits = self.model(fb.input_ids, fb.positions, fb).next_token_logits
-        return PendingDecode(self.sampler.forward(logits, info))
+        return self._pending(batch, logits, self.sampler.forward(logits, info))
+
+    @staticmethod
+    def _pending(batch: ModelWorkerBatch, logits: torch.Tensor,
+                 ids: torch.Tensor) -> PendingDecode:
+        logprobs = None
+        if batch.return_logprob:
+            logprobs = compute_logprobs_on_device(logits, ids,
+                                                  max(batch.top_logprobs_nums, default=0))
+        return PendingDecode(ids, logprobs)
 
     def _uses_graph(self, batch: ModelWorkerBatch) -> bool:
         return (self.cuda_graph_runner is not None and batch.forward_mode.is_decode()

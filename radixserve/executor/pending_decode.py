@@ -1,34 +1,63 @@
 """A decode step that was launched but whose sampled ids have not been read back yet.
 
 The overlap path of the scheduler launches decode step k+1 before it reads step k's ids: step
-k+1 takes its input ids from `ids` (a device tensor) and the host copy of `ids` is read only
-after the launch, so the GPU never waits for Python between two steps.
+k+1 takes its input ids from `ids` (a device tensor) and the host copies of `ids` (and of the
+step's logprobs, when asked) are read only after the launch, so the GPU never waits for Python
+between two steps.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from radixserve.executor.sampler import DeviceLogprobs, TopLogprobs, top_logprob_lists
 
 
 class PendingDecode:
-    """Sampled ids of one launched decode step: `ids` on the device, read with `token_ids()`."""
+    """Sampled ids (and logprobs) of one launched decode step, read with `token_ids()` and
+    `logprobs()`; `ids` stays on the model's device for the next step to read as input."""
 
-    def __init__(self, ids: torch.Tensor) -> None:
-        self.ids = ids  # [bs] int64 on the model's device; next steps read it as input
+    def __init__(self, ids: torch.Tensor, logprobs: DeviceLogprobs | None = None) -> None:
+        self.ids = ids  # [bs] int64
+        device_tensors = [ids]
+        if logprobs is not None:
+            device_tensors += [t for t in logprobs if t is not None]
         self._event: torch.cuda.Event | None = None
         if ids.is_cuda:
-            # one asynchronous copy into pinned memory; the event says when it has landed
-            self._host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            self._host.copy_(ids, non_blocking=True)
+            # asynchronous copies into pinned memory; the event says when they have landed
+            self._host = []
+            for tensor in device_tensors:
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host.copy_(tensor, non_blocking=True)
+                self._host.append(host)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
-            self._host = ids
+            self._host = device_tensors
+        self._has_logprobs = logprobs is not None
         self._token_ids: list[int] | None = None
+
+    def _wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
 
     def token_ids(self) -> list[int]:
         """The sampled ids as Python ints (waits for the step to finish on the device)."""
         if self._token_ids is None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._token_ids = self._host.tolist()
+            self._wait()
+            self._token_ids = self._host[0].tolist()
         return self._token_ids
+
+    def logprobs(self, top_k_nums: Sequence[int]) -> tuple[list[float], TopLogprobs] | None:
+        """(logprob of each sampled id, each row's top_k_nums[row] best (logprob, id)), or None
+        when the step computed none."""
+        if not self._has_logprobs:
+            return None
+        self._wait()
+        chosen = self._host[1].tolist()
+        if len(self._host) < 4:
+            return chosen, [[] for _ in top_k_nums]
+        return chosen, top_logprob_lists(self._host[2].tolist(), self._host[3].tolist(),
+                                         top_k_nums)

@@ -101,19 +101,20 @@ class LogprobResult(NamedTuple):
     top_logprobs: TopLogprobs  # per row, its top-k as (logprob, token_id), best first
 
 
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k_nums: Sequence[int],
-                     chunk_rows: int = 512) -> LogprobResult:
-    """Logprobs of `token_ids` under log_softmax of the *raw* logits [rows, vocab].
+class DeviceLogprobs(NamedTuple):
+    """compute_logprobs' results still on the device: nothing read back yet."""
+    token_logprobs: torch.Tensor  # [rows] float32
+    top_values: torch.Tensor | None  # [rows, max_k] float32, None when no row wants a top-k
+    top_ids: torch.Tensor | None  # [rows, max_k] int64
 
-    Raw means before penalties and temperature: the model's own distribution, which is what vLLM
-    returns by default and what SGLang v0.2 returned, and it does not change with the request's
-    sampling knobs. top_k_nums[i] top entries are returned for row i (0: none). Rows are
-    processed `chunk_rows` at a time so long prompts never hold a float32 [T, vocab] copy. The
-    top lists need one device-to-host copy; token_logprobs stays on the device.
-    """
-    if len(top_k_nums) != logits.shape[0] or token_ids.shape[0] != logits.shape[0]:
-        raise ValueError("logits, token_ids and top_k_nums must have the same number of rows")
-    max_k = min(max(top_k_nums, default=0), logits.shape[-1])
+
+def compute_logprobs_on_device(logits: torch.Tensor, token_ids: torch.Tensor, max_k: int,
+                               chunk_rows: int = 512) -> DeviceLogprobs:
+    """The device half of compute_logprobs: no host sync (the overlap path copies the results
+    back asynchronously with the sampled ids)."""
+    if token_ids.shape[0] != logits.shape[0]:
+        raise ValueError("logits and token_ids must have the same number of rows")
+    max_k = min(max_k, logits.shape[-1])
     chosen_parts: list[torch.Tensor] = []
     top_values: list[torch.Tensor] = []
     top_ids: list[torch.Tensor] = []
@@ -132,11 +133,37 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k_nums: 
     else:
         chosen = torch.empty(0, dtype=torch.float32, device=logits.device)
     if max_k == 0:
-        return LogprobResult(chosen, [[] for _ in top_k_nums])
-    values_list = torch.cat(top_values).tolist()
-    ids_list = torch.cat(top_ids).tolist()
-    top = [list(zip(values_list[row][:k], ids_list[row][:k])) for row, k in enumerate(top_k_nums)]
-    return LogprobResult(chosen, top)
+        return DeviceLogprobs(chosen, None, None)
+    return DeviceLogprobs(chosen, torch.cat(top_values), torch.cat(top_ids))
+
+
+def top_logprob_lists(values: list[list[float]] | None, ids: list[list[int]] | None,
+                      top_k_nums: Sequence[int]) -> TopLogprobs:
+    """Per row, its first top_k_nums[row] (logprob, token_id) pairs (host lists)."""
+    if values is None or ids is None:
+        return [[] for _ in top_k_nums]
+    return [list(zip(values[row][:k], ids[row][:k])) for row, k in enumerate(top_k_nums)]
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k_nums: Sequence[int],
+                     chunk_rows: int = 512) -> LogprobResult:
+    """Logprobs of `token_ids` under log_softmax of the *raw* logits [rows, vocab].
+
+    Raw means before penalties and temperature: the model's own distribution, which is what vLLM
+    returns by default and what SGLang v0.2 returned, and it does not change with the request's
+    sampling knobs. top_k_nums[i] top entries are returned for row i (0: none). Rows are
+    processed `chunk_rows` at a time so long prompts never hold a float32 [T, vocab] copy. The
+    top lists need one device-to-host copy; token_logprobs stays on the device.
+    """
+    if len(top_k_nums) != logits.shape[0]:
+        raise ValueError("logits, token_ids and top_k_nums must have the same number of rows")
+    result = compute_logprobs_on_device(logits, token_ids, max(top_k_nums, default=0),
+                                        chunk_rows)
+    if result.top_values is None or result.top_ids is None:
+        return LogprobResult(result.token_logprobs, [[] for _ in top_k_nums])
+    return LogprobResult(result.token_logprobs,
+                         top_logprob_lists(result.top_values.tolist(), result.top_ids.tolist(),
+                                           top_k_nums))
 
 
 def extend_next_token_ids(input_ids: torch.Tensor, extend_seq_lens: Sequence[int],

@@ -37,11 +37,9 @@ class InflightDecode(NamedTuple):
 
 class OverlapDecodeMixin(_Base):
     def _can_overlap_decode(self) -> bool:
-        """Overlap needs a runner that can launch a step without waiting, and no request that
-        wants logprobs (ModelRunner.can_overlap)."""
-        if self.args.disable_overlap_schedule or not hasattr(self.runner, "forward_decode_async"):
-            return False
-        return not any(r.return_logprob for r in self.running)
+        """Overlap needs a runner that can launch a step without waiting."""
+        return not self.args.disable_overlap_schedule and \
+            hasattr(self.runner, "forward_decode_async")
 
     def _ends_after_next_token(self, req: Req) -> bool:
         """True when the token now in flight is the request's last by length (known ahead)."""
@@ -118,10 +116,16 @@ class OverlapDecodeMixin(_Base):
 
     def _process_overlapped_results(self, handle: Any, reqs: list[Req]) -> None:
         token_ids = handle.token_ids()
-        for req, token in zip(reqs, token_ids):
+        logprobs = handle.logprobs([r.top_logprobs_num for r in reqs]) \
+            if any(r.return_logprob for r in reqs) else None
+        for i, (req, token) in enumerate(zip(reqs, token_ids)):
             if req.finished:  # stopped on the step before; this token is past its end
                 continue
             req.output_ids.append(token)
+            if req.return_logprob and logprobs is not None:
+                req.output_token_logprobs.append((logprobs[0][i], token))
+                if req.top_logprobs_num:
+                    req.output_top_logprobs.append(logprobs[1][i])
             req.check_finished(self.eos_token_ids, self.context_len, self.tokenizer)
             if req.finished:
                 self._finish(req)

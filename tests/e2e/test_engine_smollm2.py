@@ -194,3 +194,23 @@ def test_overlap_carries_penalties_and_seeds_exactly():
         eng.shutdown()
     assert results[0] == results[1]
     assert [len(ids) for ids in results[0]][1] == 9
+
+
+def test_overlap_returns_the_same_logprobs():
+    """Logprobs under overlap are computed with the step and copied back with its ids."""
+    prompts = PROMPTS[:3]
+    params = [{"max_new_tokens": 6 + 5 * i, "temperature": 0} for i in range(len(prompts))]
+    results = []
+    for overlap in (True, False):
+        eng = radixserve.Engine(dtype="float32", disable_overlap_schedule=not overlap)
+        outs = eng.generate(prompts, params, return_logprob=True, top_logprobs_num=3)
+        results.append([(o["output_ids"], o["meta_info"]["output_token_logprobs"],
+                         o["meta_info"]["output_top_logprobs"]) for o in outs])
+        eng.shutdown()
+    for (ids_a, lps_a, tops_a), (ids_b, lps_b, tops_b) in zip(*results):
+        assert ids_a == ids_b and len(lps_a) == len(ids_a) and len(tops_a) == len(ids_a)
+        assert [t for _, t in lps_a] == ids_a
+        assert [lp for lp, _ in lps_a] == pytest.approx([lp for lp, _ in lps_b], abs=1e-4)
+        for top_a, top_b in zip(tops_a, tops_b):
+            assert [t for _, t in top_a] == [t for _, t in top_b] and len(top_a) == 3
+            assert [v for v, _ in top_a] == pytest.approx([v for v, _ in top_b], abs=1e-4)

@@ -81,7 +81,7 @@ def sampled_req(rid: str, prompt: list[int], **params) -> TokenizedGenerateReq:
     ({"seed": 7}, False, True),                  # seed steps carried and advanced on the device
     ({"frequency_penalty": 0.5}, False, True),   # penalty counts likewise
     ({"min_new_tokens": 6}, False, True),        # and the min_new_tokens mask
-    ({}, True, False),                           # logprobs are read back with the ids: no overlap
+    ({}, True, True),                            # logprobs: copied back with the ids
 ])
 def test_which_sampling_overlaps(params: dict, return_logprob: bool, overlaps: bool) -> None:
     scheduler, runner = make_scheduler(num_continuous_decode_steps=4)
