@@ -87,14 +87,16 @@ def context_reqs(runner: Any, bs: int, context_len: int, seed: int) -> list[Req]
     table[torch.tensor(rows, device=table.device), :context_len] = \
         slots.view(bs, context_len).to(table.device, table.dtype)
     rng = np.random.default_rng(seed)
+    vocab = runner.vocab_size
+    low, high = min(1000, vocab // 4), min(30000, vocab)  # plain tokens, within any vocabulary
     reqs = []
     for i, row in enumerate(rows):
         params = SamplingParams(max_new_tokens=1 << 20, temperature=0.0, ignore_eos=True)
         params.verify()
         params.normalize()
-        req = Req(f"decode-{i}", rng.integers(1000, 30000, size=context_len).tolist(), params)
+        req = Req(f"decode-{i}", rng.integers(low, high, size=context_len).tolist(), params)
         req.req_pool_idx, req.kv_len = row, context_len
-        req.output_ids = [int(rng.integers(1000, 30000))]
+        req.output_ids = [int(rng.integers(low, high))]
         reqs.append(req)
     return reqs
 
