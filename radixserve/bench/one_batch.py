@@ -149,7 +149,8 @@ def timed_decode_steps(runner: Any, builder: Any, reqs: list[Req], steps: int,
     start = time.perf_counter()
     inflight = None
     for step in range(steps + 1):
-        launched = runner.forward_decode_async(builder.prepare_decode(reqs), inflight) \
+        launched = runner.forward_decode_async(
+            builder.prepare_decode(reqs), None if inflight is None else inflight.ids) \
             if step < steps else None
         if inflight is not None:
             for req, token in zip(reqs, inflight.token_ids()):

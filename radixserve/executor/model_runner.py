@@ -16,6 +16,7 @@ from radixserve.config import ModelConfig, ServerArgs, resolve_dtype
 from radixserve.executor.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
 from radixserve.executor.memory_budget import max_kv_tokens, max_request_slots
 from radixserve.executor.pending_decode import PendingDecode
+from radixserve.executor.sampling_info import SamplingBatchInfo
 from radixserve.layers.logits import LogitsOutput
 from radixserve.executor.sampler import (Sampler, compute_input_logprobs, compute_logprobs,
                                          compute_logprobs_on_device)
@@ -143,8 +144,8 @@ class ModelRunner:
         if self._uses_graph(batch):
             logits, greedy_ids = self.cuda_graph_runner.replay(batch)  # type: ignore[union-attr]
             info = batch.sampling_info
-            if (info is not None and info.is_all_greedy and info.penalties is None
-                    and not batch.return_logprob):
+            if info is not None and self._argmax_is_the_sample(info) \
+                    and not batch.return_logprob:
                 # the graph took the argmax already: the id copy is the step's only sync
                 return ForwardOutput(greedy_ids.tolist())
             return self._sample(batch, logits, None)
@@ -160,46 +161,34 @@ class ModelRunner:
         return batch.forward_mode.is_decode() and batch.sampling_info is not None
 
     @torch.inference_mode()
-    def forward_decode_async(self, batch: ModelWorkerBatch, prev: PendingDecode | None = None,
-                             prev_rows: list[int] | None = None) -> PendingDecode:
+    def forward_decode_async(self, batch: ModelWorkerBatch,
+                             input_ids: torch.Tensor | None = None) -> PendingDecode:
         """Launch one decode step and return without waiting for it (see can_overlap).
-
-        With `prev`, the input ids are not batch.input_ids but the ids `prev` sampled, on the
-        device: row i of this batch continues row `prev_rows[i]` of prev's batch (same rows in
-        the same order when prev_rows is None)."""
+        `input_ids` ([bs] on the device) replaces batch.input_ids: the overlap path passes the
+        ids the step before sampled, which the host has not read yet."""
         assert self.can_overlap(batch), "this batch needs the synchronous forward"
-        input_ids = None
-        if prev is not None:
-            input_ids = prev.ids
-            if prev_rows is not None:
-                rows = torch.tensor(prev_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-                input_ids = input_ids.index_select(0, rows)
         info = batch.sampling_info
         assert info is not None
+        greedy_ids = None
         if self._uses_graph(batch):
             logits, greedy_ids = self.cuda_graph_runner.replay(  # type: ignore[union-attr]
                 batch, input_ids)
-            ids = greedy_ids if info.is_all_greedy and info.penalties is None \
-                else self.sampler.forward(logits, info)
-            return self._pending(batch, logits, ids)
-        fb = ForwardBatch.from_worker_batch(batch, self.device, self.req_to_token_pool,
-                                            self.token_to_kv_pool, self.attn_backend)
-        if input_ids is not None:
-            fb.input_ids = input_ids
-        self.req_to_token_pool.write_decode_slots(fb.req_pool_indices, fb.seq_lens,
-                                                  fb.out_cache_loc)
-        self.attn_backend.init_forward_metadata(fb)
-        logits = self.model(fb.input_ids, fb.positions, fb).next_token_logits
-        return self._pending(batch, logits, self.sampler.forward(logits, info))
-
-    @staticmethod
-    def _pending(batch: ModelWorkerBatch, logits: torch.Tensor,
-                 ids: torch.Tensor) -> PendingDecode:
+        else:
+            logits = self._forward_eager(batch, input_ids).next_token_logits
+        if greedy_ids is not None and self._argmax_is_the_sample(info):
+            ids = greedy_ids
+        else:
+            ids = self.sampler.forward(logits, info)
         logprobs = None
         if batch.return_logprob:
             logprobs = compute_logprobs_on_device(logits, ids,
                                                   max(batch.top_logprobs_nums, default=0))
         return PendingDecode(ids, logprobs)
+
+    @staticmethod
+    def _argmax_is_the_sample(info: SamplingBatchInfo) -> bool:
+        """The decode graph's argmax of the raw logits is the sampled token."""
+        return info.is_all_greedy and info.penalties is None
 
     def _uses_graph(self, batch: ModelWorkerBatch) -> bool:
         return (self.cuda_graph_runner is not None and batch.forward_mode.is_decode()
@@ -211,8 +200,14 @@ class ModelRunner:
         A DECODE pass first records its new KV slots in req_to_token."""
         if self._uses_graph(batch):
             return LogitsOutput(self.cuda_graph_runner.replay(batch)[0], None)  # type: ignore
+        return self._forward_eager(batch)
+
+    def _forward_eager(self, batch: ModelWorkerBatch,
+                       input_ids: torch.Tensor | None = None) -> LogitsOutput:
         fb = ForwardBatch.from_worker_batch(batch, self.device, self.req_to_token_pool,
                                             self.token_to_kv_pool, self.attn_backend)
+        if input_ids is not None:
+            fb.input_ids = input_ids
         if fb.forward_mode.is_decode():
             self.req_to_token_pool.write_decode_slots(fb.req_pool_indices, fb.seq_lens,
                                                       fb.out_cache_loc)

@@ -155,10 +155,12 @@ class SamplingBatchInfo:
             gens.append((row, gen))
         return gens
 
-    def filter(self, rows: list[int]) -> "SamplingBatchInfo":
+    def filter(self, rows: list[int], index: torch.Tensor | None = None) -> "SamplingBatchInfo":
         """The info of a batch made of rows `rows` of this one, in that order (the requests of
-        the next decode step when some have left). No host sync."""
-        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        the next decode step when some have left). No host sync. `index`: `rows` already on
+        the device, when the caller has it."""
+        if index is None:
+            index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
         new_row = {old: new for new, old in enumerate(rows)}
         kept = [i for i, row in enumerate(self.seed_rows) if row in new_row]
         greedy_rows = frozenset(new_row[r] for r in self.greedy_rows if r in new_row)

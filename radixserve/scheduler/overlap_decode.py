@@ -87,19 +87,17 @@ class OverlapDecodeMixin(_Base):
                                   batch.sampling_info)
         prev = self.inflight
         batch = self.builder.prepare_decode(reqs, with_sampling=False)
-        prev_rows = None
-        prev_ids = prev.handle.ids
-        info = prev.sampling_info
-        if len(reqs) != len(prev.reqs):
+        input_ids, info = prev.handle.ids, prev.sampling_info
+        if len(reqs) != len(prev.reqs):  # some left: keep the rows of the others, in order
             position = {id(r): i for i, r in enumerate(prev.reqs)}
             prev_rows = [position[id(r)] for r in reqs]
-            info = info.filter(prev_rows)
-            prev_ids = prev_ids.index_select(
-                0, torch.tensor(prev_rows, dtype=torch.int64).to(prev_ids.device))
-        info.advance(prev_ids)
+            index = torch.tensor(prev_rows, dtype=torch.int64).to(input_ids.device,
+                                                                  non_blocking=True)
+            input_ids = input_ids.index_select(0, index)
+            info = info.filter(prev_rows, index)
+        info.advance(input_ids)
         batch.sampling_info = info
-        handle = self.runner.forward_decode_async(  # type: ignore[attr-defined]
-            batch, prev.handle, prev_rows)
+        handle = self.runner.forward_decode_async(batch, input_ids)  # type: ignore[attr-defined]
         return InflightDecode(handle, reqs, info)
 
     def _settle(self) -> None:

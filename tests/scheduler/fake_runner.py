@@ -42,16 +42,13 @@ class FakeRunner:
     def forward(self, batch: ModelWorkerBatch) -> ForwardOutput:
         return ForwardOutput(self._run(batch, batch.input_ids))
 
-    def forward_decode_async(self, batch: ModelWorkerBatch, prev: PendingDecode | None = None,
-                             prev_rows: list[int] | None = None) -> PendingDecode:
-        """As ModelRunner's: input ids come from `prev` (batch.input_ids is stale then)."""
+    def forward_decode_async(self, batch: ModelWorkerBatch,
+                             input_ids: torch.Tensor | None = None) -> PendingDecode:
+        """As ModelRunner's: `input_ids`, when given, replaces batch.input_ids (stale then)."""
         assert ModelRunner.can_overlap(batch)
         self.async_steps += 1
-        input_ids = batch.input_ids
-        if prev is not None:
-            ids = prev.ids if prev_rows is None else prev.ids[torch.tensor(prev_rows)]
-            input_ids = ids.tolist()
-        return PendingDecode(torch.tensor(self._run(batch, input_ids), dtype=torch.int64))
+        ids = batch.input_ids if input_ids is None else input_ids.tolist()
+        return PendingDecode(torch.tensor(self._run(batch, ids), dtype=torch.int64))
 
     def _run(self, batch: ModelWorkerBatch, input_ids: list[int]) -> list[int]:
         self.batches.append(batch)
