@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -64,6 +64,17 @@ class ModelWorkerBatch:
     @property
     def batch_size(self) -> int:
         return len(self.req_pool_indices)
+
+
+class ForwardOutput(NamedTuple):
+    """What a forward pass returns to the scheduler: host lists, one entry per request."""
+    next_token_ids: list[int]
+    # per request, when the batch asked for logprobs
+    next_token_logprobs: list[float] | None = None
+    next_top_logprobs: list[list[tuple[float, int]]] | None = None
+    # per request: (logprob, token) for each prompt position from its logprob start, and top-k
+    input_token_logprobs: list[list[tuple[float, int]]] | None = None
+    input_top_logprobs: list[list[list[tuple[float, int]]]] | None = None
 
 
 @dataclass

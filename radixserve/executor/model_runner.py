@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import NamedTuple
 
 import torch
 
 from radixserve.attention.base import AttentionBackend
 from radixserve.config import ModelConfig, ServerArgs, resolve_dtype
-from radixserve.executor.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
+from radixserve.executor.forward_batch import (ForwardBatch, ForwardMode, ForwardOutput,
+                                               ModelWorkerBatch)
 from radixserve.executor.memory_budget import max_kv_tokens, max_request_slots
 from radixserve.executor.pending_decode import PendingDecode
 from radixserve.executor.sampling_info import SamplingBatchInfo
@@ -26,16 +26,6 @@ from radixserve.mem.pools import ReqToTokenPool, TokenToKVPool
 from radixserve.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
-
-
-class ForwardOutput(NamedTuple):
-    next_token_ids: list[int]
-    # per request, when the batch asked for logprobs
-    next_token_logprobs: list[float] | None = None
-    next_top_logprobs: list[list[tuple[float, int]]] | None = None
-    # per request: (logprob, token) for each prompt position from its logprob start, and top-k
-    input_token_logprobs: list[list[tuple[float, int]]] | None = None
-    input_top_logprobs: list[list[list[tuple[float, int]]]] | None = None
 
 
 class ModelRunner:

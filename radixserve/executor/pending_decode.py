@@ -11,12 +11,13 @@ from collections.abc import Sequence
 
 import torch
 
-from radixserve.executor.sampler import DeviceLogprobs, TopLogprobs, top_logprob_lists
+from radixserve.executor.forward_batch import ForwardOutput
+from radixserve.executor.sampler import DeviceLogprobs, top_logprob_lists
 
 
 class PendingDecode:
-    """Sampled ids (and logprobs) of one launched decode step, read with `token_ids()` and
-    `logprobs()`; `ids` stays on the model's device for the next step to read as input."""
+    """Sampled ids (and logprobs) of one launched decode step, read with `token_ids()` or
+    `output()`; `ids` stays on the model's device for the next step to read as input."""
 
     def __init__(self, ids: torch.Tensor, logprobs: DeviceLogprobs | None = None) -> None:
         self.ids = ids  # [bs] int64
@@ -50,14 +51,13 @@ class PendingDecode:
             self._token_ids = self._host[0].tolist()
         return self._token_ids
 
-    def logprobs(self, top_k_nums: Sequence[int]) -> tuple[list[float], TopLogprobs] | None:
-        """(logprob of each sampled id, each row's top_k_nums[row] best (logprob, id)), or None
-        when the step computed none."""
+    def output(self, top_k_nums: Sequence[int]) -> ForwardOutput:
+        """The step's ForwardOutput (waits for the step): ids, and when the step computed them,
+        each id's logprob and each row's top_k_nums[row] best (logprob, id)."""
+        token_ids = self.token_ids()
         if not self._has_logprobs:
-            return None
-        self._wait()
-        chosen = self._host[1].tolist()
-        if len(self._host) < 4:
-            return chosen, [[] for _ in top_k_nums]
-        return chosen, top_logprob_lists(self._host[2].tolist(), self._host[3].tolist(),
-                                         top_k_nums)
+            return ForwardOutput(token_ids)
+        top_values = self._host[2].tolist() if len(self._host) > 2 else None
+        top_ids = self._host[3].tolist() if len(self._host) > 2 else None
+        return ForwardOutput(token_ids, self._host[1].tolist(),
+                             top_logprob_lists(top_values, top_ids, top_k_nums))

@@ -160,7 +160,7 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k_nums: 
     result = compute_logprobs_on_device(logits, token_ids, max(top_k_nums, default=0),
                                         chunk_rows)
     if result.top_values is None or result.top_ids is None:
-        return LogprobResult(result.token_logprobs, [[] for _ in top_k_nums])
+        return LogprobResult(result.token_logprobs, top_logprob_lists(None, None, top_k_nums))
     return LogprobResult(result.token_logprobs,
                          top_logprob_lists(result.top_values.tolist(), result.top_ids.tolist(),
                                            top_k_nums))

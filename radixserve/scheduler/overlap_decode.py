@@ -7,7 +7,8 @@ every request's tokens so far (a prefill, a synchronous step, an abort, a flush,
 calls `_settle` first.
 
 A mixin of Scheduler: it uses the scheduler's args, runner, builder, pools, tree cache,
-`running`, `inflight`, `_ensure_decode_memory`, `_finish`, `_after_decode_step` and
+`running`, `inflight`, `_ensure_decode_memory`, `_append_token`, `_finish`,
+`_after_decode_step` and
 `_streamed_output_waiting`.
 """
 from __future__ import annotations
@@ -113,18 +114,11 @@ class OverlapDecodeMixin(_Base):
         return self.token_to_kv_pool.available_size() >= need
 
     def _process_overlapped_results(self, handle: Any, reqs: list[Req]) -> None:
-        token_ids = handle.token_ids()
-        logprobs = handle.logprobs([r.top_logprobs_num for r in reqs]) \
-            if any(r.return_logprob for r in reqs) else None
-        for i, (req, token) in enumerate(zip(reqs, token_ids)):
+        out = handle.output([r.top_logprobs_num for r in reqs])
+        for i, req in enumerate(reqs):
             if req.finished:  # stopped on the step before; this token is past its end
                 continue
-            req.output_ids.append(token)
-            if req.return_logprob and logprobs is not None:
-                req.output_token_logprobs.append((logprobs[0][i], token))
-                if req.top_logprobs_num:
-                    req.output_top_logprobs.append(logprobs[1][i])
-            req.check_finished(self.eos_token_ids, self.context_len, self.tokenizer)
+            self._append_token(req, i, out)
             if req.finished:
                 self._finish(req)
         self._after_decode_step(len(reqs), [r for r in self.running if not r.finished])
