@@ -10,8 +10,6 @@ prefill) that the server runs, so an Engine test is a test of the server's sched
 """
 from __future__ import annotations
 
-import dataclasses
-
 import itertools
 import logging
 import uuid
@@ -106,13 +104,10 @@ class Engine:
             else:
                 ids = list(ids_list[i])
             for j in range(params.n):
-                # as the server does: sample j of a seeded request uses seed + j, or the n
-                # samples would all be the same
-                sample_params = params if params.seed is None or params.n == 1 else \
-                    dataclasses.replace(params, seed=params.seed + j)
                 reqs.append(TokenizedGenerateReq(
                     rid=f"{uuid.uuid4().hex}-{next(self._ids)}", input_text=text, input_ids=ids,
-                    sampling_params=sample_params, return_logprob=return_logprob,
+                    sampling_params=params.for_sample(j),
+                    return_logprob=return_logprob,
                     logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
                     stream=stream))
         return reqs

@@ -1,7 +1,7 @@
 """Per-request sampling parameters, validated before anything is scheduled."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 _MAX_TOP_LOGPROBS = 20
@@ -46,11 +46,10 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature <= 1e-6 or self.top_k == 1
 
-    @property
-    def uses_penalties(self) -> bool:
-        """Frequency, presence or repetition penalties (they read the output so far)."""
-        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+    def for_sample(self, j: int) -> "SamplingParams":
+        """The params of sample j of n: a seeded request's sample j uses seed + j (identical
+        seeds would make the n samples identical, which is not what n asks for)."""
+        return self if self.seed is None else replace(self, seed=self.seed + j)
 
     def verify(self) -> None:
         """Raise InvalidRequestError with a clear message for any out-of-range value."""

@@ -41,17 +41,12 @@ def now_s() -> int:
 
 
 def sample_copies(req: GenerateRequest, n: int) -> list[GenerateRequest]:
-    """n samples of one prompt. With a seed, sample j uses seed + j: identical seeds would make
-    the n samples identical, which is not what n asks for."""
+    """n samples of one prompt (SamplingParams.for_sample: with a seed, sample j uses
+    seed + j)."""
     if n == 1:
         return [req]
-    copies = []
-    for j in range(n):
-        params = req.sampling_params
-        seed = params.seed + j if params.seed is not None else None
-        copies.append(replace(req, rid=uuid.uuid4().hex,
-                              sampling_params=replace(params, seed=seed)))
-    return copies
+    return [replace(req, rid=uuid.uuid4().hex, sampling_params=req.sampling_params.for_sample(j))
+            for j in range(n)]
 
 
 def finish_reason_of(out: ReqOutput) -> str | None:
