@@ -55,7 +55,8 @@ def _sampling(output_len: int) -> dict[str, Any]:
 
 
 def run_offline(engine: Any, requests: list[SampleRequest], radix_cache: bool,
-                warmup_seed: int = 12345, peak: Any = None) -> OfflineResult:
+                warmup_seed: int = 12345,
+                peak: hardware.DevicePeak | None = None) -> OfflineResult:
     """One generate() call over the workload after a one-request warm-up (a different prompt).
     With a hardware.DevicePeak, the result carries the workload's roofline limit."""
     sampler = TokenSampler(engine.tokenizer, engine_vocab_size(engine))
@@ -89,13 +90,13 @@ def run_offline(engine: Any, requests: list[SampleRequest], radix_cache: bool,
 
 
 def _limit(engine: Any, requests: list[SampleRequest], duration: float,
-           peak: Any) -> dict[str, float]:
+           peak: hardware.DevicePeak | None) -> dict[str, float]:
     runner = getattr(getattr(engine, "scheduler", None), "runner", None)
     if peak is None or runner is None:
         return {}
-    from radixserve.bench.hardware import workload_limit_seconds
-    limit = workload_limit_seconds(runner.model_config, [r.prompt_len for r in requests],
-                                   [r.output_len for r in requests], runner.dtype, peak)
+    limit = hardware.workload_limit_seconds(runner.model_config,
+                                            [r.prompt_len for r in requests],
+                                            [r.output_len for r in requests], runner.dtype, peak)
     return {"limit_s": limit, "limit_ratio": limit / duration}
 
 
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.radix]
     results: list[OfflineResult] = []
+    peak: hardware.DevicePeak | None = None
     for radix in modes:
         server_args = ServerArgs.from_cli_args(args)
         server_args.disable_radix_cache = not radix
@@ -145,9 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             requests = build_dataset(args, tokenizer or engine.tokenizer, args.seed,
                                      vocab_size=engine_vocab_size(engine))
-            runner = engine.scheduler.runner
-            peak = hardware.device_peak(runner.device, runner.dtype, args.bandwidth,
-                                        args.peak_flops)
+            if peak is None:  # measured once: every run uses the same device and dtype
+                runner = engine.scheduler.runner
+                peak = hardware.device_peak(runner.device, runner.dtype, args.bandwidth,
+                                            args.peak_flops)
             results.append(run_offline(engine, requests, radix, peak=peak))
         finally:
             engine.shutdown()
