@@ -49,9 +49,6 @@ class BatchBuilder:
         return SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device,
                                            self.eos_token_ids)
 
-    def _write_row(self, req_pool_idx: int, start: int, slots: torch.Tensor) -> None:
-        self.req_to_token_pool.write(req_pool_idx, start, slots)
-
     def prepare_extend(self, reqs: list[Req], forward_mode: ForwardMode = ForwardMode.EXTEND,
                        with_sampling: bool = True) -> ModelWorkerBatch:
         """Allocate rows and KV slots for the requests' extend tokens (prefix already locked).
@@ -63,7 +60,7 @@ class BatchBuilder:
                 raise OutOfMemoryError("no free request slot (admission should prevent this)")
             for req, row in zip(new_rows, rows):
                 req.req_pool_idx = row
-                self._write_row(row, 0, req.prefix_indices)
+                self.req_to_token_pool.write(row, 0, req.prefix_indices)
         extend_lens = [r.extend_input_len for r in reqs]
         out_cache_loc = alloc_kv(sum(extend_lens), self.token_to_kv_pool, self.tree_cache)
         input_ids: list[int] = []
@@ -71,7 +68,8 @@ class BatchBuilder:
         for req, ext_len in zip(reqs, extend_lens):
             prefix_len = len(req.prefix_indices)
             assert req.req_pool_idx is not None
-            self._write_row(req.req_pool_idx, prefix_len, out_cache_loc[offset:offset + ext_len])
+            self.req_to_token_pool.write(req.req_pool_idx, prefix_len,
+                                         out_cache_loc[offset:offset + ext_len])
             input_ids.extend(req.fill_ids[prefix_len:prefix_len + ext_len])
             req.kv_len = prefix_len + ext_len
             offset += ext_len
