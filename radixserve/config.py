@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import functools
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +53,9 @@ class ServerArgs:
 
     # GPU path
     attention_backend: str | None = None  # torch_native | triton
+    # a different backend for one phase (a hybrid backend); None: --attention-backend
+    prefill_attention_backend: str | None = None
+    decode_attention_backend: str | None = None
     disable_cuda_graph: bool = False
     # decode steps are launched one ahead of reading their ids (scheduler overlap)
     disable_overlap_schedule: bool = False
@@ -78,6 +80,8 @@ class ServerArgs:
             self.chunked_prefill_size = -1
         if self.attention_backend is None:
             self.attention_backend = "triton" if on_gpu else "torch_native"
+        self.prefill_attention_backend = self.prefill_attention_backend or self.attention_backend
+        self.decode_attention_backend = self.decode_attention_backend or self.attention_backend
         if self.mem_fraction_static is None:
             self.mem_fraction_static = 0.88
         if not on_gpu:
@@ -122,100 +126,103 @@ class ServerArgs:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
 
-@dataclass
-class RopeScaling:
-    kind: str = "default"  # default | llama3 | linear
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+# architectures radixserve serves -> the transformers model_type of their config
+ARCHITECTURE_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+}
+# rope scaling kinds implemented (layers/rotary.py computes them with transformers' own
+# frequency functions); anything else is refused rather than run with the wrong positions
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
-@dataclass
+def hf_config_from_dict(cfg: dict[str, Any]) -> Any:
+    """A transformers config object from a config.json-style dict (HF folder or GGUF
+    metadata mapped to HF names)."""
+    from transformers import AutoConfig, PretrainedConfig
+    cfg = dict(cfg)
+    archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+    cfg["architectures"] = archs
+    model_type = cfg.pop("model_type", None) or ARCHITECTURE_MODEL_TYPES.get(archs[0])
+    if model_type is None:
+        return PretrainedConfig(**cfg)
+    return AutoConfig.for_model(model_type, **cfg)
+
+
 class ModelConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2: bias on q/k/v
-    mlp_bias: bool = False
-    torch_dtype: str = "bfloat16"
-    bos_token_id: int | None = None
-    eos_token_ids: list[int] = field(default_factory=list)
-    # attention window of every layer (Mistral v0.1, Qwen2 with use_sliding_window); None: full
-    sliding_window: int | None = None
-    context_length: int = 0  # resolved: min(user flag, max_position_embeddings, sliding window)
+    """What the model looks like: the Hugging Face config object (`hf`), plus the few fields
+    every layer needs, resolved once (head_dim, KV heads, EOS ids, the context length).
+
+    Model files read anything family-specific straight from `hf` (Gemma-2's soft-capping,
+    Qwen3's q/k norms, ...)."""
+
+    def __init__(self, hf_config: Any) -> None:
+        self.hf = hf_config
+        archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
+        self.architecture: str = archs[0]
+        get = functools.partial(getattr, hf_config)
+        self.vocab_size: int = get("vocab_size")
+        self.hidden_size: int = get("hidden_size")
+        self.intermediate_size: int = get("intermediate_size", 0)
+        self.num_hidden_layers: int = get("num_hidden_layers")
+        self.num_attention_heads: int = get("num_attention_heads")
+        self.num_key_value_heads: int = get("num_key_value_heads", None) or \
+            self.num_attention_heads
+        self.head_dim: int = get("head_dim", None) or self.hidden_size // self.num_attention_heads
+        self.max_position_embeddings: int = get("max_position_embeddings", 4096)
+        self.rms_norm_eps: float = get("rms_norm_eps", 1e-6)
+        self.tie_word_embeddings: bool = bool(get("tie_word_embeddings", False))
+        default_bias = self.architecture.startswith("Qwen2")  # Qwen2: bias on q/k/v
+        self.attention_bias: bool = bool(get("attention_bias", default_bias))
+        self.mlp_bias: bool = bool(get("mlp_bias", False))
+        dtype = get("dtype", None) or "bfloat16"
+        self.torch_dtype: str = str(dtype).replace("torch.", "")
+        self.bos_token_id: int | None = get("bos_token_id", None)
+        eos = get("eos_token_id", None)
+        self.eos_token_ids: list[int] = [] if eos is None else \
+            ([eos] if isinstance(eos, int) else list(eos))
+        window = get("sliding_window", None)
+        if self.architecture.startswith("Qwen2") and not get("use_sliding_window", False):
+            window = None  # Qwen2 configs name a window they do not use
+        self.sliding_window: int | None = int(window) if window else None
+        self.layer_types: list[str] | None = get("layer_types", None)
+        self.rope_parameters: dict[str, Any] = dict(get("rope_parameters", None) or {})
+        self.context_length = 0  # resolve_context_length: min(user flag, max positions)
+        self._check_rope()
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope_parameters.get("rope_type", self.rope_parameters.get("type", "default"))
+
+    def _check_rope(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"{self.architecture}: rope scaling {self.rope_type!r} is not "
+                             f"supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+    def layer_sliding_window(self, layer_id: int) -> int | None:
+        """The attention window of one layer (None: full attention). Mistral v0.1 windows every
+        layer; Gemma-2 and Qwen2 name the sliding layers in `layer_types`."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[layer_id] != "sliding_attention":
+            return None
+        return self.sliding_window if self.sliding_window < self.max_position_embeddings \
+            else None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
-        n_heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
-        rs = cfg.get("rope_scaling") or {}
-        rope_params = cfg.get("rope_parameters") or {}
-        if not rs and rope_params.get("rope_type", "default") != "default":
-            rs = rope_params
-        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-        kind = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
-        scaling = RopeScaling(
-            kind=kind,
-            factor=float(rs.get("factor", 1.0)),
-            low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
-        )
-        eos = cfg.get("eos_token_id")
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-        window = cfg.get("sliding_window")
-        if arch.startswith("Qwen2") and not cfg.get("use_sliding_window", False):
-            window = None  # Qwen2 configs name a window they do not use
-        return cls(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=n_heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
-            head_dim=head_dim,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch.startswith("Qwen2"))),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            torch_dtype=str(dtype).replace("torch.", ""),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            sliding_window=int(window) if window else None,
-        )
+        return cls(hf_config_from_dict(cfg))
 
     @classmethod
     def from_path(cls, path: str) -> "ModelConfig":
-        with open(os.path.join(path, "config.json")) as f:
-            return cls.from_hf_dict(json.load(f))
+        from transformers import AutoConfig
+        return cls(AutoConfig.from_pretrained(path))
 
     def resolve_context_length(self, requested: int | None) -> None:
         limit = self.max_position_embeddings
-        if self.sliding_window is not None and self.sliding_window < limit:
-            # sliding-window attention is not implemented; up to the window, full attention is
-            # the same thing, so the context stops there rather than give wrong outputs past it
-            logger.warning("%s attends over a sliding window of %d tokens, which radixserve does "
-                           "not implement: the context length is capped at %d",
-                           self.architecture, self.sliding_window, self.sliding_window)
-            limit = self.sliding_window
         self.context_length = min(requested, limit) if requested else limit
 
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
+from dataclasses import replace
 from typing import Any, Iterator
 
 from radixserve.config import ServerArgs
 from radixserve.core.io_struct import BatchTokenIDOut, TokenizedGenerateReq
+from radixserve.core.request_validation import RequestLimits, validate_request
 from radixserve.core.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server.incremental_detokenizer import IncrementalDetokenizer
@@ -27,10 +29,10 @@ Params = dict[str, Any] | SamplingParams | None
 
 
 def _to_params(params: Params) -> SamplingParams:
-    sp = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params)
-    sp.verify()
-    sp.normalize()
-    return sp
+    """A copy: validation normalises it, and the caller's object stays as given."""
+    if isinstance(params, SamplingParams):
+        return replace(params)
+    return SamplingParams.from_dict(params)
 
 
 class _Pending:
@@ -92,7 +94,7 @@ class Engine:
             else [sampling_params] * n_items
         if len(params_list) != n_items:
             raise InvalidRequestError("sampling_params list must match the number of prompts")
-        SamplingParams.check_top_logprobs_num(top_logprobs_num)
+        limits = RequestLimits.from_model_info(self.scheduler.model_info)
         reqs: list[TokenizedGenerateReq] = []
         for i in range(n_items):
             params = _to_params(params_list[i])
@@ -103,6 +105,9 @@ class Engine:
                 ids = self.tokenizer.encode(text)
             else:
                 ids = list(ids_list[i])
+            # the server's rules (core/request_validation.py): the same request is refused or
+            # accepted alike by both
+            validate_request(ids, params, limits, logprob_start_len, top_logprobs_num)
             for j in range(params.n):
                 reqs.append(TokenizedGenerateReq(
                     rid=f"{uuid.uuid4().hex}-{next(self._ids)}", input_text=text, input_ids=ids,

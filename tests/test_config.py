@@ -28,20 +28,44 @@ def _hf(arch: str, **extra: object) -> dict:
                 max_position_embeddings=1024, **extra)
 
 
-@pytest.mark.parametrize("arch, extra, context", [
-    ("MistralForCausalLM", dict(sliding_window=256), 256),       # Mistral v0.1: capped
-    ("MistralForCausalLM", dict(sliding_window=None), 1024),     # later Mistrals: no window
-    ("MistralForCausalLM", dict(sliding_window=4096), 1024),     # window past the context
-    ("Qwen2ForCausalLM", dict(sliding_window=256, use_sliding_window=False), 1024),
-    ("Qwen2ForCausalLM", dict(sliding_window=256, use_sliding_window=True), 256),
-    ("LlamaForCausalLM", {}, 1024),
+@pytest.mark.parametrize("arch, extra, windows", [
+    ("MistralForCausalLM", dict(sliding_window=256), [256, 256]),       # Mistral v0.1
+    ("MistralForCausalLM", dict(sliding_window=None), [None, None]),    # later Mistrals
+    ("MistralForCausalLM", dict(sliding_window=4096), [None, None]),    # window past the context
+    ("Qwen2ForCausalLM", dict(sliding_window=256, use_sliding_window=False), [None, None]),
+    ("Qwen2ForCausalLM", dict(sliding_window=256, use_sliding_window=True, max_window_layers=1),
+     [None, 256]),                                                       # layers past the first
+    ("Gemma2ForCausalLM", dict(sliding_window=256, head_dim=16), [256, None]),  # alternating
+    ("LlamaForCausalLM", {}, [None, None]),
 ])
-def test_sliding_window_caps_the_context(arch: str, extra: dict, context: int) -> None:
-    """Sliding-window attention is not implemented; within the window full attention is the
-    same, so the context stops at the window instead of giving wrong outputs past it."""
+def test_sliding_window_per_layer_keeps_the_full_context(arch: str, extra: dict,
+                                                         windows: list) -> None:
+    """Sliding-window attention is implemented: the context is the model's, each layer gets
+    the window transformers gives it."""
     from radixserve.config import ModelConfig
     cfg = ModelConfig.from_hf_dict(_hf(arch, **extra))
     cfg.resolve_context_length(None)
-    assert cfg.context_length == context
+    assert cfg.context_length == 1024
+    assert [cfg.layer_sliding_window(i) for i in range(2)] == windows
     cfg.resolve_context_length(100)
     assert cfg.context_length == 100
+
+
+@pytest.mark.parametrize("rope, ok", [
+    (None, True),
+    ({"rope_type": "linear", "factor": 2.0}, True),
+    ({"rope_type": "dynamic", "factor": 2.0}, True),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}, True),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 256}, True),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
+      "original_max_position_embeddings": 256}, False),
+])
+def test_rope_scaling_kinds_are_supported_or_refused(rope: dict | None, ok: bool) -> None:
+    from radixserve.config import ModelConfig
+    extra = {} if rope is None else {"rope_scaling": rope}
+    if ok:
+        ModelConfig.from_hf_dict(_hf("LlamaForCausalLM", **extra))
+    else:
+        with pytest.raises(ValueError, match="not supported"):
+            ModelConfig.from_hf_dict(_hf("LlamaForCausalLM", **extra))

@@ -2,9 +2,13 @@
 
 Requests are padded to the longest one of their kind and run as a few large ops per layer:
 prefill parts through SDPA with a causal mask over the cached prefix, single-token (decode)
-parts as two grouped matmuls (on CPU several times faster than a masked SDPA, in bf16 about
-ten times). A MIXED batch splits into its extend head and its decode tail, so one long chunk
-does not pad every decode request to the chunk's length.
+parts as one SDPA call per part with each KV head's query group as the query length. A MIXED
+batch splits into its extend head and its decode tail, so one long chunk does not pad every
+decode request to the chunk's length.
+
+A layer's attention window narrows the mask (keys p - W < j <= p); masks are built once per
+pass for each distinct window. A layer with a logit soft-cap (Gemma-2) runs the scores through
+explicit matmuls, since SDPA cannot cap them.
 """
 from __future__ import annotations
 
@@ -14,11 +18,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from radixserve.attention.base import AttentionBackend
-from radixserve.executor.forward_batch import ForwardMode
+from radixserve.attention.base import AttentionBackend, AttentionContext
+from radixserve.core.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    from radixserve.executor.forward_batch import ForwardBatch
     from radixserve.layers.radix_attention import RadixAttention
 
 
@@ -28,24 +31,40 @@ class PaddedPart:
     token_start: int
     token_end: int
     kv_indices: torch.Tensor  # [bs, max_kv_len] KV slots (0 where padded)
-    attn_mask: torch.Tensor  # [bs, 1, max_q_len, max_kv_len] bool, True = attend
+    attn_mask: torch.Tensor  # [bs, 1, max_q_len, max_kv_len] bool, True = attend (no window)
     q_scatter: torch.Tensor  # [T] flat index into the padded [bs * max_q_len] query layout
     max_q_len: int
+    q_pos: torch.Tensor  # [bs, max_q_len] absolute position of each (padded) query
+    q_valid: torch.Tensor  # [bs, max_q_len] False on padding rows
+    window_masks: dict[int, torch.Tensor]  # sliding window -> attn_mask narrowed to it
 
     @property
     def batch_size(self) -> int:
         return int(self.kv_indices.shape[0])
 
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """The mask of a layer with this window (None: full causal)."""
+        if sliding_window is None or sliding_window >= self.kv_indices.shape[1]:
+            return self.attn_mask
+        found = self.window_masks.get(sliding_window)
+        if found is None:
+            kv_pos = torch.arange(self.kv_indices.shape[1], device=self.q_pos.device)
+            in_window = kv_pos[None, None, :] > self.q_pos[:, :, None] - sliding_window
+            # padding rows keep position 0 only, so their softmax stays finite
+            in_window |= ~self.q_valid[:, :, None]
+            found = self.attn_mask & in_window[:, None]
+            self.window_masks[sliding_window] = found
+        return found
 
-def _build_part(forward_batch: "ForwardBatch", req_start: int, req_end: int,
-                token_start: int, q_lens_cpu: list[int]) -> PaddedPart:
+
+def _build_part(forward_batch: ForwardBatch, req_to_token: torch.Tensor, req_start: int,
+                req_end: int, token_start: int, q_lens_cpu: list[int]) -> PaddedPart:
     device = forward_batch.input_ids.device
     seq_lens = forward_batch.seq_lens[req_start:req_end]
     max_kv_len = max(forward_batch.seq_lens_cpu[req_start:req_end])
     max_q_len = max(q_lens_cpu)
     q_lens = torch.tensor(q_lens_cpu, dtype=torch.int64, device=device)
-    rows = forward_batch.req_to_token_pool.req_to_token[
-        forward_batch.req_pool_indices[req_start:req_end]]
+    rows = req_to_token[forward_batch.req_pool_indices[req_start:req_end]]
     kv_pos = torch.arange(max_kv_len, device=device)
     kv_valid = kv_pos[None, :] < seq_lens[:, None]
     kv_indices = torch.where(kv_valid, rows[:, :max_kv_len].to(torch.int64), 0)
@@ -56,17 +75,38 @@ def _build_part(forward_batch: "ForwardBatch", req_start: int, req_end: int,
     q_valid = torch.arange(max_q_len, device=device)[None, :] < q_lens[:, None]
     flat = torch.arange(len(q_lens_cpu) * max_q_len, device=device).view(-1, max_q_len)
     return PaddedPart(token_start, token_start + sum(q_lens_cpu), kv_indices, mask[:, None],
-                      flat[q_valid], max_q_len)
+                      flat[q_valid], max_q_len, q_pos, q_valid, {})
+
+
+def _capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      mask: torch.Tensor, scaling: float, cap: float) -> torch.Tensor:
+    """softmax(cap * tanh(q k^T * scaling / cap) masked) v, as Gemma-2's eager attention.
+    q: [bs, H, Lq, D], keys/values: [bs, Hkv, L, D] (query heads grouped per KV head)."""
+    group = q.shape[1] // keys.shape[1]
+    if group > 1:
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scaling
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values)
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    def __init__(self) -> None:
+    def __init__(self, context: AttentionContext) -> None:
+        super().__init__(context)
         self.parts: list[PaddedPart] = []
 
-    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+    def _part(self, forward_batch: ForwardBatch, req_start: int, req_end: int,
+              token_start: int, q_lens_cpu: list[int]) -> PaddedPart:
+        return _build_part(forward_batch, self.req_to_token_pool.req_to_token, req_start,
+                           req_end, token_start, q_lens_cpu)
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         bs = forward_batch.batch_size
         if forward_batch.forward_mode.is_decode():
-            self.parts = [_build_part(forward_batch, 0, bs, 0, [1] * bs)]
+            self.parts = [self._part(forward_batch, 0, bs, 0, [1] * bs)]
             return
         q_lens = forward_batch.extend_seq_lens_cpu or []
         # the decode tail of a MIXED batch (requests with one new token)
@@ -75,18 +115,11 @@ class TorchNativeAttnBackend(AttentionBackend):
             while split > 1 and q_lens[split - 1] == 1:
                 split -= 1
         if split == bs:
-            self.parts = [_build_part(forward_batch, 0, bs, 0, q_lens)]
+            self.parts = [self._part(forward_batch, 0, bs, 0, q_lens)]
             return
         head_tokens = sum(q_lens[:split])
-        self.parts = [_build_part(forward_batch, 0, split, 0, q_lens[:split]),
-                      _build_part(forward_batch, split, bs, head_tokens, q_lens[split:])]
-
-    def _store(self, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
-               forward_batch: "ForwardBatch") -> None:
-        forward_batch.token_to_kv_pool.set_kv_buffer(
-            layer.layer_id, forward_batch.out_cache_loc,
-            k.view(-1, layer.tp_k_head_num, layer.head_dim),
-            v.view(-1, layer.tp_v_head_num, layer.head_dim))
+        self.parts = [self._part(forward_batch, 0, split, 0, q_lens[:split]),
+                      self._part(forward_batch, split, bs, head_tokens, q_lens[split:])]
 
     @staticmethod
     def _gather(buffer: torch.Tensor, part: PaddedPart, dtype: torch.dtype) -> torch.Tensor:
@@ -96,54 +129,61 @@ class TorchNativeAttnBackend(AttentionBackend):
         rows = buffer.index_select(0, part.kv_indices.reshape(-1))
         return rows.view(bs, max_kv_len, *buffer.shape[1:]).to(dtype)
 
-    def _attend_padded(self, q: torch.Tensor, part: PaddedPart, layer: "RadixAttention",
-                       forward_batch: "ForwardBatch") -> torch.Tensor:
-        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+    def _attend_padded(self, q: torch.Tensor, part: PaddedPart,
+                       layer: "RadixAttention") -> torch.Tensor:
+        k_buf, v_buf = self.kv_pool.kv_buffers(layer.layer_id)
         bs, num_heads, head_dim = part.batch_size, layer.tp_q_head_num, layer.head_dim
         q_pad = q.new_zeros(bs * part.max_q_len, num_heads, head_dim)
         q_pad[part.q_scatter] = q.view(-1, num_heads, head_dim)
         q_pad = q_pad.view(bs, part.max_q_len, num_heads, head_dim).transpose(1, 2)
         keys = self._gather(k_buf, part, q.dtype).transpose(1, 2)  # [bs, Hkv, L, D]
         values = self._gather(v_buf, part, q.dtype).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=part.attn_mask,
-                                             scale=layer.scaling,
-                                             enable_gqa=layer.tp_k_head_num != num_heads)
+        mask = part.mask(layer.sliding_window)
+        if layer.logit_cap > 0:
+            out = _capped_attention(q_pad, keys, values, mask, layer.scaling, layer.logit_cap)
+        else:
+            out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask,
+                                                 scale=layer.scaling,
+                                                 enable_gqa=layer.tp_k_head_num != num_heads)
         out = out.transpose(1, 2).reshape(bs * part.max_q_len, num_heads * head_dim)
         return out[part.q_scatter]
 
-    def _attend_single_token(self, q: torch.Tensor, part: PaddedPart, layer: "RadixAttention",
-                             forward_batch: "ForwardBatch") -> torch.Tensor:
+    def _attend_single_token(self, q: torch.Tensor, part: PaddedPart,
+                             layer: "RadixAttention") -> torch.Tensor:
         """One token per request: each KV head's group of query heads becomes the query length
         of one SDPA call over (request, KV head) pairs, so K/V are used as gathered (no GQA
         expansion, no permuted copies); ~2x faster on CPU than two bmm's over permuted copies."""
-        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        k_buf, v_buf = self.kv_pool.kv_buffers(layer.layer_id)
         bs, num_kv_heads, head_dim = part.batch_size, layer.tp_k_head_num, layer.head_dim
         group = layer.tp_q_head_num // num_kv_heads
         keys = self._gather(k_buf, part, q.dtype).transpose(1, 2)  # [bs, Hkv, L, D]
         values = self._gather(v_buf, part, q.dtype).transpose(1, 2)
         # query head h uses KV head h // group: [bs, Hkv, group, D]
         grouped_q = q.reshape(bs, num_kv_heads, group, head_dim)
-        out = F.scaled_dot_product_attention(grouped_q, keys, values,
-                                             attn_mask=part.attn_mask.view(bs, 1, 1, -1),
-                                             scale=layer.scaling)
+        mask = part.mask(layer.sliding_window).view(bs, 1, 1, -1)
+        if layer.logit_cap > 0:
+            out = _capped_attention(grouped_q, keys, values, mask, layer.scaling, layer.logit_cap)
+        else:
+            out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask,
+                                                 scale=layer.scaling)
         return out.reshape(bs, layer.tp_q_head_num * head_dim)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
-        self._store(k, v, layer, forward_batch)
+                layer: "RadixAttention", forward_batch: ForwardBatch) -> torch.Tensor:
+        self.kv_pool.store_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
         outs = []
         for part in self.parts:
             q_part = q[part.token_start:part.token_end]
             if part.max_q_len == 1:
-                outs.append(self._attend_single_token(q_part, part, layer, forward_batch))
+                outs.append(self._attend_single_token(q_part, part, layer))
             else:
-                outs.append(self._attend_padded(q_part, part, layer, forward_batch))
+                outs.append(self._attend_padded(q_part, part, layer))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
+                       layer: "RadixAttention", forward_batch: ForwardBatch) -> torch.Tensor:
         return self._attend(q, k, v, layer, forward_batch)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
+                       layer: "RadixAttention", forward_batch: ForwardBatch) -> torch.Tensor:
         return self._attend(q, k, v, layer, forward_batch)

@@ -9,26 +9,29 @@ Invariants:
 - CUDA graphs: `init_cuda_graph_state` allocates a workspace used only by graphs (never
   reallocated, so captured pointers stay valid). Capture records the runner's fixed
   req_pool_indices / seq_lens buffers; replay copies into them only if it is handed other tensors.
-- Rope: given a `RopeInput`, `forward` rotates q/k and writes K/V into the pool in one Triton
-  kernel (`RotaryEmbedding.forward_and_store_kv`) instead of a rotary kernel plus two index_put
-  launches; forward_extend / forward_decode are then told not to store again.
+- Rope: given a `RopeInput`, `forward` has the KV pool rotate q/k and store K/V
+  (`KVPool.rotate_and_store_kv`: one Triton kernel for the MHA pool instead of a rotary kernel
+  plus two index_put launches); forward_extend / forward_decode are then told not to store again.
+- Each layer's attention window and logit soft-cap go to the kernels as they are (window -1 and
+  cap 0 compile the kernels without either).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 
-from radixserve.attention.base import AttentionBackend
+from radixserve.attention.base import AttentionBackend, AttentionContext
 from radixserve.attention.kernels.decode_attention import (DecodeKernelConfig,
                                                            decode_attention_fwd)
 from radixserve.attention.kernels.extend_attention import (ExtendKernelConfig,
                                                            extend_attention_fwd)
 
+from radixserve.core.forward_batch import ForwardBatch
+
 if TYPE_CHECKING:
-    from radixserve.executor.forward_batch import ForwardBatch
     from radixserve.layers.radix_attention import RadixAttention
     from radixserve.layers.rotary import RopeInput
 
@@ -76,18 +79,23 @@ class DecodeWorkspace:
         return mid_out, mid_lse
 
 
+def _window(layer: "RadixAttention") -> int:
+    return layer.sliding_window if layer.sliding_window is not None else -1
+
+
 class TritonAttnBackend(AttentionBackend):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 device: str | torch.device, max_bs: int, max_context_len: int,
-                 num_kv_splits: int = 16, num_sms: int | None = None,
-                 decode_config: DecodeKernelConfig | None = None,
+    def __init__(self, context: AttentionContext, num_kv_splits: int = 16,
+                 num_sms: int | None = None, decode_config: DecodeKernelConfig | None = None,
                  extend_config: ExtendKernelConfig | None = None) -> None:
-        """num_heads / num_kv_heads are per TP rank. num_kv_splits is the most KV splits one
-        decode request is cut into (it sizes the workspaces)."""
+        """num_kv_splits is the most KV splits one decode request is cut into (it sizes the
+        workspaces); the other keywords are for kernel tuning and tests."""
+        super().__init__(context)
+        num_heads, num_kv_heads = context.num_heads, context.num_kv_heads
         assert num_heads % num_kv_heads == 0
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.device = torch.device(device)
-        self.max_bs, self.max_context_len = max_bs, max_context_len
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, \
+            context.head_dim
+        self.device = torch.device(context.device)
+        self.max_bs, self.max_context_len = context.max_bs, context.max_context_len
         self.max_kv_splits = num_kv_splits
         if num_sms is None:
             num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -95,20 +103,11 @@ class TritonAttnBackend(AttentionBackend):
         self.num_sms = num_sms
         self.decode_config = decode_config or DecodeKernelConfig()
         self.extend_config = extend_config  # None: chosen from head_dim by the kernel module
-        self.workspace = self._new_workspace(max_bs)
+        self.workspace = self._new_workspace(self.max_bs)
         self.graph_workspace: DecodeWorkspace | None = None
         self.graph_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.decode_metadata: DecodeMetadata | None = None
         self.extend_metadata: ExtendMetadata | None = None
-
-    @classmethod
-    def from_model_runner(cls, runner: Any, **kwargs: Any) -> "TritonAttnBackend":
-        cfg, tp_size = runner.model_config, runner.server_args.tp_size
-        return cls(num_heads=cfg.num_attention_heads // tp_size,
-                   num_kv_heads=max(1, cfg.num_key_value_heads // tp_size),
-                   head_dim=cfg.head_dim, device=runner.device,
-                   max_bs=runner.max_num_reqs,
-                   max_context_len=runner.req_to_token_pool.max_context_len, **kwargs)
 
     # ---- planning ----
     def num_kv_splits_for(self, bs: int) -> int:
@@ -129,7 +128,7 @@ class TritonAttnBackend(AttentionBackend):
         mid_out, mid_lse = workspace.views(bs, num_splits)
         return DecodeMetadata(req_pool_indices, seq_lens, num_splits, mid_out, mid_lse)
 
-    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         bs = forward_batch.batch_size
         if forward_batch.forward_mode.is_decode():
             if not self.workspace.fits(bs, self.num_kv_splits_for(bs)):
@@ -148,29 +147,29 @@ class TritonAttnBackend(AttentionBackend):
 
     # ---- forward ----
     def _store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
-                  forward_batch: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor]:
+                  forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         k = k.view(-1, layer.tp_k_head_num, layer.head_dim)
         v = v.view(-1, layer.tp_v_head_num, layer.head_dim)
-        forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc,
-                                                     k, v)
+        self.kv_pool.store_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
         return k, v
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer: "RadixAttention", forward_batch: "ForwardBatch",
+                layer: "RadixAttention", forward_batch: ForwardBatch,
                 rope: "RopeInput | None" = None) -> torch.Tensor:
         """As the base, but rope and the K/V store run as one fused kernel. Our kernels run on
         whatever device triton does (CUDA, or the CPU interpreter in tests), so does this one."""
         store_kv = rope is None
         if rope is not None:
-            k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-            q, k = rope.rotary.forward_and_store_kv(rope.positions, q, k, v, k_buffer, v_buffer,
-                                                    forward_batch.out_cache_loc)
+            rotary = rope.rotary
+            q, k = self.kv_pool.rotate_and_store_kv(
+                layer.layer_id, forward_batch.out_cache_loc, q, k, v, rope.positions,
+                rotary.cos_cache, rotary.sin_cache, rotary)
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer, forward_batch, store_kv=store_kv)
         return self.forward_extend(q, k, v, layer, forward_batch, store_kv=store_kv)
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       layer: "RadixAttention", forward_batch: "ForwardBatch",
+                       layer: "RadixAttention", forward_batch: ForwardBatch,
                        store_kv: bool = True) -> torch.Tensor:
         """store_kv=False: k/v are already in the pool (the fused rope kernel wrote them)."""
         meta = self.extend_metadata
@@ -183,16 +182,17 @@ class TritonAttnBackend(AttentionBackend):
         num_heads, head_dim = layer.tp_q_head_num, layer.head_dim
         q = q.view(-1, num_heads, head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        k_buffer, v_buffer = self.kv_pool.kv_buffers(layer.layer_id)
         extend_attention_fwd(q, k, v, out, k_buffer, v_buffer,
-                             forward_batch.req_to_token_pool.req_to_token,
+                             self.req_to_token_pool.req_to_token,
                              meta.req_pool_indices, meta.extend_start_loc, meta.extend_seq_lens,
                              meta.extend_prefix_lens, meta.max_extend_len, layer.scaling,
-                             self.extend_config)
+                             self.extend_config, sliding_window=_window(layer),
+                             logit_cap=layer.logit_cap)
         return out.view(-1, num_heads * head_dim)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       layer: "RadixAttention", forward_batch: "ForwardBatch",
+                       layer: "RadixAttention", forward_batch: ForwardBatch,
                        store_kv: bool = True) -> torch.Tensor:
         """store_kv=False: k/v are already in the pool (the fused rope kernel wrote them)."""
         meta = self.decode_metadata
@@ -202,11 +202,11 @@ class TritonAttnBackend(AttentionBackend):
         num_heads, head_dim = layer.tp_q_head_num, layer.head_dim
         q = q.view(-1, num_heads, head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        decode_attention_fwd(q, k_buffer, v_buffer, out,
-                             forward_batch.req_to_token_pool.req_to_token,
+        k_buffer, v_buffer = self.kv_pool.kv_buffers(layer.layer_id)
+        decode_attention_fwd(q, k_buffer, v_buffer, out, self.req_to_token_pool.req_to_token,
                              meta.req_pool_indices, meta.seq_lens, meta.mid_out, meta.mid_lse,
-                             layer.scaling, self.decode_config)
+                             layer.scaling, self.decode_config, sliding_window=_window(layer),
+                             logit_cap=layer.logit_cap)
         return out.view(-1, num_heads * head_dim)
 
     # ---- CUDA graphs (decode) ----

@@ -72,8 +72,9 @@ def weight_bytes_per_forward(cfg: ModelConfig, dtype: torch.dtype | str) -> floa
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype | str) -> int:
-    """K and V of one token in all layers (the same figure TokenToKVPool.bytes_per_token gives)."""
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes(dtype)
+    """The KV of one token in all layers, as the model's KV pool class counts it."""
+    from radixserve.models.registry import kv_bytes_per_token as pool_bytes
+    return pool_bytes(cfg, as_dtype(dtype))
 
 
 def decode_step_bytes(cfg: ModelConfig, batch: int, context: float,

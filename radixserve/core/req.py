@@ -4,22 +4,20 @@ Memory fields and who owns them:
   req_pool_idx     the ReqToTokenPool row, allocated at admission, freed when the request is
                    cached (finished or retracted) or aborted.
   prefix_indices   KV slots of the prefix matched in the radix cache (owned by the cache; the
-                   request holds a lock on `last_node` so they cannot be evicted).
+                   request holds a lock on `cache_handle`, an opaque handle the cache gave with the match,
+                   so they cannot be evicted).
   fill_ids         the tokens whose KV will exist after the current prefill (chunk).
   kv_len           positions [0, kv_len) of the row hold written KV (set by the scheduler).
 """
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from radixserve.core.finish_reason import FinishReason
 from radixserve.core.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from radixserve.mem.radix_cache import TreeNode
 
 
 class Detokenizer(Protocol):
@@ -47,7 +45,7 @@ class Req:
         # memory
         self.req_pool_idx: int | None = None
         self.prefix_indices: torch.Tensor = torch.empty(0, dtype=torch.int64)
-        self.last_node: "TreeNode | None" = None
+        self.cache_handle: object | None = None
         self.fill_ids: list[int] = []
         self.kv_len = 0  # positions of the row whose KV has been written
         self.extend_input_len = 0

@@ -8,7 +8,12 @@ _MAX_TOP_LOGPROBS = 20
 
 
 class InvalidRequestError(ValueError):
-    """Raised for bad user input; the server maps it to HTTP 400."""
+    """Raised for bad user input; the server maps it to HTTP 400 (naming `param` when the
+    error is about one request field)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import torch
 
-from radixserve.executor.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
+from radixserve.core.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
 
 if TYPE_CHECKING:
     from radixserve.executor.model_runner import ModelRunner
@@ -138,8 +138,7 @@ class CudaGraphRunner:
             req_pool_indices=rows[REQ_POOL_INDICES, :bs], seq_lens=rows[SEQ_LENS, :bs],
             out_cache_loc=rows[OUT_CACHE_LOC, :bs],
             seq_lens_sum=bs * self.seq_len_fill, seq_lens_cpu=[self.seq_len_fill] * bs,
-            req_to_token_pool=runner.req_to_token_pool,
-            token_to_kv_pool=runner.token_to_kv_pool, attn_backend=self.attn_backend)
+            attn_backend=self.attn_backend)
 
     @torch.inference_mode()
     def _capture_all(self, sizes: list[int]) -> None:
@@ -153,7 +152,7 @@ class CudaGraphRunner:
                 if bs != sizes[-1] or os.environ.get("RADIXSERVE_PDL") == "0":
                     raise
                 # a driver that cannot capture programmatic launches: capture without them
-                from radixserve.layers.kernels.pdl import disable_pdl
+                from radixserve.core.triton_pdl import disable_pdl
                 logger.warning("CUDA graph capture failed (%s); retrying without PDL", exc)
                 disable_pdl()
                 torch.cuda.synchronize(self.device)
@@ -166,8 +165,7 @@ class CudaGraphRunner:
                     used / 2**30)
 
     def _decode_step(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        fb.req_to_token_pool.write_decode_slots(fb.req_pool_indices, fb.seq_lens,
-                                                fb.out_cache_loc)
+        self.model_runner.record_decode_slots(fb)
         logits = self.model_runner.model(fb.input_ids, fb.positions, fb).next_token_logits
         return logits, logits.argmax(dim=-1)
 

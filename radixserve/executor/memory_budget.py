@@ -5,23 +5,17 @@ import logging
 
 import torch
 
-from radixserve.config import ModelConfig, ServerArgs
-from radixserve.mem.pools import TokenToKVPool
+from radixserve.config import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    return TokenToKVPool.bytes_per_token(dtype, config.num_key_value_heads, config.head_dim,
-                                         config.num_hidden_layers)
-
-
-def max_kv_tokens(args: ServerArgs, config: ModelConfig, dtype: torch.dtype,
-                  device: torch.device, activation_bytes: int = 0) -> int:
+def max_kv_tokens(args: ServerArgs, bytes_per_token: int, device: torch.device,
+                  activation_bytes: int = 0) -> int:
     """--max-total-tokens if given; else --mem-fraction-static of the GPU minus what is already
     taken (weights) and the activation peak of the largest prefill (measured by the caller);
-    CUDA graphs and the sampler live in the fraction's slack. On CPU a byte budget."""
-    per_token = kv_bytes_per_token(config, dtype)
+    CUDA graphs and the sampler live in the fraction's slack. On CPU a byte budget.
+    `bytes_per_token` comes from the KV pool class (KVPool.bytes_per_token)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         assert args.mem_fraction_static is not None
@@ -30,9 +24,9 @@ def max_kv_tokens(args: ServerArgs, config: ModelConfig, dtype: torch.dtype,
             raise RuntimeError(
                 f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
                 f"{total / 2**30:.1f} GiB; raise --mem-fraction-static")
-        tokens = int(budget // per_token)
+        tokens = int(budget // bytes_per_token)
     else:
-        tokens = int(args.cpu_kv_cache_bytes // per_token)
+        tokens = int(args.cpu_kv_cache_bytes // bytes_per_token)
     if args.max_total_tokens is not None:
         tokens = min(tokens, args.max_total_tokens) if device.type == "cuda" \
             else args.max_total_tokens

@@ -10,10 +10,11 @@ import time
 
 import torch
 
-from radixserve.attention.base import AttentionBackend
+from radixserve.attention.base import AttentionBackend, AttentionContext
+from radixserve.attention.registry import create_attention_backend
 from radixserve.config import ModelConfig, ServerArgs, resolve_dtype
-from radixserve.executor.forward_batch import (ForwardBatch, ForwardMode, ForwardOutput,
-                                               ModelWorkerBatch)
+from radixserve.core.forward_batch import (ForwardBatch, ForwardMode, ForwardOutput,
+                                           ModelWorkerBatch)
 from radixserve.executor.memory_budget import max_kv_tokens, max_request_slots
 from radixserve.executor.pending_decode import PendingDecode
 from radixserve.executor.sampling_info import SamplingBatchInfo
@@ -22,8 +23,10 @@ from radixserve.executor.sampler import (Sampler, compute_input_logprobs, comput
                                          compute_logprobs_on_device)
 from radixserve.loader import init_dummy_weights, load_model_source
 from radixserve.loader.model_source import ModelSource
-from radixserve.mem.pools import ReqToTokenPool, TokenToKVPool
-from radixserve.models.registry import get_model_class
+from radixserve.loader.weight_loading import load_weights
+from radixserve.mem.kv_pool import KVCacheSpec, KVPool, kv_pool_class, make_kv_pool
+from radixserve.mem.req_to_token_pool import ReqToTokenPool
+from radixserve.models.registry import get_model_class, kv_cache_spec
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(server_args.dtype, self.model_config.torch_dtype,
                                    self.device.type)
         self.model = self._load_model()
+        self.kv_cache_spec: KVCacheSpec = kv_cache_spec(self.model_config, self.dtype,
+                                                        server_args.tp_size)
         logger.info("loaded %s (%s, %s) in %.1f s", self.model_config.architecture,
                     self.dtype, self.device, time.perf_counter() - t0)
         self.sampler = Sampler()
@@ -59,7 +64,7 @@ class ModelRunner:
         if self.source.weights is None:
             init_dummy_weights(model, self.server_args.random_seed)
         else:
-            model.load_weights(self.source.weights())
+            load_weights(model, self.source.weights())
         model.to(self.dtype)
         # rope caches stay fp32: they are cast at use, as transformers does
         for name, buf in model.named_buffers():
@@ -73,14 +78,12 @@ class ModelRunner:
         args = self.server_args
         num_tokens = min(args.chunked_prefill_size if args.chunked_prefill_enabled
                          else args.max_prefill_tokens, self.model_config.context_length - 1)
-        cfg = self.model_config
         self.max_num_reqs = 1
         self.req_to_token_pool = ReqToTokenPool(1, num_tokens + 4, self.device)
-        self.token_to_kv_pool = TokenToKVPool(num_tokens, self.dtype, cfg.num_key_value_heads,
-                                              cfg.head_dim, cfg.num_hidden_layers, self.device)
+        self.token_to_kv_pool = make_kv_pool(num_tokens, self.kv_cache_spec, self.device)
         self.attn_backend = self._make_attn_backend()
         slots = self.token_to_kv_pool.alloc(num_tokens)
-        self.req_to_token_pool.req_to_token[0, :num_tokens] = slots.to(self.device)
+        self.req_to_token_pool.write(0, 0, slots)
         batch = ModelWorkerBatch(ForwardMode.EXTEND, [1] * num_tokens, [0], [num_tokens], slots,
                                  extend_seq_lens=[num_tokens], extend_prefix_lens=[0])
         torch.cuda.synchronize(self.device)
@@ -99,30 +102,30 @@ class ModelRunner:
         cfg = self.model_config
         activation = self._profile_prefill_activation_bytes() \
             if self.device.type == "cuda" and self.server_args.max_total_tokens is None else 0
-        self.max_total_num_tokens = max_kv_tokens(self.server_args, cfg, self.dtype, self.device,
+        bytes_per_token = kv_pool_class(self.kv_cache_spec.kind).bytes_per_token(
+            self.kv_cache_spec)
+        self.max_total_num_tokens = max_kv_tokens(self.server_args, bytes_per_token, self.device,
                                                   activation)
         self.max_num_reqs = max_request_slots(self.server_args, self.max_total_num_tokens)
         self.req_to_token_pool = ReqToTokenPool(self.max_num_reqs, cfg.context_length + 4,
                                                 self.device)
-        self.token_to_kv_pool = TokenToKVPool(self.max_total_num_tokens, self.dtype,
-                                              cfg.num_key_value_heads, cfg.head_dim,
-                                              cfg.num_hidden_layers, self.device)
+        self.token_to_kv_pool: KVPool = make_kv_pool(self.max_total_num_tokens,
+                                                     self.kv_cache_spec, self.device)
         logger.info("KV cache: %d tokens (%.2f GiB), %d request slots, context %d",
                     self.max_total_num_tokens,
-                    self.max_total_num_tokens * 2 * cfg.num_hidden_layers
-                    * cfg.num_key_value_heads * cfg.head_dim
-                    * torch.tensor([], dtype=self.dtype).element_size() / 2**30,
+                    self.max_total_num_tokens * bytes_per_token / 2**30,
                     self.max_num_reqs, cfg.context_length)
 
     def _make_attn_backend(self) -> AttentionBackend:
-        name = self.server_args.attention_backend
-        if name == "torch_native":
-            from radixserve.attention.torch_native import TorchNativeAttnBackend
-            return TorchNativeAttnBackend()
-        if name == "triton":
-            from radixserve.attention.triton_backend import TritonAttnBackend
-            return TritonAttnBackend.from_model_runner(self)
-        raise ValueError(f"unknown --attention-backend {name!r}")
+        args, spec = self.server_args, self.kv_cache_spec
+        context = AttentionContext(
+            num_heads=self.model_config.num_attention_heads // args.tp_size,
+            num_kv_heads=spec.num_kv_heads, head_dim=self.model_config.head_dim,
+            device=self.device, max_bs=self.max_num_reqs,
+            req_to_token_pool=self.req_to_token_pool, kv_pool=self.token_to_kv_pool)
+        assert args.prefill_attention_backend and args.decode_attention_backend  # resolve()
+        return create_attention_backend(args.prefill_attention_backend,
+                                        args.decode_attention_backend, context)
 
     @property
     def vocab_size(self) -> int:
@@ -194,15 +197,19 @@ class ModelRunner:
 
     def _forward_eager(self, batch: ModelWorkerBatch,
                        input_ids: torch.Tensor | None = None) -> LogitsOutput:
-        fb = ForwardBatch.from_worker_batch(batch, self.device, self.req_to_token_pool,
-                                            self.token_to_kv_pool, self.attn_backend)
+        fb = ForwardBatch.from_worker_batch(batch, self.device, self.attn_backend)
         if input_ids is not None:
             fb.input_ids = input_ids
+        self.record_decode_slots(fb)  # before the metadata: a backend may read the table then
+        self.attn_backend.init_forward_metadata(fb)
+        return self.model(fb.input_ids, fb.positions, fb)
+
+    def record_decode_slots(self, fb: ForwardBatch) -> None:
+        """A DECODE pass records its new KV slots in req_to_token on the device (the host copy
+        has them from the BatchBuilder). The decode CUDA graph captures this call too."""
         if fb.forward_mode.is_decode():
             self.req_to_token_pool.write_decode_slots(fb.req_pool_indices, fb.seq_lens,
                                                       fb.out_cache_loc)
-        self.attn_backend.init_forward_metadata(fb)
-        return self.model(fb.input_ids, fb.positions, fb)
 
     def _sample(self, batch: ModelWorkerBatch, logits: torch.Tensor,
                 extend_logits: torch.Tensor | None) -> ForwardOutput:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from radixserve.executor.forward_batch import ForwardOutput
+from radixserve.core.forward_batch import ForwardOutput
 from radixserve.executor.sampler import DeviceLogprobs, top_logprob_lists
 
 

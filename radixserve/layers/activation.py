@@ -1,4 +1,4 @@
-"""SiLU(gate) * up over a merged [T, 2*I] projection."""
+"""Gated activations over a merged [T, 2*I] gate|up projection: act(gate) * up."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +7,8 @@ from torch import nn
 
 
 class SiluAndMul(nn.Module):
+    """SwiGLU (Llama, Mistral, Qwen)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             try:
@@ -16,3 +18,23 @@ class SiluAndMul(nn.Module):
                 pass
         half = x.shape[-1] // 2
         return F.silu(x[..., :half]) * x[..., half:]
+
+
+class GeluTanhAndMul(nn.Module):
+    """GeGLU with the tanh approximation of GELU (Gemma's gelu_pytorch_tanh)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return F.gelu(x[..., :half], approximate="tanh") * x[..., half:]
+
+
+_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul,
+                "gelu_tanh": GeluTanhAndMul}
+
+
+def gated_activation(name: str) -> nn.Module:
+    """The gated activation for a config's hidden_act / hidden_activation."""
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported "
+                         f"(supported: {', '.join(sorted(_ACTIVATIONS))})")
+    return _ACTIVATIONS[name]()

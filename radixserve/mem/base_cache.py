@@ -4,7 +4,7 @@ Memory ownership, which every implementation keeps:
   * A KV slot is in exactly one place: the TokenToKVPool free list, the cache (tree), or a live
     request (positions [len(req.prefix_indices), kv_len) of its ReqToTokenPool row).
   * Positions [0, len(req.prefix_indices)) of a request's row are the cache's slots; the request
-    keeps them alive by holding a lock on `req.last_node` (taken by the scheduler with
+    keeps them alive by holding a lock on `req.cache_handle` (taken by the scheduler with
     `inc_lock_ref` right after `match_prefix`, dropped by the cache in `cache_*_req`).
   * `cache_finished_req` ends the request's hold on memory: its KV is handed to the cache (or
     freed), its ReqToTokenPool row is freed, its lock released. Retraction uses it too: the
@@ -21,15 +21,14 @@ import torch
 
 if TYPE_CHECKING:
     from radixserve.core.req import Req
-    from radixserve.mem.radix_cache import TreeNode
 
 
 class MatchResult(NamedTuple):
     """`indices`: KV slots (int64, CPU) of the longest cached prefix of the key.
-    `last_node`: the node that prefix ends at (exactly: its last token is the node's last);
-    lock it with `inc_lock_ref` to keep `indices` from being evicted."""
+    `handle`: opaque to callers (the RadixCache's tree node where the prefix ends); lock it
+    with `inc_lock_ref` to keep `indices` from being evicted, keep it in `req.cache_handle`."""
     indices: torch.Tensor
-    last_node: "TreeNode"
+    handle: object
 
 
 def empty_slots() -> torch.Tensor:
@@ -53,14 +52,14 @@ class BasePrefixCache(ABC):
         `allocated_len`: how many positions of the row hold allocated slots, when more were
         allocated than written (default `len(token_ids)`); slots in
         [len(token_ids), allocated_len) are freed, not cached.
-        Afterwards the request holds nothing: req_pool_idx and last_node are None and
+        Afterwards the request holds nothing: req_pool_idx and cache_handle are None and
         prefix_indices is empty.
         """
 
     @abstractmethod
     def cache_unfinished_req(self, req: "Req", token_ids: list[int] | None = None) -> None:
         """Keep the request running: its KV so far (tokens `token_ids`, default `req.fill_ids`,
-        all of whose KV is written) becomes `req.prefix_indices`; `req.last_node` and the
+        all of whose KV is written) becomes `req.prefix_indices`; `req.cache_handle` and the
         request's row are updated. The row stays allocated."""
 
     @abstractmethod
@@ -68,12 +67,12 @@ class BasePrefixCache(ABC):
         """Free at least `num_tokens` unlocked cached slots if possible; return how many."""
 
     @abstractmethod
-    def inc_lock_ref(self, node: "TreeNode | None") -> int:
-        """Lock the path root..node; return the change of `evictable_size()` (<= 0)."""
+    def inc_lock_ref(self, handle: object | None) -> int:
+        """Lock the prefix the handle ends; return the change of `evictable_size()` (<= 0)."""
 
     @abstractmethod
-    def dec_lock_ref(self, node: "TreeNode | None") -> int:
-        """Unlock the path root..node; return the change of `evictable_size()` (>= 0)."""
+    def dec_lock_ref(self, handle: object | None) -> int:
+        """Unlock the prefix the handle ends; return the change of `evictable_size()` (>= 0)."""
 
     @abstractmethod
     def evictable_size(self) -> int:

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.mem.base_cache import BasePrefixCache, MatchResult, empty_slots
-from radixserve.mem.pools import ReqToTokenPool, TokenToKVPool
+from radixserve.mem.kv_pool import KVPool
+from radixserve.mem.req_to_token_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
     from radixserve.core.req import Req
@@ -44,6 +45,12 @@ def _require(condition: bool, message: str) -> None:
         raise AssertionError(message)
 
 
+def _as_node(handle: object | None) -> TreeNode | None:
+    """A handle from match_prefix is one of this tree's nodes (None: nothing matched)."""
+    _require(handle is None or isinstance(handle, TreeNode), f"not a RadixCache handle: {handle!r}")
+    return handle  # type: ignore[return-value]
+
+
 def _common_prefix_len(node_key: list[int], key: list[int], start: int) -> int:
     """Length of the common prefix of `node_key` and `key[start:]`."""
     limit = min(len(node_key), len(key) - start)
@@ -55,7 +62,7 @@ def _common_prefix_len(node_key: list[int], key: list[int], start: int) -> int:
 
 class RadixCache(BasePrefixCache):
     def __init__(self, req_to_token_pool: ReqToTokenPool,
-                 token_to_kv_pool: TokenToKVPool) -> None:
+                 token_to_kv_pool: KVPool) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
         self.reset()
@@ -70,7 +77,7 @@ class RadixCache(BasePrefixCache):
     # ---- lookups and inserts ----
     def match_prefix(self, key: list[int]) -> MatchResult:
         """Longest cached prefix of `key`. If it ends inside a node, that node is split so
-        that `last_node` ends exactly at the prefix. Marks the path as just used."""
+        that the handle (a TreeNode) ends exactly at the prefix. Marks the path as just used."""
         now = next(self._clock)
         node = self.root
         node.last_access_time = now
@@ -88,7 +95,7 @@ class RadixCache(BasePrefixCache):
             node = child
             pos += match_len
         indices = torch.cat(values) if values else empty_slots()
-        return MatchResult(indices=indices, last_node=node)
+        return MatchResult(indices=indices, handle=node)
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Cache `value[i]` as the KV slot of `key[:i+1]` for every i not cached yet.
@@ -157,9 +164,9 @@ class RadixCache(BasePrefixCache):
         self.token_to_kv_pool.free(torch.cat((row[prefix_len:already_len],
                                               row[kv_len:allocated_len])))
         self.req_to_token_pool.free(req.req_pool_idx)
-        self.dec_lock_ref(req.last_node)
+        self.dec_lock_ref(req.cache_handle)
         req.req_pool_idx = None
-        req.last_node = None
+        req.cache_handle = None
         req.prefix_indices = empty_slots()
 
     def cache_unfinished_req(self, req: "Req", token_ids: list[int] | None = None) -> None:
@@ -172,18 +179,19 @@ class RadixCache(BasePrefixCache):
         already_len = self.insert(token_ids, row)
         _require(already_len >= prefix_len, "token_ids do not start with the matched prefix")
         self.token_to_kv_pool.free(row[prefix_len:already_len])
-        new_indices, new_last_node = self.match_prefix(token_ids)
+        new_indices, new_handle = self.match_prefix(token_ids)
         _require(len(new_indices) == kv_len, "just-inserted tokens are not all cached")
         # point the freed duplicate positions at the tree's slots; the rest are unchanged
         self.req_to_token_pool.write(req.req_pool_idx, prefix_len,
                                      new_indices[prefix_len:already_len])
-        self.inc_lock_ref(new_last_node)
-        self.dec_lock_ref(req.last_node)
+        self.inc_lock_ref(new_handle)
+        self.dec_lock_ref(req.cache_handle)
         req.prefix_indices = new_indices
-        req.last_node = new_last_node
+        req.cache_handle = new_handle
 
     # ---- locking ----
-    def inc_lock_ref(self, node: TreeNode | None) -> int:
+    def inc_lock_ref(self, handle: object | None) -> int:
+        node = _as_node(handle)
         delta = 0
         while node is not None and node is not self.root:
             if node.lock_ref == 0:
@@ -194,7 +202,8 @@ class RadixCache(BasePrefixCache):
             node = node.parent
         return delta
 
-    def dec_lock_ref(self, node: TreeNode | None) -> int:
+    def dec_lock_ref(self, handle: object | None) -> int:
+        node = _as_node(handle)
         delta = 0
         while node is not None and node is not self.root:
             _require(node.lock_ref > 0, f"unbalanced dec_lock_ref on {node!r}")

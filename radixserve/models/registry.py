@@ -1,19 +1,46 @@
-"""Architecture name (HF config "architectures") -> model class."""
+"""Architecture name (HF config "architectures") -> model class, imported on first use.
+
+Every model class has one constructor signature, `cls(config: ModelConfig)`. Adding a family is
+a module under models/ and one line here."""
 from __future__ import annotations
 
+import importlib
+
+import torch
 from torch import nn
 
-from radixserve.models.llama import LlamaForCausalLM
+from radixserve.config import ModelConfig
+from radixserve.mem.kv_pool import KVCacheSpec, kv_pool_class
 
-_MODELS: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
+# architecture -> (module under radixserve.models, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
 }
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
     if architecture not in _MODELS:
         raise ValueError(f"unsupported architecture {architecture!r}; "
-                         f"supported: {', '.join(sorted(_MODELS))}")
-    return _MODELS[architecture]
+                         f"supported: {', '.join(supported_architectures())}")
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(f"radixserve.models.{module}"), name)
+
+
+def kv_cache_spec(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> KVCacheSpec:
+    """What the model's KV pool stores per token (the model class decides)."""
+    return get_model_class(config.architecture).kv_cache_spec(  # type: ignore[attr-defined]
+        config, dtype, tp_size)
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of KV one token takes in all layers, from the pool class that will hold it."""
+    spec = kv_cache_spec(config, dtype, tp_size)
+    return kv_pool_class(spec.kind).bytes_per_token(spec)

@@ -75,9 +75,9 @@ class PrefillAdder:
         if need > self.rem_total_tokens:
             return False
         # locking the prefix takes it out of the evictable pool: re-check afterwards
-        self.rem_total_tokens += self.tree_cache.inc_lock_ref(req.last_node)
+        self.rem_total_tokens += self.tree_cache.inc_lock_ref(req.cache_handle)
         if need > self.rem_total_tokens:
-            self.rem_total_tokens += self.tree_cache.dec_lock_ref(req.last_node)
+            self.rem_total_tokens += self.tree_cache.dec_lock_ref(req.cache_handle)
             return False
         take = req.extend_input_len
         if self.rem_chunk_tokens is not None:
@@ -85,7 +85,7 @@ class PrefillAdder:
         elif take > self.rem_input_tokens and self.can_run:
             take = 0  # too long for what is left of this batch: next turn
         if take <= 0:
-            self.rem_total_tokens += self.tree_cache.dec_lock_ref(req.last_node)
+            self.rem_total_tokens += self.tree_cache.dec_lock_ref(req.cache_handle)
             return False
         self.rem_total_tokens -= expected_new_tokens(req)
         self._admit(req, take, newly_locked=True)

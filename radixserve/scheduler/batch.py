@@ -1,5 +1,9 @@
 """Turning a list of Reqs into a ModelWorkerBatch: slot allocation and req_to_token writes.
 
+The BatchBuilder records every slot the scheduler allocates in the request table (through
+ReqToTokenPool's methods); the only other writers are the radix cache (pointing duplicates at
+its own slots) and the DECODE pass (the device half of a decode step's slots).
+
 Every request in a batch has `kv_len` (KV positions written so far) tracked by the scheduler
 through `req.kv_len`; extend writes [prefix_len, prefix_len + extend_len), decode one position.
 """
@@ -9,20 +13,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.core.forward_batch import ForwardMode, ModelWorkerBatch
 from radixserve.core.req import Req
-from radixserve.executor.forward_batch import ForwardMode, ModelWorkerBatch
 from radixserve.executor.sampling_info import SamplingBatchInfo
 
 if TYPE_CHECKING:
     from radixserve.mem.base_cache import BasePrefixCache
-    from radixserve.mem.pools import ReqToTokenPool, TokenToKVPool
+    from radixserve.mem.kv_pool import KVPool
+    from radixserve.mem.req_to_token_pool import ReqToTokenPool
 
 
 class OutOfMemoryError(RuntimeError):
     """Raised when KV slots cannot be had even after eviction (an admission bug)."""
 
 
-def alloc_kv(num_tokens: int, token_to_kv_pool: "TokenToKVPool",
+def alloc_kv(num_tokens: int, token_to_kv_pool: "KVPool",
              tree_cache: "BasePrefixCache") -> torch.Tensor:
     slots = token_to_kv_pool.alloc(num_tokens)
     if slots is None:
@@ -35,7 +40,7 @@ def alloc_kv(num_tokens: int, token_to_kv_pool: "TokenToKVPool",
 
 
 class BatchBuilder:
-    def __init__(self, req_to_token_pool: "ReqToTokenPool", token_to_kv_pool: "TokenToKVPool",
+    def __init__(self, req_to_token_pool: "ReqToTokenPool", token_to_kv_pool: "KVPool",
                  tree_cache: "BasePrefixCache", vocab_size: int, eos_token_ids: set[int],
                  device: torch.device) -> None:
         self.req_to_token_pool = req_to_token_pool
@@ -102,15 +107,21 @@ class BatchBuilder:
             batch.extend_next_token_ids.append(req.origin_input_ids[prefix_len + 1:end]
                                                if want else [])
 
-    def prepare_decode(self, reqs: list[Req], with_sampling: bool = True) -> ModelWorkerBatch:
+    def prepare_decode(self, reqs: list[Req], with_sampling: bool = True,
+                       for_mixed: bool = False) -> ModelWorkerBatch:
         """One new KV slot per request for its last sampled token (memory already checked).
 
-        The slot is not yet in req_to_token: a DECODE pass writes it there on the device
-        (ReqToTokenPool.write_decode_slots, inside the CUDA graph when one is replayed). A batch
-        that is not run as DECODE (the decode part of a MIXED pass) needs write_decode_slots."""
+        A DECODE pass writes the slot into the device table itself (ReqToTokenPool.
+        write_decode_slots, inside the CUDA graph when one is replayed), so only the host copy
+        is written here; `for_mixed`: the batch runs as the decode part of a MIXED pass, which
+        does not, so both are written here."""
         out_cache_loc = alloc_kv(len(reqs), self.token_to_kv_pool, self.tree_cache)
-        self.req_to_token_pool.write_host_positions([r.req_pool_idx for r in reqs],
-                                                    [r.kv_len for r in reqs], out_cache_loc)
+        rows, positions = [r.req_pool_idx for r in reqs], [r.kv_len for r in reqs]
+        if for_mixed:
+            self.req_to_token_pool.write_positions(rows, positions, out_cache_loc)  # type: ignore[arg-type]
+        else:
+            self.req_to_token_pool.write_host_positions(rows, positions,  # type: ignore[arg-type]
+                                                        out_cache_loc)
         for req in reqs:
             req.kv_len += 1
         return ModelWorkerBatch(
@@ -123,15 +134,6 @@ class BatchBuilder:
             return_logprob=any(r.return_logprob for r in reqs),
             top_logprobs_nums=[r.top_logprobs_num for r in reqs],
         )
-
-
-def write_decode_slots(batch: ModelWorkerBatch, req_to_token_pool: "ReqToTokenPool") -> None:
-    """Record a decode batch's new slots in req_to_token from the host (for MIXED passes)."""
-    device = req_to_token_pool.device
-    rows_lens = torch.tensor([batch.req_pool_indices, batch.seq_lens], dtype=torch.int64)
-    rows_lens = rows_lens.to(device, non_blocking=True)
-    req_to_token_pool.write_decode_slots(rows_lens[0], rows_lens[1],
-                                         batch.out_cache_loc.to(device, non_blocking=True))
 
 
 def merge_mixed(extend: ModelWorkerBatch, decode: ModelWorkerBatch,

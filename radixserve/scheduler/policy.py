@@ -1,7 +1,7 @@
 """Which waiting request goes first: lpm | fcfs | dfs-weight | random.
 
 The cache-aware policies match every waiting request against the radix cache (which also fills
-req.prefix_indices / req.last_node for admission). Like SGLang v0.2, lpm falls back to fcfs when
+req.prefix_indices / req.cache_handle for admission). Like SGLang v0.2, lpm falls back to fcfs when
 the queue is long, because matching every request each turn would cost more than it saves.
 """
 from __future__ import annotations
@@ -19,17 +19,17 @@ LPM_MAX_QUEUE_LEN = 128
 
 
 def match_prefix(req: Req, tree_cache: "BasePrefixCache") -> None:
-    """Fill req.prefix_indices / last_node / extend_input_len from the cache."""
+    """Fill req.prefix_indices / cache_handle / extend_input_len from the cache."""
     req.init_next_round_input()
     # the last token must be recomputed to produce logits, so never match the whole sequence
-    indices, last_node = tree_cache.match_prefix(req.fill_ids[:-1])
+    indices, cache_handle = tree_cache.match_prefix(req.fill_ids[:-1])
     if req.return_logprob and req.logprob_start_len >= 0:
         # input logprobs are computed only for extended positions: keep those uncached
         keep = min(len(indices), req.logprob_start_len)
         if keep < len(indices):
-            indices, last_node = tree_cache.match_prefix(req.fill_ids[:keep])
+            indices, cache_handle = tree_cache.match_prefix(req.fill_ids[:keep])
     req.prefix_indices = indices
-    req.last_node = last_node
+    req.cache_handle = cache_handle
     req.extend_input_len = len(req.fill_ids) - len(indices)
 
 
@@ -64,7 +64,7 @@ class SchedulePolicy:
             return list(waiting_queue)
         reqs_at = defaultdict(list)
         for req in waiting_queue:
-            reqs_at[id(req.last_node)].append(req)
+            reqs_at[id(req.cache_handle)].append(req)
         weight: dict[int, int] = {}
 
         def compute_weight(node) -> int:  # type: ignore[no-untyped-def]

@@ -15,12 +15,15 @@ from radixserve.core.finish_reason import FinishReason
 from radixserve.core.io_struct import (BatchTokenIDOut, FlushCacheReply, InternalState,
                                        ReqError, TokenizedGenerateReq)
 from radixserve.core.req import Detokenizer, Req
-from radixserve.executor.forward_batch import ModelWorkerBatch
+from radixserve.core.request_validation import RequestLimits, check_prompt
+from radixserve.core.sampling_params import InvalidRequestError
+from radixserve.core.forward_batch import ModelWorkerBatch
 from radixserve.mem.base_cache import BasePrefixCache
 from radixserve.scheduler.admission import PrefillAdder
-from radixserve.scheduler.batch import BatchBuilder, merge_mixed, write_decode_slots
+from radixserve.scheduler.batch import BatchBuilder, merge_mixed
 from radixserve.scheduler.in_batch_prefix import InBatchPrefixIndex
-from radixserve.scheduler.overlap_decode import InflightDecode, OverlapDecodeMixin
+from radixserve.scheduler.overlap_decode import (DecodeLauncher, InflightDecode,
+                                                 ends_after_next_token)
 from radixserve.scheduler.output import build_token_output, needs_send
 from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.retraction import NewTokenRatio, pick_retractions
@@ -40,8 +43,11 @@ class ModelRunnerLike(Protocol):
 
     def forward(self, batch: ModelWorkerBatch) -> Any: ...
 
+    def forward_decode_async(self, batch: ModelWorkerBatch,
+                             input_ids: Any = None) -> Any: ...
 
-class Scheduler(OverlapDecodeMixin):
+
+class Scheduler:
     def __init__(self, server_args: ServerArgs, model_runner: ModelRunnerLike,
                  tokenizer: Detokenizer | None, eos_token_ids: set[int], context_len: int) -> None:
         self.args = server_args.resolve()
@@ -69,7 +75,10 @@ class Scheduler(OverlapDecodeMixin):
         self.last_turn_was_chunk = False
         self.outbox: list[Req] = []
         self.last_memory_check: tuple[bool, int] | None = None
-        # the decode step launched but not yet read back (overlap), with its requests
+        # overlap: decode steps launched before the previous one's ids are read back; the
+        # step launched last and not yet read back, with its requests
+        self.launcher = None if self.args.disable_overlap_schedule else \
+            DecodeLauncher(model_runner, self.builder)
         self.inflight: InflightDecode | None = None
 
     def _make_cache(self) -> BasePrefixCache:
@@ -98,7 +107,9 @@ class Scheduler(OverlapDecodeMixin):
     def model_info(self) -> dict[str, Any]:
         return {"context_len": self.context_len, "max_total_num_tokens": self.max_total_num_tokens,
                 "vocab_size": self.runner.vocab_size, "eos_token_ids": sorted(self.eos_token_ids),
-                "max_running_requests": self.max_running_requests}
+                "max_running_requests": self.max_running_requests,
+                "max_prefill_tokens": None if self.args.chunked_prefill_enabled
+                else self.args.max_prefill_tokens}
 
     # ---- requests in ----
     def add_request(self, msg: TokenizedGenerateReq) -> ReqError | None:
@@ -115,21 +126,10 @@ class Scheduler(OverlapDecodeMixin):
         return None
 
     def _validate(self, msg: TokenizedGenerateReq) -> str | None:
-        n = len(msg.input_ids)
-        if n == 0:
-            return "the prompt is empty"
-        if n >= self.context_len:
-            return (f"the prompt has {n} tokens, but the context length is {self.context_len}: "
-                    f"at most {self.context_len - 1} prompt tokens are allowed")
-        if n + 1 > self.max_total_num_tokens:
-            return (f"the prompt has {n} tokens, more than the KV cache holds "
-                    f"({self.max_total_num_tokens} tokens)")
-        if not self.args.chunked_prefill_enabled and n > self.args.max_prefill_tokens:
-            return (f"the prompt has {n} tokens, more than --max-prefill-tokens "
-                    f"({self.args.max_prefill_tokens}) with chunked prefill disabled")
-        vocab = self.runner.vocab_size
-        if any(not 0 <= t < vocab for t in msg.input_ids):
-            return f"input_ids must be in [0, {vocab})"
+        try:
+            check_prompt(msg.input_ids, RequestLimits.from_model_info(self.model_info))
+        except InvalidRequestError as exc:
+            return str(exc)
         return None
 
     def abort_request(self, rid: str) -> None:
@@ -189,8 +189,8 @@ class Scheduler(OverlapDecodeMixin):
             self._run_prefill(prefill)
         elif self.running or self.inflight:
             steps = max(1, self.args.num_continuous_decode_steps)
-            if self._can_overlap_decode():
-                self._run_decode_steps_overlapped(steps)
+            if self.launcher is not None:
+                self._run_decode_steps_overlapped(self.launcher, steps)
             else:
                 self._settle()
                 for _ in range(steps):
@@ -268,8 +268,7 @@ class Scheduler(OverlapDecodeMixin):
             return
         # the merged pass gets one sampling info for all its requests
         extend = self.builder.prepare_extend(prefill, with_sampling=False)
-        decode = self.builder.prepare_decode(self.running, with_sampling=False)
-        write_decode_slots(decode, self.req_to_token_pool)  # the pass runs as MIXED, not DECODE
+        decode = self.builder.prepare_decode(self.running, with_sampling=False, for_mixed=True)
         sampling = self.builder.sampling_info(prefill + self.running)
         out = self.runner.forward(merge_mixed(extend, decode, sampling))
         n = len(prefill)
@@ -312,6 +311,57 @@ class Scheduler(OverlapDecodeMixin):
             return
         batch = self.builder.prepare_decode(self.running)
         self._process_decode_results(self.runner.forward(batch))
+
+    def _run_decode_steps_overlapped(self, launcher: DecodeLauncher, max_steps: int) -> None:
+        """Launch up to max_steps decode steps, each before the previous one's ids are read:
+        step k+1 takes its input ids from step k on the device, and while it runs the host
+        appends step k's tokens, checks which requests finished and (after the turn) sends the
+        output. The last step launched stays in flight across the turn (`self.inflight`); a
+        prefill, a retraction, an abort or a synchronous step settles it first (`_settle`).
+
+        Step k+1 leaves out requests whose step-k token is their last by length; a request that
+        stops on a token (EOS, stop string) is found one step late: its step-k+1 token is
+        dropped and the KV slot that step wrote goes back with the request's other slots."""
+        launched_steps = 0
+        while True:
+            launched = None
+            if launched_steps < max_steps:
+                if self.inflight is None:
+                    self._ensure_decode_memory()
+                    reqs = list(self.running)
+                else:
+                    reqs = [r for r in self.inflight.reqs if not r.finished
+                            and not ends_after_next_token(r, self.context_len)]
+                    if not self._decode_memory_available(len(reqs)):
+                        reqs = []  # short of KV: settle first; the next turn may retract
+                if reqs:
+                    launched = launcher.launch(reqs, self.inflight)
+                    launched_steps += 1
+            self._settle()
+            self.inflight = launched
+            if launched is None or launched_steps >= max_steps or \
+                    self._streamed_output_waiting():
+                break  # what was launched last runs on while the turn's output goes out
+
+    def _settle(self) -> None:
+        """Read back and process the decode step in flight, if any."""
+        if self.inflight is None:
+            return
+        inflight, self.inflight = self.inflight, None
+        out = inflight.handle.output([r.top_logprobs_num for r in inflight.reqs])
+        for i, req in enumerate(inflight.reqs):
+            if req.finished:  # stopped on the step before; this token is past its end
+                continue
+            self._append_token(req, i, out)
+            if req.finished:
+                self._finish(req)
+        self._after_decode_step(len(inflight.reqs), [r for r in self.running if not r.finished])
+
+    def _decode_memory_available(self, need: int) -> bool:
+        available = self.token_to_kv_pool.available_size()
+        if available < need:
+            self.tree_cache.evict(need - available)
+        return self.token_to_kv_pool.available_size() >= need
 
     def _process_decode_results(self, out: Any) -> None:
         still_running: list[Req] = []

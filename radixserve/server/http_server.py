@@ -59,7 +59,7 @@ def build_app(tm: TokenizerManager, api_key: str | None, model_name: str,
                   openapi_url=None)
     app.include_router(native_router(tm, server_info, is_ready))
     ctx = OpenAIContext(tokenizer_manager=tm, model_name=model_name, model_aliases=model_aliases)
-    app.include_router(openai_router(ctx, tm.context_len))
+    app.include_router(openai_router(ctx, tm.limits.context_len))
     app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     @app.exception_handler(APIError)

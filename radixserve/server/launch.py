@@ -22,7 +22,7 @@ from typing import Any
 import uvicorn
 
 from radixserve.config import DEFAULT_MODEL_NAME, ServerArgs
-from radixserve.scheduler.process import SchedulerFactory
+from radixserve.server.scheduler_process import SchedulerFactory
 from radixserve.server.http_server import build_app
 from radixserve.server.ipc import PortArgs
 from radixserve.server.metrics import ServerMetrics

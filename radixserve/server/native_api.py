@@ -132,7 +132,7 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
 
     @router.get("/health_generate")
     async def health_generate(request: Request) -> Response:
-        ids = [tm.vocab_size // 2 if tm.vocab_size else 1] * 4
+        ids = [tm.limits.vocab_size // 2 if tm.limits.vocab_size else 1] * 4
         req = tm.make_request(input_ids=ids, sampling_params=SamplingParams(
             max_new_tokens=1, temperature=0.0))
         try:

@@ -36,7 +36,7 @@ def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest) -> list[Gene
     prompt, input_ids = render_prompt(ctx, body)
     max_tokens = body.requested_max_tokens
     if max_tokens is None:  # OpenAI: up to the context length
-        max_tokens = max(tm.context_len - len(input_ids), 0)
+        max_tokens = max(tm.limits.context_len - len(input_ids), 0)
     req = tm.make_request(
         text=prompt, input_ids=input_ids, sampling_params=body.sampling_params(max_tokens),
         return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from radixserve.config import ServerArgs
-from radixserve.scheduler.process import SchedulerFactory, run_scheduler_process
+from radixserve.server.scheduler_process import SchedulerFactory, run_scheduler_process
 from radixserve.server.detokenizer_manager import run_detokenizer_process
 from radixserve.server.ipc import PortArgs
 

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from radixserve.core.io_struct import (AbortReq, BatchStrOut, FlushCacheReply, FlushCacheReq,
                                        GetInternalStateReq, InternalState, ReqError,
                                        TokenizedGenerateReq)
+from radixserve.core.request_validation import RequestLimits, validate_request
 from radixserve.core.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.server.errors import APIError, ClientDisconnected
 from radixserve.server.ipc import PortArgs, pull_socket, push_socket
@@ -44,8 +45,7 @@ class TokenizerManager:
         self.port_args = port_args
         self.tokenizer = tokenizer
         self.model_info = model_info
-        self.context_len = int(model_info["context_len"])
-        self.vocab_size = int(model_info.get("vocab_size") or 0)
+        self.limits = RequestLimits.from_model_info(model_info)
         self.metrics = metrics
         self.log_requests = log_requests
         self.rid_to_state: dict[str, ReqState] = {}
@@ -83,45 +83,27 @@ class TokenizerManager:
                      return_logprob: bool = False, logprob_start_len: int = -1,
                      top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
                      stream: bool = False, param: str = "prompt") -> GenerateRequest:
-        """Validate everything and tokenize; raises APIError(400) for bad input."""
-        try:
-            sampling_params.verify()
-            sampling_params.normalize()
-            SamplingParams.check_top_logprobs_num(top_logprobs_num)
-        except InvalidRequestError as exc:
-            raise APIError(str(exc)) from exc
+        """Validate everything (core/request_validation.py, as the Engine does) and tokenize;
+        raises APIError(400) for bad input."""
         if input_ids is None:
             if text is None:
                 raise APIError("either text or input_ids must be given", param=param)
             if text == "":
                 raise APIError("the prompt must not be empty", param=param)
             input_ids = self.tokenize(text)
-        if not input_ids:
-            raise APIError("the prompt must not be empty", param=param)
-        if self.vocab_size and any(not 0 <= t < self.vocab_size for t in input_ids):
-            raise APIError(f"token ids must be in [0, {self.vocab_size})", param=param)
-        self.check_length(len(input_ids), sampling_params.max_new_tokens)
+        try:
+            validate_request(input_ids, sampling_params, self.limits, logprob_start_len,
+                             top_logprobs_num)
+        except InvalidRequestError as exc:
+            field = param if exc.param == "prompt" else exc.param
+            raise APIError(str(exc), param=field) from exc
         if rid is not None and rid in self.rid_to_state:
             raise APIError(f"request id {rid!r} is already in use", param="rid")
-        if logprob_start_len >= len(input_ids):
-            raise APIError(f"logprob_start_len must be < the prompt length ({len(input_ids)})",
-                           param="logprob_start_len")
         return GenerateRequest(
             rid=rid or uuid.uuid4().hex, input_ids=list(input_ids), input_text=text,
             sampling_params=sampling_params, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             return_text_in_logprobs=return_text_in_logprobs, stream=stream)
-
-    def check_length(self, prompt_len: int, max_new_tokens: int) -> None:
-        if prompt_len >= self.context_len:
-            raise APIError(f"The input ({prompt_len} tokens) is longer than the model's context "
-                           f"length ({self.context_len} tokens).")
-        if prompt_len + max_new_tokens > self.context_len:
-            raise APIError(
-                f"Requested {prompt_len + max_new_tokens} tokens ({prompt_len} in the prompt, "
-                f"{max_new_tokens} to generate), but the model's context length is "
-                f"{self.context_len} tokens. Reduce the prompt or max_tokens.",
-                param="max_tokens")
 
     # ---- generation ----
     async def generate(self, req: GenerateRequest,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -51,18 +52,34 @@ def random_pool(seq_lens: list[int], num_kv_heads: int, head_dim: int, dtype: to
                       rows.to(device), torch.tensor(seq_lens, device=device))
 
 
+def make_context(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+                 dtype: torch.dtype = torch.float32, num_layers: int = 1, num_rows: int = 8,
+                 max_context_len: int = 96, num_slots: int = 400, max_bs: int | None = None):
+    """An AttentionContext over fresh pools (what a ModelRunner gives its backend)."""
+    from radixserve.attention.base import AttentionContext
+    from radixserve.mem.kv_pool import KVCacheSpec, make_kv_pool
+    from radixserve.mem.req_to_token_pool import ReqToTokenPool
+    spec = KVCacheSpec("mha", num_layers, num_kv_heads, head_dim, dtype)
+    return AttentionContext(num_heads, num_kv_heads, head_dim, torch.device(device),
+                            max_bs if max_bs is not None else num_rows,
+                            ReqToTokenPool(num_rows, max_context_len, device),
+                            make_kv_pool(num_slots, spec, device))
+
+
 class PoolDriver:
     """Plays the scheduler's part for one backend: real pools, request rows, KV slots, and the
-    ForwardBatch of each pass (the caller builds the backend's metadata)."""
+    ForwardBatch of each pass (the caller builds the backend's metadata). `make_backend` builds
+    the backend from the context over the driver's pools."""
 
-    def __init__(self, backend: object, dtype: torch.dtype, device: torch.device,
+    def __init__(self, make_backend: Any, dtype: torch.dtype, device: torch.device,
                  num_kv_heads: int, head_dim: int, num_layers: int, num_rows: int = 8,
-                 max_context_len: int = 96, num_slots: int = 400) -> None:
-        from radixserve.mem.pools import ReqToTokenPool, TokenToKVPool
-        self.backend, self.dtype, self.device = backend, dtype, device
-        self.req_pool = ReqToTokenPool(num_rows, max_context_len, device)
-        self.kv_pool = TokenToKVPool(num_slots, dtype, num_kv_heads, head_dim, num_layers,
-                                     device)
+                 max_context_len: int = 96, num_slots: int = 400, num_heads: int = 4,
+                 max_bs: int | None = None) -> None:
+        self.dtype, self.device = dtype, device
+        context = make_context(num_heads, num_kv_heads, head_dim, device, dtype, num_layers,
+                               num_rows, max_context_len, num_slots, max_bs)
+        self.req_pool, self.kv_pool = context.req_to_token_pool, context.kv_pool
+        self.backend = make_backend(context)
         self.seq_len: dict[int, int] = {}  # request row -> tokens in the pool
 
     def new_request(self, shared_prefix_from: int | None = None, prefix_len: int = 0) -> int:
@@ -74,7 +91,7 @@ class PoolDriver:
         return row
 
     def batch(self, mode: object, rows: list[int], extend_lens: list[int]) -> object:
-        from radixserve.executor.forward_batch import ForwardBatch, ModelWorkerBatch
+        from radixserve.core.forward_batch import ForwardBatch, ModelWorkerBatch
         prefix_lens = [self.seq_len[r] for r in rows]
         out_cache_loc = self.kv_pool.alloc(sum(extend_lens))
         offset = 0
@@ -89,5 +106,4 @@ class PoolDriver:
                                   seq_lens=seq_lens, out_cache_loc=out_cache_loc)
         if mode.is_extend():
             worker.extend_seq_lens, worker.extend_prefix_lens = extend_lens, prefix_lens
-        return ForwardBatch.from_worker_batch(worker, self.device, self.req_pool, self.kv_pool,
-                                              self.backend)
+        return ForwardBatch.from_worker_batch(worker, self.device, self.backend)

@@ -12,15 +12,16 @@ import torch
 
 pytest.importorskip("triton")
 
+from typing import Any  # noqa: E402
+
 from attn_testkit import DEVICE, PoolDriver, tolerance  # noqa: E402
-from radixserve.attention.base import AttentionBackend  # noqa: E402
 from radixserve.attention.kernels.decode_attention import DecodeKernelConfig  # noqa: E402
 from radixserve.attention.kernels.extend_attention import ExtendKernelConfig  # noqa: E402
 from radixserve.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from radixserve.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from radixserve.executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from radixserve.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from radixserve.layers.radix_attention import RadixAttention, RopeInput  # noqa: E402
-from radixserve.layers.rotary import RotaryEmbedding  # noqa: E402
+from radixserve.layers.rotary import RotaryEmbedding, default_inv_freq  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 4, 2, 64, 2
 
@@ -28,9 +29,9 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 4, 2, 64, 2
 class World(PoolDriver):
     """One backend with its own pools; every world gets the same slots for the same schedule."""
 
-    def __init__(self, backend: AttentionBackend, dtype: torch.dtype) -> None:
-        super().__init__(backend, dtype, DEVICE, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS,
-                         num_rows=4, max_context_len=64, num_slots=200)
+    def __init__(self, make_backend: Any, dtype: torch.dtype) -> None:
+        super().__init__(make_backend, dtype, DEVICE, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS,
+                         num_rows=4, max_context_len=64, num_slots=200, num_heads=NUM_HEADS)
 
     def batch(self, mode: ForwardMode, rows: list[int], extend_lens: list[int]) -> ForwardBatch:
         fb = super().batch(mode, rows, extend_lens)
@@ -48,14 +49,15 @@ def test_triton_fused_rope_store_matches_torch_native(monkeypatch: pytest.Monkey
         return original_store(self, *args, **kwargs)
 
     monkeypatch.setattr(TritonAttnBackend, "_store_kv", counting_store)
-    triton_backend = TritonAttnBackend(
-        NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DEVICE, max_bs=4, max_context_len=64,
-        num_kv_splits=4, num_sms=2, decode_config=DecodeKernelConfig(16, 2, 1),
-        extend_config=ExtendKernelConfig(16, 16, 2, 1))
-    worlds = [World(triton_backend, dtype), World(TorchNativeAttnBackend(), dtype)]
+    def triton_backend(context: Any) -> TritonAttnBackend:
+        return TritonAttnBackend(context, num_kv_splits=4, num_sms=2,
+                                 decode_config=DecodeKernelConfig(16, 2, 1),
+                                 extend_config=ExtendKernelConfig(16, 16, 2, 1))
+
+    worlds = [World(triton_backend, dtype), World(TorchNativeAttnBackend, dtype)]
     layers = [RadixAttention(NUM_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, NUM_KV_HEADS, i)
               for i in range(NUM_LAYERS)]
-    rotary = RotaryEmbedding(HEAD_DIM, max_position=128, base=10000.0).to(DEVICE)
+    rotary = RotaryEmbedding(HEAD_DIM, 128, default_inv_freq(HEAD_DIM, 10000.0)).to(DEVICE)
     gen = torch.Generator().manual_seed(0)
     width = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
 
@@ -70,7 +72,7 @@ def test_triton_fused_rope_store_matches_torch_native(monkeypatch: pytest.Monkey
                                              NUM_KV_HEADS * HEAD_DIM], dim=-1)
                 outs.append(layer(q, k, v, fb, RopeInput(fb.positions, rotary)))
             torch.testing.assert_close(outs[0], outs[1], **tolerance(dtype))
-            pools = [w.kv_pool.get_kv_buffer(layer.layer_id) for w in worlds]
+            pools = [w.kv_pool.kv_buffers(layer.layer_id) for w in worlds]
             torch.testing.assert_close(pools[0][0], pools[1][0], atol=1e-6, rtol=1e-6)
             assert torch.equal(pools[0][1], pools[1][1])
 

@@ -11,11 +11,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from attn_testkit import DEVICE, PoolDriver, gpu, needs_cuda, tolerance  # noqa: E402
+from attn_testkit import (DEVICE, PoolDriver, gpu, make_context, needs_cuda,  # noqa: E402
+                          tolerance)
 from radixserve.attention.kernels.decode_attention import DecodeKernelConfig  # noqa: E402
 from radixserve.attention.kernels.extend_attention import ExtendKernelConfig  # noqa: E402
 from radixserve.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from radixserve.executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from radixserve.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from radixserve.layers.radix_attention import RadixAttention  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 4, 1, 64, 2
@@ -28,10 +29,10 @@ class Driver(PoolDriver):
                  small_blocks: bool = True) -> None:
         configs = dict(decode_config=DecodeKernelConfig(16, 2, 1),
                        extend_config=ExtendKernelConfig(16, 16, 2, 1)) if small_blocks else {}
-        backend = TritonAttnBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, device,
-                                    max_bs=max_bs, max_context_len=96, num_kv_splits=4,
-                                    num_sms=2, **configs)
-        super().__init__(backend, dtype, device, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS)
+        super().__init__(lambda context: TritonAttnBackend(context, num_kv_splits=4, num_sms=2,
+                                                           **configs),
+                         dtype, device, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS, num_heads=NUM_HEADS,
+                         max_bs=max_bs)
         self.layers = [RadixAttention(NUM_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, NUM_KV_HEADS, i)
                        for i in range(NUM_LAYERS)]
         self.gen = torch.Generator().manual_seed(0)
@@ -50,7 +51,7 @@ class Driver(PoolDriver):
         for layer in self.layers:
             q, k, v = self.qkv(fb.num_tokens)
             out = layer(q, k, v, fb)
-            k_buf, v_buf = self.kv_pool.get_kv_buffer(layer.layer_id)
+            k_buf, v_buf = self.kv_pool.kv_buffers(layer.layer_id)
             torch.testing.assert_close(k_buf[fb.out_cache_loc], k.view(-1, NUM_KV_HEADS,
                                                                        HEAD_DIM))
             if check_eager:
@@ -62,12 +63,14 @@ class Driver(PoolDriver):
 
 def pool_attention(q: torch.Tensor, fb: ForwardBatch, k_buf: torch.Tensor,
                    v_buf: torch.Tensor, scale: float) -> torch.Tensor:
-    """Each request's new tokens (the last q_len positions) attend causally to the whole pool."""
+    """Each request's new tokens (the last q_len positions) attend causally to the whole pool
+    (the table is the backend's: fb.attn_backend.req_to_token_pool)."""
     q = q.view(-1, NUM_HEADS, HEAD_DIM).float()
     q_lens = fb.extend_seq_lens_cpu if fb.extend_seq_lens_cpu else [1] * fb.batch_size
     out, start = [], 0
     for i, (seq_len, q_len) in enumerate(zip(fb.seq_lens_cpu, q_lens)):
-        slots = fb.req_to_token_pool.req_to_token[int(fb.req_pool_indices[i]), :seq_len].long()
+        table = fb.attn_backend.req_to_token_pool.req_to_token
+        slots = table[int(fb.req_pool_indices[i]), :seq_len].long()
         k = k_buf[slots].float().repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
         v = v_buf[slots].float().repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:start + q_len], k) * scale
@@ -106,8 +109,8 @@ def test_decode_beyond_max_bs_grows_eager_workspace() -> None:
 
 
 def test_split_plan_depends_only_on_batch_size() -> None:
-    backend = TritonAttnBackend(32, 8, 128, DEVICE, max_bs=256, max_context_len=8,
-                                num_kv_splits=16, num_sms=132)
+    backend = TritonAttnBackend(make_context(32, 8, 128, DEVICE, max_bs=256, max_context_len=8,
+                                             num_slots=16), num_kv_splits=16, num_sms=132)
     splits = [backend.num_kv_splits_for(bs) for bs in (1, 2, 4, 32, 64, 256)]
     assert splits == sorted(splits, reverse=True) and splits[0] == 16 and splits[-1] == 1
     assert all(s & (s - 1) == 0 for s in splits)
@@ -140,7 +143,7 @@ def test_cuda_graph_metadata_reads_fixed_buffers() -> None:
     q, k, v = driver.qkv(graph_bs)
     layer = driver.layers[0]
     out = backend.forward_decode(q, k, v, layer, padded)
-    k_buf, v_buf = driver.kv_pool.get_kv_buffer(0)
+    k_buf, v_buf = driver.kv_pool.kv_buffers(0)
     ref = pool_attention(q[:3], fb, k_buf, v_buf, layer.scaling)
     torch.testing.assert_close(out[:3], ref, **tolerance(torch.float32))
 
@@ -180,6 +183,6 @@ def test_real_cuda_graph_replay_tracks_new_lengths() -> None:
         backend.init_forward_metadata_replay_cuda_graph(bs, fb.req_pool_indices, fb.seq_lens,
                                                         sum(fb.seq_lens_cpu))
         graph.replay()
-        k_buf, v_buf = driver.kv_pool.get_kv_buffer(layer.layer_id)
+        k_buf, v_buf = driver.kv_pool.kv_buffers(layer.layer_id)
         ref = pool_attention(q, fb, k_buf, v_buf, layer.scaling)
         torch.testing.assert_close(out, ref, **tolerance(torch.bfloat16))

@@ -1,6 +1,8 @@
 """Split-KV decode kernel vs the gather-and-softmax reference (CPU interpreter, and GPU)."""
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -16,11 +18,23 @@ SMALL = DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1)
 
 def run_decode(seq_lens: list[int], num_kv_heads: int, group: int, head_dim: int,
                dtype: torch.dtype, num_kv_splits: int, config: DecodeKernelConfig,
-               seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+               seed: int = 0, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    out, ref, _ = run_decode_with_lse(seq_lens, num_kv_heads, group, head_dim, dtype,
+                                      num_kv_splits, config, seed, **options)
+    return out, ref
+
+
+def run_decode_with_lse(seq_lens: list[int], num_kv_heads: int, group: int, head_dim: int,
+                        dtype: torch.dtype, num_kv_splits: int, config: DecodeKernelConfig,
+                        seed: int = 0, q_scale: float = 1.0, **options: Any,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """options: sliding_window / logit_cap, for the kernel and the reference alike. q_scale
+    scales q, so that scores are large enough for a logit cap to matter."""
     pool = random_pool(seq_lens, num_kv_heads, head_dim, dtype, seed=seed)
     num_heads = num_kv_heads * group
     gen = torch.Generator().manual_seed(seed + 1)
-    q = torch.randn((len(seq_lens), num_heads, head_dim), generator=gen).to(dtype).to(DEVICE)
+    q = (torch.randn((len(seq_lens), num_heads, head_dim), generator=gen) * q_scale).to(
+        dtype).to(DEVICE)
     out_shape, lse_shape = decode_workspace_shapes(len(seq_lens), num_heads, num_kv_splits,
                                                    head_dim)
     mid_out = torch.full(out_shape, float("nan"), device=DEVICE)  # unwritten splits stay NaN
@@ -28,10 +42,11 @@ def run_decode(seq_lens: list[int], num_kv_heads: int, group: int, head_dim: int
     out = torch.empty_like(q)
     scale = head_dim ** -0.5
     decode_attention_fwd(q, pool.k_buffer, pool.v_buffer, out, pool.req_to_token,
-                         pool.req_pool_indices, pool.seq_lens, mid_out, mid_lse, scale, config)
+                         pool.req_pool_indices, pool.seq_lens, mid_out, mid_lse, scale, config,
+                         **options)
     ref = decode_attention_reference(q, pool.k_buffer, pool.v_buffer, pool.req_to_token,
-                                     pool.req_pool_indices, pool.seq_lens, scale)
-    return out, ref
+                                     pool.req_pool_indices, pool.seq_lens, scale, **options)
+    return out, ref, mid_lse
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])
@@ -71,6 +86,128 @@ def test_decode_strided_query() -> None:
     ref = decode_attention_reference(q, pool.k_buffer, pool.v_buffer, pool.req_to_token,
                                      pool.req_pool_indices, pool.seq_lens, 0.1)
     torch.testing.assert_close(out, ref, **tolerance(torch.float32))
+
+
+# ---- sliding window and logit soft-capping ----
+
+RAGGED = [1, 13, 64, 75, 130]
+
+
+@pytest.mark.parametrize("window", [1, 20, 500])  # 500: larger than every context
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_decode_sliding_window(window: int, num_kv_splits: int, dtype: torch.dtype) -> None:
+    out, ref = run_decode(RAGGED, num_kv_heads=1, group=4, head_dim=64, dtype=dtype,
+                          num_kv_splits=num_kv_splits, config=SMALL, seed=11,
+                          sliding_window=window)
+    torch.testing.assert_close(out, ref, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_sliding_window_gqa(group: int) -> None:
+    out, ref = run_decode(RAGGED, num_kv_heads=2 if group == 1 else 1, group=group,
+                          head_dim=64, dtype=torch.float32, num_kv_splits=4, config=SMALL,
+                          seed=12, sliding_window=24)
+    torch.testing.assert_close(out, ref, **tolerance(torch.float32))
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@pytest.mark.parametrize("window,splits_of_longest", [(40, 3), (50, 4)])
+def test_decode_sliding_window_splits_cover_only_the_window(window: int,
+                                                            splits_of_longest: int) -> None:
+    """The split plan spreads the window, not the context, over the splits: a context of 300
+    with a window of 40 uses 3 splits of 16 (not 4 of 80), and stage 2 merges exactly those."""
+    seq_lens, num_kv_splits, block = [300, 97, 40, 5], 4, SMALL.block_n
+    out, ref, mid_lse = run_decode_with_lse(seq_lens, num_kv_heads=1, group=4, head_dim=64,
+                                            dtype=torch.float32, num_kv_splits=num_kv_splits,
+                                            config=SMALL, seed=13, sliding_window=window)
+    torch.testing.assert_close(out, ref, **tolerance(torch.float32))
+    for i, seq_len in enumerate(seq_lens):  # the plan of the module docstring
+        win_len = min(seq_len, window)
+        split_len = max(cdiv(cdiv(win_len, num_kv_splits), block) * block, block)
+        used = cdiv(win_len, split_len)
+        if i == 0:
+            assert used == splits_of_longest
+        assert torch.isfinite(mid_lse[i, :, :used]).all(), (seq_len, used)
+        assert torch.isnan(mid_lse[i, :, used:]).all(), (seq_len, used)  # never written
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_decode_logit_cap(num_kv_splits: int, dtype: torch.dtype) -> None:
+    # scores of std ~4 against a cap of 5: the cap changes the result a lot
+    out, ref = run_decode(RAGGED, num_kv_heads=2, group=2, head_dim=64, dtype=dtype,
+                          num_kv_splits=num_kv_splits, config=SMALL, seed=14, q_scale=4.0,
+                          logit_cap=5.0)
+    torch.testing.assert_close(out, ref, **tolerance(dtype))
+    _, uncapped = run_decode(RAGGED, num_kv_heads=2, group=2, head_dim=64, dtype=dtype,
+                             num_kv_splits=1, config=SMALL, seed=14, q_scale=4.0)
+    assert not torch.allclose(ref, uncapped, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_decode_sliding_window_and_logit_cap(dtype: torch.dtype) -> None:
+    out, ref = run_decode(RAGGED, num_kv_heads=1, group=8, head_dim=80, dtype=dtype,
+                          num_kv_splits=4, config=SMALL, seed=15, q_scale=3.0,
+                          sliding_window=37, logit_cap=4.0)
+    torch.testing.assert_close(out, ref, **tolerance(dtype))
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: int, scale: float,
+                    sliding_window: int, logit_cap: float) -> torch.Tensor:
+    """One query ([H, D]) at absolute position q_idx over keys at positions 0..len(k)-1, in
+    float64, written as Hugging Face does it: the causal mask and `sliding_window_overlay`
+    (kv_idx > q_idx - sliding_window), then Gemma-2's eager soft cap (w / cap, tanh, * cap)."""
+    num_heads, group = q.shape[0], q.shape[0] // k.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for h in range(num_heads):
+        kh, vh = k[:, h // group].double(), v[:, h // group].double()
+        w = (kh @ q[h].double()) * scale
+        if logit_cap > 0:
+            w = w / logit_cap
+            w = torch.tanh(w)
+            w = w * logit_cap
+        kv_idx = torch.arange(len(k))
+        allowed = kv_idx <= q_idx
+        if sliding_window > 0:
+            allowed = allowed & (kv_idx > q_idx - sliding_window)
+        w = torch.where(allowed, w, torch.tensor(float("-inf"), dtype=torch.float64))
+        out[h] = torch.softmax(w, dim=0) @ vh
+    return out
+
+
+@pytest.mark.parametrize("sliding_window,logit_cap", [(-1, 0.0), (1, 0.0), (7, 0.0),
+                                                      (100, 0.0), (-1, 2.5), (7, 2.5)])
+def test_decode_reference_matches_naive_hf_definition(sliding_window: int,
+                                                      logit_cap: float) -> None:
+    seq_lens, num_kv_heads, group, head_dim = [1, 6, 30], 2, 2, 16
+    pool = random_pool(seq_lens, num_kv_heads, head_dim, torch.float32, seed=16)
+    q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim,
+                    generator=torch.Generator().manual_seed(17)).to(DEVICE) * 2
+    ref = decode_attention_reference(q, pool.k_buffer, pool.v_buffer, pool.req_to_token,
+                                     pool.req_pool_indices, pool.seq_lens, 0.5,
+                                     sliding_window=sliding_window, logit_cap=logit_cap)
+    for i, seq_len in enumerate(seq_lens):
+        slots = pool.req_to_token[pool.req_pool_indices[i], :seq_len].long()
+        naive = naive_attention(q[i].cpu(), pool.k_buffer[slots].cpu(),
+                                pool.v_buffer[slots].cpu(), seq_len - 1, 0.5, sliding_window,
+                                logit_cap)
+        torch.testing.assert_close(ref[i].cpu().double(), naive, atol=1e-5, rtol=1e-5)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("window,logit_cap", [(1, 0.0), (256, 0.0), (1000, 30.0), (-1, 30.0)])
+@pytest.mark.parametrize("group", [1, 8])
+def test_decode_bf16_window_and_cap(window: int, logit_cap: float, group: int) -> None:
+    out, ref = run_decode([1, 100, 1000, 3000, 17, 4096, 65, 64], num_kv_heads=8, group=group,
+                          head_dim=128, dtype=torch.bfloat16, num_kv_splits=16,
+                          config=DecodeKernelConfig(), q_scale=8.0, sliding_window=window,
+                          logit_cap=logit_cap)
+    torch.testing.assert_close(out, ref, **tolerance(torch.bfloat16))
 
 
 @gpu

@@ -9,7 +9,8 @@ from transformers import (LlamaConfig, LlamaForCausalLM, PretrainedConfig, Qwen2
 
 from radixserve.bench import hardware
 from radixserve.config import ModelConfig
-from radixserve.mem.pools import TokenToKVPool
+from radixserve.mem.kv_pool import KVCacheSpec
+from radixserve.mem.mha_pool import MHATokenToKVPool
 
 SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -67,8 +68,9 @@ def test_prefill_and_decode_arithmetic_by_hand() -> None:
     assert hardware.prefill_flops(cfg, batch=1, input_len=3) == pytest.approx(
         2 * counts.linear * 3 + 2 * counts.lm_head * 1 + n_attn * 6)
     kv = hardware.kv_bytes_per_token(cfg, torch.bfloat16)
-    assert kv == TokenToKVPool.bytes_per_token(torch.bfloat16, cfg.num_key_value_heads,
-                                               cfg.head_dim, cfg.num_hidden_layers)
+    assert kv == MHATokenToKVPool.bytes_per_token(KVCacheSpec(
+        "mha", cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16))
+    assert kv == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
     weights = hardware.weight_bytes_per_forward(cfg, torch.bfloat16)
     assert hardware.decode_step_bytes(cfg, batch=4, context=100, dtype=torch.bfloat16) == \
         weights + 4 * 100 * kv + 4 * kv

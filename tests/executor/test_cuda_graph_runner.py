@@ -19,7 +19,10 @@ from radixserve.executor.cuda_graph_runner import (INPUT_IDS, NUM_INPUT_ROWS, OU
                                                    POSITIONS, REQ_POOL_INDICES, SEQ_LENS,
                                                    CudaGraphRunner, capture_batch_sizes,
                                                    fill_padded_inputs, pick_graph_batch_size)
-from radixserve.executor.forward_batch import ForwardMode, ModelWorkerBatch
+from radixserve.attention.base import AttentionContext
+from radixserve.core.forward_batch import ForwardMode, ModelWorkerBatch
+from radixserve.mem.kv_pool import KVCacheSpec, make_kv_pool
+from radixserve.mem.req_to_token_pool import ReqToTokenPool
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -95,9 +98,15 @@ def test_fill_padded_inputs_fill_value_and_exact_fit() -> None:
         fill_padded_inputs(batch, 1, seq_len_fill=1, padding_row=9, out=staging)
 
 
+def _cpu_context() -> AttentionContext:
+    return AttentionContext(4, 2, 8, torch.device("cpu"), 4, ReqToTokenPool(4, 16, "cpu"),
+                            make_kv_pool(16, KVCacheSpec("mha", 1, 2, 8, torch.float32), "cpu"))
+
+
 def test_backend_without_graphs_disables_runner() -> None:
     """torch_native raises NotImplementedError: the runner captures nothing and never runs."""
-    stand_in = SimpleNamespace(attn_backend=TorchNativeAttnBackend(), device=torch.device("cpu"),
+    stand_in = SimpleNamespace(attn_backend=TorchNativeAttnBackend(_cpu_context()),
+                               device=torch.device("cpu"),
                                server_args=SimpleNamespace(cuda_graph_max_bs=16),
                                max_num_reqs=32)
     graphs = CudaGraphRunner(stand_in)  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():  # read when a kernel is decorated: before the
 pytest.importorskip("triton")
 
 from radixserve.layers.kernels.rmsnorm import fused_rmsnorm, rmsnorm_reference  # noqa: E402
-from radixserve.layers.kernels.rotary import (apply_rotary_and_store_kv,  # noqa: E402
+from radixserve.mem.kernels.rope_kv_store import (apply_rotary_and_store_kv,  # noqa: E402
                                               apply_rotary_inplace, rotary_reference)
 from radixserve.layers.kernels.silu_and_mul import (silu_and_mul,  # noqa: E402
                                                     silu_and_mul_reference)

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():  # read when a kernel is decorated: before the
 pytest.importorskip("triton")
 
 from radixserve.layers.kernels.gemv import GemvConfig, gemv, gemv_config  # noqa: E402
-from radixserve.layers.linear import Linear, linear  # noqa: E402
+from radixserve.layers.linear import ReplicatedLinear, linear  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -61,7 +61,9 @@ def test_gemv_config_classes() -> None:
 
 
 def test_linear_layer_keeps_nn_linear_parameters() -> None:
-    layer = Linear(8, 4, bias=True)
+    layer = ReplicatedLinear(8, 4, bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
     assert sorted(n for n, _ in layer.named_parameters()) == ["bias", "weight"]
     x = torch.randn(3, 8)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
@@ -81,7 +83,7 @@ def test_gemv_real_shapes_bf16_gpu(n: int, k: int) -> None:
 
 
 def test_pdl_is_off_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    from radixserve.layers.kernels import pdl
+    from radixserve.core import triton_pdl as pdl
     assert pdl.pdl_launch_args(torch.zeros(1)) == {"USE_PDL": False}
     monkeypatch.setenv("RADIXSERVE_PDL", "1")
     pdl.disable_pdl()

@@ -81,7 +81,7 @@ def test_dummy_llama_8b_config_only_folder() -> None:
     assert source.tokenizer_source is None
     cfg = source.model_config
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads) == (4096, 32, 8)
-    assert cfg.rope_scaling.kind == "llama3" and cfg.eos_token_ids == [128001, 128008, 128009]
+    assert cfg.rope_type == "llama3" and cfg.eos_token_ids == [128001, 128008, 128009]
     with pytest.raises(FileNotFoundError, match="dummy"):
         load_model_source(LLAMA_8B_CONFIG, "auto")  # no weights in the folder
 

@@ -12,14 +12,15 @@ import torch
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.mem.base_cache import BasePrefixCache
-from radixserve.mem.pools import ReqToTokenPool, TokenToKVPool
+from radixserve.mem.kv_pool import KVCacheSpec, KVPool, make_kv_pool
+from radixserve.mem.req_to_token_pool import ReqToTokenPool
 
 
 def make_pools(kv_size: int = 64, req_slots: int = 8,
-               max_context_len: int = 64) -> tuple[ReqToTokenPool, TokenToKVPool]:
+               max_context_len: int = 64) -> tuple[ReqToTokenPool, KVPool]:
     req_pool = ReqToTokenPool(req_slots, max_context_len, "cpu")
-    kv_pool = TokenToKVPool(kv_size, torch.float32, head_num=1, head_dim=1, layer_num=1,
-                            device="cpu")
+    kv_pool = make_kv_pool(kv_size, KVCacheSpec("mha", num_layers=1, num_kv_heads=1,
+                                                 head_dim=1, dtype=torch.float32), "cpu")
     return req_pool, kv_pool
 
 
@@ -29,7 +30,7 @@ def make_req(rid: str, prompt: list[int]) -> Req:
 
 class MiniScheduler:
     def __init__(self, cache: BasePrefixCache, req_pool: ReqToTokenPool,
-                 kv_pool: TokenToKVPool) -> None:
+                 kv_pool: KVPool) -> None:
         self.cache = cache
         self.req_pool = req_pool
         self.kv_pool = kv_pool
@@ -63,15 +64,15 @@ class MiniScheduler:
         req.req_pool_idx = rows[0]
         req.init_next_round_input()
         # like SGLang: leave at least one token to compute, so there are logits to sample from
-        prefix, last_node = self.cache.match_prefix(req.fill_ids[:-1])
-        req.prefix_indices, req.last_node = prefix, last_node
-        self.cache.inc_lock_ref(last_node)
+        prefix, handle = self.cache.match_prefix(req.fill_ids[:-1])
+        req.prefix_indices, req.cache_handle = prefix, handle
+        self.cache.inc_lock_ref(handle)
         self.req_pool.write(req.req_pool_idx, 0, prefix)
         self.kv_lens[req.rid] = len(prefix)
         if not self._alloc_chunk(req, chunk_len):
-            self.cache.dec_lock_ref(last_node)
+            self.cache.dec_lock_ref(handle)
             self.req_pool.free(req.req_pool_idx)
-            req.req_pool_idx, req.last_node = None, None
+            req.req_pool_idx, req.cache_handle = None, None
             req.prefix_indices = torch.empty(0, dtype=torch.int64)
             del self.kv_lens[req.rid]
             return False

@@ -15,7 +15,7 @@ def test_nothing_is_reused_and_finish_frees_everything() -> None:
     sched.decode(a, 5)
     sched.finish(a)
     assert kv_pool.available_size() == 16 and req_pool.available_size() == 2
-    assert a.req_pool_idx is None and a.last_node is None
+    assert a.req_pool_idx is None and a.cache_handle is None
 
     b = make_req("b", [1, 2, 3])
     indices, node = cache.match_prefix([1, 2, 3])

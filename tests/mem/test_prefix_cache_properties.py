@@ -286,7 +286,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 continue
             key = req.all_ids()[:len(prefix)]
             assert [self.ref[tuple(key[:i + 1])] for i in range(len(key))] == prefix
-            assert req.last_node is not None and node_path(req.last_node) == key
+            assert req.cache_handle is not None and node_path(req.cache_handle) == key
             locked.update(tuple(key[:i + 1]) for i in range(len(key)))
         for key, node in self.held_locks:
             assert node_path(node) == list(key)

@@ -178,7 +178,7 @@ def test_finished_requests_share_prefix_and_free_duplicates() -> None:
     b_row = sched.row(b)[:5].tolist()
     assert kv_pool.available_size() == 32 - 9
     sched.finish(a)  # caches [1, 2, 3, 4, 5] (6 never had KV)
-    assert a.req_pool_idx is None and a.last_node is None and req_pool.available_size() == 3
+    assert a.req_pool_idx is None and a.cache_handle is None and req_pool.available_size() == 3
     assert cache.match_prefix([1, 2, 3, 4, 5, 6]).indices.tolist() == a_row
     assert kv_pool.available_size() == 32 - 9
     sched.finish(b)  # caches [1, 2, 3, 4]: all present already, b's 4 slots are duplicates
@@ -210,7 +210,7 @@ def test_chunked_prefill_moves_lock_and_adopts_tree_slots() -> None:
     sched.run_prefill(a, 0)  # not the last chunk: cache_unfinished_req
     assert a.prefix_indices.tolist() == first_slots and a.fill_ids == [1, 2, 3]
     assert a.req_pool_idx is not None and cache.protected_size() == 3
-    first_node = a.last_node
+    first_node = a.cache_handle
     assert first_node is not None and first_node.lock_ref == 1
 
     # meanwhile another request caches [1..5] with its own slots
@@ -230,7 +230,7 @@ def test_chunked_prefill_moves_lock_and_adopts_tree_slots() -> None:
     assert sched.row(a)[:6].tolist() == first_slots + b_slots[3:6]
     assert a.prefix_indices.tolist() == first_slots + b_slots[3:6]
     assert first_node.lock_ref == 1  # the old lock moved to the new last node (below it)
-    assert a.last_node is not first_node and a.last_node.lock_ref == 1
+    assert a.cache_handle is not first_node and a.cache_handle.lock_ref == 1
     assert cache.protected_size() == 6
     cache.check_invariants()
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.executor.forward_batch import ForwardMode, ModelWorkerBatch
+from radixserve.core.forward_batch import ForwardMode, ModelWorkerBatch
 from radixserve.executor.model_runner import ModelRunner
 
 
@@ -31,8 +31,8 @@ class RunnerDriver:
         out_loc = runner.token_to_kv_pool.alloc(len(input_ids))
         offset = 0
         for key, ext_len, prefix_len in zip(tokens_by_req, ext_lens, prefix_lens):
-            runner.req_to_token_pool.req_to_token[self.rows[key], prefix_len:prefix_len + ext_len] \
-                = out_loc[offset:offset + ext_len].to(torch.int32)
+            runner.req_to_token_pool.write(self.rows[key], prefix_len,
+                                           out_loc[offset:offset + ext_len])
             self.lens[key] += ext_len
             offset += ext_len
         single_token = all(n == 1 for n in ext_lens) and all(p > 0 for p in prefix_lens)

@@ -78,7 +78,7 @@ def test_greedy_continuation_matches(pair):
 
 def test_mixed_batch_matches(pair):
     """A MIXED pass (a prompt chunk plus single decode tokens) equals transformers."""
-    from radixserve.executor.forward_batch import ForwardMode
+    from radixserve.core.forward_batch import ForwardMode
     hf_model, runner = pair
     gen = torch.Generator().manual_seed(3)
     vocab = hf_model.config.vocab_size

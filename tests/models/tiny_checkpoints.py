@@ -23,6 +23,19 @@ CONFIGS = {
         BASE, num_key_value_heads=4, tie_word_embeddings=True)),
     "mistral_gqa": (transformers.MistralConfig, dict(
         BASE, num_key_value_heads=1, sliding_window=None, tie_word_embeddings=False)),
+    # Mistral v0.1: every layer attends over a window (prompts here run past it)
+    "mistral_window32": (transformers.MistralConfig, dict(
+        BASE, num_key_value_heads=2, sliding_window=32, tie_word_embeddings=False)),
+    # Qwen3: per-head q/k RMSNorm, no bias, head_dim not hidden / heads
+    "qwen3_qk_norm": (transformers.Qwen3Config, dict(
+        BASE, num_key_value_heads=2, head_dim=24, rope_theta=1000000.0,
+        tie_word_embeddings=False)),
+    # Gemma-2: GeGLU, scaled embeddings, four norms per layer, soft-capped attention and final
+    # logits (caps low enough to bend these logits), a window on every other layer, tied
+    "gemma2_softcap_window": (transformers.Gemma2Config, dict(
+        BASE, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0, sliding_window=24,
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
 }
 
 

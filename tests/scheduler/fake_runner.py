@@ -12,10 +12,11 @@ import torch
 from radixserve.config import ServerArgs
 from radixserve.core.io_struct import TokenizedGenerateReq
 from radixserve.core.sampling_params import SamplingParams
-from radixserve.executor.forward_batch import ModelWorkerBatch
+from radixserve.core.forward_batch import ModelWorkerBatch
 from radixserve.executor.model_runner import ForwardOutput, ModelRunner
 from radixserve.executor.pending_decode import PendingDecode
-from radixserve.mem.pools import ReqToTokenPool, TokenToKVPool
+from radixserve.mem.kv_pool import KVCacheSpec, make_kv_pool
+from radixserve.mem.req_to_token_pool import ReqToTokenPool
 from radixserve.scheduler.scheduler import Scheduler
 
 VOCAB = 50
@@ -33,7 +34,8 @@ class FakeRunner:
         self.max_total_num_tokens = max_total_tokens
         self.max_num_reqs = max_reqs
         self.req_to_token_pool = ReqToTokenPool(max_reqs, context_len + 4, "cpu")
-        self.token_to_kv_pool = TokenToKVPool(max_total_tokens, torch.float32, 1, 1, 1, "cpu")
+        self.token_to_kv_pool = make_kv_pool(
+            max_total_tokens, KVCacheSpec("mha", 1, 1, 1, torch.float32), "cpu")
         self.slot_token = torch.full((max_total_tokens + 1,), -1, dtype=torch.int64)
         self.sequences: dict[int, list[int]] = {}  # row -> tokens whose KV must exist
         self.batches: list[ModelWorkerBatch] = []

@@ -316,7 +316,7 @@ def test_max_new_tokens_zero_caches_the_prompt():
 
 
 def test_mixed_chunk_runs_prefill_and_decode_in_one_pass():
-    from radixserve.executor.forward_batch import ForwardMode
+    from radixserve.core.forward_batch import ForwardMode
     scheduler, runner = make_scheduler(chunked_prefill_size=16, enable_mixed_chunk=True,
                                        num_continuous_decode_steps=1)
     streams = prompts(4, 8, seed=5)

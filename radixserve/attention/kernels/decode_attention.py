@@ -5,13 +5,27 @@ Stage 1 runs one program per (request, KV head, split). The query heads that sha
 whole group with `tl.dot`, the group padded to at least 16 rows. Each program writes its
 normalised partial output and log-sum-exp (base 2) to fixed workspaces. Stage 2 merges splits.
 
+The query is the request's last token, at position seq_len - 1. It attends to the window
+[first, seq_len): first = 0, or with a sliding window of W > 0 keys (Hugging Face's
+`kv_idx > q_idx - sliding_window`) first = max(0, seq_len - W), so the window holds
+win_len = seq_len - first = min(seq_len, W) positions, the query's own among them.
+
 Split plan, computed on the device from seq_len so a CUDA graph can replay it for any lengths:
-  split_len = max(round_up(cdiv(seq_len, num_kv_splits), SPLIT_ALIGN), SPLIT_ALIGN)
-  split s covers positions [s * split_len, min((s + 1) * split_len, seq_len)); splits past
-  cdiv(seq_len, split_len) are empty, write nothing, and stage 2 never reads them.
-So `num_kv_splits` is an upper bound chosen on the host (per batch size); short sequences use
-fewer splits by themselves. With one split (large batches) stage 1 writes the final output
-itself and stage 2 is not launched.
+  split_len = max(round_up(cdiv(win_len, num_kv_splits), SPLIT_ALIGN), SPLIT_ALIGN)
+  split s covers positions [first + s * split_len, min(first + (s + 1) * split_len, seq_len));
+  splits past cdiv(win_len, split_len) are empty, write nothing, and stage 2 never reads them.
+So `num_kv_splits` is an upper bound chosen on the host (per batch size); short sequences (or
+short windows: a long context with a window of W costs only W positions) use fewer splits by
+themselves. Stage 2 derives the same number of used splits from seq_len and W. With one split
+(large batches) stage 1 writes the final output itself and stage 2 is not launched.
+
+Logit soft-capping (Gemma-2) with cap c > 0 turns each score s = (q . k) * sm_scale into
+c * tanh(s / c) before the softmax. The kernels keep scores in base-2 units (times log2(e));
+the cap is applied to the natural-unit score, so in base-2 units it is c * log2(e).
+
+Both are compile-time switches (SLIDING_WINDOW <= 0 and LOGIT_CAP <= 0 switch them off): the
+default kernels are the same code as without them, and a model compiles one variant per distinct
+(window, cap) pair its layers use.
 """
 from __future__ import annotations
 
@@ -21,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.layers.kernels.pdl import pdl_launch_args, pdl_prologue
+from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 
 
 @dataclass(frozen=True)
@@ -33,10 +47,34 @@ class DecodeKernelConfig:
     num_stages: int = 3
 
 
+LOG2E = 1.4426950408889634
+
+
 @triton.jit
-def _split_len(seq_len, num_kv_splits, SPLIT_ALIGN: tl.constexpr):
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), SPLIT_ALIGN) * SPLIT_ALIGN
+def _window_len(seq_len, SLIDING_WINDOW: tl.constexpr):
+    """Positions the query attends to: the last min(seq_len, W) ones, or all seq_len."""
+    win_len = seq_len
+    if SLIDING_WINDOW > 0:
+        win_len = tl.minimum(seq_len, SLIDING_WINDOW)
+    return win_len
+
+
+@triton.jit
+def _split_len(win_len, num_kv_splits, SPLIT_ALIGN: tl.constexpr):
+    split_len = tl.cdiv(tl.cdiv(win_len, num_kv_splits), SPLIT_ALIGN) * SPLIT_ALIGN
     return tl.maximum(split_len, SPLIT_ALIGN)
+
+
+@triton.jit
+def soft_cap_log2(qk, LOGIT_CAP: tl.constexpr):
+    """c * tanh(s / c) for scores qk = s * log2(e) in base-2 units; the result is in base-2 units.
+
+    tanh(x) = 1 - 2 / (exp(2x) + 1), which the Triton interpreter runs too (no libdevice). It
+    never gives NaN: exp(2x) overflowing to inf gives 1, underflowing to 0 gives -1.
+    """
+    x = qk * (1.0 / (LOGIT_CAP * 1.4426950408889634))  # = s / c
+    tanh = 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+    return tanh * (LOGIT_CAP * 1.4426950408889634)
 
 
 @triton.jit
@@ -47,7 +85,8 @@ def _decode_split_kernel(
     stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h, stride_ob, stride_oh,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, SLIDING_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     batch = tl.program_id(0)
@@ -55,8 +94,11 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(Seq_lens + batch).to(tl.int32)
-    split_len = _split_len(seq_len, num_kv_splits, BLOCK_N)
+    win_len = _window_len(seq_len, SLIDING_WINDOW)
+    split_len = _split_len(win_len, num_kv_splits, BLOCK_N)
     start = split * split_len
+    if SLIDING_WINDOW > 0:  # the window's first position (0 without a window)
+        start += seq_len - win_len
     end = tl.minimum(start + split_len, seq_len)
     offs_g = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP_SIZE + offs_g
@@ -82,8 +124,11 @@ def _decode_split_kernel(
             k = tl.load(K_Buffer + slots[:, None] * stride_kt + kv_head * stride_kh
                         + offs_d[None, :], mask=kv_mask, other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2e
+            if LOGIT_CAP > 0:
+                qk = soft_cap_log2(qk, LOGIT_CAP)
             qk = tl.where(pos_mask[None, :], qk, float("-inf"))
-            # every block holds at least one valid position, so m_new is finite
+            # every block holds at least one valid position (all of [start, end) is in the
+            # window), so m_new is finite
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
@@ -114,13 +159,14 @@ def _decode_merge_kernel(
     Mid_out, Mid_lse, O, Seq_lens, num_kv_splits,
     stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_ALIGN: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     batch = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(Seq_lens + batch).to(tl.int32)
-    num_used_splits = tl.cdiv(seq_len, _split_len(seq_len, num_kv_splits, SPLIT_ALIGN))
+    win_len = _window_len(seq_len, SLIDING_WINDOW)  # the plan of the split kernel
+    num_used_splits = tl.cdiv(win_len, _split_len(win_len, num_kv_splits, SPLIT_ALIGN))
 
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
@@ -147,6 +193,14 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def normalize_window_and_cap(sliding_window: int, logit_cap: float) -> tuple[int, float]:
+    """The kernels' compile-time (SLIDING_WINDOW, LOGIT_CAP): every "off" value maps to one
+    variant, -1 and 0.0, so they compile no more kernels than needed."""
+    window = int(sliding_window) if sliding_window is not None and sliding_window > 0 else -1
+    cap = float(logit_cap) if logit_cap is not None and logit_cap > 0 else 0.0
+    return window, cap
+
+
 def decode_workspace_shapes(batch_size: int, num_heads: int, num_kv_splits: int,
                             head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of (mid_out, mid_lse), both float32."""
@@ -157,11 +211,14 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                          out: torch.Tensor, req_to_token: torch.Tensor,
                          req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                          mid_out: torch.Tensor, mid_lse: torch.Tensor, sm_scale: float,
-                         config: DecodeKernelConfig = DecodeKernelConfig()) -> None:
+                         config: DecodeKernelConfig = DecodeKernelConfig(), *,
+                         sliding_window: int = -1, logit_cap: float = 0.0) -> None:
     """Write attention of q ([bs, H, D]) over each request's first seq_len positions into out.
 
     k/v_buffer: [slots, Hkv, D] (one layer of the pool). mid_out [bs, H, S, D] and mid_lse
     [bs, H, S] are float32 workspaces; S (their third dim) is the maximum number of splits.
+    sliding_window W > 0: attend only the last W positions (the query's own included).
+    logit_cap c > 0: scores s become c * tanh(s / c). Both are compile-time constants; <= 0 is off.
     No host sync, no allocation: safe to capture in a CUDA graph.
     """
     batch_size, num_heads, head_dim = q.shape
@@ -172,7 +229,8 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     num_kv_splits = mid_out.shape[2]
     group_size = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
-    sm_scale_log2e = sm_scale * 1.4426950408889634
+    sm_scale_log2e = sm_scale * LOG2E
+    window, cap = normalize_window_and_cap(sliding_window, logit_cap)
 
     single_split = num_kv_splits == 1
     _decode_split_kernel[(batch_size, num_kv_heads, num_kv_splits)](
@@ -185,6 +243,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         GROUP_SIZE=group_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(k_buffer.dtype), SINGLE_SPLIT=single_split,
+        SLIDING_WINDOW=window, LOGIT_CAP=cap,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
     )
     if single_split:
@@ -193,6 +252,6 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         mid_out, mid_lse, out, seq_lens, num_kv_splits,
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT_ALIGN=config.block_n,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT_ALIGN=config.block_n, SLIDING_WINDOW=window,
         num_warps=4 if block_d >= 256 else 2, num_stages=1, **pdl_launch_args(q),
     )

@@ -10,6 +10,24 @@ one online softmax:
 Programs whose query block starts past the request's extend length exit at once. The query-block
 axis is the slowest grid axis and runs in reverse, so the blocks with the most causal work (the
 last ones of every request) start first and the tail does not straggle.
+
+Sliding window of W > 0 keys (Hugging Face's `kv_idx > q_idx - sliding_window`): new token i is
+at absolute position p = prefix_len + i and attends only keys at p - W < j <= p, in the prefix
+and among the new tokens alike. A query block needs no key before its first query's window, so
+both passes start at the block of keys holding position (first position - W + 1), rounded down
+to BLOCK_N: whole blocks before it are skipped, and a long context costs only the window. The
+window's boundary is masked inside blocks: in the prefix pass (masked anyway), in pass 2a's
+blocks that start before the window of the block's last query (the later ones lie in every
+query's window and stay unmasked) and in the diagonal blocks. A row can find no key of its
+window in a block and none before it, so with a window the online softmax subtracts 0 instead of
+a running max of -inf (no NaN); every real row sees at least itself, so its sum ends positive.
+
+Logit soft-capping with cap c > 0 (Gemma-2): each score s = (q . k) * sm_scale becomes
+c * tanh(s / c) before the softmax, applied to the natural-unit score before the conversion to
+base-2 units (see decode_attention.soft_cap_log2).
+
+Both are compile-time switches (SLIDING_WINDOW <= 0, LOGIT_CAP <= 0: off); the default kernel is
+the same code as without them.
 """
 from __future__ import annotations
 
@@ -19,7 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.attention.kernels.decode_attention import dot_precision
+from radixserve.attention.kernels.decode_attention import (LOG2E, dot_precision,
+                                                           normalize_window_and_cap,
+                                                           soft_cap_log2)
 
 
 @dataclass(frozen=True)
@@ -44,16 +64,28 @@ def default_extend_config(head_dim: int) -> ExtendKernelConfig:
 
 @triton.jit
 def _online_softmax_step(q, k, v, m_i, l_i, acc, mask, sm_scale_log2e,
-                         APPLY_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Fold one block of keys into (m_i, l_i, acc). Scores are kept in base-2 units."""
+                         APPLY_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         LOGIT_CAP: tl.constexpr, EMPTY_ROWS: tl.constexpr):
+    """Fold one block of keys into (m_i, l_i, acc). Scores are kept in base-2 units.
+
+    EMPTY_ROWS: a row may have had no valid key yet, in this block or before (sliding window)."""
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2e
+    if LOGIT_CAP > 0:
+        qk = soft_cap_log2(qk, LOGIT_CAP)
     if APPLY_MASK:
         qk = tl.where(mask, qk, float("-inf"))
-    # each row has seen at least one valid key by now (pos 0 is in the first block it
-    # visits), so m_new is finite and no row computes -inf - -inf
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    if EMPTY_ROWS:
+        # m_new is -inf for a row with no valid key so far: subtract 0 instead, so that
+        # alpha = p = 0 (not NaN) and the row stays empty (m_i -inf, l_i 0, acc 0)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(qk - m_sub[:, None])
+    else:
+        # each row has seen at least one valid key by now (pos 0 is in the first block it
+        # visits), so m_new is finite and no row computes -inf - -inf
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
@@ -67,6 +99,7 @@ def _extend_kernel(
     stride_kbt, stride_kbh, stride_vbt, stride_vbh, stride_req_row,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr,
 ):
     head = tl.program_id(0)
     req = tl.program_id(1)
@@ -93,8 +126,14 @@ def _extend_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
+        WINDOWED: tl.constexpr = SLIDING_WINDOW > 0
+
         # 1. cached prefix, through the pool
-        for n_start in range(0, prefix_len, BLOCK_N):
+        prefix_start = 0
+        if WINDOWED:  # skip the blocks before the window of the block's first query
+            prefix_start = (tl.maximum(prefix_len + block_start - SLIDING_WINDOW + 1, 0)
+                            // BLOCK_N * BLOCK_N)
+        for n_start in range(prefix_start, prefix_len, BLOCK_N):
             pos = n_start + offs_n
             pos_mask = pos < prefix_len
             slots = tl.load(Req_to_token + req_row * stride_req_row + pos, mask=pos_mask,
@@ -104,20 +143,43 @@ def _extend_kernel(
                         + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(V_Buffer + slots[:, None] * stride_vbt + kv_head * stride_vbh
                         + offs_d[None, :], mask=kv_mask, other=0.0)
-            m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, pos_mask[None, :],
-                                                 sm_scale_log2e, True, DOT_PRECISION)
+            mask = pos_mask[None, :]
+            if WINDOWED:  # key j > query position - W
+                mask = mask & (pos[None, :] > prefix_len + offs_m[:, None] - SLIDING_WINDOW)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, mask,
+                                                 sm_scale_log2e, True, DOT_PRECISION,
+                                                 LOGIT_CAP, WINDOWED)
 
-        # 2a. new tokens wholly before this query block: no mask (block_start < ext_len)
+        # 2a. new tokens wholly before this query block (block_start < ext_len): no causal mask
         ke_base = K_Extend + kv_head * stride_keh + offs_d[None, :]
         ve_base = V_Extend + kv_head * stride_veh + offs_d[None, :]
-        for n_start in range(0, block_start, BLOCK_N):
+        unmasked_start = 0
+        if WINDOWED:
+            # blocks before the first query's window are skipped; those before the last
+            # query's window (it starts at last_query + 1 - W) need the window mask, the rest none
+            last_query = tl.minimum(block_start + BLOCK_M, ext_len) - 1
+            window_start = tl.maximum(block_start - SLIDING_WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+            unmasked_start = tl.minimum(
+                tl.cdiv(tl.maximum(last_query + 1 - SLIDING_WINDOW, 0), BLOCK_N) * BLOCK_N,
+                block_start)
+            for n_start in range(window_start, unmasked_start, BLOCK_N):
+                pos = n_start + offs_n
+                rows = start_loc + pos[:, None]
+                k = tl.load(ke_base + rows * stride_ket, mask=d_mask[None, :], other=0.0)
+                v = tl.load(ve_base + rows * stride_vet, mask=d_mask[None, :], other=0.0)
+                in_window = pos[None, :] > offs_m[:, None] - SLIDING_WINDOW
+                m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, in_window,
+                                                     sm_scale_log2e, True, DOT_PRECISION,
+                                                     LOGIT_CAP, True)
+        for n_start in range(unmasked_start, block_start, BLOCK_N):
             rows = start_loc + n_start + offs_n[:, None]
             k = tl.load(ke_base + rows * stride_ket, mask=d_mask[None, :], other=0.0)
             v = tl.load(ve_base + rows * stride_vet, mask=d_mask[None, :], other=0.0)
             m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, m_mask[:, None],
-                                                 sm_scale_log2e, False, DOT_PRECISION)
+                                                 sm_scale_log2e, False, DOT_PRECISION,
+                                                 LOGIT_CAP, False)
 
-        # 2b. diagonal blocks, causal
+        # 2b. diagonal blocks, causal (and windowed)
         block_end = tl.minimum(block_start + BLOCK_M, ext_len)
         for n_start in range(block_start, block_end, BLOCK_N):
             pos = n_start + offs_n
@@ -127,9 +189,14 @@ def _extend_kernel(
             k = tl.load(ke_base + rows * stride_ket, mask=kv_mask, other=0.0)
             v = tl.load(ve_base + rows * stride_vet, mask=kv_mask, other=0.0)
             causal = (offs_m[:, None] >= pos[None, :]) & pos_mask[None, :]
+            if WINDOWED:
+                causal = causal & (pos[None, :] > offs_m[:, None] - SLIDING_WINDOW)
             m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, causal,
-                                                 sm_scale_log2e, True, DOT_PRECISION)
+                                                 sm_scale_log2e, True, DOT_PRECISION,
+                                                 LOGIT_CAP, WINDOWED)
 
+        if WINDOWED:  # padding rows past ext_len may have seen no key (not stored anyway)
+            l_i = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_i[:, None]
         tl.store(O + (start_loc + offs_m[:, None]) * stride_ot + head * stride_oh
                  + offs_d[None, :], out.to(O.dtype.element_ty),
@@ -141,13 +208,16 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
                          req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                          extend_start_loc: torch.Tensor, extend_seq_lens: torch.Tensor,
                          extend_prefix_lens: torch.Tensor, max_extend_len: int,
-                         sm_scale: float, config: ExtendKernelConfig | None = None) -> None:
+                         sm_scale: float, config: ExtendKernelConfig | None = None, *,
+                         sliding_window: int = -1, logit_cap: float = 0.0) -> None:
     """Write extend attention into out ([T, H, D]).
 
     q: [T, H, D]; k/v_extend: [T, Hkv, D], this pass's new tokens packed request after request
     (request i's start at extend_start_loc[i]); k/v_buffer: [slots, Hkv, D] (one pool layer)
     holding each request's prefix. max_extend_len is a host int (>= every extend_seq_len) that
     sizes the grid, so no host sync is needed.
+    sliding_window W > 0: the token at position p attends only keys p - W < j <= p.
+    logit_cap c > 0: scores s become c * tanh(s / c). Both are compile-time constants; <= 0 is off.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_extend.shape[1]
@@ -159,10 +229,11 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
     batch_size = extend_seq_lens.shape[0]
     if num_tokens == 0 or batch_size == 0:
         return
+    window, cap = normalize_window_and_cap(sliding_window, logit_cap)
     grid = (num_heads, batch_size, triton.cdiv(max_extend_len, config.block_m))
     _extend_kernel[grid](
         q, k_extend, v_extend, out, k_buffer, v_buffer, req_to_token, req_pool_indices,
-        extend_start_loc, extend_seq_lens, extend_prefix_lens, sm_scale * 1.4426950408889634,
+        extend_start_loc, extend_seq_lens, extend_prefix_lens, sm_scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_extend.stride(0), k_extend.stride(1), v_extend.stride(0), v_extend.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
@@ -170,6 +241,6 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
         GROUP_SIZE=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        DOT_PRECISION=dot_precision(k_extend.dtype),
+        DOT_PRECISION=dot_precision(k_extend.dtype), SLIDING_WINDOW=window, LOGIT_CAP=cap,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

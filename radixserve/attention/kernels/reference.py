@@ -3,6 +3,10 @@
 They read the KV pool exactly as the kernels do: through `req_to_token[req_pool_indices[i], pos]`
 for cached positions. They loop over requests and compute in float32, so they are slow and
 meant for tests and for checking a kernel on a new shape, not for serving.
+
+Options, as in Hugging Face transformers: sliding_window W > 0 lets the query at absolute position
+p attend only keys at p - W < j <= p (`masking_utils.sliding_window_overlay`); logit_cap c > 0
+turns each score s = (q . k) * sm_scale into c * tanh(s / c) before the softmax (Gemma-2).
 """
 from __future__ import annotations
 
@@ -16,13 +20,25 @@ def _gather_kv(buffer: torch.Tensor, req_to_token: torch.Tensor, req_slot: int,
     return buffer[slots].float()
 
 
+def _attention_mask(query_pos: torch.Tensor, key_pos: torch.Tensor,
+                    sliding_window: int) -> torch.Tensor:
+    """[Tq, Tk] True = attend: causal, and within the last sliding_window keys if it is > 0."""
+    query_pos, key_pos = query_pos[:, None], key_pos[None, :]
+    mask = key_pos <= query_pos
+    if sliding_window > 0:
+        mask &= key_pos > query_pos - sliding_window
+    return mask
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
-            mask: torch.Tensor | None) -> torch.Tensor:
+            mask: torch.Tensor | None, logit_cap: float = 0.0) -> torch.Tensor:
     """q: [Tq, H, D], k/v: [Tk, Hkv, D] (float32), mask: [Tq, Tk] True = attend. -> [Tq, H, D]."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * sm_scale
+    if logit_cap > 0:
+        scores = torch.tanh(scores / logit_cap) * logit_cap
     if mask is not None:
         scores = scores.masked_fill(~mask[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -31,14 +47,20 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
 
 def decode_attention_reference(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                               seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """q: [bs, H, D]; every request attends to its positions 0..seq_len-1. -> [bs, H, D]."""
+                               seq_lens: torch.Tensor, sm_scale: float, *,
+                               sliding_window: int = -1, logit_cap: float = 0.0) -> torch.Tensor:
+    """q: [bs, H, D]; every request's query, at position seq_len - 1, attends to its positions
+    0..seq_len-1 (only the last sliding_window of them if that is > 0). -> [bs, H, D]."""
     out = torch.empty_like(q)
     for i in range(q.shape[0]):
         req_slot, seq_len = int(req_pool_indices[i]), int(seq_lens[i])
         k = _gather_kv(k_buffer, req_to_token, req_slot, seq_len)
         v = _gather_kv(v_buffer, req_to_token, req_slot, seq_len)
-        out[i] = _attend(q[i:i + 1].float(), k, v, sm_scale, None)[0].to(q.dtype)
+        mask = None
+        if sliding_window > 0:
+            mask = _attention_mask(torch.tensor([seq_len - 1]), torch.arange(seq_len),
+                                   sliding_window).to(q.device)
+        out[i] = _attend(q[i:i + 1].float(), k, v, sm_scale, mask, logit_cap)[0].to(q.dtype)
     return out
 
 
@@ -46,11 +68,13 @@ def extend_attention_reference(q: torch.Tensor, k_extend: torch.Tensor, v_extend
                                k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                                extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor,
-                               sm_scale: float) -> torch.Tensor:
+                               sm_scale: float, *, sliding_window: int = -1,
+                               logit_cap: float = 0.0) -> torch.Tensor:
     """q: [T, H, D], k/v_extend: [T, Hkv, D], tokens packed request after request.
 
     Request i's new tokens attend to its cached prefix (positions 0..prefix_len-1, read from the
-    pool) and causally to its own new tokens (read from k/v_extend). -> [T, H, D].
+    pool) and causally to its own new tokens (read from k/v_extend); with sliding_window W > 0
+    the new token at position p only to keys p - W < j <= p. -> [T, H, D].
     """
     out = torch.empty_like(q)
     start = 0
@@ -62,9 +86,9 @@ def extend_attention_reference(q: torch.Tensor, k_extend: torch.Tensor, v_extend
                        k_extend[start:end].float()))
         v = torch.cat((_gather_kv(v_buffer, req_to_token, req_slot, prefix_len),
                        v_extend[start:end].float()))
-        query_pos = torch.arange(prefix_len, prefix_len + ext_len)[:, None]
-        key_pos = torch.arange(prefix_len + ext_len)[None, :]
-        mask = (key_pos <= query_pos).to(q.device)
-        out[start:end] = _attend(q[start:end].float(), k, v, sm_scale, mask).to(q.dtype)
+        mask = _attention_mask(torch.arange(prefix_len, prefix_len + ext_len),
+                               torch.arange(prefix_len + ext_len), sliding_window).to(q.device)
+        out[start:end] = _attend(q[start:end].float(), k, v, sm_scale, mask,
+                                 logit_cap).to(q.dtype)
         start = end
     return out

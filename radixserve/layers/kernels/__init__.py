@@ -2,10 +2,10 @@
 
   rmsnorm.fused_rmsnorm(x, weight, eps, residual=None)       RMSNorm, optional fused residual add
   silu_and_mul.silu_and_mul(x)                                [T, 2I] -> silu(gate) * up, [T, I]
-  rotary.apply_rotary_inplace(positions, q, k, cos, sin, head_dim)   neox-style RoPE, in place
-  rotary.apply_rotary_and_store_kv(...)                       RoPE + the K/V write into the pool
   gemv.gemv(x, weight, bias=None)                             one-row linear (batch-1 decode)
-  pdl                                                         programmatic dependent launch
+
+The rotary kernel (in place, or fused with the K/V store) is the KV pool's:
+mem/kernels/rope_kv_store.py. Programmatic dependent launch helpers: core/triton_pdl.py.
 
 The submodules import triton; this package does not, so callers can try the import and fall
 back to PyTorch when triton is missing.

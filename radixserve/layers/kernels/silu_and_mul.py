@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from radixserve.layers.kernels.pdl import pdl_launch_args, pdl_prologue
+from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 
 
 @triton.jit

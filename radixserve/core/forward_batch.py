@@ -1,8 +1,10 @@
-"""ForwardBatch: everything one forward pass needs, as device tensors.
+"""The batch types every layer shares: ModelWorkerBatch, ForwardBatch, ForwardOutput.
 
-The scheduler hands the ModelRunner a ModelWorkerBatch (plain CPU data); the runner turns it into
-a ForwardBatch on the model's device. Attention backends read the fields below and keep their
-own metadata object (no backend-specific field lives here).
+They live in `core` so that attention backends, layers, models, the executor and the scheduler
+all import them downward. The scheduler hands the ModelRunner a ModelWorkerBatch (plain CPU
+data); the runner turns it into a ForwardBatch on the model's device. Attention backends read
+the fields below and keep their own metadata object (no backend-specific field lives here); the
+pools a backend reads are the backend's own (given at construction), not the batch's.
 
 Index conventions (bs = batch size, T = number of tokens in this pass):
   input_ids, positions, out_cache_loc: [T]. out_cache_loc are the KV slots this pass writes.
@@ -16,14 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
-
-if TYPE_CHECKING:
-    from radixserve.attention.base import AttentionBackend
-    from radixserve.executor.sampling_info import SamplingBatchInfo
-    from radixserve.mem.pools import ReqToTokenPool, TokenToKVPool
 
 
 class ForwardMode(Enum):
@@ -51,7 +48,8 @@ class ModelWorkerBatch:
     extend_seq_lens: list[int] = field(default_factory=list)
     extend_prefix_lens: list[int] = field(default_factory=list)
     # requests whose logits are needed (False: an intermediate prefill chunk)
-    sampling_info: "SamplingBatchInfo | None" = None
+    # executor.sampling_info.SamplingBatchInfo (typed loosely: core imports nothing above it)
+    sampling_info: Any = None
     return_logprob: bool = False
     top_logprobs_nums: list[int] = field(default_factory=list)
     # for each request, the position inside its extend tokens from which input logprobs are wanted
@@ -88,15 +86,15 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor
     seq_lens_sum: int
     seq_lens_cpu: list[int]
-    req_to_token_pool: "ReqToTokenPool"
-    token_to_kv_pool: "TokenToKVPool"
-    attn_backend: "AttentionBackend"
+    # the attention.base.AttentionBackend that RadixAttention layers call (typed loosely:
+    # core imports nothing above it)
+    attn_backend: Any
     extend_seq_lens: torch.Tensor | None = None
     extend_prefix_lens: torch.Tensor | None = None
     extend_start_loc: torch.Tensor | None = None
     extend_seq_lens_cpu: list[int] | None = None
     extend_prefix_lens_cpu: list[int] | None = None
-    sampling_info: "SamplingBatchInfo | None" = None
+    sampling_info: Any = None
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None
     extend_logprob_start_lens: list[int] | None = None
@@ -107,8 +105,7 @@ class ForwardBatch:
 
     @classmethod
     def from_worker_batch(cls, batch: ModelWorkerBatch, device: torch.device,
-                          req_to_token_pool: "ReqToTokenPool", token_to_kv_pool: "TokenToKVPool",
-                          attn_backend: "AttentionBackend") -> "ForwardBatch":
+                          attn_backend: Any) -> "ForwardBatch":
         def to_dev(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
@@ -140,8 +137,6 @@ class ForwardBatch:
             out_cache_loc=batch.out_cache_loc.to(device, non_blocking=True),
             seq_lens_sum=sum(seq_lens),
             seq_lens_cpu=list(seq_lens),
-            req_to_token_pool=req_to_token_pool,
-            token_to_kv_pool=token_to_kv_pool,
             attn_backend=attn_backend,
             sampling_info=batch.sampling_info,
             return_logprob=batch.return_logprob,

@@ -1,0 +1,71 @@
+"""The one validation path of a generate request, shared by the HTTP server
+(TokenizerManager), the offline Engine and the scheduler.
+
+`validate_request` is what a front end runs before sending a request: the sampling parameters,
+then the prompt (`check_prompt`), then the length budget (prompt + max_new_tokens must fit the
+context, as the OpenAI API and vLLM refuse it). The scheduler re-runs `check_prompt` on what it
+receives (it is the authority on its pools); it does not refuse a budget past the context,
+which it ends at the context length instead, for callers that bypass the front ends.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.core.sampling_params import InvalidRequestError, SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    context_len: int
+    vocab_size: int
+    max_total_tokens: int | None = None  # KV cache size, in tokens
+    max_prefill_tokens: int | None = None  # the longest prompt when chunked prefill is off
+
+    @classmethod
+    def from_model_info(cls, info: dict[str, Any]) -> "RequestLimits":
+        return cls(int(info["context_len"]), int(info.get("vocab_size") or 0),
+                   info.get("max_total_num_tokens"), info.get("max_prefill_tokens"))
+
+
+def check_prompt(input_ids: list[int], limits: RequestLimits) -> None:
+    """The prompt alone: non-empty, known token ids, shorter than the context, and servable
+    by the KV cache (and in one prefill when chunked prefill is off)."""
+    n = len(input_ids)
+    if n == 0:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    if limits.vocab_size and any(not 0 <= t < limits.vocab_size for t in input_ids):
+        raise InvalidRequestError(f"input_ids must be in [0, {limits.vocab_size})",
+                                  param="prompt")
+    if n >= limits.context_len:
+        raise InvalidRequestError(
+            f"The input ({n} tokens) is longer than the model's context length "
+            f"({limits.context_len} tokens): at most {limits.context_len - 1} prompt tokens "
+            "are allowed.", param="prompt")
+    if limits.max_total_tokens is not None and n + 1 > limits.max_total_tokens:
+        raise InvalidRequestError(f"the prompt has {n} tokens, more than the KV cache holds "
+                                  f"({limits.max_total_tokens} tokens)", param="prompt")
+    if limits.max_prefill_tokens is not None and n > limits.max_prefill_tokens:
+        raise InvalidRequestError(
+            f"the prompt has {n} tokens, more than --max-prefill-tokens "
+            f"({limits.max_prefill_tokens}) with chunked prefill disabled", param="prompt")
+
+
+def validate_request(input_ids: list[int], sampling_params: SamplingParams,
+                     limits: RequestLimits, logprob_start_len: int = -1,
+                     top_logprobs_num: int = 0) -> None:
+    """Everything about one request; normalises `sampling_params` in place. Raises
+    InvalidRequestError with a message for the user."""
+    sampling_params.verify()
+    sampling_params.normalize()
+    SamplingParams.check_top_logprobs_num(top_logprobs_num)
+    check_prompt(input_ids, limits)
+    n = len(input_ids)
+    if n + sampling_params.max_new_tokens > limits.context_len:
+        raise InvalidRequestError(
+            f"Requested {n + sampling_params.max_new_tokens} tokens ({n} in the prompt, "
+            f"{sampling_params.max_new_tokens} to generate), but the model's context length is "
+            f"{limits.context_len} tokens. Reduce the prompt or max_tokens.", param="max_tokens")
+    if logprob_start_len >= n:
+        raise InvalidRequestError(f"logprob_start_len must be < the prompt length ({n})",
+                                  param="logprob_start_len")

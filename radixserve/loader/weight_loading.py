@@ -1,0 +1,74 @@
+"""The generic weight loader: checkpoint tensors (HF names) into a model's parameters.
+
+A model's parameters are named as in the transformers state dict, except where the model merges
+several checkpoint tensors into one parameter; it lists those in `packed_modules_mapping`
+(checkpoint module name -> (merged module name, shard id)), e.g. "q_proj" -> ("qkv_proj", "q").
+Each parameter loads itself through its `weight_loader(param, tensor[, shard_id])` (a slice for a
+tensor-parallel shard, an offset in a merged weight, a row of stacked experts); parameters
+without one are copied whole. A model may also define `skip_weight(name) -> bool` for checkpoint
+tensors it has no place for on purpose (rotary tables, a tied LM head's copy).
+
+Every parameter must be loaded (every shard of a merged one), and every checkpoint tensor must
+find a parameter: a mismatch is an error naming the tensor, never a silently random weight.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from radixserve.layers.linear import default_weight_loader
+
+
+def _packed_target(name: str, mapping: dict[str, tuple[str, object]]
+                   ) -> tuple[str, object] | None:
+    """(parameter name, shard id) when `name` belongs to a merged parameter."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in mapping:
+            merged, shard_id = mapping[part]
+            return ".".join(parts[:i] + [merged] + parts[i + 1:]), shard_id
+    return None
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters())
+    mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
+    skip = getattr(model, "skip_weight", None)
+    # merged parameter -> the shard ids it still expects
+    expected_shards = {params_name: set() for params_name in params}
+    for ckpt_module, (merged, shard_id) in mapping.items():
+        for params_name in params:
+            if f".{merged}." in f".{params_name}":
+                expected_shards[params_name].add(shard_id)
+    loaded: dict[str, set[object]] = defaultdict(set)
+    for name, tensor in weights:
+        if skip is not None and skip(name):
+            continue
+        packed = _packed_target(name, mapping)
+        target, shard_id = packed if packed is not None else (name, None)
+        param = params.get(target)
+        if param is None:
+            raise KeyError(f"checkpoint tensor {name!r} has no place in "
+                           f"{type(model).__name__}")
+        loader = getattr(param, "weight_loader", None)
+        try:
+            if shard_id is not None:
+                assert loader is not None, f"{target} is merged but has no weight_loader"
+                loader(param, tensor, shard_id)
+            elif loader is not None:
+                loader(param, tensor)
+            else:
+                default_weight_loader(param, tensor)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from exc
+        loaded[target].add(shard_id)
+    missing = sorted(n for n in params if n not in loaded)
+    if missing:
+        raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
+    partial = sorted(n for n, want in expected_shards.items() if want - loaded[n])
+    if partial:
+        raise KeyError(f"checkpoint lacks pieces of merged parameters, e.g. "
+                       f"{partial[0]} misses {sorted(map(str, expected_shards[partial[0]] - loaded[partial[0]]))}")

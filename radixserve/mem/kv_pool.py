@@ -1,0 +1,122 @@
+"""The KV pool interface: token-granular storage of one KV entry per (layer, token slot).
+
+A pool hands out KV slots (page size 1) and stores what attention needs to keep per token. What
+that is depends on the attention kind, described by a `KVCacheSpec`:
+  * "mha": a K and a V of [num_kv_heads, head_dim] per layer (MHA, GQA, MQA);
+  * later "mla": one compressed latent plus a rope part per layer (DeepSeek-V2), and quantised
+    storage (FP8 with scales) as a `storage_dtype` other than the compute dtype.
+Each kind is one `KVPool` subclass, registered in `KV_POOL_CLASSES`; callers go through this
+interface only, so a new kind is a new class, not an edit of its callers.
+
+Slot 0 is never handed out: it is the padding sink that padded (CUDA graph) requests write to,
+so valid slots are 1..size. Allocation lives on the CPU (a scheduler decision must not sync the
+device). Ownership: whoever allocates frees; the prefix cache takes ownership of the slots it
+inserts and frees them on eviction.
+
+What an attention backend needs of a pool:
+  * `store_kv(layer_id, loc, k, v)`: write this pass's entries at slots `loc`;
+  * `rotate_and_store_kv(...)`: rope applied to q and k and the store, fused where the pool
+    has a kernel for it (the MHA pool on a Triton device); the default rotates, then stores;
+  * `kv_buffers(layer_id)`: the tensors to read (for MHA: (k_buffer, v_buffer), each
+    [size + 1, num_kv_heads, head_dim]);
+  * `bytes_per_token(spec)`: the memory one token costs in all layers, used once to size it.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one token's KV looks like, per layer. `storage_dtype` is what the pool holds
+    (None: the compute dtype)."""
+    kind: str  # "mha"
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    storage_dtype: torch.dtype | None = None
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        return self.storage_dtype or self.dtype
+
+
+RotateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                    tuple[torch.Tensor, torch.Tensor]]
+
+
+class KVPool(ABC):
+    """Slot allocation (shared) plus the per-kind storage (subclasses)."""
+
+    def __init__(self, size: int, spec: KVCacheSpec, device: str | torch.device) -> None:
+        self.size = size
+        self.spec = spec
+        self.dtype = spec.stored_dtype
+        self.layer_num = spec.num_layers
+        self.device = torch.device(device)
+        # kept on the CPU: allocation is a scheduler decision and must not sync the device
+        self.free_slots = torch.arange(1, size + 1, dtype=torch.int64)
+
+    # ---- sizing ----
+    @classmethod
+    @abstractmethod
+    def bytes_per_token(cls, spec: KVCacheSpec) -> int:
+        """Bytes one token's KV takes in all layers (what sizes the pool)."""
+
+    # ---- slots ----
+    def available_size(self) -> int:
+        return int(self.free_slots.numel())
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """Return `need_size` free KV slots (int64, CPU), or None if there are not enough."""
+        if need_size > self.free_slots.numel():
+            return None
+        taken = self.free_slots[:need_size]
+        self.free_slots = self.free_slots[need_size:]
+        return taken
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        self.free_slots = torch.cat((self.free_slots, slots.to(torch.int64).cpu()))
+
+    def clear(self) -> None:
+        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64)
+
+    # ---- storage ----
+    @abstractmethod
+    def store_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+        """Write this pass's entries ([T, ...] per the kind) into slots `loc` ([T]) of a layer."""
+
+    @abstractmethod
+    def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, ...]:
+        """The layer's storage tensors, indexed by slot, for the attention kernels to read."""
+
+    def rotate_and_store_kv(self, layer_id: int, loc: torch.Tensor, q: torch.Tensor,
+                            k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                            cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                            rotate: RotateFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rope on q and k (neox layout, the given cos/sin tables), then store k (rotated)
+        and v. Returns the rotated q, k (possibly the inputs, rotated in place). The default
+        calls `rotate(positions, q, k)` and `store_kv`; a pool with a fused kernel overrides."""
+        q, k = rotate(positions, q, k)
+        self.store_kv(layer_id, loc, k, v)
+        return q, k
+
+
+def kv_pool_class(kind: str) -> type[KVPool]:
+    """The pool class for a KVCacheSpec kind (imported lazily)."""
+    if kind == "mha":
+        from radixserve.mem.mha_pool import MHATokenToKVPool
+        return MHATokenToKVPool
+    raise ValueError(f"no KV pool for attention kind {kind!r}")
+
+
+def make_kv_pool(size: int, spec: KVCacheSpec, device: str | torch.device) -> KVPool:
+    return kv_pool_class(spec.kind)(size, spec, device)

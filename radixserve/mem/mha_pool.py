@@ -1,0 +1,49 @@
+"""The MHA/GQA KV pool: per layer a K and a V buffer of [size + 1, num_kv_heads, head_dim]."""
+from __future__ import annotations
+
+import torch
+
+from radixserve.mem.kv_pool import KVCacheSpec, KVPool, RotateFn
+
+
+class MHATokenToKVPool(KVPool):
+    def __init__(self, size: int, spec: KVCacheSpec, device: str | torch.device) -> None:
+        super().__init__(size, spec, device)
+        self.head_num = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        shape = (size + 1, spec.num_kv_heads, spec.head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                         for _ in range(spec.num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                         for _ in range(spec.num_layers)]
+
+    @classmethod
+    def bytes_per_token(cls, spec: KVCacheSpec) -> int:
+        element = torch.tensor([], dtype=spec.stored_dtype).element_size()
+        return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * element
+
+    def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def store_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+        """k/v: [T, num_kv_heads * head_dim] or [T, num_kv_heads, head_dim]."""
+        shape = (-1, self.head_num, self.head_dim)
+        self.k_buffer[layer_id][loc] = k.view(shape).to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.view(shape).to(self.dtype)
+
+    def rotate_and_store_kv(self, layer_id: int, loc: torch.Tensor, q: torch.Tensor,
+                            k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                            cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                            rotate: RotateFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """One Triton kernel rotates q and k in place and writes rotated k and v into the
+        layer's buffers (instead of a rotary kernel plus two index_put launches). Without
+        Triton, the default (rotate, then store)."""
+        try:
+            from radixserve.mem.kernels.rope_kv_store import apply_rotary_and_store_kv
+        except ImportError:
+            return super().rotate_and_store_kv(layer_id, loc, q, k, v, positions, cos_cache,
+                                               sin_cache, rotate)
+        apply_rotary_and_store_kv(positions, q, k, v, cos_cache, sin_cache, self.head_dim,
+                                  self.k_buffer[layer_id], self.v_buffer[layer_id], loc)
+        return q, k

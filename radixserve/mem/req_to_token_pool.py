@@ -1,0 +1,84 @@
+"""ReqToTokenPool: the request-to-slot table, (request row, position) -> KV slot.
+
+The table has one row past `size`, `padding_row`, never handed out: padded (CUDA graph) requests
+point at it, so the decode pass's table write for them touches no real request.
+
+It keeps a host copy of its table (`host_table`, written at the same points as the device table)
+so the scheduler reads a request's slots (`read_row`, when it finishes or its prompt is cached)
+without a device sync: with overlapped decode a step is still running then, and reading the
+device table would wait for it.
+
+This class is the table's one writer; nothing else indexes into it for writing. Its callers:
+the scheduler's BatchBuilder (every slot it allocates: `write`, and `write_host_positions` for
+the slots of a decode step), the radix cache (`write`, pointing a row's duplicate positions at
+the tree's slots when a prompt is cached) and the decode pass (`write_decode_slots`, the device
+half of a decode step's slots, inside the CUDA graph on replay).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class ReqToTokenPool:
+    def __init__(self, size: int, max_context_len: int, device: str | torch.device) -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self.padding_row = size
+        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32,
+                                        device=self.device)
+        # numpy's zeros are calloc'd: only rows and columns written take host memory
+        self.host_table = np.zeros((size + 1, max_context_len), dtype=np.int32)
+        self.free_slots: list[int] = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, need_size: int) -> list[int] | None:
+        if need_size > len(self.free_slots):
+            return None
+        taken = self.free_slots[:need_size]
+        self.free_slots = self.free_slots[need_size:]
+        return taken
+
+    def free(self, slot: int | list[int]) -> None:
+        if isinstance(slot, int):
+            self.free_slots.append(slot)
+        else:
+            self.free_slots.extend(slot)
+
+    def clear(self) -> None:
+        self.free_slots = list(range(self.size))
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Table and host copy: row[start:start + len(slots)] = slots (CPU int tensor)."""
+        slots = slots.to("cpu", torch.int32)
+        self.host_table[row, start:start + len(slots)] = slots.numpy()
+        self.req_to_token[row, start:start + len(slots)] = slots.to(self.device)
+
+    def write_host_positions(self, rows: list[int], positions: list[int],
+                             slots: torch.Tensor) -> None:
+        """Host copy only: row[position] = slot for each (the device side of a decode step's
+        slots is written by the pass itself, write_decode_slots)."""
+        self.host_table[rows, positions] = slots.numpy()
+
+    def write_positions(self, rows: list[int], positions: list[int],
+                        slots: torch.Tensor) -> None:
+        """Table and host copy: row[position] = slot for each (one new token per request, in a
+        pass that does not write them itself: the decode part of a MIXED pass)."""
+        self.write_host_positions(rows, positions, slots)
+        index = torch.tensor([rows, positions], dtype=torch.int64).to(self.device,
+                                                                     non_blocking=True)
+        self.req_to_token[index[0], index[1]] = slots.to(self.device, torch.int32)
+
+    def read_row(self, row: int, length: int) -> torch.Tensor:
+        """The first `length` slots of a row, int64 on the CPU, from the host copy (no sync)."""
+        return torch.from_numpy(self.host_table[row, :length].astype(np.int64))
+
+    def write_decode_slots(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                           out_cache_loc: torch.Tensor) -> None:
+        """Record each request's new KV slot at position seq_len - 1 (device tensors, no sync).
+        The ModelRunner calls this for every DECODE pass (inside the CUDA graph on replay); the
+        host copy got the same slots from BatchBuilder.prepare_decode."""
+        self.req_to_token[req_pool_indices, seq_lens - 1] = out_cache_loc.to(torch.int32)

@@ -1,0 +1,177 @@
+"""Shared building blocks: a Llama-like family is a short file on top of these.
+
+  DecoderAttention  q|k|v projection, optional per-head q/k RMSNorm (Qwen3), rope through the
+                    attention backend (RadixAttention), output projection
+  GatedMLP          gate|up projection, a gated activation, down projection
+  DecoderLayer      pre-norm attention + MLP with the residual add fused into the norms
+  DecoderModel      embedding (optionally scaled), the layers, the final norm
+  CausalLM          `model` + LM head (tied or not) + logits; the checkpoint name mapping
+
+Parameters are named as in the transformers state dict (`model.layers.0.self_attn...`), except
+the merged q|k|v and gate|up, listed in `packed_modules_mapping` for the generic loader
+(loader/weight_loading.py). Linears are column/row parallel with their own weight loaders, so
+tensor parallelism shards them without the model files changing.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from radixserve.config import ModelConfig
+from radixserve.core.forward_batch import ForwardBatch
+from radixserve.layers.activation import gated_activation
+from radixserve.layers.embedding import VocabEmbedding
+from radixserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                      ReplicatedLinear, RowParallelLinear)
+from radixserve.layers.logits import LogitsOutput, compute_logits
+from radixserve.layers.norm import RMSNorm
+from radixserve.layers.radix_attention import RadixAttention
+from radixserve.layers.rotary import RopeInput, RotaryEmbedding
+from radixserve.mem.kv_pool import KVCacheSpec
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                 scaling: float | None = None, logit_cap: float = 0.0,
+                 qk_norm: bool = False) -> None:
+        super().__init__()
+        head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim,
+                                          config.num_attention_heads,
+                                          config.num_key_value_heads, bias=config.attention_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
+                                        bias=False)
+        self.head_dim = head_dim
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.attn = RadixAttention(self.qkv_proj.num_heads, head_dim,
+                                   scaling if scaling is not None else head_dim ** -0.5,
+                                   self.qkv_proj.num_kv_heads, layer_id,
+                                   sliding_window=config.layer_sliding_window(layer_id),
+                                   logit_cap=logit_cap)
+
+    def _per_head_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return norm(x.reshape(-1, self.head_dim)).view(x.shape[0], -1)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self._per_head_norm(self.q_norm, q)
+            k = self._per_head_norm(self.k_norm, k)
+        # the backend rotates q/k (fused with its KV store where it can)
+        return self.o_proj(self.attn(q, k, v, forward_batch, RopeInput(positions, self.rotary)))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu",
+                 bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size,
+                                                       [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.act = gated_activation(activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm: h = x + attn(norm(x)); out = h + mlp(norm(h)), the adds fused into the norms
+    (each layer returns its output and the residual stream still to be added)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                 qk_norm: bool = False) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, layer_id, rotary, qk_norm=qk_norm)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size,
+                            getattr(config.hf, "hidden_act", "silu"), config.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, forward_batch: ForwardBatch
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, forward_batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+LayerFactory = Callable[[ModelConfig, int, RotaryEmbedding], nn.Module]
+
+
+class DecoderModel(nn.Module):
+    """Embedding, layers, final norm. Layers take (positions, hidden, residual, batch) and
+    return (hidden, residual); residual None means the layer added it already."""
+
+    def __init__(self, config: ModelConfig, make_layer: LayerFactory,
+                 norm_cls: type[nn.Module] = RMSNorm, embed_scale: float | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding.from_config(config)
+        self.layers = nn.ModuleList(make_layer(config, i, self.rotary)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.embed_scale = embed_scale
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # Gemma: the scale rounded to the activations' dtype
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, forward_batch)
+        if residual is None:
+            return self.norm(hidden)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class CausalLM(nn.Module):
+    """`model` (a DecoderModel) + LM head. Subclasses build `self.model` in `__init__`."""
+
+    packed_modules_mapping: dict[str, tuple[str, object]] = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig, model: DecoderModel) -> None:
+        super().__init__()
+        self.config = config
+        self.model = model
+        self.lm_head = None if config.tie_word_embeddings else \
+            ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False)
+        self.final_logit_cap = float(getattr(config.hf, "final_logit_softcapping", None) or 0.0)
+
+    @classmethod
+    def kv_cache_spec(cls, config: ModelConfig, dtype: torch.dtype,
+                      tp_size: int = 1) -> KVCacheSpec:
+        """What the KV pool stores per token: K and V of this rank's KV heads (replicated when
+        there are fewer KV heads than ranks)."""
+        return KVCacheSpec("mha", config.num_hidden_layers,
+                           max(1, config.num_key_value_heads // tp_size), config.head_dim, dtype)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def skip_weight(self, name: str) -> bool:
+        """Checkpoint tensors without a place on purpose: rotary tables, and the copy of the
+        embedding some tied checkpoints still ship as lm_head.weight."""
+        return "rotary_emb.inv_freq" in name or \
+            (name == "lm_head.weight" and self.lm_head is None)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: ForwardBatch) -> LogitsOutput:
+        return compute_logits(self.model(input_ids, positions, forward_batch),
+                              self.lm_head_weight, forward_batch, self.final_logit_cap)

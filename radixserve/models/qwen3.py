@@ -1,0 +1,17 @@
+"""Qwen3 (dense): the Llama block with an RMSNorm over each head of q and k before rope, and no
+q/k/v bias."""
+from __future__ import annotations
+
+import functools
+
+from radixserve.config import ModelConfig
+from radixserve.models.blocks import CausalLM, DecoderLayer, DecoderModel
+
+
+class Qwen3ForCausalLM(CausalLM):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config, DecoderModel(config, functools.partial(DecoderLayer,
+                                                                         qk_norm=True)))
+
+
+EntryClass = [Qwen3ForCausalLM]
