@@ -1,14 +1,17 @@
-"""Greedy outputs of tiny random Llama checkpoints: radixserve's three GPU paths vs transformers.
+"""Greedy outputs of tiny random checkpoints: radixserve's three GPU paths vs transformers.
 
   python benchmarks/gpu_correctness.py [--out DIR] [--dtypes bfloat16 float32]
 
-For each checkpoint (made here with transformers: head_dim 128 GQA 4, 64 MHA, 32 GQA 4) and each
-dtype, prompts of several lengths are decoded greedily for --new-tokens tokens through
+For each checkpoint (made here with transformers: Llamas of head_dim 128 GQA 4, 64 MHA, 32 GQA 4;
+a Mistral with a 32-token sliding window, decoded 64 tokens past prompts of 100 and 257; Qwen3
+with q/k norms; Gemma-2 with soft-capping and a window on alternate layers) and each dtype, prompts of several lengths are decoded greedily for --new-tokens tokens through
 radixserve.Engine with (torch_native, no graphs), (triton, no graphs) and (triton, CUDA graphs),
 all prompts in one batch (so decode replays a padded graph), and once more the first prompt
 alone (batch 1). Checks, one PASS/TIE/FAIL line each:
 - "paths": batch-1 == batched, and the three paths give identical token ids;
-- "vs HF": equal to transformers' `generate(do_sample=False)` in the same dtype.
+- "vs HF": equal to transformers' greedy decoding in the same dtype: its full forward pass,
+  argmax'ed one token at a time (its `generate` with a sliding-window cache drifts from its own
+  full forward, so it is not the reference).
 In fp32 any divergence fails. In bf16 rounding differs between kernels (and between batch
 shapes), so a near tie can flip one argmax: a divergence is TIE when the fp32 transformers model,
 given the common prefix, puts the two tokens closer together than twice the worst logit error of
@@ -34,12 +37,27 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 PROMPT_LENS = (1, 7, 33, 100, 257)
-CHECKPOINTS: dict[str, dict[str, Any]] = {  # most important first (Llama-3 head layout)
-    "hd128-gqa4": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
-                       head_dim=128),
-    "hd64-mha": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=8, head_dim=64),
-    "hd32-gqa4": dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32),
+# name -> (transformers config class, its arguments, new tokens or None for --new-tokens)
+CHECKPOINTS: dict[str, tuple[str, dict[str, Any], int | None]] = {
+    # most important first (Llama-3 head layout)
+    "hd128-gqa4": ("LlamaConfig", dict(hidden_size=512, num_attention_heads=8,
+                                       num_key_value_heads=2, head_dim=128), None),
+    "mistral-swa32": ("MistralConfig", dict(hidden_size=512, num_attention_heads=8,
+                                            num_key_value_heads=2, head_dim=64,
+                                            sliding_window=32), 64),
+    "gemma2-hd64": ("Gemma2Config", dict(hidden_size=512, num_attention_heads=8,
+                                         num_key_value_heads=4, head_dim=64, sliding_window=48,
+                                         query_pre_attn_scalar=64, attn_logit_softcapping=5.0,
+                                         final_logit_softcapping=3.0,
+                                         tie_word_embeddings=True), None),
+    "qwen3-hd64": ("Qwen3Config", dict(hidden_size=512, num_attention_heads=8,
+                                       num_key_value_heads=2, head_dim=64), None),
+    "hd64-mha": ("LlamaConfig", dict(hidden_size=512, num_attention_heads=8,
+                                     num_key_value_heads=8, head_dim=64), None),
+    "hd32-gqa4": ("LlamaConfig", dict(hidden_size=256, num_attention_heads=8,
+                                      num_key_value_heads=2, head_dim=32), None),
 }
+DEFAULT_CHECKPOINTS = ["hd128-gqa4", "mistral-swa32", "gemma2-hd64", "qwen3-hd64"]
 PATHS = (("torch_native", False), ("triton", False), ("triton", True))
 
 
@@ -58,10 +76,11 @@ class Check:
 def make_checkpoint(name: str, folder: Path, seed: int = 0) -> None:
     import transformers
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=1024, intermediate_size=768, num_hidden_layers=4, max_position_embeddings=2048,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
-        pad_token_id=None, **CHECKPOINTS[name])
+    config_cls, extra, _ = CHECKPOINTS[name]
+    kwargs = dict(vocab_size=1024, intermediate_size=768, num_hidden_layers=4,
+                  max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = getattr(transformers, config_cls)(**{**kwargs, **extra})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # transformers' init is tiny; larger weights make attention matter
         for param in model.parameters():
@@ -85,17 +104,15 @@ def load_hf(folder: Path, dtype: torch.dtype, device: str) -> Any:
 
 def hf_greedy(model: Any, prompts: list[list[int]], new_tokens: int, device: str
               ) -> list[list[int]]:
-    import transformers
-    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=new_tokens,
-                                           min_new_tokens=new_tokens, eos_token_id=None,
-                                           pad_token_id=0, bos_token_id=None)
+    """transformers' full forward, argmax'ed one token at a time (no cache, no padding)."""
     outputs = []
     with torch.no_grad():
-        for prompt in prompts:  # one at a time: no padding in the reference
-            ids = torch.tensor([prompt], device=device)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 generation_config=config)
-            outputs.append(out[0, len(prompt):].tolist())
+        for prompt in prompts:
+            seq = list(prompt)
+            for _ in range(new_tokens):
+                logits = model(torch.tensor([seq], device=device)).logits[0, -1]
+                seq.append(int(logits.argmax()))
+            outputs.append(seq[len(prompt):])
     return outputs
 
 
@@ -202,6 +219,7 @@ def check_checkpoint(name: str, dtypes: list[str], device: str, new_tokens: int,
                      deadline: float) -> list[Check]:
     folder = root / name
     make_checkpoint(name, folder)
+    new_tokens = CHECKPOINTS[name][2] or new_tokens
     model32 = load_hf(folder, torch.float32, device)
     checks: list[Check] = []
     for dtype in dtypes:
@@ -222,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="folder for correctness.json")
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
-    parser.add_argument("--checkpoints", nargs="+", default=list(CHECKPOINTS),
+    parser.add_argument("--checkpoints", nargs="+", default=DEFAULT_CHECKPOINTS,
                         choices=list(CHECKPOINTS))
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--time-budget", type=float, default=float("inf"),

@@ -140,6 +140,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if shard_id is None:  # a checkpoint that stores the pieces merged already
             raise ValueError("merged layers load their pieces one by one (give a shard_id)")
         offset, size = self._piece(shard_id)  # type: ignore[arg-type]
+        if loaded.shape[0] != self.output_sizes[shard_id]:  # type: ignore[index]
+            raise ValueError(f"piece {shard_id} of {loaded.shape[0]} rows, expected "
+                             f"{self.output_sizes[shard_id]}")  # type: ignore[index]
         default_weight_loader(param.data.narrow(0, offset, size),  # type: ignore[arg-type]
                               _shard(loaded, 0, self.tp_rank, self.tp_size))
 
@@ -182,5 +185,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             head_index = (self.tp_rank // ranks_per_kv_head) * self.num_kv_heads
         else:
             raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        total_heads = self.num_heads * self.tp_size if shard_id == "q" else self.total_num_kv_heads
+        if loaded.shape[0] != total_heads * self.head_dim:
+            raise ValueError(f"{shard_id} projection of {loaded.shape[0]} rows, expected "
+                             f"{total_heads} heads x {self.head_dim}")
         rows = loaded.narrow(0, head_index * self.head_dim, size)
         default_weight_loader(param.data.narrow(0, offset, size), rows)  # type: ignore[arg-type]
