@@ -48,7 +48,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = 2 * inv_freq.numel()
         t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq.float())
+        freqs = torch.outer(t, inv_freq.to(t.device).float())
         emb = torch.cat((freqs, freqs), dim=-1)
         # [max_position, rotary_dim]: cos of both halves then sin of both halves
         self.register_buffer("cos_cache", emb.cos() * attention_factor, persistent=False)

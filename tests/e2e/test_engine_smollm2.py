@@ -112,6 +112,13 @@ def test_bad_prompts_are_refused_without_leaks(engine):
     too_long = [1] * engine.scheduler.context_len
     with pytest.raises(InvalidRequestError, match="context length"):
         engine.generate(input_ids=too_long, sampling_params={"max_new_tokens": 4})
+    # the server's rule too (one validation path): prompt + max_new_tokens past the context
+    budget = engine.scheduler.context_len - 10
+    with pytest.raises(InvalidRequestError, match="Reduce the prompt or max_tokens"):
+        engine.generate(input_ids=[1] * budget, sampling_params={"max_new_tokens": 11})
+    with pytest.raises(InvalidRequestError, match="logprob_start_len"):
+        engine.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1},
+                        return_logprob=True, logprob_start_len=2)
     state = engine.get_internal_state()
     assert state["memory_check_ok"] and state["leaked_tokens"] == 0
 

@@ -39,7 +39,9 @@ def test_missing_bundled_package_says_how_to_install(monkeypatch: pytest.MonkeyP
         resolve_model_path(None)
 
 
-def test_local_paths(tmp_path: Path) -> None:
+def test_local_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no network here
     hf = tmp_path / "my-model"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps(TINY_LLAMA))
