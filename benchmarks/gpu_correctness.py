@@ -58,7 +58,12 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], int | None]] = {
                                       num_key_value_heads=2, head_dim=32), None),
 }
 DEFAULT_CHECKPOINTS = ["hd128-gqa4", "mistral-swa32", "gemma2-hd64", "qwen3-hd64"]
-PATHS = (("torch_native", False), ("triton", False), ("triton", True))
+PATHS = (("torch_native", False, 1), ("triton", False, 1), ("triton", True, 1))
+
+
+def tp_paths(tp_size: int) -> tuple[tuple[str, bool, int], ...]:
+    """--tp-size N: one rank against N ranks, both Triton + CUDA graphs."""
+    return (("triton", True, 1), ("triton", True, tp_size))
 
 
 @dataclass
@@ -117,12 +122,14 @@ def hf_greedy(model: Any, prompts: list[list[int]], new_tokens: int, device: str
 
 
 def radixserve_greedy(folder: Path, dtype: str, device: str, backend: str, graphs: bool,
-                      prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+                      prompts: list[list[int]], new_tokens: int, tp_size: int = 1
+                      ) -> list[list[int]]:
     """All prompts in one generate() call, then the first prompt alone (appended last)."""
     from radixserve.engine import Engine
     engine = Engine(model_path=str(folder), dtype=dtype, device=device, attention_backend=backend,
                     disable_cuda_graph=not graphs, cuda_graph_max_bs=16, max_total_tokens=32768,
-                    max_running_requests=32, skip_tokenizer_init=True, random_seed=0)
+                    max_running_requests=32, skip_tokenizer_init=True, random_seed=0,
+                    tp_size=tp_size)
     try:
         params = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
         batched = engine.generate(input_ids=prompts, sampling_params=params)
@@ -183,19 +190,19 @@ class TieJudge:
 
 
 def check_dtype(name: str, dtype: str, device: str, new_tokens: int, folder: Path,
-                model32: Any) -> list[Check]:
+                model32: Any, tp_size: int = 1) -> list[Check]:
     prompts = make_prompts(1024)
     strict = dtype == "float32"
     judge = TieJudge(model32, model32 if strict else load_hf(folder, getattr(torch, dtype), device),
                      device)
-    paths = PATHS if device == "cuda" else PATHS[:1]
+    paths = (tp_paths(tp_size) if tp_size > 1 else PATHS) if device == "cuda" else PATHS[:1]
     results: dict[str, list[list[int]]] = {}
     checks: list[Check] = []
-    for backend, graphs in paths:
-        label = backend + ("+graphs" if graphs else "")
+    for backend, graphs, tp in paths:
+        label = backend + ("+graphs" if graphs else "") + (f"+tp{tp}" if tp_size > 1 else "")
         try:
             results[label] = radixserve_greedy(folder, dtype, device, backend, graphs, prompts,
-                                               new_tokens)
+                                               new_tokens, tp)
         except Exception as exc:  # report and go on with the other paths
             checks.append(Check(name, dtype, "paths", "FAIL", f"{label} raised {exc!r:.300}"))
     labels = list(results)
@@ -216,7 +223,7 @@ def check_dtype(name: str, dtype: str, device: str, new_tokens: int, folder: Pat
 
 
 def check_checkpoint(name: str, dtypes: list[str], device: str, new_tokens: int, root: Path,
-                     deadline: float) -> list[Check]:
+                     deadline: float, tp_size: int = 1) -> list[Check]:
     folder = root / name
     make_checkpoint(name, folder)
     new_tokens = CHECKPOINTS[name][2] or new_tokens
@@ -227,7 +234,7 @@ def check_checkpoint(name: str, dtypes: list[str], device: str, new_tokens: int,
             checks.append(Check(name, dtype, "all", "SKIP", "time budget spent"))
             print(checks[-1].line(), flush=True)
             continue
-        for check in check_dtype(name, dtype, device, new_tokens, folder, model32):
+        for check in check_dtype(name, dtype, device, new_tokens, folder, model32, tp_size):
             print(check.line(), flush=True)
             checks.append(check)
     del model32
@@ -245,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--time-budget", type=float, default=float("inf"),
                         help="seconds; checkpoint/dtype pairs not started by then are skipped")
+    parser.add_argument("--tp-size", type=int, default=1,
+                        help="N > 1: compare triton + graphs at tp 1 and tp N (N GPUs)")
     parser.add_argument("--allow-cpu", action="store_true",
                         help="without a GPU, check the torch_native path on the CPU")
     args = parser.parse_args(argv)
@@ -257,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rs-tiny-") as tmp:
         for name in args.checkpoints:
             checks += check_checkpoint(name, args.dtypes, device, args.new_tokens, Path(tmp),
-                                       deadline)
+                                       deadline, args.tp_size)
     counts = {s: sum(c.status == s for c in checks) for s in ("PASS", "TIE", "FAIL", "SKIP")}
     print(f"correctness: {counts['PASS']} pass, {counts['TIE']} tie, {counts['FAIL']} fail, "
           f"{counts['SKIP']} skipped")

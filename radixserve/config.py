@@ -61,8 +61,10 @@ class ServerArgs:
     disable_overlap_schedule: bool = False
     cuda_graph_max_bs: int | None = None
 
-    # parallelism (later)
+    # parallelism
     tp_size: int = 1
+    # tcp host:port where the tensor-parallel ranks meet; None: a free local port
+    dist_init_addr: str | None = None
 
     # filled by resolve()
     resolved: bool = field(default=False, repr=False)
@@ -92,15 +94,25 @@ class ServerArgs:
             big = on_gpu and torch.cuda.is_available() and \
                 torch.cuda.get_device_properties(torch.device(self.device)).total_memory > 100e9
             self.cuda_graph_max_bs = 512 if big else 256
-        if self.tp_size != 1:
-            raise ValueError(f"--tp-size {self.tp_size}: tensor parallelism is not implemented "
-                             "yet; only --tp-size 1 runs")
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if on_gpu and self.tp_size > 1 and torch.cuda.is_available() and \
+                self.tp_size > torch.cuda.device_count():
+            raise ValueError(f"--tp-size {self.tp_size} needs {self.tp_size} GPUs; this host "
+                             f"has {torch.cuda.device_count()}")
+        if self.tp_size > 1 and self.dist_init_addr is None:
+            self.dist_init_addr = f"127.0.0.1:{_free_port()}"
         if self.schedule_policy not in ("lpm", "fcfs", "dfs-weight", "random"):
             raise ValueError(f"unknown --schedule-policy {self.schedule_policy!r}")
         if self.disable_radix_cache and self.schedule_policy in ("lpm", "dfs-weight"):
             self.schedule_policy = "fcfs"  # cache-aware policies need the cache
         self.resolved = True
         return self
+
+    @property
+    def dist_init_method(self) -> str | None:
+        """The torch.distributed URL of the tensor-parallel group (None with one rank)."""
+        return f"tcp://{self.dist_init_addr}" if self.tp_size > 1 else None
 
     @property
     def chunked_prefill_enabled(self) -> bool:
@@ -124,6 +136,13 @@ class ServerArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
         names = {f.name for f in dataclasses.fields(cls) if f.name != "resolved"}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 # architectures radixserve serves -> the transformers model_type of their config

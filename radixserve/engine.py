@@ -20,7 +20,11 @@ from radixserve.config import ServerArgs
 from radixserve.core.io_struct import BatchTokenIDOut, TokenizedGenerateReq
 from radixserve.core.request_validation import RequestLimits, validate_request
 from radixserve.core.sampling_params import InvalidRequestError, SamplingParams
+from radixserve.distributed.parallel_state import get_tp_group
+from radixserve.scheduler.replicated import ReplicatedScheduler
 from radixserve.scheduler.scheduler import Scheduler
+from radixserve.server.tp_follower_process import (FollowerWatch, cpu_threads_per_rank,
+                                                   start_tp_followers)
 from radixserve.server.incremental_detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -73,9 +77,24 @@ class Engine:
         if model_path is not None:
             kwargs["model_path"] = model_path
         self.server_args = ServerArgs(**kwargs).resolve()
-        self.scheduler = Scheduler.build(self.server_args)
+        # --tp-size N: ranks 1..N-1 in processes of their own, following this one (rank 0).
+        # A split the layers cannot make is refused here, before any rank starts; a rank
+        # that dies later takes this process down with its traceback logged (as the server)
+        if self.server_args.tp_size > 1:
+            from radixserve.executor.model_runner import check_tensor_parallel
+            from radixserve.loader import load_model_source
+            source = load_model_source(self.server_args.model_path, self.server_args.load_format)
+            check_tensor_parallel(source.model_config, self.server_args.tp_size)
+        cpu_threads_per_rank(self.server_args)
+        self._followers = start_tp_followers(self.server_args)
+        self._follower_watch = FollowerWatch(self._followers)
+        scheduler = Scheduler.build(self.server_args)
+        self._runner = scheduler.runner
+        self.scheduler: Any = scheduler if self.server_args.tp_size == 1 else \
+            ReplicatedScheduler(scheduler, get_tp_group())
         self.tokenizer = self.scheduler.tokenizer
         self._ids = itertools.count()
+        self._closed = False
 
     # ---- inputs ----
     def _make_reqs(self, prompt: str | list[str] | None, input_ids: Any, sampling_params: Any,
@@ -189,7 +208,18 @@ class Engine:
         return vars(self.scheduler.get_internal_state())
 
     def shutdown(self) -> None:
+        """Finish what is in flight; with tensor parallelism, stop the other ranks and leave
+        the group (another Engine may then be built in this process)."""
+        if self._closed:
+            return
+        self._closed = True
         self._drain()
+        if self._followers:
+            self._follower_watch.stop()
+            self.scheduler.stop_followers()
+            for process, _ in self._followers:
+                process.join(timeout=30)
+            self._runner.shutdown()
 
     def __enter__(self) -> "Engine":
         return self

@@ -151,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
                 runner = engine.scheduler.runner
                 peak = hardware.device_peak(runner.device, runner.dtype, args.bandwidth,
                                             args.peak_flops)
+                tp = server_args.tp_size
+                if tp > 1:  # the ranks share the work: the limit counts every GPU
+                    peak = hardware.DevicePeak(peak.name, peak.mem_bandwidth * tp,
+                                               peak.peak_flops * tp, f"{peak.source}, x{tp}")
             results.append(run_offline(engine, requests, radix, peak=peak))
         finally:
             engine.shutdown()

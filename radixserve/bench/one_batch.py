@@ -202,20 +202,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """With --tp-size N the same run goes on in N processes, one per rank, in lockstep (the
+    batches are seeded, so every rank builds the same ones); rank 0 reports. Decode limits then
+    count each GPU's share of the bytes and FLOPs."""
     args = build_parser().parse_args(argv)
     if args.output_len < 1 or args.input_len < 1:
         raise SystemExit("--input-len and --output-len must be >= 1")
+    server_args = ServerArgs.from_cli_args(args).resolve()
+    followers = []
+    if server_args.tp_size > 1:
+        import multiprocessing
+        ctx = multiprocessing.get_context("spawn")
+        followers = [ctx.Process(target=_run, args=(args, server_args, rank), daemon=True)
+                     for rank in range(1, server_args.tp_size)]
+        for process in followers:
+            process.start()
+    code = _run(args, server_args, 0)
+    for process in followers:
+        process.join()
+        code = code or int(process.exitcode != 0)
+    return code
+
+
+def _run(args: argparse.Namespace, server_args: ServerArgs, tp_rank: int) -> int:
     from radixserve.executor.model_runner import ModelRunner
 
-    server_args = ServerArgs.from_cli_args(args).resolve()
-    runner = ModelRunner(server_args)
+    runner = ModelRunner(server_args, tp_rank=tp_rank,
+                         dist_init_method=server_args.dist_init_method)
     peak = hardware.device_peak(runner.device, runner.dtype, args.bandwidth, args.peak_flops)
+    if server_args.tp_size > 1:  # each GPU moves and computes its share
+        peak = hardware.DevicePeak(peak.name, peak.mem_bandwidth * server_args.tp_size,
+                                   peak.peak_flops * server_args.tp_size,
+                                   f"{peak.source}, x{server_args.tp_size} ranks")
     # warm-up: lazy initialisation, allocator growth and kernel autotuning stay out of the figures
     run_one_batch(runner, max(args.batch_size), args.input_len, min(args.output_len, 4), peak,
                   args.seed + 1)
     results = [run_one_batch(runner, bs, args.input_len, args.output_len, peak, args.seed,
                              overlap=args.overlap)
                for bs in args.batch_size]
+    runner.shutdown()
+    if tp_rank:
+        return 0
     print(format_table(results, peak))
     if args.output_file:
         date = datetime.now(timezone.utc).isoformat(timespec="seconds")

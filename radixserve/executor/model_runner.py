@@ -15,6 +15,7 @@ from radixserve.attention.registry import create_attention_backend
 from radixserve.config import ModelConfig, ServerArgs, resolve_dtype
 from radixserve.core.forward_batch import (ForwardBatch, ForwardMode, ForwardOutput,
                                            ModelWorkerBatch)
+from radixserve.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from radixserve.executor.memory_budget import max_kv_tokens, max_request_slots
 from radixserve.executor.pending_decode import PendingDecode
 from radixserve.executor.sampling_info import SamplingBatchInfo
@@ -31,20 +32,50 @@ from radixserve.models.registry import get_model_class, kv_cache_spec
 logger = logging.getLogger(__name__)
 
 
+def rank_device(device: str, tp_rank: int) -> torch.device:
+    """Rank r runs on GPU r (one node); on CPU every rank is a process on the CPU."""
+    if device.startswith("cuda") and tp_rank:
+        return torch.device("cuda", tp_rank)
+    return torch.device(device)
+
+
+def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
+    """Refuse, before loading, a split the parallel layers cannot make."""
+    if tp_size == 1:
+        return
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % tp_size:
+        raise ValueError(f"--tp-size {tp_size} does not divide the model's {heads} attention "
+                         "heads")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(f"--tp-size {tp_size} and the model's {kv_heads} KV heads: neither "
+                         "divides the other, so KV heads can be neither split nor replicated")
+
+
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs, source: ModelSource | None = None) -> None:
+    def __init__(self, server_args: ServerArgs, source: ModelSource | None = None,
+                 tp_rank: int = 0, dist_init_method: str | None = None) -> None:
+        """One tensor-parallel rank (rank 0 of 1 by default). With --tp-size N every rank
+        builds its own runner, on GPU `tp_rank` (or a CPU process), and joins the group at
+        `dist_init_method` (tcp://host:port) before the model is built."""
         self.server_args = server_args.resolve()
-        self.device = torch.device(server_args.device)
+        self.tp_rank, self.tp_size = tp_rank, server_args.tp_size
+        self.device = rank_device(server_args.device, tp_rank)
         t0 = time.perf_counter()
         self.source = source or load_model_source(server_args.model_path,
                                                   server_args.load_format)
         self.model_config: ModelConfig = self.source.model_config
+        check_tensor_parallel(self.model_config, self.tp_size)
         self.model_config.resolve_context_length(server_args.context_length)
         self.dtype = resolve_dtype(server_args.dtype, self.model_config.torch_dtype,
                                    self.device.type)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.tp_group = init_tensor_parallel(tp_rank, self.tp_size, self.device,
+                                             dist_init_method)
         self.model = self._load_model()
         self.kv_cache_spec: KVCacheSpec = kv_cache_spec(self.model_config, self.dtype,
-                                                        server_args.tp_size)
+                                                        self.tp_size)
         logger.info("loaded %s (%s, %s) in %.1f s", self.model_config.architecture,
                     self.dtype, self.device, time.perf_counter() - t0)
         self.sampler = Sampler()
@@ -59,8 +90,15 @@ class ModelRunner:
     def _load_model(self) -> torch.nn.Module:
         torch.manual_seed(self.server_args.random_seed)
         model_cls = get_model_class(self.model_config.architecture)
-        with torch.device(self.device):
-            model = model_cls(self.model_config)
+        # parameters are made in the serving dtype where they live: an fp32 copy of a large
+        # model first would not fit (70B: 141 GB per GPU at tp 2)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = model_cls(self.model_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
         if self.source.weights is None:
             init_dummy_weights(model, self.server_args.random_seed)
         else:
@@ -104,8 +142,9 @@ class ModelRunner:
             if self.device.type == "cuda" and self.server_args.max_total_tokens is None else 0
         bytes_per_token = kv_pool_class(self.kv_cache_spec.kind).bytes_per_token(
             self.kv_cache_spec)
-        self.max_total_num_tokens = max_kv_tokens(self.server_args, bytes_per_token, self.device,
-                                                  activation)
+        # every rank holds the same slots: the smallest budget over the ranks
+        self.max_total_num_tokens = self.tp_group.min_int(
+            max_kv_tokens(self.server_args, bytes_per_token, self.device, activation))
         self.max_num_reqs = max_request_slots(self.server_args, self.max_total_num_tokens)
         self.req_to_token_pool = ReqToTokenPool(self.max_num_reqs, cfg.context_length + 4,
                                                 self.device)
@@ -171,12 +210,25 @@ class ModelRunner:
         if greedy_ids is not None and self._argmax_is_the_sample(info):
             ids = greedy_ids
         else:
-            ids = self.sampler.forward(logits, info)
+            ids = self._sample_ids(logits, info)
         logprobs = None
         if batch.return_logprob:
             logprobs = compute_logprobs_on_device(logits, ids,
                                                   max(batch.top_logprobs_nums, default=0))
         return PendingDecode(ids, logprobs)
+
+    def _sample_ids(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """Sampled ids, rank 0's on every rank: the ranks' logits are equal (gathered), and a
+        random draw is broadcast too so the ranks can never diverge (a device collective,
+        no host sync)."""
+        ids = self.sampler.forward(logits, info)
+        if self.tp_size > 1 and not self._argmax_is_the_sample(info):
+            self.tp_group.broadcast(ids)
+        return ids
+
+    def shutdown(self) -> None:
+        """Leave the tensor-parallel group (the process may build another runner)."""
+        destroy_tensor_parallel()
 
     @staticmethod
     def _argmax_is_the_sample(info: SamplingBatchInfo) -> bool:
@@ -214,7 +266,7 @@ class ModelRunner:
     def _sample(self, batch: ModelWorkerBatch, logits: torch.Tensor,
                 extend_logits: torch.Tensor | None) -> ForwardOutput:
         assert batch.sampling_info is not None
-        next_ids = self.sampler.forward(logits, batch.sampling_info)
+        next_ids = self._sample_ids(logits, batch.sampling_info)
         if not batch.return_logprob:
             return ForwardOutput(next_ids.tolist())
         chosen, top = compute_logprobs(logits, next_ids, batch.top_logprobs_nums)

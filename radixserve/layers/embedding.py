@@ -1,22 +1,60 @@
-"""The token embedding (vocab rows; the weight an untied LM head shares nothing with)."""
+"""Vocab-parallel embedding and LM head: each tensor-parallel rank holds a contiguous range of
+the vocabulary's rows.
+
+The vocabulary is padded to a multiple of the rank count; rank r holds rows
+[r * rows, (r + 1) * rows) with rows = padded / size (rows past the real vocabulary stay zero).
+The embedding looks up the ids in its range, zeroes the others and sums over the ranks; the LM
+head computes the logits of its range and gathers them, then drops the padding. With one rank
+both are the plain operations.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from radixserve.layers.linear import default_weight_loader
+from radixserve.distributed.parallel_state import get_tp_group
+from radixserve.layers.linear import linear
 
 
-class VocabEmbedding(nn.Module):
-    """Embedding rows, one per token id. The parameter loads itself (`weight_loader`), so a
-    vocab-parallel split (each rank its range of rows) is one loader away."""
-
+class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
+        group = get_tp_group()
+        self.tp_rank, self.tp_size = group.rank, group.size
         self.num_embeddings = num_embeddings
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim),
+        self.rows_per_rank = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.rows_per_rank
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
+        self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, embedding_dim),
                                    requires_grad=False)
-        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape != (self.num_embeddings, param.shape[1]):
+            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit a "
+                             f"vocabulary of {self.num_embeddings} x {param.shape[1]}")
+        rows = loaded[self.vocab_start:self.vocab_end]
+        param.data[:rows.shape[0]].copy_(rows)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return nn.functional.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return nn.functional.embedding(input_ids, self.weight)
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(mine, input_ids - self.vocab_start, 0)
+        out = nn.functional.embedding(local, self.weight) * mine.unsqueeze(-1)
+        return get_tp_group().all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The LM head of an untied model: the same row split as the embedding."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("an LM head is applied with project(), not looked up")
+
+
+def project_to_vocab(hidden: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor:
+    """Logits [T, vocab] fp32 over the whole vocabulary: this rank's range, gathered."""
+    logits = linear(hidden, head.weight)
+    if head.tp_size > 1:
+        logits = get_tp_group().all_gather(logits)[..., :head.num_embeddings]
+    return logits.float()

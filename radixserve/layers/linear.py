@@ -3,9 +3,10 @@
 Every parameter carries `weight_loader(param, loaded, shard_id=None)` (the generic loader in
 loader/weight_loading.py calls it): a column-parallel layer keeps its rank's rows, a
 row-parallel one its rank's columns, and merged layers (q|k|v, gate|up) place each checkpoint
-tensor (`shard_id`) at its offset. The rank split is here so that tensor parallelism only has to
-pass (tp_rank, tp_size) and add the all-reduce after row-parallel layers; with tp_size 1 (today)
-the shards are the whole tensors.
+tensor (`shard_id`) at its offset. Rank and size default to this process's tensor-parallel group
+(distributed/parallel_state.py), so model files never name them; with one rank the shards are
+the whole tensors. A row-parallel layer sums its ranks' partial products with an all-reduce
+before adding its bias.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import os
 
 import torch
 from torch import nn
+
+from radixserve.distributed.parallel_state import get_tp_group
 
 # RADIXSERVE_GEMV=0 sends one-token products to cuBLAS too (for A/B timing)
 _GEMV_ENABLED = os.environ.get("RADIXSERVE_GEMV", "1") != "0"
@@ -65,9 +68,9 @@ class LinearBase(nn.Module):
     """y = x @ W.T (+ b), W of [output_size, input_size] on this rank."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int | None = None, tp_size: int | None = None) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_rank, self.tp_size = _rank_and_size(tp_rank, tp_size)
         self.input_size, self.output_size = input_size, output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -85,15 +88,25 @@ class LinearBase(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
+def _rank_and_size(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
+    group = get_tp_group()
+    return (group.rank if tp_rank is None else tp_rank,
+            group.size if tp_size is None else tp_size)
+
+
 class ReplicatedLinear(LinearBase):
     """The whole weight on every rank."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, output_size, bias, 0, 1)
 
 
 class ColumnParallelLinear(LinearBase):
     """Output features split over the ranks (each rank loads its rows)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int | None = None, tp_size: int | None = None) -> None:
+        tp_rank, tp_size = _rank_and_size(tp_rank, tp_size)
         if output_size % tp_size:
             raise ValueError(f"{output_size} output features do not split over {tp_size} ranks")
         super().__init__(input_size, output_size // tp_size, bias, tp_rank, tp_size)
@@ -104,12 +117,12 @@ class ColumnParallelLinear(LinearBase):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split over the ranks (each rank loads its columns; the bias, added once,
-    stays whole). The partial products are summed across ranks by an all-reduce, which comes
-    with tensor parallelism: until then only tp_size 1 runs."""
+    """Input features split over the ranks (each rank loads its columns; the bias stays whole).
+    The ranks' partial products are summed by an all-reduce, then the bias is added once."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int | None = None, tp_size: int | None = None) -> None:
+        tp_rank, tp_size = _rank_and_size(tp_rank, tp_size)
         if input_size % tp_size:
             raise ValueError(f"{input_size} input features do not split over {tp_size} ranks")
         super().__init__(input_size // tp_size, output_size, bias, tp_rank, tp_size)
@@ -120,13 +133,19 @@ class RowParallelLinear(LinearBase):
             loaded = _shard(loaded, 1, self.tp_rank, self.tp_size)
         default_weight_loader(param, loaded)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return linear(x, self.weight, self.bias)
+        out = get_tp_group().all_reduce(linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several checkpoint weights stacked along the output dim (gate|up): `shard_id` is the
     index of the piece in `output_sizes` (full sizes, before the rank split)."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int | None = None, tp_size: int | None = None) -> None:
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
 
@@ -153,8 +172,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     `shard_id` is "q", "k" or "v"."""
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
-                 total_num_kv_heads: int, bias: bool = False, tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+                 total_num_kv_heads: int, bias: bool = False, tp_rank: int | None = None,
+                 tp_size: int | None = None) -> None:
+        tp_rank, tp_size = _rank_and_size(tp_rank, tp_size)
         if total_num_heads % tp_size:
             raise ValueError(f"{total_num_heads} heads do not split over {tp_size} ranks")
         if total_num_kv_heads >= tp_size and total_num_kv_heads % tp_size:

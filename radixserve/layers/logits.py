@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from radixserve.core.forward_batch import ForwardBatch
-from radixserve.layers.linear import linear
+from radixserve.layers.embedding import VocabParallelEmbedding, project_to_vocab
 
 
 class LogitsOutput(NamedTuple):
@@ -27,15 +27,17 @@ def _soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
     return logits if cap <= 0 else torch.tanh(logits / cap) * cap
 
 
-def compute_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+def compute_logits(hidden: torch.Tensor, lm_head: VocabParallelEmbedding,
                    forward_batch: ForwardBatch, final_logit_cap: float = 0.0) -> LogitsOutput:
+    """Logits of each request's last position (and of every position when input logprobs were
+    asked), over the whole vocabulary on every tensor-parallel rank."""
     want_input_logprobs = (forward_batch.return_logprob
                            and forward_batch.forward_mode.is_extend()
                            and any(s >= 0 for s in forward_batch.extend_logprob_start_lens or []))
     if want_input_logprobs:
-        all_logits = _soft_cap(torch.matmul(hidden, lm_head_weight.t()).float(), final_logit_cap)
+        all_logits = _soft_cap(project_to_vocab(hidden, lm_head), final_logit_cap)
         return LogitsOutput(all_logits[last_token_indices(forward_batch)], all_logits)
     # decode: one row per request already
     last = hidden if forward_batch.forward_mode.is_decode() else \
         hidden[last_token_indices(forward_batch)]
-    return LogitsOutput(_soft_cap(linear(last, lm_head_weight).float(), final_logit_cap), None)
+    return LogitsOutput(_soft_cap(project_to_vocab(last, lm_head), final_logit_cap), None)

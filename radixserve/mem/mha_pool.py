@@ -16,6 +16,11 @@ class MHATokenToKVPool(KVPool):
                          for _ in range(spec.num_layers)]
         self.v_buffer = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                          for _ in range(spec.num_layers)]
+        try:  # looked up once: the store runs per layer per pass
+            from radixserve.mem.kernels.rope_kv_store import apply_rotary_and_store_kv
+            self._fused_rope_store = apply_rotary_and_store_kv
+        except ImportError:  # no triton
+            self._fused_rope_store = None
 
     @classmethod
     def bytes_per_token(cls, spec: KVCacheSpec) -> int:
@@ -39,11 +44,9 @@ class MHATokenToKVPool(KVPool):
         """One Triton kernel rotates q and k in place and writes rotated k and v into the
         layer's buffers (instead of a rotary kernel plus two index_put launches). Without
         Triton, the default (rotate, then store)."""
-        try:
-            from radixserve.mem.kernels.rope_kv_store import apply_rotary_and_store_kv
-        except ImportError:
+        if self._fused_rope_store is None:
             return super().rotate_and_store_kv(layer_id, loc, q, k, v, positions, cos_cache,
                                                sin_cache, rotate)
-        apply_rotary_and_store_kv(positions, q, k, v, cos_cache, sin_cache, self.head_dim,
-                                  self.k_buffer[layer_id], self.v_buffer[layer_id], loc)
+        self._fused_rope_store(positions, q, k, v, cos_cache, sin_cache, self.head_dim,
+                               self.k_buffer[layer_id], self.v_buffer[layer_id], loc)
         return q, k

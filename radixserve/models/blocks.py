@@ -22,9 +22,10 @@ from torch import nn
 from radixserve.config import ModelConfig
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.layers.activation import gated_activation
-from radixserve.layers.embedding import VocabEmbedding
+from radixserve.distributed.parallel_state import get_tp_group
+from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from radixserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                      ReplicatedLinear, RowParallelLinear)
+                                      RowParallelLinear)
 from radixserve.layers.logits import LogitsOutput, compute_logits
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.radix_attention import RadixAttention
@@ -115,7 +116,7 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, make_layer: LayerFactory,
                  norm_cls: type[nn.Module] = RMSNorm, embed_scale: float | None = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding.from_config(config)
         self.layers = nn.ModuleList(make_layer(config, i, self.rotary)
                                     for i in range(config.num_hidden_layers))
@@ -149,20 +150,25 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = model
         self.lm_head = None if config.tie_word_embeddings else \
-            ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False)
+            ParallelLMHead(config.vocab_size, config.hidden_size)
         self.final_logit_cap = float(getattr(config.hf, "final_logit_softcapping", None) or 0.0)
 
     @classmethod
     def kv_cache_spec(cls, config: ModelConfig, dtype: torch.dtype,
-                      tp_size: int = 1) -> KVCacheSpec:
+                      tp_size: int | None = None) -> KVCacheSpec:
         """What the KV pool stores per token: K and V of this rank's KV heads (replicated when
         there are fewer KV heads than ranks)."""
+        tp_size = get_tp_group().size if tp_size is None else tp_size
         return KVCacheSpec("mha", config.num_hidden_layers,
                            max(1, config.num_key_value_heads // tp_size), config.head_dim, dtype)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        """This rank's rows of the LM head (the embedding's when tied)."""
+        return self._head().weight
+
+    def _head(self) -> VocabParallelEmbedding:
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
 
     def skip_weight(self, name: str) -> bool:
         """Checkpoint tensors without a place on purpose: rotary tables, and the copy of the
@@ -173,5 +179,5 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch) -> LogitsOutput:
-        return compute_logits(self.model(input_ids, positions, forward_batch),
-                              self.lm_head_weight, forward_batch, self.final_logit_cap)
+        return compute_logits(self.model(input_ids, positions, forward_batch), self._head(),
+                              forward_batch, self.final_logit_cap)

@@ -89,12 +89,14 @@ class Scheduler:
         return RadixCache(self.req_to_token_pool, self.token_to_kv_pool)
 
     @classmethod
-    def build(cls, server_args: ServerArgs) -> "Scheduler":
-        """Load the model and tokenizer named by the args."""
+    def build(cls, server_args: ServerArgs, tp_rank: int = 0) -> "Scheduler":
+        """Load the model and tokenizer named by the args (as tensor-parallel rank `tp_rank`:
+        every rank builds the same scheduler, tokenizer included, so their turns agree)."""
         from radixserve.executor.model_runner import ModelRunner
         from radixserve.loader import get_tokenizer
         server_args.resolve()
-        runner = ModelRunner(server_args)
+        runner = ModelRunner(server_args, tp_rank=tp_rank,
+                             dist_init_method=server_args.dist_init_method)
         tokenizer = None
         if not server_args.skip_tokenizer_init and runner.source.tokenizer_source is not None:
             tokenizer = get_tokenizer(runner.source.tokenizer_source)

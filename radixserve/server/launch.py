@@ -126,7 +126,10 @@ def _serve(server_args: ServerArgs, port_args: PortArgs, group: ProcessGroup,
         args = {k: v for k, v in dataclasses.asdict(server_args).items() if k != "api_key"}
         return {"server_args": args, "served_model_name": name, "model_info": model_info,
                 "scheduler_pid": group.pid_of("scheduler"),
-                "detokenizer_pid": group.pid_of("detokenizer"), "ready": state.ready}
+                "detokenizer_pid": group.pid_of("detokenizer"),
+                "tp_follower_pids": [group.pid_of(f"tp{rank}")
+                                     for rank in range(1, server_args.tp_size)],
+                "ready": state.ready}
 
     app = build_app(tm, server_args.api_key, name, aliases, server_info, lambda: state.ready)
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port,

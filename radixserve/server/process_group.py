@@ -18,10 +18,14 @@ from typing import Any, Callable
 
 from radixserve.config import ServerArgs
 from radixserve.server.scheduler_process import SchedulerFactory, run_scheduler_process
+from radixserve.server.tp_follower_process import run_tp_follower_process
 from radixserve.server.detokenizer_manager import run_detokenizer_process
 from radixserve.server.ipc import PortArgs
 
 logger = logging.getLogger(__name__)
+
+
+_STATUS_PIPE = object()  # where a child's arguments take the write end of its status pipe
 
 
 class ChildFailedError(RuntimeError):
@@ -64,13 +68,19 @@ class ProcessGroup:
     def start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         targets: list[tuple[str, Callable[..., None], tuple[Any, ...]]] = [
-            ("scheduler", run_scheduler_process, (self.scheduler_factory,)),
-            ("detokenizer", run_detokenizer_process, ()),
+            ("scheduler", run_scheduler_process,
+             (self.server_args, self.port_args, _STATUS_PIPE, self.scheduler_factory)),
+            ("detokenizer", run_detokenizer_process,
+             (self.server_args, self.port_args, _STATUS_PIPE)),
         ]
-        for name, target, extra in targets:
+        # tensor-parallel ranks 1..N-1 follow the scheduler (rank 0)
+        targets += [(f"tp{rank}", run_tp_follower_process,
+                     (self.server_args, rank, _STATUS_PIPE))
+                    for rank in range(1, self.server_args.tp_size)]
+        for name, target, args in targets:
             recv_conn, send_conn = ctx.Pipe(duplex=False)
-            process = ctx.Process(target=target, name=f"radixserve-{name}",
-                                  args=(self.server_args, self.port_args, send_conn, *extra))
+            args = tuple(send_conn if a is _STATUS_PIPE else a for a in args)
+            process = ctx.Process(target=target, name=f"radixserve-{name}", args=args)
             process.start()
             send_conn.close()  # the child holds the only write end: EOF means it is gone
             self.children.append(ChildProcess(name, process, recv_conn))

@@ -24,6 +24,7 @@ from radixserve.core.io_struct import (AbortReq, FlushCacheReq, GetInternalState
                                        TokenizedGenerateReq)
 from radixserve.server.ipc import PortArgs, pull_socket, push_socket
 from radixserve.server.process_utils import prepare_child_process, report_failure, send_status
+from radixserve.server.tp_follower_process import cpu_threads_per_rank
 
 if TYPE_CHECKING:
     from radixserve.scheduler.scheduler import Scheduler
@@ -33,10 +34,16 @@ logger = logging.getLogger(__name__)
 SchedulerFactory = Callable[[ServerArgs], "Scheduler"]
 
 
-def build_default_scheduler(server_args: ServerArgs) -> "Scheduler":
+def build_default_scheduler(server_args: ServerArgs) -> Any:
+    """Rank 0's scheduler; with --tp-size N, mirrored to the follower ranks."""
     from radixserve.scheduler.scheduler import Scheduler
 
-    return Scheduler.build(server_args)
+    scheduler = Scheduler.build(server_args)
+    if server_args.tp_size == 1:
+        return scheduler
+    from radixserve.distributed.parallel_state import get_tp_group
+    from radixserve.scheduler.replicated import ReplicatedScheduler
+    return ReplicatedScheduler(scheduler, get_tp_group())
 
 
 class SchedulerLoop:
@@ -99,6 +106,9 @@ def limit_cpu_threads(server_args: ServerArgs) -> None:
     on 2 cores, 64 x 128/128 streamed through HTTP ran at 221 output tok/s with both threads
     and 145 with one (docs/PERFORMANCE.md). OMP_NUM_THREADS wins over both."""
     cores = os.cpu_count() or 1
+    if server_args.tp_size > 1:
+        cpu_threads_per_rank(server_args)
+        return
     if not server_args.device.startswith("cpu") or os.environ.get("OMP_NUM_THREADS") \
             or cores <= 4:
         return

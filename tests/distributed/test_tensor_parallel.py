@@ -1,0 +1,94 @@
+"""Tensor parallelism on CPU (gloo, one process per rank): --tp-size 2 gives transformers'
+greedy outputs and tp 1's tokens, logprobs and seeded samples, on tiny random checkpoints
+covering GQA split, KV-head replication (1 KV head, 2 ranks), q/k/v bias, q/k norms, tied
+embeddings with soft-capping and sliding windows; the real server runs with --tp-size 2 and a
+dying rank takes it down; splits the layers cannot make are refused before loading."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import requests
+import torch
+
+import radixserve
+from tests.models.test_greedy_vs_hf import hf_greedy
+from tests.models.tiny_checkpoints import make_checkpoint
+from tests.server.server_process import ServerProcess, wait_gone
+
+NEW_TOKENS = 12
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 40, 90)]
+
+
+def _run(folder: str, tp_size: int, prompts: list[list[int]]) -> dict:
+    engine = radixserve.Engine(folder, dtype="float32", skip_tokenizer_init=True,
+                               max_total_tokens=2048, tp_size=tp_size, chunked_prefill_size=32)
+    try:
+        greedy = engine.generate(input_ids=prompts, sampling_params={
+            "max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+            return_logprob=True, top_logprobs_num=3)
+        sampled = engine.generate(input_ids=prompts[1], sampling_params={
+            "max_new_tokens": 8, "temperature": 1.0, "top_p": 0.9, "seed": 11,
+            "frequency_penalty": 0.5})
+        state = engine.get_internal_state()
+        assert state["memory_check_ok"] and state["leaked_tokens"] == 0
+        return {"ids": [g["output_ids"] for g in greedy],
+                "logprobs": [[lp for lp, _ in g["meta_info"]["output_token_logprobs"]]
+                             for g in greedy],
+                "sampled": sampled["output_ids"]}
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "mistral_gqa", "qwen2_bias",
+                                  "gemma2_softcap_window"])
+def test_tp2_matches_tp1_and_transformers(name: str, tmp_path) -> None:
+    hf_model = make_checkpoint(name, tmp_path)
+    prompts = _prompts(hf_model.config.vocab_size)
+    one, two = _run(str(tmp_path), 1, prompts), _run(str(tmp_path), 2, prompts)
+    assert two["ids"] == one["ids"] == [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
+    torch.testing.assert_close(torch.tensor(two["logprobs"]), torch.tensor(one["logprobs"]),
+                               atol=1e-4, rtol=1e-4)
+    assert two["sampled"] == one["sampled"]
+
+
+def test_splits_the_layers_cannot_make_are_refused(tmp_path) -> None:
+    make_checkpoint("llama_gqa_llama3_rope", tmp_path)  # 4 heads, 2 KV heads
+    with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
+        radixserve.Engine(str(tmp_path), dtype="float32", skip_tokenizer_init=True,
+                          max_total_tokens=256, tp_size=3)
+    with pytest.raises(ValueError, match="tp-size must be >= 1"):
+        radixserve.Engine(str(tmp_path), tp_size=0)
+
+
+def test_server_with_tp2_serves_and_a_dead_rank_takes_it_down(tmp_path) -> None:
+    make_checkpoint("qwen3_qk_norm", tmp_path)
+    server = ServerProcess("--model-path", str(tmp_path), "--tp-size", "2", "--dtype",
+                           "float32", "--skip-tokenizer-init", "--max-total-tokens", "1024")
+    try:
+        body = {"input_ids": list(range(1, 30)),
+                "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+        first = requests.post(server.url("/generate"), json=body, timeout=120)
+        assert first.status_code == 200, first.text
+        again = requests.post(server.url("/generate"), json=body, timeout=120).json()
+        assert again["output_ids"] == first.json()["output_ids"]
+        assert again["meta_info"]["cached_tokens"] > 0
+        bad = requests.post(server.url("/generate"), json={**body, "input_ids": [10 ** 6]},
+                            timeout=60)
+        assert bad.status_code == 400
+        info = server.server_info()
+        assert info["server_args"]["tp_size"] == 2 and len(info["tp_follower_pids"]) == 1
+        follower = info["tp_follower_pids"][0]
+        os.kill(follower, signal.SIGKILL)
+        server.proc.wait(timeout=60)
+        assert server.proc.returncode not in (0, None)
+        assert "the tp1 process died" in server.log_text()
+        assert wait_gone(info["scheduler_pid"]) and wait_gone(info["detokenizer_pid"])
+    finally:
+        server.stop()
+
