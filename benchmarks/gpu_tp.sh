@@ -45,6 +45,7 @@ if step offline; then
     echo "== offline (70B shapes, tp 2, ${TP_OFFLINE_PROMPTS:-500} x 1024/1024)"
     timeout -k 10 "${TP_OFFLINE_SECONDS:-330}" python3 -m radixserve.bench.offline \
         --model-path "$MODEL" --load-format dummy --dtype bfloat16 --tp-size 2 --radix on \
+        --cuda-graph-max-bs 256 \
         --dataset-name random --num-prompts "${TP_OFFLINE_PROMPTS:-500}" \
         --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0 \
         --output-file "$OUT/offline.jsonl" > "$OUT/offline.log" 2>&1

@@ -88,7 +88,13 @@ class Engine:
         cpu_threads_per_rank(self.server_args)
         self._followers = start_tp_followers(self.server_args)
         self._follower_watch = FollowerWatch(self._followers)
-        scheduler = Scheduler.build(self.server_args)
+        try:
+            scheduler = Scheduler.build(self.server_args)
+        except BaseException:
+            self._follower_watch.stop()
+            for process, _ in self._followers:
+                process.terminate()
+            raise
         self._runner = scheduler.runner
         self.scheduler: Any = scheduler if self.server_args.tp_size == 1 else \
             ReplicatedScheduler(scheduler, get_tp_group())

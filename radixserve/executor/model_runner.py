@@ -33,10 +33,11 @@ logger = logging.getLogger(__name__)
 
 
 def rank_device(device: str, tp_rank: int) -> torch.device:
-    """Rank r runs on GPU r (one node); on CPU every rank is a process on the CPU."""
-    if device.startswith("cuda") and tp_rank:
-        return torch.device("cuda", tp_rank)
-    return torch.device(device)
+    """Rank r runs on GPU (first + r) of this node; on CPU every rank is a CPU process."""
+    base = torch.device(device)
+    if base.type == "cuda":
+        return torch.device("cuda", (base.index or 0) + tp_rank)
+    return base
 
 
 def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:

@@ -53,8 +53,9 @@ def start_tp_followers(server_args: ServerArgs) -> list[tuple[Any, Any]]:
     followers = []
     for rank in range(1, server_args.tp_size):
         recv_conn, send_conn = ctx.Pipe(duplex=False)
+        # daemonic: they go with this process, even when it fails before rank 0 joins them
         process = ctx.Process(target=run_tp_follower_process, name=f"radixserve-tp{rank}",
-                              args=(server_args, rank, send_conn))
+                              args=(server_args, rank, send_conn), daemon=True)
         process.start()
         send_conn.close()
         followers.append((process, recv_conn))
