@@ -63,8 +63,17 @@ class ServerArgs:
 
     # parallelism
     tp_size: int = 1
-    # tcp host:port where the tensor-parallel ranks meet; None: a free local port
+    # tcp host:port where the tensor-parallel ranks meet; None: a free local port (one node)
     dist_init_addr: str | None = None
+    # several machines: the ranks are spread evenly, node n holds ranks
+    # [n * tp_size / nnodes, (n + 1) * tp_size / nnodes); node 0 serves HTTP, the others run
+    # their ranks headless
+    nnodes: int = 1
+    node_rank: int = 0
+    # data parallelism: replicas of the model (each --tp-size ranks) behind one server
+    dp_size: int = 1
+    load_balance_method: str = "round_robin"  # round_robin | shortest_queue | cache_aware
+    base_gpu_id: int = 0  # the first GPU this process's ranks use (replica r: r * tp_size)
 
     # filled by resolve()
     resolved: bool = field(default=False, repr=False)
@@ -96,10 +105,29 @@ class ServerArgs:
             self.cuda_graph_max_bs = 512 if big else 256
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
-        if on_gpu and self.tp_size > 1 and torch.cuda.is_available() and \
-                self.tp_size > torch.cuda.device_count():
-            raise ValueError(f"--tp-size {self.tp_size} needs {self.tp_size} GPUs; this host "
-                             f"has {torch.cuda.device_count()}")
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(f"unknown --load-balance-method {self.load_balance_method!r}; "
+                             f"choose from {', '.join(LOAD_BALANCE_METHODS)}")
+        if self.dp_size > 1 and self.nnodes > 1:
+            raise ValueError("--dp-size with --nnodes > 1 is not supported: run one server "
+                             "per node group, or data parallelism on one node")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} is not a node of --nnodes "
+                             f"{self.nnodes}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"--tp-size {self.tp_size} does not spread evenly over "
+                             f"--nnodes {self.nnodes}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (node 0's address, "
+                             "the same on every node)")
+        gpus_needed = self.ranks_per_node * self.dp_size
+        if on_gpu and gpus_needed > 1 and torch.cuda.is_available() and \
+                gpus_needed > torch.cuda.device_count():
+            raise ValueError(f"--tp-size {self.tp_size} x --dp-size {self.dp_size} over "
+                             f"{self.nnodes} node(s) needs {gpus_needed} GPUs per node; this "
+                             f"host has {torch.cuda.device_count()}")
         if self.tp_size > 1 and self.dist_init_addr is None:
             self.dist_init_addr = f"127.0.0.1:{_free_port()}"
         if self.schedule_policy not in ("lpm", "fcfs", "dfs-weight", "random"):
@@ -108,6 +136,24 @@ class ServerArgs:
             self.schedule_policy = "fcfs"  # cache-aware policies need the cache
         self.resolved = True
         return self
+
+    def for_replica(self, dp_rank: int) -> "ServerArgs":
+        """This replica's args: its own GPUs and its own tensor-parallel meeting point."""
+        replica = dataclasses.replace(self, dp_size=1,
+                                      base_gpu_id=self.base_gpu_id + dp_rank * self.tp_size)
+        if self.tp_size > 1 and dp_rank > 0:
+            replica.dist_init_addr = f"127.0.0.1:{_free_port()}"
+        return replica
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    @property
+    def local_tp_ranks(self) -> range:
+        """The tensor-parallel ranks this node runs (rank 0 is node 0's)."""
+        first = self.node_rank * self.ranks_per_node
+        return range(first, first + self.ranks_per_node)
 
     @property
     def dist_init_method(self) -> str | None:
@@ -144,6 +190,8 @@ def _free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
+
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 
 # architectures radixserve serves -> the transformers model_type of their config
 ARCHITECTURE_MODEL_TYPES = {

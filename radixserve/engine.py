@@ -77,6 +77,9 @@ class Engine:
         if model_path is not None:
             kwargs["model_path"] = model_path
         self.server_args = ServerArgs(**kwargs).resolve()
+        if self.server_args.dp_size > 1 or self.server_args.nnodes > 1:
+            raise ValueError("the offline Engine runs one replica on one node: --dp-size and "
+                             "--nnodes are the server's (radixserve serve)")
         # --tp-size N: ranks 1..N-1 in processes of their own, following this one (rank 0).
         # A split the layers cannot make is refused here, before any rank starts; a rank
         # that dies later takes this process down with its traceback logged (as the server)

@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from radixserve.engine import Engine
+    import logging
+    # the scheduler's batch lines (running, queued, throughput) go to stderr as the server's do
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.radix]

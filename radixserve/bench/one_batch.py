@@ -237,9 +237,12 @@ def _run(args: argparse.Namespace, server_args: ServerArgs, tp_rank: int) -> int
     # warm-up: lazy initialisation, allocator growth and kernel autotuning stay out of the figures
     run_one_batch(runner, max(args.batch_size), args.input_len, min(args.output_len, 4), peak,
                   args.seed + 1)
-    results = [run_one_batch(runner, bs, args.input_len, args.output_len, peak, args.seed,
-                             overlap=args.overlap)
-               for bs in args.batch_size]
+    results = []
+    for bs in args.batch_size:
+        results.append(run_one_batch(runner, bs, args.input_len, args.output_len, peak,
+                                     args.seed, overlap=args.overlap))
+        if not tp_rank:  # as each batch finishes: a run cut short still reports its figures
+            print(format_table(results[-1:], peak).splitlines()[-1], flush=True)
     runner.shutdown()
     if tp_rank:
         return 0

@@ -38,6 +38,7 @@ class FlushCacheReq:
 class FlushCacheReply:
     success: bool
     message: str = ""
+    dp_rank: int = 0  # the data-parallel replica that answers
 
 
 @dataclass
@@ -60,6 +61,29 @@ class InternalState:
     new_token_ratio: float
     memory_check_ok: bool | None  # None while not idle
     leaked_tokens: int
+    dp_rank: int = 0  # the data-parallel replica that answers
+
+    @classmethod
+    def merge(cls, states: list["InternalState"]) -> "InternalState":
+        """Several data-parallel replicas as one: counts and tokens summed, ratios averaged,
+        the memory check passed only when every replica's did (None while one is busy)."""
+        if len(states) == 1:
+            return states[0]
+        n = len(states)
+        checks = [s.memory_check_ok for s in states]
+        return cls(
+            num_running_reqs=sum(s.num_running_reqs for s in states),
+            num_queued_reqs=sum(s.num_queued_reqs for s in states),
+            max_total_num_tokens=sum(s.max_total_num_tokens for s in states),
+            available_tokens=sum(s.available_tokens for s in states),
+            evictable_tokens=sum(s.evictable_tokens for s in states),
+            protected_tokens=sum(s.protected_tokens for s in states),
+            token_usage=sum(s.token_usage for s in states) / n,
+            cache_hit_rate=sum(s.cache_hit_rate for s in states) / n,
+            num_retractions=sum(s.num_retractions for s in states),
+            new_token_ratio=sum(s.new_token_ratio for s in states) / n,
+            memory_check_ok=None if None in checks else all(checks),  # type: ignore[arg-type]
+            leaked_tokens=sum(s.leaked_tokens for s in states))
 
 
 @dataclass

@@ -32,11 +32,11 @@ from radixserve.models.registry import get_model_class, kv_cache_spec
 logger = logging.getLogger(__name__)
 
 
-def rank_device(device: str, tp_rank: int) -> torch.device:
-    """Rank r runs on GPU (first + r) of this node; on CPU every rank is a CPU process."""
+def rank_device(device: str, local_rank: int) -> torch.device:
+    """The node's local rank r runs on GPU (first + r); on CPU every rank is a CPU process."""
     base = torch.device(device)
     if base.type == "cuda":
-        return torch.device("cuda", (base.index or 0) + tp_rank)
+        return torch.device("cuda", (base.index or 0) + local_rank)
     return base
 
 
@@ -61,7 +61,8 @@ class ModelRunner:
         `dist_init_method` (tcp://host:port) before the model is built."""
         self.server_args = server_args.resolve()
         self.tp_rank, self.tp_size = tp_rank, server_args.tp_size
-        self.device = rank_device(server_args.device, tp_rank)
+        self.device = rank_device(server_args.device, server_args.base_gpu_id
+                                  + tp_rank - server_args.local_tp_ranks.start)
         t0 = time.perf_counter()
         self.source = source or load_model_source(server_args.model_path,
                                                   server_args.load_format)

@@ -1,6 +1,6 @@
 """Addresses of the three ZMQ pipes that join the server's processes, and socket helpers.
 
-  TokenizerManager --PUSH--> scheduler_input     (PULL, bound by the scheduler)
+  TokenizerManager --PUSH--> scheduler_inputs[r] (PULL, bound by replica r's scheduler)
   Scheduler        --PUSH--> detokenizer_input   (PULL, bound by the detokenizer)
   Detokenizer      --PUSH--> tokenizer_input     (PULL, bound by the TokenizerManager)
 
@@ -20,17 +20,23 @@ import zmq
 @dataclass(frozen=True)
 class PortArgs:
     ipc_dir: str
-    scheduler_input: str
+    scheduler_inputs: tuple[str, ...]  # one per data-parallel replica
     detokenizer_input: str
     tokenizer_input: str
 
     @classmethod
-    def create(cls) -> "PortArgs":
+    def create(cls, dp_size: int = 1) -> "PortArgs":
         folder = tempfile.mkdtemp(prefix="radixserve-")
         return cls(ipc_dir=folder,
-                   scheduler_input=f"ipc://{os.path.join(folder, 'scheduler')}",
+                   scheduler_inputs=tuple(f"ipc://{os.path.join(folder, f'scheduler{r}')}"
+                                          for r in range(dp_size)),
                    detokenizer_input=f"ipc://{os.path.join(folder, 'detokenizer')}",
                    tokenizer_input=f"ipc://{os.path.join(folder, 'tokenizer')}")
+
+    @property
+    def scheduler_input(self) -> str:
+        """Replica 0's (the only one without data parallelism)."""
+        return self.scheduler_inputs[0]
 
     def cleanup(self) -> None:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)

@@ -23,6 +23,7 @@ import uvicorn
 
 from radixserve.config import DEFAULT_MODEL_NAME, ServerArgs
 from radixserve.server.scheduler_process import SchedulerFactory
+from radixserve.server.dp_router import DataParallelRouter
 from radixserve.server.http_server import build_app
 from radixserve.server.ipc import PortArgs
 from radixserve.server.metrics import ServerMetrics
@@ -30,6 +31,7 @@ from radixserve.server.process_group import ChildFailedError, ProcessGroup
 from radixserve.server.process_utils import configure_logging
 from radixserve.server.tokenizer_manager import TokenizerManager
 from radixserve.server.tokenizer_utils import load_tokenizer
+from radixserve.server.tp_follower_process import follower_ranks, run_headless_node
 
 logger = logging.getLogger("radixserve.server")
 
@@ -84,14 +86,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def launch_server(server_args: ServerArgs,
                   scheduler_factory: SchedulerFactory | None = None) -> None:
-    """Serve until SIGINT/SIGTERM; raises SystemExit(1) if a child dies or start-up fails."""
+    """Serve until SIGINT/SIGTERM; raises SystemExit(1) if a child dies or start-up fails.
+    A node other than node 0 (--node-rank > 0) serves no HTTP: it runs its ranks until rank 0
+    stops them."""
     server_args.resolve()
     configure_logging(server_args.log_level, "server")
+    if server_args.node_rank > 0:
+        code = run_headless_node(server_args)
+        if code:
+            raise SystemExit(code)
+        return
     previous = {}
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, _raise_shutdown)
                     for sig in (signal.SIGINT, signal.SIGTERM)}
-    port_args = PortArgs.create()
+    port_args = PortArgs.create(server_args.dp_size)
     group = ProcessGroup(server_args, port_args, scheduler_factory)
     state = ServerState()
     try:
@@ -119,16 +128,19 @@ def _serve(server_args: ServerArgs, port_args: PortArgs, group: ProcessGroup,
            model_info: dict[str, Any], tokenizer: Any, state: ServerState) -> None:
     name = served_model_name(server_args)
     tm = TokenizerManager(port_args, tokenizer, model_info, ServerMetrics(name),
-                          log_requests=server_args.log_requests)
+                          log_requests=server_args.log_requests,
+                          router=DataParallelRouter(server_args.dp_size,
+                                                    server_args.load_balance_method))
     aliases = frozenset({name, server_args.model_path or DEFAULT_MODEL_NAME})
 
     def server_info() -> dict[str, Any]:
         args = {k: v for k, v in dataclasses.asdict(server_args).items() if k != "api_key"}
         return {"server_args": args, "served_model_name": name, "model_info": model_info,
                 "scheduler_pid": group.pid_of("scheduler"),
+                "scheduler_pids": group.pids_of_schedulers(),
                 "detokenizer_pid": group.pid_of("detokenizer"),
                 "tp_follower_pids": [group.pid_of(f"tp{rank}")
-                                     for rank in range(1, server_args.tp_size)],
+                                     for rank in follower_ranks(server_args)],
                 "ready": state.ready}
 
     app = build_app(tm, server_args.api_key, name, aliases, server_info, lambda: state.ready)

@@ -151,8 +151,12 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
 
     @router.get("/get_server_info")
     async def get_server_info() -> JSONResponse:
-        state = await tm.get_internal_state()
+        replicas = await tm.get_replica_states()
+        state = type(replicas[0]).merge(replicas)
+        tm.metrics.update_state(state)
         return JSONResponse({**server_info(), "internal_state": dataclasses.asdict(state),
+                             "replica_states": [dataclasses.asdict(r) for r in replicas],
+                             "requests_in_flight_per_replica": list(tm.router.in_flight),
                              "num_in_flight_requests": len(tm.rid_to_state),
                              "pid": os.getpid()})
 

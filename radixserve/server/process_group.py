@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from radixserve.config import ServerArgs
 from radixserve.server.scheduler_process import SchedulerFactory, run_scheduler_process
-from radixserve.server.tp_follower_process import run_tp_follower_process
+from radixserve.server.tp_follower_process import follower_ranks, run_tp_follower_process
 from radixserve.server.detokenizer_manager import run_detokenizer_process
 from radixserve.server.ipc import PortArgs
 
@@ -68,15 +68,19 @@ class ProcessGroup:
     def start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         targets: list[tuple[str, Callable[..., None], tuple[Any, ...]]] = [
-            ("scheduler", run_scheduler_process,
-             (self.server_args, self.port_args, _STATUS_PIPE, self.scheduler_factory)),
             ("detokenizer", run_detokenizer_process,
-             (self.server_args, self.port_args, _STATUS_PIPE)),
-        ]
-        # tensor-parallel ranks 1..N-1 follow the scheduler (rank 0)
-        targets += [(f"tp{rank}", run_tp_follower_process,
-                     (self.server_args, rank, _STATUS_PIPE))
-                    for rank in range(1, self.server_args.tp_size)]
+             (self.server_args, self.port_args, _STATUS_PIPE))]
+        # per data-parallel replica: its scheduler (tensor-parallel rank 0) and the ranks that
+        # follow it, on the replica's own GPUs
+        for dp_rank in range(self.server_args.dp_size):
+            args = self.server_args.for_replica(dp_rank) if self.server_args.dp_size > 1 \
+                else self.server_args
+            prefix = "" if dp_rank == 0 else f"dp{dp_rank}-"
+            targets.append((f"{prefix}scheduler", run_scheduler_process,
+                            (args, self.port_args, _STATUS_PIPE, self.scheduler_factory,
+                             dp_rank)))
+            targets += [(f"{prefix}tp{rank}", run_tp_follower_process,
+                         (args, rank, _STATUS_PIPE)) for rank in follower_ranks(args)]
         for name, target, args in targets:
             recv_conn, send_conn = ctx.Pipe(duplex=False)
             args = tuple(send_conn if a is _STATUS_PIPE else a for a in args)
@@ -115,6 +119,11 @@ class ProcessGroup:
                     raise ChildFailedError(text)
         scheduler = next(c for c in self.children if c.name == "scheduler")
         return dict(scheduler.ready_message["model_info"])  # type: ignore[index]
+
+    def pids_of_schedulers(self) -> list[int | None]:
+        """Each data-parallel replica's scheduler process, in replica order."""
+        return [self.pid_of("scheduler" if r == 0 else f"dp{r}-scheduler")
+                for r in range(self.server_args.dp_size)]
 
     def start_watchdog(self, on_failure: Callable[[str], None]) -> None:
         def watch() -> None:

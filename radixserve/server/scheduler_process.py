@@ -15,6 +15,7 @@ import logging
 import multiprocessing.connection
 import os
 import sys
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
@@ -49,11 +50,13 @@ def build_default_scheduler(server_args: ServerArgs) -> Any:
 class SchedulerLoop:
     """Owns the scheduler's two sockets; `step()` is one iteration of the event loop."""
 
-    def __init__(self, scheduler: Any, port_args: PortArgs, idle_poll_ms: int = 1000) -> None:
+    def __init__(self, scheduler: Any, port_args: PortArgs, idle_poll_ms: int = 1000,
+                 dp_rank: int = 0) -> None:
         self.scheduler = scheduler
         self.idle_poll_ms = idle_poll_ms
         self.context = zmq.Context(1)
-        self.recv_sock = pull_socket(self.context, port_args.scheduler_input)
+        self.recv_sock = pull_socket(self.context, port_args.scheduler_inputs[dp_rank])
+        self.dp_rank = dp_rank
         self.send_sock = push_socket(self.context, port_args.detokenizer_input)
         self.stopped = False
 
@@ -92,9 +95,10 @@ class SchedulerLoop:
         elif isinstance(message, AbortReq):
             self.scheduler.abort_request(message.rid)
         elif isinstance(message, FlushCacheReq):
-            self.send_sock.send_pyobj(self.scheduler.flush_cache())
+            self.send_sock.send_pyobj(replace(self.scheduler.flush_cache(), dp_rank=self.dp_rank))
         elif isinstance(message, GetInternalStateReq):
-            self.send_sock.send_pyobj(self.scheduler.get_internal_state())
+            self.send_sock.send_pyobj(replace(self.scheduler.get_internal_state(),
+                                              dp_rank=self.dp_rank))
         else:
             logger.error("scheduler got an unknown message %r; ignored", type(message).__name__)
 
@@ -119,15 +123,18 @@ def limit_cpu_threads(server_args: ServerArgs) -> None:
 
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs,
                           status_conn: multiprocessing.connection.Connection,
-                          scheduler_factory: SchedulerFactory | None = None) -> None:
-    """Entry point of the scheduler child (spawned). Reports readiness with the model info, or
-    the traceback of whatever failed, through `status_conn`; exits non-zero on failure."""
-    prepare_child_process("scheduler", server_args.log_level)
+                          scheduler_factory: SchedulerFactory | None = None,
+                          dp_rank: int = 0) -> None:
+    """Entry point of the scheduler child (spawned): data-parallel replica `dp_rank`'s (its
+    args already the replica's). Reports readiness with the model info, or the traceback of
+    whatever failed, through `status_conn`; exits non-zero on failure."""
+    prepare_child_process("scheduler" if dp_rank == 0 else f"scheduler-dp{dp_rank}",
+                          server_args.log_level)
     loop: SchedulerLoop | None = None
     try:
         limit_cpu_threads(server_args.resolve())
         scheduler = (scheduler_factory or build_default_scheduler)(server_args)
-        loop = SchedulerLoop(scheduler, port_args)
+        loop = SchedulerLoop(scheduler, port_args, dp_rank=dp_rank)
         send_status(status_conn, {"status": "ready", "model_info": dict(scheduler.model_info)})
         loop.run_forever()
     except SystemExit:

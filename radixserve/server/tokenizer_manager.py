@@ -27,6 +27,7 @@ from radixserve.core.io_struct import (AbortReq, BatchStrOut, FlushCacheReply, F
                                        TokenizedGenerateReq)
 from radixserve.core.request_validation import RequestLimits, validate_request
 from radixserve.core.sampling_params import InvalidRequestError, SamplingParams
+from radixserve.server.dp_router import DataParallelRouter
 from radixserve.server.errors import APIError, ClientDisconnected
 from radixserve.server.ipc import PortArgs, pull_socket, push_socket
 from radixserve.server.metrics import ServerMetrics
@@ -41,7 +42,8 @@ REPLY_TIMEOUT_S = 60.0
 
 class TokenizerManager:
     def __init__(self, port_args: PortArgs, tokenizer: Any | None, model_info: dict[str, Any],
-                 metrics: ServerMetrics, log_requests: bool = False) -> None:
+                 metrics: ServerMetrics, log_requests: bool = False,
+                 router: DataParallelRouter | None = None) -> None:
         self.port_args = port_args
         self.tokenizer = tokenizer
         self.model_info = model_info
@@ -49,16 +51,20 @@ class TokenizerManager:
         self.metrics = metrics
         self.log_requests = log_requests
         self.rid_to_state: dict[str, ReqState] = {}
-        self.pending_replies: dict[type, deque[asyncio.Future[Any]]] = {
+        # (replica, future) of each control request awaiting its reply
+        self.pending_replies: dict[type, deque[tuple[int, asyncio.Future[Any]]]] = {
             FlushCacheReply: deque(), InternalState: deque()}
-        self.send_sock: zmq.Socket | None = None
+        # one socket per data-parallel replica; the router picks one for each request
+        self.router = router or DataParallelRouter(len(port_args.scheduler_inputs))
+        self.send_socks: list[zmq.Socket] = []
         self.recv_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle (called inside the server's event loop) ----
     async def start(self) -> None:
         self.sync_context = zmq.Context(1)
         self.async_context = zmq.asyncio.Context(1)
-        self.send_sock = push_socket(self.sync_context, self.port_args.scheduler_input)
+        self.send_socks = [push_socket(self.sync_context, address)
+                           for address in self.port_args.scheduler_inputs]
         self.recv_sock = pull_socket(self.async_context, self.port_args.tokenizer_input)
         self.recv_task = asyncio.create_task(self._recv_loop(), name="tokenizer-manager-recv")
 
@@ -68,7 +74,8 @@ class TokenizerManager:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self.recv_task
         self.recv_sock.close(linger=0)
-        self.send_sock.close(linger=0)
+        for sock in self.send_socks:
+            sock.close(linger=0)
         self.async_context.term()
         self.sync_context.term()
 
@@ -125,6 +132,7 @@ class TokenizerManager:
             if not state.finished and state.error is None:
                 self.abort(req.rid)
             self.rid_to_state.pop(req.rid, None)
+            self.router.finished(req.rid)
 
     async def generate_final(self, req: GenerateRequest,
                              http_request: Request | None = None) -> ReqOutput:
@@ -200,6 +208,7 @@ class TokenizerManager:
     def abort(self, rid: str) -> None:
         """The consumer of `rid` is gone: abort it and forget it (counted as an abort)."""
         self.send_abort(rid)
+        self.router.finished(rid)
         state = self.rid_to_state.pop(rid, None)
         if state is not None and not state.finished:
             self.metrics.observe_finish("abort", len(state.req.input_ids), len(state.output_ids),
@@ -207,24 +216,38 @@ class TokenizerManager:
 
     def send_abort(self, rid: str) -> None:
         """Abort `rid` in the scheduler; its consumer still gets the final (abort) output."""
-        if self.send_sock is not None:
-            self.send_sock.send_pyobj(AbortReq(rid=rid))
+        replica = self.router.replica_of(rid)
+        if self.send_socks and replica is not None:
+            self.send_socks[replica].send_pyobj(AbortReq(rid=rid))
 
     # ---- control requests ----
     async def flush_cache(self) -> FlushCacheReply:
-        return await self._request_reply(FlushCacheReq(), FlushCacheReply)
+        replies = await self._request_replies(FlushCacheReq(), FlushCacheReply)
+        failed = [r for r in replies if not r.success]
+        return failed[0] if failed else replies[0]
 
     async def get_internal_state(self) -> InternalState:
-        state = await self._request_reply(GetInternalStateReq(), InternalState)
+        state = InternalState.merge(await self.get_replica_states())
         self.metrics.update_state(state)
         return state
 
-    async def _request_reply(self, message: Any, reply_type: type) -> Any:
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.pending_replies[reply_type].append(future)
-        self.send_sock.send_pyobj(message)
+    async def get_replica_states(self) -> list[InternalState]:
+        """Each data-parallel replica's scheduler state, in replica order."""
+        return await self._request_replies(GetInternalStateReq(), InternalState)
+
+    async def _request_replies(self, message: Any, reply_type: type) -> list[Any]:
+        """Ask every replica; their answers in replica order (each scheduler answers its
+        requests in order, and replies of one type are matched by the replica that sent
+        them)."""
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Any]] = []
+        for replica, sock in enumerate(self.send_socks):
+            future: asyncio.Future[Any] = loop.create_future()
+            self.pending_replies[reply_type].append((replica, future))
+            futures.append(future)
+            sock.send_pyobj(message)
         try:
-            return await asyncio.wait_for(future, REPLY_TIMEOUT_S)
+            return list(await asyncio.wait_for(asyncio.gather(*futures), REPLY_TIMEOUT_S))
         except asyncio.TimeoutError:
             raise APIError(f"the scheduler did not answer {type(message).__name__} in time",
                            status_code=503) from None
@@ -238,7 +261,8 @@ class TokenizerManager:
         if self.log_requests:
             logger.info("request %s: %d prompt tokens, %r", req.rid, len(req.input_ids),
                         req.input_text if req.input_text is not None else req.input_ids)
-        self.send_sock.send_pyobj(TokenizedGenerateReq(
+        replica = self.router.route(req.rid, req.input_ids)
+        self.send_socks[replica].send_pyobj(TokenizedGenerateReq(
             rid=req.rid, input_text=req.input_text, input_ids=req.input_ids,
             sampling_params=req.sampling_params, return_logprob=req.return_logprob,
             logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num,
@@ -274,11 +298,13 @@ class TokenizerManager:
                 state.event.set()
         elif type(message) in self.pending_replies:
             waiters = self.pending_replies[type(message)]
-            while waiters:
-                future = waiters.popleft()
-                if not future.done():
-                    future.set_result(message)
-                    break
+            replica = getattr(message, "dp_rank", 0)
+            for waiter in list(waiters):
+                if waiter[0] == replica:
+                    waiters.remove(waiter)
+                    if not waiter[1].done():
+                        waiter[1].set_result(message)
+                        break
         else:
             logger.error("tokenizer manager got an unknown message %r", type(message).__name__)
 
@@ -298,6 +324,7 @@ class TokenizerManager:
                 state.first_token_time = state.first_token_time or now
                 state.last_token_time = now
             if state.finished:
+                self.router.finished(rid)
                 meta = state.meta_info
                 self.metrics.observe_finish(
                     str((meta.get("finish_reason") or {}).get("type", "unknown")),

@@ -47,11 +47,16 @@ def run_tp_follower_process(server_args: ServerArgs, tp_rank: int,
         sys.exit(1)
 
 
+def follower_ranks(server_args: ServerArgs) -> list[int]:
+    """The ranks this node runs as followers: all of its ranks but rank 0."""
+    return [rank for rank in server_args.local_tp_ranks if rank != 0]
+
+
 def start_tp_followers(server_args: ServerArgs) -> list[tuple[Any, Any]]:
-    """Spawn ranks 1..tp_size-1; returns (process, status pipe) pairs (none for one rank)."""
+    """Spawn this node's follower ranks; returns (process, status pipe) pairs."""
     ctx = multiprocessing.get_context("spawn")
     followers = []
-    for rank in range(1, server_args.tp_size):
+    for rank in follower_ranks(server_args):
         recv_conn, send_conn = ctx.Pipe(duplex=False)
         # daemonic: they go with this process, even when it fails before rank 0 joins them
         process = ctx.Process(target=run_tp_follower_process, name=f"radixserve-tp{rank}",
@@ -94,3 +99,36 @@ class FollowerWatch:
             "tensor-parallel rank %s died (exit code %s); stopping.\n%s", process.name,
             process.exitcode, message.get("traceback", ""))
         os._exit(1)
+
+
+def run_headless_node(server_args: ServerArgs) -> int:
+    """Node n > 0 of a multi-node group: run this node's ranks (followers of rank 0, on node 0)
+    until they end. Returns 0 when rank 0 stopped them, 1 when one failed (its traceback is
+    logged); SIGTERM / SIGINT stop them."""
+    import logging
+    import signal
+    logger = logging.getLogger(__name__)
+    followers = start_tp_followers(server_args)
+    logger.info("node %d of %d: ranks %s following node 0 at %s", server_args.node_rank,
+                server_args.nnodes, follower_ranks(server_args), server_args.dist_init_addr)
+
+    def stop(signum: int, _frame: Any) -> None:
+        for process, _ in followers:
+            process.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    code = 0
+    for process, conn in followers:
+        process.join()
+        if process.exitcode != 0:
+            code = 1
+            message: dict[str, Any] = {}
+            try:
+                while conn.poll():
+                    message = conn.recv()
+            except (EOFError, OSError):
+                pass
+            logger.error("rank %s ended with exit code %s\n%s", process.name,
+                         process.exitcode, message.get("traceback", ""))
+    return code

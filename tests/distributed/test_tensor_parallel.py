@@ -92,3 +92,40 @@ def test_server_with_tp2_serves_and_a_dead_rank_takes_it_down(tmp_path) -> None:
     finally:
         server.stop()
 
+
+
+def test_two_node_launch_on_one_host(tmp_path) -> None:
+    """--nnodes 2: node 0 serves HTTP with rank 0, node 1 (a second launch) runs rank 1
+    headless; outputs equal one rank's; node 1 ends when node 0 goes."""
+    import subprocess
+    import sys
+
+    from tests.server.server_process import REPO_ROOT, free_port
+
+    hf_model = make_checkpoint("llama_gqa_llama3_rope", tmp_path)
+    common = ["--model-path", str(tmp_path), "--tp-size", "2", "--nnodes", "2",
+              "--dist-init-addr", f"127.0.0.1:{free_port()}", "--dtype", "float32",
+              "--skip-tokenizer-init", "--max-total-tokens", "1024"]
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    log = open(tmp_path / "node1.log", "w")
+    node1 = subprocess.Popen([sys.executable, "-m", "radixserve.launch_server", *common,
+                              "--node-rank", "1"], cwd=REPO_ROOT, env=env, stdout=log,
+                             stderr=subprocess.STDOUT)
+    try:
+        server = ServerProcess(*common, "--node-rank", "0")
+        try:
+            prompt = _prompts(hf_model.config.vocab_size)[1]
+            out = requests.post(server.url("/generate"), json={
+                "input_ids": prompt, "sampling_params": {"max_new_tokens": 8,
+                                                         "temperature": 0}}, timeout=120)
+            assert out.status_code == 200, out.text
+            assert out.json()["output_ids"] == hf_greedy(hf_model, prompt, 8)
+            assert node1.poll() is None  # still following
+        finally:
+            assert server.stop() == 0
+        node1.wait(timeout=60)  # no hang once node 0 is gone
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+        log.close()
+    assert "ranks [1] following node 0" in (tmp_path / "node1.log").read_text()
