@@ -14,7 +14,11 @@ def test_cpu_defaults() -> None:
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(tp_size=2), "tensor parallelism"),
+    (dict(tp_size=0), "tp-size must be >= 1"),
+    (dict(tp_size=2, nnodes=2), "dist-init-addr"),
+    (dict(tp_size=3, nnodes=2, dist_init_addr="127.0.0.1:1"), "spread evenly"),
+    (dict(nnodes=2, node_rank=2, dist_init_addr="127.0.0.1:1"), "not a node"),
+    (dict(dp_size=2, load_balance_method="random"), "load-balance-method"),
     (dict(schedule_policy="newest"), "schedule-policy"),
 ])
 def test_unsupported_flags_are_refused(bad: dict, message: str) -> None:

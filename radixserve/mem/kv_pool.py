@@ -19,6 +19,7 @@ What an attention backend needs of a pool:
     has a kernel for it (the MHA pool on a Triton device); the default rotates, then stores;
   * `kv_buffers(layer_id)`: the tensors to read (for MHA: (k_buffer, v_buffer), each
     [size + 1, num_kv_heads, head_dim]);
+  * `kv_scales(layer_id)`: the scales of quantised storage (None when not quantised);
   * `bytes_per_token(spec)`: the memory one token costs in all layers, used once to size it.
 """
 from __future__ import annotations
@@ -97,6 +98,12 @@ class KVPool(ABC):
     @abstractmethod
     def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, ...]:
         """The layer's storage tensors, indexed by slot, for the attention kernels to read."""
+
+    def kv_scales(self, layer_id: int) -> tuple[torch.Tensor, ...] | None:
+        """Dequantisation scales of the layer's buffers (stored value x scale = value), for
+        pools whose `storage_dtype` is narrower than the compute dtype (FP8); None when the
+        buffers hold the values themselves, as every pool here does."""
+        return None
 
     def rotate_and_store_kv(self, layer_id: int, loc: torch.Tensor, q: torch.Tensor,
                             k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
