@@ -28,6 +28,7 @@ class ServerArgs:
 
     host: str = "127.0.0.1"
     port: int = 30000
+    max_request_bytes: int = 64 << 20  # larger bodies are answered 413 before being read
     api_key: str | None = None
     served_model_name: str | None = None
     log_level: str = "info"

@@ -12,11 +12,12 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from radixserve.server.asgi_guards import BodyLimitMiddleware, CatchAllMiddleware
 from radixserve.server.errors import APIError, ClientDisconnected, status_phrase
 from radixserve.server.http_utils import check_api_key
 from radixserve.server.native_api import native_router
@@ -46,7 +47,7 @@ class APIKeyMiddleware:
 
 def build_app(tm: TokenizerManager, api_key: str | None, model_name: str,
               model_aliases: frozenset[str], server_info: Callable[[], dict[str, Any]],
-              is_ready: Callable[[], bool]) -> FastAPI:
+              is_ready: Callable[[], bool], max_request_bytes: int = 64 << 20) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await tm.start()
@@ -61,6 +62,8 @@ def build_app(tm: TokenizerManager, api_key: str | None, model_name: str,
     ctx = OpenAIContext(tokenizer_manager=tm, model_name=model_name, model_aliases=model_aliases)
     app.include_router(openai_router(ctx, tm.limits.context_len))
     app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    app.add_middleware(CatchAllMiddleware)  # outermost of ours: whatever escapes the rest
 
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, exc: APIError) -> Response:
@@ -78,11 +81,5 @@ def build_app(tm: TokenizerManager, api_key: str | None, model_name: str,
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
         message = exc.detail if isinstance(exc.detail, str) else status_phrase(exc.status_code)
         return APIError(message, status_code=exc.status_code).to_response()
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(_: Request, exc: Exception) -> Response:
-        logger.exception("unexpected error while serving a request")
-        return JSONResponse(APIError(f"internal error: {type(exc).__name__}: {exc}",
-                                     status_code=500).to_json(), status_code=500)
 
     return app

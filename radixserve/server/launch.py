@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -96,6 +97,9 @@ def launch_server(server_args: ServerArgs,
         if code:
             raise SystemExit(code)
         return
+    # fail fast, before any process loads anything: the model must resolve, the split must be
+    # possible, the port must be free (it stays bound, and uvicorn serves on this socket)
+    listen_socket = _check_before_loading(server_args)
     previous = {}
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, _raise_shutdown)
@@ -110,7 +114,8 @@ def launch_server(server_args: ServerArgs,
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load") as pool:
             tokenizer = pool.submit(load_tokenizer, server_args)  # overlaps the model load
             model_info = group.wait_ready()  # a child's failure is reported first
-            _serve(server_args, port_args, group, model_info, tokenizer.result(), state)
+            _serve(server_args, port_args, group, model_info, tokenizer.result(), state,
+                   listen_socket)
     except ChildFailedError as exc:
         state.exit_code = 1
         logger.error("%s", exc)
@@ -124,8 +129,32 @@ def launch_server(server_args: ServerArgs,
         raise SystemExit(state.exit_code)
 
 
+def _check_before_loading(server_args: ServerArgs) -> socket.socket:
+    """One clear error line and exit code 1 for what would otherwise fail after loading."""
+    from radixserve.executor.model_runner import check_tensor_parallel
+    from radixserve.loader import load_model_source
+    try:
+        source = load_model_source(server_args.model_path, server_args.load_format)
+        check_tensor_parallel(source.model_config, server_args.tp_size)
+    except (OSError, ValueError) as exc:
+        logger.error("cannot serve the model: %s", exc)
+        raise SystemExit(1) from None
+    family = socket.AF_INET6 if ":" in server_args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((server_args.host, server_args.port))
+    except OSError as exc:
+        sock.close()
+        logger.error("cannot listen on %s:%d: %s (another server there? pick --port)",
+                     server_args.host, server_args.port, exc.strerror or exc)
+        raise SystemExit(1) from None
+    return sock
+
+
 def _serve(server_args: ServerArgs, port_args: PortArgs, group: ProcessGroup,
-           model_info: dict[str, Any], tokenizer: Any, state: ServerState) -> None:
+           model_info: dict[str, Any], tokenizer: Any, state: ServerState,
+           listen_socket: socket.socket | None = None) -> None:
     name = served_model_name(server_args)
     tm = TokenizerManager(port_args, tokenizer, model_info, ServerMetrics(name),
                           log_requests=server_args.log_requests,
@@ -143,7 +172,8 @@ def _serve(server_args: ServerArgs, port_args: PortArgs, group: ProcessGroup,
                                      for rank in follower_ranks(server_args)],
                 "ready": state.ready}
 
-    app = build_app(tm, server_args.api_key, name, aliases, server_info, lambda: state.ready)
+    app = build_app(tm, server_args.api_key, name, aliases, server_info, lambda: state.ready,
+                    server_args.max_request_bytes)
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                             log_level=server_args.log_level, timeout_keep_alive=5,
                             timeout_graceful_shutdown=5, access_log=server_args.log_requests)
@@ -151,7 +181,7 @@ def _serve(server_args: ServerArgs, port_args: PortArgs, group: ProcessGroup,
     group.start_watchdog(state.fail)
     threading.Thread(target=_warm_up, args=(server_args, state, tokenizer is None), daemon=True,
                      name="warm-up").start()
-    state.server.run()
+    state.server.run(sockets=[listen_socket] if listen_socket is not None else None)
 
 
 def _warm_up(server_args: ServerArgs, state: ServerState, ids_only: bool) -> None:

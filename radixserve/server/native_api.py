@@ -116,8 +116,10 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
 
     @router.post("/generate")
     async def generate(request: Request) -> Response:
-        obj: GenerateReqInput = parse_model(GenerateReqInput, await read_json(request))
-        reqs, is_batch = build_requests(tm, obj)
+        raw = await read_json(request)
+        # validation and tokenisation off the event loop: a huge prompt must not stall /health
+        obj: GenerateReqInput = await tm.offload(parse_model, GenerateReqInput, raw)
+        reqs, is_batch = await tm.offload(build_requests, tm, obj)
         if obj.stream:
             return await sse_response(_stream_chunks(tm, reqs, is_batch, request))
         outs = await tm.generate_all(reqs, request)

@@ -66,10 +66,11 @@ def choice_of(body: ChatCompletionRequest, index: int, out: ReqOutput) -> dict[s
 
 
 async def create_chat_completion(ctx: OpenAIContext, request: Request, raw: Any) -> Response:
-    body: ChatCompletionRequest = parse_model(ChatCompletionRequest, raw)
+    tm = ctx.tokenizer_manager
+    body: ChatCompletionRequest = await tm.offload(parse_model, ChatCompletionRequest, raw)
     body.check_unsupported()
     model = ctx.check_model(body.model)
-    reqs = build_requests(ctx, body)
+    reqs = await tm.offload(build_requests, ctx, body)  # template + tokenizer off the loop
     if body.stream:
         return await sse_response(stream_events(ctx, body, model, reqs, request))
     outs = await ctx.tokenizer_manager.generate_all(reqs, request)

@@ -98,11 +98,11 @@ def choice_of(ctx: OpenAIContext, body: CompletionRequest, index: int, req: Gene
 
 
 async def create_completion(ctx: OpenAIContext, request: Request, raw: Any) -> Response:
-    body: CompletionRequest = parse_model(CompletionRequest, raw)
+    tm = ctx.tokenizer_manager
+    body: CompletionRequest = await tm.offload(parse_model, CompletionRequest, raw)
     body.check_unsupported()
     model = ctx.check_model(body.model)
-    reqs = build_requests(ctx, body)
-    tm = ctx.tokenizer_manager
+    reqs = await tm.offload(build_requests, ctx, body)  # tokenisation off the event loop
     if body.stream:
         return await sse_response(stream_events(ctx, body, model, reqs, request))
     outs = await tm.generate_all(reqs, request)

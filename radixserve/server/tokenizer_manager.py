@@ -16,7 +16,8 @@ import time
 import uuid
 from collections import deque
 from dataclasses import replace
-from typing import Any, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -35,6 +36,7 @@ from radixserve.server.request_state import GenerateRequest, ReqOutput, ReqState
 from radixserve.server.tokenizer_utils import token_texts
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DISCONNECT_POLL_S = 1.0  # how often a waiting request checks that its client is still there
 REPLY_TIMEOUT_S = 60.0
@@ -57,6 +59,9 @@ class TokenizerManager:
         # one socket per data-parallel replica; the router picks one for each request
         self.router = router or DataParallelRouter(len(port_args.scheduler_inputs))
         self.send_socks: list[zmq.Socket] = []
+        # one thread: tokenizers are not all safe to share across threads; the point is the
+        # event loop, which stays free
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="request-build")
         self.recv_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle (called inside the server's event loop) ----
@@ -78,6 +83,13 @@ class TokenizerManager:
             sock.close(linger=0)
         self.async_context.term()
         self.sync_context.term()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` in the request-building threads (parsing, chat templates,
+        tokenisation) so the event loop keeps serving other requests and /health meanwhile;
+        its exceptions (APIError for bad input) reach the caller as they are."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     # ---- building requests ----
     def tokenize(self, text: str) -> list[int]:

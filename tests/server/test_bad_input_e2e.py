@@ -63,6 +63,14 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int]] = [
     ("generate batch size mismatch", "POST", "/generate",
      {"text": ["a", "b"], "rid": ["x"]}, AUTH, 400),
     ("abort without rid", "POST", "/abort_request", {}, AUTH, 400),
+    ("lone surrogate completions", "POST", "/v1/completions",
+     b'{"prompt": "Hi \\ud800", "max_tokens": 2}', AUTH, 400),
+    ("lone surrogate chat", "POST", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "Hi \\ud800"}]}', AUTH, 400),
+    ("lone surrogate generate", "POST", "/generate", b'{"text": "Hi \\ud800"}', AUTH, 400),
+    ("deep nesting", "POST", "/v1/completions", b"[" * 100_000, AUTH, 400),
+    ("deep nesting generate", "POST", "/generate",
+     b'{"input_ids": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", AUTH, 400),
     ("unknown route", "GET", "/v2/nothing", None, AUTH, 404),
 ]
 
@@ -107,3 +115,31 @@ def test_health_without_key_and_healthy_after(server: Any) -> None:
                         timeout=120).status_code == 200
     info = server.wait_idle_memory_check()
     assert info["internal_state"]["memory_check_ok"] is True
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenised(server: Any) -> None:
+    """Tokenisation runs off the event loop: /health answers while a 20 MB prompt is being
+    tokenised (the big request is still in flight when /health returns)."""
+    import threading
+    big = {"text": "hello world, " * 1_600_000, "sampling_params": {"max_new_tokens": 1}}
+    done = threading.Event()
+    result: dict[str, Any] = {}
+
+    def post_big() -> None:
+        result["response"] = requests.post(server.url("/generate"), json=big, headers=AUTH,
+                                           timeout=300)
+        done.set()
+
+    thread = threading.Thread(target=post_big)
+    thread.start()
+    try:
+        answered_during = 0
+        while not done.is_set():
+            health = requests.get(server.url("/health"), timeout=30)
+            assert health.status_code == 200
+            answered_during += not done.is_set()
+        assert answered_during > 0
+    finally:
+        thread.join()
+    assert result["response"].status_code == 400  # far past the context length
+    assert "context length" in result["response"].json()["error"]["message"]

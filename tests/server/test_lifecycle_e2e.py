@@ -60,14 +60,38 @@ def test_clean_sigint_shutdown() -> None:
         server.stop()
 
 
-def test_startup_failure_reports_child_traceback() -> None:
+def _launch(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-m", "radixserve.launch_server", "--port", str(free_port()),
-         "--model-path", "/nonexistent/model.gguf"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "radixserve.launch_server", *args],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_startup_failure_reports_child_traceback() -> None:
+    """A failure inside the scheduler process (here: an unknown attention backend, found once
+    the model is built) is reported with the child's traceback."""
+    result = _launch("--port", str(free_port()), "--attention-backend", "flashinfer")
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert "process failed to start" in output
-    assert "Traceback" in output and "/nonexistent/model.gguf" in output
+    assert "Traceback" in output and "unknown attention backend 'flashinfer'" in output
+
+
+def test_missing_model_and_busy_port_fail_before_loading() -> None:
+    """Resolved in the server process before any child starts: one error line, no traceback."""
+    result = _launch("--port", str(free_port()), "--model-path", "/nonexistent/model.gguf")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1
+    lines = [line for line in output.splitlines() if "/nonexistent/model.gguf" in line]
+    assert len(lines) == 1 and "cannot serve the model" in lines[0]
+    assert "Traceback" not in output
+    assert "loading the model" not in output
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = _launch("--port", str(port))
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in output
+    assert "loading the model" not in output and "Traceback" not in output
