@@ -1,4 +1,6 @@
-"""`radixserve serve | generate | bench ...` (also `python -m radixserve`)."""
+"""`radixserve serve | generate | bench ...` (also `python -m radixserve`).
+
+Flags are parsed before anything heavy is imported, so `--help` answers at once."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +9,7 @@ import logging
 import sys
 
 from radixserve.config import ServerArgs
+from radixserve.core.server_flags import OFFLINE_GROUPS
 
 BENCH_MODULES = {"serving": "radixserve.bench.serving", "offline": "radixserve.bench.offline",
                  "one-batch": "radixserve.bench.one_batch", "plot": "radixserve.bench.plot"}
@@ -21,7 +24,7 @@ def _generate(argv: list[str]) -> int:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt as a user message with the chat template")
-    ServerArgs.add_cli_args(parser)
+    ServerArgs.add_cli_args(parser, OFFLINE_GROUPS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="[%(asctime)s] %(message)s")
@@ -41,24 +44,50 @@ def _generate(argv: list[str]) -> int:
     return 0
 
 
+def serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="radixserve serve", description="Serve a model over HTTP: the native API "
+        "(/generate) and the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models).")
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
 def _serve(argv: list[str]) -> int:
-    from radixserve.server.launch import main as serve_main
-    return serve_main(argv) or 0
+    args = serve_parser().parse_args(argv)  # --help ends here, before the server imports
+    from radixserve.server.launch import serve
+    return serve(ServerArgs.from_cli_args(args))
 
 
 def _bench(argv: list[str]) -> int:
     if not argv or argv[0] not in BENCH_MODULES:
-        print(f"usage: radixserve bench {{{'|'.join(BENCH_MODULES)}}} [options]", file=sys.stderr)
+        usage = f"usage: radixserve bench {{{'|'.join(BENCH_MODULES)}}} [options]"
+        if argv and argv[0] in ("-h", "--help"):
+            print(usage)
+            return 0
+        print(usage, file=sys.stderr)
         return 2
     module = importlib.import_module(BENCH_MODULES[argv[0]])
     return module.main(argv[1:]) or 0
 
 
+COMMANDS = {
+    "serve": "serve a model over HTTP (native and OpenAI APIs)",
+    "generate": "generate text for one prompt, offline, and print it as it comes",
+    "bench": f"benchmarks: {', '.join(BENCH_MODULES)} (radixserve bench NAME --help)",
+}
+USAGE = "usage: radixserve {serve|generate|bench} [options]\n\ncommands:\n" + "\n".join(
+    f"  {name:<9} {text}" for name, text in COMMANDS.items()) + \
+    "\n\n`radixserve COMMAND --help` lists a command's options."
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     commands = {"serve": _serve, "generate": _generate, "bench": _bench}
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
     if not argv or argv[0] not in commands:
-        print("usage: radixserve {serve|generate|bench} [options]", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
     return commands[argv[0]](argv[1:])
 

@@ -6,9 +6,12 @@ import dataclasses
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterable
 
-import torch
+from radixserve.core.server_flags import GROUPS, add_flags
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +86,7 @@ class ServerArgs:
         """Fill device-dependent defaults once; the result is treated as read-only."""
         if self.resolved:
             return self
+        import torch  # here, not at import: `radixserve --help` must not load torch
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         on_gpu = self.device.startswith("cuda")
@@ -166,18 +170,10 @@ class ServerArgs:
         return self.chunked_prefill_size is not None and self.chunked_prefill_size > 0
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        for f in dataclasses.fields(ServerArgs):
-            if f.name == "resolved":
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            default = f.default
-            if isinstance(default, bool):
-                parser.add_argument(flag, action="store_true", default=default)
-                continue
-            kind: Any = {"int": int, "float": float}.get(
-                str(f.type).replace(" | None", ""), str)
-            parser.add_argument(flag, type=kind, default=default)
+    def add_cli_args(parser: argparse.ArgumentParser, groups: Iterable[str] = GROUPS) -> None:
+        """Every flag of the given groups, with help, default and choices
+        (core/server_flags.py)."""
+        add_flags(parser, dataclasses.fields(ServerArgs), groups)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
@@ -296,6 +292,7 @@ class ModelConfig:
 
 def resolve_dtype(name: str, model_dtype: str, device: str) -> torch.dtype:
     """'auto' takes the checkpoint's dtype on GPU; on CPU bf16 checkpoints run in bf16 too."""
+    import torch
     table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
              "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
              "half": torch.float16, "float": torch.float32}

@@ -23,6 +23,7 @@ from radixserve.bench import hardware
 from radixserve.bench.datasets import (SampleRequest, TokenSampler, add_dataset_args,
                                        build_dataset, load_tokenizer)
 from radixserve.config import ServerArgs
+from radixserve.core.server_flags import OFFLINE_GROUPS
 
 
 @dataclass
@@ -127,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--output-file", default=None, help="append one JSON line per run")
     hardware.add_peak_args(parser)
-    ServerArgs.add_cli_args(parser)
+    ServerArgs.add_cli_args(parser, OFFLINE_GROUPS)
     parser.set_defaults(num_prompts=64, random_input_len=128, random_output_len=128)
     return parser
 

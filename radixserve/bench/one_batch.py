@@ -30,6 +30,7 @@ import torch
 from radixserve.bench import hardware
 from radixserve.bench.datasets import TokenSampler
 from radixserve.config import ServerArgs
+from radixserve.core.server_flags import OFFLINE_GROUPS
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 
@@ -197,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="time decode with the scheduler's overlap (launch-ahead) path")
     parser.add_argument("--output-file", default=None, help="append one JSON line per batch size")
     hardware.add_peak_args(parser)
-    ServerArgs.add_cli_args(parser)
+    ServerArgs.add_cli_args(parser, OFFLINE_GROUPS)
     return parser
 
 

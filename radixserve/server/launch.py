@@ -77,11 +77,18 @@ def main(argv: list[str] | None = None) -> int:
     Returns the exit code (0 after a clean SIGINT/SIGTERM shutdown)."""
     parser = argparse.ArgumentParser(prog="radixserve serve", description="radixserve HTTP server")
     ServerArgs.add_cli_args(parser)
-    server_args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    return serve(ServerArgs.from_cli_args(parser.parse_args(argv)))
+
+
+def serve(server_args: ServerArgs) -> int:
+    """Serve until stopped; the exit code (0 after a clean SIGINT/SIGTERM shutdown)."""
     try:
         launch_server(server_args)
     except SystemExit as exc:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 1
+    except ValueError as exc:  # flags that cannot run together, found by resolve()
+        logging.getLogger(__name__).error("%s", exc)
+        return 2
     return 0
 
 

@@ -18,3 +18,35 @@ def test_unknown_command_is_a_usage_error():
     result = subprocess.run([sys.executable, "-m", "radixserve", "frobnicate"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "usage" in result.stderr
+
+
+def test_help_lists_commands_and_grouped_flags_without_loading_torch():
+    top = subprocess.run([sys.executable, "-m", "radixserve", "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert top.returncode == 0 and all(c in top.stdout for c in ("serve", "generate", "bench"))
+    serve = subprocess.run([sys.executable, "-m", "radixserve", "serve", "--help"],
+                           capture_output=True, text=True, timeout=60)
+    assert serve.returncode == 0
+    for section in ("model options", "serving options", "memory and scheduling options",
+                    "kernels (GPU) options", "parallelism options", "logging options"):
+        assert section in serve.stdout
+    assert "(default: 30000)" in serve.stdout and "{lpm,fcfs,dfs-weight,random}" in serve.stdout
+    generate = subprocess.run([sys.executable, "-m", "radixserve", "generate", "--help"],
+                              capture_output=True, text=True, timeout=60)
+    assert "--max-new-tokens" in generate.stdout
+    assert "--port" not in generate.stdout and "--dp-size" not in generate.stdout
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys\nfrom radixserve.cli import main\n"
+         "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
+         "print('torch loaded' if 'torch' in sys.modules else 'no torch')"],
+        capture_output=True, text=True, timeout=60)
+    assert probe.stdout.strip().endswith("no torch")
+
+
+def test_every_server_flag_has_help():
+    import dataclasses
+
+    from radixserve.config import ServerArgs
+    from radixserve.core.server_flags import FLAGS
+    names = {f.name for f in dataclasses.fields(ServerArgs)} - {"resolved"}
+    assert names == set(FLAGS)

@@ -1,0 +1,112 @@
+"""Command-line flags of ServerArgs: help text, choices and group of each, and the parser
+builder. Plain data, no torch: `radixserve --help` must answer fast.
+
+Groups follow SGLang's: model, serving (HTTP), memory and scheduling, kernels (the GPU path),
+parallelism, logging. `radixserve generate` and the offline benches take every group but
+serving.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Iterable
+
+MODEL, SERVING, MEMORY, KERNELS, PARALLEL, LOGGING = (
+    "model", "serving", "memory and scheduling", "kernels (GPU)", "parallelism", "logging")
+GROUPS = (MODEL, SERVING, MEMORY, KERNELS, PARALLEL, LOGGING)
+OFFLINE_GROUPS = tuple(g for g in GROUPS if g != SERVING)
+# parallelism that only the server does (replicas, other machines)
+SERVER_ONLY = frozenset({"dp_size", "load_balance_method", "nnodes", "node_rank",
+                         "base_gpu_id"})
+
+# field -> (group, help, choices or None)
+FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
+    "model_path": (MODEL, "an HF folder, a .gguf file, a hub id org/name[@revision], or "
+                          "SmolLM2-135M-Instruct (the bundled Q4_1 GGUF)", None),
+    "tokenizer_path": (MODEL, "tokenizer folder, when not the model's", None),
+    "load_format": (MODEL, "how to read the weights; dummy: random weights (shape-only runs)",
+                    ("auto", "safetensors", "gguf", "dummy")),
+    "dtype": (MODEL, "compute dtype; auto: the checkpoint's",
+              ("auto", "float32", "float16", "bfloat16")),
+    "device": (MODEL, "auto: cuda when present", ("auto", "cuda", "cpu")),
+    "context_length": (MODEL, "cap the model's context length (tokens)", None),
+    "skip_tokenizer_init": (MODEL, "no tokenizer: requests send input_ids", None),
+    "trust_remote_code": (MODEL, "accepted for compatibility; remote code is never run", None),
+    "host": (SERVING, "address to listen on", None),
+    "port": (SERVING, "port to listen on", None),
+    "max_request_bytes": (SERVING, "larger request bodies are refused (413) unread", None),
+    "api_key": (SERVING, "require 'Authorization: Bearer KEY' on every route but /health",
+                None),
+    "served_model_name": (SERVING, "the model name the API reports and accepts", None),
+    "max_queued_requests": (SERVING, "refuse (429) requests past this many waiting", None),
+    "log_level": (LOGGING, "log level of every process",
+                  ("debug", "info", "warning", "error")),
+    "log_requests": (LOGGING, "log each request and its output", None),
+    "random_seed": (MODEL, "seed of unseeded sampling and dummy weights", None),
+    "mem_fraction_static": (MEMORY, "GPU memory fraction for weights + KV cache (default "
+                                    "0.88)", None),
+    "max_total_tokens": (MEMORY, "KV cache size in tokens (default: from memory)", None),
+    "cpu_kv_cache_bytes": (MEMORY, "KV cache bytes on CPU", None),
+    "max_running_requests": (MEMORY, "most requests decoding at once", None),
+    "max_prefill_tokens": (MEMORY, "most new tokens in one prefill batch", None),
+    "chunked_prefill_size": (MEMORY, "prefill long prompts in chunks of this many tokens; -1 "
+                                     "disables (default 8192 on GPU, 512 on CPU)", None),
+    "enable_mixed_chunk": (MEMORY, "run a prefill chunk and the decode batch in one pass",
+                           None),
+    "schedule_policy": (MEMORY, "order of the waiting queue (lpm: longest cached prefix "
+                                "first)", ("lpm", "fcfs", "dfs-weight", "random")),
+    "schedule_conservativeness": (MEMORY, "scales the admission estimate of future tokens",
+                                  None),
+    "num_continuous_decode_steps": (MEMORY, "decode steps per scheduler turn", None),
+    "disable_radix_cache": (MEMORY, "no prefix reuse across requests", None),
+    "stream_interval": (MEMORY, "send streamed output every N tokens", None),
+    "attention_backend": (KERNELS, "attention kernels (default: triton on GPU, torch_native "
+                                   "on CPU)", ("torch_native", "triton")),
+    "prefill_attention_backend": (KERNELS, "another backend for prefill only",
+                                  ("torch_native", "triton")),
+    "decode_attention_backend": (KERNELS, "another backend for decode only",
+                                 ("torch_native", "triton")),
+    "disable_cuda_graph": (KERNELS, "decode without CUDA graphs", None),
+    "disable_overlap_schedule": (KERNELS, "read each decode step's tokens before launching "
+                                          "the next", None),
+    "cuda_graph_max_bs": (KERNELS, "largest decode batch captured in a graph (default 512 on "
+                                   "GPUs over 100 GB, else 256)", None),
+    "tp_size": (PARALLEL, "tensor-parallel ranks (GPUs) per replica", None),
+    "dist_init_addr": (PARALLEL, "host:port where the ranks meet (required with --nnodes)",
+                       None),
+    "nnodes": (PARALLEL, "machines the tensor-parallel ranks span", None),
+    "node_rank": (PARALLEL, "this machine's index; node 0 serves HTTP", None),
+    "dp_size": (PARALLEL, "data-parallel replicas behind this server", None),
+    "load_balance_method": (PARALLEL, "how requests are spread over the replicas",
+                            ("round_robin", "shortest_queue", "cache_aware")),
+    "base_gpu_id": (PARALLEL, "first GPU index this server uses", None),
+}
+
+
+def _type_of(field: dataclasses.Field) -> Any:
+    name = str(field.type).replace(" | None", "")
+    return {"int": int, "float": float}.get(name, str)
+
+
+def add_flags(parser: argparse.ArgumentParser, fields: Iterable[dataclasses.Field],
+              groups: Iterable[str] = GROUPS) -> None:
+    """One argparse group per flag group, flags in declaration order, each with its help,
+    default and choices. Without the serving group (offline tools), the server-only
+    parallelism flags are left out too."""
+    wanted = list(groups)
+    offline = SERVING not in wanted
+    sections = {g: parser.add_argument_group(f"{g} options") for g in wanted}
+    for field in fields:
+        if field.name not in FLAGS or (offline and field.name in SERVER_ONLY):
+            continue
+        group, text, choices = FLAGS[field.name]
+        if group not in sections:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        default = field.default
+        if isinstance(default, bool):
+            sections[group].add_argument(flag, action="store_true", default=default, help=text)
+            continue
+        shown = "auto" if default is None else default
+        sections[group].add_argument(flag, type=_type_of(field), default=default,
+                                     choices=choices, help=f"{text} (default: {shown})")
