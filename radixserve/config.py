@@ -32,6 +32,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     max_request_bytes: int = 64 << 20  # larger bodies are answered 413 before being read
+    shutdown_timeout: float = 5.0  # seconds running requests get to finish on shutdown
     api_key: str | None = None
     served_model_name: str | None = None
     log_level: str = "info"

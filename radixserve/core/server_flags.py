@@ -35,6 +35,8 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
     "host": (SERVING, "address to listen on", None),
     "port": (SERVING, "port to listen on", None),
     "max_request_bytes": (SERVING, "larger request bodies are refused (413) unread", None),
+    "shutdown_timeout": (SERVING, "seconds running requests get to finish on SIGINT/SIGTERM; "
+                                  "then their streams end with an error event", None),
     "api_key": (SERVING, "require 'Authorization: Bearer KEY' on every route but /health",
                 None),
     "served_model_name": (SERVING, "the model name the API reports and accepts", None),

@@ -8,6 +8,7 @@ SIGINT/SIGTERM stop it cleanly (exit 0). Children never outlive the server.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import logging
@@ -51,15 +52,42 @@ def served_model_name(server_args: ServerArgs) -> str:
     return os.path.basename(path).removesuffix(".gguf") or DEFAULT_MODEL_NAME
 
 
+class GracefulServer(uvicorn.Server):
+    """uvicorn, with a shutdown that first stops admitting requests, lets the running ones
+    finish for up to --shutdown-timeout seconds, then ends the rest with an error event (so
+    clients see why their stream ended) before uvicorn closes the connections."""
+
+    def __init__(self, config: uvicorn.Config, tm: TokenizerManager, drain_s: float) -> None:
+        super().__init__(config)
+        self.tm, self.drain_s = tm, drain_s
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        tm = self.tm
+        if tm.refusing is None:
+            tm.refusing = "the server is shutting down"
+        deadline = time.monotonic() + self.drain_s
+        while tm.rid_to_state and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        ended = tm.fail_all(tm.refusing)
+        if ended:
+            await asyncio.sleep(0.2)  # let the handlers write their final events
+        logger.info("shutting down: %d request(s) ended with an error after %.1f s of drain",
+                    ended, self.drain_s)
+        await super().shutdown(sockets)
+
+
 @dataclasses.dataclass
 class ServerState:
     exit_code: int = 0
     ready: bool = False
     server: uvicorn.Server | None = None
+    tm: TokenizerManager | None = None
 
     def fail(self, message: str) -> None:
         logger.error("%s", message)
         self.exit_code = 1
+        if self.tm is not None:  # every open request fails now, not after a timeout
+            self.tm.fail_all_threadsafe("the server failed: " + message.splitlines()[0])
         if self.server is not None:
             self.server.should_exit = True
         # last resort if the graceful stop hangs (children end themselves when we are gone)
@@ -184,7 +212,8 @@ def _serve(server_args: ServerArgs, port_args: PortArgs, group: ProcessGroup,
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                             log_level=server_args.log_level, timeout_keep_alive=5,
                             timeout_graceful_shutdown=5, access_log=server_args.log_requests)
-    state.server = uvicorn.Server(config)
+    state.tm = tm
+    state.server = GracefulServer(config, tm, server_args.shutdown_timeout)
     group.start_watchdog(state.fail)
     threading.Thread(target=_warm_up, args=(server_args, state, tokenizer is None), daemon=True,
                      name="warm-up").start()

@@ -59,6 +59,9 @@ class TokenizerManager:
         # one socket per data-parallel replica; the router picks one for each request
         self.router = router or DataParallelRouter(len(port_args.scheduler_inputs))
         self.send_socks: list[zmq.Socket] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+        # set on shutdown or when a child process died: new requests are refused (503)
+        self.refusing: str | None = None
         # one thread: tokenizers are not all safe to share across threads; the point is the
         # event loop, which stays free
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="request-build")
@@ -66,6 +69,7 @@ class TokenizerManager:
 
     # ---- lifecycle (called inside the server's event loop) ----
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         self.sync_context = zmq.Context(1)
         self.async_context = zmq.asyncio.Context(1)
         self.send_socks = [push_socket(self.sync_context, address)
@@ -265,7 +269,25 @@ class TokenizerManager:
                            status_code=503) from None
 
     # ---- internals ----
+    def fail_all(self, message: str, status_code: int = 503) -> int:
+        """Refuse new requests from now on and end every open one with this error (its
+        stream gets an error event and [DONE]); returns how many were open. Event loop only;
+        other threads call `fail_all_threadsafe`."""
+        self.refusing = message
+        open_states = [s for s in self.rid_to_state.values()
+                       if not s.finished and s.error is None]
+        for state in open_states:
+            state.error = ReqError(state.req.rid, message, http_status=status_code)
+            state.event.set()
+        return len(open_states)
+
+    def fail_all_threadsafe(self, message: str) -> None:
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.fail_all, message)
+
     def _send(self, req: GenerateRequest) -> ReqState:
+        if self.refusing is not None:
+            raise APIError(self.refusing, status_code=503)
         if req.rid in self.rid_to_state:
             raise APIError(f"request id {req.rid!r} is already in use", param="rid")
         state = ReqState(req=req)

@@ -95,3 +95,58 @@ def test_missing_model_and_busy_port_fail_before_loading() -> None:
     output = result.stdout + result.stderr
     assert result.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in output
     assert "loading the model" not in output and "Traceback" not in output
+
+
+def _open_streams(server: ServerProcess, count: int) -> tuple[list, list[list[str]]]:
+    """`count` long streaming completions, each read in a thread into its list of events;
+    returns once every stream has sent its first event."""
+    import threading
+    events: list[list[str]] = [[] for _ in range(count)]
+    started = [threading.Event() for _ in range(count)]
+
+    def read(i: int) -> None:
+        with requests.post(server.url("/v1/completions"), stream=True, timeout=120, json={
+                "prompt": f"Story {i}:", "max_tokens": 3000, "stream": True,
+                "ignore_eos": True}) as response:
+            for line in response.iter_lines(decode_unicode=True):
+                if line.startswith("data: "):
+                    events[i].append(line[len("data: "):])
+                    started[i].set()
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for event in started:
+        assert event.wait(120)
+    return threads, events
+
+
+def test_shutdown_ends_open_streams_with_an_error_event() -> None:
+    server = ServerProcess("--shutdown-timeout", "1")
+    try:
+        threads, events = _open_streams(server, 3)
+        server.proc.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(timeout=60)
+        assert server.proc.wait(timeout=60) == 0
+        for stream in events:
+            assert stream[-1] == "[DONE]" and "shutting down" in stream[-2]
+        log = server.log_text()
+        assert "3 request(s) ended with an error" in log and "CancelledError" not in log
+    finally:
+        server.stop()
+
+
+def test_open_streams_fail_at_once_when_the_scheduler_dies() -> None:
+    server = ServerProcess()
+    try:
+        threads, events = _open_streams(server, 2)
+        os.kill(server.server_info()["scheduler_pid"], signal.SIGKILL)
+        for thread in threads:
+            thread.join(timeout=30)
+            assert not thread.is_alive()
+        for stream in events:
+            assert stream[-1] == "[DONE]" and "the server failed" in stream[-2]
+        assert server.proc.wait(timeout=60) != 0
+    finally:
+        server.stop()
