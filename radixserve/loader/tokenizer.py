@@ -43,8 +43,13 @@ def get_tokenizer(source: str | ResolvedModel) -> PreTrainedTokenizerBase:
     (the default model name, an HF folder, a .gguf file)."""
     resolved = source if isinstance(source, ResolvedModel) else resolve_model_path(source)
     if resolved.kind == "gguf":
-        return load_gguf_tokenizer(resolved.path)
-    if not resolved.has_tokenizer_files:
+        tokenizer = load_gguf_tokenizer(resolved.path)
+    elif not resolved.has_tokenizer_files:
         raise ValueError(f"{resolved.path} has no tokenizer files; pass --tokenizer-path, or "
                          "--skip-tokenizer-init and send input_ids")
-    return AutoTokenizer.from_pretrained(resolved.path, local_files_only=True)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(resolved.path, local_files_only=True)
+    # lengths are checked against the model's context by request validation, with a message
+    # for the user; transformers' own length warning would only add noise to the log
+    tokenizer.model_max_length = 1 << 62
+    return tokenizer

@@ -5,9 +5,12 @@ Status codes used by every route (native and OpenAI):
                              prompt (+ max tokens) over the context length, unsupported fields
   401 invalid_request_error  missing or wrong API key (code "invalid_api_key")
   404 invalid_request_error  unknown model name (code "model_not_found") or route
+  405 invalid_request_error  a route called with the wrong method
+  413 invalid_request_error  a body over --max-request-bytes (answered before it is read)
   429 rate_limit_error       the scheduler's waiting queue is full (--max-queued-requests)
   499 (no body)              the client went away; nothing is sent back
-  503 server_error           not ready yet, or shutting down
+  500 server_error           an internal error (logged once with its traceback)
+  503 server_error           not ready yet, shutting down, or a server process died
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-          404: "invalid_request_error", 429: "rate_limit_error"}
+          404: "invalid_request_error", 405: "invalid_request_error",
+          413: "invalid_request_error", 429: "rate_limit_error"}
 
 
 class APIError(Exception):

@@ -1,6 +1,7 @@
 """Start the real server (`python -m radixserve.launch_server`) as a subprocess for e2e tests."""
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -56,6 +57,8 @@ class ServerProcess:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
         self.log = tempfile.NamedTemporaryFile("w+", prefix="radixserve-test-", suffix=".log",
                                                delete=False)
+        # kept while the tests run (they read it after the server stops), removed at exit
+        atexit.register(Path(self.log.name).unlink, missing_ok=True)
         self.proc = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
         self._wait_ready()

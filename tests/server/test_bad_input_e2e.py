@@ -72,6 +72,7 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int]] = [
     ("deep nesting generate", "POST", "/generate",
      b'{"input_ids": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", AUTH, 400),
     ("unknown route", "GET", "/v2/nothing", None, AUTH, 404),
+    ("wrong method", "GET", "/v1/completions", None, AUTH, 405),
 ]
 
 
@@ -95,6 +96,7 @@ def test_bad_input(server: Any, name: str, method: str, path: str, body: Any,
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == ("rate_limit_error" if status == 429 else "invalid_request_error")
 
 
 def test_over_context_prompt_names_both_lengths(server: Any) -> None:
