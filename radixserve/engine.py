@@ -32,11 +32,12 @@ logger = logging.getLogger(__name__)
 Params = dict[str, Any] | SamplingParams | None
 
 
-def _to_params(params: Params) -> SamplingParams:
-    """A copy: validation normalises it, and the caller's object stays as given."""
+def _to_params(params: Params, defaults: dict[str, Any]) -> SamplingParams:
+    """A copy: validation normalises it, and the caller's object stays as given. A dict's
+    unset fields take the model's defaults (its generation config), as the server's do."""
     if isinstance(params, SamplingParams):
         return replace(params)
-    return SamplingParams.from_dict(params)
+    return SamplingParams.from_dict({**defaults, **(params or {})})
 
 
 class _Pending:
@@ -102,6 +103,7 @@ class Engine:
         self.scheduler: Any = scheduler if self.server_args.tp_size == 1 else \
             ReplicatedScheduler(scheduler, get_tp_group())
         self.tokenizer = self.scheduler.tokenizer
+        self.generation_defaults = dict(self._runner.source.generation_defaults)
         self._ids = itertools.count()
         self._closed = False
 
@@ -125,7 +127,7 @@ class Engine:
         limits = RequestLimits.from_model_info(self.scheduler.model_info)
         reqs: list[TokenizedGenerateReq] = []
         for i in range(n_items):
-            params = _to_params(params_list[i])
+            params = _to_params(params_list[i], self.generation_defaults)
             text = prompts[i] if prompts is not None else None
             if text is not None:
                 if self.tokenizer is None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from radixserve.config import ModelConfig
+from radixserve.loader.generation_defaults import generation_defaults
 from radixserve.loader.model_resolution import ResolvedModel, resolve_model_path
 from radixserve.loader.safetensors_loader import iter_safetensors_weights, read_hf_config
 
@@ -43,6 +44,8 @@ class ModelSource:
     format: str  # "gguf" | "safetensors" | "dummy"
     model_path: str  # the resolved file (gguf) or folder (hf)
     served_model_name: str
+    # sampling parameters a request that leaves them unset gets (loader/generation_defaults.py)
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def _gguf_source(resolved: ResolvedModel, load_format: str) -> ModelSource:
@@ -60,6 +63,7 @@ def _gguf_source(resolved: ResolvedModel, load_format: str) -> ModelSource:
         format="dummy" if dummy else "gguf",
         model_path=resolved.path,
         served_model_name=resolved.name,
+        generation_defaults=generation_defaults(resolved),
     )
 
 
@@ -80,6 +84,7 @@ def _hf_folder_source(resolved: ResolvedModel, load_format: str) -> ModelSource:
         format="dummy" if dummy else "safetensors",
         model_path=resolved.path,
         served_model_name=resolved.name,
+        generation_defaults=generation_defaults(resolved),
     )
 
 

@@ -21,6 +21,18 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _StartTracker:
+    """Wraps `send` and remembers whether the response has started (status line out)."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+
+    async def __call__(self, message: Message) -> None:
+        self.started = self.started or message["type"] == "http.response.start"
+        await self._send(message)
+
+
 class BodyLimitMiddleware:
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -49,17 +61,11 @@ class BodyLimitMiddleware:
                     raise _BodyTooLarge()
             return message
 
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracker = _StartTracker(send)
         try:
-            await self.app(scope, limited_receive, tracking_send)
+            await self.app(scope, limited_receive, tracker)
         except _BodyTooLarge:
-            if not started:
+            if not tracker.started:
                 await self._too_large().to_response()(scope, receive, send)
 
 
@@ -71,19 +77,13 @@ class CatchAllMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracker = _StartTracker(send)
         try:
-            await self.app(scope, receive, tracking_send)
+            await self.app(scope, receive, tracker)
         except Exception:  # noqa: BLE001 - the last line of defence: log once, answer 500
             logger.exception("internal error serving %s %s", scope.get("method"),
                              scope.get("path"))
-            if not started:
+            if not tracker.started:
                 error = APIError("internal error while serving the request (the server log "
                                  "has the details)", status_code=500)
                 await error.to_response()(scope, receive, send)

@@ -134,7 +134,7 @@ def launch_server(server_args: ServerArgs,
         return
     # fail fast, before any process loads anything: the model must resolve, the split must be
     # possible, the port must be free (it stays bound, and uvicorn serves on this socket)
-    listen_socket = _check_before_loading(server_args)
+    listen_socket, source = _check_before_loading(server_args)
     previous = {}
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, _raise_shutdown)
@@ -150,7 +150,7 @@ def launch_server(server_args: ServerArgs,
             tokenizer = pool.submit(load_tokenizer, server_args)  # overlaps the model load
             model_info = group.wait_ready()  # a child's failure is reported first
             _serve(server_args, port_args, group, model_info, tokenizer.result(), state,
-                   listen_socket)
+                   listen_socket, source.generation_defaults)
     except ChildFailedError as exc:
         state.exit_code = 1
         logger.error("%s", exc)
@@ -164,7 +164,7 @@ def launch_server(server_args: ServerArgs,
         raise SystemExit(state.exit_code)
 
 
-def _check_before_loading(server_args: ServerArgs) -> socket.socket:
+def _check_before_loading(server_args: ServerArgs) -> tuple[socket.socket, Any]:
     """One clear error line and exit code 1 for what would otherwise fail after loading."""
     from radixserve.executor.model_runner import check_tensor_parallel
     from radixserve.loader import load_model_source
@@ -184,17 +184,19 @@ def _check_before_loading(server_args: ServerArgs) -> socket.socket:
         logger.error("cannot listen on %s:%d: %s (another server there? pick --port)",
                      server_args.host, server_args.port, exc.strerror or exc)
         raise SystemExit(1) from None
-    return sock
+    return sock, source
 
 
 def _serve(server_args: ServerArgs, port_args: PortArgs, group: ProcessGroup,
            model_info: dict[str, Any], tokenizer: Any, state: ServerState,
-           listen_socket: socket.socket | None = None) -> None:
+           listen_socket: socket.socket | None = None,
+           generation_defaults: dict[str, Any] | None = None) -> None:
     name = served_model_name(server_args)
     tm = TokenizerManager(port_args, tokenizer, model_info, ServerMetrics(name),
                           log_requests=server_args.log_requests,
                           router=DataParallelRouter(server_args.dp_size,
-                                                    server_args.load_balance_method))
+                                                    server_args.load_balance_method),
+                          generation_defaults=generation_defaults)
     aliases = frozenset({name, server_args.model_path or DEFAULT_MODEL_NAME})
 
     def server_info() -> dict[str, Any]:

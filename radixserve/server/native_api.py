@@ -77,7 +77,10 @@ def build_requests(tm: TokenizerManager, obj: GenerateReqInput) -> tuple[list[Ge
     reqs: list[GenerateRequest] = []
     for i in range(size or 1):
         try:
-            params = SamplingParams.from_dict(obj.item("sampling_params", i, size or 1))
+            given = obj.item("sampling_params", i, size or 1)
+            if given is None or isinstance(given, dict):  # unset fields: the model's defaults
+                given = {**tm.generation_defaults, **(given or {})}
+            params = SamplingParams.from_dict(given)
         except (InvalidRequestError, TypeError) as exc:
             raise APIError(str(exc), param="sampling_params") from exc
         n = params.n

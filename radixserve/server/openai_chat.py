@@ -38,7 +38,8 @@ def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest) -> list[Gene
     if max_tokens is None:  # OpenAI: up to the context length
         max_tokens = max(tm.limits.context_len - len(input_ids), 0)
     req = tm.make_request(
-        text=prompt, input_ids=input_ids, sampling_params=body.sampling_params(max_tokens),
+        text=prompt, input_ids=input_ids,
+        sampling_params=body.sampling_params(max_tokens, tm.generation_defaults),
         return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
         return_text_in_logprobs=True, stream=body.stream, param="messages")
     return sample_copies(req, body.n)

@@ -25,7 +25,7 @@ def build_requests(ctx: OpenAIContext, body: CompletionRequest) -> list[Generate
         req = tm.make_request(
             text=prompt if isinstance(prompt, str) else None,
             input_ids=None if isinstance(prompt, str) else prompt,
-            sampling_params=body.sampling_params(max_tokens),
+            sampling_params=body.sampling_params(max_tokens, tm.generation_defaults),
             return_logprob=body.logprobs is not None,
             logprob_start_len=0 if (body.echo and body.logprobs is not None) else -1,
             top_logprobs_num=body.logprobs or 0, return_text_in_logprobs=True,

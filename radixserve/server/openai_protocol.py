@@ -72,8 +72,10 @@ class SamplingFields(StrictModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_new_tokens: int) -> SamplingParams:
-        """The SamplingParams of one sample (n is expanded by the caller)."""
+    def sampling_params(self, max_new_tokens: int,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The SamplingParams of one sample (n is expanded by the caller); fields the request
+        leaves unset take `defaults` (the model's generation config), then SamplingParams'."""
         values: dict[str, Any] = {
             "max_new_tokens": max_new_tokens,
             "min_new_tokens": self.min_tokens if self.min_tokens is not None else 0,
@@ -86,6 +88,7 @@ class SamplingFields(StrictModel):
                     "min_p": self.min_p, "frequency_penalty": self.frequency_penalty,
                     "presence_penalty": self.presence_penalty,
                     "repetition_penalty": self.repetition_penalty}
+        values.update(defaults or {})
         values.update({k: v for k, v in optional.items() if v is not None})
         return SamplingParams(**values)
 

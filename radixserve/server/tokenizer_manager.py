@@ -45,11 +45,17 @@ REPLY_TIMEOUT_S = 60.0
 class TokenizerManager:
     def __init__(self, port_args: PortArgs, tokenizer: Any | None, model_info: dict[str, Any],
                  metrics: ServerMetrics, log_requests: bool = False,
-                 router: DataParallelRouter | None = None) -> None:
+                 router: DataParallelRouter | None = None,
+                 generation_defaults: dict[str, Any] | None = None) -> None:
         self.port_args = port_args
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.limits = RequestLimits.from_model_info(model_info)
+        # sampling parameters requests get when they leave them unset (the model's
+        # generation_config.json, as vLLM does)
+        self.generation_defaults = dict(generation_defaults or {})
+        if self.generation_defaults:
+            logger.info("default sampling parameters of the model: %s", self.generation_defaults)
         self.metrics = metrics
         self.log_requests = log_requests
         self.rid_to_state: dict[str, ReqState] = {}

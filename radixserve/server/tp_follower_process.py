@@ -67,6 +67,17 @@ def start_tp_followers(server_args: ServerArgs) -> list[tuple[Any, Any]]:
     return followers
 
 
+def last_status(conn: Any) -> dict[str, Any]:
+    """The last message a follower sent through its status pipe ({} when none)."""
+    message: dict[str, Any] = {}
+    try:
+        while conn.poll():
+            message = conn.recv()
+    except (EOFError, OSError):
+        pass
+    return message
+
+
 class FollowerWatch:
     """A follower that dies takes this process down, with its traceback in the log: without
     it rank 0 would wait at the next collective forever (the server's ProcessGroup does the
@@ -89,15 +100,9 @@ class FollowerWatch:
         if self.stopping.is_set():
             return
         process, conn = sentinels[ready[0]]
-        message: dict[str, Any] = {}
-        try:
-            while conn.poll():
-                message = conn.recv()
-        except (EOFError, OSError):
-            pass
         logging.getLogger(__name__).error(
             "tensor-parallel rank %s died (exit code %s); stopping.\n%s", process.name,
-            process.exitcode, message.get("traceback", ""))
+            process.exitcode, last_status(conn).get("traceback", ""))
         os._exit(1)
 
 
@@ -123,12 +128,6 @@ def run_headless_node(server_args: ServerArgs) -> int:
         process.join()
         if process.exitcode != 0:
             code = 1
-            message: dict[str, Any] = {}
-            try:
-                while conn.poll():
-                    message = conn.recv()
-            except (EOFError, OSError):
-                pass
             logger.error("rank %s ended with exit code %s\n%s", process.name,
-                         process.exitcode, message.get("traceback", ""))
+                         process.exitcode, last_status(conn).get("traceback", ""))
     return code

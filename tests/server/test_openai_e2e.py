@@ -176,3 +176,13 @@ def test_api_key_is_required(server: Any) -> None:
     ok = requests.get(server.url("/v1/models"), timeout=30,
                       headers={"Authorization": f"Bearer {API_KEY}"})
     assert ok.status_code == 200
+
+
+def test_bundled_model_default_sampling_gives_a_sensible_answer(openai_client: Any,
+                                                                model_name: str) -> None:
+    """No temperature in the request: the bundled model's documented default (greedy)."""
+    answers = [openai_client.chat.completions.create(
+        model=model_name, max_tokens=12,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    ).choices[0].message.content for _ in range(2)]
+    assert answers[0] == answers[1] and "Paris" in answers[0]
