@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import torch
 
+from radixserve.core.progress import progress
 from radixserve.core.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
 
 if TYPE_CHECKING:
@@ -145,7 +146,8 @@ class CudaGraphRunner:
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(sizes):  # largest first: the others reuse its memory
+        for bs in progress(list(reversed(sizes)), "capturing CUDA graphs", "graph"):
+            # largest first: the others reuse its memory
             try:
                 self.graphs[bs], self.outputs[bs] = self._capture_one(bs, pool)
             except RuntimeError as exc:

@@ -19,6 +19,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from radixserve.core.progress import progress
 from radixserve.layers.linear import default_weight_loader
 
 
@@ -35,6 +36,7 @@ def _packed_target(name: str, mapping: dict[str, tuple[str, object]]
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     params = dict(model.named_parameters())
+    weights = progress(weights, "loading weights", "tensor")
     mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     skip = getattr(model, "skip_weight", None)
     # merged parameter -> the shard ids it still expects

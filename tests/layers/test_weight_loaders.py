@@ -102,3 +102,13 @@ def test_generic_loader_refuses_a_checkpoint_that_does_not_fit(change, message: 
     change(ckpt)
     with pytest.raises((KeyError, ValueError, RuntimeError), match=message):
         load_weights(_Tiny(), ckpt.items())
+
+
+def test_loading_shows_a_progress_bar_on_a_terminal_only(monkeypatch, capsys) -> None:
+    import sys
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    load_weights(_Tiny(), _checkpoint().items())
+    assert "loading weights" not in capsys.readouterr().err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    load_weights(_Tiny(), _checkpoint().items())
+    assert "loading weights" in capsys.readouterr().err
