@@ -40,3 +40,14 @@ def test_engine_requests_take_the_defaults_unless_set(tmp_path) -> None:
     hot = [engine.generate(input_ids=prompt, sampling_params={
         "max_new_tokens": 8, "temperature": 5.0, "seed": s})["output_ids"] for s in range(3)]
     assert any(h != greedy["output_ids"] for h in hot)  # a field set wins
+
+
+def test_tokenizer_does_not_warn_about_long_prompts(caplog) -> None:
+    """Validation reports prompts over the context; transformers' own warning would be noise."""
+    import logging
+
+    from radixserve.loader.tokenizer import get_tokenizer
+    tokenizer = get_tokenizer(None)
+    with caplog.at_level(logging.WARNING):
+        ids = tokenizer.encode("word " * 20_000)
+    assert len(ids) > 10_000 and not caplog.records

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tests.server.conftest import API_KEY
 
 AUTH = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
-EXAMPLES = 120
+EXAMPLES = 200
 
 adversarial_text = st.one_of(
     st.text(max_size=40),

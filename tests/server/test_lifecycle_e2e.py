@@ -68,13 +68,13 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_startup_failure_reports_child_traceback() -> None:
-    """A failure inside the scheduler process (here: an unknown attention backend, found once
-    the model is built) is reported with the child's traceback."""
-    result = _launch("--port", str(free_port()), "--attention-backend", "flashinfer")
+    """A failure inside the scheduler process (here: a KV cache too small to serve, found once
+    the model is loaded) is reported with the child's traceback."""
+    result = _launch("--port", str(free_port()), "--max-total-tokens", "8")
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert "process failed to start" in output
-    assert "Traceback" in output and "unknown attention backend 'flashinfer'" in output
+    assert "Traceback" in output and "KV cache too small: 8 tokens" in output
 
 
 def test_missing_model_and_busy_port_fail_before_loading() -> None:
