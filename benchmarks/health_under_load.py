@@ -41,19 +41,27 @@ def main() -> int:
             done.set()
 
         thread = threading.Thread(target=post)
+        began = time.perf_counter()
         thread.start()
-        latencies = []
+        latencies, slow_at = [], []
         while not done.is_set():
             start = time.perf_counter()
             requests.get(server.url("/health"), timeout=60).raise_for_status()
             if not done.is_set():
                 latencies.append(time.perf_counter() - start)
+                if latencies[-1] > 0.1:
+                    slow_at.append(start - began)
             time.sleep(0.02)
         thread.join()
         print(f"big request: {args.prompt_mb:.0f} MB of text, status {big['status']}, "
               f"{big['seconds']:.1f} s")
+        ordered = sorted(latencies)
+        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        slow = sum(t > 0.1 for t in latencies)
         print(f"/health during it: {len(latencies)} polls, median "
-              f"{statistics.median(latencies) * 1e3:.1f} ms, max {max(latencies) * 1e3:.1f} ms")
+              f"{statistics.median(latencies) * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, max "
+              f"{max(latencies) * 1e3:.1f} ms, {slow} over 100 ms (sent at "
+              f"{', '.join(f'{t:.2f}' for t in slow_at) or '-'} s into the big request)")
     finally:
         server.stop()
     return 0

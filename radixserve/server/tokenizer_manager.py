@@ -99,7 +99,20 @@ class TokenizerManager:
         """Run `fn(*args)` in the request-building threads (parsing, chat templates,
         tokenisation) so the event loop keeps serving other requests and /health meanwhile;
         its exceptions (APIError for bad input) reach the caller as they are."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        def call() -> tuple[Any, APIError | None]:
+            try:
+                return fn(*args), None
+            except APIError as exc:
+                # a fresh error, without the traceback whose frames hold the request's big
+                # locals (a 20 MB text, millions of token ids): they are freed here, in this
+                # thread, not on the event loop when the error is handled
+                return None, APIError(exc.message, exc.status_code, exc.param, exc.code,
+                                      exc.error_type)
+
+        result, error = await asyncio.get_running_loop().run_in_executor(self.executor, call)
+        if error is not None:
+            raise error
+        return result
 
     # ---- building requests ----
     def tokenize(self, text: str) -> list[int]:
