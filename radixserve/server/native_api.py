@@ -33,6 +33,13 @@ from radixserve.server.tokenizer_manager import TokenizerManager
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
+UNSUPPORTED_NATIVE_FIELDS = (
+    "input_embeds", "image_data", "audio_data", "video_data", "modalities", "lora_path",
+    "lora_id", "session_params", "custom_logit_processor", "return_hidden_states",
+    "token_ids_logprob", "data_parallel_rank", "bootstrap_host", "bootstrap_port",
+    "bootstrap_room")
+
+
 class GenerateReqInput(StrictModel):
     text: StrictStr | list[StrictStr] | None = None
     input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
@@ -43,6 +50,31 @@ class GenerateReqInput(StrictModel):
     top_logprobs_num: StrictInt | list[StrictInt] = 0
     return_text_in_logprobs: StrictBool = False
     stream: StrictBool = False
+    log_metrics: StrictBool = True  # accepted; the server always keeps its metrics
+    # SGLang's other GenerateReqInput fields, for features this server does not have: clients
+    # send them as null or at their default, which passes; any other value is a 400 naming it
+    input_embeds: Any = None
+    image_data: Any = None
+    audio_data: Any = None
+    video_data: Any = None
+    modalities: Any = None
+    lora_path: Any = None
+    lora_id: Any = None
+    session_params: Any = None
+    custom_logit_processor: Any = None
+    return_hidden_states: Any = False
+    token_ids_logprob: Any = None
+    data_parallel_rank: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+
+    def check_unsupported(self) -> None:
+        for name in UNSUPPORTED_NATIVE_FIELDS:
+            value = getattr(self, name)
+            default = type(self).model_fields[name].default
+            if value is not None and value != default and value != []:
+                raise APIError(f"{name} is not supported by this server", param=name)
 
     def batch_size(self) -> int | None:
         """None for a single prompt, else the number of prompts."""
@@ -70,6 +102,7 @@ class GenerateReqInput(StrictModel):
 def build_requests(tm: TokenizerManager, obj: GenerateReqInput) -> tuple[list[GenerateRequest],
                                                                           bool]:
     """The scheduler requests of one /generate call, and whether the answer is a list."""
+    obj.check_unsupported()
     size = obj.batch_size()
     is_batch = size is not None
     if is_batch and size == 0:

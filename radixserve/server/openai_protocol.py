@@ -5,6 +5,8 @@ Policy for fields (never silently wrong):
   temperature, top_p, stop, stream, stream_options.include_usage, seed, frequency_penalty,
   presence_penalty, echo, logprobs, top_logprobs, best_of (== n only), user (accepted, unused),
   response_format {"type": "text"} only, tool_choice "none" only.
+- Fields current clients send that do not change the output (store, metadata, service_tier,
+  prediction, modalities, reasoning_effort): accepted and ignored (logged once at DEBUG).
 - Extensions (vLLM/SGLang style, send them with the SDK's extra_body): top_k, min_p,
   repetition_penalty, min_tokens, ignore_eos, skip_special_tokens,
   spaces_between_special_tokens, stop_token_ids.
@@ -14,6 +16,7 @@ Policy for fields (never silently wrong):
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
@@ -23,6 +26,20 @@ from radixserve.core.sampling_params import SamplingParams
 from radixserve.server.errors import APIError
 
 Number = Union[StrictFloat, StrictInt]
+
+
+logger = logging.getLogger(__name__)
+IGNORED_OPENAI_FIELDS = ("store", "metadata", "service_tier", "prediction", "modalities",
+                         "reasoning_effort")
+_logged_ignored: set[str] = set()  # which ignored fields were already logged (once each)
+
+
+def _log_ignored_once(names: list[str]) -> None:
+    new = [n for n in names if n not in _logged_ignored]
+    if new:
+        _logged_ignored.update(new)
+        logger.debug("accepted and ignored request field(s) %s (they do not change the output)",
+                     ", ".join(new))
 
 
 class StrictModel(BaseModel):
@@ -57,9 +74,19 @@ class SamplingFields(StrictModel):
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     stop_token_ids: list[StrictInt] | None = None
+    # fields current clients send that do not change the output: accepted and ignored
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    prediction: Any = None
+    modalities: Any = None
+    reasoning_effort: Any = None
 
     def check_unsupported(self) -> None:
         """Raise APIError(400) for unsupported fields or values pydantic cannot express."""
+        ignored = [n for n in IGNORED_OPENAI_FIELDS if getattr(self, n) is not None]
+        if ignored:
+            _log_ignored_once(ignored)
         if not 1 <= self.n <= 128:
             raise APIError(f"n must be in [1, 128], got {self.n}", param="n")
         if self.logit_bias:

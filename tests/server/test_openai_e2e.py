@@ -186,3 +186,29 @@ def test_bundled_model_default_sampling_gives_a_sensible_answer(openai_client: A
         messages=[{"role": "user", "content": "What is the capital of France?"}],
     ).choices[0].message.content for _ in range(2)]
     assert answers[0] == answers[1] and "Paris" in answers[0]
+
+
+def test_fields_current_clients_send_are_accepted(openai_client: Any, model_name: str) -> None:
+    out = openai_client.chat.completions.create(
+        model=model_name, max_tokens=3, temperature=0, store=False, metadata={"k": "v"},
+        service_tier="auto", reasoning_effort="low",
+        messages=[{"role": "user", "content": "Hi"}])
+    assert out.choices[0].message.content
+
+
+def test_sglang_generate_fields_pass_at_their_defaults(server: Any) -> None:
+    import requests
+
+    from tests.server.conftest import API_KEY
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}, "lora_path": None,
+            "return_hidden_states": False, "custom_logit_processor": None, "log_metrics": True,
+            "image_data": None, "modalities": []}
+    assert requests.post(server.url("/generate"), json=body, headers=auth,
+                         timeout=60).status_code == 200
+    bad = requests.post(server.url("/generate"), json={**body, "lora_path": "my-adapter"},
+                        headers=auth, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+    unknown = requests.post(server.url("/generate"), json={**body, "frobnicate": 1},
+                            headers=auth, timeout=60)
+    assert unknown.status_code == 400
