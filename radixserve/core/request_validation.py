@@ -60,6 +60,10 @@ def validate_request(input_ids: list[int], sampling_params: SamplingParams,
     sampling_params.normalize()
     SamplingParams.check_top_logprobs_num(top_logprobs_num)
     check_prompt(input_ids, limits)
+    if sampling_params.logit_bias and limits.vocab_size and \
+            any(t >= limits.vocab_size for t in sampling_params.logit_bias):
+        raise InvalidRequestError(f"logit_bias keys must be token ids in [0, {limits.vocab_size})",
+                                  param="logit_bias")
     n = len(input_ids)
     if n + sampling_params.max_new_tokens > limits.context_len:
         raise InvalidRequestError(

@@ -7,6 +7,17 @@ from typing import Any
 _MAX_TOP_LOGPROBS = 20
 
 
+def _as_token_id(token: Any) -> int | None:
+    """A non-negative token id from an int or a decimal string (JSON object keys), else None."""
+    if isinstance(token, bool):
+        return None
+    if isinstance(token, int):
+        return token if token >= 0 else None
+    if isinstance(token, str) and token.isdigit():
+        return int(token)
+    return None
+
+
 class InvalidRequestError(ValueError):
     """Raised for bad user input; the server maps it to HTTP 400 (naming `param` when the
     error is about one request field)."""
@@ -34,6 +45,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     n: int = 1
     seed: int | None = None
+    # token id -> bias added to its logit before sampling (OpenAI's logit_bias, in [-100, 100];
+    # JSON keys arrive as strings, normalize() makes them ints)
+    logit_bias: dict[Any, float] | None = None
     # filled by normalize(): stop strings as a list, and the longest one in UTF-8 bytes
     stop_strs: list[str] = field(default_factory=list, repr=False)
     stop_str_max_len: int = field(default=0, repr=False)
@@ -99,9 +113,22 @@ class SamplingParams:
                   and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                           for t in self.stop_token_ids),
                   f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        if self.logit_bias is not None:
+            check(isinstance(self.logit_bias, dict),
+                  f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                check(_as_token_id(token) is not None,
+                      f"logit_bias keys must be token ids, got {token!r}")
+                check(isinstance(bias, (int, float)) and not isinstance(bias, bool)
+                      and -100.0 <= bias <= 100.0,
+                      f"logit_bias values must be numbers in [-100, 100], got {bias!r}")
 
     def normalize(self) -> None:
         """Resolve derived fields (call after verify)."""
+        if self.logit_bias:
+            self.logit_bias = {_as_token_id(t): float(b) for t, b in self.logit_bias.items()}
+        else:
+            self.logit_bias = None
         if self.stop is None:
             self.stop_strs = []
         else:

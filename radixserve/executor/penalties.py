@@ -7,6 +7,7 @@ All penalties act on the raw logits, before temperature, in this order (vLLM's o
        logit -= frequency * count + presence * (count > 0)
   3. min_new_tokens: while a request has fewer than min_new_tokens output tokens, every token
      that would stop it (EOS unless ignore_eos, and its stop_token_ids) gets -inf.
+  4. logit_bias (OpenAI semantics): each listed token's bias is added to its logit.
 
 Invariants: every tensor has one row per request of the batch; a request that does not use a
 penalty holds its neutral value (repetition 1, frequency/presence 0, min_new_tokens 0), so rows
@@ -62,6 +63,8 @@ class BatchPenalties:
     min_new_tokens: torch.Tensor | None = None  # [bs] int64
     output_lens: torch.Tensor | None = None  # [bs] int64
     stop_token_mask: torch.Tensor | None = None  # [bs, vocab] bool
+    # logit_bias
+    logit_bias: torch.Tensor | None = None  # [bs, vocab] float32, 0 where no bias
 
     @classmethod
     def build(cls, reqs: Sequence["Req"], vocab_size: int, device: torch.device | str,
@@ -70,6 +73,7 @@ class BatchPenalties:
         freq_rows: list[int] = []
         rep_rows: list[int] = []
         min_new_rows: list[int] = []
+        bias_rows: list[int] = []
         for i, req in enumerate(reqs):
             params = req.sampling_params
             if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
@@ -78,7 +82,9 @@ class BatchPenalties:
                 rep_rows.append(i)
             if len(req.output_ids) < params.min_new_tokens:
                 min_new_rows.append(i)
-        if not (freq_rows or rep_rows or min_new_rows):
+            if params.logit_bias:
+                bias_rows.append(i)
+        if not (freq_rows or rep_rows or min_new_rows or bias_rows):
             return None
 
         bs = len(reqs)
@@ -116,6 +122,12 @@ class BatchPenalties:
             stop_mask = torch.zeros(bs * vocab_size, dtype=torch.bool, device=device)
             stop_mask[flat] = True
             out.stop_token_mask = stop_mask.view(bs, vocab_size)
+        if bias_rows:
+            bias = torch.zeros((bs, vocab_size), dtype=torch.float32)
+            for i in bias_rows:
+                table = reqs[i].sampling_params.logit_bias or {}
+                bias[i, list(table)] = torch.tensor(list(table.values()), dtype=torch.float32)
+            out.logit_bias = bias.to(device, non_blocking=True)
         return out
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -135,6 +147,8 @@ class BatchPenalties:
         if self.stop_token_mask is not None:
             still_short = (self.output_lens < self.min_new_tokens).unsqueeze(1)
             logits = logits.masked_fill(self.stop_token_mask & still_short, float("-inf"))
+        if self.logit_bias is not None:
+            logits = logits + self.logit_bias
         return logits
 
     def filter(self, rows: torch.Tensor) -> "BatchPenalties":
@@ -142,7 +156,7 @@ class BatchPenalties:
         out = BatchPenalties(vocab_size=self.vocab_size)
         for name in ("frequency_penalties", "presence_penalties", "output_token_counts",
                      "repetition_penalties", "seen_token_mask", "min_new_tokens", "output_lens",
-                     "stop_token_mask"):
+                     "stop_token_mask", "logit_bias"):
             value = getattr(self, name)
             if value is not None:
                 setattr(out, name, value.index_select(0, rows))

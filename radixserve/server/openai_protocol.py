@@ -3,14 +3,15 @@
 Policy for fields (never silently wrong):
 - OpenAI fields we implement: model, prompt/messages, max_tokens, max_completion_tokens, n,
   temperature, top_p, stop, stream, stream_options.include_usage, seed, frequency_penalty,
-  presence_penalty, echo, logprobs, top_logprobs, best_of (== n only), user (accepted, unused),
+  presence_penalty, logit_bias, echo, logprobs, top_logprobs, best_of (== n only), user
+  (accepted, unused),
   response_format {"type": "text"} only, tool_choice "none" only.
 - Fields current clients send that do not change the output (store, metadata, service_tier,
   prediction, modalities, reasoning_effort): accepted and ignored (logged once at DEBUG).
 - Extensions (vLLM/SGLang style, send them with the SDK's extra_body): top_k, min_p,
   repetition_penalty, min_tokens, ignore_eos, skip_special_tokens,
   spaces_between_special_tokens, stop_token_ids.
-- OpenAI fields we do not implement (suffix, logit_bias, tools, functions, non-text
+- OpenAI fields we do not implement (suffix, tools, functions, non-text
   response_format, ...) are rejected with 400 when given a non-empty value; any other unknown
   field is rejected with 400 naming it. Types are strict: "5" is not an integer.
 """
@@ -89,8 +90,6 @@ class SamplingFields(StrictModel):
             _log_ignored_once(ignored)
         if not 1 <= self.n <= 128:
             raise APIError(f"n must be in [1, 128], got {self.n}", param="n")
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true",
                            param="stream_options")
@@ -109,7 +108,7 @@ class SamplingFields(StrictModel):
             "stop": self.stop, "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
-            "seed": self.seed,
+            "seed": self.seed, "logit_bias": self.logit_bias or None,
         }
         optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                     "min_p": self.min_p, "frequency_penalty": self.frequency_penalty,

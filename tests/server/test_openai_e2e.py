@@ -212,3 +212,21 @@ def test_sglang_generate_fields_pass_at_their_defaults(server: Any) -> None:
     unknown = requests.post(server.url("/generate"), json={**body, "frobnicate": 1},
                             headers=auth, timeout=60)
     assert unknown.status_code == 400
+
+
+def test_logit_bias_forces_and_bans_tokens(server: Any, openai_client: Any, model_name: str,
+                                           smollm_tokenizer: Any) -> None:
+    import requests
+
+    from tests.server.conftest import API_KEY
+    token = smollm_tokenizer.encode(" Paris", add_special_tokens=False)[0]
+    out = openai_client.completions.create(model=model_name, prompt="The capital of France is",
+                                           max_tokens=3, temperature=0,
+                                           logit_bias={str(token): 100})
+    assert out.choices[0].text == smollm_tokenizer.decode([token] * 3)
+    native = requests.post(server.url("/generate"), timeout=60,
+                           headers={"Authorization": f"Bearer {API_KEY}"},
+                           json={"text": "The capital of France is", "sampling_params": {
+                               "max_new_tokens": 4, "temperature": 0,
+                               "logit_bias": {str(token): -100}}}).json()
+    assert token not in native["output_ids"]

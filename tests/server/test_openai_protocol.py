@@ -59,7 +59,6 @@ def test_prompt_forms(prompt: Any, expected: Any) -> None:
     ({"prompt": [True]}, "prompt"),
     ({"stream": 1}, "stream"),
     ({"suffix": "x"}, "suffix"),
-    ({"logit_bias": {"1": 2}}, "logit_bias"),
     ({"best_of": 3}, "best_of"),
     ({"logprobs": 21}, "logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
