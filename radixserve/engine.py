@@ -84,7 +84,8 @@ class Engine:
         # --tp-size N: ranks 1..N-1 in processes of their own, following this one (rank 0).
         # A split the layers cannot make is refused here, before any rank starts; a rank
         # that dies later takes this process down with its traceback logged (as the server)
-        if self.server_args.tp_size > 1:
+        source = None
+        if self.server_args.tp_size > 1:  # loaded once: rank 0's runner builds from it
             from radixserve.executor.model_runner import check_tensor_parallel
             from radixserve.loader import load_model_source
             source = load_model_source(self.server_args.model_path, self.server_args.load_format)
@@ -93,7 +94,7 @@ class Engine:
         self._followers = start_tp_followers(self.server_args)
         self._follower_watch = FollowerWatch(self._followers)
         try:
-            scheduler = Scheduler.build(self.server_args)
+            scheduler = Scheduler.build(self.server_args, source=source)
         except BaseException:
             self._follower_watch.stop()
             for process, _ in self._followers:

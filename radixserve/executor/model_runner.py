@@ -25,7 +25,7 @@ from radixserve.executor.sampler import (Sampler, compute_input_logprobs, comput
 from radixserve.loader import init_dummy_weights, load_model_source
 from radixserve.loader.model_source import ModelSource
 from radixserve.loader.weight_loading import load_weights
-from radixserve.mem.kv_pool import KVCacheSpec, KVPool, kv_pool_class, make_kv_pool
+from radixserve.mem.kv_pool import KVCacheSpec, KVPool, make_kv_pool, spec_bytes_per_token
 from radixserve.mem.req_to_token_pool import ReqToTokenPool
 from radixserve.models.registry import get_model_class, kv_cache_spec
 
@@ -142,8 +142,7 @@ class ModelRunner:
         cfg = self.model_config
         activation = self._profile_prefill_activation_bytes() \
             if self.device.type == "cuda" and self.server_args.max_total_tokens is None else 0
-        bytes_per_token = kv_pool_class(self.kv_cache_spec.kind).bytes_per_token(
-            self.kv_cache_spec)
+        bytes_per_token = spec_bytes_per_token(self.kv_cache_spec)
         # every rank holds the same slots: the smallest budget over the ranks
         self.max_total_num_tokens = self.tp_group.min_int(
             max_kv_tokens(self.server_args, bytes_per_token, self.device, activation))

@@ -125,5 +125,10 @@ def kv_pool_class(kind: str) -> type[KVPool]:
     raise ValueError(f"no KV pool for attention kind {kind!r}")
 
 
+def spec_bytes_per_token(spec: KVCacheSpec) -> int:
+    """Bytes one token's KV takes in all layers, as the spec's pool class counts it."""
+    return kv_pool_class(spec.kind).bytes_per_token(spec)
+
+
 def make_kv_pool(size: int, spec: KVCacheSpec, device: str | torch.device) -> KVPool:
     return kv_pool_class(spec.kind)(size, spec, device)

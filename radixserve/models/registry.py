@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from radixserve.config import ModelConfig
-from radixserve.mem.kv_pool import KVCacheSpec, kv_pool_class
+from radixserve.mem.kv_pool import KVCacheSpec, spec_bytes_per_token
 
 # architecture -> (module under radixserve.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
@@ -42,5 +42,4 @@ def kv_cache_spec(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
     """Bytes of KV one token takes in all layers, from the pool class that will hold it."""
-    spec = kv_cache_spec(config, dtype, tp_size)
-    return kv_pool_class(spec.kind).bytes_per_token(spec)
+    return spec_bytes_per_token(kv_cache_spec(config, dtype, tp_size))

@@ -61,6 +61,7 @@ class Scheduler:
         self.max_running_requests = min(self.args.max_running_requests or model_runner.max_num_reqs,
                                          model_runner.max_num_reqs)
         self.tree_cache = self._make_cache()
+        self.limits = RequestLimits.from_model_info(self.model_info)  # fixed for its life
         self.policy = SchedulePolicy(self.args.schedule_policy, self.tree_cache,
                                      self.args.random_seed)
         self.builder = BatchBuilder(self.req_to_token_pool, self.token_to_kv_pool,
@@ -89,13 +90,14 @@ class Scheduler:
         return RadixCache(self.req_to_token_pool, self.token_to_kv_pool)
 
     @classmethod
-    def build(cls, server_args: ServerArgs, tp_rank: int = 0) -> "Scheduler":
+    def build(cls, server_args: ServerArgs, tp_rank: int = 0,
+              source: Any = None) -> "Scheduler":
         """Load the model and tokenizer named by the args (as tensor-parallel rank `tp_rank`:
         every rank builds the same scheduler, tokenizer included, so their turns agree)."""
         from radixserve.executor.model_runner import ModelRunner
         from radixserve.loader import get_tokenizer
         server_args.resolve()
-        runner = ModelRunner(server_args, tp_rank=tp_rank,
+        runner = ModelRunner(server_args, source, tp_rank=tp_rank,
                              dist_init_method=server_args.dist_init_method)
         tokenizer = None
         if not server_args.skip_tokenizer_init and runner.source.tokenizer_source is not None:
@@ -129,7 +131,7 @@ class Scheduler:
 
     def _validate(self, msg: TokenizedGenerateReq) -> str | None:
         try:
-            check_prompt(msg.input_ids, RequestLimits.from_model_info(self.model_info))
+            check_prompt(msg.input_ids, self.limits)
         except InvalidRequestError as exc:
             return str(exc)
         return None
