@@ -55,6 +55,10 @@ class ServerArgs:
     num_continuous_decode_steps: int = 10
     disable_radix_cache: bool = False
     stream_interval: int = 1
+    # constrained decoding: append text the grammar forces without a pass per token
+    enable_jump_forward: bool = False
+    # tool calls on /v1/chat/completions: the model's format; None: from the chat template
+    tool_call_parser: str | None = None
 
     # GPU path
     attention_backend: str | None = None  # torch_native | triton
@@ -198,6 +202,10 @@ ARCHITECTURE_MODEL_TYPES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
 }
 # rope scaling kinds implemented (layers/rotary.py computes them with transformers' own
 # frequency functions); anything else is refused rather than run with the wrong positions
@@ -241,7 +249,7 @@ class ModelConfig:
         self.rms_norm_eps: float = get("rms_norm_eps", 1e-6)
         self.tie_word_embeddings: bool = bool(get("tie_word_embeddings", False))
         default_bias = self.architecture.startswith("Qwen2")  # Qwen2: bias on q/k/v
-        self.attention_bias: bool = bool(get("attention_bias", default_bias))
+        self.attention_bias: bool = bool(get("attention_bias", get("qkv_bias", default_bias)))
         self.mlp_bias: bool = bool(get("mlp_bias", False))
         dtype = get("dtype", None) or "bfloat16"
         self.torch_dtype: str = str(dtype).replace("torch.", "")

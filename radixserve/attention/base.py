@@ -22,6 +22,15 @@ in slot 0, the padding sink, and their outputs are dropped.
 Each layer (a RadixAttention) carries its scaling, its attention window (`sliding_window`, None:
 full; keys p - W < j <= p for a query at position p) and its logit soft-cap (`logit_cap`, 0:
 none); every backend honours both.
+
+MLA (DeepSeek-V2, an "mla" pool of latent entries) uses two more entry points:
+  * `forward_mla_extend(q, entries, decompress, layer, batch)`: store this pass's latent
+    entries, decompress every request's prefix + new entries to per-head K/V with the model's
+    `decompress`, and attend (prefix-aware, causal) with `ragged_extend_attention`, which each
+    backend implements over the layout of attention/mla_plan.py;
+  * `forward_mla_decode(q, entries, layer, batch)`: store, then attend with the absorbed query
+    ([bs, H, latent + rope]) over the latent entries (MQA, the latent as value); returns
+    [bs, H, latent]. CUDA graphs capture it like `forward_decode`.
 """
 from __future__ import annotations
 
@@ -29,8 +38,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from typing import Callable
+
 import torch
 
+from radixserve.attention.mla_plan import MLAExtendPlan, build_mla_extend_plan
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.mem.kv_pool import KVPool
 from radixserve.mem.req_to_token_pool import ReqToTokenPool
@@ -50,10 +62,18 @@ class AttentionContext:
     max_bs: int  # the most requests one pass holds (request rows)
     req_to_token_pool: ReqToTokenPool
     kv_pool: KVPool
+    v_head_dim: int | None = None  # the output's head width when not head_dim (MLA: latent)
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
 
     @property
     def max_context_len(self) -> int:
         return self.req_to_token_pool.max_context_len
+
+
+Decompress = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class AttentionBackend(ABC):
@@ -61,6 +81,7 @@ class AttentionBackend(ABC):
         self.context = context
         self.req_to_token_pool = context.req_to_token_pool
         self.kv_pool = context.kv_pool
+        self._mla_plan: tuple[ForwardBatch, MLAExtendPlan] | None = None
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -85,6 +106,41 @@ class AttentionBackend(ABC):
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: "RadixAttention", forward_batch: ForwardBatch) -> torch.Tensor:
         """One new token per request attends to the whole sequence."""
+
+    # ---- MLA (latent pools) ----
+    def mla_extend_plan(self, forward_batch: ForwardBatch) -> MLAExtendPlan:
+        """The pass's prefix layout, built by the first layer that asks."""
+        if self._mla_plan is None or self._mla_plan[0] is not forward_batch:
+            self._mla_plan = (forward_batch, build_mla_extend_plan(
+                forward_batch, self.req_to_token_pool.req_to_token))
+        return self._mla_plan[1]
+
+    def forward_mla_extend(self, q: torch.Tensor, entries: torch.Tensor,
+                           decompress: Decompress, layer: "RadixAttention",
+                           forward_batch: ForwardBatch) -> torch.Tensor:
+        """q: [T, H, Dqk] rotated; entries: [T, latent + rope] of the pass's tokens;
+        decompress(entries [N, ...]) -> (k [N, H, Dqk], v [N, H, Dv]). Returns [T, H, Dv]."""
+        self.kv_pool.store_kv(layer.layer_id, forward_batch.out_cache_loc, entries)
+        plan = self.mla_extend_plan(forward_batch)
+        if plan.num_prefix_tokens:
+            buffer = self.kv_pool.kv_buffers(layer.layer_id)[0]
+            prefix = buffer.index_select(0, plan.prefix_slots).view(plan.num_prefix_tokens, -1)
+            entries = torch.cat((prefix, entries.to(prefix.dtype)))
+        k, v = decompress(entries)
+        return self.ragged_extend_attention(q, k, v, plan, layer, forward_batch)
+
+    def ragged_extend_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                plan: MLAExtendPlan, layer: "RadixAttention",
+                                forward_batch: ForwardBatch) -> torch.Tensor:
+        """Causal attention of the new tokens (q [T, H, Dqk]) over k/v ([P + T, H, D]) laid out
+        as mla_plan.py describes. Returns [T, H, Dv]."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve MLA models")
+
+    def forward_mla_decode(self, q: torch.Tensor, entries: torch.Tensor,
+                           layer: "RadixAttention", forward_batch: ForwardBatch) -> torch.Tensor:
+        """q: [bs, H, latent + rope] absorbed; entries: [bs, latent + rope] to store.
+        Returns [bs, H, latent]."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve MLA models")
 
     # ---- CUDA graphs (decode) ----
     def init_cuda_graph_state(self, max_bs: int) -> None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixserve.attention.base import AttentionBackend
+from radixserve.attention.base import AttentionBackend, Decompress
 from radixserve.core.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -40,6 +40,16 @@ class HybridAttnBackend(AttentionBackend):
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: "RadixAttention", forward_batch: ForwardBatch) -> torch.Tensor:
         return self.decode_backend.forward_decode(q, k, v, layer, forward_batch)
+
+    def forward_mla_extend(self, q: torch.Tensor, entries: torch.Tensor,
+                           decompress: Decompress, layer: "RadixAttention",
+                           forward_batch: ForwardBatch) -> torch.Tensor:
+        return self.prefill_backend.forward_mla_extend(q, entries, decompress, layer,
+                                                       forward_batch)
+
+    def forward_mla_decode(self, q: torch.Tensor, entries: torch.Tensor,
+                           layer: "RadixAttention", forward_batch: ForwardBatch) -> torch.Tensor:
+        return self.decode_backend.forward_mla_decode(q, entries, layer, forward_batch)
 
     # ---- CUDA graphs: decode only ----
     def init_cuda_graph_state(self, max_bs: int) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.attention.base import AttentionBackend, AttentionContext
+from radixserve.attention.mla_plan import MLAExtendPlan
 from radixserve.core.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -187,3 +188,41 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: "RadixAttention", forward_batch: ForwardBatch) -> torch.Tensor:
         return self._attend(q, k, v, layer, forward_batch)
+
+    # ---- MLA ----
+    def ragged_extend_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                plan: MLAExtendPlan, layer: "RadixAttention",
+                                forward_batch: ForwardBatch) -> torch.Tensor:
+        """One SDPA per request over its prefix rows and its new rows (CPU path)."""
+        outs = []
+        prefix_start, token_start = 0, 0
+        new_rows = plan.num_prefix_tokens
+        for prefix_len, ext_len in zip(plan.prefix_lens_cpu, plan.extend_lens_cpu):
+            rows = torch.cat((torch.arange(prefix_start, prefix_start + prefix_len),
+                              torch.arange(new_rows + token_start,
+                                           new_rows + token_start + ext_len))).to(k.device)
+            keys = k.index_select(0, rows).transpose(0, 1)  # [H, L, D]
+            values = v.index_select(0, rows).transpose(0, 1)
+            query = q[token_start:token_start + ext_len].transpose(0, 1)
+            q_pos = torch.arange(ext_len, device=q.device)[:, None] + prefix_len
+            mask = torch.arange(prefix_len + ext_len, device=q.device)[None, :] <= q_pos
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
+                                                 scale=layer.scaling)
+            outs.append(out.transpose(0, 1))
+            prefix_start += prefix_len
+            token_start += ext_len
+        return torch.cat(outs)
+
+    def forward_mla_decode(self, q: torch.Tensor, entries: torch.Tensor,
+                           layer: "RadixAttention", forward_batch: ForwardBatch) -> torch.Tensor:
+        """All heads share the one latent entry per position (MQA): the heads become the query
+        length of one SDPA per request; the latent's first v_head_dim values are the value."""
+        self.kv_pool.store_kv(layer.layer_id, forward_batch.out_cache_loc, entries)
+        part = self.parts[0]
+        (buffer,) = self.kv_pool.kv_buffers(layer.layer_id)
+        keys = self._gather(buffer, part, q.dtype).transpose(1, 2)  # [bs, 1, L, D]
+        values = keys[..., :layer.v_head_dim]
+        mask = part.mask(None).view(part.batch_size, 1, 1, -1)
+        out = F.scaled_dot_product_attention(q.unsqueeze(1), keys, values, attn_mask=mask,
+                                             scale=layer.scaling)
+        return out.squeeze(1)

@@ -160,9 +160,10 @@ class ModelRunner:
         args, spec = self.server_args, self.kv_cache_spec
         context = AttentionContext(
             num_heads=self.model_config.num_attention_heads // args.tp_size,
-            num_kv_heads=spec.num_kv_heads, head_dim=self.model_config.head_dim,
+            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
             device=self.device, max_bs=self.max_num_reqs,
-            req_to_token_pool=self.req_to_token_pool, kv_pool=self.token_to_kv_pool)
+            req_to_token_pool=self.req_to_token_pool, kv_pool=self.token_to_kv_pool,
+            v_head_dim=spec.v_head_dim)
         assert args.prefill_attention_backend and args.decode_attention_backend  # resolve()
         return create_attention_backend(args.prefill_attention_backend,
                                         args.decode_attention_backend, context)
@@ -234,7 +235,7 @@ class ModelRunner:
     @staticmethod
     def _argmax_is_the_sample(info: SamplingBatchInfo) -> bool:
         """The decode graph's argmax of the raw logits is the sampled token."""
-        return info.is_all_greedy and info.penalties is None
+        return info.is_all_greedy and not info.modifies_logits
 
     def _uses_graph(self, batch: ModelWorkerBatch) -> bool:
         return (self.cuda_graph_runner is not None and batch.forward_mode.is_decode()

@@ -118,14 +118,20 @@ class ColumnParallelLinear(LinearBase):
 
 class RowParallelLinear(LinearBase):
     """Input features split over the ranks (each rank loads its columns; the bias stays whole).
-    The ranks' partial products are summed by an all-reduce, then the bias is added once."""
+    The ranks' partial products are summed by an all-reduce, then the bias is added once.
+    `reduce_results=False` leaves the partial product unreduced (no bias allowed), for a caller
+    that adds several partial products and reduces once (an MoE block's shared expert)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp_rank: int | None = None, tp_size: int | None = None) -> None:
+                 tp_rank: int | None = None, tp_size: int | None = None,
+                 reduce_results: bool = True) -> None:
         tp_rank, tp_size = _rank_and_size(tp_rank, tp_size)
         if input_size % tp_size:
             raise ValueError(f"{input_size} input features do not split over {tp_size} ranks")
+        if bias and not reduce_results:
+            raise ValueError("an unreduced row-parallel layer cannot add a bias")
         super().__init__(input_size // tp_size, output_size, bias, tp_rank, tp_size)
+        self.reduce_results = reduce_results
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: object = None) -> None:
@@ -134,7 +140,7 @@ class RowParallelLinear(LinearBase):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
+        if self.tp_size == 1 or not self.reduce_results:
             return linear(x, self.weight, self.bias)
         out = get_tp_group().all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias

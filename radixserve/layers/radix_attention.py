@@ -8,6 +8,8 @@ logit soft-cap (`logit_cap`, 0: none; scores s become cap * tanh(s / cap), Gemma
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -20,12 +22,14 @@ __all__ = ["RadixAttention", "RopeInput"]
 class RadixAttention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int,
                  layer_id: int, sliding_window: int | None = None,
-                 logit_cap: float = 0.0) -> None:
+                 logit_cap: float = 0.0, v_head_dim: int | None = None) -> None:
+        """v_head_dim: the value's (and output's) head width when not head_dim (MLA)."""
         super().__init__()
         self.tp_q_head_num = num_heads
         self.tp_k_head_num = num_kv_heads
         self.tp_v_head_num = num_kv_heads
         self.head_dim = head_dim
+        self.v_head_dim = v_head_dim or head_dim
         self.scaling = scaling
         self.layer_id = layer_id
         self.sliding_window = sliding_window
@@ -35,3 +39,15 @@ class RadixAttention(nn.Module):
                 forward_batch: ForwardBatch, rope: RopeInput | None = None) -> torch.Tensor:
         """q: [T, Hq*D], k/v: [T, Hkv*D], unrotated when `rope` is given. Returns [T, Hq*D]."""
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, rope)
+
+    def forward_mla_extend(self, q: torch.Tensor, entries: torch.Tensor,
+                           decompress: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                           forward_batch: ForwardBatch) -> torch.Tensor:
+        """MLA prefill: see AttentionBackend.forward_mla_extend. Returns [T, H, v_head_dim]."""
+        return forward_batch.attn_backend.forward_mla_extend(q, entries, decompress, self,
+                                                             forward_batch)
+
+    def forward_mla_decode(self, q: torch.Tensor, entries: torch.Tensor,
+                           forward_batch: ForwardBatch) -> torch.Tensor:
+        """MLA decode with the absorbed query. Returns [bs, H, v_head_dim] (the latent)."""
+        return forward_batch.attn_backend.forward_mla_decode(q, entries, self, forward_batch)

@@ -39,8 +39,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     weights = progress(weights, "loading weights", "tensor")
     mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     skip = getattr(model, "skip_weight", None)
+    weight_target = getattr(model, "weight_target", None)
     # merged parameter -> the shard ids it still expects
-    expected_shards = {params_name: set() for params_name in params}
+    expected_shards = {params_name: set(getattr(param, "expected_shards", ()))
+                       for params_name, param in params.items()}
     for ckpt_module, (merged, shard_id) in mapping.items():
         for params_name in params:
             if f".{merged}." in f".{params_name}":
@@ -49,7 +51,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     for name, tensor in weights:
         if skip is not None and skip(name):
             continue
-        packed = _packed_target(name, mapping)
+        packed = weight_target(name) if weight_target is not None else None
+        if packed is None:
+            packed = _packed_target(name, mapping)
         target, shard_id = packed if packed is not None else (name, None)
         param = params.get(target)
         if param is None:

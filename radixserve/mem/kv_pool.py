@@ -3,8 +3,11 @@
 A pool hands out KV slots (page size 1) and stores what attention needs to keep per token. What
 that is depends on the attention kind, described by a `KVCacheSpec`:
   * "mha": a K and a V of [num_kv_heads, head_dim] per layer (MHA, GQA, MQA);
-  * later "mla": one compressed latent plus a rope part per layer (DeepSeek-V2), and quantised
-    storage (FP8 with scales) as a `storage_dtype` other than the compute dtype.
+  * "mla": one entry of head_dim = kv_lora_rank + rope dim per layer (DeepSeek-V2): the
+    compressed latent (read as the value too: `v_head_dim` = kv_lora_rank) then the rotated
+    rope key; one "KV head";
+  * later, quantised storage (FP8 with scales) as a `storage_dtype` other than the compute
+    dtype.
 Each kind is one `KVPool` subclass, registered in `KV_POOL_CLASSES`; callers go through this
 interface only, so a new kind is a new class, not an edit of its callers.
 
@@ -35,12 +38,17 @@ import torch
 class KVCacheSpec:
     """What one token's KV looks like, per layer. `storage_dtype` is what the pool holds
     (None: the compute dtype)."""
-    kind: str  # "mha"
+    kind: str  # "mha" | "mla"
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
     storage_dtype: torch.dtype | None = None
+    v_head_dim: int | None = None  # the value's width when not head_dim (MLA: the latent)
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
 
     @property
     def stored_dtype(self) -> torch.dtype:
@@ -122,6 +130,9 @@ def kv_pool_class(kind: str) -> type[KVPool]:
     if kind == "mha":
         from radixserve.mem.mha_pool import MHATokenToKVPool
         return MHATokenToKVPool
+    if kind == "mla":
+        from radixserve.mem.mla_pool import MLATokenToKVPool
+        return MLATokenToKVPool
     raise ValueError(f"no KV pool for attention kind {kind!r}")
 
 

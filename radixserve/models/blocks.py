@@ -68,16 +68,28 @@ class DecoderAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
+    """`reduce_results=False`: the output is this rank's partial sum (see RowParallelLinear)."""
+
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu",
-                 bias: bool = False) -> None:
+                 bias: bool = False, reduce_results: bool = True) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size,
                                                        [intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias,
+                                           reduce_results=reduce_results)
         self.act = gated_activation(activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+def dense_mlp(config: ModelConfig, intermediate_size: int | None = None,
+              reduce_results: bool = True) -> GatedMLP:
+    return GatedMLP(config.hidden_size, intermediate_size or config.intermediate_size,
+                    getattr(config.hf, "hidden_act", "silu"), config.mlp_bias, reduce_results)
+
+
+MLPFactory = Callable[[ModelConfig, int], nn.Module]
 
 
 class DecoderLayer(nn.Module):
@@ -85,11 +97,15 @@ class DecoderLayer(nn.Module):
     (each layer returns its output and the residual stream still to be added)."""
 
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
-                 qk_norm: bool = False) -> None:
+                 qk_norm: bool = False, make_mlp: "MLPFactory | None" = None,
+                 make_attention: "LayerFactory | None" = None) -> None:
+        """make_mlp(config, layer_id): the layer's MLP (default: the dense GatedMLP; MoE
+        models give their sparse block); make_attention(config, layer_id, rotary): its
+        attention (default: DecoderAttention; DeepSeek gives MLA)."""
         super().__init__()
-        self.self_attn = DecoderAttention(config, layer_id, rotary, qk_norm=qk_norm)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size,
-                            getattr(config.hf, "hidden_act", "silu"), config.mlp_bias)
+        self.self_attn = make_attention(config, layer_id, rotary) if make_attention else \
+            DecoderAttention(config, layer_id, rotary, qk_norm=qk_norm)
+        self.mlp = make_mlp(config, layer_id) if make_mlp else dense_mlp(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

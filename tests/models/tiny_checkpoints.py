@@ -36,6 +36,36 @@ CONFIGS = {
         BASE, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
         attn_logit_softcapping=5.0, final_logit_softcapping=3.0, sliding_window=24,
         hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    # Mixtral: softmax top-2 of 4 experts, renormalised
+    "mixtral_moe": (transformers.MixtralConfig, dict(
+        BASE, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        tie_word_embeddings=False)),
+    # Qwen2-MoE: q/k/v bias, top-2 of 6 not renormalised, a gated shared expert, layer 0 dense
+    "qwen2_moe_shared": (transformers.Qwen2MoeConfig, dict(
+        BASE, num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False,
+        mlp_only_layers=[0], tie_word_embeddings=False)),
+    # Qwen3-MoE: per-head q/k norms, top-3 of 8 renormalised
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(
+        BASE, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False)),
+    # DeepSeek-V2-Lite layout: MLA without q compression, layer 0 dense, top-2 of 8 experts in
+    # 4 groups (2 groups kept), scaled weights, two shared experts, yarn rope with mscale
+    "deepseek_v2_lite_mla": (transformers.DeepseekV2Config, dict(
+        BASE, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=24, n_shared_experts=2, first_k_dense_replace=1,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
+                      "rope_theta": 10000.0})),
+    # DeepSeek-V2 layout: q compressed through q_lora_rank, greedy top-2
+    "deepseek_v2_q_lora": (transformers.DeepseekV2Config, dict(
+        BASE, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=24, n_shared_experts=1, first_k_dense_replace=0,
+        topk_method="greedy", tie_word_embeddings=False)),
 }
 
 
@@ -47,7 +77,7 @@ def make_checkpoint(name: str, folder: Path, seed: int = 0) -> transformers.PreT
     # random init of transformers is small; make attention matter with larger weights
     with torch.no_grad():
         for param_name, param in model.named_parameters():
-            if param.dim() == 2:
+            if param.dim() >= 2:  # matrices, and stacked experts
                 param.normal_(0, 0.08)
             elif "bias" in param_name:
                 param.normal_(0, 0.1)

@@ -1,0 +1,160 @@
+"""DeepSeek-V2 / V2-Lite: multi-head latent attention (MLA) and a sparse MoE with shared
+experts and group-limited routing; the first `first_k_dense_replace` layers are dense.
+
+MLA per layer (per rank: heads split over tensor-parallel ranks, latent replicated):
+  q        = q_proj(x) (V2-Lite) or q_b_proj(norm(q_a_proj(x))) (V2)  -> [T, H, nope + rope]
+  c, k_pe  = kv_a_proj_with_mqa(x) split [kv_lora_rank | rope]; c = kv_a_layernorm(c)
+  rope     = interleaved pairs (DeepSeek's layout), yarn frequencies and mscale from the config
+The pool stores [c | k_pe] per token (576 values for V2). Extend passes decompress every
+request's entries with kv_b_proj into per-head K = [k_nope | k_pe], V and attend as MHA; decode
+absorbs kv_b_proj into the query (q_nope W_UK, per head [nope] -> [kv_lora_rank]) and the output
+(o_latent W_UV^T), so attention runs over the latent entries directly.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import nn
+
+from radixserve.config import ModelConfig
+from radixserve.core.forward_batch import ForwardBatch
+from radixserve.distributed.parallel_state import get_tp_group
+from radixserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from radixserve.layers.moe.experts import expert_weight_target
+from radixserve.layers.norm import RMSNorm
+from radixserve.layers.radix_attention import RadixAttention
+from radixserve.layers.rotary import RotaryEmbedding
+from radixserve.mem.kv_pool import KVCacheSpec
+from radixserve.models.blocks import CausalLM, DecoderLayer, DecoderModel, dense_mlp
+from radixserve.models.moe_blocks import SparseMoeBlock
+
+LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a / kv_a layernorms use the RMSNorm default
+
+
+def yarn_softmax_mscale(config: ModelConfig) -> float:
+    """DeepSeek scales attention scores by mscale(factor, mscale_all_dim)^2 under yarn."""
+    rope = config.rope_parameters
+    all_dim = rope.get("mscale_all_dim", 0)
+    factor = rope.get("factor", 1.0)
+    if config.rope_type == "default" or not all_dim or factor <= 1:
+        return 1.0
+    mscale = 0.1 * all_dim * math.log(factor) + 1.0
+    return mscale * mscale
+
+
+def rotate_interleaved(x: torch.Tensor, positions: torch.Tensor,
+                       rotary: RotaryEmbedding) -> torch.Tensor:
+    """Rope over adjacent pairs (x[2i], x[2i+1]) of the last dim, in float32 as DeepSeek does.
+    x: [T, ..., rope_dim]; the rotary tables hold cos/sin of each frequency in their first half."""
+    half = rotary.rotary_dim // 2
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos = rotary.cos_cache[positions, :half].view(shape)
+    sin = rotary.sin_cache[positions, :half].view(shape)
+    pairs = x.float().unflatten(-1, (half, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        hf = config.hf
+        tp_size = get_tp_group().size
+        total_heads = config.num_attention_heads
+        if total_heads % tp_size:
+            raise ValueError(f"{total_heads} heads do not split over {tp_size} ranks")
+        self.num_heads = total_heads // tp_size
+        self.nope_dim, self.rope_dim = hf.qk_nope_head_dim, hf.qk_rope_head_dim
+        self.v_dim, self.kv_lora_rank = hf.v_head_dim, hf.kv_lora_rank
+        self.qk_dim = self.nope_dim + self.rope_dim
+        hidden, bias = config.hidden_size, bool(getattr(hf, "attention_bias", False))
+        self.q_lora_rank = getattr(hf, "q_lora_rank", None)
+        if self.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, total_heads * self.qk_dim)
+        else:
+            self.q_proj = ColumnParallelLinear(hidden, total_heads * self.qk_dim)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.rope_dim,
+                                                   bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank,
+                                              total_heads * (self.nope_dim + self.v_dim))
+        self.o_proj = RowParallelLinear(total_heads * self.v_dim, hidden, bias=bias)
+        self.rotary = rotary
+        scaling = self.qk_dim ** -0.5 * yarn_softmax_mscale(config)
+        # one latent "KV head" of [latent | rope]; the latent is the value
+        self.attn = RadixAttention(self.num_heads, self.kv_lora_rank + self.rope_dim, scaling,
+                                   1, layer_id, v_head_dim=self.kv_lora_rank)
+
+    def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, latent], W_UV [H, v, latent]): views of kv_b_proj's weight."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim,
+                                       self.kv_lora_rank)
+        return w[:, :self.nope_dim], w[:, self.nope_dim:]
+
+    def decompress(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent entries [N, latent + rope] -> K [N, H, nope + rope], V [N, H, v]."""
+        latent, k_pe = entries.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(-1, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)), dim=-1)
+        return k, v.contiguous()
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        else:
+            q = self.q_proj(hidden)
+        q = q.view(-1, self.num_heads, self.qk_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank,
+                                                              self.rope_dim], dim=-1)
+        q_pe = rotate_interleaved(q_pe, positions, self.rotary)
+        entries = torch.cat((self.kv_a_layernorm(latent.contiguous()),
+                             rotate_interleaved(k_pe, positions, self.rotary)), dim=-1)
+        if forward_batch.forward_mode.is_decode():
+            w_uk, w_uv = self._up_weights()
+            q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+            out_latent = self.attn.forward_mla_decode(torch.cat((q_latent, q_pe), dim=-1),
+                                                      entries, forward_batch)
+            out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        else:
+            out = self.attn.forward_mla_extend(torch.cat((q_nope, q_pe), dim=-1), entries,
+                                               self.decompress, forward_batch)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.v_dim))
+
+
+def _deepseek_mlp(config: ModelConfig, layer_id: int) -> nn.Module:
+    hf = config.hf
+    if not hf.n_routed_experts or layer_id < hf.first_k_dense_replace:
+        return dense_mlp(config)
+    shared = hf.moe_intermediate_size * (hf.n_shared_experts or 0)
+    return SparseMoeBlock(config, hf.moe_intermediate_size, shared,
+                          shared_name="shared_experts", router_fp32=True)
+
+
+class DeepseekV2ForCausalLM(CausalLM):
+    weight_target = staticmethod(expert_weight_target)
+    # MLA's projections load as they are; only the MLPs merge gate|up
+    packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config, DecoderModel(config, functools.partial(
+            DecoderLayer, make_mlp=_deepseek_mlp, make_attention=MLAAttention)))
+
+    @classmethod
+    def kv_cache_spec(cls, config: ModelConfig, dtype: torch.dtype,
+                      tp_size: int | None = None) -> KVCacheSpec:
+        """One latent entry per token per layer, the same on every rank."""
+        hf = config.hf
+        return KVCacheSpec("mla", config.num_hidden_layers, 1,
+                           hf.kv_lora_rank + hf.qk_rope_head_dim, dtype,
+                           v_head_dim=hf.kv_lora_rank)
+
+
+EntryClass = [DeepseekV2ForCausalLM]

@@ -1,0 +1,74 @@
+"""The sparse MoE block the MoE families share, and their per-family routing settings.
+
+  SparseMoeBlock  router (`gate`, replicated) -> top-k -> routed experts (`experts`, FusedMoE)
+                  + optional shared expert(s) (`shared_expert` / `shared_experts`, a GatedMLP)
+                  optionally scaled by sigmoid(`shared_expert_gate`(x)) (Qwen2-MoE);
+                  every part leaves its tensor-parallel partial sum and the block all-reduces
+                  once.
+Checkpoint names stay the families' own: Qwen and DeepSeek `mlp.gate`, `mlp.experts.{e}.*`;
+Mixtral's `block_sparse_moe` is renamed to `mlp` by `mixtral.py`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixserve.config import ModelConfig
+from radixserve.distributed.parallel_state import get_tp_group
+from radixserve.layers.linear import ReplicatedLinear
+from radixserve.layers.moe.experts import FusedMoE
+from radixserve.layers.moe.router import RoutingConfig, select_experts
+from radixserve.models.blocks import dense_mlp
+
+
+def routing_config(config: ModelConfig) -> RoutingConfig:
+    """Each family's routing from its HF config fields."""
+    hf = config.hf
+    arch = config.architecture
+    if arch == "MixtralForCausalLM":
+        return RoutingConfig(hf.num_local_experts, hf.num_experts_per_tok, renormalize=True)
+    if arch.startswith("DeepseekV2"):
+        grouped = getattr(hf, "topk_method", "greedy") == "group_limited_greedy"
+        return RoutingConfig(hf.n_routed_experts, hf.num_experts_per_tok,
+                             renormalize=bool(getattr(hf, "norm_topk_prob", False)),
+                             num_groups=hf.n_group if grouped else 1,
+                             topk_group=hf.topk_group if grouped else 1,
+                             scaling_factor=float(hf.routed_scaling_factor))
+    return RoutingConfig(hf.num_experts, hf.num_experts_per_tok,
+                         renormalize=bool(getattr(hf, "norm_topk_prob", False)))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig, expert_intermediate_size: int,
+                 shared_intermediate_size: int = 0, shared_name: str = "shared_expert",
+                 shared_gate: bool = False, router_fp32: bool = False) -> None:
+        """router_fp32: routing logits from a float32 copy of the router (DeepSeek keeps its
+        router weights in float32)."""
+        super().__init__()
+        self.routing = routing_config(config)
+        hidden = config.hidden_size
+        self.gate = ReplicatedLinear(hidden, self.routing.num_experts)
+        self.router_fp32 = router_fp32
+        self.experts = FusedMoE(self.routing.num_experts, hidden, expert_intermediate_size,
+                                getattr(config.hf, "hidden_act", "silu"))
+        self.shared_name = shared_name if shared_intermediate_size else None
+        if shared_intermediate_size:
+            setattr(self, shared_name, dense_mlp(config, shared_intermediate_size,
+                                                 reduce_results=False))
+        self.shared_expert_gate = ReplicatedLinear(hidden, 1) if shared_gate else None
+        self.tp_size = get_tp_group().size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.router_fp32:
+            logits = torch.nn.functional.linear(hidden.float(), self.gate.weight.float())
+        else:
+            logits = self.gate(hidden)
+        out = self.experts(hidden, select_experts(logits, self.routing))
+        if self.shared_name is not None:
+            shared = getattr(self, self.shared_name)(hidden)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(hidden)) * shared
+            out = out + shared
+        if self.tp_size > 1:
+            out = get_tp_group().all_reduce(out)
+        return out
