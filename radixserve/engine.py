@@ -21,6 +21,7 @@ from radixserve.core.io_struct import BatchTokenIDOut, TokenizedGenerateReq
 from radixserve.core.request_validation import RequestLimits, validate_request
 from radixserve.core.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.distributed.parallel_state import get_tp_group
+from radixserve.scheduler.grammar.validation import check_grammar
 from radixserve.scheduler.replicated import ReplicatedScheduler
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server.tp_follower_process import (FollowerWatch, cpu_threads_per_rank,
@@ -139,6 +140,7 @@ class Engine:
             # the server's rules (core/request_validation.py): the same request is refused or
             # accepted alike by both
             validate_request(ids, params, limits, logprob_start_len, top_logprobs_num)
+            check_grammar(params, has_tokenizer=self.tokenizer is not None)
             for j in range(params.n):
                 reqs.append(TokenizedGenerateReq(
                     rid=f"{uuid.uuid4().hex}-{next(self._ids)}", input_text=text, input_ids=ids,

@@ -41,6 +41,10 @@ class Req:
 
         self.output_ids: list[int] = []
         self.finished_reason: FinishReason | None = None
+        # constrained decoding (scheduler/grammar/): the compilation's Future until the
+        # grammar is ready, then the request's matcher, which has accepted every output id
+        self.grammar_future: Any | None = None
+        self.grammar: Any | None = None
 
         # memory
         self.req_pool_idx: int | None = None

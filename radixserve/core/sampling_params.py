@@ -1,10 +1,12 @@
 """Per-request sampling parameters, validated before anything is scheduled."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 _MAX_TOP_LOGPROBS = 20
+GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
 
 
 def _as_token_id(token: Any) -> int | None:
@@ -48,6 +50,12 @@ class SamplingParams:
     # token id -> bias added to its logit before sampling (OpenAI's logit_bias, in [-100, 100];
     # JSON keys arrive as strings, normalize() makes them ints)
     logit_bias: dict[Any, float] | None = None
+    # constrained decoding (SGLang's names; at most one): a regular expression, a JSON schema
+    # (a JSON string, or an object that normalize() serialises) or an EBNF grammar (xgrammar's
+    # dialect) the output must match
+    regex: str | None = None
+    json_schema: Any = None
+    ebnf: str | None = None
     # filled by normalize(): stop strings as a list, and the longest one in UTF-8 bytes
     stop_strs: list[str] = field(default_factory=list, repr=False)
     stop_str_max_len: int = field(default=0, repr=False)
@@ -60,6 +68,16 @@ class SamplingParams:
         if unknown:
             raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**params)
+
+    @property
+    def grammar_key(self) -> tuple[str, str] | None:
+        """(kind, text) of the request's grammar, or None when unconstrained (after
+        normalize(): json_schema is a string then)."""
+        for kind in GRAMMAR_KINDS:
+            value = getattr(self, kind)
+            if value is not None:
+                return kind, value
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -113,6 +131,7 @@ class SamplingParams:
                   and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                           for t in self.stop_token_ids),
                   f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        self._verify_grammar()
         if self.logit_bias is not None:
             check(isinstance(self.logit_bias, dict),
                   f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
@@ -123,12 +142,27 @@ class SamplingParams:
                       and -100.0 <= bias <= 100.0,
                       f"logit_bias values must be numbers in [-100, 100], got {bias!r}")
 
+    def _verify_grammar(self) -> None:
+        given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
+        if len(given) > 1:
+            raise InvalidRequestError("give at most one of regex, json_schema and ebnf, got "
+                                      + ", ".join(given), param=given[1])
+        for kind in given:
+            value = getattr(self, kind)
+            ok = isinstance(value, str) or (kind == "json_schema" and isinstance(value, dict))
+            if not ok or len(value) == 0:
+                what = "a JSON string or object" if kind == "json_schema" else "a string"
+                raise InvalidRequestError(f"{kind} must be a non-empty {what}, got {value!r}",
+                                          param=kind)
+
     def normalize(self) -> None:
         """Resolve derived fields (call after verify)."""
         if self.logit_bias:
             self.logit_bias = {_as_token_id(t): float(b) for t, b in self.logit_bias.items()}
         else:
             self.logit_bias = None
+        if isinstance(self.json_schema, dict):
+            self.json_schema = json.dumps(self.json_schema)
         if self.stop is None:
             self.stop_strs = []
         else:

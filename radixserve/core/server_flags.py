@@ -62,6 +62,13 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
     "num_continuous_decode_steps": (MEMORY, "decode steps per scheduler turn", None),
     "disable_radix_cache": (MEMORY, "no prefix reuse across requests", None),
     "stream_interval": (MEMORY, "send streamed output every N tokens", None),
+    "enable_jump_forward": (MEMORY, "constrained decoding: append the text a grammar forces "
+                                    "(fixed keys, punctuation) without a forward pass per "
+                                    "token; may tokenize it differently from plain constrained "
+                                    "decoding, so outputs can differ", None),
+    "tool_call_parser": (SERVING, "format of the model's tool calls (default: from the chat "
+                                  "template, else hermes)",
+                         ("hermes", "qwen25", "qwen3", "llama3", "mistral")),
     "attention_backend": (KERNELS, "attention kernels (default: triton on GPU, torch_native "
                                    "on CPU)", ("torch_native", "triton")),
     "prefill_attention_backend": (KERNELS, "another backend for prefill only",

@@ -1,6 +1,7 @@
 """Sampler: batched next-token sampling, and the logprob helpers the ModelRunner returns.
 
-Sampling order, per row: penalties and the min_new_tokens mask (on raw logits) -> greedy rows take
+Sampling order, per row: penalties and the min_new_tokens mask (on raw logits), then a
+grammar's token mask (constrained decoding) -> greedy rows take
 the argmax -> temperature -> softmax -> top-k, then top-p on the renormalised top-k mass, then
 min-p (relative to the most likely token) -> sample.
 
@@ -22,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from radixserve.executor.sampling_info import SamplingBatchInfo
+from radixserve.executor.vocab_mask import apply_vocab_mask
 
 TopLogprobs = list[list[tuple[float, int]]]
 
@@ -36,6 +38,8 @@ class Sampler:
         logits = logits.float()
         if info.penalties is not None:
             logits = info.penalties.apply(logits)
+        if info.vocab_mask is not None:
+            logits = apply_vocab_mask(logits, info.vocab_mask)
         if info.is_all_greedy:
             return logits.argmax(dim=-1)
 

@@ -76,6 +76,17 @@ class SamplingBatchInfo:
     penalties: BatchPenalties | None = None
     # host copy of which rows are greedy (greedy_mask on the host: `filter` needs no sync)
     greedy_rows: frozenset[int] = frozenset()
+    # constrained decoding: xgrammar's token bitmask, int32 [bs, ceil(vocab / 32)] on the
+    # device (all ones on unconstrained rows), or None when no row is constrained. Set by the
+    # scheduler per step; a step's mask depends on the token before it, so a batch with a
+    # mask is never carried over by filter/advance (the scheduler decodes it synchronously)
+    vocab_mask: torch.Tensor | None = None
+
+    @property
+    def modifies_logits(self) -> bool:
+        """Whether sampling changes the raw logits first (penalties, a grammar's mask): then
+        the argmax of the raw logits is not the greedy sample."""
+        return self.penalties is not None or self.vocab_mask is not None
 
     @property
     def batch_size(self) -> int:
@@ -180,7 +191,8 @@ class SamplingBatchInfo:
             seeds=[self.seeds[i] for i in kept],
             seed_steps=[self.seed_steps[i] for i in kept],
             penalties=None if self.penalties is None else self.penalties.filter(index),
-            greedy_rows=greedy_rows)
+            greedy_rows=greedy_rows,
+            vocab_mask=None if self.vocab_mask is None else self.vocab_mask.index_select(0, index))
 
     def advance(self, next_token_ids: torch.Tensor) -> None:
         """After a decode step appended `next_token_ids` (one per row), bring the info up to date

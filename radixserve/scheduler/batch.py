@@ -16,6 +16,7 @@ import torch
 from radixserve.core.forward_batch import ForwardMode, ModelWorkerBatch
 from radixserve.core.req import Req
 from radixserve.executor.sampling_info import SamplingBatchInfo
+from radixserve.scheduler.grammar.vocab_mask import batch_vocab_mask
 
 if TYPE_CHECKING:
     from radixserve.mem.base_cache import BasePrefixCache
@@ -51,8 +52,11 @@ class BatchBuilder:
         self.device = device
 
     def sampling_info(self, reqs: list[Req]) -> SamplingBatchInfo:
-        return SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device,
+        """The batch's sampling tensors, with the grammars' token mask for this step."""
+        info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device,
                                            self.eos_token_ids)
+        info.vocab_mask = batch_vocab_mask(reqs, self.vocab_size, self.device)
+        return info
 
     def prepare_extend(self, reqs: list[Req], forward_mode: ForwardMode = ForwardMode.EXTEND,
                        with_sampling: bool = True) -> ModelWorkerBatch:

@@ -21,6 +21,7 @@ from radixserve.core.forward_batch import ModelWorkerBatch
 from radixserve.mem.base_cache import BasePrefixCache
 from radixserve.scheduler.admission import PrefillAdder
 from radixserve.scheduler.batch import BatchBuilder, merge_mixed
+from radixserve.scheduler.grammar.manager import GrammarManager
 from radixserve.scheduler.in_batch_prefix import InBatchPrefixIndex
 from radixserve.scheduler.overlap_decode import (DecodeLauncher, InflightDecode,
                                                  ends_after_next_token)
@@ -81,6 +82,11 @@ class Scheduler:
         self.launcher = None if self.args.disable_overlap_schedule else \
             DecodeLauncher(model_runner, self.builder)
         self.inflight: InflightDecode | None = None
+        # constrained decoding: grammars compiled in a worker thread; with tensor
+        # parallelism every rank waits for them, so that all admit alike
+        self.grammars = GrammarManager(tokenizer, model_runner.vocab_size, eos_token_ids,
+                                       context_len, self.args.enable_jump_forward,
+                                       blocking=self.args.tp_size > 1)
 
     def _make_cache(self) -> BasePrefixCache:
         if self.args.disable_radix_cache:
@@ -126,6 +132,9 @@ class Scheduler:
                             http_status=429)
         req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.input_text,
                   msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num, msg.stream)
+        error = self.grammars.on_add(req)
+        if error is not None:
+            return ReqError(msg.rid, error)
         self.waiting_queue.append(req)
         return None
 
@@ -193,7 +202,9 @@ class Scheduler:
             self._run_prefill(prefill)
         elif self.running or self.inflight:
             steps = max(1, self.args.num_continuous_decode_steps)
-            if self.launcher is not None:
+            # a grammar's mask for step k+1 needs step k's token on the host: a batch with a
+            # constrained request decodes synchronously
+            if self.launcher is not None and not self._any_constrained():
                 self._run_decode_steps_overlapped(self.launcher, steps)
             else:
                 self._settle()
@@ -201,9 +212,14 @@ class Scheduler:
                     self._run_decode_step()
                     if not self.running or self._streamed_output_waiting():
                         break
+        elif self.waiting_queue:  # nothing ran: the queue waits for grammars to compile
+            self.grammars.wait_any(self.waiting_queue, timeout_s=0.01)
         if not (self.waiting_queue or self.running or self.chunked_req or self.inflight):
             self._on_idle()
         return self._drain_outbox()
+
+    def _any_constrained(self) -> bool:
+        return any(r.grammar is not None for r in self.running)
 
     def _streamed_output_waiting(self) -> bool:
         return any(r.stream and needs_send(r, self.args.stream_interval) for r in self.running)
@@ -221,6 +237,7 @@ class Scheduler:
     def _get_new_prefill_batch(self) -> list[Req] | None:
         if not self.waiting_queue and self.chunked_req is None:
             return None
+        self._end_failed_grammars()
         if len(self.running) >= self.max_running_requests:
             return None
         chunked = self.chunked_req
@@ -237,6 +254,8 @@ class Scheduler:
         if chunked is not None:
             adder.add_chunked_req(chunked)
         for req in ordered:
+            if not self.grammars.ready(req):
+                continue  # its grammar is compiling (or failed: ended next turn)
             if in_batch is not None and in_batch.should_defer(req):
                 continue  # its prefix will be cached after this batch
             if not adder.add_one_req(req):
@@ -255,6 +274,14 @@ class Scheduler:
                                adder.new_cached_tokens, self.token_usage(), len(self.running),
                                len(self.waiting_queue), self.chunked_req is not None)
         return adder.can_run
+
+    def _end_failed_grammars(self) -> None:
+        """Requests whose grammar did not compile end with its error (no memory held)."""
+        failed, self.grammars.failed = self.grammars.failed, []
+        for req, message in failed:
+            if req in self.waiting_queue:
+                self.waiting_queue.remove(req)
+                self._finish(req, FinishReason.abort(message), release=False)
 
     def _run_prefill(self, reqs: list[Req]) -> None:
         batch = self.builder.prepare_extend(reqs)
@@ -292,21 +319,39 @@ class Scheduler:
             if req.sampling_params.max_new_tokens == 0:
                 self._finish(req, FinishReason.max_length(0))
                 continue
-            self._append_token(req, i, out)
+            jumped = self._append_token(req, i, out)
             if req.finished:
                 self._finish(req)
+            elif jumped:
+                self._requeue_for_extend(req)
             else:
                 # share the prompt's KV with later requests right away
                 self.tree_cache.cache_unfinished_req(req)
                 self.running.append(req)
 
-    def _append_token(self, req: Req, i: int, out: Any) -> None:
+    def _append_token(self, req: Req, i: int, out: Any) -> int:
+        """Append the request's sampled token; returns how many tokens jump-forward added
+        after it (they need an extend pass: `_requeue_for_extend`)."""
         req.output_ids.append(out.next_token_ids[i])
         if req.return_logprob and out.next_token_logprobs is not None:
             req.output_token_logprobs.append((out.next_token_logprobs[i], out.next_token_ids[i]))
             if req.top_logprobs_num and out.next_top_logprobs is not None:
                 req.output_top_logprobs.append(out.next_top_logprobs[i])
         req.check_finished(self.eos_token_ids, self.context_len, self.tokenizer)
+        if req.grammar is None:
+            return 0
+        jumped = self.grammars.after_token(req)
+        if jumped:
+            req.check_finished(self.eos_token_ids, self.context_len, self.tokenizer)
+        return jumped
+
+    def _requeue_for_extend(self, req: Req) -> None:
+        """Jump-forward appended tokens without KV: the request goes back to the front of the
+        queue with its KV in the cache (as a retraction, without counting as one) and its
+        next prefill computes the new tokens' KV in one pass and samples on."""
+        self.tree_cache.cache_finished_req(req, token_ids=req.all_ids()[:req.kv_len])
+        req.kv_len = 0
+        self.waiting_queue.insert(0, req)
 
     # ---- decode ----
     def _run_decode_step(self) -> None:
@@ -353,13 +398,18 @@ class Scheduler:
             return
         inflight, self.inflight = self.inflight, None
         out = inflight.handle.output([r.top_logprobs_num for r in inflight.reqs])
+        requeued: set[int] = set()
         for i, req in enumerate(inflight.reqs):
             if req.finished:  # stopped on the step before; this token is past its end
                 continue
-            self._append_token(req, i, out)
+            jumped = self._append_token(req, i, out)
             if req.finished:
                 self._finish(req)
-        self._after_decode_step(len(inflight.reqs), [r for r in self.running if not r.finished])
+            elif jumped:
+                self._requeue_for_extend(req)
+                requeued.add(id(req))
+        self._after_decode_step(len(inflight.reqs), [r for r in self.running if not r.finished
+                                                     and id(r) not in requeued])
 
     def _decode_memory_available(self, need: int) -> bool:
         available = self.token_to_kv_pool.available_size()
@@ -370,9 +420,11 @@ class Scheduler:
     def _process_decode_results(self, out: Any) -> None:
         still_running: list[Req] = []
         for i, req in enumerate(self.running):
-            self._append_token(req, i, out)
+            jumped = self._append_token(req, i, out)
             if req.finished:
                 self._finish(req)
+            elif jumped:
+                self._requeue_for_extend(req)
             else:
                 still_running.append(req)
         self._after_decode_step(len(self.running), still_running)

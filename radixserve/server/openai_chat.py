@@ -1,8 +1,10 @@
 """POST /v1/chat/completions: the tokenizer's chat template, n, stop, logprobs/top_logprobs,
-max_tokens / max_completion_tokens, seed, streaming with stream_options.include_usage."""
+max_tokens / max_completion_tokens, seed, response_format, tools (openai_tools.py), streaming
+with stream_options.include_usage and tool-call deltas."""
 from __future__ import annotations
 
 import contextlib
+import json
 from typing import Any, AsyncIterator
 
 from fastapi.responses import JSONResponse, Response
@@ -12,37 +14,50 @@ from radixserve.server.errors import APIError
 from radixserve.server.openai_common import (OpenAIContext, finish_reason_of, new_id, now_s,
                                              sample_copies, sse, sse_response, usage_of)
 from radixserve.server.openai_protocol import ChatCompletionRequest, parse_model
+from radixserve.server.openai_tools import (ToolPlan, plan_tools, render_conversation,
+                                            tool_message)
+from radixserve.server.tool_parsers.streaming import ToolCallStream
 from radixserve.server.request_state import GenerateRequest, ReqOutput
 
 
-def render_prompt(ctx: OpenAIContext, body: ChatCompletionRequest) -> tuple[str, list[int]]:
+def render_prompt(ctx: OpenAIContext, body: ChatCompletionRequest) -> tuple[str, list[int],
+                                                                           ToolPlan]:
     tokenizer = ctx.tokenizer_manager.tokenizer
     if tokenizer is None:
         raise APIError("chat needs a tokenizer; the server runs with --skip-tokenizer-init")
-    if not getattr(tokenizer, "chat_template", None):
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
         raise APIError("the model has no chat template; use /v1/completions")
+    template = template if isinstance(template, str) else json.dumps(template)
+    plan = plan_tools(body, ctx.tool_call_parser, template)
+    messages = render_conversation(body, plan, template)
+    tools = plan.tools if plan.tools and "tools" in template else None
     try:
-        prompt = tokenizer.apply_chat_template(body.conversation(), tokenize=False,
+        prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                add_generation_prompt=True)
     except Exception as exc:  # noqa: BLE001 - template errors are the caller's input errors
         raise APIError(f"the chat template rejected the messages: {exc}",
                        param="messages") from exc
     # the template writes BOS itself where the model wants one
-    return prompt, list(tokenizer.encode(prompt, add_special_tokens=False))
+    return prompt, list(tokenizer.encode(prompt, add_special_tokens=False)), plan
 
 
-def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest) -> list[GenerateRequest]:
+def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest
+                   ) -> tuple[list[GenerateRequest], ToolPlan]:
     tm = ctx.tokenizer_manager
-    prompt, input_ids = render_prompt(ctx, body)
+    prompt, input_ids, plan = render_prompt(ctx, body)
     max_tokens = body.requested_max_tokens
     if max_tokens is None:  # OpenAI: up to the context length
         max_tokens = max(tm.limits.context_len - len(input_ids), 0)
+    params = body.sampling_params(max_tokens, tm.generation_defaults)
+    if plan.forced_ebnf is not None:
+        params.ebnf = plan.forced_ebnf
     req = tm.make_request(
-        text=prompt, input_ids=input_ids,
-        sampling_params=body.sampling_params(max_tokens, tm.generation_defaults),
+        text=prompt, input_ids=input_ids, sampling_params=params,
         return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
-        return_text_in_logprobs=True, stream=body.stream, param="messages")
-    return sample_copies(req, body.n)
+        return_text_in_logprobs=True, stream=body.stream, param="messages",
+        grammar_param="tool_choice" if plan.forced_ebnf else "response_format")
+    return sample_copies(req, body.n), plan
 
 
 def logprob_content(entries: list[Any], tops: list[Any]) -> list[dict[str, Any]]:
@@ -57,13 +72,15 @@ def logprob_content(entries: list[Any], tops: list[Any]) -> list[dict[str, Any]]
     return content
 
 
-def choice_of(body: ChatCompletionRequest, index: int, out: ReqOutput) -> dict[str, Any]:
+def choice_of(body: ChatCompletionRequest, plan: ToolPlan, index: int,
+              out: ReqOutput) -> dict[str, Any]:
     logprobs = None
     if body.logprobs:
         logprobs = {"content": logprob_content(out.meta_info.get("output_token_logprobs") or [],
                                                out.meta_info.get("output_top_logprobs") or [])}
-    return {"index": index, "message": {"role": "assistant", "content": out.text},
-            "logprobs": logprobs, "finish_reason": finish_reason_of(out)}
+    message, called = tool_message(plan, out.text)
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": "tool_calls" if called else finish_reason_of(out)}
 
 
 async def create_chat_completion(ctx: OpenAIContext, request: Request, raw: Any) -> Response:
@@ -71,18 +88,20 @@ async def create_chat_completion(ctx: OpenAIContext, request: Request, raw: Any)
     body: ChatCompletionRequest = await tm.offload(parse_model, ChatCompletionRequest, raw)
     body.check_unsupported()
     model = ctx.check_model(body.model)
-    reqs = await tm.offload(build_requests, ctx, body)  # template + tokenizer off the loop
+    # template + tokenizer off the loop
+    reqs, plan = await tm.offload(build_requests, ctx, body)
     if body.stream:
-        return await sse_response(stream_events(ctx, body, model, reqs, request))
+        return await sse_response(stream_events(ctx, body, plan, model, reqs, request))
     outs = await ctx.tokenizer_manager.generate_all(reqs, request)
     return JSONResponse({
         "id": new_id("chatcmpl"), "object": "chat.completion", "created": now_s(),
-        "model": model, "choices": [choice_of(body, i, o) for i, o in enumerate(outs)],
+        "model": model, "choices": [choice_of(body, plan, i, o) for i, o in enumerate(outs)],
         "usage": usage_of(outs, body.n)})
 
 
-async def stream_events(ctx: OpenAIContext, body: ChatCompletionRequest, model: str,
-                        reqs: list[GenerateRequest], request: Request) -> AsyncIterator[str]:
+async def stream_events(ctx: OpenAIContext, body: ChatCompletionRequest, plan: ToolPlan,
+                        model: str, reqs: list[GenerateRequest],
+                        request: Request) -> AsyncIterator[str]:
     response_id, created = new_id("chatcmpl"), now_s()
 
     def chunk(index: int, delta: dict[str, Any], reason: str | None = None,
@@ -96,14 +115,20 @@ async def stream_events(ctx: OpenAIContext, body: ChatCompletionRequest, model: 
     sent_logprobs = [0] * len(reqs)
     started = [False] * len(reqs)
     finals: list[ReqOutput | None] = [None] * len(reqs)
+    tool_streams = [ToolCallStream(plan.parser) if plan.parse_output else None for _ in reqs]
     merged = ctx.tokenizer_manager.generate_merged(reqs, request)
     async with contextlib.aclosing(merged) as outputs:
         async for index, out in outputs:
             if not started[index]:
                 started[index] = True
                 yield chunk(index, {"role": "assistant", "content": ""})
-            text = out.text[sent_text[index]:]
-            sent_text[index] = len(out.text)
+            tool_stream = tool_streams[index]
+            tool_deltas: list[dict[str, Any]] = []
+            if tool_stream is None:
+                text = out.text[sent_text[index]:]
+                sent_text[index] = len(out.text)
+            else:
+                text, tool_deltas = tool_stream.update(out.text, out.finished)
             logprobs = None
             if body.logprobs:
                 tokens = out.meta_info.get("output_token_logprobs") or []
@@ -113,9 +138,12 @@ async def stream_events(ctx: OpenAIContext, body: ChatCompletionRequest, model: 
                 logprobs = {"content": logprob_content(tokens[start:], tops[start:])}
             if text or (logprobs and logprobs["content"]):
                 yield chunk(index, {"content": text}, None, logprobs)
+            if tool_deltas:
+                yield chunk(index, {"tool_calls": tool_deltas})
             if out.finished:
                 finals[index] = out
-                yield chunk(index, {}, finish_reason_of(out))
+                called = tool_stream is not None and tool_stream.has_calls
+                yield chunk(index, {}, "tool_calls" if called else finish_reason_of(out))
     if body.include_usage:
         done = [o for o in finals if o is not None]
         yield sse({"id": response_id, "object": "chat.completion.chunk", "created": created,

@@ -23,6 +23,7 @@ class OpenAIContext:
     tokenizer_manager: TokenizerManager
     model_name: str
     model_aliases: frozenset[str]
+    tool_call_parser: str | None = None  # --tool-call-parser; None: from the chat template
 
     def check_model(self, requested: str | None) -> str:
         if requested is None or requested in self.model_aliases:

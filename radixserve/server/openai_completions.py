@@ -29,7 +29,8 @@ def build_requests(ctx: OpenAIContext, body: CompletionRequest) -> list[Generate
             return_logprob=body.logprobs is not None,
             logprob_start_len=0 if (body.echo and body.logprobs is not None) else -1,
             top_logprobs_num=body.logprobs or 0, return_text_in_logprobs=True,
-            stream=body.stream, param="prompt")
+            stream=body.stream, param="prompt",
+            grammar_param="response_format" if body.response_format else None)
         reqs.extend(sample_copies(req, body.n))
     return reqs
 

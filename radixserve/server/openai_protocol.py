@@ -4,19 +4,19 @@ Policy for fields (never silently wrong):
 - OpenAI fields we implement: model, prompt/messages, max_tokens, max_completion_tokens, n,
   temperature, top_p, stop, stream, stream_options.include_usage, seed, frequency_penalty,
   presence_penalty, logit_bias, echo, logprobs, top_logprobs, best_of (== n only), user
-  (accepted, unused),
-  response_format {"type": "text"} only, tool_choice "none" only.
+  (accepted, unused), response_format (text, json_object, json_schema: constrained decoding,
+  on completions too), tools, tool_choice and parallel_tool_calls (openai_tools.py).
 - Fields current clients send that do not change the output (store, metadata, service_tier,
   prediction, modalities, reasoning_effort): accepted and ignored (logged once at DEBUG).
 - Extensions (vLLM/SGLang style, send them with the SDK's extra_body): top_k, min_p,
   repetition_penalty, min_tokens, ignore_eos, skip_special_tokens,
-  spaces_between_special_tokens, stop_token_ids.
-- OpenAI fields we do not implement (suffix, tools, functions, non-text
-  response_format, ...) are rejected with 400 when given a non-empty value; any other unknown
+  spaces_between_special_tokens, stop_token_ids, regex, ebnf (constrained decoding).
+- OpenAI fields we do not implement (suffix, functions, function_call, ...) are rejected with 400 when given a non-empty value; any other unknown
   field is rejected with 400 naming it. Types are strict: "5" is not an integer.
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Literal, Union
 
@@ -75,6 +75,9 @@ class SamplingFields(StrictModel):
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     stop_token_ids: list[StrictInt] | None = None
+    regex: StrictStr | None = None
+    ebnf: StrictStr | None = None
+    response_format: dict[str, Any] | None = None
     # fields current clients send that do not change the output: accepted and ignored
     store: Any = None
     metadata: Any = None
@@ -94,6 +97,18 @@ class SamplingFields(StrictModel):
             raise APIError("stream_options is only allowed when stream is true",
                            param="stream_options")
 
+    def grammar(self) -> dict[str, str]:
+        """The constrained-decoding sampling parameter this request asks for ({} if none):
+        response_format json_object / json_schema, or the regex / ebnf extensions."""
+        given = {k: v for k, v in (("regex", self.regex), ("ebnf", self.ebnf)) if v}
+        schema = response_format_schema(self.response_format)
+        if schema is not None:
+            given["json_schema"] = schema
+        if len(given) > 1:
+            raise APIError(f"give at most one of response_format, regex and ebnf, got "
+                           f"{', '.join(sorted(given))}", param="response_format")
+        return given
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -109,6 +124,7 @@ class SamplingFields(StrictModel):
             "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "seed": self.seed, "logit_bias": self.logit_bias or None,
+            **self.grammar(),
         }
         optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                     "min_p": self.min_p, "frequency_penalty": self.frequency_penalty,
@@ -157,9 +173,11 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant turns that called tools
+    tool_call_id: StrictStr | None = None  # tool turns: the call answered
 
     def text(self) -> str:
         if self.content is None:
@@ -180,7 +198,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -189,14 +206,9 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        for name in ("tools", "functions", "function_call"):
+        for name in ("functions", "function_call"):
             if getattr(self, name):
-                raise APIError(f"{name} is not supported", param=name)
-        if self.tool_choice not in (None, "none"):
-            raise APIError("tool_choice is not supported", param="tool_choice")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise APIError("only response_format {\"type\": \"text\"} is supported",
-                           param="response_format")
+                raise APIError(f"{name} is not supported; use tools", param=name)
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -213,10 +225,39 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
 
-    def conversation(self) -> list[dict[str, str]]:
-        """Messages for tokenizer.apply_chat_template ("developer" is sent as "system")."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        """Messages for tokenizer.apply_chat_template ("developer" is sent as "system"); tool
+        turns keep their tool_call_id, assistant turns their tool_calls."""
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                       "content": m.text()}
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                message["tool_calls"] = m.tool_calls
+            out.append(message)
+        return out
+
+
+def response_format_schema(response_format: dict[str, Any] | None) -> str | None:
+    """The JSON schema (text) a response_format asks for, None for plain text."""
+    if not response_format:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json.dumps({"type": "object", "additionalProperties": True})
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError("response_format json_schema needs json_schema.schema, a JSON "
+                           "schema object", param="response_format")
+        return json.dumps(schema)
+    raise APIError(f"response_format type must be text, json_object or json_schema, got "
+                   f"{kind!r}", param="response_format")
 
 
 def parse_model(model_type: type[BaseModel], body: Any) -> Any:

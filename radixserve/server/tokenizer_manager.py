@@ -27,7 +27,8 @@ from radixserve.core.io_struct import (AbortReq, BatchStrOut, FlushCacheReply, F
                                        GetInternalStateReq, InternalState, ReqError,
                                        TokenizedGenerateReq)
 from radixserve.core.request_validation import RequestLimits, validate_request
-from radixserve.core.sampling_params import InvalidRequestError, SamplingParams
+from radixserve.core.sampling_params import GRAMMAR_KINDS, InvalidRequestError, SamplingParams
+from radixserve.scheduler.grammar.validation import check_grammar
 from radixserve.server.dp_router import DataParallelRouter
 from radixserve.server.errors import APIError, ClientDisconnected
 from radixserve.server.ipc import PortArgs, pull_socket, push_socket
@@ -124,9 +125,11 @@ class TokenizerManager:
                      sampling_params: SamplingParams, rid: str | None = None,
                      return_logprob: bool = False, logprob_start_len: int = -1,
                      top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
-                     stream: bool = False, param: str = "prompt") -> GenerateRequest:
-        """Validate everything (core/request_validation.py, as the Engine does) and tokenize;
-        raises APIError(400) for bad input."""
+                     stream: bool = False, param: str = "prompt",
+                     grammar_param: str | None = None) -> GenerateRequest:
+        """Validate everything (core/request_validation.py, as the Engine does; a grammar's
+        syntax too) and tokenize; raises APIError(400) for bad input (`grammar_param` names
+        the field a bad grammar came from, when not the sampling parameter's own name)."""
         if input_ids is None:
             if text is None:
                 raise APIError("either text or input_ids must be given", param=param)
@@ -136,8 +139,11 @@ class TokenizerManager:
         try:
             validate_request(input_ids, sampling_params, self.limits, logprob_start_len,
                              top_logprobs_num)
+            check_grammar(sampling_params, has_tokenizer=self.tokenizer is not None)
         except InvalidRequestError as exc:
             field = param if exc.param == "prompt" else exc.param
+            if grammar_param is not None and exc.param in GRAMMAR_KINDS:
+                field = grammar_param  # e.g. response_format, which the grammar came from
             raise APIError(str(exc), param=field) from exc
         if rid is not None and rid in self.rid_to_state:
             raise APIError(f"request id {rid!r} is already in use", param="rid")

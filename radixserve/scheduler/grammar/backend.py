@@ -1,0 +1,84 @@
+"""Grammar compilation off the scheduler's critical path.
+
+`GrammarBackend.request(kind, text)` returns a Future of the compiled grammar at once: a cache
+keyed by (kind, text) holds every grammar asked for (in flight or done, least recently used
+dropped past `cache_size`), and compilation runs in one worker thread. The scheduler keeps a
+request in the queue, skipped by admission, until its future is done; other requests are
+admitted meanwhile. xgrammar's compiler releases the GIL while it works.
+
+The tokenizer's vocabulary is converted for xgrammar (TokenizerInfo) once, in the worker
+thread, on the first grammar request: a server that is never asked for a grammar pays nothing.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from radixserve.scheduler.grammar.matcher import RequestGrammar
+from radixserve.scheduler.grammar.validation import JSON_SCHEMA_OPTIONS
+
+logger = logging.getLogger(__name__)
+GrammarKey = tuple[str, str]  # (kind, text): ("regex" | "json_schema" | "ebnf", grammar)
+
+
+class GrammarBackend:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+                 cache_size: int = 512, compile_threads: int = 1) -> None:
+        """`vocab_size`: the model's (its logits' width; the tokenizer's may be smaller).
+        `stop_token_ids`: what ends a request (EOS): allowed once the grammar is complete."""
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._stop_token_ids = sorted(stop_token_ids)
+        self._compiler: Any = None
+        self._cache: OrderedDict[GrammarKey, Future[Any]] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()  # the cache is touched by the scheduler thread only,
+        # the compiler is built by the worker: the lock guards the compiler's creation
+        self._executor = ThreadPoolExecutor(max_workers=compile_threads,
+                                            thread_name_prefix="grammar-compile")
+
+    def request(self, key: GrammarKey) -> Future[Any]:
+        """The compiled grammar of `key`, now or later (exceptions are the grammar's errors)."""
+        future = self._cache.get(key)
+        if future is not None:
+            self._cache.move_to_end(key)
+            return future
+        future = self._executor.submit(self._compile, key)
+        self._cache[key] = future
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return future
+
+    def new_matcher(self, compiled: Any) -> RequestGrammar:
+        return RequestGrammar(compiled)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- worker thread ----
+    def _get_compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar
+
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self._vocab_size,
+                    stop_token_ids=self._stop_token_ids)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+                logger.info("grammar compiler ready (vocabulary of %d, stop tokens %s)",
+                            self._vocab_size, self._stop_token_ids)
+            return self._compiler
+
+    def _compile(self, key: GrammarKey) -> Any:
+        kind, text = key
+        compiler = self._get_compiler()
+        if kind == "json_schema":
+            return compiler.compile_json_schema(text, **JSON_SCHEMA_OPTIONS)
+        if kind == "regex":
+            return compiler.compile_regex(text)
+        if kind == "ebnf":
+            return compiler.compile_grammar(text)
+        raise ValueError(f"unknown grammar kind {kind!r}")

@@ -1,0 +1,148 @@
+"""Tool calling on /v1/chat/completions: checking `tools` and `tool_choice`, rendering a
+conversation with tool turns through the chat template, forcing a call with a grammar, and
+turning the model's text back into `message.tool_calls`.
+
+- tool_choice "auto" (the default with tools): the template renders the tools and the output is
+  parsed for calls in the parser's format (server/tool_parsers/); "none": no tools rendered, no
+  parsing; "required" or {"type": "function", "function": {"name": ...}}: the output is
+  constrained (xgrammar EBNF) to exactly one call of one of the tools (or the named one), so
+  it always parses and its arguments validate against the tool's parameters schema.
+- Templates that render tools themselves (they mention `tools`) get them through
+  apply_chat_template(tools=...); others get a system prompt listing them in the parser's
+  format. Assistant turns with tool_calls go to templates that know `tool_calls` as they are
+  (arguments as objects); others get the calls written as text in the parser's format.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.server.errors import APIError
+from radixserve.server.openai_protocol import ChatCompletionRequest
+from radixserve.server.tool_parsers.base import ToolCall, ToolCallParser
+from radixserve.server.tool_parsers.grammar import forced_call_ebnf
+from radixserve.server.tool_parsers.registry import get_parser
+from radixserve.server.tool_parsers.streaming import new_call_id
+
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+@dataclass
+class ToolPlan:
+    parser: ToolCallParser  # formats history calls; parses output when `parse_output`
+    tools: list[dict[str, Any]] = field(default_factory=list)  # rendered for the model
+    parse_output: bool = False
+    forced_ebnf: str | None = None  # the grammar of a required / named call
+
+
+def check_tools(tools: list[Any] | None) -> list[dict[str, Any]]:
+    """OpenAI tool dicts, checked: {"type": "function", "function": {"name", "description"?,
+    "parameters"?: a JSON schema object}}."""
+    checked: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or \
+                not isinstance(function, dict):
+            raise APIError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
+                           "{...}}", param=f"tools.{i}")
+        name = function.get("name")
+        if not isinstance(name, str) or not _FUNCTION_NAME.match(name):
+            raise APIError(f"tools[{i}].function.name must be 1-64 letters, digits, _, . or "
+                           f"-, got {name!r}", param=f"tools.{i}.function.name")
+        params = function.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise APIError(f"tools[{i}].function.parameters must be a JSON schema object",
+                           param=f"tools.{i}.function.parameters")
+        checked.append(tool)
+    return checked
+
+
+def plan_tools(body: ChatCompletionRequest, parser_name: str | None,
+               chat_template: str | None) -> ToolPlan:
+    tools = check_tools(body.tools)
+    parser = get_parser(parser_name, chat_template)
+    choice = body.tool_choice
+    if choice == "none" or (choice in (None, "auto") and not tools):
+        return ToolPlan(parser)
+    if choice in (None, "auto"):
+        return ToolPlan(parser, tools, parse_output=True)
+    if not tools:
+        raise APIError("tool_choice needs tools", param="tool_choice")
+    if choice == "required":
+        forced = tools
+    elif isinstance(choice, dict) and choice.get("type") == "function" and \
+            isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        forced = [t for t in tools if t["function"]["name"] == name]
+        if not forced:
+            raise APIError(f"tool_choice names function {name!r}, which is not in tools",
+                           param="tool_choice")
+    else:
+        raise APIError("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": "
+                       "\"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+    if body.grammar():
+        raise APIError("a required or named tool_choice cannot be combined with "
+                       "response_format, regex or ebnf", param="tool_choice")
+    try:
+        ebnf = forced_call_ebnf(parser, forced)
+    except Exception as exc:  # noqa: BLE001 - xgrammar's error about the tool's schema
+        raise APIError(f"invalid tool parameters schema: {exc}", param="tools") from exc
+    return ToolPlan(parser, tools, parse_output=True, forced_ebnf=ebnf)
+
+
+def render_conversation(body: ChatCompletionRequest, plan: ToolPlan,
+                        chat_template: str) -> list[dict[str, Any]]:
+    """The messages for apply_chat_template, adapted to what the template knows."""
+    messages = body.conversation()
+    knows_calls = "tool_calls" in chat_template
+    for i, message in enumerate(messages):
+        calls = message.pop("tool_calls", None)
+        if not calls:
+            continue
+        parsed = [_history_call(call, f"messages.{i}.tool_calls.{j}")
+                  for j, call in enumerate(calls)]
+        if knows_calls:
+            message["tool_calls"] = [
+                {"id": call.get("id") or new_call_id(), "type": "function",
+                 "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                for call, c in zip(calls, parsed)]
+        else:
+            text = plan.parser.format_calls(parsed)
+            message["content"] = f"{message['content']}\n{text}" if message["content"] else text
+    if plan.tools and "tools" not in chat_template:
+        prompt = plan.parser.system_prompt(plan.tools)
+        if messages and messages[0]["role"] == "system":
+            messages[0]["content"] = f"{messages[0]['content']}\n\n{prompt}"
+        else:
+            messages.insert(0, {"role": "system", "content": prompt})
+    return messages
+
+
+def _history_call(call: Any, param: str) -> ToolCall:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise APIError("a tool call needs function.name and function.arguments", param=param)
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            json.loads(arguments)
+        except json.JSONDecodeError:
+            raise APIError("function.arguments must be a JSON text", param=param) from None
+    else:
+        arguments = json.dumps(arguments)
+    return ToolCall(function["name"], arguments)
+
+
+def tool_message(plan: ToolPlan, text: str) -> tuple[dict[str, Any], bool]:
+    """The assistant message of a finished output, and whether it called tools."""
+    if not plan.parse_output:
+        return {"role": "assistant", "content": text}, False
+    content, calls = plan.parser.parse(text)
+    if not calls:
+        return {"role": "assistant", "content": text}, False
+    return {"role": "assistant", "content": content or None,
+            "tool_calls": [{"id": new_call_id(), "type": "function",
+                            "function": {"name": c.name, "arguments": c.arguments}}
+                           for c in calls]}, True
