@@ -56,8 +56,26 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], int | None]] = {
                                      num_key_value_heads=8, head_dim=64), None),
     "hd32-gqa4": ("LlamaConfig", dict(hidden_size=256, num_attention_heads=8,
                                       num_key_value_heads=2, head_dim=32), None),
+    # MoE and MLA (issue 12): routing ties in bf16 show up as TIE lines, like any near tie
+    "mixtral-moe": ("MixtralConfig", dict(hidden_size=512, num_attention_heads=8,
+                                          num_key_value_heads=2, head_dim=64,
+                                          num_local_experts=8, num_experts_per_tok=2), None),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(hidden_size=512, num_attention_heads=8,
+                                         num_key_value_heads=2, head_dim=64, num_experts=16,
+                                         num_experts_per_tok=4, moe_intermediate_size=256,
+                                         norm_topk_prob=True), None),
+    "deepseek-mla": ("DeepseekV2Config", dict(hidden_size=512, num_attention_heads=8,
+                                              num_key_value_heads=8, kv_lora_rank=128,
+                                              q_lora_rank=None, qk_nope_head_dim=64,
+                                              qk_rope_head_dim=32, v_head_dim=64,
+                                              n_routed_experts=16, num_experts_per_tok=4,
+                                              moe_intermediate_size=256, n_shared_experts=2,
+                                              first_k_dense_replace=1,
+                                              topk_method="group_limited_greedy", n_group=4,
+                                              topk_group=2, routed_scaling_factor=1.5), None),
 }
 DEFAULT_CHECKPOINTS = ["hd128-gqa4", "mistral-swa32", "gemma2-hd64", "qwen3-hd64"]
+MOE_CHECKPOINTS = ["mixtral-moe", "qwen3-moe", "deepseek-mla"]
 PATHS = (("torch_native", False, 1), ("triton", False, 1), ("triton", True, 1))
 
 
@@ -89,7 +107,7 @@ def make_checkpoint(name: str, folder: Path, seed: int = 0) -> None:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # transformers' init is tiny; larger weights make attention matter
         for param in model.parameters():
-            if param.dim() == 2:
+            if param.dim() >= 2:  # matrices and stacked experts
                 param.normal_(0, 0.06)
             else:
                 param.uniform_(0.8, 1.2)

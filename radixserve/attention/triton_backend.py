@@ -28,6 +28,8 @@ from radixserve.attention.kernels.decode_attention import (DecodeKernelConfig,
                                                            decode_attention_fwd)
 from radixserve.attention.kernels.extend_attention import (ExtendKernelConfig,
                                                            extend_attention_fwd)
+from radixserve.attention.kernels.mla_decode import mla_decode_attention_fwd
+from radixserve.attention.mla_plan import MLAExtendPlan
 
 from radixserve.core.forward_batch import ForwardBatch
 
@@ -94,6 +96,7 @@ class TritonAttnBackend(AttentionBackend):
         assert num_heads % num_kv_heads == 0
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, \
             context.head_dim
+        self.value_dim = context.value_dim  # the decode workspaces' width (MLA: the latent)
         self.device = torch.device(context.device)
         self.max_bs, self.max_context_len = context.max_bs, context.max_context_len
         self.max_kv_splits = num_kv_splits
@@ -117,9 +120,9 @@ class TritonAttnBackend(AttentionBackend):
 
     def _new_workspace(self, max_bs: int) -> DecodeWorkspace:
         elements = max(DecodeWorkspace.elements_for(bs, self.num_kv_splits_for(bs),
-                                                    self.num_heads, self.head_dim)
+                                                    self.num_heads, self.value_dim)
                        for bs in range(1, max(1, max_bs) + 1))
-        return DecodeWorkspace(elements, self.num_heads, self.head_dim, self.device)
+        return DecodeWorkspace(elements, self.num_heads, self.value_dim, self.device)
 
     def _decode_metadata(self, workspace: DecodeWorkspace, bs: int,
                          req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
@@ -208,6 +211,42 @@ class TritonAttnBackend(AttentionBackend):
                              layer.scaling, self.decode_config, sliding_window=_window(layer),
                              logit_cap=layer.logit_cap)
         return out.view(-1, num_heads * head_dim)
+
+    # ---- MLA ----
+    def ragged_extend_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                plan: MLAExtendPlan, layer: "RadixAttention",
+                                forward_batch: ForwardBatch) -> torch.Tensor:
+        """The extend kernel over decompressed K/V: the new tokens' rows are k[P:], the
+        prefixes are read through the plan's table. V is zero-padded to the key width (the
+        kernel has one head width); the padding's output columns are dropped."""
+        meta = self.extend_metadata
+        assert meta is not None, "init_forward_metadata was not called"
+        qk_dim, v_dim = q.shape[-1], v.shape[-1]
+        if v_dim < qk_dim:
+            v = torch.nn.functional.pad(v, (0, qk_dim - v_dim))
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        prefix_rows = plan.num_prefix_tokens
+        k_prefix = k[:prefix_rows] if prefix_rows else k
+        v_prefix = v[:prefix_rows] if prefix_rows else v
+        extend_attention_fwd(q, k[prefix_rows:], v[prefix_rows:], out, k_prefix, v_prefix,
+                             plan.prefix_table, plan.rows, meta.extend_start_loc,
+                             meta.extend_seq_lens, meta.extend_prefix_lens,
+                             meta.max_extend_len, layer.scaling, self.extend_config)
+        return out[..., :v_dim]
+
+    def forward_mla_decode(self, q: torch.Tensor, entries: torch.Tensor,
+                           layer: "RadixAttention", forward_batch: ForwardBatch) -> torch.Tensor:
+        meta = self.decode_metadata
+        assert meta is not None, "init_forward_metadata was not called"
+        self.kv_pool.store_kv(layer.layer_id, forward_batch.out_cache_loc, entries)
+        (buffer,) = self.kv_pool.kv_buffers(layer.layer_id)
+        out = torch.empty(q.shape[0], q.shape[1], layer.v_head_dim, dtype=q.dtype,
+                          device=q.device)
+        mla_decode_attention_fwd(q.contiguous(), buffer, out,
+                                 self.req_to_token_pool.req_to_token, meta.req_pool_indices,
+                                 meta.seq_lens, meta.mid_out, meta.mid_lse, layer.scaling,
+                                 layer.v_head_dim)
+        return out
 
     # ---- CUDA graphs (decode) ----
     def init_cuda_graph_state(self, max_bs: int) -> None:

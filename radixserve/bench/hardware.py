@@ -21,7 +21,10 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from radixserve.bench.param_counts import ParamCounts, attention_flops_per_key, param_counts
 from radixserve.config import ModelConfig
+
+__all__ = ["ParamCounts", "param_counts", "attention_flops_per_key"]
 
 H200_MEM_BANDWIDTH = 4.25e12  # bytes/s
 H200_BF16_FLOPS = 796e12  # dense FLOP/s
@@ -38,37 +41,17 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
     return torch.tensor([], dtype=as_dtype(dtype)).element_size()
 
 
-class ParamCounts(NamedTuple):
-    embedding: int  # the input embedding table (gathered, not multiplied)
-    layers: int  # all decoder layers: linear weights, biases, norms
-    final_norm: int
-    lm_head: int  # vocab x hidden; the same matrix as `embedding` when tied
-    linear: int  # weights that take part in matmuls, LM head excluded
-    total: int  # distinct parameters (a tied LM head counted once)
-
-
-def param_counts(cfg: ModelConfig) -> ParamCounts:
-    h, kv_dim, q_dim = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, \
-        cfg.num_attention_heads * cfg.head_dim
-    attn = h * q_dim + 2 * h * kv_dim + q_dim * h
-    attn_bias = 0
-    if cfg.attention_bias:  # Qwen2 biases q/k/v only; Llama's flag also biases o_proj
-        attn_bias = q_dim + 2 * kv_dim + (0 if cfg.architecture.startswith("Qwen2") else h)
-    mlp = 3 * h * cfg.intermediate_size
-    mlp_bias = 2 * cfg.intermediate_size + h if cfg.mlp_bias else 0
-    per_layer_linear = attn + mlp
-    per_layer = per_layer_linear + attn_bias + mlp_bias + 2 * h  # two RMSNorms
-    embedding = lm_head = cfg.vocab_size * h
-    layers = cfg.num_hidden_layers * per_layer
-    total = embedding + layers + h + (0 if cfg.tie_word_embeddings else lm_head)
-    return ParamCounts(embedding, layers, h, lm_head, cfg.num_hidden_layers * per_layer_linear,
-                       total)
-
-
-def weight_bytes_per_forward(cfg: ModelConfig, dtype: torch.dtype | str) -> float:
-    """Every weight read once per forward pass, except the embedding table (LM head included)."""
+def weight_bytes_per_forward(cfg: ModelConfig, dtype: torch.dtype | str,
+                             num_tokens: int | None = None) -> float:
+    """Every weight read once per forward pass, except the embedding table (LM head included).
+    MoE with `num_tokens` given: of each MoE layer's routed experts only the ones those tokens
+    use (counts.distinct_experts, uniform routing)."""
     counts = param_counts(cfg)
-    return float((counts.layers + counts.final_norm + counts.lm_head) * dtype_bytes(dtype))
+    params = counts.layers + counts.final_norm + counts.lm_head
+    if counts.num_experts and num_tokens is not None:
+        unused = counts.num_experts - counts.distinct_experts(num_tokens)
+        params -= int(counts.moe_layers * unused * counts.routed_expert)
+    return float(params * dtype_bytes(dtype))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype | str) -> int:
@@ -82,7 +65,7 @@ def decode_step_bytes(cfg: ModelConfig, batch: int, context: float,
     """One decode step of `batch` sequences that each attend to `context` tokens (the new one
     included): weights + KV read of batch x context tokens + KV written for batch tokens."""
     kv = kv_bytes_per_token(cfg, dtype)
-    return weight_bytes_per_forward(cfg, dtype) + batch * context * kv + batch * kv
+    return weight_bytes_per_forward(cfg, dtype, batch) + batch * context * kv + batch * kv
 
 
 def prefill_bytes(cfg: ModelConfig, batch: int, input_len: int,
@@ -93,13 +76,15 @@ def prefill_bytes(cfg: ModelConfig, batch: int, input_len: int,
 
 
 def forward_flops(cfg: ModelConfig, num_tokens: int, context: float,
-                  num_logits: int | None = None) -> float:
+                  num_logits: int | None = None, decode: bool = False) -> float:
     """FLOPs of one forward pass over `num_tokens` tokens that each attend to `context` keys
-    on average; the LM head runs on `num_logits` tokens (default: all of them)."""
+    on average; the LM head runs on `num_logits` tokens (default: all of them). Linear FLOPs
+    count each token's active weights (MoE: its top-k experts); `decode` selects MLA's absorbed
+    attention."""
     counts = param_counts(cfg)
     logits = num_tokens if num_logits is None else num_logits
-    attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context
-    return 2.0 * counts.linear * num_tokens + 2.0 * counts.lm_head * logits + \
+    attention = attention_flops_per_key(cfg, absorbed=decode) * context
+    return 2.0 * counts.active_linear * num_tokens + 2.0 * counts.lm_head * logits + \
         attention * num_tokens
 
 
@@ -127,7 +112,7 @@ def workload_limit_seconds(cfg: ModelConfig, prompt_lens: list[int], output_lens
         flops += prefill_flops(cfg, 1, n_in)
         steps = max(n_out - 1, 0)  # decode steps; step j attends to n_in + j + 1 keys
         mean_context = n_in + (steps + 1) / 2 if steps else 0.0
-        flops += forward_flops(cfg, steps, mean_context)
+        flops += forward_flops(cfg, steps, mean_context, decode=True)
         kv_bytes += steps * mean_context * kv
     return flops / peak.peak_flops + kv_bytes / peak.mem_bandwidth
 

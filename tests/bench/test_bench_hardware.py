@@ -4,8 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import (LlamaConfig, LlamaForCausalLM, PretrainedConfig, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig,
+                          LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PretrainedConfig,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from radixserve.bench import hardware
 from radixserve.config import ModelConfig
@@ -21,7 +23,24 @@ def _models() -> list[tuple[str, PretrainedConfig, type]]:
             ("llama-tied", LlamaConfig(**SHAPE, tie_word_embeddings=True), LlamaForCausalLM),
             ("llama-bias", LlamaConfig(**SHAPE, attention_bias=True, mlp_bias=True,
                                        head_dim=24), LlamaForCausalLM),
-            ("qwen2", Qwen2Config(**SHAPE, tie_word_embeddings=False), Qwen2ForCausalLM)]
+            ("qwen2", Qwen2Config(**SHAPE, tie_word_embeddings=False), Qwen2ForCausalLM),
+            ("mixtral", MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2,
+                                      tie_word_embeddings=False), MixtralForCausalLM),
+            ("qwen2-moe", Qwen2MoeConfig(**SHAPE, num_experts=6, num_experts_per_tok=2,
+                                         moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48,
+                                         mlp_only_layers=[1], tie_word_embeddings=False),
+             Qwen2MoeForCausalLM),
+            ("qwen3-moe", Qwen3MoeConfig(**SHAPE, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, tie_word_embeddings=False),
+             Qwen3MoeForCausalLM),
+            ("deepseek-v2", DeepseekV2Config(**SHAPE, kv_lora_rank=32, q_lora_rank=24,
+                                             qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                             v_head_dim=12, n_routed_experts=4,
+                                             num_experts_per_tok=2, moe_intermediate_size=24,
+                                             n_shared_experts=2, first_k_dense_replace=1,
+                                             tie_word_embeddings=False),
+             DeepseekV2ForCausalLM)]
 
 
 def _pair(hf_cfg: PretrainedConfig, cls: type) -> tuple[ModelConfig, torch.nn.Module]:
@@ -74,6 +93,19 @@ def test_prefill_and_decode_arithmetic_by_hand() -> None:
     weights = hardware.weight_bytes_per_forward(cfg, torch.bfloat16)
     assert hardware.decode_step_bytes(cfg, batch=4, context=100, dtype=torch.bfloat16) == \
         weights + 4 * 100 * kv + 4 * kv
+
+
+def test_moe_reads_only_the_experts_a_batch_uses() -> None:
+    hf_cfg = MixtralConfig(**SHAPE, num_local_experts=8, num_experts_per_tok=2)
+    cfg = ModelConfig.from_hf_dict(dict(hf_cfg.to_dict(), architectures=["MixtralForCausalLM"]))
+    counts = hardware.param_counts(cfg)
+    everything = hardware.weight_bytes_per_forward(cfg, torch.bfloat16)
+    one_token = hardware.weight_bytes_per_forward(cfg, torch.bfloat16, num_tokens=1)
+    # one token reads 2 of 8 experts per layer
+    assert everything - one_token == 6 * counts.moe_layers * counts.routed_expert * 2
+    assert counts.active_linear == counts.linear - 6 * counts.moe_layers * counts.routed_expert
+    assert hardware.weight_bytes_per_forward(cfg, torch.bfloat16, num_tokens=4096) == \
+        pytest.approx(everything, rel=1e-6)
 
 
 def test_roofline_picks_the_slower_side() -> None:

@@ -46,7 +46,8 @@ def _run(folder: str, tp_size: int, prompts: list[list[int]]) -> dict:
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "mistral_gqa", "qwen2_bias",
-                                  "gemma2_softcap_window"])
+                                  "gemma2_softcap_window", "qwen2_moe_shared",
+                                  "deepseek_v2_lite_mla"])
 def test_tp2_matches_tp1_and_transformers(name: str, tmp_path) -> None:
     hf_model = make_checkpoint(name, tmp_path)
     prompts = _prompts(hf_model.config.vocab_size)

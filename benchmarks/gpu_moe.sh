@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# MoE and MLA on one H200 (issue 12), from the repository root; logs under $OUT:
+#
+#   MOE_STEPS="tests correctness kernels" bash benchmarks/gpu_moe.sh      # one call
+#   MOE_STEPS="decode offline" bash benchmarks/gpu_moe.sh                 # another
+#
+# tests:       pytest of the fused-MoE and MLA kernel tests on the GPU
+# correctness: tiny Mixtral / Qwen3-MoE / DeepSeek-V2 (MLA) checkpoints, torch_native, triton,
+#              triton + CUDA graphs vs transformers, bf16 and fp32 (gpu_correctness.py)
+# kernels:     benchmarks/gpu_moe.py --sweep (MLA decode kernel, fused-MoE sweep + figures)
+# decode:      one static batch at context 1024, dummy bf16 weights, graphs + overlap:
+#              Mixtral-8x7B 1/32/128, Qwen3-30B-A3B 1/32/128, DeepSeek-V2-Lite 1/64/256
+# offline:     random 1024/1024 x MOE_OFFLINE_PROMPTS (default 500), Mixtral and V2-Lite
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/out/gpu_moe}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error
+STEPS="${MOE_STEPS:-tests correctness kernels decode offline}"
+step() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+quiet() { grep -v -E 'Warning|return func|warnings.warn'; }
+
+if step tests; then
+    echo "== tests"
+    timeout -k 10 240 python3 -m pytest -q -x tests/layers/test_fused_moe.py \
+        tests/attention/test_mla_triton.py > "$OUT/tests.log" 2>&1
+    echo "   rc $?: $(tail -1 "$OUT/tests.log")"
+fi
+if step correctness; then
+    echo "== correctness"
+    timeout -k 10 "${MOE_CORR_SECONDS:-200}" python3 benchmarks/gpu_correctness.py \
+        --checkpoints mixtral-moe qwen3-moe deepseek-mla --new-tokens 24 \
+        --time-budget $(( ${MOE_CORR_SECONDS:-200} - 30 )) --out "$OUT" > "$OUT/correctness.log" 2>&1
+    echo "   rc $?: $(grep '^correctness:' "$OUT/correctness.log" || tail -2 "$OUT/correctness.log")"
+    grep -E '^(FAIL|TIE) ' "$OUT/correctness.log" | cut -c1-220 | head -12
+fi
+if step kernels; then
+    echo "== kernels"
+    timeout -k 10 "${MOE_KERNEL_SECONDS:-200}" python3 benchmarks/gpu_moe.py --sweep \
+        --time-budget $(( ${MOE_KERNEL_SECONDS:-200} - 60 )) --out "$OUT" > "$OUT/kernels.log" 2>&1
+    echo "   rc $?"
+    grep -E '^(moe|mla|sweep)' "$OUT/kernels.log" | cut -c1-200
+    tail -3 "$OUT/kernels.log" | quiet
+fi
+decode() {  # name batch sizes...
+    local name=$1
+    shift
+    timeout -k 10 "${MOE_DECODE_SECONDS:-150}" python3 -m radixserve.bench.one_batch \
+        --model-path "benchmarks/configs/$name" --load-format dummy --dtype bfloat16 \
+        --batch-size "$@" --input-len 1024 --output-len 32 --overlap --context-length 4096 \
+        --cuda-graph-max-bs 256 --max-total-tokens 300000 --log-level warning \
+        --output-file "$OUT/one_batch_$name.jsonl" > "$OUT/one_batch_$name.log" 2>&1
+    echo "   $name rc $?"
+    quiet < "$OUT/one_batch_$name.log" | tail -5
+}
+if step decode; then
+    echo "== decode"
+    decode mixtral-8x7b 1 32 128
+    decode qwen3-30b-a3b 1 32 128
+    decode deepseek-v2-lite 1 64 256
+fi
+offline() {
+    timeout -k 10 "${MOE_OFFLINE_SECONDS:-240}" python3 -m radixserve.bench.offline \
+        --model-path "benchmarks/configs/$1" --load-format dummy --dtype bfloat16 --radix on \
+        --context-length 4096 --dataset-name random --num-prompts "${MOE_OFFLINE_PROMPTS:-500}" \
+        --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0 \
+        --output-file "$OUT/offline_$1.jsonl" > "$OUT/offline_$1.log" 2>&1
+    echo "   $1 rc $?"
+    quiet < "$OUT/offline_$1.log" | grep -v -E 'Decode batch|Prefill batch' | tail -6
+    grep -E 'Decode batch' "$OUT/offline_$1.log" | tail -2
+}
+if step offline; then
+    echo "== offline"
+    offline mixtral-8x7b
+    offline deepseek-v2-lite
+fi

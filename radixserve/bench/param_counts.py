@@ -1,0 +1,133 @@
+"""Parameter counts of a model config, for the roofline: dense (Llama-like), MoE (routed and
+shared experts, dense first layers) and MLA (DeepSeek-V2's latent attention) layers.
+
+`linear` counts every weight that takes part in a matmul (LM head excluded); `active_linear`
+only those one token multiplies (an MoE token uses its top-k routed experts, not all of them).
+`routed_expert` is one routed expert of one layer (gate, up, down), `moe_layers` how many layers
+route, so a decode step of b tokens reads about distinct_experts(b) of each MoE layer's experts.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from radixserve.config import ModelConfig
+
+
+class ParamCounts(NamedTuple):
+    embedding: int  # the input embedding table (gathered, not multiplied)
+    layers: int  # all decoder layers: linear weights, biases, norms
+    final_norm: int
+    lm_head: int  # vocab x hidden; the same matrix as `embedding` when tied
+    linear: int  # weights that take part in matmuls, LM head excluded
+    total: int  # distinct parameters (a tied LM head counted once)
+    active_linear: int = 0  # linear weights one token multiplies (MoE: top-k experts only)
+    routed_expert: int = 0  # one routed expert of one layer
+    moe_layers: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+
+    def distinct_experts(self, num_tokens: int) -> float:
+        """Routed experts of one layer that num_tokens tokens use, if routing were uniform."""
+        if not self.num_experts:
+            return 0.0
+        unused = (1.0 - self.top_k / self.num_experts) ** num_tokens
+        return self.num_experts * (1.0 - unused)
+
+
+def _attention_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(linear weights, biases and norms) of one attention block."""
+    hf, h = cfg.hf, cfg.hidden_size
+    if getattr(hf, "kv_lora_rank", None):  # MLA
+        heads = cfg.num_attention_heads
+        qk = hf.qk_nope_head_dim + hf.qk_rope_head_dim
+        q_rank = getattr(hf, "q_lora_rank", None)
+        q = h * q_rank + q_rank * heads * qk if q_rank else h * heads * qk
+        linear = q + h * (hf.kv_lora_rank + hf.qk_rope_head_dim) + \
+            hf.kv_lora_rank * heads * (hf.qk_nope_head_dim + hf.v_head_dim) + \
+            heads * hf.v_head_dim * h
+        return linear, hf.kv_lora_rank + (q_rank or 0)
+    kv_dim, q_dim = cfg.num_key_value_heads * cfg.head_dim, cfg.num_attention_heads * cfg.head_dim
+    bias = 0
+    if cfg.attention_bias:  # Qwen2 biases q/k/v only; Llama's flag also biases o_proj
+        bias = q_dim + 2 * kv_dim + (0 if cfg.architecture.startswith("Qwen2") else h)
+    norms = 2 * cfg.head_dim if getattr(hf, "model_type", "").startswith("qwen3") else 0
+    return h * q_dim + 2 * h * kv_dim + q_dim * h, bias + norms
+
+
+class _Moe(NamedTuple):
+    num_experts: int
+    top_k: int
+    expert_size: int
+    shared_size: int
+    shared_gate: bool
+
+
+def _moe_shape(cfg: ModelConfig) -> _Moe | None:
+    hf = cfg.hf
+    arch = cfg.architecture
+    if arch == "MixtralForCausalLM":
+        return _Moe(hf.num_local_experts, hf.num_experts_per_tok, cfg.intermediate_size, 0,
+                    False)
+    if arch.startswith("DeepseekV2") and hf.n_routed_experts:
+        return _Moe(hf.n_routed_experts, hf.num_experts_per_tok, hf.moe_intermediate_size,
+                    hf.moe_intermediate_size * (hf.n_shared_experts or 0), False)
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        shared = getattr(hf, "shared_expert_intermediate_size", 0) or 0
+        return _Moe(hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, shared,
+                    bool(shared))
+    return None
+
+
+def _is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
+    hf = cfg.hf
+    if cfg.architecture.startswith("DeepseekV2"):
+        return layer_id >= hf.first_k_dense_replace
+    if cfg.architecture.startswith("Qwen"):
+        step = getattr(hf, "decoder_sparse_step", 1) or 1
+        return layer_id not in (getattr(hf, "mlp_only_layers", None) or []) and \
+            (layer_id + 1) % step == 0
+    return True
+
+
+def param_counts(cfg: ModelConfig) -> ParamCounts:
+    h = cfg.hidden_size
+    attn_linear, attn_other = _attention_params(cfg)
+    dense_mlp = 3 * h * cfg.intermediate_size
+    dense_bias = 2 * cfg.intermediate_size + h if cfg.mlp_bias else 0
+    moe = _moe_shape(cfg)
+    layers = linear = active = moe_layers = 0
+    for layer_id in range(cfg.num_hidden_layers):
+        if moe is not None and _is_moe_layer(cfg, layer_id):
+            routed = 3 * h * moe.expert_size
+            router = h * moe.num_experts + (h if moe.shared_gate else 0)
+            shared = 3 * h * moe.shared_size
+            layer_linear = attn_linear + router + moe.num_experts * routed + shared
+            layer_active = attn_linear + router + moe.top_k * routed + shared
+            layer_other = attn_other
+            moe_layers += 1
+        else:
+            layer_linear = layer_active = attn_linear + dense_mlp
+            layer_other = attn_other + dense_bias
+        layers += layer_linear + layer_other + 2 * h  # two RMSNorms
+        linear += layer_linear
+        active += layer_active
+    embedding = lm_head = cfg.vocab_size * h
+    total = embedding + layers + h + (0 if cfg.tie_word_embeddings else lm_head)
+    return ParamCounts(embedding, layers, h, lm_head, linear, total, active,
+                       3 * h * moe.expert_size if moe else 0, moe_layers,
+                       moe.num_experts if moe else 0, moe.top_k if moe else 0)
+
+
+def attention_flops_per_key(cfg: ModelConfig, absorbed: bool = False) -> float:
+    """FLOPs of one query token against one key in all layers. MLA: decompressed (prefill)
+    multiplies per head [nope + rope] then [v]; absorbed (decode) [latent + rope] then
+    [latent]."""
+    hf = cfg.hf
+    heads, layers = cfg.num_attention_heads, cfg.num_hidden_layers
+    if getattr(hf, "kv_lora_rank", None):
+        if absorbed:
+            per_head = (hf.kv_lora_rank + hf.qk_rope_head_dim) + hf.kv_lora_rank
+        else:
+            per_head = hf.qk_nope_head_dim + hf.qk_rope_head_dim + hf.v_head_dim
+        return 2.0 * layers * heads * per_head
+    return 4.0 * layers * heads * cfg.head_dim

@@ -1,0 +1,176 @@
+"""Fused MoE on the GPU: tokens sorted by expert, then one grouped GEMM launch per projection.
+
+  1. moe_align_block_size: the (token, choice) pairs sorted by expert, each expert's run padded
+     to a multiple of BLOCK_M (padding rows hold the sentinel T*k), and the expert of every
+     BLOCK_M block. Plain torch ops with static shapes: no host sync, CUDA-graph capturable.
+  2. gate|up: one launch over (blocks of pairs) x (blocks of 2I): block b multiplies its pairs'
+     hidden rows by expert_ids[b]'s w13 -> [T*k, 2I].
+  3. SiLU(gate) * up (the layers' Triton kernel) -> [T*k, I].
+  4. down: the same kernel over w2 with each pair's routing weight applied to its row
+     -> [T*k, H]; the k rows of a token are then summed.
+Blocks past the padded total exit at once, so the grid can be sized for the worst case.
+
+Block sizes come from `moe_kernel_config`: a JSON table tuned on the H200 for the expert shape
+(moe_configs/E=..,N=..,K=...json, batch size -> config; benchmarks/gpu_moe.py writes them),
+else a heuristic: small blocks of pairs for decode (the weights' read bounds the time), large
+ones for prefill.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from radixserve.layers.kernels.silu_and_mul import silu_and_mul
+
+CONFIG_DIR = Path(__file__).parent / "moe_configs"
+
+
+@triton.jit
+def _fused_moe_kernel(
+    A, B, C, Topk_weights, Sorted_token_ids, Expert_ids, Num_tokens_post_padded,
+    N, K, num_valid_tokens,
+    stride_am, stride_be, stride_bn, stride_cm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, TOP_K: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(tl.num_programs(0), tl.cdiv(N, BLOCK_N))
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # grouped order: GROUP_M blocks of pairs share each weight tile while it is in L2
+    group_id = pid // (GROUP_M * num_pid_n)
+    first_m = group_id * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size)
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
+
+    if pid_m * BLOCK_M >= tl.load(Num_tokens_post_padded):
+        return
+    expert = tl.load(Expert_ids + pid_m).to(tl.int64)
+    offs_pair = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(Sorted_token_ids + offs_pair)
+    pair_mask = pairs < num_valid_tokens
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_bn = offs_n % N  # wrapped: loads stay in bounds, the store masks
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + (pairs // TOP_K).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = B + expert * stride_be + offs_bn[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k_start
+        a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if MUL_ROUTED_WEIGHT:
+        weights = tl.load(Topk_weights + pairs, mask=pair_mask, other=0.0)
+        acc = acc * weights[:, None]
+    c_ptrs = C + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=pair_mask[:, None] & (offs_n[None, :] < N))
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted pair ids [max_padded] int32, expert of each block [max_blocks] int32, padded
+    total [1] int32). Pair p = token * k + choice; padding rows hold T*k."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs = flat.numel()
+    device = flat.device
+    max_padded = num_pairs + num_experts * (block_m - 1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    rank_in_expert = torch.arange(num_pairs, device=device) - \
+        (torch.cumsum(counts, 0) - counts)[sorted_experts]
+    dest = (ends - padded)[sorted_experts] + rank_in_expert
+    sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(0, max_padded, block_m, device=device)
+    expert_ids = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_ids, expert_ids.to(torch.int32), ends[-1:].to(torch.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_table(num_experts: int, n: int, k: int) -> dict[int, dict[str, int]] | None:
+    path = CONFIG_DIR / f"E={num_experts},N={n},K={k}.json"
+    if not path.exists():
+        return None
+    return {int(m): cfg for m, cfg in json.loads(path.read_text()).items()}
+
+
+def moe_kernel_config(num_tokens: int, num_experts: int, n: int, k: int) -> dict[str, int]:
+    """Block sizes for a projection of `n` outputs over `k` inputs at this many tokens."""
+    table = _tuned_table(num_experts, n, k)
+    if table:
+        nearest = min(table, key=lambda m: abs(m - num_tokens))
+        return dict(table[nearest])
+    if num_tokens <= 32:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    if num_tokens <= 256:
+        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def invoke_moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                    topk_weights: torch.Tensor, aligned: tuple[torch.Tensor, ...],
+                    top_k: int, mul_routed_weight: bool, config: dict[str, int]) -> None:
+    """out[pair] = a[pair // top_k] @ w[expert(pair)].T (x the pair's weight)."""
+    sorted_ids, expert_ids, num_post_padded = aligned
+    n, k = w.shape[1], w.shape[2]
+    assert a.stride(1) == 1 and w.stride(2) == 1 and out.stride(1) == 1
+    grid = (triton.cdiv(sorted_ids.numel(), config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
+    _fused_moe_kernel[grid](
+        a, w, out, topk_weights, sorted_ids, expert_ids, num_post_padded,
+        n, k, topk_weights.numel(), a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+        GROUP_M=config["GROUP_M"], TOP_K=top_k, MUL_ROUTED_WEIGHT=mul_routed_weight,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+
+
+def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H]: sum over each
+    token's k experts of weight * down(silu(gate) * up)."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_i, hidden_size = w13.shape
+    if num_tokens == 0:
+        return torch.zeros_like(hidden)
+    config1 = moe_kernel_config(num_tokens, num_experts, two_i, hidden_size)
+    config2 = moe_kernel_config(num_tokens, num_experts, hidden_size, two_i // 2)
+    weights = topk_weights.reshape(-1).to(torch.float32)
+    aligned = moe_align_block_size(topk_ids, config1["BLOCK_M"], num_experts)
+    gate_up = torch.empty(num_tokens * top_k, two_i, dtype=hidden.dtype, device=hidden.device)
+    invoke_moe_gemm(hidden, w13, gate_up, weights, aligned, top_k, False, config1)
+    act = silu_and_mul(gate_up)
+    if config2["BLOCK_M"] != config1["BLOCK_M"]:
+        aligned = moe_align_block_size(topk_ids, config2["BLOCK_M"], num_experts)
+    down = torch.empty(num_tokens * top_k, hidden_size, dtype=hidden.dtype,
+                       device=hidden.device)
+    invoke_moe_gemm(act, w2, down, weights, aligned, 1, True, config2)
+    return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
+
+
+def fused_experts_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                            topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                            ) -> torch.Tensor:
+    """Per (token, choice) in float32: weight * w2[e] @ (silu(w13[e] gate) * up)."""
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    half = w13.shape[1] // 2
+    for t in range(hidden.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            gate_up = w13[e].float() @ hidden[t].float()
+            act = torch.nn.functional.silu(gate_up[:half]) * gate_up[half:]
+            out[t] += float(topk_weights[t, j]) * (w2[e].float() @ act)
+    return out
