@@ -48,3 +48,12 @@ def build_token_output(reqs: list[Req]) -> BatchTokenIDOut | None:
         out.spaces_between_special_tokens.append(params.spaces_between_special_tokens)
         out.stop_strs.append(params.stop_strs)
     return out
+
+
+class OutputSlice:
+    """The decode part of a MIXED pass's output (rows offset.. of the batch)."""
+
+    def __init__(self, out: Any, offset: int) -> None:
+        self.next_token_ids = out.next_token_ids[offset:]
+        self.next_token_logprobs = None
+        self.next_top_logprobs = None

@@ -25,10 +25,10 @@ from radixserve.scheduler.grammar.manager import GrammarManager
 from radixserve.scheduler.in_batch_prefix import InBatchPrefixIndex
 from radixserve.scheduler.overlap_decode import (DecodeLauncher, InflightDecode,
                                                  ends_after_next_token)
-from radixserve.scheduler.output import build_token_output, needs_send
+from radixserve.scheduler.output import OutputSlice, build_token_output, needs_send
 from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.retraction import NewTokenRatio, pick_retractions
-from radixserve.scheduler.stats import SchedulerStats
+from radixserve.scheduler.stats import SchedulerStats, check_memory
 
 logger = logging.getLogger("radixserve.scheduler")
 
@@ -82,8 +82,7 @@ class Scheduler:
         self.launcher = None if self.args.disable_overlap_schedule else \
             DecodeLauncher(model_runner, self.builder)
         self.inflight: InflightDecode | None = None
-        # constrained decoding: grammars compiled in a worker thread; with tensor
-        # parallelism every rank waits for them, so that all admit alike
+        # grammars compile in a worker thread; with TP every rank waits, to admit alike
         self.grammars = GrammarManager(tokenizer, model_runner.vocab_size, eos_token_ids,
                                        context_len, self.args.enable_jump_forward,
                                        blocking=self.args.tp_size > 1)
@@ -202,9 +201,8 @@ class Scheduler:
             self._run_prefill(prefill)
         elif self.running or self.inflight:
             steps = max(1, self.args.num_continuous_decode_steps)
-            # a grammar's mask for step k+1 needs step k's token on the host: a batch with a
-            # constrained request decodes synchronously
-            if self.launcher is not None and not self._any_constrained():
+            # a grammar's mask needs the previous token on the host: constrained = synchronous
+            if self.launcher is not None and all(r.grammar is None for r in self.running):
                 self._run_decode_steps_overlapped(self.launcher, steps)
             else:
                 self._settle()
@@ -217,9 +215,6 @@ class Scheduler:
         if not (self.waiting_queue or self.running or self.chunked_req or self.inflight):
             self._on_idle()
         return self._drain_outbox()
-
-    def _any_constrained(self) -> bool:
-        return any(r.grammar is not None for r in self.running)
 
     def _streamed_output_waiting(self) -> bool:
         return any(r.stream and needs_send(r, self.args.stream_interval) for r in self.running)
@@ -254,8 +249,8 @@ class Scheduler:
         if chunked is not None:
             adder.add_chunked_req(chunked)
         for req in ordered:
-            if not self.grammars.ready(req):
-                continue  # its grammar is compiling (or failed: ended next turn)
+            if not self.grammars.ready(req):  # compiling (or failed: ended next turn)
+                continue
             if in_batch is not None and in_batch.should_defer(req):
                 continue  # its prefix will be cached after this batch
             if not adder.add_one_req(req):
@@ -303,7 +298,7 @@ class Scheduler:
         sampling = self.builder.sampling_info(prefill + self.running)
         out = self.runner.forward(merge_mixed(extend, decode, sampling))
         n = len(prefill)
-        self._process_decode_results(_OutputSlice(out, n))
+        self._process_decode_results(OutputSlice(out, n))
         self._process_prefill_results(prefill, out)
 
     def _process_prefill_results(self, reqs: list[Req], out: Any) -> None:
@@ -330,8 +325,7 @@ class Scheduler:
                 self.running.append(req)
 
     def _append_token(self, req: Req, i: int, out: Any) -> int:
-        """Append the request's sampled token; returns how many tokens jump-forward added
-        after it (they need an extend pass: `_requeue_for_extend`)."""
+        """Append a sampled token; returns how many jump-forward added (`_requeue_for_extend`)."""
         req.output_ids.append(out.next_token_ids[i])
         if req.return_logprob and out.next_token_logprobs is not None:
             req.output_token_logprobs.append((out.next_token_logprobs[i], out.next_token_ids[i]))
@@ -346,9 +340,8 @@ class Scheduler:
         return jumped
 
     def _requeue_for_extend(self, req: Req) -> None:
-        """Jump-forward appended tokens without KV: the request goes back to the front of the
-        queue with its KV in the cache (as a retraction, without counting as one) and its
-        next prefill computes the new tokens' KV in one pass and samples on."""
+        """Jump-forward appended tokens without KV: back to the queue's front with its KV cached
+        (a retraction that does not count as one); its next prefill extends and samples on."""
         self.tree_cache.cache_finished_req(req, token_ids=req.all_ids()[:req.kv_len])
         req.kv_len = 0
         self.waiting_queue.insert(0, req)
@@ -483,17 +476,8 @@ class Scheduler:
 
     def check_memory(self) -> tuple[bool, int]:
         """When idle: free + cached == total, nothing locked, every request row free."""
-        free = self.token_to_kv_pool.available_size()
-        cached = self.tree_cache.total_size()
-        leaked = self.max_total_num_tokens - free - cached
-        ok = (leaked == 0 and self.tree_cache.protected_size() == 0
-              and self.req_to_token_pool.available_size() == self.req_to_token_pool.size)
-        if not ok:
-            logger.error("memory check failed: total %d, free %d, cached %d, protected %d, "
-                         "free request rows %d/%d", self.max_total_num_tokens, free, cached,
-                         self.tree_cache.protected_size(),
-                         self.req_to_token_pool.available_size(), self.req_to_token_pool.size)
-        return ok, leaked
+        return check_memory(self.max_total_num_tokens, self.token_to_kv_pool, self.tree_cache,
+                            self.req_to_token_pool)
 
     def _on_idle(self) -> None:
         self.ratio.reset()
@@ -515,12 +499,3 @@ class Scheduler:
             new_token_ratio=self.ratio.value,
             memory_check_ok=ok,
             leaked_tokens=leaked)
-
-
-class _OutputSlice:
-    """The decode part of a MIXED pass's output (rows offset.. of the batch)."""
-
-    def __init__(self, out: Any, offset: int) -> None:
-        self.next_token_ids = out.next_token_ids[offset:]
-        self.next_token_logprobs = None
-        self.next_top_logprobs = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 logger = logging.getLogger("radixserve.scheduler")
 
@@ -46,3 +47,19 @@ class SchedulerStats:
                     "cache hit rate: %.2f%%, gen throughput (token/s): %.2f, #queue-req: %d",
                     batch_size, num_tokens, token_usage, 100 * self.cache_hit_rate, throughput,
                     num_queued)
+
+
+def check_memory(max_total_num_tokens: int, token_to_kv_pool: Any, tree_cache: Any,
+                 req_to_token_pool: Any) -> tuple[bool, int]:
+    """(ok, leaked tokens): free + cached == total, nothing locked, every request row free."""
+    free = token_to_kv_pool.available_size()
+    cached = tree_cache.total_size()
+    leaked = max_total_num_tokens - free - cached
+    ok = (leaked == 0 and tree_cache.protected_size() == 0
+          and req_to_token_pool.available_size() == req_to_token_pool.size)
+    if not ok:
+        logger.error("memory check failed: total %d, free %d, cached %d, protected %d, "
+                     "free request rows %d/%d", max_total_num_tokens, free, cached,
+                     tree_cache.protected_size(), req_to_token_pool.available_size(),
+                     req_to_token_pool.size)
+    return ok, leaked

@@ -1,0 +1,144 @@
+"""Tool-call parsers on canned model texts (each format, finished and streamed in chunks of
+every size), parser detection from chat templates, the forced-call grammar accepting what the
+parser reads, and history rendering through the bundled model's chat template."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from radixserve.server.openai_protocol import ChatCompletionRequest
+from radixserve.server.openai_tools import plan_tools, render_conversation, tool_message
+from radixserve.server.tool_parsers.base import ToolCall
+from radixserve.server.tool_parsers.grammar import forced_call_ebnf
+from radixserve.server.tool_parsers.registry import detect_parser_name, get_parser
+from radixserve.server.tool_parsers.streaming import ToolCallStream
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "current weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+
+# (parser, text, expected content, expected [(name, arguments object)])
+CASES = [
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+               '"Paris", "unit": "c"}}\n</tool_call>',
+     "Let me check.", [("get_weather", {"city": "Paris", "unit": "c"})]),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a}b", "unit": "f"}}'
+               '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}'
+               '\n</tool_call>',
+     "", [("get_weather", {"city": "a}b", "unit": "f"}), ("get_time", {"zone": "UTC"})]),
+    ("qwen25", "No tools needed: 4.", "No tools needed: 4.", []),
+    ("llama3", '{"name": "get_time", "parameters": {"zone": "CET"}}', "",
+     [("get_time", {"zone": "CET"})]),
+    ("llama3", '<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}; '
+               '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "c"}}', "",
+     [("get_time", {"zone": "CET"}), ("get_weather", {"city": "Rome", "unit": "c"})]),
+    ("llama3", "The answer is {not a call}.", "The answer is {not a call}.", []),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo", '
+                '"unit": "c"}}, {"name": "get_time", "arguments": {"zone": "Z"}}]', "",
+     [("get_weather", {"city": "Oslo", "unit": "c"}), ("get_time", {"zone": "Z"})]),
+    ("mistral", 'Sure [TOOL_CALLS] [{"name": "get_time", "arguments": "{\\"zone\\": \\"Z\\"}"}]',
+     "Sure", [("get_time", {"zone": "Z"})]),
+]
+
+
+@pytest.mark.parametrize("name,text,content,calls", CASES)
+def test_parse_finished_text(name: str, text: str, content: str, calls: list) -> None:
+    got_content, got_calls = get_parser(name).parse(text)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+
+
+@pytest.mark.parametrize("name,text,content,calls", CASES)
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1000])
+def test_streaming_chunks_add_up(name: str, text: str, content: str, calls: list,
+                                 chunk: int) -> None:
+    stream = ToolCallStream(get_parser(name))
+    streamed_content = ""
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
+    ids: dict[int, str] = {}
+    for end in list(range(chunk, len(text), chunk)) + [len(text)]:
+        delta, tool_deltas = stream.update(text[:end], final=end == len(text))
+        streamed_content += delta
+        for d in tool_deltas:
+            index = d["index"]
+            if "id" in d:  # the first delta of a call: id, type, name, empty arguments
+                assert index not in ids and d["type"] == "function"
+                assert d["function"]["arguments"] == ""
+                ids[index], names[index] = d["id"], d["function"]["name"]
+            arguments[index] = arguments.get(index, "") + d["function"]["arguments"]
+    if calls:
+        assert streamed_content.strip() == content
+    else:
+        assert streamed_content == text
+    assert [(names[i], json.loads(arguments[i])) for i in sorted(names)] == calls
+    assert stream.has_calls == bool(calls)
+
+
+def test_detect_parser_from_template() -> None:
+    assert detect_parser_name("{{ '<tool_call>' }}") == "hermes"
+    assert detect_parser_name("[TOOL_CALLS]") == "mistral"
+    assert detect_parser_name("<|python_tag|>{{ x }}") == "llama3"
+    assert detect_parser_name("<|im_start|>") == "hermes"  # the default
+    with pytest.raises(ValueError, match="unknown tool-call parser"):
+        get_parser("nope")
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3", "mistral"])
+def test_forced_call_grammar_accepts_what_the_parser_reads(name: str) -> None:
+    import xgrammar
+
+    parser = get_parser(name)
+    grammar = xgrammar.Grammar.from_ebnf(forced_call_ebnf(parser, [WEATHER, TIME]))
+    text = parser.format_calls([ToolCall("get_weather", '{"city": "Paris", "unit": "c"}')])
+    assert parser.parse(text)[1][0].name == "get_weather"
+    tokenizer = xgrammar.TokenizerInfo([chr(c) for c in range(32, 127)] + ["\n"])
+    matcher = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(tokenizer).compile_grammar(grammar))
+    assert matcher.accept_string(text) and matcher.is_completed()
+    wrong = parser.format_calls([ToolCall("get_weather", '{"city": "Paris", "unit": "k"}')])
+    matcher.reset()
+    assert not matcher.accept_string(wrong)
+
+
+def _chat(**fields: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                 **fields})
+
+
+def test_tool_choice_plans() -> None:
+    assert not plan_tools(_chat(), None, "").parse_output
+    assert not plan_tools(_chat(tools=[WEATHER], tool_choice="none"), None, "").parse_output
+    auto = plan_tools(_chat(tools=[WEATHER]), None, "")
+    assert auto.parse_output and auto.forced_ebnf is None
+    named = plan_tools(_chat(tools=[WEATHER, TIME], tool_choice={
+        "type": "function", "function": {"name": "get_time"}}), None, "")
+    assert "get_time" in named.forced_ebnf and "get_weather" not in named.forced_ebnf
+    message, called = tool_message(named, '<tool_call>\n{"name": "get_time", "arguments": '
+                                          '{"zone": "UTC"}}\n</tool_call>')
+    assert called and message["content"] is None
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"zone": "UTC"}
+
+
+def test_multi_turn_history_renders_through_the_template(smollm_tokenizer) -> None:
+    body = _chat(messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}], tools=[WEATHER])
+    template = smollm_tokenizer.chat_template
+    plan = plan_tools(body, None, template)
+    prompt = smollm_tokenizer.apply_chat_template(render_conversation(body, plan, template),
+                                                  tokenize=False, add_generation_prompt=True)
+    # the tools in a system prompt (the template does not render tools), the call as hermes
+    # text in the assistant turn, the result in a tool turn
+    assert prompt.startswith("<|im_start|>system\nYou may call functions") and "get_weather" in prompt
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"' \
+        in prompt
+    assert "<|im_start|>tool\n21 degrees<|im_end|>" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
