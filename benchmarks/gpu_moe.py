@@ -7,7 +7,7 @@
    shapes at 1 .. 4096 tokens: max error, time, TB/s of expert weights read (distinct experts
    hit) and TFLOP/s.
 2. --sweep: for each shape and token bucket, the best of a candidate list of block configs; the
-   tables go to DIR/moe_configs/E=..,N=..,K=...json (copy them to
+   tables go to DIR/moe_configs/E{experts}_N{n}_K{k}.json (copy them to
    radixserve/layers/kernels/moe_configs/ to use them).
 3. MLA decode kernel (attention/kernels/mla_decode.py) against the reference on V2-Lite shapes
    (16 heads, latent 512 + rope 64) at batch 1 / 64 / 256 and context 1024 / 4096, with the
@@ -127,7 +127,7 @@ def sweep(name: str, shape, out: Path, deadline: float, lines: list[str]) -> Non
         if table:
             folder = out / "moe_configs"
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"E={num_experts},N={n},K={k}.json").write_text(json.dumps(table, indent=1))
+            (folder / f"E{num_experts}_N{n}_K{k}.json").write_text(json.dumps(table, indent=1))
 
 
 def mla_figures(lines: list[str]) -> None:

@@ -47,18 +47,18 @@ fi
 decode() {  # name batch sizes...
     local name=$1
     shift
-    timeout -k 10 "${MOE_DECODE_SECONDS:-150}" python3 -m radixserve.bench.one_batch \
+    timeout -k 10 "${MOE_DECODE_SECONDS:-140}" python3 -m radixserve.bench.one_batch \
         --model-path "benchmarks/configs/$name" --load-format dummy --dtype bfloat16 \
         --batch-size "$@" --input-len 1024 --output-len 32 --overlap --context-length 4096 \
-        --cuda-graph-max-bs 256 --max-total-tokens 300000 --log-level warning \
+        --cuda-graph-max-bs "${MOE_GRAPH_BS:-256}" --max-total-tokens 300000 --log-level warning \
         --output-file "$OUT/one_batch_$name.jsonl" > "$OUT/one_batch_$name.log" 2>&1
     echo "   $name rc $?"
     quiet < "$OUT/one_batch_$name.log" | tail -5
 }
 if step decode; then
     echo "== decode"
-    decode mixtral-8x7b 1 32 128
-    decode qwen3-30b-a3b 1 32 128
+    MOE_GRAPH_BS=128 decode mixtral-8x7b 1 32 128
+    MOE_GRAPH_BS=128 decode qwen3-30b-a3b 1 32 128
     decode deepseek-v2-lite 1 64 256
 fi
 offline() {

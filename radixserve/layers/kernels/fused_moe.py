@@ -11,7 +11,8 @@
 Blocks past the padded total exit at once, so the grid can be sized for the worst case.
 
 Block sizes come from `moe_kernel_config`: a JSON table tuned on the H200 for the expert shape
-(moe_configs/E=..,N=..,K=...json, batch size -> config; benchmarks/gpu_moe.py writes them),
+(moe_configs/E{experts}_N{n}_K{k}.json, batch size -> config, bf16 on the H200, written by
+benchmarks/gpu_moe.py --sweep),
 else a heuristic: small blocks of pairs for decode (the weights' read bounds the time), large
 ones for prefill.
 """
@@ -101,7 +102,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
 
 @functools.lru_cache(maxsize=None)
 def _tuned_table(num_experts: int, n: int, k: int) -> dict[int, dict[str, int]] | None:
-    path = CONFIG_DIR / f"E={num_experts},N={n},K={k}.json"
+    path = CONFIG_DIR / f"E{num_experts}_N{n}_K{k}.json"
     if not path.exists():
         return None
     return {int(m): cfg for m, cfg in json.loads(path.read_text()).items()}
