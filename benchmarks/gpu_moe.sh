@@ -50,21 +50,23 @@ decode() {  # name batch sizes...
     timeout -k 10 "${MOE_DECODE_SECONDS:-140}" python3 -m radixserve.bench.one_batch \
         --model-path "benchmarks/configs/$name" --load-format dummy --dtype bfloat16 \
         --batch-size "$@" --input-len 1024 --output-len 32 --overlap --context-length 4096 \
-        --cuda-graph-max-bs "${MOE_GRAPH_BS:-256}" --max-total-tokens 300000 --log-level warning \
+        --cuda-graph-max-bs "${MOE_GRAPH_BS:-256}" --max-total-tokens "${MOE_MAX_TOKENS:-300000}" \
+        --log-level warning \
         --output-file "$OUT/one_batch_$name.jsonl" > "$OUT/one_batch_$name.log" 2>&1
     echo "   $name rc $?"
     quiet < "$OUT/one_batch_$name.log" | tail -5
 }
 if step decode; then
     echo "== decode"
-    MOE_GRAPH_BS=128 decode mixtral-8x7b 1 32 128
+    # 93 GB of weights: a KV pool of 140K tokens (18 GB) leaves room for a 131K-token prefill
+    MOE_GRAPH_BS=128 MOE_MAX_TOKENS=140000 decode mixtral-8x7b 1 32 128
     MOE_GRAPH_BS=128 decode qwen3-30b-a3b 1 32 128
     decode deepseek-v2-lite 1 64 256
 fi
 offline() {
     timeout -k 10 "${MOE_OFFLINE_SECONDS:-240}" python3 -m radixserve.bench.offline \
         --model-path "benchmarks/configs/$1" --load-format dummy --dtype bfloat16 --radix on \
-        --context-length 4096 --dataset-name random --num-prompts "${MOE_OFFLINE_PROMPTS:-500}" \
+        --context-length 4096 --dataset-name random --num-prompts "${MOE_OFFLINE_PROMPTS:-500}" --cuda-graph-max-bs 256 \
         --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0 \
         --output-file "$OUT/offline_$1.jsonl" > "$OUT/offline_$1.log" 2>&1
     echo "   $1 rc $?"

@@ -8,7 +8,8 @@
   3. SiLU(gate) * up (the layers' Triton kernel) -> [T*k, I].
   4. down: the same kernel over w2 with each pair's routing weight applied to its row
      -> [T*k, H]; the k rows of a token are then summed.
-Blocks past the padded total exit at once, so the grid can be sized for the worst case.
+Blocks past the padded total exit at once; the grid holds the most blocks the padded runs can
+fill, cdiv(T*k, BLOCK_M) + min(E, T*k), so decode (few pairs, many experts) launches few.
 
 Block sizes come from `moe_kernel_config`: a JSON table tuned on the H200 for the expert shape
 (moe_configs/E{experts}_N{n}_K{k}.json, batch size -> config, bf16 on the H200, written by
@@ -128,7 +129,12 @@ def invoke_moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
     sorted_ids, expert_ids, num_post_padded = aligned
     n, k = w.shape[1], w.shape[2]
     assert a.stride(1) == 1 and w.stride(2) == 1 and out.stride(1) == 1
-    grid = (triton.cdiv(sorted_ids.numel(), config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
+    block_m, num_pairs, num_experts = config["BLOCK_M"], topk_weights.numel(), w.shape[0]
+    # padded runs fill at most cdiv(pairs, BLOCK_M) blocks plus one partial block per expert
+    # used: a grid that large (not max_padded / BLOCK_M) leaves few programs to exit at once
+    blocks_m = min(triton.cdiv(sorted_ids.numel(), block_m),
+                   triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs))
+    grid = (blocks_m * triton.cdiv(n, config["BLOCK_N"]),)
     _fused_moe_kernel[grid](
         a, w, out, topk_weights, sorted_ids, expert_ids, num_post_padded,
         n, k, topk_weights.numel(), a.stride(0), w.stride(0), w.stride(1), out.stride(0),
