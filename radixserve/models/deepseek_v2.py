@@ -96,6 +96,24 @@ class MLAAttention(nn.Module):
                                        self.kv_lora_rank)
         return w[:, :self.nope_dim], w[:, self.nope_dim:]
 
+    def _rope_and_entries(self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                          positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q with its rope part rotated, and the pool entries [latent | rotated k_pe]: one
+        Triton kernel on CUDA (layers/kernels/mla_rope.py), else PyTorch."""
+        if q.is_cuda:
+            try:
+                from radixserve.layers.kernels.mla_rope import mla_rope_and_entries
+            except ImportError:
+                pass
+            else:
+                entries = mla_rope_and_entries(q, latent, k_pe, positions,
+                                               self.rotary.cos_cache, self.rotary.sin_cache,
+                                               self.nope_dim)
+                return q, entries
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q = torch.cat((q_nope, rotate_interleaved(q_pe, positions, self.rotary)), dim=-1)
+        return q, torch.cat((latent, rotate_interleaved(k_pe, positions, self.rotary)), dim=-1)
+
     def decompress(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent entries [N, latent + rope] -> K [N, H, nope + rope], V [N, H, v]."""
         latent, k_pe = entries.split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -111,12 +129,11 @@ class MLAAttention(nn.Module):
         else:
             q = self.q_proj(hidden)
         q = q.view(-1, self.num_heads, self.qk_dim)
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank,
                                                               self.rope_dim], dim=-1)
-        q_pe = rotate_interleaved(q_pe, positions, self.rotary)
-        entries = torch.cat((self.kv_a_layernorm(latent.contiguous()),
-                             rotate_interleaved(k_pe, positions, self.rotary)), dim=-1)
+        q, entries = self._rope_and_entries(q, self.kv_a_layernorm(latent.contiguous()), k_pe,
+                                            positions)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         if forward_batch.forward_mode.is_decode():
             w_uk, w_uv = self._up_weights()
             q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)

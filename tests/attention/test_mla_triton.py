@@ -78,3 +78,25 @@ def test_deepseek_on_triton_backend_matches_transformers(name: str, tmp_path) ->
     seqs[0] += [3]
     seqs[1] += [4]
     check(driver.extend(feed, forward_mode=ForwardMode.MIXED), [2, 0, 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_mla_rope_kernel_matches_pytorch(dtype) -> None:
+    from radixserve.layers.kernels.mla_rope import mla_rope_and_entries
+    from radixserve.layers.rotary import RotaryEmbedding, default_inv_freq
+    from radixserve.models.deepseek_v2 import rotate_interleaved
+    rotary = RotaryEmbedding(8, 64, default_inv_freq(8, 10000.0), attention_factor=1.3)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 3, 16 + 8, generator=gen).to(dtype)
+    kv = torch.randn(5, 32 + 8, generator=gen).to(dtype)
+    latent, k_pe = kv.split([32, 8], dim=-1)
+    positions = torch.tensor([0, 3, 17, 40, 63])
+    want_q = torch.cat((q[..., :16], rotate_interleaved(q[..., 16:], positions, rotary)), -1)
+    want_entries = torch.cat((latent, rotate_interleaved(k_pe, positions, rotary)), -1)
+    q_dev = q.to(DEVICE)
+    entries = mla_rope_and_entries(q_dev, latent.contiguous().to(DEVICE), k_pe.to(DEVICE),
+                                   positions.to(DEVICE), rotary.cos_cache.to(DEVICE),
+                                   rotary.sin_cache.to(DEVICE), 16)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(q_dev.cpu(), want_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(entries.cpu(), want_entries, atol=tol, rtol=tol)

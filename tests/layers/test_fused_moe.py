@@ -62,3 +62,32 @@ def test_cpu_expert_loop_matches_reference() -> None:
     got = moe.forward_native(x, TopK(weights, ids))
     torch.testing.assert_close(got, fused_experts_reference(x, w13, w2, weights, ids),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [
+    (1, 2, 8, 16), (5, 2, 8, 16), (70, 3, 6, 4), (33, 8, 128, 16), (1, 6, 64, 16)])
+def test_align_kernel_matches_torch_alignment(num_tokens, top_k, num_experts, block_m) -> None:
+    from radixserve.layers.kernels.moe_align import moe_align_block_size_triton
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k]
+                       for _ in range(num_tokens)]).to(torch.int32).to(DEVICE)
+    got = moe_align_block_size_triton(ids, block_m, num_experts)
+    want = moe_align_block_size(ids, block_m, num_experts)
+    total = int(want[2])
+    assert int(got[2]) == total
+    assert torch.equal(got[0][:total], want[0][:total])  # same pairs, same order per expert
+    assert torch.equal(got[1][:total // block_m], want[1][:total // block_m])
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,renormalize,scale", [
+    (1, 8, 2, True, 1.0), (7, 128, 8, True, 1.0), (5, 64, 6, False, 2.5), (3, 60, 2, False, 1.0)])
+def test_softmax_topk_kernel_matches_torch_routing(num_tokens, num_experts, top_k, renormalize,
+                                                   scale) -> None:
+    from radixserve.layers.kernels.moe_router import softmax_topk
+    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(2))
+    weights, ids = softmax_topk(logits.to(DEVICE), top_k, renormalize, scale)
+    ref = select_experts(logits, RoutingConfig(num_experts, top_k, renormalize=renormalize,
+                                               scaling_factor=scale))
+    mine, theirs = torch.argsort(ids.cpu(), 1), torch.argsort(ref.ids, 1)
+    assert torch.equal(ids.cpu().gather(1, mine), ref.ids.gather(1, theirs))
+    torch.testing.assert_close(weights.cpu().gather(1, mine), ref.weights.gather(1, theirs))

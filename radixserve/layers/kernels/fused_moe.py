@@ -2,7 +2,8 @@
 
   1. moe_align_block_size: the (token, choice) pairs sorted by expert, each expert's run padded
      to a multiple of BLOCK_M (padding rows hold the sentinel T*k), and the expert of every
-     BLOCK_M block. Plain torch ops with static shapes: no host sync, CUDA-graph capturable.
+     BLOCK_M block. Plain torch ops with static shapes (no host sync, CUDA-graph capturable);
+     up to ALIGN_KERNEL_MAX_PAIRS pairs (decode) one Triton launch instead (moe_align.py).
   2. gate|up: one launch over (blocks of pairs) x (blocks of 2I): block b multiplies its pairs'
      hidden rows by expert_ids[b]'s w13 -> [T*k, 2I].
   3. SiLU(gate) * up (the layers' Triton kernel) -> [T*k, I].
@@ -27,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.kernels.moe_align import (ALIGN_KERNEL_MAX_PAIRS,
+                                                 moe_align_block_size_triton)
 from radixserve.layers.kernels.silu_and_mul import silu_and_mul
 
 CONFIG_DIR = Path(__file__).parent / "moe_configs"
@@ -156,12 +159,14 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     config1 = moe_kernel_config(num_tokens, num_experts, two_i, hidden_size)
     config2 = moe_kernel_config(num_tokens, num_experts, hidden_size, two_i // 2)
     weights = topk_weights.reshape(-1).to(torch.float32)
-    aligned = moe_align_block_size(topk_ids, config1["BLOCK_M"], num_experts)
+    align = moe_align_block_size_triton if num_tokens * top_k <= ALIGN_KERNEL_MAX_PAIRS \
+        else moe_align_block_size
+    aligned = align(topk_ids, config1["BLOCK_M"], num_experts)
     gate_up = torch.empty(num_tokens * top_k, two_i, dtype=hidden.dtype, device=hidden.device)
     invoke_moe_gemm(hidden, w13, gate_up, weights, aligned, top_k, False, config1)
     act = silu_and_mul(gate_up)
     if config2["BLOCK_M"] != config1["BLOCK_M"]:
-        aligned = moe_align_block_size(topk_ids, config2["BLOCK_M"], num_experts)
+        aligned = align(topk_ids, config2["BLOCK_M"], num_experts)
     down = torch.empty(num_tokens * top_k, hidden_size, dtype=hidden.dtype,
                        device=hidden.device)
     invoke_moe_gemm(act, w2, down, weights, aligned, 1, True, config2)

@@ -32,9 +32,19 @@ class RoutingConfig:
 
 
 def select_experts(router_logits: torch.Tensor, config: RoutingConfig) -> TopK:
-    """router_logits: [T, E] -> the k experts of each token and their weights (float32)."""
+    """router_logits: [T, E] -> the k experts of each token and their weights (float32).
+    On CUDA, ungrouped routing is one Triton kernel (layers/kernels/moe_router.py)."""
+    grouped = config.num_groups > 1 and config.topk_group < config.num_groups
+    if router_logits.is_cuda and not grouped:
+        try:
+            from radixserve.layers.kernels.moe_router import softmax_topk
+        except ImportError:
+            pass
+        else:
+            return TopK(*softmax_topk(router_logits, config.top_k, config.renormalize,
+                                      config.scaling_factor))
     scores = torch.softmax(router_logits.float(), dim=-1)
-    if config.num_groups > 1 and config.topk_group < config.num_groups:
+    if grouped:
         scores = _mask_to_best_groups(scores, config.num_groups, config.topk_group)
     weights, ids = torch.topk(scores, config.top_k, dim=-1, sorted=False)
     if config.renormalize:
