@@ -96,6 +96,7 @@ class SamplingFields(StrictModel):
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true",
                            param="stream_options")
+        self.grammar()  # a bad response_format is refused before anything else is done
 
     def grammar(self) -> dict[str, str]:
         """The constrained-decoding sampling parameter this request asks for ({} if none):
@@ -209,6 +210,13 @@ class ChatCompletionRequest(SamplingFields):
         for name in ("functions", "function_call"):
             if getattr(self, name):
                 raise APIError(f"{name} is not supported; use tools", param=name)
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto", "required") and not (
+                isinstance(choice, dict) and choice.get("type") == "function"
+                and isinstance(choice.get("function"), dict)):
+            raise APIError("tool_choice must be \"none\", \"auto\", \"required\" or "
+                           "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+                           param="tool_choice")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")

@@ -74,10 +74,12 @@ def test_completion_rejections(fields: dict[str, Any], param: str) -> None:
 
 @pytest.mark.parametrize("fields,param", [
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
-    ({"tools": [{"type": "function"}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ({"functions": [{"name": "f"}]}, "functions"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
