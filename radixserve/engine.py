@@ -162,7 +162,7 @@ class Engine:
             params = req.sampling_params
             detok = None if self.tokenizer is None else IncrementalDetokenizer(
                 self.tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens,
-                params.stop_strs)
+                params.stop_strs, params.keep_special_tokens)
             pending[req.rid] = _Pending(req.rid, detok)
         return pending
 

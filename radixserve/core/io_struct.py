@@ -105,6 +105,7 @@ class BatchTokenIDOut:
     skip_special_tokens: list[bool]
     spaces_between_special_tokens: list[bool]
     stop_strs: list[list[str]] = field(default_factory=list)
+    keep_special_tokens: list[tuple[str, ...]] = field(default_factory=list)
 
 
 @dataclass

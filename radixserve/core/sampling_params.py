@@ -7,6 +7,7 @@ from typing import Any
 
 _MAX_TOP_LOGPROBS = 20
 GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
+_INTERNAL_FIELDS = ("stop_strs", "stop_str_max_len", "keep_special_tokens")  # not request fields
 
 
 def _as_token_id(token: Any) -> int | None:
@@ -45,6 +46,10 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # special tokens (by text) that stay in the output text while skip_special_tokens drops the
+    # others: the chat handler's tool-call marker when it is a special token ([TOOL_CALLS],
+    # <|python_tag|>); set by the server, not a request field
+    keep_special_tokens: tuple[str, ...] = ()
     n: int = 1
     seed: int | None = None
     # token id -> bias added to its logit before sampling (OpenAI's logit_bias, in [-100, 100];
@@ -63,7 +68,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> "SamplingParams":
         params = dict(params or {})
-        known = {f for f in cls.__dataclass_fields__ if f not in ("stop_strs", "stop_str_max_len")}
+        known = {f for f in cls.__dataclass_fields__ if f not in _INTERNAL_FIELDS}
         unknown = sorted(set(params) - known)
         if unknown:
             raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")

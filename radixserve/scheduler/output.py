@@ -47,6 +47,7 @@ def build_token_output(reqs: list[Req]) -> BatchTokenIDOut | None:
         out.skip_special_tokens.append(params.skip_special_tokens)
         out.spaces_between_special_tokens.append(params.spaces_between_special_tokens)
         out.stop_strs.append(params.stop_strs)
+        out.keep_special_tokens.append(params.keep_special_tokens)
     return out
 
 

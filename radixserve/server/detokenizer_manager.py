@@ -45,11 +45,12 @@ class DetokenizerManager:
                 continue
             state = self.states.get(rid)
             if state is None:
-                stop_strs = batch.stop_strs[i] if i < len(batch.stop_strs) else []
+                stop_strs = _at(batch.stop_strs, i, [])
                 state = IncrementalDetokenizer(
                     self.tokenizer, skip_special_tokens=batch.skip_special_tokens[i],
                     spaces_between_special_tokens=batch.spaces_between_special_tokens[i],
-                    stop_strs=stop_strs)
+                    stop_strs=stop_strs,
+                    keep_special_tokens=_at(batch.keep_special_tokens, i, ()))
                 self.states[rid] = state
             if finish is None:
                 deltas.append(state.append(new_ids))
@@ -60,6 +61,10 @@ class DetokenizerManager:
                            new_output_ids=list(batch.new_output_ids),
                            finished_reasons=list(batch.finished_reasons),
                            meta_infos=list(batch.meta_infos))
+
+
+def _at(values: list[Any], i: int, default: Any) -> Any:
+    return values[i] if i < len(values) else default
 
 
 def _matched_stop_str(finish_reason: dict[str, Any]) -> str | None:

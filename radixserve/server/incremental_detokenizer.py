@@ -10,12 +10,19 @@ Stop strings: text that could be the start of a stop string is held back until i
 become one, so a stop string is never streamed, even in part. On a stop-string finish the text is
 cut where the stop string begins (the stop string itself is not returned, as OpenAI does).
 
+Special tokens kept (`keep_special_tokens`, the chat handler's tool-call marker when it is a
+special token): the other special tokens' ids are dropped as they arrive and the rest is decoded
+with skip_special_tokens=False, so the text holds the kept tokens and no EOS or other control
+token.
+
 Invariant: the concatenation of everything `append` and `finish` return equals
-`tokenizer.decode(all_ids, ...)`, cut at the stop string when one matched.
+`tokenizer.decode(all_ids, ...)` (of the ids kept), cut at the stop string when one matched.
 """
 from __future__ import annotations
 
 from typing import Any, Protocol
+
+from radixserve.server.tokenizer_utils import dropped_special_ids
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -29,9 +36,15 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True,
-                 stop_strs: list[str] | None = None) -> None:
+                 stop_strs: list[str] | None = None,
+                 keep_special_tokens: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # with kept special tokens: the ids left out before decoding without skipping
+        self.dropped: frozenset[int] | None = None
+        if skip_special_tokens and keep_special_tokens:
+            self.dropped = dropped_special_ids(tokenizer, keep_special_tokens)
+            self.skip_special_tokens = False
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.stop_strs = [s for s in (stop_strs or []) if s]
         self.ids: list[int] = []
@@ -50,6 +63,7 @@ class IncrementalDetokenizer:
         """Add tokens; return the newly stable text (possibly empty)."""
         if self.finished:
             raise RuntimeError("append() after finish()")
+        new_ids = self._kept(new_ids)
         if not new_ids:
             return ""
         self.ids.extend(new_ids)
@@ -68,7 +82,7 @@ class IncrementalDetokenizer:
         if self.finished:
             return ""
         self.finished = True
-        self.ids.extend(new_ids or [])
+        self.ids.extend(self._kept(new_ids or []))
         full_text = self._decode(self.ids)
         if full_text.startswith(self.text):
             self.text = full_text
@@ -78,6 +92,11 @@ class IncrementalDetokenizer:
         if matched_stop_str:
             self.text = self.text[:self._stop_cut(matched_stop_str)]
         return self._release(hold_stop_prefix=False)
+
+    def _kept(self, ids: list[int]) -> list[int]:
+        if self.dropped is None:
+            return ids
+        return [i for i in ids if i not in self.dropped]
 
     def _stop_cut(self, stop: str) -> int:
         # Held-back text means the match starts at or after sent_len; anything earlier was

@@ -14,8 +14,8 @@ from radixserve.server.errors import APIError
 from radixserve.server.openai_common import (OpenAIContext, finish_reason_of, new_id, now_s,
                                              sample_copies, sse, sse_response, usage_of)
 from radixserve.server.openai_protocol import ChatCompletionRequest, parse_model
-from radixserve.server.openai_tools import (ToolPlan, plan_tools, render_conversation,
-                                            tool_message)
+from radixserve.server.openai_tools import (ToolPlan, kept_special_tokens, plan_tools,
+                                            render_conversation, tool_message)
 from radixserve.server.tool_parsers.streaming import ToolCallStream
 from radixserve.server.request_state import GenerateRequest, ReqOutput
 
@@ -52,6 +52,7 @@ def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest
     params = body.sampling_params(max_tokens, tm.generation_defaults)
     if plan.forced_ebnf is not None:
         params.ebnf = plan.forced_ebnf
+    params.keep_special_tokens = kept_special_tokens(plan, tm.tokenizer)
     req = tm.make_request(
         text=prompt, input_ids=input_ids, sampling_params=params,
         return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
@@ -116,7 +117,8 @@ async def stream_events(ctx: OpenAIContext, body: ChatCompletionRequest, plan: T
     sent_logprobs = [0] * len(reqs)
     started = [False] * len(reqs)
     finals: list[ReqOutput | None] = [None] * len(reqs)
-    tool_streams = [ToolCallStream(plan.parser) if plan.parse_output else None for _ in reqs]
+    tool_streams = [ToolCallStream(plan.parser, plan.max_calls) if plan.parse_output else None
+                    for _ in reqs]
     merged = ctx.tokenizer_manager.generate_merged(reqs, request)
     async with contextlib.aclosing(merged) as outputs:
         async for index, out in outputs:

@@ -4,9 +4,17 @@ turning the model's text back into `message.tool_calls`.
 
 - tool_choice "auto" (the default with tools): the template renders the tools and the output is
   parsed for calls in the parser's format (server/tool_parsers/); "none": no tools rendered, no
-  parsing; "required" or {"type": "function", "function": {"name": ...}}: the output is
-  constrained (xgrammar EBNF) to exactly one call of one of the tools (or the named one), so
-  it always parses and its arguments validate against the tool's parameters schema.
+  parsing; "required": the output is constrained (xgrammar EBNF) to calls of the tools, so it
+  always parses and the arguments validate against the tool's parameters schema: one or more
+  calls when parallel_tool_calls is true or absent (OpenAI's default) and the format can hold
+  several in one answer (hermes, mistral; llama3's is one call per message), exactly one when
+  it is false; {"type": "function", "function": {"name": ...}}: exactly one call of that tool.
+  parallel_tool_calls false also keeps only the first call an "auto" answer makes.
+- The parser's marker may be a special token of the tokenizer (Mistral's [TOOL_CALLS], Llama
+  3.1's <|python_tag|>), which skip_special_tokens would strip from the text: such requests
+  keep that one special token (SamplingParams.keep_special_tokens; vLLM turns
+  skip_special_tokens off instead, which would also let EOS and other control tokens into the
+  content).
 - Templates that render tools themselves (they mention `tools`) get them through
   apply_chat_template(tools=...); others get a system prompt listing them in the parser's
   format. Assistant turns with tool_calls go to templates that know `tool_calls` as they are
@@ -21,6 +29,7 @@ from typing import Any
 
 from radixserve.server.errors import APIError
 from radixserve.server.openai_protocol import ChatCompletionRequest
+from radixserve.server.tokenizer_utils import special_token_ids
 from radixserve.server.tool_parsers.base import ToolCall, ToolCallParser
 from radixserve.server.tool_parsers.grammar import forced_call_ebnf
 from radixserve.server.tool_parsers.registry import get_parser
@@ -35,6 +44,7 @@ class ToolPlan:
     tools: list[dict[str, Any]] = field(default_factory=list)  # rendered for the model
     parse_output: bool = False
     forced_ebnf: str | None = None  # the grammar of a required / named call
+    max_calls: int | None = None  # 1 with parallel_tool_calls false: later calls are dropped
 
 
 def check_tools(tools: list[Any] | None) -> list[dict[str, Any]]:
@@ -66,12 +76,14 @@ def plan_tools(body: ChatCompletionRequest, parser_name: str | None,
     choice = body.tool_choice
     if choice == "none" or (choice in (None, "auto") and not tools):
         return ToolPlan(parser)
+    max_calls = 1 if body.parallel_tool_calls is False else None
     if choice in (None, "auto"):
-        return ToolPlan(parser, tools, parse_output=True)
+        return ToolPlan(parser, tools, parse_output=True, max_calls=max_calls)
     if not tools:
         raise APIError("tool_choice needs tools", param="tool_choice")
+    parallel = False
     if choice == "required":
-        forced = tools
+        forced, parallel = tools, max_calls is None
     elif isinstance(choice, dict) and choice.get("type") == "function" and \
             isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
@@ -86,10 +98,19 @@ def plan_tools(body: ChatCompletionRequest, parser_name: str | None,
         raise APIError("a required or named tool_choice cannot be combined with "
                        "response_format, regex or ebnf", param="tool_choice")
     try:
-        ebnf = forced_call_ebnf(parser, forced)
+        ebnf = forced_call_ebnf(parser, forced, parallel)
     except Exception as exc:  # noqa: BLE001 - xgrammar's error about the tool's schema
         raise APIError(f"invalid tool parameters schema: {exc}", param="tools") from exc
-    return ToolPlan(parser, tools, parse_output=True, forced_ebnf=ebnf)
+    return ToolPlan(parser, tools, parse_output=True, forced_ebnf=ebnf, max_calls=max_calls)
+
+
+def kept_special_tokens(plan: ToolPlan, tokenizer: Any) -> tuple[str, ...]:
+    """The special tokens a request's output text must keep: the parser's marker when the
+    output is parsed for calls and the marker is a special token of `tokenizer` (decoding
+    with skip_special_tokens would drop it, and the calls with it)."""
+    if not plan.parse_output or not plan.parser.marker:
+        return ()
+    return (plan.parser.marker,) if plan.parser.marker in special_token_ids(tokenizer) else ()
 
 
 def render_conversation(body: ChatCompletionRequest, plan: ToolPlan,
@@ -142,6 +163,7 @@ def tool_message(plan: ToolPlan, text: str) -> tuple[dict[str, Any], bool]:
     content, calls = plan.parser.parse(text)
     if not calls:
         return {"role": "assistant", "content": text}, False
+    calls = calls[:plan.max_calls]
     return {"role": "assistant", "content": content or None,
             "tool_calls": [{"id": new_call_id(), "type": "function",
                             "function": {"name": c.name, "arguments": c.arguments}}

@@ -21,3 +21,22 @@ def token_texts(tokenizer: Any | None, token_ids: list[int]) -> list[str | None]
     if tokenizer is None:
         return [None] * len(token_ids)
     return [tokenizer.decode([tid], skip_special_tokens=False) for tid in token_ids]
+
+
+def special_token_ids(tokenizer: Any) -> dict[str, int]:
+    """The tokens decode(skip_special_tokens=True) drops, text -> id: the added tokens marked
+    special (what the `tokenizers` backend skips) and the named special tokens (bos, eos, ...,
+    what slow tokenizers skip)."""
+    found: dict[str, int] = {}
+    for token_id, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(token, "special", False):
+            found[str(token)] = int(token_id)
+    for text, token_id in zip(getattr(tokenizer, "all_special_tokens", None) or [],
+                              getattr(tokenizer, "all_special_ids", None) or []):
+        found.setdefault(text, int(token_id))
+    return found
+
+
+def dropped_special_ids(tokenizer: Any, keep: tuple[str, ...] | list[str]) -> frozenset[int]:
+    """The ids of the special tokens to leave out of the text, all but those in `keep`."""
+    return frozenset(i for text, i in special_token_ids(tokenizer).items() if text not in keep)

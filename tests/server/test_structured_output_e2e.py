@@ -1,6 +1,7 @@
 """Constrained decoding and tool calling through the real server and the real `openai` SDK
 (bundled SmolLM2-135M, CPU): JSON-schema outputs validate (jsonschema), regex outputs fully
-match, EBNF works, forced tool calls parse and validate, streaming and not, n = 3; masking
+match, EBNF works, forced tool calls parse and validate (one, or several with
+parallel_tool_calls), streaming and not, n = 3; masking
 leaves unconstrained requests in the same batch unchanged; bad grammars are 400s naming the
 field; the KV accounting is intact afterwards."""
 from __future__ import annotations
@@ -123,16 +124,60 @@ def _check_call(call: Any) -> None:
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function",
-                                                      "function": {"name": "get_weather"}}],
-                         ids=["required", "named"])
-def test_forced_tool_call(openai_client: Any, model_name: str, tool_choice: Any) -> None:
+@pytest.mark.parametrize("tool_choice,parallel", [
+    ("required", False), ({"type": "function", "function": {"name": "get_weather"}}, None)],
+    ids=["required-not-parallel", "named"])
+def test_forced_tool_call(openai_client: Any, model_name: str, tool_choice: Any,
+                          parallel: bool | None) -> None:
+    """Exactly one call: required with parallel_tool_calls false, or a named function."""
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
     out = openai_client.chat.completions.create(
         model=model_name, messages=ASK_WEATHER, tools=[WEATHER], tool_choice=tool_choice,
-        max_tokens=60, temperature=0)
+        max_tokens=60, temperature=0, **extra)
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
     _check_call(choice.message.tool_calls[0])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_forced_parallel_tool_calls(openai_client: Any, model_name: str, stream: bool) -> None:
+    """tool_choice required with parallel_tool_calls absent (true): the grammar allows one or
+    more calls; min_tokens keeps EOS out until past the first call, so the grammar's only way
+    on is a second <tool_call> block, and every complete call parses and validates."""
+    kwargs = dict(model=model_name, messages=[{"role": "user", "content": (
+        "What is the weather like in Paris and in Rome today?")}], tools=[WEATHER],
+        tool_choice="required", max_tokens=120, temperature=0, extra_body={"min_tokens": 40})
+    if not stream:
+        choice = openai_client.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "tool_calls"
+        calls = choice.message.tool_calls
+        assert len(calls) >= 2 and len({c.id for c in calls}) == len(calls)
+        for call in calls:
+            _check_call(call)
+        return
+    calls: dict[int, dict[str, str]] = {}
+    reasons = []
+    for chunk in openai_client.chat.completions.create(stream=True, **kwargs):
+        choice = chunk.choices[0]
+        reasons.append(choice.finish_reason)
+        for delta in choice.delta.tool_calls or []:
+            if delta.id is not None:
+                assert delta.index == len(calls) and delta.function.name == "get_weather"
+                calls[delta.index] = {"id": delta.id, "arguments": ""}
+            calls[delta.index]["arguments"] += delta.function.arguments or ""
+    assert reasons[-1] == "tool_calls" and len(calls) >= 2
+    complete = [c for c in calls.values() if _parses(c["arguments"])]
+    assert len(complete) >= 2  # a last call cut by max_tokens may be unfinished
+    for call in complete:
+        jsonschema.validate(json.loads(call["arguments"]), WEATHER["function"]["parameters"])
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def test_forced_tool_call_streamed(openai_client: Any, model_name: str) -> None:
@@ -140,7 +185,7 @@ def test_forced_tool_call_streamed(openai_client: Any, model_name: str) -> None:
     reasons = []
     for chunk in openai_client.chat.completions.create(
             model=model_name, messages=ASK_WEATHER, tools=[WEATHER], tool_choice="required",
-            max_tokens=60, temperature=0, stream=True):
+            parallel_tool_calls=False, max_tokens=60, temperature=0, stream=True):
         choice = chunk.choices[0]
         reasons.append(choice.finish_reason)
         for delta in choice.delta.tool_calls or []:

@@ -1,6 +1,7 @@
 """Tool-call parsers on canned model texts (each format, finished and streamed in chunks of
 every size), parser detection from chat templates, the forced-call grammar accepting what the
-parser reads, and history rendering through the bundled model's chat template."""
+parser reads (one call, or several with parallel_tool_calls where the format holds them), and
+history rendering through the bundled model's chat template."""
 from __future__ import annotations
 
 import json
@@ -89,20 +90,50 @@ def test_detect_parser_from_template() -> None:
         get_parser("nope")
 
 
-@pytest.mark.parametrize("name", ["hermes", "llama3", "mistral"])
-def test_forced_call_grammar_accepts_what_the_parser_reads(name: str) -> None:
+def _matcher(ebnf: str):
     import xgrammar
 
-    parser = get_parser(name)
-    grammar = xgrammar.Grammar.from_ebnf(forced_call_ebnf(parser, [WEATHER, TIME]))
-    text = parser.format_calls([ToolCall("get_weather", '{"city": "Paris", "unit": "c"}')])
-    assert parser.parse(text)[1][0].name == "get_weather"
     tokenizer = xgrammar.TokenizerInfo([chr(c) for c in range(32, 127)] + ["\n"])
-    matcher = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(tokenizer).compile_grammar(grammar))
-    assert matcher.accept_string(text) and matcher.is_completed()
+    compiled = xgrammar.GrammarCompiler(tokenizer).compile_grammar(
+        xgrammar.Grammar.from_ebnf(ebnf))
+    return xgrammar.GrammarMatcher(compiled)
+
+
+def _accepts(ebnf: str, text: str) -> bool:
+    matcher = _matcher(ebnf)
+    return matcher.accept_string(text) and matcher.is_completed()
+
+
+ONE_CALL = [ToolCall("get_weather", '{"city": "Paris", "unit": "c"}')]
+TWO_CALLS = ONE_CALL + [ToolCall("get_time", '{"zone": "UTC"}')]
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["single", "parallel"])
+@pytest.mark.parametrize("name", ["hermes", "llama3", "mistral"])
+def test_forced_call_grammar_accepts_what_the_parser_reads(name: str, parallel: bool) -> None:
+    parser = get_parser(name)
+    ebnf = forced_call_ebnf(parser, [WEATHER, TIME], parallel)
+    text = parser.format_calls(ONE_CALL)
+    assert parser.parse(text)[1][0].name == "get_weather"
+    assert _accepts(ebnf, text)
     wrong = parser.format_calls([ToolCall("get_weather", '{"city": "Paris", "unit": "k"}')])
-    matcher.reset()
-    assert not matcher.accept_string(wrong)
+    assert not _matcher(ebnf).accept_string(wrong)
+
+
+@pytest.mark.parametrize("name,several", [("hermes", True), ("mistral", True),
+                                          ("llama3", False)])
+def test_forced_grammar_allows_several_calls_only_when_parallel(name: str,
+                                                                several: bool) -> None:
+    """hermes (one <tool_call> block per call) and mistral (one JSON array) can hold several
+    calls in one answer; llama3's format is one call per message."""
+    parser = get_parser(name)
+    text = parser.format_calls(TWO_CALLS)
+    assert [c.name for c in parser.parse(text)[1]] == ["get_weather", "get_time"]
+    assert _accepts(forced_call_ebnf(parser, [WEATHER, TIME], parallel=True), text) == several
+    assert not _accepts(forced_call_ebnf(parser, [WEATHER, TIME], parallel=False), text)
+    # the answer may not end between calls, nor after an unfinished wrapper
+    between = text[:text.index("get_time") - len('{"name": "')]
+    assert not _accepts(forced_call_ebnf(parser, [WEATHER, TIME], parallel=True), between)
 
 
 def _chat(**fields: object) -> ChatCompletionRequest:
@@ -122,6 +153,44 @@ def test_tool_choice_plans() -> None:
                                           '{"zone": "UTC"}}\n</tool_call>')
     assert called and message["content"] is None
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"zone": "UTC"}
+
+
+def test_parallel_tool_calls_plans() -> None:
+    """required: one or more calls unless parallel_tool_calls is false; a named function is
+    one call; false also keeps only the first call of an auto answer."""
+    hermes_two = get_parser("hermes").format_calls(TWO_CALLS)
+    for fields, parallel in [({}, True), ({"parallel_tool_calls": True}, True),
+                             ({"parallel_tool_calls": False}, False)]:
+        plan = plan_tools(_chat(tools=[WEATHER, TIME], tool_choice="required", **fields),
+                          None, "")
+        assert _accepts(plan.forced_ebnf, hermes_two) == parallel
+        message, called = tool_message(plan, hermes_two)
+        assert called and len(message["tool_calls"]) == (2 if parallel else 1)
+    named = plan_tools(_chat(tools=[WEATHER, TIME], parallel_tool_calls=True, tool_choice={
+        "type": "function", "function": {"name": "get_weather"}}), None, "")
+    one = get_parser("hermes").format_calls(ONE_CALL)
+    assert _accepts(named.forced_ebnf, one)
+    assert not _accepts(named.forced_ebnf, get_parser("hermes").format_calls(ONE_CALL * 2))
+    mistral = plan_tools(_chat(tools=[WEATHER, TIME], tool_choice="required"), "mistral", "")
+    assert _accepts(mistral.forced_ebnf, get_parser("mistral").format_calls(TWO_CALLS))
+    llama = plan_tools(_chat(tools=[WEATHER, TIME], tool_choice="required"), "llama3", "")
+    assert not _accepts(llama.forced_ebnf, get_parser("llama3").format_calls(TWO_CALLS))
+    auto = plan_tools(_chat(tools=[WEATHER, TIME], parallel_tool_calls=False), None, "")
+    assert auto.forced_ebnf is None
+    message, _ = tool_message(auto, hermes_two)
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1000])
+def test_stream_with_max_calls_sends_the_first_call_only(chunk: int) -> None:
+    text = get_parser("mistral").format_calls(TWO_CALLS)
+    stream = ToolCallStream(get_parser("mistral"), max_calls=1)
+    deltas = []
+    for end in list(range(chunk, len(text), chunk)) + [len(text)]:
+        deltas += stream.update(text[:end], final=end == len(text))[1]
+    assert {d["index"] for d in deltas} == {0}
+    assert json.loads("".join(d["function"]["arguments"] for d in deltas)) == \
+        json.loads(TWO_CALLS[0].arguments)
 
 
 def test_multi_turn_history_renders_through_the_template(smollm_tokenizer) -> None:

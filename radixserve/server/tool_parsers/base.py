@@ -63,10 +63,13 @@ class ToolCallParser(ABC):
 
     @abstractmethod
     def grammar_parts(self) -> tuple[str, str]:
-        """(before, after): literal text around the single call a forced call writes; the
-        call object itself is {"name": ..., <arguments_key>: {...}}."""
+        """(before, after): literal text around the calls a forced call writes; each call
+        object is {"name": ..., <arguments_key>: {...}}."""
 
     arguments_key: str = "arguments"
+    # literal text between two calls of one answer in a forced call's grammar (parallel tool
+    # calls); None where the format holds one call per message
+    grammar_between: str | None = None
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
         """Instructions for chat templates that ignore `tools`."""

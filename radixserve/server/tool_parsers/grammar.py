@@ -1,6 +1,8 @@
-"""The grammar that forces one tool call (tool_choice "required" or a named function): an
+"""The grammar that forces tool calls (tool_choice "required" or a named function): an
 xgrammar EBNF of the parser's wrapper around {"name": <one of the tools>, <arguments_key>:
-<that tool's parameters schema>}, so the call always parses and its arguments validate."""
+<that tool's parameters schema>}, so the calls always parse and their arguments validate.
+One call, or with `parallel` one or more where the format can hold several in one answer
+(the parser's `grammar_between`: hermes' blocks, mistral's array; llama3 stays at one)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +12,9 @@ from radixserve.scheduler.grammar.validation import JSON_SCHEMA_OPTIONS
 from radixserve.server.tool_parsers.base import ToolCallParser
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object", "additionalProperties": True}
+# the rule of the whole answer; the call schema's own root becomes a rule it refers to
+# (xgrammar prints the grammar's root rule as `root`, renaming the schema's)
+_CALLS_RULE = "radixserve_forced_tool_calls"
 
 
 def call_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:
@@ -25,17 +30,23 @@ def call_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, An
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def forced_call_ebnf(parser: ToolCallParser, tools: list[dict[str, Any]]) -> str:
-    """EBNF text (for the `ebnf` sampling parameter) of exactly one call of one of `tools`."""
+def forced_call_ebnf(parser: ToolCallParser, tools: list[dict[str, Any]],
+                     parallel: bool = False) -> str:
+    """EBNF text (for the `ebnf` sampling parameter) of exactly one call of one of `tools`,
+    or with `parallel` of one or more where the parser's format can hold several."""
     import xgrammar
 
+    call = xgrammar.Grammar.from_json_schema(
+        json.dumps(call_schema(tools, parser.arguments_key)), **JSON_SCHEMA_OPTIONS)
     before, after = parser.grammar_parts()
-    parts = [xgrammar.Grammar.from_json_schema(json.dumps(call_schema(tools,
-                                                                      parser.arguments_key)),
-                                               **JSON_SCHEMA_OPTIONS)]
-    if before:
-        parts.insert(0, xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(before)}"))
-    if after:
-        parts.append(xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(after)}"))
-    grammar = parts[0] if len(parts) == 1 else xgrammar.Grammar.concat(*parts)
+    calls = "root"
+    if parallel and parser.grammar_between is not None:
+        calls = f"root ({_literal(parser.grammar_between)} root)*"
+    body = " ".join(part for part in (_literal(before), calls, _literal(after)) if part)
+    grammar = xgrammar.Grammar.from_ebnf(f"{_CALLS_RULE} ::= {body}\n{call}",
+                                         root_rule_name=_CALLS_RULE)
     return str(grammar)
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text) if text else ""

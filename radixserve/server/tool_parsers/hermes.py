@@ -9,6 +9,7 @@ class HermesParser(ToolCallParser):
     name = "hermes"
     marker = "<tool_call>"
     wrappers = ("<tool_call>", "</tool_call>")
+    grammar_between = "\n</tool_call>\n<tool_call>\n"  # one block per call
 
     def wrap_call(self, call_json: str) -> str:
         return f"<tool_call>\n{call_json}\n</tool_call>"

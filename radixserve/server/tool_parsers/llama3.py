@@ -1,6 +1,8 @@
 """Llama 3.1 / 3.2 JSON tool calls: the whole answer is `{"name": ..., "parameters": {...}}`
-(several separated by `;`), optionally after `<|python_tag|>`. An answer whose first
-non-blank character is not `{` is plain content."""
+(several separated by `;` are read too), optionally after `<|python_tag|>` (a special token:
+chat requests with tools keep it in the text, SamplingParams.keep_special_tokens). An answer
+whose first non-blank character is not `{` is plain content. A forced call is one call, the
+format's one call per message (grammar_between stays None)."""
 from __future__ import annotations
 
 from radixserve.server.tool_parsers.base import ToolCallParser, held_back

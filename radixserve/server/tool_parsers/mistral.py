@@ -1,6 +1,6 @@
 """Mistral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (the marker is a special
-token in Mistral's vocabularies; skip_special_tokens is turned off for tool requests so the
-text keeps it)."""
+token in Mistral's vocabularies: chat requests with tools keep it in the text,
+SamplingParams.keep_special_tokens)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,7 @@ class MistralParser(ToolCallParser):
     name = "mistral"
     marker = "[TOOL_CALLS]"
     wrappers = ("[TOOL_CALLS]",)
+    grammar_between = ", "  # the calls are one JSON array
 
     def wrap_call(self, call_json: str) -> str:
         return f"[TOOL_CALLS] [{call_json}]"

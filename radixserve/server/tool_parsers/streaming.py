@@ -18,8 +18,9 @@ class _SentCall:
 
 
 class ToolCallStream:
-    def __init__(self, parser: ToolCallParser) -> None:
+    def __init__(self, parser: ToolCallParser, max_calls: int | None = None) -> None:
         self.parser = parser
+        self.max_calls = max_calls  # calls past it are not sent (parallel_tool_calls false)
         self.content_sent = 0
         self.calls: list[_SentCall] = []
 
@@ -35,7 +36,7 @@ class ToolCallStream:
             content = text[self.content_sent:scan.content_end]
             self.content_sent = scan.content_end
         deltas: list[dict[str, Any]] = []
-        for index, call in enumerate(scan.calls):
+        for index, call in enumerate(scan.calls[:self.max_calls]):
             if call.name is None:
                 break
             if index == len(self.calls):
