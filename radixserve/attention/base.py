@@ -44,7 +44,7 @@ import torch
 
 from radixserve.attention.mla_plan import MLAExtendPlan, build_mla_extend_plan
 from radixserve.core.forward_batch import ForwardBatch
-from radixserve.mem.kv_pool import KVPool
+from radixserve.mem.kv_pool import KVPool, dequantize
 from radixserve.mem.req_to_token_pool import ReqToTokenPool
 
 if TYPE_CHECKING:  # same layer (layers/ and attention/ sit side by side)
@@ -125,7 +125,10 @@ class AttentionBackend(ABC):
         if plan.num_prefix_tokens:
             buffer = self.kv_pool.kv_buffers(layer.layer_id)[0]
             prefix = buffer.index_select(0, plan.prefix_slots).view(plan.num_prefix_tokens, -1)
-            entries = torch.cat((prefix, entries.to(prefix.dtype)))
+            scales = self.kv_pool.kv_scales(layer.layer_id)
+            prefix = prefix.to(entries.dtype) if scales is None else \
+                dequantize(prefix, scales[0], entries.dtype)
+            entries = torch.cat((prefix, entries))
         k, v = decompress(entries)
         return self.ragged_extend_attention(q, k, v, plan, layer, forward_batch)
 

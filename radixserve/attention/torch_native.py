@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from radixserve.attention.base import AttentionBackend, AttentionContext
 from radixserve.attention.mla_plan import MLAExtendPlan
 from radixserve.core.forward_batch import ForwardBatch, ForwardMode
+from radixserve.mem.kv_pool import dequantize
 
 if TYPE_CHECKING:
     from radixserve.layers.radix_attention import RadixAttention
@@ -123,22 +124,30 @@ class TorchNativeAttnBackend(AttentionBackend):
                       self._part(forward_batch, split, bs, head_tokens, q_lens[split:])]
 
     @staticmethod
-    def _gather(buffer: torch.Tensor, part: PaddedPart, dtype: torch.dtype) -> torch.Tensor:
+    def _gather(buffer: torch.Tensor, part: PaddedPart, dtype: torch.dtype,
+                scale: float | None = None) -> torch.Tensor:
         """[bs, max_kv_len, heads, head_dim] rows of one layer's K or V buffer (index_select
-        is several times faster than advanced indexing on CPU)."""
+        is several times faster than advanced indexing on CPU), dequantised when `scale` is
+        given (FP8 storage)."""
         bs, max_kv_len = part.kv_indices.shape
         rows = buffer.index_select(0, part.kv_indices.reshape(-1))
-        return rows.view(bs, max_kv_len, *buffer.shape[1:]).to(dtype)
+        rows = rows.view(bs, max_kv_len, *buffer.shape[1:])
+        return rows.to(dtype) if scale is None else dequantize(rows, scale, dtype)
+
+    def _scales(self, layer_id: int) -> tuple[float | None, float | None]:
+        scales = self.kv_pool.kv_scales(layer_id)
+        return (None, None) if scales is None else scales
 
     def _attend_padded(self, q: torch.Tensor, part: PaddedPart,
                        layer: "RadixAttention") -> torch.Tensor:
         k_buf, v_buf = self.kv_pool.kv_buffers(layer.layer_id)
+        k_scale, v_scale = self._scales(layer.layer_id)
         bs, num_heads, head_dim = part.batch_size, layer.tp_q_head_num, layer.head_dim
         q_pad = q.new_zeros(bs * part.max_q_len, num_heads, head_dim)
         q_pad[part.q_scatter] = q.view(-1, num_heads, head_dim)
         q_pad = q_pad.view(bs, part.max_q_len, num_heads, head_dim).transpose(1, 2)
-        keys = self._gather(k_buf, part, q.dtype).transpose(1, 2)  # [bs, Hkv, L, D]
-        values = self._gather(v_buf, part, q.dtype).transpose(1, 2)
+        keys = self._gather(k_buf, part, q.dtype, k_scale).transpose(1, 2)  # [bs, Hkv, L, D]
+        values = self._gather(v_buf, part, q.dtype, v_scale).transpose(1, 2)
         mask = part.mask(layer.sliding_window)
         if layer.logit_cap > 0:
             out = _capped_attention(q_pad, keys, values, mask, layer.scaling, layer.logit_cap)
@@ -155,10 +164,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         of one SDPA call over (request, KV head) pairs, so K/V are used as gathered (no GQA
         expansion, no permuted copies); ~2x faster on CPU than two bmm's over permuted copies."""
         k_buf, v_buf = self.kv_pool.kv_buffers(layer.layer_id)
+        k_scale, v_scale = self._scales(layer.layer_id)
         bs, num_kv_heads, head_dim = part.batch_size, layer.tp_k_head_num, layer.head_dim
         group = layer.tp_q_head_num // num_kv_heads
-        keys = self._gather(k_buf, part, q.dtype).transpose(1, 2)  # [bs, Hkv, L, D]
-        values = self._gather(v_buf, part, q.dtype).transpose(1, 2)
+        keys = self._gather(k_buf, part, q.dtype, k_scale).transpose(1, 2)  # [bs, Hkv, L, D]
+        values = self._gather(v_buf, part, q.dtype, v_scale).transpose(1, 2)
         # query head h uses KV head h // group: [bs, Hkv, group, D]
         grouped_q = q.reshape(bs, num_kv_heads, group, head_dim)
         mask = part.mask(layer.sliding_window).view(bs, 1, 1, -1)
@@ -220,7 +230,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.kv_pool.store_kv(layer.layer_id, forward_batch.out_cache_loc, entries)
         part = self.parts[0]
         (buffer,) = self.kv_pool.kv_buffers(layer.layer_id)
-        keys = self._gather(buffer, part, q.dtype).transpose(1, 2)  # [bs, 1, L, D]
+        keys = self._gather(buffer, part, q.dtype,
+                            self._scales(layer.layer_id)[0]).transpose(1, 2)  # [bs, 1, L, D]
         values = keys[..., :layer.v_head_dim]
         mask = part.mask(None).view(part.batch_size, 1, 1, -1)
         out = F.scaled_dot_product_attention(q.unsqueeze(1), keys, values, attn_mask=mask,

@@ -191,7 +191,7 @@ class TritonAttnBackend(AttentionBackend):
                              meta.req_pool_indices, meta.extend_start_loc, meta.extend_seq_lens,
                              meta.extend_prefix_lens, meta.max_extend_len, layer.scaling,
                              self.extend_config, sliding_window=_window(layer),
-                             logit_cap=layer.logit_cap)
+                             logit_cap=layer.logit_cap, **self._scale_args(layer))
         return out.view(-1, num_heads * head_dim)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -209,8 +209,13 @@ class TritonAttnBackend(AttentionBackend):
         decode_attention_fwd(q, k_buffer, v_buffer, out, self.req_to_token_pool.req_to_token,
                              meta.req_pool_indices, meta.seq_lens, meta.mid_out, meta.mid_lse,
                              layer.scaling, self.decode_config, sliding_window=_window(layer),
-                             logit_cap=layer.logit_cap)
+                             logit_cap=layer.logit_cap, **self._scale_args(layer))
         return out.view(-1, num_heads * head_dim)
+
+    def _scale_args(self, layer: "RadixAttention") -> dict[str, float]:
+        """The FP8 pool's per-layer scales for the kernels (nothing when not quantised)."""
+        scales = self.kv_pool.kv_scales(layer.layer_id)
+        return {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
 
     # ---- MLA ----
     def ragged_extend_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -245,7 +250,8 @@ class TritonAttnBackend(AttentionBackend):
         mla_decode_attention_fwd(q.contiguous(), buffer, out,
                                  self.req_to_token_pool.req_to_token, meta.req_pool_indices,
                                  meta.seq_lens, meta.mid_out, meta.mid_lse, layer.scaling,
-                                 layer.v_head_dim)
+                                 layer.v_head_dim,
+                                 kv_scale=self._scale_args(layer).get("k_scale", 1.0))
         return out
 
     # ---- CUDA graphs (decode) ----

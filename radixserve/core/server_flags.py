@@ -28,6 +28,12 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
                     ("auto", "safetensors", "gguf", "dummy")),
     "dtype": (MODEL, "compute dtype; auto: the checkpoint's",
               ("auto", "float32", "float16", "bfloat16")),
+    "kv_cache_dtype": (MODEL, "KV cache storage: auto (the compute dtype) or FP8 with a scale "
+                              "per layer (the checkpoint's, else calibrated at startup)",
+                       ("auto", "fp8_e4m3", "fp8_e5m2")),
+    "quantization": (MODEL, "fp8: quantise a bf16/fp16 checkpoint's linear weights to FP8 at "
+                            "load (per-channel scales, dynamic per-token activations); FP8 "
+                            "checkpoints are detected from their config", ("fp8",)),
     "device": (MODEL, "auto: cuda when present", ("auto", "cuda", "cpu")),
     "context_length": (MODEL, "cap the model's context length (tokens)", None),
     "skip_tokenizer_init": (MODEL, "no tokenizer: requests send input_ids", None),

@@ -5,6 +5,7 @@ replaying a CUDA graph for decode), samples, and returns token ids (+ logprobs w
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -16,6 +17,7 @@ from radixserve.config import ModelConfig, ServerArgs, resolve_dtype
 from radixserve.core.forward_batch import (ForwardBatch, ForwardMode, ForwardOutput,
                                            ModelWorkerBatch)
 from radixserve.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from radixserve.executor.kv_calibration import calibrate_kv_scales
 from radixserve.executor.memory_budget import max_kv_tokens, max_request_slots
 from radixserve.executor.pending_decode import PendingDecode
 from radixserve.executor.sampling_info import SamplingBatchInfo
@@ -25,7 +27,8 @@ from radixserve.executor.sampler import (Sampler, compute_input_logprobs, comput
 from radixserve.loader import init_dummy_weights, load_model_source
 from radixserve.loader.model_source import ModelSource
 from radixserve.loader.weight_loading import load_weights
-from radixserve.mem.kv_pool import KVCacheSpec, KVPool, make_kv_pool, spec_bytes_per_token
+from radixserve.mem.kv_pool import (KV_CACHE_DTYPES, KVCacheSpec, KVPool, make_kv_pool,
+                                    spec_bytes_per_token)
 from radixserve.mem.req_to_token_pool import ReqToTokenPool
 from radixserve.models.registry import get_model_class, kv_cache_spec
 
@@ -67,6 +70,8 @@ class ModelRunner:
         self.source = source or load_model_source(server_args.model_path,
                                                   server_args.load_format)
         self.model_config: ModelConfig = self.source.model_config
+        if server_args.quantization is not None:  # FP8 weights: being built (issue 13)
+            raise ValueError(f"--quantization {server_args.quantization} is not supported yet")
         check_tensor_parallel(self.model_config, self.tp_size)
         self.model_config.resolve_context_length(server_args.context_length)
         self.dtype = resolve_dtype(server_args.dtype, self.model_config.torch_dtype,
@@ -76,14 +81,16 @@ class ModelRunner:
         self.tp_group = init_tensor_parallel(tp_rank, self.tp_size, self.device,
                                              dist_init_method)
         self.model = self._load_model()
-        self.kv_cache_spec: KVCacheSpec = kv_cache_spec(self.model_config, self.dtype,
-                                                        self.tp_size)
+        self.kv_cache_spec: KVCacheSpec = dataclasses.replace(
+            kv_cache_spec(self.model_config, self.dtype, self.tp_size),
+            storage_dtype=KV_CACHE_DTYPES[server_args.kv_cache_dtype])
         logger.info("loaded %s (%s, %s) in %.1f s", self.model_config.architecture,
                     self.dtype, self.device, time.perf_counter() - t0)
         self.sampler = Sampler()
         self.cuda_graph_runner = None
         self._init_memory_pools()
         self.attn_backend = self._make_attn_backend()
+        self._apply_kv_cache_scales()
         if self.device.type == "cuda" and not server_args.disable_cuda_graph:
             from radixserve.executor.cuda_graph_runner import CudaGraphRunner
             self.cuda_graph_runner = CudaGraphRunner(self)
@@ -155,6 +162,26 @@ class ModelRunner:
                     self.max_total_num_tokens,
                     self.max_total_num_tokens * bytes_per_token / 2**30,
                     self.max_num_reqs, cfg.context_length)
+
+    def _apply_kv_cache_scales(self) -> None:
+        """An FP8 pool takes the checkpoint's per-layer K/V scales, else keeps 1.0."""
+        pool = self.token_to_kv_pool
+        if not pool.quantized:
+            return
+        found: dict[int, dict[str, float]] = getattr(self.model, "kv_cache_scales", {})
+        if found:
+            for layer, scales in found.items():
+                pool.set_kv_scales(layer, scales.get("k", 1.0), scales.get("v", 1.0))
+            logger.info("FP8 KV cache (%s): the checkpoint's scales for %d layers", pool.dtype,
+                        len(found))
+            return
+        # every rank calibrates on the same ids; ranks agree on the result by construction
+        # (the reduced activations are the same on every rank)
+        scales = calibrate_kv_scales(self)
+        logger.info("FP8 KV cache (%s): no scales in the checkpoint; calibrated per layer "
+                    "(k %.3g..%.3g, v %.3g..%.3g)", pool.dtype, min(s[0] for s in scales),
+                    max(s[0] for s in scales), min(s[1] for s in scales),
+                    max(s[1] for s in scales))
 
     def _make_attn_backend(self) -> AttentionBackend:
         args, spec = self.server_args, self.kv_cache_spec

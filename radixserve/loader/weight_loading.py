@@ -13,6 +13,7 @@ find a parameter: a mismatch is an error naming the tensor, never a silently ran
 """
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from typing import Iterable
 
@@ -34,8 +35,16 @@ def _packed_target(name: str, mapping: dict[str, tuple[str, object]]
     return None
 
 
+# per-layer KV cache scales of FP8 checkpoints (compressed-tensors / ModelOpt naming)
+_KV_SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:[a-z_]+\.)?(k|v|kv)_scale$")
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Also collects per-layer KV cache scales into `model.kv_cache_scales` (layer ->
+    {"k": float, "v": float}) for an FP8 KV pool."""
     params = dict(model.named_parameters())
+    kv_scales: dict[int, dict[str, float]] = {}
+    model.kv_cache_scales = kv_scales  # type: ignore[assignment]
     weights = progress(weights, "loading weights", "tensor")
     mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     skip = getattr(model, "skip_weight", None)
@@ -50,6 +59,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     loaded: dict[str, set[object]] = defaultdict(set)
     for name, tensor in weights:
         if skip is not None and skip(name):
+            continue
+        kv_scale = _KV_SCALE_NAME.search(name)
+        if kv_scale is not None and name not in params:
+            layer, which = int(kv_scale.group(1)), kv_scale.group(2)
+            for part in ("k", "v") if which == "kv" else (which,):
+                kv_scales.setdefault(layer, {})[part] = float(tensor.float().max())
             continue
         packed = weight_target(name) if weight_target is not None else None
         if packed is None:

@@ -22,7 +22,9 @@ What an attention backend needs of a pool:
     has a kernel for it (the MHA pool on a Triton device); the default rotates, then stores;
   * `kv_buffers(layer_id)`: the tensors to read (for MHA: (k_buffer, v_buffer), each
     [size + 1, num_kv_heads, head_dim]);
-  * `kv_scales(layer_id)`: the scales of quantised storage (None when not quantised);
+  * `kv_scales(layer_id)`: (k_scale, v_scale) of quantised storage (None when not quantised):
+    FP8 pools (`storage_dtype` float8_e4m3fn / float8_e5m2, --kv-cache-dtype) store
+    value / scale saturated to the FP8 range, and readers multiply back;
   * `bytes_per_token(spec)`: the memory one token costs in all layers, used once to size it.
 """
 from __future__ import annotations
@@ -55,6 +57,17 @@ class KVCacheSpec:
         return self.storage_dtype or self.dtype
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# --kv-cache-dtype -> storage dtype (None: the compute dtype)
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def dequantize(codes: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Stored FP8 codes -> values in `dtype` (code x scale, computed in float32)."""
+    return (codes.float() * scale).to(dtype)
+
+
 RotateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
                     tuple[torch.Tensor, torch.Tensor]]
 
@@ -70,6 +83,7 @@ class KVPool(ABC):
         self.device = torch.device(device)
         # kept on the CPU: allocation is a scheduler decision and must not sync the device
         self.free_slots = torch.arange(1, size + 1, dtype=torch.int64)
+        self._scales = [(1.0, 1.0)] * spec.num_layers
 
     # ---- sizing ----
     @classmethod
@@ -107,11 +121,51 @@ class KVPool(ABC):
     def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, ...]:
         """The layer's storage tensors, indexed by slot, for the attention kernels to read."""
 
-    def kv_scales(self, layer_id: int) -> tuple[torch.Tensor, ...] | None:
-        """Dequantisation scales of the layer's buffers (stored value x scale = value), for
-        pools whose `storage_dtype` is narrower than the compute dtype (FP8); None when the
-        buffers hold the values themselves, as every pool here does."""
-        return None
+    # ---- quantised storage (FP8) ----
+    @property
+    def quantized(self) -> bool:
+        """Whether the buffers hold FP8 codes (value = code x scale) rather than values."""
+        return self.dtype in FP8_DTYPES
+
+    def kv_scales(self, layer_id: int) -> tuple[float, float] | None:
+        """(k_scale, v_scale) of a quantised layer (stored code x scale = value; per tensor per
+        layer, 1.0 unless the checkpoint gave them); None when the buffers hold the values."""
+        return self._scales[layer_id] if self.quantized else None
+
+    def set_kv_scales(self, layer_id: int, k_scale: float, v_scale: float) -> None:
+        self._scales[layer_id] = (float(k_scale), float(v_scale))
+
+    def start_observing(self) -> None:
+        """Record each layer's K and V absolute maximum in `store_kv` (FP8 calibration)."""
+        self._observed: list[list[torch.Tensor]] | None = [
+            [torch.zeros((), device=self.device), torch.zeros((), device=self.device)]
+            for _ in range(self.layer_num)]
+
+    def stop_observing(self) -> list[tuple[float, float]]:
+        observed, self._observed = self._observed, None
+        assert observed is not None, "start_observing was not called"
+        return [(float(k), float(v)) for k, v in observed]
+
+    def observe(self, layer_id: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        observed = getattr(self, "_observed", None)
+        if observed is None:
+            return
+        record = observed[layer_id]
+        record[0] = torch.maximum(record[0], k.detach().abs().max().float())
+        if v is not None:
+            record[1] = torch.maximum(record[1], v.detach().abs().max().float())
+
+    @property
+    def observing(self) -> bool:
+        return getattr(self, "_observed", None) is not None
+
+    def quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        """Values -> what the buffers hold: x / scale, saturated to the FP8 range (a bare cast
+        of an out-of-range value gives NaN), or x cast when not quantised."""
+        if not self.quantized:
+            return x.to(self.dtype)
+        limit = torch.finfo(self.dtype).max
+        return (x.float() * (1.0 / scale)).clamp_(-limit, limit).to(self.dtype)
 
     def rotate_and_store_kv(self, layer_id: int, loc: torch.Tensor, q: torch.Tensor,
                             k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

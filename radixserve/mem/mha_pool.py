@@ -1,4 +1,5 @@
-"""The MHA/GQA KV pool: per layer a K and a V buffer of [size + 1, num_kv_heads, head_dim]."""
+"""The MHA/GQA KV pool: per layer a K and a V buffer of [size + 1, num_kv_heads, head_dim], in the
+compute dtype or FP8 (value / scale per layer, saturated; see KVPool.quantize)."""
 from __future__ import annotations
 
 import torch
@@ -34,8 +35,10 @@ class MHATokenToKVPool(KVPool):
                  v: torch.Tensor) -> None:
         """k/v: [T, num_kv_heads * head_dim] or [T, num_kv_heads, head_dim]."""
         shape = (-1, self.head_num, self.head_dim)
-        self.k_buffer[layer_id][loc] = k.view(shape).to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.view(shape).to(self.dtype)
+        self.observe(layer_id, k, v)
+        k_scale, v_scale = self._scales[layer_id]
+        self.k_buffer[layer_id][loc] = self.quantize(k.view(shape), k_scale)
+        self.v_buffer[layer_id][loc] = self.quantize(v.view(shape), v_scale)
 
     def rotate_and_store_kv(self, layer_id: int, loc: torch.Tensor, q: torch.Tensor,
                             k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -44,9 +47,11 @@ class MHATokenToKVPool(KVPool):
         """One Triton kernel rotates q and k in place and writes rotated k and v into the
         layer's buffers (instead of a rotary kernel plus two index_put launches). Without
         Triton, the default (rotate, then store)."""
-        if self._fused_rope_store is None:
+        if self._fused_rope_store is None or self.observing:
             return super().rotate_and_store_kv(layer_id, loc, q, k, v, positions, cos_cache,
                                                sin_cache, rotate)
+        k_scale, v_scale = self._scales[layer_id]
         self._fused_rope_store(positions, q, k, v, cos_cache, sin_cache, self.head_dim,
-                               self.k_buffer[layer_id], self.v_buffer[layer_id], loc)
+                               self.k_buffer[layer_id], self.v_buffer[layer_id], loc,
+                               k_scale=k_scale, v_scale=v_scale)
         return q, k

@@ -4,6 +4,7 @@ the compressed latent (normalised, not up-projected) followed by the rotated rop
 
 `store_kv(layer, loc, entry, None)` writes entries ([T, kv_lora_rank + rope_dim]);
 `kv_buffers(layer)` returns (buffer,). Readers take the first `v_head_dim` values as the value.
+FP8 storage uses one scale per layer for the whole entry (kv_scales()[0]).
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ class MLATokenToKVPool(KVPool):
     def store_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor | None = None) -> None:
         """k: [T, kv_lora_rank + rope_dim] entries (v unused: the latent is the value)."""
-        self.kv_buffer[layer_id][loc] = k.view(-1, 1, self.entry_dim).to(self.dtype)
+        self.observe(layer_id, k, None)
+        self.kv_buffer[layer_id][loc] = self.quantize(k.view(-1, 1, self.entry_dim),
+                                                      self._scales[layer_id][0])
 
     def rotate_and_store_kv(self, *args, **kwargs):  # type: ignore[override]
         raise NotImplementedError("MLA layers rotate their rope part themselves")

@@ -80,13 +80,13 @@ def soft_cap_log2(qk, LOGIT_CAP: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(
     Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens, Mid_out, Mid_lse, O,
-    sm_scale_log2e, num_kv_splits,
+    sm_scale_log2e, num_kv_splits, k_scale, v_scale,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_req_row,
     stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h, stride_ob, stride_oh,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, SLIDING_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     batch = tl.program_id(0)
@@ -110,7 +110,8 @@ def _decode_split_kernel(
 
         q = tl.load(Q + batch * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=head_mask[:, None] & d_mask[None, :], other=0.0)
-        q = q.to(K_Buffer.dtype.element_ty)
+        if not KV_FP8:
+            q = q.to(K_Buffer.dtype.element_ty)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -123,6 +124,8 @@ def _decode_split_kernel(
             kv_mask = pos_mask[:, None] & d_mask[None, :]
             k = tl.load(K_Buffer + slots[:, None] * stride_kt + kv_head * stride_kh
                         + offs_d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:  # FP8 codes x the layer's scale, in q's dtype
+                k = (k.to(tl.float32) * k_scale).to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2e
             if LOGIT_CAP > 0:
                 qk = soft_cap_log2(qk, LOGIT_CAP)
@@ -135,6 +138,8 @@ def _decode_split_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh
                         + offs_d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:
+                v = (v.to(tl.float32) * v_scale).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
@@ -188,6 +193,10 @@ def _decode_merge_kernel(
              out.to(O.dtype.element_ty), mask=d_mask)
 
 
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 inputs are multiplied in full precision (tests); tf32 would cost ~1e-3."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -212,13 +221,16 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                          req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                          mid_out: torch.Tensor, mid_lse: torch.Tensor, sm_scale: float,
                          config: DecodeKernelConfig = DecodeKernelConfig(), *,
-                         sliding_window: int = -1, logit_cap: float = 0.0) -> None:
+                         sliding_window: int = -1, logit_cap: float = 0.0,
+                         k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write attention of q ([bs, H, D]) over each request's first seq_len positions into out.
 
     k/v_buffer: [slots, Hkv, D] (one layer of the pool). mid_out [bs, H, S, D] and mid_lse
     [bs, H, S] are float32 workspaces; S (their third dim) is the maximum number of splits.
     sliding_window W > 0: attend only the last W positions (the query's own included).
     logit_cap c > 0: scores s become c * tanh(s / c). Both are compile-time constants; <= 0 is off.
+    FP8 buffers (float8_e4m3fn / e5m2) hold value / scale: K/V are dequantised with k_scale /
+    v_scale into q's dtype as they are loaded.
     No host sync, no allocation: safe to capture in a CUDA graph.
     """
     batch_size, num_heads, head_dim = q.shape
@@ -235,15 +247,15 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     single_split = num_kv_splits == 1
     _decode_split_kernel[(batch_size, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, out,
-        sm_scale_log2e, num_kv_splits,
+        sm_scale_log2e, num_kv_splits, float(k_scale), float(v_scale),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
         GROUP_SIZE=group_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n,
-        DOT_PRECISION=dot_precision(k_buffer.dtype), SINGLE_SPLIT=single_split,
-        SLIDING_WINDOW=window, LOGIT_CAP=cap,
+        DOT_PRECISION=dot_precision(q.dtype), SINGLE_SPLIT=single_split,
+        SLIDING_WINDOW=window, LOGIT_CAP=cap, KV_FP8=is_fp8(k_buffer.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
     )
     if single_split:

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.attention.kernels.decode_attention import (LOG2E, dot_precision,
+from radixserve.attention.kernels.decode_attention import (LOG2E, dot_precision, is_fp8,
                                                            normalize_window_and_cap,
                                                            soft_cap_log2)
 
@@ -94,12 +94,12 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, mask, sm_scale_log2e,
 @triton.jit
 def _extend_kernel(
     Q, K_Extend, V_Extend, O, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices,
-    Extend_start_loc, Extend_seq_lens, Extend_prefix_lens, sm_scale_log2e,
+    Extend_start_loc, Extend_seq_lens, Extend_prefix_lens, sm_scale_log2e, k_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ket, stride_keh, stride_vet, stride_veh,
     stride_kbt, stride_kbh, stride_vbt, stride_vbh, stride_req_row,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     head = tl.program_id(0)
     req = tl.program_id(1)
@@ -143,6 +143,9 @@ def _extend_kernel(
                         + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(V_Buffer + slots[:, None] * stride_vbt + kv_head * stride_vbh
                         + offs_d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:  # the cached prefix holds FP8 codes: dequantise into q's dtype
+                k = (k.to(tl.float32) * k_scale).to(q.dtype)
+                v = (v.to(tl.float32) * v_scale).to(q.dtype)
             mask = pos_mask[None, :]
             if WINDOWED:  # key j > query position - W
                 mask = mask & (pos[None, :] > prefix_len + offs_m[:, None] - SLIDING_WINDOW)
@@ -209,7 +212,8 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
                          extend_start_loc: torch.Tensor, extend_seq_lens: torch.Tensor,
                          extend_prefix_lens: torch.Tensor, max_extend_len: int,
                          sm_scale: float, config: ExtendKernelConfig | None = None, *,
-                         sliding_window: int = -1, logit_cap: float = 0.0) -> None:
+                         sliding_window: int = -1, logit_cap: float = 0.0,
+                         k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write extend attention into out ([T, H, D]).
 
     q: [T, H, D]; k/v_extend: [T, Hkv, D], this pass's new tokens packed request after request
@@ -234,6 +238,7 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
     _extend_kernel[grid](
         q, k_extend, v_extend, out, k_buffer, v_buffer, req_to_token, req_pool_indices,
         extend_start_loc, extend_seq_lens, extend_prefix_lens, sm_scale * LOG2E,
+        float(k_scale), float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_extend.stride(0), k_extend.stride(1), v_extend.stride(0), v_extend.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
@@ -242,5 +247,6 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(k_extend.dtype), SLIDING_WINDOW=window, LOGIT_CAP=cap,
+        KV_FP8=is_fp8(k_buffer.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -20,19 +20,19 @@ import triton
 import triton.language as tl
 
 from radixserve.attention.kernels.decode_attention import (LOG2E, _decode_merge_kernel,
-                                                           _split_len, dot_precision)
+                                                           _split_len, dot_precision, is_fp8)
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 
 
 @triton.jit
 def _mla_decode_split_kernel(
     Q, KV_Buffer, Req_to_token, Req_pool_indices, Seq_lens, Mid_out, Mid_lse, O,
-    sm_scale_log2e, num_kv_splits, num_heads,
+    sm_scale_log2e, num_kv_splits, num_heads, kv_scale,
     stride_qb, stride_qh, stride_kvt, stride_req_row,
     stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h, stride_ob, stride_oh,
     LATENT_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     batch = tl.program_id(0)
@@ -52,10 +52,11 @@ def _mla_decode_split_kernel(
         req_row = tl.load(Req_pool_indices + batch).to(tl.int64)
         q_base = Q + batch * stride_qb + heads[:, None] * stride_qh
         q_c = tl.load(q_base + offs_c[None, :], mask=head_mask[:, None], other=0.0)
-        q_c = q_c.to(KV_Buffer.dtype.element_ty)
         q_r = tl.load(q_base + LATENT_DIM + offs_r[None, :],
                       mask=head_mask[:, None] & r_mask[None, :], other=0.0)
-        q_r = q_r.to(KV_Buffer.dtype.element_ty)
+        if not KV_FP8:
+            q_c = q_c.to(KV_Buffer.dtype.element_ty)
+            q_r = q_r.to(KV_Buffer.dtype.element_ty)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, LATENT_DIM], dtype=tl.float32)
@@ -69,6 +70,9 @@ def _mla_decode_split_kernel(
             c = tl.load(row_ptr + offs_c[None, :], mask=pos_mask[:, None], other=0.0)
             k_r = tl.load(row_ptr + LATENT_DIM + offs_r[None, :],
                           mask=pos_mask[:, None] & r_mask[None, :], other=0.0)
+            if KV_FP8:  # FP8 codes x the layer's scale, in q's dtype
+                c = (c.to(tl.float32) * kv_scale).to(q_c.dtype)
+                k_r = (k_r.to(tl.float32) * kv_scale).to(q_c.dtype)
             qk = tl.dot(q_c, tl.trans(c), input_precision=DOT_PRECISION)
             qk += tl.dot(q_r, tl.trans(k_r), input_precision=DOT_PRECISION)
             qk = tl.where(pos_mask[None, :], qk * sm_scale_log2e, float("-inf"))
@@ -99,10 +103,11 @@ def mla_decode_attention_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, out: torc
                              seq_lens: torch.Tensor, mid_out: torch.Tensor,
                              mid_lse: torch.Tensor, sm_scale: float, latent_dim: int,
                              block_n: int = 32, block_h: int = 16, num_warps: int = 4,
-                             num_stages: int = 2) -> None:
+                             num_stages: int = 2, kv_scale: float = 1.0) -> None:
     """q: [bs, H, latent_dim + rope_dim]; kv_buffer: [slots, 1, latent_dim + rope_dim] (one
     pool layer); out: [bs, H, latent_dim]. mid_out [bs, H, S, latent_dim] / mid_lse [bs, H, S]
     float32 workspaces, S = the most splits. latent_dim must be a power of two (512 for V2).
+    An FP8 buffer holds entry / kv_scale (dequantised into q's dtype as it is loaded).
     No host sync, no allocation: safe to capture in a CUDA graph."""
     batch_size, num_heads, qk_dim = q.shape
     rope_dim = qk_dim - latent_dim
@@ -113,13 +118,14 @@ def mla_decode_attention_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, out: torc
     grid = (batch_size, triton.cdiv(num_heads, block_h), num_kv_splits)
     _mla_decode_split_kernel[grid](
         q, kv_buffer, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, out,
-        sm_scale * LOG2E, num_kv_splits, num_heads,
+        sm_scale * LOG2E, num_kv_splits, num_heads, float(kv_scale),
         q.stride(0), q.stride(1), kv_buffer.stride(0), req_to_token.stride(0),
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
         LATENT_DIM=latent_dim, ROPE_DIM=rope_dim,
         BLOCK_ROPE=max(16, triton.next_power_of_2(rope_dim)), BLOCK_H=block_h, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(kv_buffer.dtype), SINGLE_SPLIT=single_split,
+        DOT_PRECISION=dot_precision(q.dtype), SINGLE_SPLIT=single_split,
+        KV_FP8=is_fp8(kv_buffer.dtype),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch_args(q),
     )
     if single_split:

@@ -50,6 +50,14 @@ def _rotate_heads(X, row_offset, stride_h, cos, sin, num_heads,
 
 
 @triton.jit
+def _to_cache(x, scale_inv, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, Cache):
+    """A value as the cache holds it: cast, or (FP8) divided by the scale and saturated."""
+    if QUANT:
+        x = tl.minimum(tl.maximum(x.to(tl.float32) * scale_inv, -FP8_MAX), FP8_MAX)
+    return x.to(Cache.dtype.element_ty)
+
+
+@triton.jit
 def _rotary_kernel(Positions, Q, K, Cos, Sin, stride_qt, stride_qh, stride_kt, stride_kh,
                    stride_cos, stride_sin, num_q_heads, num_k_heads,
                    V, KCache, VCache, Loc, stride_vt, stride_vh, stride_kc_slot, stride_kc_h,
@@ -57,7 +65,9 @@ def _rotary_kernel(Positions, Q, K, Cos, Sin, stride_qt, stride_qh, stride_kt, s
                    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
                    STORE_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr, USE_PDL: tl.constexpr):
+                   TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr, USE_PDL: tl.constexpr,
+                   k_scale_inv=1.0, v_scale_inv=1.0, QUANT: tl.constexpr = False,
+                   FP8_MAX: tl.constexpr = 448.0):
     """One program per token. With STORE_KV, the rotated k heads and the v heads of the token
     also go to KCache[Loc[token]] / VCache[Loc[token]] ([slots, Hk, HEAD_DIM] each); the dims
     past the rotated ones (TAIL = HEAD_DIM - 2 * HALF of them) are copied unchanged."""
@@ -82,21 +92,23 @@ def _rotary_kernel(Positions, Q, K, Cos, Sin, stride_qt, stride_qh, stride_kt, s
         # rotated halves of k, cast to the cache dtype as set_kv_buffer's `.to` does
         kc_ptr = KCache + slot * stride_kc_slot + offs_h[:, None] * stride_kc_h + offs_d[None, :]
         rot_mask = h_mask & d_mask[None, :]
-        tl.store(kc_ptr, k1.to(KCache.dtype.element_ty), mask=rot_mask)
-        tl.store(kc_ptr + HALF, k2.to(KCache.dtype.element_ty), mask=rot_mask)
+        tl.store(kc_ptr, _to_cache(k1, k_scale_inv, QUANT, FP8_MAX, KCache), mask=rot_mask)
+        tl.store(kc_ptr + HALF, _to_cache(k2, k_scale_inv, QUANT, FP8_MAX, KCache),
+                 mask=rot_mask)
         if TAIL > 0:  # partial rotary: the unrotated dims of k, as they are
             offs_t = tl.arange(0, BLOCK_TAIL)
             tail_mask = h_mask & (offs_t[None, :] < TAIL)
             k_tail = tl.load(K + token * stride_kt + offs_h[:, None] * stride_kh + 2 * HALF
                              + offs_t[None, :], mask=tail_mask, other=0.0)
             tl.store(KCache + slot * stride_kc_slot + offs_h[:, None] * stride_kc_h + 2 * HALF
-                     + offs_t[None, :], k_tail.to(KCache.dtype.element_ty), mask=tail_mask)
+                     + offs_t[None, :], _to_cache(k_tail, k_scale_inv, QUANT, FP8_MAX, KCache),
+                     mask=tail_mask)
         offs_v = tl.arange(0, BLOCK_D)
         v_mask = h_mask & (offs_v[None, :] < HEAD_DIM)
         v = tl.load(V + token * stride_vt + offs_h[:, None] * stride_vh + offs_v[None, :],
                     mask=v_mask, other=0.0)
         tl.store(VCache + slot * stride_vc_slot + offs_h[:, None] * stride_vc_h
-                 + offs_v[None, :], v.to(VCache.dtype.element_ty), mask=v_mask)
+                 + offs_v[None, :], _to_cache(v, v_scale_inv, QUANT, FP8_MAX, VCache), mask=v_mask)
 
 
 def _check_qk(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -138,13 +150,15 @@ def apply_rotary_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
 def apply_rotary_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                               v: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                               head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              loc: torch.Tensor) -> None:
+                              loc: torch.Tensor, k_scale: float = 1.0,
+                              v_scale: float = 1.0) -> None:
     """Rotate q and k in place and store this pass's K/V into the pool, in one launch.
 
     v: [T, Hk * head_dim] (rows may be strided, like q and k). k_cache / v_cache: one layer's
     [slots, Hk, head_dim] pool buffers (head_dim contiguous). loc: [T] int32 or int64 KV slot of
     each token. Afterwards k_cache[loc] == rotated k and v_cache[loc] == v, cast to the caches'
-    dtype, exactly as `apply_rotary_inplace` followed by `TokenToKVPool.set_kv_buffer`."""
+    dtype, exactly as `apply_rotary_inplace` followed by `TokenToKVPool.set_kv_buffer`. FP8
+    caches get value / scale saturated to the FP8 range (KVPool.quantize)."""
     q3, k3, rot_dim = _check_qk(positions, q, k, cos_cache, sin_cache, head_dim)
     num_tokens, num_kv_heads = positions.shape[0], k3.shape[1]
     v3 = v.view(num_tokens, math.prod(v.shape[1:]) // head_dim, head_dim)
@@ -158,6 +172,7 @@ def apply_rotary_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch
     if num_tokens == 0:
         return
     half, tail = rot_dim // 2, head_dim - rot_dim
+    quant = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     _rotary_kernel[(num_tokens,)](
         positions, q3, k3, cos_cache, sin_cache, q3.stride(0), q3.stride(1), k3.stride(0),
         k3.stride(1), cos_cache.stride(0), sin_cache.stride(0), q3.shape[1], num_kv_heads,
@@ -168,6 +183,8 @@ def apply_rotary_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         STORE_KV=True, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         TAIL=tail, BLOCK_TAIL=triton.next_power_of_2(max(tail, 1)), num_warps=4,
+        k_scale_inv=1.0 / k_scale, v_scale_inv=1.0 / v_scale, QUANT=quant,
+        FP8_MAX=float(torch.finfo(k_cache.dtype).max) if quant else 448.0,
         **pdl_launch_args(q3))
 
 
