@@ -63,7 +63,7 @@ class ServerArgs:
     tool_call_parser: str | None = None
 
     # GPU path
-    attention_backend: str | None = None  # torch_native | triton
+    attention_backend: str | None = None  # cpu | torch_native | triton
     # a different backend for one phase (a hybrid backend); None: --attention-backend
     prefill_attention_backend: str | None = None
     decode_attention_backend: str | None = None
@@ -102,7 +102,7 @@ class ServerArgs:
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
             self.chunked_prefill_size = -1
         if self.attention_backend is None:
-            self.attention_backend = "triton" if on_gpu else "torch_native"
+            self.attention_backend = "triton" if on_gpu else "cpu"
         self.prefill_attention_backend = self.prefill_attention_backend or self.attention_backend
         self.decode_attention_backend = self.decode_attention_backend or self.attention_backend
         if self.mem_fraction_static is None:

@@ -10,6 +10,7 @@ from radixserve.attention.base import AttentionBackend, AttentionContext
 # name -> (module under radixserve.attention, class name)
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch_native": ("torch_native", "TorchNativeAttnBackend"),
+    "cpu": ("cpu_backend", "CPUAttnBackend"),
     "triton": ("triton_backend", "TritonAttnBackend"),
 }
 

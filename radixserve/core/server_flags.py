@@ -75,12 +75,13 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
     "tool_call_parser": (SERVING, "format of the model's tool calls (default: from the chat "
                                   "template, else hermes)",
                          ("hermes", "qwen25", "qwen3", "llama3", "mistral")),
-    "attention_backend": (KERNELS, "attention kernels (default: triton on GPU, torch_native "
-                                   "on CPU)", ("torch_native", "triton")),
+    "attention_backend": (KERNELS, "attention kernels (default: triton on GPU, cpu on CPU: "
+                                   "torch_native with compiled CPU kernels)",
+                          ("cpu", "torch_native", "triton")),
     "prefill_attention_backend": (KERNELS, "another backend for prefill only",
-                                  ("torch_native", "triton")),
+                                  ("cpu", "torch_native", "triton")),
     "decode_attention_backend": (KERNELS, "another backend for decode only",
-                                 ("torch_native", "triton")),
+                                 ("cpu", "torch_native", "triton")),
     "disable_cuda_graph": (KERNELS, "decode without CUDA graphs", None),
     "disable_overlap_schedule": (KERNELS, "read each decode step's tokens before launching "
                                           "the next", None),

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.core.cpu_kernels import cpu_ops
+
 
 class SiluAndMul(nn.Module):
     """SwiGLU (Llama, Mistral, Qwen)."""
@@ -16,6 +18,9 @@ class SiluAndMul(nn.Module):
                 return silu_and_mul(x)
             except ImportError:
                 pass
+        elif x.dim() == 2 and x.stride(1) == 1 and x.dtype != torch.float64 and \
+                x.device.type == "cpu" and cpu_ops() is not None:
+            return cpu_ops().silu_and_mul(x)
         half = x.shape[-1] // 2
         return F.silu(x[..., :half]) * x[..., half:]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from radixserve.core.cpu_kernels import cpu_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -19,6 +21,9 @@ class RMSNorm(nn.Module):
             fused = _cuda_rmsnorm()
             if fused is not None:
                 return fused(x, self.weight, self.variance_epsilon, residual)
+        elif _cpu_kernel_fits(x, self.weight, residual):
+            out = cpu_ops().rms_norm(x, self.weight, self.variance_epsilon, residual)
+            return out[0] if residual is None else (out[0], out[1])
         if residual is not None:
             x = x + residual
             residual = x
@@ -27,6 +32,15 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         out = self.weight * h.to(dtype)
         return out if residual is None else (out, residual)
+
+
+def _cpu_kernel_fits(x: torch.Tensor, weight: torch.Tensor,
+                     residual: torch.Tensor | None) -> bool:
+    """The compiled CPU kernel (core/cpu_kernels) applies: 2-D rows, one dtype throughout."""
+    return x.dim() == 2 and x.device.type == "cpu" and x.stride(1) == 1 and \
+        weight.dtype == x.dtype and x.dtype != torch.float64 and \
+        (residual is None or (residual.dtype == x.dtype and residual.dim() == 2
+                              and residual.stride(1) == 1)) and cpu_ops() is not None
 
 
 def _cuda_rmsnorm():  # type: ignore[no-untyped-def]

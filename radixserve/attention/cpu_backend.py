@@ -1,0 +1,122 @@
+"""The CPU backend: torch_native with compiled kernels (radixserve/core/cpu_kernels) on the hot path.
+
+  * decode (and the one-token tail of a MIXED pass): one kernel per layer reads each request's
+    K/V straight from the pool through its req_to_token row (no gather, no padding, no mask);
+    task (request, KV head) serves the KV head's whole group of query heads (GQA), scores,
+    softmax and the weighted sum of V in fp32; windows and logit soft-caps are honoured;
+  * rope: one kernel rotates q and k in place and copies rotated k and v into the pool at
+    `out_cache_loc` (instead of ~20 small ops and two index_put's per layer);
+  * extend parts with more than one new token: torch_native's padded SDPA (compute bound).
+
+Falls back to torch_native wherever the kernels do not apply: no compiled kernels (no
+toolchain, RADIXSERVE_CPU_KERNELS=0), a pool whose buffers are not in the activations' dtype
+(FP8 storage), an MLA pool, head dims not a multiple of 16, partial rotary or a rotary of
+another kind.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixserve.attention.base import AttentionContext
+from radixserve.attention.torch_native import PaddedPart, TorchNativeAttnBackend
+from radixserve.core.cpu_kernels import cpu_ops
+from radixserve.core.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from radixserve.layers.radix_attention import RadixAttention
+    from radixserve.layers.rotary import RopeInput
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class CPUAttnBackend(TorchNativeAttnBackend):
+    def __init__(self, context: AttentionContext) -> None:
+        super().__init__(context)
+        buffers = self.kv_pool.kv_buffers(0) if self.kv_pool.layer_num else ()
+        plain_mha = len(buffers) == 2 and buffers[0].dtype in _KERNEL_DTYPES and \
+            self.kv_pool.kv_scales(0) is None
+        self.ops = cpu_ops() if plain_mha and context.device.type == "cpu" else None
+        # token_start of a one-token-per-request part -> (its req_pool_indices, seq_lens)
+        self._decode_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._batch: ForwardBatch | None = None
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        self._decode_rows = {}
+        self._batch = forward_batch
+        if self.ops is not None and forward_batch.forward_mode.is_decode():
+            # no padded part: the kernel reads req_to_token itself (built lazily on fallback)
+            self.parts = []
+            self._decode_rows[0] = (forward_batch.req_pool_indices, forward_batch.seq_lens)
+            return
+        super().init_forward_metadata(forward_batch)
+
+    def _part(self, forward_batch: ForwardBatch, req_start: int, req_end: int,
+              token_start: int, q_lens_cpu: list[int]) -> PaddedPart:
+        if max(q_lens_cpu) == 1:
+            self._decode_rows[token_start] = (forward_batch.req_pool_indices[req_start:req_end],
+                                              forward_batch.seq_lens[req_start:req_end])
+        return super()._part(forward_batch, req_start, req_end, token_start, q_lens_cpu)
+
+    def _kernel_ok(self, q: torch.Tensor, layer: "RadixAttention") -> bool:
+        """The kernels apply: built, the pool in q's dtype, head dims a multiple of 16 (the
+        widest vector the kernel may be built for)."""
+        return self.ops is not None and layer.head_dim % 16 == 0 and \
+            layer.v_head_dim % 16 == 0 and \
+            self.kv_pool.kv_buffers(layer.layer_id)[0].dtype == q.dtype
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer: "RadixAttention", forward_batch: ForwardBatch,
+                rope: "RopeInput | None" = None) -> torch.Tensor:
+        if not self._kernel_ok(q, layer):
+            if forward_batch.forward_mode.is_decode() and not self.parts:
+                super().init_forward_metadata(forward_batch)
+            return super().forward(q, k, v, layer, forward_batch, rope)
+        k_buf, v_buf = self.kv_pool.kv_buffers(layer.layer_id)
+        rotary = rope.rotary if rope is not None else None
+        if rotary is not None and _plain_rotary(rotary) and q.dim() == 2 and \
+                q.stride(1) == 1 and k.stride(1) == 1 and v.stride(1) == 1:
+            self.ops.rope_store(rope.positions, q, k, v, rotary.cos_cache, rotary.sin_cache,
+                                rotary.head_dim, k_buf, v_buf, forward_batch.out_cache_loc, True)
+        else:
+            if rope is not None:
+                q, k = rope.rotary(rope.positions, q, k)
+            self.kv_pool.store_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        if forward_batch.forward_mode.is_decode():
+            return self._kernel_decode(q, layer, *self._decode_rows[0])
+        outs = []
+        for part in self.parts:
+            q_part = q[part.token_start:part.token_end]
+            if part.max_q_len == 1:
+                outs.append(self._kernel_decode(q_part, layer,
+                                                *self._decode_rows[part.token_start]))
+            else:
+                outs.append(self._attend_padded(q_part, part, layer))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _kernel_decode(self, q: torch.Tensor, layer: "RadixAttention",
+                       req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """q: [bs, Hq * D] (rows may be strided) -> [bs, Hq * Dv]."""
+        k_buf, v_buf = self.kv_pool.kv_buffers(layer.layer_id)
+        bs, num_heads = q.shape[0], layer.tp_q_head_num
+        out = q.new_empty(bs, num_heads, layer.v_head_dim)
+        self.ops.decode_attention(q.view(bs, num_heads, layer.head_dim), k_buf, v_buf, out,
+                                  self.req_to_token_pool.req_to_token, req_pool_indices,
+                                  seq_lens, layer.scaling, float(layer.logit_cap),
+                                  layer.sliding_window or 0)
+        return out.view(bs, num_heads * layer.v_head_dim)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       layer: "RadixAttention", forward_batch: ForwardBatch) -> torch.Tensor:
+        if not self._kernel_ok(q, layer):
+            return super().forward_decode(q, k, v, layer, forward_batch)
+        self.kv_pool.store_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        return self._kernel_decode(q, layer, *self._decode_rows[0])
+
+
+def _plain_rotary(rotary: object) -> bool:
+    """The neox-layout RotaryEmbedding over whole heads (what the rope kernel implements)."""
+    from radixserve.layers.rotary import RotaryEmbedding
+    return type(rotary) is RotaryEmbedding and rotary.rotary_dim == rotary.head_dim and \
+        rotary.cos_cache.dtype == torch.float32

@@ -1,0 +1,90 @@
+"""CPU kernels (cpu_ops.cpp), built with torch.utils.cpp_extension and loaded on first use.
+
+`cpu_ops()` returns the compiled module, or None when it cannot be had (no C++ compiler or
+ninja, a build error, RADIXSERVE_CPU_KERNELS=0): every caller then runs its plain PyTorch path,
+so a machine without a toolchain serves as before, only slower. The build takes ~1 min on 2
+cores; `scripts/setup.sh` runs it once (`python -m radixserve.core.cpu_kernels`), and the result
+is cached under torch's extensions directory (TORCH_EXTENSIONS_DIR) for every later process.
+
+The code is compiled for the vector unit of the machine that builds it (ATen's Vectorized:
+AVX-512, else AVX2, else scalar), so the cached module's name carries a hash of the source and
+of those flags: another CPU (a CI runner, a moved home directory) builds its own instead of
+loading one that could use instructions it lacks.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_lock = threading.Lock()
+_state: dict[str, object | None] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]  # -fopenmp: at::parallel_for uses OpenMP
+
+
+def module_name() -> str:
+    key = _SOURCE.read_bytes() + " ".join(_CFLAGS + _capability_flags()).encode()
+    digest = hashlib.sha1(key).hexdigest()[:12]
+    return f"radixserve_cpu_ops_{digest}"
+
+
+def _capability_flags() -> list[str]:
+    """Compile for the widest vector unit of this CPU that ATen's Vectorized knows: AVX-512,
+    else AVX2, else its portable scalar fallback."""
+    flags = set(_cpu_flags().split())
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags:
+        return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+                "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
+    if {"avx2", "fma", "f16c"} <= flags:
+        return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+    return ["-DCPU_CAPABILITY=DEFAULT"]
+
+
+def build(verbose: bool = False) -> ModuleType:
+    """Compile (or load the cached build of) the kernels; raises on failure."""
+    from torch.utils.cpp_extension import load
+    return load(name=module_name(), sources=[str(_SOURCE)], verbose=verbose,
+                extra_cflags=[*_CFLAGS, *_capability_flags()],
+                extra_ldflags=["-fopenmp"])
+
+
+def cpu_ops() -> object | None:
+    """The compiled kernels (the op namespace torch.ops.radixserve_cpu: decode_attention,
+    rope_store, rms_norm, silu_and_mul), or None (logged once) when they are disabled or will
+    not build."""
+    if "ops" in _state:
+        return _state["ops"]
+    with _lock:
+        if "ops" not in _state:
+            ops = None
+            if os.environ.get("RADIXSERVE_CPU_KERNELS", "1") != "0":
+                try:
+                    build()
+                    import torch
+                    ops = torch.ops.radixserve_cpu
+                except Exception as exc:  # noqa: BLE001 - any build failure means fall back
+                    logger.warning("CPU kernels unavailable (%s: %s); using the PyTorch path",
+                                   type(exc).__name__, str(exc).splitlines()[0] if str(exc)
+                                   else "")
+            _state["ops"] = ops
+    return _state["ops"]

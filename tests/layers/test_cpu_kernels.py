@@ -1,0 +1,82 @@
+"""The compiled CPU kernels for RMSNorm (+ residual), SiLU-and-mul and rope (core/cpu_kernels)
+against the PyTorch code they replace (layers/norm.py, activation.py, rotary.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixserve.core.cpu_kernels import cpu_ops
+from radixserve.layers.rotary import RotaryEmbedding, default_inv_freq
+
+ops = cpu_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="CPU kernels did not build")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _ulps(dtype: torch.dtype) -> dict[str, float]:
+    """One unit in the last place at ~4 (reductions in another order may round differently)."""
+    eps = torch.finfo(dtype).eps
+    return dict(atol=8 * eps, rtol=2 * eps)
+
+
+def _rmsnorm_torch(x: torch.Tensor, w: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype), x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype: torch.dtype, with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 200, generator=gen) * 3).to(dtype)
+    w = torch.randn(200, generator=gen).to(dtype)
+    residual = torch.randn(37, 200, generator=gen).to(dtype) if with_residual else None
+    got = ops.rms_norm(x, w, 1e-5, residual)
+    ref, ref_sum = _rmsnorm_torch(x, w, 1e-5, residual)
+    torch.testing.assert_close(got[0], ref, **_ulps(dtype))
+    if with_residual:
+        assert torch.equal(got[1], ref_sum)
+
+
+def test_rms_norm_module_uses_the_kernel_and_matches() -> None:
+    from radixserve.layers.norm import RMSNorm
+    norm = RMSNorm(64).to(torch.bfloat16)
+    norm.weight.data.normal_()
+    x, r = torch.randn(5, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+    out, new_residual = norm(x, r)
+    ref, ref_sum = _rmsnorm_torch(x, norm.weight.data, norm.variance_epsilon, r)
+    torch.testing.assert_close(out, ref, **_ulps(torch.bfloat16))
+    assert torch.equal(new_residual, ref_sum)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    x = (torch.randn(19, 2 * 150) * 4).to(dtype)
+    half = x.shape[1] // 2
+    ref = F.silu(x[:, :half]) * x[:, half:]
+    torch.testing.assert_close(ops.silu_and_mul(x), ref, **_ulps(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store(dtype: torch.dtype) -> None:
+    heads, kv_heads, head_dim, tokens = 6, 2, 64, 11
+    rotary = RotaryEmbedding(head_dim, 512, default_inv_freq(head_dim, 10000.0))
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    positions = torch.randint(0, 512, (tokens,), generator=gen)
+    ref_q, ref_k = rotary(positions, q.clone(), k.clone())
+    k_buf = torch.zeros(40, kv_heads, head_dim, dtype=dtype)
+    v_buf = torch.zeros_like(k_buf)
+    loc = torch.randperm(39, generator=gen)[:tokens] + 1
+    ops.rope_store(positions, q, k, v, rotary.cos_cache, rotary.sin_cache, head_dim, k_buf,
+                   v_buf, loc, True)
+    # the same roundings in the same order as the PyTorch path: equal, not just close
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+    assert torch.equal(k_buf[loc], ref_k.view(tokens, kv_heads, head_dim))
+    assert torch.equal(v_buf[loc], v.reshape(tokens, kv_heads, head_dim))
