@@ -22,6 +22,7 @@ from radixserve.executor.memory_budget import max_kv_tokens, max_request_slots
 from radixserve.executor.pending_decode import PendingDecode
 from radixserve.executor.sampling_info import SamplingBatchInfo
 from radixserve.layers.logits import LogitsOutput
+from radixserve.layers.quantization.fp8 import fp8_config, fp8_linears
 from radixserve.executor.sampler import (Sampler, compute_input_logprobs, compute_logprobs,
                                          compute_logprobs_on_device)
 from radixserve.loader import init_dummy_weights, load_model_source
@@ -70,8 +71,8 @@ class ModelRunner:
         self.source = source or load_model_source(server_args.model_path,
                                                   server_args.load_format)
         self.model_config: ModelConfig = self.source.model_config
-        if server_args.quantization is not None:  # FP8 weights: being built (issue 13)
-            raise ValueError(f"--quantization {server_args.quantization} is not supported yet")
+        self.fp8 = fp8_config(self.source.hf_config.get("quantization_config"),
+                              server_args.quantization)
         check_tensor_parallel(self.model_config, self.tp_size)
         self.model_config.resolve_context_length(server_args.context_length)
         self.dtype = resolve_dtype(server_args.dtype, self.model_config.torch_dtype,
@@ -104,15 +105,27 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), fp8_linears(self.fp8):
                 model = model_cls(self.model_config)
         finally:
             torch.set_default_dtype(default_dtype)
+        if self.fp8 is not None:
+            logger.info("FP8 weights: %s", self.fp8.source)
         if self.source.weights is None:
             init_dummy_weights(model, self.server_args.random_seed)
         else:
             load_weights(model, self.source.weights())
-        model.to(self.dtype)
+        for module in model.modules():
+            finish = getattr(module, "finish_loading", None)
+            if finish is not None:
+                finish()
+        # FP8 weights and their float32 scales keep their dtype
+        for param in model.parameters():
+            if not getattr(param, "keep_dtype", False):
+                param.data = param.data.to(self.dtype)
+        for buf in model.buffers():
+            if buf.is_floating_point():
+                buf.data = buf.data.to(self.dtype)
         # rope caches stay fp32: they are cast at use, as transformers does
         for name, buf in model.named_buffers():
             if "cos_cache" in name or "sin_cache" in name:

@@ -17,6 +17,9 @@ import torch
 from torch import nn
 
 from radixserve.distributed.parallel_state import get_tp_group
+from radixserve.layers.quantization.fp8 import FP8_DTYPE, Fp8Config, current_fp8_config
+from radixserve.layers.quantization.fp8_linear import (add_fp8_params, finish_fp8_loading,
+                                                       fp8_linear)
 
 # RADIXSERVE_GEMV=0 sends one-token products to cuBLAS too (for A/B timing)
 _GEMV_ENABLED = os.environ.get("RADIXSERVE_GEMV", "1") != "0"
@@ -68,24 +71,46 @@ class LinearBase(nn.Module):
     """y = x @ W.T (+ b), W of [output_size, input_size] on this rank."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp_rank: int | None = None, tp_size: int | None = None) -> None:
+                 tp_rank: int | None = None, tp_size: int | None = None,
+                 quantize: bool = True) -> None:
+        """quantize=False keeps the layer in the compute dtype even when the model is built
+        under an FP8 setting (layers/quantization/fp8.py: fp8_linears)."""
         super().__init__()
         self.tp_rank, self.tp_size = _rank_and_size(tp_rank, tp_size)
         self.input_size, self.output_size = input_size, output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.fp8: Fp8Config | None = current_fp8_config() if quantize else None
+        dtype = FP8_DTYPE if self.fp8 is not None and not self.fp8.online else None
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype),
+                                   requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
+        if self.fp8 is not None:
+            add_fp8_params(self, self.fp8)
+
+    def full_rows(self, shard_id: object = None) -> int:
+        """Rows of the checkpoint tensor (or of its piece `shard_id`) before the rank split."""
+        return self.output_size
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: object = None) -> None:
         default_weight_loader(param, loaded)
 
+    def finish_loading(self) -> None:
+        """After every tensor is loaded (--quantization fp8 quantises here)."""
+        finish_fp8_loading(self)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W.T (+ bias) with this rank's weight, FP8 or not."""
+        if self.fp8 is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, self.fp8.block, bias)
+        return linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.product(x, self.bias)
 
 
 def _rank_and_size(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
@@ -97,8 +122,9 @@ def _rank_and_size(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
 class ReplicatedLinear(LinearBase):
     """The whole weight on every rank."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(input_size, output_size, bias, 0, 1)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 quantize: bool = True) -> None:
+        super().__init__(input_size, output_size, bias, 0, 1, quantize)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -110,6 +136,9 @@ class ColumnParallelLinear(LinearBase):
         if output_size % tp_size:
             raise ValueError(f"{output_size} output features do not split over {tp_size} ranks")
         super().__init__(input_size, output_size // tp_size, bias, tp_rank, tp_size)
+
+    def full_rows(self, shard_id: object = None) -> int:
+        return self.output_size * self.tp_size
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: object = None) -> None:
@@ -135,14 +164,15 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: object = None) -> None:
-        if param.dim() == 2:
+        # 2-D: the weight, or an FP8 scale; a scale of one group (per row) stays whole
+        if param.dim() == 2 and not (loaded.shape[1] == 1 == param.shape[1]):
             loaded = _shard(loaded, 1, self.tp_rank, self.tp_size)
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1 or not self.reduce_results:
-            return linear(x, self.weight, self.bias)
-        out = get_tp_group().all_reduce(linear(x, self.weight))
+            return self.product(x, self.bias)
+        out = get_tp_group().all_reduce(self.product(x, None))
         return out if self.bias is None else out + self.bias
 
 
@@ -154,6 +184,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                  tp_rank: int | None = None, tp_size: int | None = None) -> None:
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+
+    def full_rows(self, shard_id: object = None) -> int:
+        return self.output_sizes[shard_id]  # type: ignore[index]
 
     def _piece(self, shard_id: int) -> tuple[int, int]:
         """(offset, size) of a piece in this rank's merged weight."""
@@ -195,6 +228,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_size = self.num_kv_heads * head_dim
         LinearBase.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias,
                             tp_rank, tp_size)
+
+    def full_rows(self, shard_id: object = None) -> int:
+        heads = self.num_heads * self.tp_size if shard_id == "q" else self.total_num_kv_heads
+        return heads * self.head_dim
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

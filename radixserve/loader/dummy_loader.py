@@ -5,6 +5,9 @@ contains "norm"), which get 1 + U(-1e-3, 1e-3): RMSNorm then passes activations 
 their natural scale instead of shrinking them 1000x per norm, so runs stay numerically sane
 (finite logits, no underflow) for any depth. Buffers (rotary tables, ...) are left alone.
 
+FP8 weights (`--load-format dummy` of an FP8 checkpoint) get codes over the FP8 range and
+scales of weight_range / 448, so their values fall in the same range.
+
 Reproducible: each parameter draws from its own generator seeded from (seed, parameter name), so
 the values do not depend on parameter order; they do depend on the device type (CPU and CUDA
 generators differ) and on the parameter's shape (a TP shard is not a slice of the full tensor).
@@ -35,6 +38,16 @@ def init_dummy_weights(model: torch.nn.Module, seed: int,
             continue
         generator = torch.Generator(device=param.device)
         generator.manual_seed(_param_seed(seed, name))
+        if param.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            # FP8 codes over the format's range; their scales (below) bring them to the range
+            fp8_max = torch.finfo(param.dtype).max
+            codes = torch.empty(param.shape, device=param.device)
+            codes.uniform_(-fp8_max, fp8_max, generator=generator)
+            param.copy_(codes.to(param.dtype))
+            continue
+        if name.endswith("weight_scale"):
+            param.fill_(weight_range / 448.0)
+            continue
         param.uniform_(-weight_range, weight_range, generator=generator)
         if is_norm_weight(name):
             param.add_(1.0)

@@ -66,6 +66,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             for part in ("k", "v") if which == "kv" else (which,):
                 kv_scales.setdefault(layer, {})[part] = float(tensor.float().max())
             continue
+        if name.endswith(".weight_scale_inv"):  # block FP8: the same dequantising multiplier
+            name = name[:-len("_inv")]
         packed = weight_target(name) if weight_target is not None else None
         if packed is None:
             packed = _packed_target(name, mapping)
@@ -86,10 +88,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from exc
         loaded[target].add(shard_id)
-    missing = sorted(n for n in params if n not in loaded)
+    missing = sorted(n for n, p in params.items()
+                     if n not in loaded and not getattr(p, "optional", False))
     if missing:
         raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
-    partial = sorted(n for n, want in expected_shards.items() if want - loaded[n])
+    partial = sorted(n for n, want in expected_shards.items() if want - loaded[n]
+                     and not getattr(params[n], "optional", False))
     if partial:
         raise KeyError(f"checkpoint lacks pieces of merged parameters, e.g. "
                        f"{partial[0]} misses {sorted(map(str, expected_shards[partial[0]] - loaded[partial[0]]))}")

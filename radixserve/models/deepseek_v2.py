@@ -91,9 +91,17 @@ class MLAAttention(nn.Module):
                                    1, layer_id, v_head_dim=self.kv_lora_rank)
 
     def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [H, nope, latent], W_UV [H, v, latent]): views of kv_b_proj's weight."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim,
-                                       self.kv_lora_rank)
+        """(W_UK [H, nope, latent], W_UV [H, v, latent]): views of kv_b_proj's weight (of a
+        dequantised copy, made once, when it is FP8)."""
+        w = self.kv_b_proj.weight
+        if self.kv_b_proj.fp8 is not None:
+            if getattr(self, "_kv_b_dequantized", None) is None:
+                from radixserve.layers.quantization.fp8 import dequantize_weight
+                self._kv_b_dequantized = dequantize_weight(
+                    w, self.kv_b_proj.weight_scale, self.kv_b_proj.fp8.block,
+                    self.kv_a_layernorm.weight.dtype)
+            w = self._kv_b_dequantized
+        w = w.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, :self.nope_dim], w[:, self.nope_dim:]
 
     def _rope_and_entries(self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,

@@ -47,7 +47,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.routing = routing_config(config)
         hidden = config.hidden_size
-        self.gate = ReplicatedLinear(hidden, self.routing.num_experts)
+        self.gate = ReplicatedLinear(hidden, self.routing.num_experts, quantize=False)
         self.router_fp32 = router_fp32
         self.experts = FusedMoE(self.routing.num_experts, hidden, expert_intermediate_size,
                                 getattr(config.hf, "hidden_act", "silu"))
@@ -55,7 +55,8 @@ class SparseMoeBlock(nn.Module):
         if shared_intermediate_size:
             setattr(self, shared_name, dense_mlp(config, shared_intermediate_size,
                                                  reduce_results=False))
-        self.shared_expert_gate = ReplicatedLinear(hidden, 1) if shared_gate else None
+        self.shared_expert_gate = ReplicatedLinear(hidden, 1, quantize=False) \
+            if shared_gate else None
         self.tp_size = get_tp_group().size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

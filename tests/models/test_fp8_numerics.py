@@ -10,7 +10,9 @@ import radixserve
 from tests.models.fp8_numerics import Numerics, compare, measure
 
 # bounds stated in docs/PERFORMANCE.md, with the measured values beside them
-BOUNDS = {"kv_cache_dtype=fp8_e4m3": dict(mean_abs=0.15, shift=0.05, agreement=0.35)}
+# (measured 2026-12-01: e4m3 KV 0.086 / +0.007 / 60%; FP8 weights 0.153 / +0.018 / 44%)
+BOUNDS = {"kv_cache_dtype=fp8_e4m3": dict(mean_abs=0.15, shift=0.05, agreement=0.35),
+          "quantization=fp8": dict(mean_abs=0.25, shift=0.06, agreement=0.25)}
 
 
 def _numerics(**kwargs) -> Numerics:

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# FP8 on one H200 (issue 13), from the repository root; logs under $OUT.
+#   FP8_STEPS="tests decode offline" bash benchmarks/gpu_fp8.sh
+# tests:   FP8 kernels against references on the GPU (FP8-weight GEMM, FP8 KV through the
+#          Triton decode/extend kernels and the fused rope + store, checkpoint formats)
+# decode:  Llama-3.1-8B shapes, dummy weights quantised at load (--quantization fp8), one
+#          static batch of 1 / 8 / 32 at context 1024, graphs + overlap; then the same with an
+#          FP8 KV cache too
+# offline: random 1024/1024 x FP8_PROMPTS (default 1000): FP8 KV only, then FP8 weights + KV
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/out/gpu_fp8}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error
+MODEL=benchmarks/configs/llama-3.1-8b
+STEPS="${FP8_STEPS:-tests decode offline}"
+step() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+quiet() { grep -v -E 'Warning|return func|warnings.warn'; }
+
+if step tests; then
+    echo "== tests"
+    timeout -k 10 "${FP8_TEST_SECONDS:-150}" python3 -m pytest -q -x tests/layers/test_fp8_gemm.py \
+        tests/mem/test_fp8_kv.py tests/loader/test_fp8_checkpoints.py > "$OUT/tests.log" 2>&1
+    echo "   rc $?: $(tail -1 "$OUT/tests.log")"
+    grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -8
+fi
+one_batch() {  # label, extra flags...
+    local label=$1
+    shift
+    timeout -k 10 "${FP8_DECODE_SECONDS:-100}" python3 -m radixserve.bench.one_batch \
+        --model-path "$MODEL" --load-format dummy --dtype bfloat16 --batch-size 1 8 32 \
+        --input-len 1024 --output-len 32 --overlap --cuda-graph-max-bs 32 \
+        --max-total-tokens 100000 --log-level warning "$@" \
+        --output-file "$OUT/one_batch_$label.jsonl" > "$OUT/one_batch_$label.log" 2>&1
+    echo "   $label rc $?"
+    quiet < "$OUT/one_batch_$label.log" | tail -4
+}
+if step decode; then
+    echo "== decode"
+    one_batch w8 --quantization fp8
+    one_batch w8kv8 --quantization fp8 --kv-cache-dtype fp8_e4m3
+fi
+offline() {  # label, extra flags...
+    local label=$1
+    shift
+    timeout -k 10 "${FP8_OFFLINE_SECONDS:-200}" python3 -m radixserve.bench.offline \
+        --model-path "$MODEL" --load-format dummy --dtype bfloat16 --radix on \
+        --dataset-name random --num-prompts "${FP8_PROMPTS:-1000}" --random-input-len 1024 \
+        --random-output-len 1024 --random-range-ratio 1.0 "$@" \
+        --output-file "$OUT/offline_$label.jsonl" > "$OUT/offline_$label.log" 2>&1
+    echo "   $label rc $?"
+    quiet < "$OUT/offline_$label.log" | grep -E 'KV cache:|^ +on|ratio' | tail -3
+}
+if step offline; then
+    echo "== offline"
+    offline kv8 --kv-cache-dtype fp8_e4m3
+    offline w8kv8 --quantization fp8 --kv-cache-dtype fp8_e4m3
+fi

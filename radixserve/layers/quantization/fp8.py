@@ -1,0 +1,115 @@
+"""FP8 weight quantisation: what a checkpoint (or --quantization fp8) asks for.
+
+Formats read:
+  * `quant_method: fp8` with `weight_block_size: [128, 128]` (DeepSeek-V3, Qwen3-FP8): weights
+    float8_e4m3fn, one `weight_scale_inv` per 128 x 128 block (value = code x scale);
+  * compressed-tensors float formats (Llama FP8 checkpoints), read with the compressed-tensors
+    library: 8-bit float weights with a scale per tensor or per output channel (`weight_scale`),
+    input activations dynamic per token or static per tensor (`input_scale`);
+  * `--quantization fp8` on a bf16/fp16 checkpoint: weights quantised at load, a scale per
+    output channel.
+Internally every FP8 linear keeps `weight_scale` as [out rows, K groups] float32: one group
+(per-tensor and per-channel scales, a per-tensor scale copied to its shard's rows) or one per
+128 input columns (block scales, expanded to rows); the matmul reads that one layout.
+Activations: the GPU kernels multiply bf16 activations with FP8 weights dequantised in
+registers (weight-only); large-batch per-channel GEMMs may quantise activations per token and
+use FP8 tensor cores (`torch._scaled_mm`). Static input scales are loaded but not used.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    block: int | None = None  # 128: block scales; None: per output channel / tensor
+    online: bool = False  # quantise the checkpoint's bf16 weights at load
+    static_input_scale: bool = False  # the checkpoint carries input_scale tensors
+    source: str = ""  # what the config came from, for the log
+
+
+def fp8_config(quantization_config: dict[str, Any] | None, flag: str | None) -> Fp8Config | None:
+    """The FP8 setting of a checkpoint's `quantization_config` and the --quantization flag."""
+    method = (quantization_config or {}).get("quant_method")
+    if method == "fp8":
+        block = quantization_config.get("weight_block_size")  # type: ignore[union-attr]
+        if block is not None and (len(block) != 2 or block[0] != block[1]):
+            raise ValueError(f"FP8 weight_block_size {block} is not supported (square only)")
+        static = quantization_config.get("activation_scheme") == "static"  # type: ignore
+        return Fp8Config(block=block[0] if block else None, static_input_scale=static,
+                         source=f"fp8 checkpoint{f' (blocks of {block})' if block else ''}")
+    if method == "compressed-tensors":
+        return _compressed_tensors_config(quantization_config)  # type: ignore[arg-type]
+    if method is not None:
+        raise ValueError(f"quantization method {method!r} is not supported (fp8, "
+                         "compressed-tensors float8)")
+    if flag == "fp8":
+        return Fp8Config(online=True, source="--quantization fp8 (per-channel, at load)")
+    if flag is not None:
+        raise ValueError(f"--quantization {flag!r} is not supported (fp8)")
+    return None
+
+
+def _compressed_tensors_config(raw: dict[str, Any]) -> Fp8Config:
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStrategy
+    config = QuantizationConfig.model_validate(raw)
+    groups = list(config.config_groups.values())
+    if len(groups) != 1:
+        raise ValueError("compressed-tensors checkpoints with several config groups are not "
+                         "supported")
+    weights, inputs = groups[0].weights, groups[0].input_activations
+    if weights is None or weights.num_bits != 8 or str(weights.type) not in ("float",
+                                                                              "QuantizationType.FLOAT"):
+        raise ValueError(f"compressed-tensors weights {weights} are not FP8 (8-bit float)")
+    strategy = weights.strategy
+    block = None
+    if strategy == QuantizationStrategy.BLOCK:
+        block = weights.block_structure[0]
+    elif strategy not in (QuantizationStrategy.TENSOR, QuantizationStrategy.CHANNEL):
+        raise ValueError(f"compressed-tensors FP8 strategy {strategy} is not supported")
+    static = inputs is not None and not inputs.dynamic
+    return Fp8Config(block=block, static_input_scale=static,
+                     source=f"compressed-tensors FP8 ({getattr(strategy, 'value', strategy)} weights, "
+                            f"{'static' if static else 'dynamic'} activations)")
+
+
+_CURRENT: list[Fp8Config | None] = [None]
+
+
+@contextlib.contextmanager
+def fp8_linears(config: Fp8Config | None) -> Iterator[None]:
+    """Linear layers built inside take this FP8 setting (model construction only)."""
+    _CURRENT.append(config)
+    try:
+        yield
+    finally:
+        _CURRENT.pop()
+
+
+def current_fp8_config() -> Fp8Config | None:
+    return _CURRENT[-1]
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16/fp32 [N, K] -> (FP8 codes [N, K], scales [N, 1] float32), amax per row -> FP8 max."""
+    amax = weight.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+    scale = amax / FP8_MAX
+    codes = (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return codes, scale
+
+
+def dequantize_weight(codes: torch.Tensor, scale: torch.Tensor, block: int | None,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """FP8 codes [N, K] x scale [N, G] (G = 1, or one per `block` columns) -> [N, K] in dtype."""
+    if scale.shape[1] == 1:
+        return (codes.float() * scale).to(dtype)
+    assert block is not None
+    expanded = scale.repeat_interleave(block, dim=1)[:, :codes.shape[1]]
+    return (codes.float() * expanded).to(dtype)

@@ -1,0 +1,89 @@
+"""FP8 parameters of a linear layer: creation, checkpoint loading, the after-load step, and
+the product.
+
+A quantised LinearBase holds `weight` (float8_e4m3fn [N, K] on this rank; bf16 until
+`finish_loading` for --quantization fp8) and `weight_scale` ([N, G] float32, G = 1 or
+cdiv(K, block); see fp8.py), plus `input_scale` ([1]) when the checkpoint has static ones.
+Scale tensors load through the layer's own weight loader after being expanded to the rows of
+their piece (a per-tensor scale to [rows, 1], a block scale to one row per weight row), so the
+tensor-parallel and merged-piece placement of the weights applies to them unchanged.
+"""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from radixserve.layers.quantization.fp8 import (FP8_DTYPE, Fp8Config, dequantize_weight,
+                                                quantize_per_channel)
+
+if TYPE_CHECKING:
+    from radixserve.layers.linear import LinearBase
+
+
+def add_fp8_params(layer: "LinearBase", config: Fp8Config) -> None:
+    """Called by LinearBase.__init__ after `weight` (already FP8 unless online) exists."""
+    groups = 1 if config.block is None else -(-layer.input_size // config.block)
+    scale = nn.Parameter(torch.ones(layer.output_size, groups, dtype=torch.float32),
+                         requires_grad=False)
+    scale.weight_loader = functools.partial(load_scale, layer)  # type: ignore[attr-defined]
+    scale.keep_dtype = True  # type: ignore[attr-defined]
+    scale.optional = config.online  # type: ignore[attr-defined]  # computed at load
+    layer.weight_scale = scale
+    layer.weight.keep_dtype = not config.online  # type: ignore[attr-defined]
+    if config.static_input_scale:
+        input_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32), requires_grad=False)
+        input_scale.weight_loader = load_input_scale  # type: ignore[attr-defined]
+        input_scale.keep_dtype = True  # type: ignore[attr-defined]
+        layer.input_scale = input_scale
+
+
+def load_scale(layer: "LinearBase", param: nn.Parameter, loaded: torch.Tensor,
+               shard_id: object = None) -> None:
+    """Expand a checkpoint scale to the rows of its piece, then place it as the weights are."""
+    rows = layer.full_rows(shard_id)
+    loaded = loaded.float()
+    config = layer.fp8
+    assert config is not None
+    if loaded.numel() == 1:  # per tensor
+        expanded = loaded.reshape(1, 1).expand(rows, 1)
+    elif config.block is not None:  # [cdiv(rows, block), cdiv(K, block)]
+        expanded = loaded.repeat_interleave(config.block, dim=0)[:rows]
+    else:  # per channel: [rows, 1] or [rows]
+        expanded = loaded.reshape(rows, 1)
+    layer.weight_loader(param, expanded.contiguous(), shard_id)
+
+
+def load_input_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    """One static activation scale for the merged layer: the largest of its pieces'."""
+    param.data.copy_(torch.maximum(param.data, loaded.float().reshape(1)))
+
+
+def finish_fp8_loading(layer: "LinearBase") -> None:
+    """--quantization fp8: the loaded bf16 weight becomes FP8 codes and per-channel scales."""
+    config = layer.fp8
+    if config is None or not config.online:
+        return
+    codes, scale = quantize_per_channel(layer.weight.data)
+    layer.weight = nn.Parameter(codes, requires_grad=False)
+    layer.weight.keep_dtype = True  # type: ignore[attr-defined]
+    layer.weight_scale.data = scale
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               block: int | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ dequant(weight).T (+ bias). GPU: Triton kernels that read the FP8 weight and
+    dequantise it in registers; elsewhere a dequantised copy (the reference path)."""
+    if x.is_cuda:
+        try:
+            from radixserve.layers.kernels.fp8_gemm import fp8_weight_matmul
+        except ImportError:
+            pass
+        else:
+            return fp8_weight_matmul(x, weight, scale, block, bias)
+    return nn.functional.linear(x, dequantize_weight(weight, scale, block, x.dtype), bias)
+
+
+__all__ = ["FP8_DTYPE", "add_fp8_params", "finish_fp8_loading", "fp8_linear"]

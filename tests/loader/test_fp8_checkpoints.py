@@ -1,0 +1,117 @@
+"""FP8 checkpoints in each supported format load and give the logits of their dequantised twin
+(CPU: the reference path dequantises the FP8 weights, so the two must agree to float error):
+`quant_method: fp8` with block scales, compressed-tensors per-tensor (static input scales) and
+per-channel (dynamic) float8, and --quantization fp8 on a bf16-style checkpoint."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from radixserve.config import ServerArgs
+from radixserve.executor.model_runner import ModelRunner
+from radixserve.layers.quantization.fp8 import quantize_per_channel
+from tests.models.runner_driver import RunnerDriver
+from tests.models.tiny_checkpoints import make_checkpoint
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FP8 = torch.float8_e4m3fn
+
+
+def _quantize(w: torch.Tensor, fmt: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Checkpoint tensors of one FP8 linear (suffix -> tensor) and its dequantised weight."""
+    if fmt == "block":
+        block = 32
+        rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+        padded = torch.zeros(rows * block, cols * block)
+        padded[:w.shape[0], :w.shape[1]] = w
+        amax = padded.view(rows, block, cols, block).abs().amax(dim=(1, 3)).clamp(min=1e-12)
+        scale = amax / 448
+        expanded = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+        expanded = expanded[:w.shape[0], :w.shape[1]]
+        codes = (w / expanded).clamp(-448, 448).to(FP8)
+        return {"weight": codes, "weight_scale_inv": scale}, codes.float() * expanded
+    if fmt == "tensor":
+        scale = w.abs().max() / 448
+        codes = (w / scale).clamp(-448, 448).to(FP8)
+        return ({"weight": codes, "weight_scale": scale.reshape(1),
+                 "input_scale": torch.tensor([0.05])}, codes.float() * scale)
+    codes, scale = quantize_per_channel(w)  # channel
+    return {"weight": codes, "weight_scale": scale}, codes.float() * scale
+
+
+def _quant_config(fmt: str) -> dict:
+    if fmt == "block":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic",
+                "weight_block_size": [32, 32]}
+    strategy = "tensor" if fmt == "tensor" else "channel"
+    inputs = {"num_bits": 8, "type": "float", "symmetric": True,
+              "strategy": "tensor" if fmt == "tensor" else "token",
+              "dynamic": fmt != "tensor"}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": inputs,
+                                          "weights": {"num_bits": 8, "type": "float",
+                                                      "symmetric": True, "dynamic": False,
+                                                      "strategy": strategy}}},
+            "ignore": ["lm_head"]}
+
+
+def _write_pair(root: Path, fmt: str) -> tuple[Path, Path]:
+    """(FP8 checkpoint, its dequantised twin), from one tiny random Llama."""
+    base = root / "base"
+    make_checkpoint("llama_gqa_llama3_rope", base)
+    tensors = load_file(str(base / "model.safetensors"))
+    fp8, twin = {}, {}
+    for name, t in tensors.items():
+        module = name.rsplit(".", 2)
+        if name.endswith(".weight") and module[-2] in LINEARS:
+            pieces, dequant = _quantize(t.float(), fmt)
+            for suffix, piece in pieces.items():
+                fp8[name[:-len("weight")] + suffix] = piece.contiguous()
+            twin[name] = dequant
+        else:
+            fp8[name] = twin[name] = t
+    config = json.loads((base / "config.json").read_text())
+    folders = []
+    for label, state, extra in (("fp8", fp8, {"quantization_config": _quant_config(fmt)}),
+                                ("twin", twin, {})):
+        folder = root / label
+        folder.mkdir()
+        save_file(state, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps({**config, **extra}))
+        folders.append(folder)
+    return folders[0], folders[1]
+
+
+def _logits(folder: Path, **kwargs) -> list[torch.Tensor]:
+    runner = ModelRunner(ServerArgs(model_path=str(folder), dtype="float32", device="cpu",
+                                    max_total_tokens=512, max_running_requests=2, **kwargs))
+    ids = torch.randint(0, 160, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    driver = RunnerDriver(runner)
+    return [driver.extend({0: ids[:20]})[0]] + [driver.extend({0: [t]})[0] for t in ids[20:]]
+
+
+@pytest.mark.parametrize("fmt", ["block", "tensor", "channel"])
+def test_fp8_checkpoint_matches_its_dequantised_twin(fmt: str, tmp_path) -> None:
+    fp8_folder, twin_folder = _write_pair(tmp_path, fmt)
+    for got, want in zip(_logits(fp8_folder), _logits(twin_folder)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_online_quantization_matches_a_per_channel_twin(tmp_path) -> None:
+    make_checkpoint("llama_gqa_llama3_rope", tmp_path / "bf16")
+    tensors = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    twin = {name: (quantize_per_channel(t.float())[0].float() * quantize_per_channel(t.float())[1]
+                   if name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEARS else t)
+            for name, t in tensors.items()}
+    (tmp_path / "twin").mkdir()
+    save_file(twin, str(tmp_path / "twin" / "model.safetensors"))
+    (tmp_path / "twin" / "config.json").write_text((tmp_path / "bf16" / "config.json").read_text())
+    ours = _logits(tmp_path / "bf16", quantization="fp8")
+    for got, want in zip(ours, _logits(tmp_path / "twin")):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    plain = _logits(tmp_path / "bf16")
+    assert any((a - b).abs().max() > 1e-3 for a, b in zip(ours, plain))  # it did quantise
