@@ -42,30 +42,43 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
 
 
 def weight_bytes_per_forward(cfg: ModelConfig, dtype: torch.dtype | str,
-                             num_tokens: int | None = None) -> float:
+                             num_tokens: int | None = None,
+                             linear_dtype: torch.dtype | None = None) -> float:
     """Every weight read once per forward pass, except the embedding table (LM head included).
     MoE with `num_tokens` given: of each MoE layer's routed experts only the ones those tokens
-    use (counts.distinct_experts, uniform routing)."""
+    use (counts.distinct_experts, uniform routing). `linear_dtype` (FP8 weights): the decoder
+    layers' linear weights at that size, the rest (norms, LM head) at `dtype`."""
     counts = param_counts(cfg)
-    params = counts.layers + counts.final_norm + counts.lm_head
+    linear = float(counts.linear)
     if counts.num_experts and num_tokens is not None:
         unused = counts.num_experts - counts.distinct_experts(num_tokens)
-        params -= int(counts.moe_layers * unused * counts.routed_expert)
-    return float(params * dtype_bytes(dtype))
+        linear -= counts.moe_layers * unused * counts.routed_expert
+    other = counts.layers - counts.linear + counts.final_norm + counts.lm_head
+    linear_size = dtype_bytes(linear_dtype) if linear_dtype is not None else dtype_bytes(dtype)
+    return float(int(linear) * linear_size + other * dtype_bytes(dtype))
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype | str) -> int:
-    """The KV of one token in all layers, as the model's KV pool class counts it."""
-    from radixserve.models.registry import kv_bytes_per_token as pool_bytes
-    return pool_bytes(cfg, as_dtype(dtype))
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype | str,
+                       kv_dtype: torch.dtype | None = None) -> int:
+    """The KV of one token in all layers, as the model's KV pool class counts it (stored as
+    `kv_dtype` when given: FP8)."""
+    import dataclasses
+
+    from radixserve.mem.kv_pool import spec_bytes_per_token
+    from radixserve.models.registry import kv_cache_spec
+    spec = dataclasses.replace(kv_cache_spec(cfg, as_dtype(dtype)), storage_dtype=kv_dtype)
+    return spec_bytes_per_token(spec)
 
 
 def decode_step_bytes(cfg: ModelConfig, batch: int, context: float,
-                      dtype: torch.dtype | str) -> float:
+                      dtype: torch.dtype | str, linear_dtype: torch.dtype | None = None,
+                      kv_dtype: torch.dtype | None = None) -> float:
     """One decode step of `batch` sequences that each attend to `context` tokens (the new one
-    included): weights + KV read of batch x context tokens + KV written for batch tokens."""
-    kv = kv_bytes_per_token(cfg, dtype)
-    return weight_bytes_per_forward(cfg, dtype, batch) + batch * context * kv + batch * kv
+    included): weights + KV read of batch x context tokens + KV written for batch tokens.
+    linear_dtype / kv_dtype: FP8 weights / KV cache."""
+    kv = kv_bytes_per_token(cfg, dtype, kv_dtype)
+    return weight_bytes_per_forward(cfg, dtype, batch, linear_dtype) + \
+        batch * context * kv + batch * kv
 
 
 def prefill_bytes(cfg: ModelConfig, batch: int, input_len: int,
@@ -95,7 +108,8 @@ def prefill_flops(cfg: ModelConfig, batch: int, input_len: int) -> float:
 
 
 def workload_limit_seconds(cfg: ModelConfig, prompt_lens: list[int], output_lens: list[int],
-                           dtype: torch.dtype | str, peak: "DevicePeak") -> float:
+                           dtype: torch.dtype | str, peak: "DevicePeak",
+                           kv_dtype: torch.dtype | None = None) -> float:
     """The least time a whole offline workload can take: every FLOP at the peak rate plus every
     KV byte decode must read at the peak bandwidth.
 
@@ -107,7 +121,7 @@ def workload_limit_seconds(cfg: ModelConfig, prompt_lens: list[int], output_lens
     serving batch sizes), so the limit is optimistic for small batches. No prefix sharing."""
     flops = 0.0
     kv_bytes = 0.0
-    kv = kv_bytes_per_token(cfg, dtype)
+    kv = kv_bytes_per_token(cfg, dtype, kv_dtype)
     for n_in, n_out in zip(prompt_lens, output_lens):
         flops += prefill_flops(cfg, 1, n_in)
         steps = max(n_out - 1, 0)  # decode steps; step j attends to n_in + j + 1 keys

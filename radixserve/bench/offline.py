@@ -97,7 +97,8 @@ def _limit(engine: Any, requests: list[SampleRequest], duration: float,
         return {}
     limit = hardware.workload_limit_seconds(runner.model_config,
                                             [r.prompt_len for r in requests],
-                                            [r.output_len for r in requests], runner.dtype, peak)
+                                            [r.output_len for r in requests], runner.dtype, peak,
+                                            runner.kv_cache_spec.storage_dtype)
     return {"limit_s": limit, "limit_ratio": limit / duration}
 
 

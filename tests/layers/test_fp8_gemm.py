@@ -36,3 +36,18 @@ def test_fp8_weight_gemm_matches_dequantised_product(m, n, k, block) -> None:
                           bias.to(DEVICE))
     want = fp8_weight_gemm_reference(x, codes, scale, block) + bias.float()
     torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("n,k,block", [(40, 512, None), (24, 1024, 128)])
+def test_fp8_gemv_matches_dequantised_product(n, k, block) -> None:
+    from radixserve.layers.kernels.gemv import fp8_gemv
+    gen = torch.Generator().manual_seed(n)
+    groups = 1 if block is None else k // block
+    scale = torch.rand(n, groups, generator=gen) * 0.01 + 0.001
+    codes = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    x = torch.randn(1, k, generator=gen).to(torch.float16)
+    got = fp8_gemv(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), block)
+    assert got is not None
+    want = fp8_weight_gemm_reference(x, codes, scale, block)
+    torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
+

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
+from radixserve.layers.kernels.gemv import fp8_gemv
 
 SCALED_MM_MIN_TOKENS = 256  # per-channel weights at this many rows and more: FP8 tensor cores
 FP8_MAX = 448.0
@@ -111,6 +112,10 @@ def fp8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     """The GPU FP8 linear: _scaled_mm for large per-channel batches (when the device has FP8
     tensor cores), else the weight-dequantising Triton GEMM."""
     tokens = x.numel() // x.shape[-1]
+    if tokens == 1 and x.is_contiguous():  # batch-1 decode: the FP8 GEMV
+        y = fp8_gemv(x.reshape(1, -1), weight, scale, block, bias)
+        if y is not None:
+            return y.view(*x.shape[:-1], weight.shape[0])
     if (scale.shape[1] == 1 and tokens >= SCALED_MM_MIN_TOKENS and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device)[0] >= 9):
         return scaled_mm_per_token(x, weight, scale, bias)

@@ -53,6 +53,62 @@ def _gemv_kernel(X, W, B, Y, N, K, stride_wn,
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _fp8_gemv_kernel(X, W, Scale, B, Y, N, K, stride_wn, stride_sn,
+                     HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, GROUP_K: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """The GEMV over FP8 codes: per-row scales applied once at the end, or (GROUPED) per K
+    group of GROUP_K columns as each BLOCK_K step (inside one group) is accumulated."""
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    x_ptrs = X + offs_k
+    for k_start in range(0, K, BLOCK_K):
+        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptrs)
+        prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if GROUPED:
+            s = tl.load(Scale + offs_n * stride_sn + k_start // GROUP_K, mask=n_mask, other=0.0)
+            prod = prod * s[:, None]
+        acc += prod
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=1)
+    if not GROUPED:
+        y = y * tl.load(Scale + offs_n * stride_sn, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=n_mask)
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             group_k: int | None, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """One row x [1, K] against FP8 codes [N, K] x scales [N, G]; None when no block size
+    divides K (the caller falls back). FP8 rows are half as many bytes as bf16 ones, so each
+    step reads twice the columns of the bf16 configuration."""
+    n, k = weight.shape
+    config = gemv_config(n, k // 2)
+    if config is None:
+        return None
+    block_k = config.block_k * 2
+    grouped = scale.shape[1] > 1
+    if grouped:
+        block_k = min(block_k, group_k or block_k)
+    if k % block_k:
+        return None
+    y = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
+    _fp8_gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, scale, bias if bias is not None else scale, y, n, k, weight.stride(0),
+        scale.stride(0), HAS_BIAS=bias is not None, GROUPED=grouped, GROUP_K=group_k or k,
+        BLOCK_N=config.block_n, BLOCK_K=block_k, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl_launch_args(x))
+    return y
+
+
 def gemv_config(n: int, k: int) -> GemvConfig | None:
     """The measured best shape class (H200, bf16) for an [n, k] weight; None if k fits no
     block size."""
