@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from radixserve.distributed.parallel_state import get_tp_group
+from radixserve.layers.cpu_linear import packed_linear
 from radixserve.layers.quantization.fp8 import FP8_DTYPE, Fp8Config, current_fp8_config
 from radixserve.layers.quantization.fp8_linear import (add_fp8_params, finish_fp8_loading,
                                                        fp8_linear)
@@ -46,6 +47,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if found is not None:
             gemv, config = found
             return gemv(x.contiguous(), weight, bias, config)
+    if not x.is_cuda:  # oneDNN with the weight packed once (layers/cpu_linear.py)
+        out = packed_linear(x, weight, bias)
+        if out is not None:
+            return out
     return nn.functional.linear(x, weight, bias)
 
 

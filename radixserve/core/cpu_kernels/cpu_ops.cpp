@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -52,6 +53,148 @@ inline Vec load_vec(const T* p) {
   at::vec::load_to_float<T>(p, out);
   return out;
 }
+// bf16 -> fp32 is a 16-bit shift; ATen's loader reads and converts a whole bf16 vector
+#if defined(CPU_CAPABILITY_AVX512)
+template <>
+inline Vec load_vec(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+template <>
+inline Vec load_vec(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+}
+#endif
+
+constexpr int64_t kPrefetch = 6;  // rows ahead
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64)
+    __builtin_prefetch(bytes + off, 0, 3);
+}
+
+inline float reduce_add(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_add_ps(__m512(v));
+#else
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
+#endif
+}
+
+// softmax over n scores of each of `group` rows (stride `padded`), in place, fp32
+inline void softmax_rows(float* scores, int64_t group, int64_t n, int64_t padded) {
+  alignas(64) float partial[kLanes];
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * padded;
+    float peak = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) peak = std::max(peak, s[j]);
+    const Vec peak_v(peak);
+    Vec total_v(0.f);
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+      const Vec e = (Vec::loadu(s + j) - peak_v).exp_u20();
+      e.store(s + j);
+      total_v = total_v + e;
+    }
+    float total = reduce_add(total_v);
+    if (j < n) {
+      const Vec e = (Vec::loadu(s + j, n - j) - peak_v).exp_u20();
+      e.store(partial);
+      for (int64_t i = 0; i < n - j; ++i) {
+        s[j + i] = partial[i];
+        total += partial[i];
+      }
+    }
+    const float inv = n > 0 ? 1.f / total : 0.f;
+    for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+  }
+}
+
+// One (request, KV head) task with the group size G and the head width DV vectors known at
+// compile time: the group's queries, score sums and outputs live in vector registers.
+template <typename T, int G, int DV>
+void attend_task_fixed(const T* q, int64_t q_sh, const T* k_base, int64_t k_ss,
+                       const T* v_base, int64_t v_ss, const int32_t* row, int64_t n,
+                       float scale, float cap, float* scores, int64_t padded, T* out,
+                       int64_t o_sh) {
+  constexpr int64_t D = DV * kLanes;
+  Vec qv[G][DV];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DV; ++c) qv[g][c] = load_vec(q + g * q_sh + c * kLanes);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* key = k_base + static_cast<int64_t>(row[j]) * k_ss;
+    if (j + kPrefetch < n) prefetch_row(k_base + static_cast<int64_t>(row[j + kPrefetch]) * k_ss, D);
+    Vec acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = Vec(0.f);
+    for (int c = 0; c < DV; ++c) {
+      const Vec kv = load_vec(key + c * kLanes);
+      for (int g = 0; g < G; ++g) acc[g] = at::vec::fmadd(qv[g][c], kv, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) {
+      float sc = reduce_add(acc[g]) * scale;
+      if (cap > 0.f) sc = std::tanh(sc / cap) * cap;
+      scores[g * padded + j] = sc;
+    }
+  }
+  softmax_rows(scores, G, n, padded);
+  Vec o[G][DV];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DV; ++c) o[g][c] = Vec(0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* value = v_base + static_cast<int64_t>(row[j]) * v_ss;
+    if (j + kPrefetch < n) prefetch_row(v_base + static_cast<int64_t>(row[j + kPrefetch]) * v_ss, D);
+    for (int c = 0; c < DV; ++c) {
+      const Vec vv = load_vec(value + c * kLanes);
+      for (int g = 0; g < G; ++g) o[g][c] = at::vec::fmadd(Vec(scores[g * padded + j]), vv, o[g][c]);
+    }
+  }
+  alignas(64) float tmp[D];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < DV; ++c) o[g][c].store(tmp + c * kLanes);
+    for (int64_t d = 0; d < D; ++d) store(out + g * o_sh, d, tmp[d]);
+  }
+}
+
+using FixedTask = void (*)(const void*, int64_t, const void*, int64_t, const void*, int64_t,
+                           const int32_t*, int64_t, float, float, float*, int64_t, void*,
+                           int64_t);
+
+template <typename T, int G, int DV>
+void attend_task_erased(const void* q, int64_t q_sh, const void* k, int64_t k_ss, const void* v,
+                        int64_t v_ss, const int32_t* row, int64_t n, float scale, float cap,
+                        float* scores, int64_t padded, void* out, int64_t o_sh) {
+  attend_task_fixed<T, G, DV>(static_cast<const T*>(q), q_sh, static_cast<const T*>(k), k_ss,
+                              static_cast<const T*>(v), v_ss, row, n, scale, cap, scores,
+                              padded, static_cast<T*>(out), o_sh);
+}
+
+template <typename T, int DV>
+FixedTask fixed_task_for_group(int64_t group) {
+  switch (group) {
+    case 1: return &attend_task_erased<T, 1, DV>;
+    case 2: return &attend_task_erased<T, 2, DV>;
+    case 3: return &attend_task_erased<T, 3, DV>;
+    case 4: return &attend_task_erased<T, 4, DV>;
+    case 5: return &attend_task_erased<T, 5, DV>;
+    case 6: return &attend_task_erased<T, 6, DV>;
+    case 7: return &attend_task_erased<T, 7, DV>;
+    case 8: return &attend_task_erased<T, 8, DV>;
+    default: return nullptr;
+  }
+}
+
+// the register-blocked task for (group, head width), or nullptr (then the generic loop)
+template <typename T>
+FixedTask fixed_task(int64_t group, int64_t head_dim, int64_t v_dim) {
+  if (head_dim != v_dim) return nullptr;
+  if (head_dim == 4 * kLanes) return fixed_task_for_group<T, 4>(group);
+  if (head_dim == 8 * kLanes) return fixed_task_for_group<T, 8>(group);
+  return nullptr;
+}
 
 // ---- decode attention ----------------------------------------------------------------------
 // One query token per request. Task (b, h): the `group` query heads that share KV head h read
@@ -82,6 +225,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_buf, const a
   const float cap = static_cast<float>(logit_cap);
   const int64_t d_vecs = head_dim / kLanes, v_vecs = v_dim / kLanes;
 
+  FixedTask fixed = std::is_same<Index, int32_t>::value ?
+      fixed_task<T>(group, head_dim, v_dim) : nullptr;
+
   at::parallel_for(0, bs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * v_dim), scores, partial(kLanes);
     std::vector<Vec> sums(group);
@@ -91,6 +237,14 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_buf, const a
       const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
       const int64_t n = len - start;
       const Index* row = table + rows[b] * table_stride + start;
+      if (fixed != nullptr) {
+        const int64_t padded = (std::max<int64_t>(n, 1) + kLanes - 1) / kLanes * kLanes;
+        scores.resize(padded * group);
+        fixed(q_ptr + b * q_sb + h * group * q_sh, q_sh, k_ptr + h * k_sh, k_ss,
+              v_ptr + h * v_sh, v_ss, reinterpret_cast<const int32_t*>(row), n, scale, cap,
+              scores.data(), padded, o_ptr + b * o_sb + h * group * o_sh, o_sh);
+        continue;
+      }
       for (int64_t g = 0; g < group; ++g) {
         const T* src = q_ptr + b * q_sb + (h * group + g) * q_sh;
         for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = load(src, d);
@@ -100,6 +254,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_buf, const a
       scores.resize(padded * group);
       for (int64_t j = 0; j < n; ++j) {
         const T* key = k_ptr + static_cast<int64_t>(row[j]) * k_ss + h * k_sh;
+        if (j + kPrefetch < n)  // rows are scattered over the pool: hide the memory latency
+          prefetch_row(k_ptr + static_cast<int64_t>(row[j + kPrefetch]) * k_ss + h * k_sh,
+                       head_dim);
         for (int64_t g = 0; g < group; ++g) sums[g] = Vec(0.f);
         for (int64_t c = 0; c < d_vecs; ++c) {
           const Vec kv = load_vec(key + c * kLanes);
@@ -108,49 +265,25 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_buf, const a
                                      sums[g]);
         }
         for (int64_t g = 0; g < group; ++g) {
-          float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; },
-                                                   sums[g]) * scale;
+          float s = reduce_add(sums[g]) * scale;
           if (cap > 0.f) s = std::tanh(s / cap) * cap;
           scores[g * padded + j] = s;
         }
       }
-      // softmax over j per query head, in fp32
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * padded;
-        float peak = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) peak = std::max(peak, s[j]);
-        const Vec peak_v(peak);
-        Vec total_v(0.f);
-        int64_t j = 0;
-        for (; j + kLanes <= n; j += kLanes) {
-          const Vec e = (Vec::loadu(s + j) - peak_v).exp_u20();
-          e.store(s + j);
-          total_v = total_v + e;
-        }
-        float total = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; },
-                                                     total_v);
-        if (j < n) {
-          const Vec e = (Vec::loadu(s + j, n - j) - peak_v).exp_u20();
-          e.store(partial.data());
-          for (int64_t i = 0; i < n - j; ++i) {
-            s[j + i] = partial[i];
-            total += partial[i];
-          }
-        }
-        const float inv = n > 0 ? 1.f / total : 0.f;
-        for (int64_t i = 0; i < n; ++i) s[i] *= inv;
-      }
-      // acc[g] = sum_j p[g][j] v_j
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < n; ++j) {
-        const T* value = v_ptr + static_cast<int64_t>(row[j]) * v_ss + h * v_sh;
-        for (int64_t c = 0; c < v_vecs; ++c) {
+      softmax_rows(scores.data(), group, n, padded);
+      // acc[g] = sum_j p[g][j] v_j, one vector of the value row at a time
+      for (int64_t c = 0; c < v_vecs; ++c) {
+        for (int64_t g = 0; g < group; ++g) sums[g] = Vec(0.f);
+        for (int64_t j = 0; j < n; ++j) {
+          const T* value = v_ptr + static_cast<int64_t>(row[j]) * v_ss + h * v_sh;
+          if (c == 0 && j + kPrefetch < n)
+            prefetch_row(v_ptr + static_cast<int64_t>(row[j + kPrefetch]) * v_ss + h * v_sh,
+                         v_dim);
           const Vec vv = load_vec(value + c * kLanes);
-          for (int64_t g = 0; g < group; ++g) {
-            float* a = acc.data() + g * v_dim + c * kLanes;
-            at::vec::fmadd(Vec(scores[g * padded + j]), vv, Vec::loadu(a)).store(a);
-          }
+          for (int64_t g = 0; g < group; ++g)
+            sums[g] = at::vec::fmadd(Vec(scores[g * padded + j]), vv, sums[g]);
         }
+        for (int64_t g = 0; g < group; ++g) sums[g].store(acc.data() + g * v_dim + c * kLanes);
       }
       for (int64_t g = 0; g < group; ++g) {
         T* dst = o_ptr + b * o_sb + (h * group + g) * o_sh;
