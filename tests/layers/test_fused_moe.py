@@ -91,3 +91,27 @@ def test_softmax_topk_kernel_matches_torch_routing(num_tokens, num_experts, top_
     mine, theirs = torch.argsort(ids.cpu(), 1), torch.argsort(ref.ids, 1)
     assert torch.equal(ids.cpu().gather(1, mine), ref.ids.gather(1, theirs))
     torch.testing.assert_close(weights.cpu().gather(1, mine), ref.weights.gather(1, theirs))
+
+
+@pytest.mark.parametrize("block", [None, 16])
+def test_fused_experts_with_fp8_weights_match_the_dequantised_experts(block) -> None:
+    from radixserve.layers.quantization.fp8 import dequantize_weight, quantize_per_channel
+    x, w13, w2, weights, ids = _problem(6, 4, 2, 32, 48, torch.float16, seed=5)
+
+    def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if block is None:
+            codes, scales = zip(*(quantize_per_channel(e.float().cpu()) for e in w))
+            return torch.stack(codes), torch.stack(scales)
+        groups = -(-w.shape[2] // block)
+        scales = torch.rand(w.shape[0], w.shape[1], groups) * 1e-3 + 1e-3
+        codes = (w.float().cpu() / scales.repeat_interleave(block, 2)[..., :w.shape[2]]).clamp(
+            -448, 448).to(torch.float8_e4m3fn)
+        return codes, scales
+
+    (c13, s13), (c2, s2) = quantize(w13), quantize(w2)
+    got = fused_experts(x, c13.to(DEVICE), c2.to(DEVICE), weights, ids,
+                        (s13.to(DEVICE), s2.to(DEVICE), block)).float()
+    deq13 = torch.stack([dequantize_weight(c, s, block, torch.float32) for c, s in zip(c13, s13)])
+    deq2 = torch.stack([dequantize_weight(c, s, block, torch.float32) for c, s in zip(c2, s2)])
+    ref = fused_experts_reference(x.cpu().float(), deq13, deq2, weights.cpu(), ids.cpu())
+    torch.testing.assert_close(got.cpu(), ref, atol=3e-2, rtol=3e-2)

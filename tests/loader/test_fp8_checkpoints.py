@@ -17,7 +17,8 @@ from radixserve.layers.quantization.fp8 import quantize_per_channel
 from tests.models.runner_driver import RunnerDriver
 from tests.models.tiny_checkpoints import make_checkpoint
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "w1", "w2", "w3", "kv_a_proj_with_mqa", "kv_b_proj")  # Mixtral experts, MLA
 FP8 = torch.float8_e4m3fn
 
 
@@ -59,10 +60,12 @@ def _quant_config(fmt: str) -> dict:
             "ignore": ["lm_head"]}
 
 
-def _write_pair(root: Path, fmt: str) -> tuple[Path, Path]:
-    """(FP8 checkpoint, its dequantised twin), from one tiny random Llama."""
+def _write_pair(root: Path, fmt: str, model: str = "llama_gqa_llama3_rope"
+                ) -> tuple[Path, Path]:
+    """(FP8 checkpoint, its dequantised twin), from one tiny random checkpoint (an MoE model's
+    experts are quantised too; its router stays as it is)."""
     base = root / "base"
-    make_checkpoint("llama_gqa_llama3_rope", base)
+    make_checkpoint(model, base)
     tensors = load_file(str(base / "model.safetensors"))
     fp8, twin = {}, {}
     for name, t in tensors.items():
@@ -86,7 +89,7 @@ def _write_pair(root: Path, fmt: str) -> tuple[Path, Path]:
     return folders[0], folders[1]
 
 
-def _logits(folder: Path, **kwargs) -> list[torch.Tensor]:
+def _logits(folder: Path, **kwargs: object) -> list[torch.Tensor]:
     runner = ModelRunner(ServerArgs(model_path=str(folder), dtype="float32", device="cpu",
                                     max_total_tokens=512, max_running_requests=2, **kwargs))
     ids = torch.randint(0, 160, (24,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -94,15 +97,20 @@ def _logits(folder: Path, **kwargs) -> list[torch.Tensor]:
     return [driver.extend({0: ids[:20]})[0]] + [driver.extend({0: [t]})[0] for t in ids[20:]]
 
 
-@pytest.mark.parametrize("fmt", ["block", "tensor", "channel"])
-def test_fp8_checkpoint_matches_its_dequantised_twin(fmt: str, tmp_path) -> None:
-    fp8_folder, twin_folder = _write_pair(tmp_path, fmt)
+@pytest.mark.parametrize("fmt,model", [("block", "llama_gqa_llama3_rope"),
+                                       ("tensor", "llama_gqa_llama3_rope"),
+                                       ("channel", "llama_gqa_llama3_rope"),
+                                       ("block", "qwen3_moe"), ("channel", "qwen3_moe"),
+                                       ("block", "deepseek_v2_lite_mla")])
+def test_fp8_checkpoint_matches_its_dequantised_twin(fmt: str, model: str, tmp_path) -> None:
+    fp8_folder, twin_folder = _write_pair(tmp_path, fmt, model)
     for got, want in zip(_logits(fp8_folder), _logits(twin_folder)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_online_quantization_matches_a_per_channel_twin(tmp_path) -> None:
-    make_checkpoint("llama_gqa_llama3_rope", tmp_path / "bf16")
+@pytest.mark.parametrize("model", ["llama_gqa_llama3_rope", "mixtral_moe"])
+def test_online_quantization_matches_a_per_channel_twin(model: str, tmp_path) -> None:
+    make_checkpoint(model, tmp_path / "bf16")
     tensors = load_file(str(tmp_path / "bf16" / "model.safetensors"))
     twin = {name: (quantize_per_channel(t.float())[0].float() * quantize_per_channel(t.float())[1]
                    if name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEARS else t)

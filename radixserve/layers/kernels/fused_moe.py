@@ -37,12 +37,13 @@ CONFIG_DIR = Path(__file__).parent / "moe_configs"
 
 @triton.jit
 def _fused_moe_kernel(
-    A, B, C, Topk_weights, Sorted_token_ids, Expert_ids, Num_tokens_post_padded,
+    A, B, C, Topk_weights, Sorted_token_ids, Expert_ids, Num_tokens_post_padded, B_scale,
     N, K, num_valid_tokens,
-    stride_am, stride_be, stride_bn, stride_cm,
+    stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, TOP_K: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8_W: tl.constexpr, GROUPED: tl.constexpr,
+    GROUP_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(tl.num_programs(0), tl.cdiv(N, BLOCK_N))
@@ -66,13 +67,22 @@ def _fused_moe_kernel(
     a_ptrs = A + (pairs // TOP_K).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     b_ptrs = B + expert * stride_be + offs_bn[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    s_ptrs = B_scale + expert * stride_se + offs_bn * stride_sn
     for k_start in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k_start
         a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if FP8_W:  # FP8 codes, exact in a's dtype; scales per row (and per K group)
+            b = b.to(a.dtype)
+        if GROUPED:
+            part = tl.dot(a, b, input_precision=DOT_PRECISION)
+            acc += part * tl.load(s_ptrs + k_start // GROUP_K)[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if FP8_W and not GROUPED:
+        acc = acc * tl.load(s_ptrs)[None, :]
     if MUL_ROUTED_WEIGHT:
         weights = tl.load(Topk_weights + pairs, mask=pair_mask, other=0.0)
         acc = acc * weights[:, None]
@@ -127,8 +137,10 @@ def moe_kernel_config(num_tokens: int, num_experts: int, n: int, k: int) -> dict
 
 def invoke_moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
                     topk_weights: torch.Tensor, aligned: tuple[torch.Tensor, ...],
-                    top_k: int, mul_routed_weight: bool, config: dict[str, int]) -> None:
-    """out[pair] = a[pair // top_k] @ w[expert(pair)].T (x the pair's weight)."""
+                    top_k: int, mul_routed_weight: bool, config: dict[str, int],
+                    w_scale: torch.Tensor | None = None, group_k: int | None = None) -> None:
+    """out[pair] = a[pair // top_k] @ w[expert(pair)].T (x the pair's weight). FP8 w: codes
+    with w_scale [E, N, G] (G = 1, or one per group_k columns of K)."""
     sorted_ids, expert_ids, num_post_padded = aligned
     n, k = w.shape[1], w.shape[2]
     assert a.stride(1) == 1 and w.stride(2) == 1 and out.stride(1) == 1
@@ -138,20 +150,29 @@ def invoke_moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
     blocks_m = min(triton.cdiv(sorted_ids.numel(), block_m),
                    triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs))
     grid = (blocks_m * triton.cdiv(n, config["BLOCK_N"]),)
+    grouped = w_scale is not None and w_scale.shape[2] > 1
+    block_k = min(config["BLOCK_K"], group_k) if grouped and group_k else config["BLOCK_K"]
+    scale = w_scale if w_scale is not None else topk_weights
     _fused_moe_kernel[grid](
-        a, w, out, topk_weights, sorted_ids, expert_ids, num_post_padded,
+        a, w, out, topk_weights, sorted_ids, expert_ids, num_post_padded, scale,
         n, k, topk_weights.numel(), a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+        scale.stride(0) if w_scale is not None else 0,
+        scale.stride(1) if w_scale is not None else 0,
+        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=block_k,
         GROUP_M=config["GROUP_M"], TOP_K=top_k, MUL_ROUTED_WEIGHT=mul_routed_weight,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        FP8_W=w_scale is not None, GROUPED=grouped, GROUP_K=group_k or k,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
 
 
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  fp8_scales: tuple[torch.Tensor, torch.Tensor, int | None] | None = None
+                  ) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H]: sum over each
-    token's k experts of weight * down(silu(gate) * up)."""
+    token's k experts of weight * down(silu(gate) * up). FP8 experts: fp8_scales = (w13 scales
+    [E, 2I, G1], w2 scales [E, H, G2], block or None)."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden_size = w13.shape
     if num_tokens == 0:
@@ -163,13 +184,14 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         else moe_align_block_size
     aligned = align(topk_ids, config1["BLOCK_M"], num_experts)
     gate_up = torch.empty(num_tokens * top_k, two_i, dtype=hidden.dtype, device=hidden.device)
-    invoke_moe_gemm(hidden, w13, gate_up, weights, aligned, top_k, False, config1)
+    s13, s2, block = fp8_scales if fp8_scales is not None else (None, None, None)
+    invoke_moe_gemm(hidden, w13, gate_up, weights, aligned, top_k, False, config1, s13, block)
     act = silu_and_mul(gate_up)
     if config2["BLOCK_M"] != config1["BLOCK_M"]:
         aligned = align(topk_ids, config2["BLOCK_M"], num_experts)
     down = torch.empty(num_tokens * top_k, hidden_size, dtype=hidden.dtype,
                        device=hidden.device)
-    invoke_moe_gemm(act, w2, down, weights, aligned, 1, True, config2)
+    invoke_moe_gemm(act, w2, down, weights, aligned, 1, True, config2, s2, block)
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
 
 

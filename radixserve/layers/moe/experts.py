@@ -24,21 +24,25 @@ from torch import nn
 from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.activation import gated_activation
 from radixserve.layers.moe.router import TopK
+from radixserve.layers.quantization.fp8 import (FP8_DTYPE, current_fp8_config,
+                                                dequantize_weight, quantize_per_channel)
 
 # checkpoint piece names -> our piece ids (gate = w1, up = w3, down = w2, as Mixtral names them)
 _PIECES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2",
            "w1": "w1", "w3": "w3", "w2": "w2"}
-_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale)$")
 
 
 def expert_weight_target(name: str) -> tuple[str, tuple[int, str]] | None:
-    """'...mlp.experts.3.gate_proj.weight' -> ('...mlp.experts.w13_weight', (3, 'w1'))."""
+    """'...mlp.experts.3.gate_proj.weight' -> ('...mlp.experts.w13_weight', (3, 'w1')); an FP8
+    checkpoint's '...gate_proj.weight_scale' -> '...w13_weight_scale'."""
     found = _EXPERT_NAME.match(name)
     if found is None or found.group(3) not in _PIECES:
         return None
     prefix, expert, piece = found.group(1), int(found.group(2)), _PIECES[found.group(3)]
     param = "w2_weight" if piece == "w2" else "w13_weight"
-    return f"{prefix}.{param}", (expert, piece)
+    suffix = "_scale" if found.group(4) == "weight_scale" else ""
+    return f"{prefix}.{param}{suffix}", (expert, piece)
 
 
 class FusedMoE(nn.Module):
@@ -53,16 +57,82 @@ class FusedMoE(nn.Module):
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate_size = intermediate_size // self.tp_size  # this rank's
         size = self.intermediate_size
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size),
-                                       requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, size),
+        self.fp8 = current_fp8_config()
+        dtype = FP8_DTYPE if self.fp8 is not None and not self.fp8.online else None
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size,
+                                                   dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, size, dtype=dtype),
                                       requires_grad=False)
         for param, pieces in ((self.w13_weight, ("w1", "w3")), (self.w2_weight, ("w2",))):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
             param.expected_shards = {(e, p) for e in range(num_experts)  # type: ignore
                                      for p in pieces}
+            param.keep_dtype = dtype is not None  # type: ignore[attr-defined]
+        if self.fp8 is not None:
+            self._add_fp8_scales(size)
         self.activation = activation
         self.act = gated_activation(activation)
+
+    # ---- FP8 experts: scales [E, rows, K groups], loaded like the weights' rows ----
+    def _add_fp8_scales(self, size: int) -> None:
+        assert self.fp8 is not None
+        block = self.fp8.block
+        for name, rows, k, pieces in (("w13_weight_scale", 2 * size, self.hidden_size,
+                                       ("w1", "w3")),
+                                      ("w2_weight_scale", self.hidden_size, size, ("w2",))):
+            groups = 1 if block is None else -(-k // block)
+            param = nn.Parameter(torch.ones(self.num_experts, rows, groups), requires_grad=False)
+            param.weight_loader = self.scale_loader  # type: ignore[attr-defined]
+            param.expected_shards = {(e, p) for e in range(self.num_experts)  # type: ignore
+                                     for p in pieces}
+            param.keep_dtype = True  # type: ignore[attr-defined]
+            param.optional = self.fp8.online  # type: ignore[attr-defined]
+            setattr(self, name, param)
+
+    def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                     shard_id: object = None) -> None:
+        """A checkpoint scale of one expert piece, expanded to its rows (per tensor, per
+        channel or per block), then split over the ranks as the piece's weight is."""
+        assert isinstance(shard_id, tuple) and self.fp8 is not None
+        expert, piece = shard_id
+        size, rank, block = self.intermediate_size, self.tp_rank, self.fp8.block
+        rows = self.hidden_size if piece == "w2" else size * self.tp_size
+        loaded = loaded.float()
+        if loaded.numel() == 1:
+            expanded = loaded.reshape(1, 1).expand(rows, 1)
+        elif block is not None:
+            expanded = loaded.repeat_interleave(block, dim=0)[:rows]
+        else:
+            expanded = loaded.reshape(rows, 1)
+        if piece == "w2":
+            part = expanded if expanded.shape[1] == 1 else \
+                expanded.narrow(1, rank * param.shape[2], param.shape[2])
+            param.data[expert].copy_(part)
+        else:
+            target = param.data[expert].narrow(0, 0 if piece == "w1" else size, size)
+            target.copy_(expanded.narrow(0, rank * size, size))
+
+    def finish_loading(self) -> None:
+        """--quantization fp8: each expert's weights become FP8 codes with per-row scales."""
+        if self.fp8 is None or not self.fp8.online:
+            return
+        for name in ("w13_weight", "w2_weight"):
+            weight = getattr(self, name)
+            codes, scales = zip(*(quantize_per_channel(w) for w in weight.data))
+            param = nn.Parameter(torch.stack(codes), requires_grad=False)
+            param.keep_dtype = True  # type: ignore[attr-defined]
+            setattr(self, name, param)
+            getattr(self, f"{name}_scale").data = torch.stack(scales)
+
+    def _expert_weights(self, expert: int, dtype: torch.dtype
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fp8 is None:
+            return self.w13_weight[expert], self.w2_weight[expert]
+        block = self.fp8.block
+        return (dequantize_weight(self.w13_weight[expert], self.w13_weight_scale[expert], block,
+                                  dtype),
+                dequantize_weight(self.w2_weight[expert], self.w2_weight_scale[expert], block,
+                                  dtype))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: object = None) -> None:
@@ -90,8 +160,10 @@ class FusedMoE(nn.Module):
             except ImportError:
                 pass
             else:
+                scales = (self.w13_weight_scale, self.w2_weight_scale, self.fp8.block) \
+                    if self.fp8 is not None else None
                 return fused_experts(hidden, self.w13_weight, self.w2_weight, topk.weights,
-                                     topk.ids)
+                                     topk.ids, scales)
         return self.forward_native(hidden, topk)
 
     def forward_native(self, hidden: torch.Tensor, topk: TopK) -> torch.Tensor:
@@ -109,7 +181,8 @@ class FusedMoE(nn.Module):
             start += count
             tokens = pairs // topk.ids.shape[1]
             x = hidden.index_select(0, tokens)
-            y = self.act(x @ self.w13_weight[expert].t()) @ self.w2_weight[expert].t()
+            w13, w2 = self._expert_weights(expert, hidden.dtype)
+            y = self.act(x @ w13.t()) @ w2.t()
             # weights stay float32 in the product, as transformers multiplies them
             y = y * flat_weights.index_select(0, pairs).unsqueeze(1)
             out.index_add_(0, tokens, y.to(out.dtype))
