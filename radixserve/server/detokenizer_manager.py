@@ -19,6 +19,7 @@ from radixserve.server.incremental_detokenizer import IncrementalDetokenizer
 from radixserve.server.ipc import PortArgs, pull_socket, push_socket
 from radixserve.server.process_utils import prepare_child_process, report_failure, send_status
 from radixserve.server.tokenizer_utils import load_tokenizer
+from radixserve.server.cpu_priority import yield_to_compute
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs,
                             status_conn: multiprocessing.connection.Connection) -> None:
     """Entry point of the detokenizer child (spawned)."""
     prepare_child_process("detokenizer", server_args.log_level)
+    yield_to_compute(server_args, "detokenizer")
     context = zmq.Context(1)
     try:
         manager = DetokenizerManager(load_tokenizer(server_args))

@@ -34,6 +34,7 @@ from radixserve.server.process_utils import configure_logging
 from radixserve.server.tokenizer_manager import TokenizerManager
 from radixserve.server.tokenizer_utils import load_tokenizer
 from radixserve.server.tp_follower_process import follower_ranks, run_headless_node
+from radixserve.server.cpu_priority import yield_to_compute
 
 logger = logging.getLogger("radixserve.server")
 
@@ -144,6 +145,7 @@ def launch_server(server_args: ServerArgs,
     state = ServerState()
     try:
         group.start()
+        yield_to_compute(server_args, "HTTP")  # after the children started (cpu_priority.py)
         logger.info("loading the model in the scheduler process (pid %s)",
                     group.pid_of("scheduler"))
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load") as pool:

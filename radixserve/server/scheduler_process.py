@@ -25,6 +25,7 @@ from radixserve.core.io_struct import (AbortReq, FlushCacheReq, GetInternalState
                                        TokenizedGenerateReq)
 from radixserve.server.ipc import PortArgs, pull_socket, push_socket
 from radixserve.server.process_utils import prepare_child_process, report_failure, send_status
+from radixserve.server.cpu_priority import pin_scheduler_threads
 from radixserve.server.tp_follower_process import cpu_threads_per_rank
 
 if TYPE_CHECKING:
@@ -133,6 +134,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs,
     loop: SchedulerLoop | None = None
     try:
         limit_cpu_threads(server_args.resolve())
+        pin_scheduler_threads(server_args)
         scheduler = (scheduler_factory or build_default_scheduler)(server_args)
         loop = SchedulerLoop(scheduler, port_args, dp_rank=dp_rank)
         send_status(status_conn, {"status": "ready", "model_info": dict(scheduler.model_info)})

@@ -88,3 +88,20 @@ def cpu_ops() -> object | None:
                                    else "")
             _state["ops"] = ops
     return _state["ops"]
+
+
+def pin_compute_threads() -> list[int] | None:
+    """Pin torch's OpenMP threads one per core of this process's CPU set (thread i to the
+    i-th core), so the compute threads stay on the cores the process owns and keep their
+    caches. Skipped (None) without the kernels, on non-Linux, or with more threads than
+    cores; returns the core of each thread."""
+    import torch
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    ops = cpu_ops()
+    if ops is None or torch.get_num_threads() > len(cores):
+        return None
+    pinned = list(ops.pin_threads(cores[:torch.get_num_threads()]))
+    logger.info("compute threads pinned to cores %s", pinned)
+    return pinned

@@ -10,6 +10,8 @@
 // the Python callers fall back to PyTorch when it is missing.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
+#include <sched.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -498,6 +500,25 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// Thread i of torch's OpenMP team (the one at::parallel_for uses) -> cores[i]: each compute
+// thread keeps its core and its caches. Returns the core each thread was pinned to (-1 where
+// the kernel refused).
+std::vector<int64_t> pin_threads(at::IntArrayRef cores) {
+  const int threads = at::get_num_threads();
+  std::vector<int64_t> pinned(threads, -1);
+  if (cores.empty()) return pinned;
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num();
+    const int64_t core = cores[tid % cores.size()];
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(static_cast<int>(core), &set);
+    if (sched_setaffinity(0, sizeof(set), &set) == 0) pinned[tid] = core;
+  }
+  return pinned;
+}
+
 // registered as torch ops (torch.ops.radixserve_cpu.*): they show in torch.profiler tables
 TORCH_LIBRARY(radixserve_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor(a!) out, "
@@ -508,6 +529,7 @@ TORCH_LIBRARY(radixserve_cpu, m) {
         "bool store_kv) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> Tensor[]");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("pin_threads(int[] cores) -> int[]");
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
@@ -515,6 +537,10 @@ TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
   m.impl("rope_store", &rope_store);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+}
+
+TORCH_LIBRARY_IMPL(radixserve_cpu, CompositeExplicitAutograd, m) {
+  m.impl("pin_threads", &pin_threads);
 }
 
 int64_t vector_width() { return kLanes; }

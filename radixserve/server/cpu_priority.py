@@ -1,0 +1,47 @@
+"""CPU serving: the scheduler's compute threads own the cores; the other processes yield.
+
+On a CPU device the model runs on torch's OpenMP threads, one per core; every parallel region
+waits for its slowest thread, so a helper process that wakes on a compute thread's core (the
+HTTP server streaming a chunk, the detokenizer decoding one) stalls the whole step, not just
+that thread. So on CPU:
+
+  * the scheduler pins its OpenMP threads one per core of its CPU set
+    (`core.cpu_kernels.pin_compute_threads`), so they neither migrate nor lose their caches
+    (RADIXSERVE_CPU_PIN=0 turns it off);
+  * the HTTP process (after its children started, which keep the default priority) and the
+    detokenizer lower their priority by `RADIXSERVE_CPU_HELPER_NICE` (default 10; 0 turns it
+    off): the kernel then does not let their wake-ups preempt a running compute thread, and
+    they run in the gaps (the scheduler's host work between steps, the idle time).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from radixserve.config import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def _on_cpu(server_args: ServerArgs) -> bool:
+    return server_args.resolve().device.startswith("cpu")
+
+
+def yield_to_compute(server_args: ServerArgs, who: str) -> None:
+    """Lower this (helper) process's priority on a CPU device."""
+    nice = int(os.environ.get("RADIXSERVE_CPU_HELPER_NICE", "10"))
+    if nice <= 0 or not _on_cpu(server_args) or not hasattr(os, "nice"):
+        return
+    try:
+        os.nice(nice)
+    except OSError as exc:  # not allowed here: serving works, a little slower
+        logger.debug("could not lower the %s process's priority: %s", who, exc)
+
+
+def pin_scheduler_threads(server_args: ServerArgs) -> None:
+    """Pin the scheduler's compute threads (one rank on CPU), when the CPU kernels built."""
+    if server_args.tp_size > 1 or server_args.dp_size > 1 or not _on_cpu(server_args) or \
+            os.environ.get("RADIXSERVE_CPU_PIN", "1") == "0":
+        return
+    from radixserve.core.cpu_kernels import pin_compute_threads
+    pin_compute_threads()
