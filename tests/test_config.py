@@ -8,7 +8,7 @@ from radixserve.config import ServerArgs
 
 def test_cpu_defaults() -> None:
     args = ServerArgs(device="cpu").resolve()
-    assert args.attention_backend == "torch_native" and args.disable_cuda_graph
+    assert args.attention_backend == "cpu" and args.disable_cuda_graph  # torch_native + kernels
     assert args.chunked_prefill_size == 512 and args.cuda_graph_max_bs == 256
     assert not args.disable_overlap_schedule
 
