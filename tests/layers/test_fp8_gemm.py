@@ -19,8 +19,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("m,n,k,block", [(1, 48, 256, None), (5, 40, 200, None),
-                                         (3, 64, 256, 128), (70, 96, 384, 128)])
+                                         (3, 64, 256, 128), (70, 96, 384, 128),
+                                         (8, 64, 2048, None), (20, 32, 1536, 128)])
 def test_fp8_weight_gemm_matches_dequantised_product(m, n, k, block) -> None:
+    """The last two shapes split K (small M, few output tiles, long K)."""
     gen = torch.Generator().manual_seed(m + n)
     w = torch.randn(n, k, generator=gen)
     if block is None:
