@@ -233,7 +233,9 @@ class Engine:
             self.scheduler.stop_followers()
             for process, _ in self._followers:
                 process.join(timeout=30)
-            self._runner.shutdown()
+        # weights, KV pools and graphs go now, not when the last reference to the Engine does
+        self._runner.shutdown()
+        self.scheduler = self._runner = None  # type: ignore[assignment]
 
     def __enter__(self) -> "Engine":
         return self

@@ -154,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             requests = build_dataset(args, tokenizer or engine.tokenizer, args.seed,
                                      vocab_size=engine_vocab_size(engine))
             if peak is None:  # measured once: every run uses the same device and dtype
-                runner = engine.scheduler.runner
-                peak = hardware.device_peak(runner.device, runner.dtype, args.bandwidth,
+                # (no local reference to the runner: it must go with its Engine, or --radix
+                # both holds two models' memory)
+                peak = hardware.device_peak(engine.scheduler.runner.device,
+                                            engine.scheduler.runner.dtype, args.bandwidth,
                                             args.peak_flops)
                 tp = server_args.tp_size
                 if tp > 1:  # the ranks share the work: the limit counts every GPU

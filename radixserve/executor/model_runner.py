@@ -6,6 +6,7 @@ replaying a CUDA graph for decode), samples, and returns token ids (+ logprobs w
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 
@@ -269,8 +270,18 @@ class ModelRunner:
         return ids
 
     def shutdown(self) -> None:
-        """Leave the tensor-parallel group (the process may build another runner)."""
+        """Leave the tensor-parallel group and release the device memory this runner holds
+        (weights, KV pools, CUDA graphs and their pool), so the process may build another
+        runner. The runner cannot run again."""
         destroy_tensor_parallel()
+        self.cuda_graph_runner = None
+        for name in ("model", "attn_backend", "token_to_kv_pool", "req_to_token_pool"):
+            if hasattr(self, name):
+                setattr(self, name, None)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     @staticmethod
     def _argmax_is_the_sample(info: SamplingBatchInfo) -> bool:
