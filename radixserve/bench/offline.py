@@ -44,6 +44,9 @@ class OfflineResult:
     # limit / duration: the fraction of the hardware's limit the run reached
     limit_s: float = float("nan")
     limit_ratio: float = float("nan")
+    # requests retracted during the run, and the tokens prefilled again because of it
+    retractions: int = 0
+    recomputed_tokens: int = 0
 
 
 def engine_vocab_size(engine: Any) -> int | None:
@@ -65,6 +68,7 @@ def run_offline(engine: Any, requests: list[SampleRequest], radix_cache: bool,
     engine.generate(input_ids=[warm_ids], sampling_params=[_sampling(4)])
 
     params = [_sampling(r.output_len) for r in requests]
+    before = _retraction_counts(engine)
     start = time.perf_counter()
     if all(r.prompt_ids is not None for r in requests):
         outputs = engine.generate(input_ids=[r.prompt_ids for r in requests],
@@ -73,6 +77,7 @@ def run_offline(engine: Any, requests: list[SampleRequest], radix_cache: bool,
         outputs = engine.generate(prompt=[r.prompt_text for r in requests],
                                   sampling_params=params)
     duration = time.perf_counter() - start
+    after = _retraction_counts(engine)
 
     metas = [o["meta_info"] for o in outputs]
     total_in = sum(int(m["prompt_tokens"]) for m in metas)
@@ -87,7 +92,13 @@ def run_offline(engine: Any, requests: list[SampleRequest], radix_cache: bool,
         cached_tokens=cached, cache_hit_rate=cached / total_in if total_in else 0.0,
         request_throughput=len(requests) / duration, output_throughput=total_out / duration,
         total_throughput=(total_in + total_out) / duration,
+        retractions=after[0] - before[0], recomputed_tokens=after[1] - before[1],
         **_limit(engine, requests, duration, peak))
+
+
+def _retraction_counts(engine: Any) -> tuple[int, int]:
+    state = engine.get_internal_state()
+    return int(state.get("num_retractions", 0)), int(state.get("num_recomputed_tokens", 0))
 
 
 def _limit(engine: Any, requests: list[SampleRequest], duration: float,
@@ -105,16 +116,19 @@ def _limit(engine: Any, requests: list[SampleRequest], duration: float,
 def format_results(results: list[OfflineResult]) -> str:
     lines = [f"{'radix':>5} {'prompts':>7} {'duration s':>10} {'in tok':>8} {'out tok':>8} "
              f"{'hit rate':>8} {'req/s':>7} {'out tok/s':>9} {'total tok/s':>11} {'mismatch':>8} "
-             f"{'limit s':>8} {'ratio':>6}"]
+             f"{'limit s':>8} {'ratio':>6} {'retracted':>9} {'recomputed':>10}"]
     for r in results:
         lines.append(f"{'on' if r.radix_cache else 'off':>5} {r.num_prompts:>7} "
                      f"{r.duration_s:>10.2f} {r.total_input_tokens:>8} "
                      f"{r.total_output_tokens:>8} {r.cache_hit_rate:>8.3f} "
                      f"{r.request_throughput:>7.2f} {r.output_throughput:>9.1f} "
                      f"{r.total_throughput:>11.1f} {r.output_len_mismatches:>8} "
-                     f"{r.limit_s:>8.2f} {r.limit_ratio:>6.3f}")
+                     f"{r.limit_s:>8.2f} {r.limit_ratio:>6.3f} {r.retractions:>9} "
+                     f"{r.recomputed_tokens:>10}")
     lines.append("limit: hardware.workload_limit_seconds (FLOPs / peak + decode KV bytes / "
-                 "bandwidth, no prefix sharing); ratio = limit / duration")
+                 "bandwidth, no prefix sharing); ratio = limit / duration; retracted: requests "
+                 "sent back to the queue when decode ran out of KV, recomputed: their tokens "
+                 "prefilled again")
     return "\n".join(lines)
 
 

@@ -62,6 +62,7 @@ class InternalState:
     memory_check_ok: bool | None  # None while not idle
     leaked_tokens: int
     dp_rank: int = 0  # the data-parallel replica that answers
+    num_recomputed_tokens: int = 0  # prefilled again after a retraction
 
     @classmethod
     def merge(cls, states: list["InternalState"]) -> "InternalState":
@@ -81,6 +82,7 @@ class InternalState:
             token_usage=sum(s.token_usage for s in states) / n,
             cache_hit_rate=sum(s.cache_hit_rate for s in states) / n,
             num_retractions=sum(s.num_retractions for s in states),
+            num_recomputed_tokens=sum(s.num_recomputed_tokens for s in states),
             new_token_ratio=sum(s.new_token_ratio for s in states) / n,
             memory_check_ok=None if None in checks else all(checks),  # type: ignore[arg-type]
             leaked_tokens=sum(s.leaked_tokens for s in states))

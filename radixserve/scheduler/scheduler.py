@@ -176,7 +176,8 @@ class Scheduler:
         self.tree_cache.reset()  # the tree forgets its slots: hand them all back
         self.token_to_kv_pool.clear()
         self.req_to_token_pool.clear()
-        self.stats = SchedulerStats(num_retractions=self.stats.num_retractions)
+        self.stats = SchedulerStats(num_retractions=self.stats.num_retractions,
+                                    num_recomputed_tokens=self.stats.num_recomputed_tokens)
         return FlushCacheReply(True, "cache flushed")
 
     def has_work(self) -> bool:
@@ -264,6 +265,8 @@ class Scheduler:
         for req in adder.can_run:
             if req is not chunked and not req.output_ids and req.retraction_count == 0:
                 req.cached_tokens = len(req.prefix_indices)
+            if req.retraction_count:
+                self.stats.num_recomputed_tokens += req.extend_input_len
         self.chunked_req = adder.new_chunked_req
         self.stats.log_prefill(len(adder.can_run), adder.new_input_tokens,
                                adder.new_cached_tokens, self.token_usage(), len(self.running),
@@ -442,7 +445,9 @@ class Scheduler:
         self.running = keep
         self.ratio.after_retraction(keep)
         logger.warning("KV cache is full: retracted %d requests (%d still running); "
-                       "new_token_ratio is now %.2f", len(retract), len(keep), self.ratio.value)
+                       "new_token_ratio is now %.2f; %d retractions and %d recomputed tokens "
+                       "so far", len(retract), len(keep), self.ratio.value,
+                       self.stats.num_retractions, self.stats.num_recomputed_tokens)
         need = len(self.running) + extra_tokens
         self.tree_cache.evict(need - self.token_to_kv_pool.available_size())
         if self.running and self.token_to_kv_pool.available_size() < need:
@@ -496,6 +501,7 @@ class Scheduler:
             token_usage=self.token_usage(),
             cache_hit_rate=self.stats.cache_hit_rate,
             num_retractions=self.stats.num_retractions,
+            num_recomputed_tokens=self.stats.num_recomputed_tokens,
             new_token_ratio=self.ratio.value,
             memory_check_ok=ok,
             leaked_tokens=leaked)

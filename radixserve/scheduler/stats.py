@@ -16,6 +16,8 @@ class SchedulerStats:
     total_input_tokens: int = 0  # prompt tokens admitted (cached + extended)
     total_cached_tokens: int = 0
     num_retractions: int = 0
+    # tokens prefilled again for requests that had been retracted (their KV not in the cache)
+    num_recomputed_tokens: int = 0
     num_decode_steps: int = 0
     generated_since_log: int = 0
     last_log_time: float = field(default_factory=time.perf_counter)

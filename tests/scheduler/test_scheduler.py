@@ -116,6 +116,9 @@ def test_retraction_when_decode_runs_out_of_memory():
         scheduler.add_request(make_req(f"r{i}", p, max_new=40))
     results = run_all(scheduler)
     assert scheduler.stats.num_retractions > 0
+    # the retracted requests' evicted tokens were prefilled again, and the state reports it
+    state = scheduler.get_internal_state()
+    assert state.num_recomputed_tokens == scheduler.stats.num_recomputed_tokens > 0
     assert scheduler.ratio.value == pytest.approx(scheduler.ratio.init_value)  # reset when idle
     for rid, ref in reference.items():
         assert results[rid]["ids"] == ref["ids"]
