@@ -74,6 +74,9 @@ class ModelRunner:
         self.model_config: ModelConfig = self.source.model_config
         self.fp8 = fp8_config(self.source.hf_config.get("quantization_config"),
                               server_args.quantization)
+        if self.fp8 is not None and self.fp8.online and self.source.weights is None:
+            # dummy weights: build the FP8 parameters directly (no bf16 copy of the model first)
+            self.fp8 = dataclasses.replace(self.fp8, online=False)
         check_tensor_parallel(self.model_config, self.tp_size)
         self.model_config.resolve_context_length(server_args.context_length)
         self.dtype = resolve_dtype(server_args.dtype, self.model_config.torch_dtype,
