@@ -8,7 +8,7 @@ retracting requests when memory runs short and returning early when streamed out
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import Any
 
 from radixserve.config import ServerArgs
 from radixserve.core.finish_reason import FinishReason
@@ -17,7 +17,6 @@ from radixserve.core.io_struct import (BatchTokenIDOut, FlushCacheReply, Interna
 from radixserve.core.req import Detokenizer, Req
 from radixserve.core.request_validation import RequestLimits, check_prompt
 from radixserve.core.sampling_params import InvalidRequestError
-from radixserve.core.forward_batch import ModelWorkerBatch
 from radixserve.mem.base_cache import BasePrefixCache
 from radixserve.scheduler.admission import PrefillAdder
 from radixserve.scheduler.batch import BatchBuilder, merge_mixed
@@ -28,24 +27,10 @@ from radixserve.scheduler.overlap_decode import (DecodeLauncher, InflightDecode,
 from radixserve.scheduler.output import OutputSlice, build_token_output, needs_send
 from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.retraction import NewTokenRatio, pick_retractions
+from radixserve.scheduler.runner_protocol import ModelRunnerLike
 from radixserve.scheduler.stats import SchedulerStats, check_memory
 
 logger = logging.getLogger("radixserve.scheduler")
-
-
-class ModelRunnerLike(Protocol):
-    """What the scheduler needs of a model runner (the real one, or a fake in tests)."""
-    req_to_token_pool: Any
-    token_to_kv_pool: Any
-    max_total_num_tokens: int
-    max_num_reqs: int
-    vocab_size: int
-    device: Any
-
-    def forward(self, batch: ModelWorkerBatch) -> Any: ...
-
-    def forward_decode_async(self, batch: ModelWorkerBatch,
-                             input_ids: Any = None) -> Any: ...
 
 
 class Scheduler:
