@@ -84,6 +84,8 @@ class KVPool(ABC):
         # kept on the CPU: allocation is a scheduler decision and must not sync the device
         self.free_slots = torch.arange(1, size + 1, dtype=torch.int64)
         self._scales = [(1.0, 1.0)] * spec.num_layers
+        # per layer [K amax, V amax] while calibrating (start_observing), else None
+        self._observed: list[list[torch.Tensor]] | None = None
 
     # ---- sizing ----
     @classmethod
@@ -137,7 +139,7 @@ class KVPool(ABC):
 
     def start_observing(self) -> None:
         """Record each layer's K and V absolute maximum in `store_kv` (FP8 calibration)."""
-        self._observed: list[list[torch.Tensor]] | None = [
+        self._observed = [
             [torch.zeros((), device=self.device), torch.zeros((), device=self.device)]
             for _ in range(self.layer_num)]
 
@@ -147,7 +149,7 @@ class KVPool(ABC):
         return [(float(k), float(v)) for k, v in observed]
 
     def observe(self, layer_id: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
-        observed = getattr(self, "_observed", None)
+        observed = self._observed
         if observed is None:
             return
         record = observed[layer_id]
@@ -157,7 +159,7 @@ class KVPool(ABC):
 
     @property
     def observing(self) -> bool:
-        return getattr(self, "_observed", None) is not None
+        return self._observed is not None
 
     def quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         """Values -> what the buffers hold: x / scale, saturated to the FP8 range (a bare cast

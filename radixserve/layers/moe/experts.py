@@ -25,7 +25,8 @@ from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.activation import gated_activation
 from radixserve.layers.moe.router import TopK
 from radixserve.layers.quantization.fp8 import (FP8_DTYPE, current_fp8_config,
-                                                dequantize_weight, quantize_per_channel)
+                                                dequantize_weight, expand_scale,
+                                                quantize_per_channel)
 
 # checkpoint piece names -> our piece ids (gate = w1, up = w3, down = w2, as Mixtral names them)
 _PIECES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2",
@@ -95,15 +96,9 @@ class FusedMoE(nn.Module):
         channel or per block), then split over the ranks as the piece's weight is."""
         assert isinstance(shard_id, tuple) and self.fp8 is not None
         expert, piece = shard_id
-        size, rank, block = self.intermediate_size, self.tp_rank, self.fp8.block
+        size, rank = self.intermediate_size, self.tp_rank
         rows = self.hidden_size if piece == "w2" else size * self.tp_size
-        loaded = loaded.float()
-        if loaded.numel() == 1:
-            expanded = loaded.reshape(1, 1).expand(rows, 1)
-        elif block is not None:
-            expanded = loaded.repeat_interleave(block, dim=0)[:rows]
-        else:
-            expanded = loaded.reshape(rows, 1)
+        expanded = expand_scale(loaded, rows, self.fp8.block)
         if piece == "w2":
             part = expanded if expanded.shape[1] == 1 else \
                 expanded.narrow(1, rank * param.shape[2], param.shape[2])

@@ -105,6 +105,18 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return codes, scale
 
 
+def expand_scale(loaded: torch.Tensor, rows: int, block: int | None) -> torch.Tensor:
+    """A checkpoint scale of a piece of `rows` weight rows, as [rows, G] float32: a per-tensor
+    scale repeated, a per-channel one as a column, a block one ([cdiv(rows, block),
+    cdiv(K, block)]) repeated for each row of its block."""
+    loaded = loaded.float()
+    if loaded.numel() == 1:
+        return loaded.reshape(1, 1).expand(rows, 1)
+    if block is not None:
+        return loaded.repeat_interleave(block, dim=0)[:rows]
+    return loaded.reshape(rows, 1)
+
+
 def dequantize_weight(codes: torch.Tensor, scale: torch.Tensor, block: int | None,
                       dtype: torch.dtype) -> torch.Tensor:
     """FP8 codes [N, K] x scale [N, G] (G = 1, or one per `block` columns) -> [N, K] in dtype."""

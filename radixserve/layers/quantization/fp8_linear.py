@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from radixserve.layers.quantization.fp8 import (FP8_DTYPE, Fp8Config, dequantize_weight,
-                                                quantize_per_channel)
+                                                expand_scale, quantize_per_channel)
 
 if TYPE_CHECKING:
     from radixserve.layers.linear import LinearBase
@@ -43,16 +43,8 @@ def add_fp8_params(layer: "LinearBase", config: Fp8Config) -> None:
 def load_scale(layer: "LinearBase", param: nn.Parameter, loaded: torch.Tensor,
                shard_id: object = None) -> None:
     """Expand a checkpoint scale to the rows of its piece, then place it as the weights are."""
-    rows = layer.full_rows(shard_id)
-    loaded = loaded.float()
-    config = layer.fp8
-    assert config is not None
-    if loaded.numel() == 1:  # per tensor
-        expanded = loaded.reshape(1, 1).expand(rows, 1)
-    elif config.block is not None:  # [cdiv(rows, block), cdiv(K, block)]
-        expanded = loaded.repeat_interleave(config.block, dim=0)[:rows]
-    else:  # per channel: [rows, 1] or [rows]
-        expanded = loaded.reshape(rows, 1)
+    assert layer.fp8 is not None
+    expanded = expand_scale(loaded, layer.full_rows(shard_id), layer.fp8.block)
     layer.weight_loader(param, expanded.contiguous(), shard_id)
 
 
