@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# FP8 on one H200 (issue 13), from the repository root; logs under $OUT.
-#   FP8_STEPS="tests decode offline" bash benchmarks/gpu_fp8.sh
-# tests:   FP8 kernels against references on the GPU (FP8-weight GEMM, FP8 KV through the
-#          Triton decode/extend kernels and the fused rope + store, checkpoint formats)
-# decode:  Llama-3.1-8B shapes, dummy weights quantised at load (--quantization fp8), one
-#          static batch of 1 / 8 / 32 at context 1024, graphs + overlap; then the same with an
-#          FP8 KV cache too
-# offline: random 1024/1024 x FP8_PROMPTS (default 1000): FP8 KV only, then FP8 weights + KV
+# FP8 and decode-sized GEMMs on one H200 (issues 13 and 17), from the repository root; logs
+# under $OUT.
+#   FP8_STEPS="tests tune decode offline" bash benchmarks/gpu_fp8.sh
+# tests:   FP8 and small-M kernels against references on the GPU (GEMV, skinny GEMM, FP8-weight
+#          GEMM, FP8 KV through the Triton decode/extend kernels and the fused rope + store)
+# tune:    benchmarks/gpu_gemm_tune.py: sweep the GEMV / skinny GEMM per Llama-3.1-8B shape and
+#          row count, write radixserve/layers/kernels/gemm_configs/ (copied to $OUT/gemm_configs)
+# decode:  Llama-3.1-8B shapes, dummy weights, one static batch of 1 / 8 / 32 at context 1024,
+#          graphs + overlap: bf16, FP8 weights quantised at load (--quantization fp8), and FP8
+#          weights + FP8 KV cache
+# offline: random 1024/1024 x FP8_PROMPTS (default 1000): bf16, FP8 KV only, FP8 weights + KV
+#          (FP8_OFFLINE_MODES picks a subset)
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out/gpu_fp8}"
@@ -15,16 +19,25 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error
 MODEL=benchmarks/configs/llama-3.1-8b
-STEPS="${FP8_STEPS:-tests decode offline}"
+STEPS="${FP8_STEPS:-tests tune decode offline}"
 step() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 quiet() { grep -v -E 'Warning|return func|warnings.warn'; }
 
 if step tests; then
     echo "== tests"
     timeout -k 10 "${FP8_TEST_SECONDS:-150}" python3 -m pytest -q -x tests/layers/test_fp8_gemm.py \
-        tests/mem/test_fp8_kv.py > "$OUT/tests.log" 2>&1
+        tests/layers/test_skinny_gemm.py tests/layers/test_gemv.py tests/mem/test_fp8_kv.py \
+        > "$OUT/tests.log" 2>&1
     echo "   rc $?: $(tail -1 "$OUT/tests.log")"
     grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -8
+fi
+if step tune; then
+    echo "== tune"
+    timeout -k 10 "${FP8_TUNE_SECONDS:-300}" python3 benchmarks/gpu_gemm_tune.py \
+        --budget "${FP8_TUNE_BUDGET:-240}" > "$OUT/tune.log" 2>&1
+    echo "   rc $?"
+    grep -E "^==|M=" "$OUT/tune.log" | cut -c1-150
+    mkdir -p "$OUT/gemm_configs" && cp radixserve/layers/kernels/gemm_configs/*.json "$OUT/gemm_configs/"
 fi
 one_batch() {  # label, extra flags...
     local label=$1
@@ -39,6 +52,7 @@ one_batch() {  # label, extra flags...
 }
 if step decode; then
     echo "== decode"
+    one_batch bf16
     one_batch w8 --quantization fp8
     one_batch w8kv8 --quantization fp8 --kv-cache-dtype fp8_e4m3
 fi
@@ -55,6 +69,8 @@ offline() {  # label, extra flags...
 }
 if step offline; then
     echo "== offline"
-    offline kv8 --kv-cache-dtype fp8_e4m3
-    offline w8kv8 --quantization fp8 --kv-cache-dtype fp8_e4m3
+    MODES="${FP8_OFFLINE_MODES:-bf16 kv8 w8kv8}"
+    case " $MODES " in *" bf16 "*) offline bf16 ;; esac
+    case " $MODES " in *" kv8 "*) offline kv8 --kv-cache-dtype fp8_e4m3 ;; esac
+    case " $MODES " in *" w8kv8 "*) offline w8kv8 --quantization fp8 --kv-cache-dtype fp8_e4m3 ;; esac
 fi

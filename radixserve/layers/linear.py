@@ -22,31 +22,50 @@ from radixserve.layers.quantization.fp8 import FP8_DTYPE, Fp8Config, current_fp8
 from radixserve.layers.quantization.fp8_linear import (add_fp8_params, finish_fp8_loading,
                                                        fp8_linear)
 
-# RADIXSERVE_GEMV=0 sends one-token products to cuBLAS too (for A/B timing)
+# RADIXSERVE_GEMV=0 sends one-token and decode-sized products to cuBLAS too (for A/B timing)
+SMALL_M_MAX = 64  # the largest row count a swept table may cover
 _GEMV_ENABLED = os.environ.get("RADIXSERVE_GEMV", "1") != "0"
 
 
 @functools.lru_cache(maxsize=None)
-def _gemv_for(n: int, k: int):  # -> (gemv function, config) or None
+def _triton_kernels():  # -> the kernels module namespace, or None without triton
     try:
-        from radixserve.layers.kernels.gemv import gemv, gemv_config
-    except ImportError:  # no triton
+        from radixserve.layers.kernels import gemm_tables, gemv, skinny_gemm
+    except ImportError:
         return None
-    config = gemv_config(n, k)
-    return None if config is None else (gemv, config)
+    return gemm_tables, gemv, skinny_gemm
+
+
+@functools.lru_cache(maxsize=None)
+def _small_m_kernel(n: int, k: int, m: int):  # -> a callable(x, weight, bias) or None
+    kernels = _triton_kernels()
+    if kernels is None:
+        return None
+    gemm_tables, gemv, skinny_gemm = kernels
+    if m == 1:
+        config = gemv.tuned_gemv_config("bf16", n, k)
+        if config is None:
+            return None
+        return lambda x, weight, bias: gemv.gemv(x.contiguous(), weight, bias, config)
+    entry = gemm_tables.tuned_entry("bf16", n, k, m)
+    if entry is None or "BLOCK_N" not in entry:  # not swept, or cuBLAS won the sweep
+        return None
+    cfg = {key: entry[key] for key in skinny_gemm.CONFIG_KEYS}
+    return lambda x, weight, bias: skinny_gemm.skinny_gemm(x, weight, cfg, bias=bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """x @ weight.T (+ bias). A single row on CUDA in fp16/bf16 (batch-1 decode) goes to the
-    Triton GEMV, which reads the weights faster than cuBLAS does at M=1; the rest to cuBLAS."""
-    if (_GEMV_ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+    """x @ weight.T (+ bias). On CUDA in fp16/bf16 a single row (batch-1 decode) goes to the
+    Triton GEMV, which reads the weights faster than cuBLAS does at M=1, and a decode-sized
+    batch to the skinny Triton GEMM where the H200 sweep found it faster (kernels/gemm_tables);
+    the rest to cuBLAS."""
+    if (_GEMV_ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] <= SMALL_M_MAX
             and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and weight.stride(1) == 1):
-        found = _gemv_for(*weight.shape)
-        if found is not None:
-            gemv, config = found
-            return gemv(x.contiguous(), weight, bias, config)
+            and weight.stride(1) == 1 and x.shape[0] > 0):
+        kernel = _small_m_kernel(weight.shape[0], weight.shape[1], x.shape[0])
+        if kernel is not None:
+            return kernel(x, weight, bias)
     if not x.is_cuda:  # oneDNN with the weight packed once (layers/cpu_linear.py)
         out = packed_linear(x, weight, bias)
         if out is not None:

@@ -1,15 +1,24 @@
-"""Admission of waiting requests into a prefill batch (v0.2's estimate plus chunked prefill).
+"""Admission of waiting requests into a prefill batch (v0.2's estimate, an exact check for
+requests of known length, and chunked prefill).
 
-Three budgets, all in tokens:
-  total  free + evictable KV, minus the tokens the running requests are still expected to
-         generate: sum(remaining max_new_tokens) * new_token_ratio. A new request needs its
-         extend tokens plus its (clipped) max_new_tokens.
+Budgets, all in tokens:
+  total  free + evictable KV, minus what running requests are still expected to generate.
+         A request that may stop early (EOS, stop strings, a grammar) is expected to generate
+         sum(remaining max_new_tokens) * new_token_ratio, reserved for its whole life (v0.2).
+         A request of known length (ignore_eos, nothing else that stops it) will generate
+         exactly its remaining max_new_tokens, so a flat reservation would either over-admit
+         (with the ratio, then retract) or under-fill (without it). These requests pass the
+         peak check instead: sorted by tokens left, at the moment the j-th of them finishes
+         every request still running has grown by that many tokens, while every one that
+         finished before it has handed back its KV (prompt + output, to the free list or the
+         radix cache's evictable part). Admission keeps every such moment above zero free tokens.
   input  --max-prefill-tokens of new tokens per prefill batch.
   chunk  --chunked-prefill-size: a request longer than what is left of it is cut, and the rest is
          prefilled in later turns (at most one such request in flight).
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,10 +29,47 @@ if TYPE_CHECKING:
 
 # a huge max_new_tokens (e.g. "up to the context length") must not block admission forever
 CLIP_MAX_NEW_TOKENS = 4096
+# free tokens the peak check keeps per request still running at each moment (one decode step)
+PEAK_RESERVE_PER_REQUEST = 1
 
 
 def expected_new_tokens(req: Req) -> int:
     return min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
+
+
+def has_known_length(req: Req) -> bool:
+    """True when the request will run to max_new_tokens: nothing but the length can stop it."""
+    params = req.sampling_params
+    return (params.ignore_eos and not params.stop_strs and not params.stop_token_ids
+            and req.grammar is None)
+
+
+@dataclass
+class PeakCheck:
+    """Requests of known length as (tokens left to generate, tokens held when finished minus
+    tokens left), sorted by tokens left."""
+    left: list[int] = field(default_factory=list)
+    held: list[int] = field(default_factory=list)
+
+    def add(self, tokens_left: int, tokens_held: int) -> None:
+        at = bisect.bisect_right(self.left, tokens_left)
+        self.left.insert(at, tokens_left)
+        self.held.insert(at, tokens_held)
+
+    def fits(self, free: float, tokens_left: int, tokens_held: int) -> bool:
+        """Would adding this request keep every finishing moment at or above the reserve?
+        free: tokens free now, after the request's prompt is stored."""
+        at = bisect.bisect_right(self.left, tokens_left)
+        left = self.left[:at] + [tokens_left] + self.left[at:]
+        held = self.held[:at] + [tokens_held] + self.held[at:]
+        freed = 0
+        still_running = len(left)
+        for tokens, occupied in zip(left, held):
+            if free + freed - tokens * still_running < PEAK_RESERVE_PER_REQUEST * still_running:
+                return False
+            freed += occupied
+            still_running -= 1
+        return True
 
 
 @dataclass
@@ -33,6 +79,7 @@ class PrefillAdder:
     rem_input_tokens: int
     rem_chunk_tokens: int | None  # None: chunking disabled
     max_new_reqs: int
+    peak: PeakCheck = field(default_factory=PeakCheck)
     can_run: list[Req] = field(default_factory=list)
     new_chunked_req: Req | None = None
     new_input_tokens: int = 0
@@ -42,20 +89,38 @@ class PrefillAdder:
     def create(cls, tree_cache: "BasePrefixCache", available_tokens: int, running: list[Req],
                chunked_req: Req | None, new_token_ratio: float, max_prefill_tokens: int,
                chunked_prefill_size: int | None, max_new_reqs: int) -> "PrefillAdder":
-        reserved = sum(expected_new_tokens(r) for r in running) * new_token_ratio
+        peak = PeakCheck()
+        reserved = 0.0
+        for r in running:
+            if has_known_length(r):
+                peak.add(expected_new_tokens(r), len(r.origin_input_ids) + len(r.output_ids))
+            else:
+                reserved += expected_new_tokens(r) * new_token_ratio
         if chunked_req is not None:
             # the request being chunked still needs its remaining prompt and its output
-            reserved += chunked_req.extend_input_len + expected_new_tokens(chunked_req)
+            reserved += chunked_req.extend_input_len
+            if has_known_length(chunked_req):
+                peak.add(expected_new_tokens(chunked_req), len(chunked_req.origin_input_ids))
+            else:
+                reserved += expected_new_tokens(chunked_req)
         return cls(tree_cache,
                    rem_total_tokens=available_tokens + tree_cache.evictable_size() - reserved,
                    rem_input_tokens=max_prefill_tokens,
                    rem_chunk_tokens=chunked_prefill_size,
-                   max_new_reqs=max_new_reqs)
+                   max_new_reqs=max_new_reqs, peak=peak)
 
     def _budget_left(self) -> bool:
         if self.rem_total_tokens <= 0 or self.rem_input_tokens <= 0:
             return False
         return self.rem_chunk_tokens is None or self.rem_chunk_tokens > 0
+
+    def _fits(self, req: Req) -> bool:
+        """Room for the prompt's new tokens and what the request will generate."""
+        new_tokens = expected_new_tokens(req)
+        if not has_known_length(req):
+            return req.extend_input_len + new_tokens <= self.rem_total_tokens
+        return self.peak.fits(self.rem_total_tokens - req.extend_input_len, new_tokens,
+                              len(req.origin_input_ids) + len(req.output_ids))
 
     def add_chunked_req(self, req: Req) -> None:
         """Continue the request being chunked: its next chunk, as much as the budgets allow.
@@ -71,12 +136,11 @@ class PrefillAdder:
         if len(self.can_run) >= self.max_new_reqs or self.new_chunked_req is not None \
                 or not self._budget_left():
             return False
-        need = req.extend_input_len + expected_new_tokens(req)
-        if need > self.rem_total_tokens:
+        if not self._fits(req):
             return False
         # locking the prefix takes it out of the evictable pool: re-check afterwards
         self.rem_total_tokens += self.tree_cache.inc_lock_ref(req.cache_handle)
-        if need > self.rem_total_tokens:
+        if not self._fits(req):
             self.rem_total_tokens += self.tree_cache.dec_lock_ref(req.cache_handle)
             return False
         take = req.extend_input_len
@@ -87,7 +151,13 @@ class PrefillAdder:
         if take <= 0:
             self.rem_total_tokens += self.tree_cache.dec_lock_ref(req.cache_handle)
             return False
-        self.rem_total_tokens -= expected_new_tokens(req)
+        if has_known_length(req):
+            self.peak.add(expected_new_tokens(req),
+                          len(req.origin_input_ids) + len(req.output_ids))
+            if take < req.extend_input_len:  # the rest of the prompt comes in later chunks
+                self.rem_total_tokens -= req.extend_input_len - take
+        else:
+            self.rem_total_tokens -= expected_new_tokens(req)
         self._admit(req, take, newly_locked=True)
         return True
 

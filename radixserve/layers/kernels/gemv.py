@@ -10,6 +10,10 @@ Each program owns BLOCK_N output rows and walks K in BLOCK_K steps, accumulating
 products in fp32 registers ([BLOCK_N, BLOCK_K]) and reducing once at the end; weights are loaded
 with evict_first since each byte is read exactly once per step. K must be a multiple of BLOCK_K
 (`gemv_config` picks one or returns None, and callers fall back to cuBLAS).
+
+The same kernel reads FP8 weight codes (HAS_SCALE): per-row scales applied once at the end, or
+(GROUPED) per K group of GROUP_K columns as each BLOCK_K step, inside one group, is added.
+Swept configurations per shape (benchmarks/gpu_gemm_tune.py) come from `gemm_tables`.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import triton
 import triton.language as tl
 
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
+from radixserve.layers.kernels.gemm_tables import tuned_entry
 
 
 class GemvConfig(NamedTuple):
@@ -30,35 +35,10 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
-def _gemv_kernel(X, W, B, Y, N, K, stride_wn,
+def _gemv_kernel(X, W, Scale, B, Y, N, K, stride_wn, stride_sn,
+                 HAS_SCALE: tl.constexpr, GROUPED: tl.constexpr, GROUP_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  USE_PDL: tl.constexpr):
-    pdl_prologue(USE_PDL)
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    x_ptrs = X + offs_k
-    for _ in range(0, K, BLOCK_K):
-        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_ptrs)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
-def _fp8_gemv_kernel(X, W, Scale, B, Y, N, K, stride_wn, stride_sn,
-                     HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, GROUP_K: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """The GEMV over FP8 codes: per-row scales applied once at the end, or (GROUPED) per K
-    group of GROUP_K columns as each BLOCK_K step (inside one group) is accumulated."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -71,42 +51,18 @@ def _fp8_gemv_kernel(X, W, Scale, B, Y, N, K, stride_wn, stride_sn,
         w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptrs)
         prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
-        if GROUPED:
+        if HAS_SCALE and GROUPED:
             s = tl.load(Scale + offs_n * stride_sn + k_start // GROUP_K, mask=n_mask, other=0.0)
             prod = prod * s[:, None]
         acc += prod
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
-    if not GROUPED:
+    if HAS_SCALE and not GROUPED:
         y = y * tl.load(Scale + offs_n * stride_sn, mask=n_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=n_mask)
-
-
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-             group_k: int | None, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """One row x [1, K] against FP8 codes [N, K] x scales [N, G]; None when no block size
-    divides K (the caller falls back). FP8 rows are half as many bytes as bf16 ones, so each
-    step reads twice the columns of the bf16 configuration."""
-    n, k = weight.shape
-    config = gemv_config(n, k // 2)
-    if config is None:
-        return None
-    block_k = config.block_k * 2
-    grouped = scale.shape[1] > 1
-    if grouped:
-        block_k = min(block_k, group_k or block_k)
-    if k % block_k:
-        return None
-    y = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
-    _fp8_gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, scale, bias if bias is not None else scale, y, n, k, weight.stride(0),
-        scale.stride(0), HAS_BIAS=bias is not None, GROUPED=grouped, GROUP_K=group_k or k,
-        BLOCK_N=config.block_n, BLOCK_K=block_k, num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl_launch_args(x))
-    return y
 
 
 def gemv_config(n: int, k: int) -> GemvConfig | None:
@@ -127,18 +83,58 @@ def gemv_config(n: int, k: int) -> GemvConfig | None:
     return GemvConfig(block_n, block_k, warps, stages)
 
 
+def tuned_gemv_config(kind: str, n: int, k: int) -> GemvConfig | None:
+    """The swept GEMV configuration for a [n, k] weight of this kind ("bf16" or "fp8"), else
+    the shape-class default."""
+    entry = tuned_entry(kind, n, k, 1)
+    if entry is not None and "block_n" in entry and k % entry["block_k"] == 0:
+        return GemvConfig(entry["block_n"], entry["block_k"], entry["num_warps"],
+                          entry["num_stages"])
+    if kind == "bf16":
+        return gemv_config(n, k)
+    # FP8 rows are half as many bytes as bf16 ones: twice the columns per step
+    half = gemv_config(n, k // 2)
+    return None if half is None else half._replace(block_k=half.block_k * 2)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+            group_k: int | None, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
+    n, k = weight.shape
+    y = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
+    has_scale = scale is not None
+    grouped = has_scale and scale.shape[1] > 1
+    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, scale if has_scale else weight, bias if bias is not None else weight, y, n,
+        k, weight.stride(0), scale.stride(0) if has_scale else 0, HAS_SCALE=has_scale,
+        GROUPED=grouped, GROUP_K=group_k or k, HAS_BIAS=bias is not None,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl_launch_args(x))
+    return y
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None) -> torch.Tensor:
     """x [1, K] or [K] (contiguous), weight [N, K] (rows contiguous) -> [1, N] or [N]."""
     n, k = weight.shape
     assert x.shape[-1] == k and x.numel() == k and x.is_contiguous()
     assert weight.stride(1) == 1
-    config = config or gemv_config(n, k)
+    config = config or tuned_gemv_config("bf16", n, k)
     if config is None or k % config.block_k:
         raise ValueError(f"no GEMV block size divides K={k}")
-    y = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(x))
-    return y
+    return _launch(x, weight, None, None, bias, config)
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             group_k: int | None, bias: torch.Tensor | None = None,
+             config: GemvConfig | None = None) -> torch.Tensor | None:
+    """One row x [1, K] against FP8 codes [N, K] x scales [N, G]; None when no block size
+    divides K (the caller falls back)."""
+    n, k = weight.shape
+    config = config or tuned_gemv_config("fp8", n, k)
+    if config is None:
+        return None
+    if scale.shape[1] > 1 and group_k and config.block_k > group_k:
+        config = config._replace(block_k=group_k)  # a step must stay inside one scale group
+    if k % config.block_k:
+        return None
+    return _launch(x, weight, scale, group_k, bias, config)

@@ -1,0 +1,174 @@
+"""Sweep the decode-sized weight products on the H200 and write the tables the kernels read
+(radixserve/layers/kernels/gemm_configs/{bf16,fp8}_N{n}_K{k}.json, see kernels/gemm_tables.py).
+
+    python3 benchmarks/gpu_gemm_tune.py [--kinds bf16 fp8] [--budget 300] [--write-dir DIR]
+
+Per Llama-3.1-8B shape (qkv, o, gate_up, down, lm_head) and row count M:
+  M = 1, fp8:  the FP8 GEMV over (block_n, block_k, warps, stages);
+  M = 8, 32:   the skinny tile GEMM over (BLOCK_N, BLOCK_K, SPLIT_K, stages) against cuBLAS
+               (bf16) or torch._scaled_mm with per-token activation scales (fp8, per-channel);
+  M = 2, 4, 16, 64: the five best configurations of the nearest full sweep, and the baseline.
+Each candidate is timed as the caller runs it (allocation, zeroing and the cast back of split K
+included) in a CUDA graph over rotating weight copies, so every read comes from HBM. An entry
+records the winner, its time ("us") and the baseline's ("base_us"). The bf16 GEMV (M = 1) keeps
+its shape-class defaults (benchmarks/gpu_tune.py swept them).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336), "lm_head": (128256, 4096)}
+FULL_SWEEP_M = {2: 8, 4: 8, 8: 8, 16: 8, 32: 32, 64: 32}  # M -> the M whose sweep it reuses
+ORDER = (8, 32, 2, 4, 16, 64)
+COPY_BYTES = 600 << 20  # rotating copies together exceed the 60 MB L2 cache many times
+
+
+def time_graph(fn: Callable[[], object]) -> float:
+    from triton.testing import do_bench_cudagraph
+    return do_bench_cudagraph(fn, rep=10) * 1e-3
+
+
+class Shape:
+    def __init__(self, kind: str, n: int, k: int) -> None:
+        self.kind, self.n, self.k = kind, n, k
+        nbytes = n * k * (1 if kind == "fp8" else 2)
+        self.copies = max(2, -(-COPY_BYTES // nbytes))
+        self.nbytes = nbytes
+        if kind == "fp8":
+            self.weights = [torch.randint(-100, 100, (n, k), device="cuda", dtype=torch.int16)
+                            .to(torch.float8_e4m3fn) for _ in range(self.copies)]
+            self.scale = torch.rand(n, 1, device="cuda") * 1e-3
+        else:
+            self.weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                            for _ in range(self.copies)]
+            self.scale = None
+
+    def timed(self, product: Callable[[torch.Tensor], object]) -> float:
+        try:
+            return time_graph(lambda: [product(w) for w in self.weights]) / self.copies
+        except Exception:  # out of shared memory / registers for this configuration
+            return float("inf")
+
+
+def gemv_candidates():
+    from radixserve.layers.kernels.gemv import GemvConfig
+    for bn, bk, warps, stages in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8),
+                                                   (2, 3, 4)):
+        yield GemvConfig(bn, bk, warps, stages)
+
+
+def tile_candidates(m: int, k: int):
+    for bn, bk, split, stages in itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8),
+                                                   (3, 4)):
+        if k // split < 2 * bk:
+            continue
+        yield dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                   num_warps=4, num_stages=stages)
+
+
+def sweep_gemv(shape: Shape) -> dict:
+    from radixserve.layers.kernels.gemv import fp8_gemv
+    x = torch.randn(1, shape.k, device="cuda", dtype=torch.bfloat16)
+    best = (float("inf"), None)
+    for cfg in gemv_candidates():
+        if shape.k % cfg.block_k:
+            continue
+        seconds = shape.timed(lambda w, cfg=cfg: fp8_gemv(x, w, shape.scale, None, config=cfg))
+        best = min(best, (seconds, cfg), key=lambda pair: pair[0])
+    seconds, cfg = best
+    return dict(cfg._asdict(), us=round(seconds * 1e6, 2))
+
+
+def baseline(shape: Shape, m: int) -> float:
+    x = torch.randn(m, shape.k, device="cuda", dtype=torch.bfloat16)
+    if shape.kind == "bf16":
+        return shape.timed(lambda w: torch.nn.functional.linear(x, w))
+    from radixserve.layers.kernels.fp8_gemm import scaled_mm_per_token
+    return shape.timed(lambda w: scaled_mm_per_token(x, w, shape.scale, None))
+
+
+def sweep_tiles(shape: Shape, m: int, candidates: list[dict]) -> list[tuple[float, dict]]:
+    from radixserve.layers.kernels.skinny_gemm import skinny_gemm
+    x = torch.randn(m, shape.k, device="cuda", dtype=torch.bfloat16)
+    timed = []
+    for cfg in candidates:
+        timed.append((shape.timed(lambda w, cfg=cfg: skinny_gemm(x, w, cfg, shape.scale)), cfg))
+    return sorted(timed, key=lambda pair: pair[0])
+
+
+def tune_shape(shape: Shape, deadline: float) -> dict[str, dict]:
+    table: dict[str, dict] = {}
+    if shape.kind == "fp8":
+        entry = sweep_gemv(shape)
+        table["1"] = entry
+        print(f"  M=1  gemv {entry}  {shape.nbytes / entry['us'] / 1e6:5.2f} TB/s", flush=True)
+    ranked: dict[int, list[tuple[float, dict]]] = {}
+    for m in ORDER:
+        if time.time() > deadline:
+            print("  budget spent", flush=True)
+            break
+        source = FULL_SWEEP_M[m]
+        candidates = list(tile_candidates(m, shape.k)) if source not in ranked else \
+            [dict(cfg, BLOCK_M=16 if m <= 16 else 32) for _, cfg in ranked[source][:5]]
+        timed = sweep_tiles(shape, m, candidates)
+        if source == m:
+            ranked[m] = timed
+        base = baseline(shape, m)
+        seconds, cfg = timed[0]
+        base_name = "cublas" if shape.kind == "bf16" else "scaled_mm"
+        if base < seconds:
+            entry = {"kernel": base_name, "us": round(base * 1e6, 2),
+                     "triton_us": round(seconds * 1e6, 2)}
+        else:
+            entry = dict(cfg, us=round(seconds * 1e6, 2), base_us=round(base * 1e6, 2))
+        table[str(m)] = entry
+        print(f"  M={m:<3} {entry}  triton {shape.nbytes / seconds / 1e6:5.2f} TB/s, "
+              f"{base_name} {shape.nbytes / base / 1e6:5.2f} TB/s", flush=True)
+    return table
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kinds", nargs="+", default=["fp8", "bf16"])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--budget", type=float, default=300.0)
+    parser.add_argument("--write-dir", default=None, help="default: the package's gemm_configs")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_gemm_tune: no CUDA device")
+        return 0
+    from radixserve.layers.kernels import gemm_tables
+    out_dir = Path(args.write_dir) if args.write_dir else gemm_tables.CONFIG_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    deadline = time.time() + args.budget
+    for kind in args.kinds:
+        for name in args.shapes:
+            if time.time() > deadline:
+                print("budget spent")
+                return 0
+            n, k = SHAPES[name]
+            print(f"== {kind} {name} N={n} K={k}", flush=True)
+            shape = Shape(kind, n, k)
+            table = tune_shape(shape, deadline)
+            del shape
+            torch.cuda.empty_cache()
+            path = out_dir / f"{kind}_N{n}_K{k}.json"
+            path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    gemm_tables.clear_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

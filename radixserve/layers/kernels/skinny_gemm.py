@@ -1,0 +1,123 @@
+"""x [M, K] @ W.T for decode-sized M (2-64 rows), W bf16/fp16 or FP8 codes with scales, in Triton.
+
+Decode batches of a few rows are bound by reading the weights, not by the tensor cores, and
+cuBLAS picks tiles made for large M at these sizes. Each program here owns a BLOCK_M x BLOCK_N
+output tile (BLOCK_M 16 or 32, the smallest the tensor cores take) and optionally a K range
+(grid dimension 2: SPLIT_K programs per tile add their partial products into a float32 output
+with atomics), so small N still puts every SM to work.
+
+FP8 weights (HAS_SCALE) are loaded as codes (half the bytes of bf16), converted in registers
+(every FP8 value is exact in bf16) and multiplied on the bf16 tensor cores; scales apply per
+output row once at the end, or (GROUPED) per K group of GROUP_K columns: each BLOCK_K step lies
+in one group, so its partial product is scaled before it is added.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
+
+TARGET_PROGRAMS = 264  # ~2 per SM on an H200 (132 SMs)
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
+
+
+@triton.jit
+def _skinny_gemm_kernel(X, W, Scale, B, Y, M, N, K, k_per_split, stride_xm, stride_wn,
+                        stride_sn, stride_ym, HAS_SCALE: tl.constexpr, GROUPED: tl.constexpr,
+                        GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    """ATOMIC: program_id(2) takes K columns [s * k_per_split, (s + 1) * k_per_split) and adds
+    its partial product into the float32 Y (bias added by the caller)."""
+    pdl_prologue(USE_PDL)
+    pid_m = tl.program_id(1)
+    pid_n = tl.program_id(0)
+    k_begin = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + k_begin + offs_k[None, :]
+    w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_wn + k_begin + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(k_begin, k_end, BLOCK_K):
+        k_mask = offs_k < k_end - k_start
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0,
+                    eviction_policy="evict_first")
+        part = tl.dot(x, w.to(x.dtype))
+        if HAS_SCALE and GROUPED:
+            s = tl.load(Scale + offs_n * stride_sn + k_start // GROUP_K, mask=n_mask, other=0.0)
+            acc += part * s[None, :]
+        else:
+            acc += part
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_SCALE and not GROUPED:
+        acc = acc * tl.load(Scale + offs_n * stride_sn, mask=n_mask, other=0.0)[None, :]
+    y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def default_config(m: int, n: int, k: int, group_k: int | None) -> dict[str, int]:
+    """Without a swept entry: 16/32-row tiles for decode sizes with K split until there are
+    about TARGET_PROGRAMS programs; 64 and 128-row tiles above."""
+    if m <= 32:
+        cfg = dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=64, BLOCK_K=128, num_warps=4,
+                   num_stages=4, SPLIT_K=1)
+    elif m <= 64:
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=1)
+    else:
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, SPLIT_K=1)
+    if group_k is not None:  # a K step must not straddle two scale groups
+        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], group_k)
+    if m <= 32:
+        tiles = triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(m, cfg["BLOCK_M"])
+        split = 1
+        while tiles * split * 2 <= TARGET_PROGRAMS and k // (split * 2) >= 4 * cfg["BLOCK_K"]:
+            split *= 2
+        cfg["SPLIT_K"] = split
+    return cfg
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: dict[str, int],
+                scale: torch.Tensor | None = None, group_k: int | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight.T (+ bias) -> [..., N] in x's dtype; weight [N, K] in x's dtype, or
+    FP8 codes with scale [N, G] (G > 1: group_k columns per scale group)."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    has_scale = scale is not None
+    grouped = has_scale and scale.shape[1] > 1
+    block_k = cfg["BLOCK_K"]
+    if grouped and group_k:
+        block_k = min(block_k, group_k)
+    split = cfg["SPLIT_K"]
+    # split K: float32 partial sums added with atomics, so the buffer starts at zero
+    y = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1 else \
+        torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
+        _skinny_gemm_kernel[grid](
+            x2, weight, scale if has_scale else weight, bias if bias is not None else weight,
+            y, m, n, k, k_per_split, x2.stride(0), weight.stride(0),
+            scale.stride(0) if has_scale else 0, y.stride(0), HAS_SCALE=has_scale,
+            GROUPED=grouped, GROUP_K=group_k or k, HAS_BIAS=bias is not None,
+            ATOMIC=split > 1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_args(x2))
+    if split > 1:
+        y = (y + bias.float()).to(x.dtype) if bias is not None else y.to(x.dtype)
+    return y.view(*x.shape[:-1], n)

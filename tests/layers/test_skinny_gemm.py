@@ -1,0 +1,90 @@
+"""The skinny decode GEMM (Triton; interpreter on CPU at small shapes) against torch, with and
+without split K, and the swept-configuration tables that route decode-sized products to it."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from radixserve.layers.kernels import gemm_tables  # noqa: E402
+from radixserve.layers.kernels.skinny_gemm import default_config, skinny_gemm  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16  # interpreter: fp16
+
+
+@pytest.mark.parametrize("m,n,k,split,block_n", [(2, 48, 256, 1, 16), (8, 64, 512, 4, 32),
+                                                 (16, 40, 384, 2, 16), (20, 32, 256, 1, 32)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_gemm_matches_torch(m, n, k, split, block_n, with_bias) -> None:
+    gen = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=gen).to(DTYPE)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DTYPE)
+    bias = torch.randn(n, generator=gen).to(DTYPE) if with_bias else None
+    cfg = dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=block_n, BLOCK_K=64, SPLIT_K=split,
+               num_warps=4, num_stages=2)
+    got = skinny_gemm(x.to(DEVICE), w.to(DEVICE), cfg,
+                      bias=None if bias is None else bias.to(DEVICE))
+    want = x.float() @ w.float().t() + (0 if bias is None else bias.float())
+    assert got.dtype == DTYPE and got.shape == (m, n)
+    torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_default_config_splits_k_only_for_small_batches() -> None:
+    small = default_config(8, 4096, 14336, None)
+    assert small["BLOCK_M"] == 16 and small["SPLIT_K"] > 1
+    assert default_config(8, 128256, 4096, None)["SPLIT_K"] == 1  # tiles enough already
+    assert default_config(512, 4096, 4096, None)["BLOCK_M"] == 128
+    assert default_config(8, 4096, 4096, 64)["BLOCK_K"] == 64  # inside one scale group
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(gemm_tables, "CONFIG_DIR", tmp_path)
+    gemm_tables.clear_cache()
+    yield tmp_path
+    gemm_tables.clear_cache()
+
+
+def test_tuned_entry_uses_the_smallest_swept_row_count_covering_m(table_dir) -> None:
+    gemv = {"block_n": 4, "block_k": 128, "num_warps": 4, "num_stages": 2, "us": 1.0}
+    tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "num_warps": 4,
+            "num_stages": 3, "us": 2.0}
+    (table_dir / "bf16_N64_K256.json").write_text(json.dumps(
+        {"1": gemv, "4": {"kernel": "cublas"}, "16": tile}))
+    assert gemm_tables.tuned_entry("bf16", 64, 256, 1) == gemv
+    assert gemm_tables.tuned_entry("bf16", 64, 256, 3) == {"kernel": "cublas"}
+    assert gemm_tables.tuned_entry("bf16", 64, 256, 5) == tile
+    assert gemm_tables.tuned_entry("bf16", 64, 256, 17) is None  # past the sweep
+    assert gemm_tables.tuned_entry("fp8", 64, 256, 4) is None  # no table for this kind
+    (table_dir / "fp8_N64_K256.json").write_text(json.dumps({"8": tile}))
+    assert gemm_tables.tuned_entry("fp8", 64, 256, 1) is None  # a tile entry never serves M=1
+
+
+def test_linear_dispatch_follows_the_table(table_dir) -> None:
+    from radixserve.layers import linear as linear_module
+    from radixserve.layers.kernels.gemv import GemvConfig, tuned_gemv_config
+    tile = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2, "num_warps": 4,
+            "num_stages": 2}
+    (table_dir / "bf16_N48_K256.json").write_text(json.dumps(
+        {"1": {"block_n": 8, "block_k": 128, "num_warps": 4, "num_stages": 2},
+         "2": {"kernel": "cublas"}, "8": tile}))
+    linear_module._small_m_kernel.cache_clear()
+    try:
+        assert tuned_gemv_config("bf16", 48, 256) == GemvConfig(8, 128, 4, 2)
+        assert linear_module._small_m_kernel(48, 256, 2) is None  # cuBLAS won at M <= 2
+        kernel = linear_module._small_m_kernel(48, 256, 6)
+        assert kernel is not None
+        x = torch.randn(6, 256).to(DTYPE)
+        w = (torch.randn(48, 256) / 16).to(DTYPE)
+        got = kernel(x.to(DEVICE), w.to(DEVICE), None)
+        torch.testing.assert_close(got.float().cpu(), x.float() @ w.float().t(),
+                                   atol=2e-2, rtol=2e-2)
+    finally:
+        linear_module._small_m_kernel.cache_clear()

@@ -1,0 +1,75 @@
+"""Admission of requests of known length (ignore_eos): the exact peak check, against v0.2's
+ratio estimate that over-admits them and then retracts."""
+from __future__ import annotations
+
+import random
+
+from radixserve.scheduler.admission import PeakCheck
+from tests.scheduler.fake_runner import (assert_memory_clean, expected_output, make_req,
+                                         make_scheduler, run_all)
+
+
+def test_peak_check_counts_what_finished_requests_hand_back() -> None:
+    peak = PeakCheck()
+    peak.add(100, 10)  # running: 10 tokens held, 100 still to generate
+    # a 50-token prompt generating 20: 90 free after its prompt. When it finishes (t = 20)
+    # both have grown by 20 (90 - 40 = 50 free); it hands back 50 + 20, and when the first one
+    # finishes (t = 100) 90 + 50 - 100 = 40 are free. A flat reservation (100 + 20 > 90) refuses.
+    assert peak.fits(90, 20, 50)
+    # the same request generating 80: at t = 80, 90 - 160 < 0
+    assert not peak.fits(90, 80, 50)
+    # reserve: one free token per request still running at each moment
+    alone = PeakCheck()
+    alone.add(20, 5)
+    assert alone.fits(2 * 20 + 2, 20, 0) and not alone.fits(2 * 20 + 1, 20, 0)
+    peak.add(20, 50)
+    assert peak.left == [20, 100] and peak.held == [50, 10]
+
+
+def _run_counting_peak(scheduler) -> tuple[dict[str, dict], int]:
+    results: dict[str, dict] = {}
+    most_running = 0
+    while scheduler.has_work():
+        for out in scheduler.run_turn():
+            for i, rid in enumerate(out.rids):
+                results.setdefault(rid, {"ids": []})["ids"] += out.new_output_ids[i]
+        most_running = max(most_running, len(scheduler.running))
+    return results, most_running
+
+
+def test_known_length_requests_fill_the_pool_without_retraction() -> None:
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 50) for _ in range(20)] for _ in range(8)]
+    # v0.2's estimate with a low ratio over-admits requests that run to their length ...
+    scheduler, _ = make_scheduler(max_total_tokens=260, schedule_conservativeness=0.05)
+    for i, p in enumerate(prompts):
+        scheduler.add_request(make_req(f"r{i}", p, max_new=40))
+    run_all(scheduler)
+    assert scheduler.stats.num_retractions > 0
+    # ... which the peak check does not: 4 x (20 + 40 + 1) fits 260 tokens, 5 would not
+    scheduler, _ = make_scheduler(max_total_tokens=260, schedule_conservativeness=0.05)
+    for i, p in enumerate(prompts):
+        scheduler.add_request(make_req(f"r{i}", p, max_new=40, ignore_eos=True))
+    results, most_running = _run_counting_peak(scheduler)
+    assert scheduler.stats.num_retractions == 0
+    assert most_running == 4
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"]["ids"] == expected_output(p, 40)
+    assert_memory_clean(scheduler)
+
+
+def test_staggered_known_lengths_overlap_where_a_flat_reservation_would_not() -> None:
+    """A long request is running; short ones join because they finish (and hand their memory
+    back) long before it needs its last tokens."""
+    scheduler, _ = make_scheduler(max_total_tokens=200, num_continuous_decode_steps=1)
+    scheduler.add_request(make_req("long", [1] * 10, max_new=150, ignore_eos=True))
+    scheduler.run_turn()
+    scheduler.add_request(make_req("short", [2] * 40, max_new=10, ignore_eos=True))
+    scheduler.run_turn()
+    # a flat reservation: 11 held + 149 to come + 40 + 10 > 200; the peak (t = 10) is ~71
+    assert sorted(r.rid for r in scheduler.running) == ["long", "short"]
+    results = run_all(scheduler)
+    assert results["short"]["ids"] == expected_output([2] * 40, 10)
+    assert results["long"]["ids"] == expected_output([1] * 10, 150)
+    assert scheduler.stats.num_retractions == 0
+    assert_memory_clean(scheduler)
