@@ -31,6 +31,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
 FULL_SWEEP_M = {2: 8, 4: 8, 8: 8, 16: 8, 32: 32, 64: 32}  # M -> the M whose sweep it reuses
 ORDER = (8, 32, 2, 4, 16, 64)
+MARGIN = 1.02
 COPY_BYTES = 600 << 20  # rotating copies together exceed the 60 MB L2 cache many times
 
 
@@ -127,14 +128,14 @@ def tune_shape(shape: Shape, deadline: float) -> dict[str, dict]:
         base = baseline(shape, m)
         seconds, cfg = timed[0]
         base_name = "cublas" if shape.kind == "bf16" else "scaled_mm"
-        if base < seconds:
+        if seconds * MARGIN > base:  # the vendor kernel unless ours is 2% faster or more
             entry = {"kernel": base_name, "us": round(base * 1e6, 2),
                      "triton_us": round(seconds * 1e6, 2)}
         else:
             entry = dict(cfg, us=round(seconds * 1e6, 2), base_us=round(base * 1e6, 2))
         table[str(m)] = entry
-        print(f"  M={m:<3} {entry}  triton {shape.nbytes / seconds / 1e6:5.2f} TB/s, "
-              f"{base_name} {shape.nbytes / base / 1e6:5.2f} TB/s", flush=True)
+        print(f"  M={m:<3} {entry}  triton {shape.nbytes / seconds / 1e12:5.2f} TB/s, "
+              f"{base_name} {shape.nbytes / base / 1e12:5.2f} TB/s", flush=True)
     return table
 
 
