@@ -5,7 +5,8 @@
 # tests:   FP8 and small-M kernels against references on the GPU (GEMV, skinny GEMM, FP8-weight
 #          GEMM, FP8 KV through the Triton decode/extend kernels and the fused rope + store)
 # tune:    benchmarks/gpu_gemm_tune.py: sweep the GEMV / skinny GEMM per Llama-3.1-8B shape and
-#          row count, write radixserve/layers/kernels/gemm_configs/ (copied to $OUT/gemm_configs)
+#          row count, write radixserve/layers/kernels/gemm_configs/ (and $OUT/gemm_configs.tgz);
+#          FP8_TUNE_ARGS passes more flags (e.g. "--kinds fp8 --no-gemv")
 # decode:  Llama-3.1-8B shapes, dummy weights, one static batch of 1 / 8 / 32 at context 1024,
 #          graphs + overlap: bf16, FP8 weights quantised at load (--quantization fp8), and FP8
 #          weights + FP8 KV cache
@@ -34,10 +35,10 @@ fi
 if step tune; then
     echo "== tune"
     timeout -k 10 "${FP8_TUNE_SECONDS:-300}" python3 benchmarks/gpu_gemm_tune.py \
-        --budget "${FP8_TUNE_BUDGET:-240}" > "$OUT/tune.log" 2>&1
+        --budget "${FP8_TUNE_BUDGET:-240}" ${FP8_TUNE_ARGS:-} > "$OUT/tune.log" 2>&1
     echo "   rc $?"
     grep -E "^==|M=" "$OUT/tune.log" | cut -c1-150
-    mkdir -p "$OUT/gemm_configs" && cp radixserve/layers/kernels/gemm_configs/*.json "$OUT/gemm_configs/"
+    tar czf "$OUT/gemm_configs.tgz" -C radixserve/layers/kernels gemm_configs
 fi
 one_batch() {  # label, extra flags...
     local label=$1
@@ -52,9 +53,10 @@ one_batch() {  # label, extra flags...
 }
 if step decode; then
     echo "== decode"
-    one_batch bf16
-    one_batch w8 --quantization fp8
-    one_batch w8kv8 --quantization fp8 --kv-cache-dtype fp8_e4m3
+    MODES="${FP8_DECODE_MODES:-bf16 w8 w8kv8}"
+    case " $MODES " in *" bf16 "*) one_batch bf16 ;; esac
+    case " $MODES " in *" w8 "*) one_batch w8 --quantization fp8 ;; esac
+    case " $MODES " in *" w8kv8 "*) one_batch w8kv8 --quantization fp8 --kv-cache-dtype fp8_e4m3 ;; esac
 fi
 offline() {  # label, extra flags...
     local label=$1

@@ -5,7 +5,7 @@
 
 Per Llama-3.1-8B shape (qkv, o, gate_up, down, lm_head) and row count M:
   M = 1, fp8:  the FP8 GEMV over (block_n, block_k, warps, stages);
-  M = 8, 32:   the skinny tile GEMM over (BLOCK_N, BLOCK_K, SPLIT_K, stages) against cuBLAS
+  M = 8, 32:   the skinny tile GEMM over (SWAP_AB, BLOCK_N, BLOCK_K, SPLIT_K, stages) against cuBLAS
                (bf16) or torch._scaled_mm with per-token activation scales (fp8, per-channel);
   M = 2, 4, 16, 64: the five best configurations of the nearest full sweep, and the baseline.
 Each candidate is timed as the caller runs it (allocation, zeroing and the cast back of split K
@@ -70,12 +70,12 @@ def gemv_candidates():
 
 
 def tile_candidates(m: int, k: int):
-    for bn, bk, split, stages in itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8),
-                                                   (3, 4)):
-        if k // split < 2 * bk:
+    for swap, bn, bk, split, stages in itertools.product((0, 1), (16, 32, 64, 128), (128, 256),
+                                                         (1, 2, 4, 8), (3, 4)):
+        if k // split < 2 * bk or (bn == 128 and not swap) or (bn == 16 and swap):
             continue
         yield dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-                   num_warps=4, num_stages=stages)
+                   SWAP_AB=swap, num_warps=4, num_stages=stages)
 
 
 def sweep_gemv(shape: Shape) -> dict:
@@ -108,9 +108,9 @@ def sweep_tiles(shape: Shape, m: int, candidates: list[dict]) -> list[tuple[floa
     return sorted(timed, key=lambda pair: pair[0])
 
 
-def tune_shape(shape: Shape, deadline: float) -> dict[str, dict]:
+def tune_shape(shape: Shape, deadline: float, gemv: bool) -> dict[str, dict]:
     table: dict[str, dict] = {}
-    if shape.kind == "fp8":
+    if shape.kind == "fp8" and gemv:
         entry = sweep_gemv(shape)
         table["1"] = entry
         print(f"  M=1  gemv {entry}  {shape.nbytes / entry['us'] / 1e6:5.2f} TB/s", flush=True)
@@ -146,6 +146,8 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
     parser.add_argument("--budget", type=float, default=300.0)
     parser.add_argument("--write-dir", default=None, help="default: the package's gemm_configs")
+    parser.add_argument("--no-gemv", action="store_true",
+                        help="keep the tables' M = 1 entries (sweep the tiles only)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_gemm_tune: no CUDA device")
@@ -162,11 +164,12 @@ def main() -> int:
             n, k = SHAPES[name]
             print(f"== {kind} {name} N={n} K={k}", flush=True)
             shape = Shape(kind, n, k)
-            table = tune_shape(shape, deadline)
+            table = tune_shape(shape, deadline, gemv=not args.no_gemv)
             del shape
             torch.cuda.empty_cache()
             path = out_dir / f"{kind}_N{n}_K{k}.json"
-            path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+            old = json.loads(path.read_text()) if path.is_file() else {}
+            path.write_text(json.dumps({**old, **table}, indent=1, sort_keys=True) + "\n")
     gemm_tables.clear_cache()
     return 0
 

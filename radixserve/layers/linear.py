@@ -47,10 +47,9 @@ def _small_m_kernel(n: int, k: int, m: int):  # -> a callable(x, weight, bias) o
         if config is None:
             return None
         return lambda x, weight, bias: gemv.gemv(x.contiguous(), weight, bias, config)
-    entry = gemm_tables.tuned_entry("bf16", n, k, m)
-    if entry is None or "BLOCK_N" not in entry:  # not swept, or cuBLAS won the sweep
+    cfg = skinny_gemm.config_from_entry(gemm_tables.tuned_entry("bf16", n, k, m))
+    if cfg is None:  # not swept, or cuBLAS won the sweep
         return None
-    cfg = {key: entry[key] for key in skinny_gemm.CONFIG_KEYS}
     return lambda x, weight, bias: skinny_gemm.skinny_gemm(x, weight, cfg, bias=bias)
 
 

@@ -22,17 +22,33 @@ DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16  # interp
 @pytest.mark.parametrize("m,n,k,split,block_n", [(2, 48, 256, 1, 16), (8, 64, 512, 4, 32),
                                                  (16, 40, 384, 2, 16), (20, 32, 256, 1, 32)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_skinny_gemm_matches_torch(m, n, k, split, block_n, with_bias) -> None:
+@pytest.mark.parametrize("swap_ab", [0, 1])
+def test_skinny_gemm_matches_torch(m, n, k, split, block_n, with_bias, swap_ab) -> None:
     gen = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=gen).to(DTYPE)
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DTYPE)
     bias = torch.randn(n, generator=gen).to(DTYPE) if with_bias else None
     cfg = dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=block_n, BLOCK_K=64, SPLIT_K=split,
-               num_warps=4, num_stages=2)
+               SWAP_AB=swap_ab, num_warps=4, num_stages=2)
     got = skinny_gemm(x.to(DEVICE), w.to(DEVICE), cfg,
                       bias=None if bias is None else bias.to(DEVICE))
     want = x.float() @ w.float().t() + (0 if bias is None else bias.float())
     assert got.dtype == DTYPE and got.shape == (m, n)
+    torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("block", [None, 64])
+def test_skinny_gemm_swapped_over_fp8_codes(block) -> None:
+    from radixserve.layers.kernels.fp8_gemm import fp8_weight_gemm_reference
+    gen = torch.Generator().manual_seed(7)
+    n, k, m = 48, 256, 5
+    scale = torch.rand(n, 1 if block is None else k // block, generator=gen) * 0.01 + 0.001
+    codes = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    x = torch.randn(m, k, generator=gen).to(DTYPE)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2, SWAP_AB=1, num_warps=4,
+               num_stages=2)
+    got = skinny_gemm(x.to(DEVICE), codes.to(DEVICE), cfg, scale.to(DEVICE), block)
+    want = fp8_weight_gemm_reference(x, codes, scale, block)
     torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
 
 

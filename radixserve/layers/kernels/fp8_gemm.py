@@ -12,10 +12,11 @@ import torch
 
 from radixserve.layers.kernels.gemm_tables import tuned_entry
 from radixserve.layers.kernels.gemv import fp8_gemv
-from radixserve.layers.kernels.skinny_gemm import CONFIG_KEYS, default_config, skinny_gemm
+from radixserve.layers.kernels.per_token_quant import per_token_quant
+from radixserve.layers.kernels.skinny_gemm import (config_from_entry, default_config,
+                                                   skinny_gemm)
 
 SCALED_MM_MIN_TOKENS = 256  # per-channel weights at this many rows and more: FP8 tensor cores
-FP8_MAX = 448.0
 
 
 def fp8_weight_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -25,19 +26,20 @@ def fp8_weight_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     n, k = weight.shape
     m = x.numel() // k
     grouped = scale.shape[1] > 1
-    entry = tuned_entry("fp8", n, k, m)
-    cfg = {key: entry[key] for key in CONFIG_KEYS} if entry and "BLOCK_N" in entry else \
+    cfg = config_from_entry(tuned_entry("fp8", n, k, m)) or \
         default_config(m, n, k, group_k if grouped else None)
     return skinny_gemm(x, weight, cfg, scale, group_k, bias)
 
 
 def scaled_mm_per_token(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                         bias: torch.Tensor | None) -> torch.Tensor:
-    """Activations quantised per token (dynamic), FP8 x FP8 on the tensor cores with row-wise
-    scales (cuBLASLt through torch._scaled_mm); per-channel weight scales only."""
+    """Activations quantised per token (dynamic, one Triton pass), FP8 x FP8 on the tensor
+    cores with row-wise scales (cuBLASLt through torch._scaled_mm); per-channel weight scales
+    only."""
     x2 = x.reshape(-1, x.shape[-1])
-    x_scale = (x2.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
-    x_codes = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(weight.dtype)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    x_codes, x_scale = per_token_quant(x2, weight.dtype)
     y = torch._scaled_mm(x_codes, weight.t(), scale_a=x_scale,
                          scale_b=scale.reshape(1, -1).contiguous(), bias=bias,
                          out_dtype=x.dtype)

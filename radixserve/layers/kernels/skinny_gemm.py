@@ -4,7 +4,9 @@ Decode batches of a few rows are bound by reading the weights, not by the tensor
 cuBLAS picks tiles made for large M at these sizes. Each program here owns a BLOCK_M x BLOCK_N
 output tile (BLOCK_M 16 or 32, the smallest the tensor cores take) and optionally a K range
 (grid dimension 2: SPLIT_K programs per tile add their partial products into a float32 output
-with atomics), so small N still puts every SM to work.
+with atomics), so small N still puts every SM to work. SWAP_AB computes the tile transposed
+(weight rows as the MMA's first operand, in their memory order), which spares the weight tile
+a layout change before the MMA.
 
 FP8 weights (HAS_SCALE) are loaded as codes (half the bytes of bf16), converted in registers
 (every FP8 value is exact in bf16) and multiplied on the bf16 tensor cores; scales apply per
@@ -20,17 +22,20 @@ import triton.language as tl
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 
 TARGET_PROGRAMS = 264  # ~2 per SM on an H200 (132 SMs)
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "SWAP_AB", "num_warps",
+               "num_stages")
 
 
 @triton.jit
 def _skinny_gemm_kernel(X, W, Scale, B, Y, M, N, K, k_per_split, stride_xm, stride_wn,
                         stride_sn, stride_ym, HAS_SCALE: tl.constexpr, GROUPED: tl.constexpr,
                         GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        USE_PDL: tl.constexpr):
+                        SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """ATOMIC: program_id(2) takes K columns [s * k_per_split, (s + 1) * k_per_split) and adds
-    its partial product into the float32 Y (bias added by the caller)."""
+    its partial product into the float32 Y (bias added by the caller). SWAP_AB computes the
+    transposed tile W_tile @ x_tile.T: the weight rows are the MMA's first operand, loaded as
+    they lie in memory (K contiguous), and the few x rows its second."""
     pdl_prologue(USE_PDL)
     pid_m = tl.program_id(1)
     pid_n = tl.program_id(0)
@@ -41,22 +46,38 @@ def _skinny_gemm_kernel(X, W, Scale, B, Y, M, N, K, k_per_split, stride_xm, stri
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + k_begin + offs_k[None, :]
-    w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_wn + k_begin + offs_k[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        x_ptrs = X + offs_m[None, :].to(tl.int64) * stride_xm + k_begin + offs_k[:, None]
+        w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + k_begin + offs_k[None, :]
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + k_begin + offs_k[None, :]
+        w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_wn + k_begin + offs_k[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k_start in range(k_begin, k_end, BLOCK_K):
         k_mask = offs_k < k_end - k_start
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0,
-                    eviction_policy="evict_first")
-        part = tl.dot(x, w.to(x.dtype))
         if HAS_SCALE and GROUPED:
             s = tl.load(Scale + offs_n * stride_sn + k_start // GROUP_K, mask=n_mask, other=0.0)
-            acc += part * s[None, :]
+        if SWAP_AB:
+            x = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            part_t = tl.dot(w.to(x.dtype), x)
+            if HAS_SCALE and GROUPED:
+                part_t = part_t * s[:, None]
+            acc_t += part_t
         else:
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0,
+                        eviction_policy="evict_first")
+            part = tl.dot(x, w.to(x.dtype))
+            if HAS_SCALE and GROUPED:
+                part = part * s[None, :]
             acc += part
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc = tl.trans(acc_t)
     if HAS_SCALE and not GROUPED:
         acc = acc * tl.load(Scale + offs_n * stride_sn, mask=n_mask, other=0.0)[None, :]
     y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
@@ -66,6 +87,13 @@ def _skinny_gemm_kernel(X, W, Scale, B, Y, M, N, K, k_per_split, stride_xm, stri
         if HAS_BIAS:
             acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def config_from_entry(entry: dict | None) -> dict[str, int] | None:
+    """The launch configuration of a swept table entry; None for a vendor-kernel entry."""
+    if not entry or "BLOCK_N" not in entry:
+        return None
+    return {key: int(entry.get(key, 0)) for key in CONFIG_KEYS}
 
 
 def default_config(m: int, n: int, k: int, group_k: int | None) -> dict[str, int]:
@@ -116,7 +144,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: dict[str, int],
             y, m, n, k, k_per_split, x2.stride(0), weight.stride(0),
             scale.stride(0) if has_scale else 0, y.stride(0), HAS_SCALE=has_scale,
             GROUPED=grouped, GROUP_K=group_k or k, HAS_BIAS=bias is not None,
-            ATOMIC=split > 1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
+            ATOMIC=split > 1, SWAP_AB=bool(cfg.get("SWAP_AB", 0)), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_args(x2))
     if split > 1:
         y = (y + bias.float()).to(x.dtype) if bias is not None else y.to(x.dtype)
