@@ -16,7 +16,8 @@ from radixserve.layers.kernels.per_token_quant import per_token_quant
 from radixserve.layers.kernels.skinny_gemm import (config_from_entry, default_config,
                                                    skinny_gemm)
 
-SCALED_MM_MIN_TOKENS = 256  # per-channel weights at this many rows and more: FP8 tensor cores
+SCALED_MM_MIN_TOKENS = 64  # per-channel weights at this many rows and more (without a swept
+# entry): FP8 tensor cores; the H200 sweep had _scaled_mm ahead of the Triton tiles from M=64
 
 
 def fp8_weight_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
