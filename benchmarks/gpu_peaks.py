@@ -1,0 +1,77 @@
+"""The H200 ceilings the FP8 limits use, measured: dense matmul peak in bf16 and in FP8
+(torch._scaled_mm, row-wise and tensor-wise scales), and the split-KV decode attention's read
+rate over a bf16 and an FP8 KV cache at serving batch sizes (Llama-3.1-8B heads).
+
+    python3 benchmarks/gpu_peaks.py
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def matmul_peaks(size: int = 8192) -> None:
+    from gpu_kernels import time_graph
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    flops = 2 * size ** 3
+    t = time_graph(lambda: a @ b.t())
+    print(f"bf16 matmul {size}^3: {flops / t / 1e12:7.1f} TFLOP/s", flush=True)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    t = time_graph(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one,
+                                            out_dtype=torch.bfloat16))
+    print(f"fp8 _scaled_mm {size}^3, tensor-wise scales: {flops / t / 1e12:7.1f} TFLOP/s",
+          flush=True)
+    sa = torch.rand(size, 1, device="cuda")
+    sb = torch.rand(1, size, device="cuda")
+    t = time_graph(lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb,
+                                            out_dtype=torch.bfloat16))
+    print(f"fp8 _scaled_mm {size}^3, row-wise scales: {flops / t / 1e12:7.1f} TFLOP/s",
+          flush=True)
+
+
+def decode_attention_rates() -> None:
+    import gpu_kernels as gk
+    from radixserve.attention.kernels.decode_attention import decode_attention_fwd
+    from radixserve.attention.triton_backend import TritonAttnBackend
+    planner = TritonAttnBackend(gk.NUM_HEADS, gk.NUM_KV_HEADS, gk.HEAD_DIM, "cuda", max_bs=1,
+                                max_context_len=1)
+    for bs, ctx in ((64, 1536), (256, 1536), (512, 1536), (862, 1536)):
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            layer_bytes = 2 * bs * ctx * gk.NUM_KV_HEADS * gk.HEAD_DIM * dtype.itemsize
+            layers = max(1, min(16, -(-(1 << 30) // layer_bytes)))
+            pool = gk.make_pool([ctx] * bs, layers)
+            k_bufs = [b.to(dtype) for b in pool.k_buffers]
+            v_bufs = [b.to(dtype) for b in pool.v_buffers]
+            splits = planner.num_kv_splits_for(bs)
+            q = torch.randn(bs, gk.NUM_HEADS, gk.HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+            out = torch.empty_like(q)
+            mid_out = torch.empty(bs, gk.NUM_HEADS, splits, gk.HEAD_DIM, device="cuda")
+            mid_lse = torch.empty(bs, gk.NUM_HEADS, splits, device="cuda")
+
+            def step() -> None:
+                for k_buf, v_buf in zip(k_bufs, v_bufs):
+                    decode_attention_fwd(q, k_buf, v_buf, out, pool.req_to_token,
+                                         pool.req_pool_indices, pool.seq_lens, mid_out,
+                                         mid_lse, gk.HEAD_DIM ** -0.5, k_scale=0.5,
+                                         v_scale=0.5)
+            seconds = gk.time_graph(step) / layers
+            print(f"decode attention bs={bs:<4} ctx={ctx} {str(dtype):<20} "
+                  f"{seconds * 1e6:8.1f} us/layer {layer_bytes / seconds / 1e12:5.2f} TB/s",
+                  flush=True)
+            del pool, k_bufs, v_bufs
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        print("gpu_peaks: no CUDA device")
+        sys.exit(0)
+    matmul_peaks()
+    decode_attention_rates()
