@@ -86,8 +86,11 @@ def _decode_split_kernel(
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, SLIDING_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr,
-    USE_PDL: tl.constexpr, KV_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_FP16: tl.constexpr,
 ):
+    """FP8 KV: the codes are multiplied as they are (k_scale is folded into sm_scale_log2e by
+    the caller, v_scale applied to the output), converted to fp16 (FP8_AS_FP16: exact, and one
+    instruction per pair on Hopper) or to q's float32, so no per-element scaling runs."""
     pdl_prologue(USE_PDL)
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -112,6 +115,8 @@ def _decode_split_kernel(
                     mask=head_mask[:, None] & d_mask[None, :], other=0.0)
         if not KV_FP8:
             q = q.to(K_Buffer.dtype.element_ty)
+        elif FP8_AS_FP16:
+            q = q.to(tl.float16)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -124,8 +129,8 @@ def _decode_split_kernel(
             kv_mask = pos_mask[:, None] & d_mask[None, :]
             k = tl.load(K_Buffer + slots[:, None] * stride_kt + kv_head * stride_kh
                         + offs_d[None, :], mask=kv_mask, other=0.0)
-            if KV_FP8:  # FP8 codes x the layer's scale, in q's dtype
-                k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            if KV_FP8:
+                k = k.to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2e
             if LOGIT_CAP > 0:
                 qk = soft_cap_log2(qk, LOGIT_CAP)
@@ -139,10 +144,12 @@ def _decode_split_kernel(
             v = tl.load(V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh
                         + offs_d[None, :], mask=kv_mask, other=0.0)
             if KV_FP8:
-                v = (v.to(tl.float32) * v_scale).to(q.dtype)
+                v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
+        if KV_FP8:
+            acc = acc * v_scale
         out_mask = head_mask[:, None] & d_mask[None, :]
         if SINGLE_SPLIT:  # the only split: this is the final output
             tl.store(O + batch * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -229,8 +236,8 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     [bs, H, S] are float32 workspaces; S (their third dim) is the maximum number of splits.
     sliding_window W > 0: attend only the last W positions (the query's own included).
     logit_cap c > 0: scores s become c * tanh(s / c). Both are compile-time constants; <= 0 is off.
-    FP8 buffers (float8_e4m3fn / e5m2) hold value / scale: K/V are dequantised with k_scale /
-    v_scale into q's dtype as they are loaded.
+    FP8 buffers (float8_e4m3fn / e5m2) hold value / scale: the scores are scaled by k_scale and
+    the output by v_scale (the codes themselves enter the products unscaled).
     No host sync, no allocation: safe to capture in a CUDA graph.
     """
     batch_size, num_heads, head_dim = q.shape
@@ -241,7 +248,8 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     num_kv_splits = mid_out.shape[2]
     group_size = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
-    sm_scale_log2e = sm_scale * LOG2E
+    kv_fp8 = is_fp8(k_buffer.dtype)
+    sm_scale_log2e = sm_scale * LOG2E * (float(k_scale) if kv_fp8 else 1.0)
     window, cap = normalize_window_and_cap(sliding_window, logit_cap)
 
     single_split = num_kv_splits == 1
@@ -255,7 +263,8 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         GROUP_SIZE=group_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(q.dtype), SINGLE_SPLIT=single_split,
-        SLIDING_WINDOW=window, LOGIT_CAP=cap, KV_FP8=is_fp8(k_buffer.dtype),
+        SLIDING_WINDOW=window, LOGIT_CAP=cap, KV_FP8=kv_fp8,
+        FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
     )
     if single_split:
