@@ -73,6 +73,9 @@ class RadixCache(BasePrefixCache):
         self.root = TreeNode(node_id=next(self._node_ids), lock_ref=1)
         self._evictable_size = 0
         self._protected_size = 0
+        # unlocked childless nodes (root aside): eviction's candidates, kept as the tree changes
+        # so an eviction does not walk the whole tree
+        self._evictable_leaves: set[TreeNode] = set()
 
     # ---- lookups and inserts ----
     def match_prefix(self, key: list[int]) -> MatchResult:
@@ -117,6 +120,8 @@ class RadixCache(BasePrefixCache):
                                 value=value[pos:].clone(), parent=node, last_access_time=now)
                 node.children[key[pos]] = leaf
                 self._evictable_size += len(leaf.key)
+                self._evictable_leaves.discard(node)
+                self._evictable_leaves.add(leaf)
                 return pos
             match_len = _common_prefix_len(child.key, key, pos)
             if match_len < len(child.key):
@@ -198,6 +203,7 @@ class RadixCache(BasePrefixCache):
                 self._evictable_size -= len(node.key)
                 self._protected_size += len(node.key)
                 delta -= len(node.key)
+                self._evictable_leaves.discard(node)
             node.lock_ref += 1
             node = node.parent
         return delta
@@ -211,6 +217,8 @@ class RadixCache(BasePrefixCache):
                 self._evictable_size += len(node.key)
                 self._protected_size -= len(node.key)
                 delta += len(node.key)
+                if not node.children:
+                    self._evictable_leaves.add(node)
             node.lock_ref -= 1
             node = node.parent
         return delta
@@ -220,13 +228,15 @@ class RadixCache(BasePrefixCache):
         """Evict least-recently-used unlocked leaves (a parent left childless becomes a
         candidate) until `num_tokens` are freed or nothing is evictable. Whole nodes are
         evicted, so more than `num_tokens` may be freed. Returns the number freed."""
-        heap = [(n.last_access_time, n.node_id, n) for n in self._nodes()
-                if not n.children and n.lock_ref == 0 and n is not self.root]
+        if num_tokens <= 0:
+            return 0
+        heap = [(n.last_access_time, n.node_id, n) for n in self._evictable_leaves]
         heapq.heapify(heap)
         freed: list[torch.Tensor] = []
         freed_len = 0
         while freed_len < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
+            self._evictable_leaves.discard(node)
             parent = node.parent
             assert parent is not None
             del parent.children[node.key[0]]
@@ -235,6 +245,7 @@ class RadixCache(BasePrefixCache):
             freed_len += len(node.key)
             self._evictable_size -= len(node.key)
             if not parent.children and parent.lock_ref == 0 and parent is not self.root:
+                self._evictable_leaves.add(parent)
                 heapq.heappush(heap, (parent.last_access_time, parent.node_id, parent))
         if freed:
             self.token_to_kv_pool.free(torch.cat(freed))
@@ -269,6 +280,9 @@ class RadixCache(BasePrefixCache):
                  "root must hold no tokens")
         _require(root.lock_ref == 1, f"root lock_ref is {root.lock_ref}, expected 1")
         evictable = protected = 0
+        leaves = {n for n in self._nodes()
+                  if not n.children and n.lock_ref == 0 and n is not root}
+        _require(leaves == self._evictable_leaves, "the evictable-leaf set is out of date")
         for node in self._nodes():
             _require(node.lock_ref >= 0, f"negative lock_ref on {node!r}")
             children_locks = 0

@@ -2,7 +2,10 @@
 
 The cache-aware policies match every waiting request against the radix cache (which also fills
 req.prefix_indices / req.cache_handle for admission). Like SGLang v0.2, lpm falls back to fcfs when
-the queue is long, because matching every request each turn would cost more than it saves.
+the queue is long, because matching every request each turn would cost more than it saves. The
+other orders match nothing: the scheduler matches each request as admission reaches it
+(`SchedulePolicy.matches_all` says which), so a turn over a queue of thousands matches only the
+requests it admits and the one that stops it.
 """
 from __future__ import annotations
 
@@ -39,13 +42,20 @@ class SchedulePolicy:
         self.tree_cache = tree_cache
         self.rng = random.Random(seed)
 
+    def matches_all(self, queue_len: int) -> bool:
+        """Does `order` match every request of a queue this long against the cache?"""
+        return self.policy == "dfs-weight" or (self.policy == "lpm"
+                                                and queue_len <= LPM_MAX_QUEUE_LEN)
+
     def order(self, waiting_queue: list[Req]) -> list[Req]:
-        """Return the queue in admission order; every request's prefix is matched."""
+        """Return the queue in admission order. With `matches_all`, every request's prefix is
+        matched; otherwise none is (the caller matches as it admits)."""
         policy = self.policy
         if policy == "lpm" and len(waiting_queue) > LPM_MAX_QUEUE_LEN:
             policy = "fcfs"
-        for req in waiting_queue:
-            match_prefix(req, self.tree_cache)
+        if self.matches_all(len(waiting_queue)):
+            for req in waiting_queue:
+                match_prefix(req, self.tree_cache)
         if policy == "lpm":
             return sorted(waiting_queue, key=lambda r: -len(r.prefix_indices))
         if policy == "random":

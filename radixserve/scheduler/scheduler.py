@@ -25,7 +25,7 @@ from radixserve.scheduler.in_batch_prefix import InBatchPrefixIndex
 from radixserve.scheduler.overlap_decode import (DecodeLauncher, InflightDecode,
                                                  ends_after_next_token)
 from radixserve.scheduler.output import OutputSlice, build_token_output, needs_send
-from radixserve.scheduler.policy import SchedulePolicy
+from radixserve.scheduler.policy import SchedulePolicy, match_prefix
 from radixserve.scheduler.retraction import NewTokenRatio, pick_retractions
 from radixserve.scheduler.runner_protocol import ModelRunnerLike
 from radixserve.scheduler.stats import SchedulerStats, check_memory
@@ -226,6 +226,7 @@ class Scheduler:
             chunked.init_next_round_input()
             chunked.extend_input_len = len(chunked.fill_ids) - len(chunked.prefix_indices)
         ordered = self.policy.order(self.waiting_queue) if self.waiting_queue else []
+        matched = self.policy.matches_all(len(self.waiting_queue))
         adder = PrefillAdder.create(
             self.tree_cache, self.token_to_kv_pool.available_size(), self.running, chunked,
             self.ratio.value, self.args.max_prefill_tokens,
@@ -237,6 +238,8 @@ class Scheduler:
         for req in ordered:
             if not self.grammars.ready(req):  # compiling (or failed: ended next turn)
                 continue
+            if not matched:
+                match_prefix(req, self.tree_cache)
             if in_batch is not None and in_batch.should_defer(req):
                 continue  # its prefix will be cached after this batch
             if not adder.add_one_req(req):
