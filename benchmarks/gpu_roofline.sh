@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Issue 17's table on one H200, from the repository root (Llama-3.1-8B shapes, bf16, dummy
+# weights); logs under $OUT. One step per call keeps each under the device's 10-minute limit:
+#   ROOF_STEPS="decode short long radix" bash benchmarks/gpu_roofline.sh   (~6 min)
+#   ROOF_STEPS="offline http" bash benchmarks/gpu_roofline.sh              (~5 min)
+# decode:  one static batch of 1 2 4 8 16 at context 1024, graphs + overlap
+# offline: random 1024/1024 x 1000 through the Engine (retractions, recomputed tokens)
+# http:    the same workload through the server, streaming, rate inf (ratio to offline)
+# long:    4 prompts of 120,000 tokens, 32 out (long-context prefill)
+# short:   4,000 requests of 128 in / 8 out (the scheduler's cost per request)
+# radix:   the generated-shared-prefix set, radix cache on and off
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/out/gpu_roofline}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error
+MODEL="${ROOF_MODEL:-benchmarks/configs/llama-3.1-8b}"
+PROMPTS="${ROOF_PROMPTS:-1000}"  # offline and http
+STEPS="${ROOF_STEPS:-decode short long radix offline http}"
+step() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+COMMON=(--model-path "$MODEL" --load-format dummy --dtype bfloat16)
+
+offline() {  # label seconds flags...
+    local label=$1 seconds=$2
+    shift 2
+    timeout -k 10 "$seconds" python3 -m radixserve.bench.offline "${COMMON[@]}" "$@" \
+        --output-file "$OUT/offline_$label.jsonl" > "$OUT/offline_$label.log" 2>&1
+    echo "   $label rc $?"
+    grep -E -A2 '^radix ' "$OUT/offline_$label.log" | head -4
+}
+if step decode; then
+    echo "== decode"
+    timeout -k 10 120 python3 -m radixserve.bench.one_batch "${COMMON[@]}" \
+        --batch-size 1 2 4 8 16 --input-len 1024 --output-len 64 --overlap \
+        --cuda-graph-max-bs 16 --max-total-tokens 100000 --log-level warning \
+        --output-file "$OUT/decode.jsonl" > "$OUT/decode.log" 2>&1
+    echo "   rc $?"
+    grep -E '^batch|^ +[0-9]+ ' "$OUT/decode.log"
+fi
+if step short; then
+    echo "== short requests"
+    offline short 150 --radix on --dataset-name random --num-prompts 4000 \
+        --random-input-len 128 --random-output-len 8 --random-range-ratio 1.0
+fi
+if step long; then
+    echo "== long-context prefill"
+    offline long 200 --radix on --dataset-name random --num-prompts 4 \
+        --random-input-len 120000 --random-output-len 32 --random-range-ratio 1.0
+fi
+if step radix; then
+    echo "== shared-prefix set"
+    offline radix 200 --radix both --dataset-name generated-shared-prefix
+fi
+if step offline; then
+    echo "== offline 1024/1024 x 1000"
+    offline main 200 --radix on --dataset-name random --num-prompts "$PROMPTS" \
+        --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0
+fi
+if step http; then
+    echo "== HTTP streaming, same workload"
+    python3 -m radixserve.cli serve "${COMMON[@]}" --port 30200 --skip-tokenizer-init \
+        > "$OUT/server.log" 2>&1 &
+    server=$!
+    for _ in $(seq 1 150); do
+        curl -sf http://127.0.0.1:30200/health > /dev/null 2>&1 && break
+        sleep 2
+    done
+    timeout -k 10 200 python3 -m radixserve.bench.serving --backend radixserve \
+        --base-url http://127.0.0.1:30200 --dataset-name random --num-prompts "$PROMPTS" \
+        --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0 \
+        --request-rate inf --output-file "$OUT/http.jsonl" > "$OUT/http.log" 2>&1
+    echo "   rc $?: $(grep -E 'throughput|TTFT|ITL' "$OUT/http.log" | head -4 | tr '\n' ' ')"
+    kill "$server" 2>/dev/null
+    wait "$server" 2>/dev/null
+fi
