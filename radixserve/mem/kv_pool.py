@@ -82,7 +82,7 @@ class KVPool(ABC):
         self.layer_num = spec.num_layers
         self.device = torch.device(device)
         # kept on the CPU: allocation is a scheduler decision and must not sync the device
-        self.free_slots = torch.arange(1, size + 1, dtype=torch.int64)
+        self.clear()
         self._scales = [(1.0, 1.0)] * spec.num_layers
         # per layer [K amax, V amax] while calibrating (start_observing), else None
         self._observed: list[list[torch.Tensor]] | None = None
@@ -94,24 +94,49 @@ class KVPool(ABC):
         """Bytes one token's KV takes in all layers (what sizes the pool)."""
 
     # ---- slots ----
+    # Free slots are a tensor to take from plus the tensors freed since: a free costs the
+    # slots it frees, not a copy of the whole free list (millions of entries in a large pool,
+    # and every finished request frees some). They are joined when a take needs them.
     def available_size(self) -> int:
-        return int(self.free_slots.numel())
+        return self._free_head.numel() + self._freed_count
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """Return `need_size` free KV slots (int64, CPU), or None if there are not enough."""
-        if need_size > self.free_slots.numel():
+        if need_size > self.available_size():
             return None
-        taken = self.free_slots[:need_size]
-        self.free_slots = self.free_slots[need_size:]
+        if need_size > self._free_head.numel():
+            self._join_freed()
+        taken = self._free_head[:need_size]
+        self._free_head = self._free_head[need_size:]
         return taken
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel() == 0:
             return
-        self.free_slots = torch.cat((self.free_slots, slots.to(torch.int64).cpu()))
+        freed = self._freed
+        freed.append(slots.to(torch.int64).cpu())
+        self._freed_count += slots.numel()
+        # pieces of geometrically falling sizes (merge the last two while the newer is at
+        # least half the older): the list stays O(log n) long, each slot is copied O(log n) times
+        while len(freed) >= 2 and 2 * freed[-1].numel() >= freed[-2].numel():
+            last = freed.pop()
+            freed[-1] = torch.cat((freed[-1], last))
 
     def clear(self) -> None:
-        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64)
+        self._free_head = torch.arange(1, self.size + 1, dtype=torch.int64)
+        self._freed: list[torch.Tensor] = []
+        self._freed_count = 0
+
+    def _join_freed(self) -> None:
+        if self._freed:
+            self._free_head = torch.cat([self._free_head, *self._freed])
+            self._freed, self._freed_count = [], 0
+
+    @property
+    def free_slots(self) -> torch.Tensor:
+        """Every free slot (joins what was freed since the last take)."""
+        self._join_freed()
+        return self._free_head
 
     # ---- storage ----
     @abstractmethod

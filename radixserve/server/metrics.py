@@ -53,16 +53,20 @@ class ServerMetrics:
         self.retractions = Gauge(PREFIX + "num_retractions",
                                  "Requests retracted to the queue since start", labels,
                                  registry=reg)
+        # the per-token histograms' children, looked up once (labels() costs a lock and a
+        # dict lookup, and these are observed for every streamed token)
+        self._ttft_child = self.ttft.labels(model_name)
+        self._itl_child = self.itl.labels(model_name)
 
     def observe_tokens(self, now: float, created: float, first_token_time: float | None,
                        last_token_time: float | None, num_new_tokens: int) -> None:
         """Called when `num_new_tokens` > 0 new output tokens of one request arrive."""
         if first_token_time is None:
-            self.ttft.labels(self.model_name).observe(now - created)
+            self._ttft_child.observe(now - created)
             num_new_tokens -= 1
         if last_token_time is not None and num_new_tokens > 0:
             per_token = (now - last_token_time) / num_new_tokens
-            child = self.itl.labels(self.model_name)
+            child = self._itl_child
             for _ in range(num_new_tokens):
                 child.observe(per_token)
 
