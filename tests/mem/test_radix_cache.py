@@ -266,3 +266,24 @@ def test_reset_and_pretty_print(capsys) -> None:  # type: ignore[no-untyped-def]
     cache.reset()
     assert cache.total_size() == 0 and cache.match_prefix([1]).indices.numel() == 0
     cache.check_invariants()
+
+
+def test_common_prefix_len_matches_a_token_by_token_scan() -> None:
+    import random
+
+    from radixserve.mem.radix_cache import _common_prefix_len
+
+    def scan(node_key: list[int], key: list[int], start: int) -> int:
+        i = 0
+        while i < min(len(node_key), len(key) - start) and node_key[i] == key[start + i]:
+            i += 1
+        return i
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        node_key = [rng.randrange(3) for _ in range(rng.randrange(0, 300))]
+        key = [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
+        key += node_key[:rng.randrange(0, len(node_key) + 1)]
+        key += [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
+        start = rng.randrange(0, len(key) + 1)
+        assert _common_prefix_len(node_key, key, start) == scan(node_key, key, start)
