@@ -8,7 +8,8 @@
 # b. Llama-3.1-70B shapes, dummy bf16 weights, tp 2: one static batch of 1 / 8 / 32 / 64
 #    requests at context 1024, decode with overlap (radixserve bench one-batch --tp-size 2)
 # c. the same model offline: random 1024/1024, TP_OFFLINE_PROMPTS prompts (default 500)
-# TP_STEPS="correctness one_batch offline" picks the steps (default: all). NCCL's multicast
+# TP_STEPS="correctness one_batch offline dp lb" picks the steps (default: the first three; dp
+# and lb below are separate calls). NCCL's multicast
 # stays as the host sets it (NCCL_NVLS_ENABLE=0).
 set -u
 cd "$(dirname "$0")/.."
@@ -52,4 +53,42 @@ if step offline; then
     echo "   rc $?"
     grep -v -E 'Warning|return func|Decode batch|Prefill batch' "$OUT/offline.log" | tail -6
     grep -E 'Decode batch' "$OUT/offline.log" | tail -3
+fi
+
+# d. data parallelism: Llama-3.1-8B served with --dp-size 1 then 2 (one replica per GPU), the
+#    same random 1024/1024 x DP_PROMPTS (default 1000) streamed at rate inf (goal: dp 2 >= 1.9x)
+# e. load balancing with dp 2: round_robin vs cache_aware on the shared-prefix set (shuffled, so
+#    a group's prompts arrive apart); cache hit rate from /metrics and throughput side by side
+L8="${DP_MODEL:-benchmarks/configs/llama-3.1-8b}"
+serve_and_bench() {  # label port "bench flags" server-flags...
+    local label=$1 port=$2 bench_flags=$3
+    shift 3
+    python3 -m radixserve.cli serve --model-path "$L8" --load-format dummy --dtype bfloat16 \
+        --port "$port" --skip-tokenizer-init "$@" > "$OUT/server_$label.log" 2>&1 &
+    local server=$!
+    for _ in $(seq 1 150); do
+        curl -sf "http://127.0.0.1:$port/health" > /dev/null 2>&1 && break
+        sleep 2
+    done
+    # shellcheck disable=SC2086
+    timeout -k 10 "${DP_BENCH_SECONDS:-240}" python3 -m radixserve.bench.serving \
+        --backend radixserve --base-url "http://127.0.0.1:$port" --request-rate inf \
+        $bench_flags --output-file "$OUT/serving_$label.jsonl" > "$OUT/serving_$label.log" 2>&1
+    echo "   $label rc $?: $(grep -E 'Output token throughput|Request throughput' \
+        "$OUT/serving_$label.log" | tr -s ' ' | tr '\n' ' ')"
+    echo "   $label $(curl -sf "http://127.0.0.1:$port/metrics" | grep -E '^radixserve:cache_hit_rate' | head -2 | tr '\n' ' ')"
+    kill "$server" 2>/dev/null
+    wait "$server" 2>/dev/null
+}
+RANDOM_SET="--dataset-name random --num-prompts ${DP_PROMPTS:-1000} --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0"
+GSP_SET="--dataset-name generated-shared-prefix --gsp-shuffle"
+if step dp; then
+    echo "== data parallelism, Llama-3.1-8B"
+    serve_and_bench dp1 30401 "$RANDOM_SET" --dp-size 1
+    serve_and_bench dp2 30402 "$RANDOM_SET" --dp-size 2
+fi
+if step lb; then
+    echo "== load balancing, dp 2, shared-prefix set"
+    serve_and_bench lb_round_robin 30403 "$GSP_SET" --dp-size 2 --load-balance-method round_robin
+    serve_and_bench lb_cache_aware 30404 "$GSP_SET" --dp-size 2 --load-balance-method cache_aware
 fi
