@@ -28,6 +28,7 @@ if step tests; then
     echo "== tests"
     timeout -k 10 "${FP8_TEST_SECONDS:-150}" python3 -m pytest -q -x tests/layers/test_fp8_gemm.py \
         tests/layers/test_skinny_gemm.py tests/layers/test_gemv.py tests/mem/test_fp8_kv.py \
+        tests/attention/test_fp8_kv_kernels.py \
         > "$OUT/tests.log" 2>&1
     echo "   rc $?: $(tail -1 "$OUT/tests.log")"
     grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -8

@@ -123,13 +123,15 @@ def test_bad_prompts_are_refused_without_leaks(engine):
     assert state["memory_check_ok"] and state["leaked_tokens"] == 0
 
 
-def _greedy_outputs(**engine_args) -> tuple[list[list[int]], radixserve.Engine]:
+def _greedy_outputs(ignore_eos: bool = True, **engine_args
+                    ) -> tuple[list[list[int]], radixserve.Engine]:
     eng = radixserve.Engine(dtype="float32", **engine_args)
     shared = "You are a helpful assistant. Answer briefly and precisely. Question: "
     prompts = [shared + q for q in ("What is two plus two?", "Name a fruit.",
                                     "What colour is the sky?", "Who wrote Hamlet?")]
     prompts += PROMPTS
-    outs = eng.generate(prompts, {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True})
+    outs = eng.generate(prompts, {"max_new_tokens": 40, "temperature": 0,
+                                  "ignore_eos": ignore_eos})
     state = eng.get_internal_state()
     assert state["memory_check_ok"] and state["leaked_tokens"] == 0
     return [o["output_ids"] for o in outs], eng
@@ -142,9 +144,16 @@ def reference_outputs():
 
 
 def test_tiny_kv_pool_forces_retraction_with_identical_outputs(reference_outputs):
-    outs, eng = _greedy_outputs(max_total_tokens=160, schedule_conservativeness=0.05)
+    """Requests that may stop at EOS are admitted on the ratio estimate, which a low
+    conservativeness makes over-admit (ignore_eos requests pass the exact peak check and are
+    never retracted). Each output is the reference's up to its EOS."""
+    outs, eng = _greedy_outputs(ignore_eos=False, max_total_tokens=160,
+                                schedule_conservativeness=0.05)
     assert eng.scheduler.stats.num_retractions > 0
-    assert outs == reference_outputs
+    eos = eng.scheduler.eos_token_ids
+    for out, ref in zip(outs, reference_outputs):
+        assert out == ref[:len(out)]
+        assert len(out) == 40 or out[-1] in eos
 
 
 def test_radix_cache_off_gives_identical_outputs(reference_outputs):

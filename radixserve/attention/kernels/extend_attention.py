@@ -65,10 +65,13 @@ def default_extend_config(head_dim: int) -> ExtendKernelConfig:
 @triton.jit
 def _online_softmax_step(q, k, v, m_i, l_i, acc, mask, sm_scale_log2e,
                          APPLY_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         LOGIT_CAP: tl.constexpr, EMPTY_ROWS: tl.constexpr):
+                         LOGIT_CAP: tl.constexpr, EMPTY_ROWS: tl.constexpr,
+                         v_scale=1.0, V_SCALED: tl.constexpr = False):
     """Fold one block of keys into (m_i, l_i, acc). Scores are kept in base-2 units.
 
-    EMPTY_ROWS: a row may have had no valid key yet, in this block or before (sliding window)."""
+    EMPTY_ROWS: a row may have had no valid key yet, in this block or before (sliding window).
+    V_SCALED: v holds FP8 codes; their weighted sum is multiplied by v_scale (and the caller
+    folded k_scale into sm_scale_log2e)."""
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2e
     if LOGIT_CAP > 0:
         qk = soft_cap_log2(qk, LOGIT_CAP)
@@ -87,7 +90,10 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, mask, sm_scale_log2e,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if V_SCALED:
+        pv = pv * v_scale
+    acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 
 
@@ -100,6 +106,7 @@ def _extend_kernel(
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr, KV_FP8: tl.constexpr,
+    FP8_AS_FP16: tl.constexpr,
 ):
     head = tl.program_id(0)
     req = tl.program_id(1)
@@ -128,7 +135,14 @@ def _extend_kernel(
 
         WINDOWED: tl.constexpr = SLIDING_WINDOW > 0
 
-        # 1. cached prefix, through the pool
+        # 1. cached prefix, through the pool. FP8 codes enter the products unscaled (fp16, or
+        # q's float32): k_scale folds into the score scale, v_scale into the weighted sum
+        q_prefix = q
+        prefix_scale_log2e = sm_scale_log2e
+        if KV_FP8:
+            prefix_scale_log2e = sm_scale_log2e * k_scale
+            if FP8_AS_FP16:
+                q_prefix = q.to(tl.float16)
         prefix_start = 0
         if WINDOWED:  # skip the blocks before the window of the block's first query
             prefix_start = (tl.maximum(prefix_len + block_start - SLIDING_WINDOW + 1, 0)
@@ -143,15 +157,15 @@ def _extend_kernel(
                         + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(V_Buffer + slots[:, None] * stride_vbt + kv_head * stride_vbh
                         + offs_d[None, :], mask=kv_mask, other=0.0)
-            if KV_FP8:  # the cached prefix holds FP8 codes: dequantise into q's dtype
-                k = (k.to(tl.float32) * k_scale).to(q.dtype)
-                v = (v.to(tl.float32) * v_scale).to(q.dtype)
+            if KV_FP8:
+                k = k.to(q_prefix.dtype)
+                v = v.to(q_prefix.dtype)
             mask = pos_mask[None, :]
             if WINDOWED:  # key j > query position - W
                 mask = mask & (pos[None, :] > prefix_len + offs_m[:, None] - SLIDING_WINDOW)
-            m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, mask,
-                                                 sm_scale_log2e, True, DOT_PRECISION,
-                                                 LOGIT_CAP, WINDOWED)
+            m_i, l_i, acc = _online_softmax_step(q_prefix, k, v, m_i, l_i, acc, mask,
+                                                 prefix_scale_log2e, True, DOT_PRECISION,
+                                                 LOGIT_CAP, WINDOWED, v_scale, KV_FP8)
 
         # 2a. new tokens wholly before this query block (block_start < ext_len): no causal mask
         ke_base = K_Extend + kv_head * stride_keh + offs_d[None, :]
@@ -247,6 +261,6 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(k_extend.dtype), SLIDING_WINDOW=window, LOGIT_CAP=cap,
-        KV_FP8=is_fp8(k_buffer.dtype),
+        KV_FP8=is_fp8(k_buffer.dtype), FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
