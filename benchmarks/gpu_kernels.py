@@ -53,6 +53,13 @@ def make_pool(seq_lens: list[int], num_layers: int = 1) -> Pool:
                 torch.tensor(seq_lens, device="cuda"))
 
 
+def kv_splits_for(bs: int, num_kv_heads: int = NUM_KV_HEADS) -> int:
+    """The split count TritonAttnBackend.num_kv_splits_for picks: about two programs per SM."""
+    import triton
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return max(1, min(16, triton.next_power_of_2(triton.cdiv(2 * sms, bs * num_kv_heads))))
+
+
 def time_graph(fn: Callable[[], None]) -> float:
     """Seconds per call, replayed from a CUDA graph (no launch overhead, as in serving)."""
     from triton.testing import do_bench_cudagraph
@@ -127,6 +134,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="try other configs too")
     parser.add_argument("--only", choices=["decode", "extend"], help="time one kernel only")
+    parser.add_argument("--long", action="store_true",
+                        help="extend: also 8,192-token chunks on 24K / 56K / 120K-token prefixes "
+                             "(chunked prefill of a long prompt)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gpu_kernels.py needs a CUDA GPU (none found); nothing was timed.")
@@ -135,21 +145,18 @@ def main() -> None:
     from radixserve.attention.kernels.decode_attention import DecodeKernelConfig
     from radixserve.attention.kernels.extend_attention import (ExtendKernelConfig,
                                                                default_extend_config)
-    from radixserve.attention.triton_backend import TritonAttnBackend
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"Llama-3.1-8B attention: {NUM_HEADS} q heads, {NUM_KV_HEADS} kv heads, "
           f"head_dim {HEAD_DIM}, {DTYPE}")
 
-    planner = TritonAttnBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, "cuda", max_bs=1,
-                                max_context_len=1)
     decode_configs = [DecodeKernelConfig()]
     if args.sweep:
         decode_configs += [DecodeKernelConfig(*c) for c in (
             (32, 4, 2), (64, 4, 3), (128, 4, 2), (32, 2, 3), (64, 2, 2))]
     for bs in (1, 32, 128) if args.only != "extend" else ():
         for context in (1024, 4096):
-            plan = planner.num_kv_splits_for(bs)
+            plan = kv_splits_for(bs)
             split_choices = sorted({plan, 1, 2, 4, 8, 16, 32}) if args.sweep else [plan]
             for config in decode_configs:
                 for splits in split_choices:
@@ -160,6 +167,9 @@ def main() -> None:
 
     cases = {"1x4096": ([0], [4096]), "8x1024": ([0] * 8, [1024] * 8),
              "1x512 on 3584 prefix": ([3584], [512])}
+    if args.long:
+        cases.update({f"1x8192 on {p // 1024}K prefix": ([p], [8192])
+                      for p in (24576, 57344, 122880)})
     extend_configs = [default_extend_config(HEAD_DIM)]
     if args.sweep:
         extend_configs += [ExtendKernelConfig(*c) for c in (

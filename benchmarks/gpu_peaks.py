@@ -39,8 +39,6 @@ def matmul_peaks(size: int = 8192) -> None:
 def decode_attention_rates() -> None:
     import gpu_kernels as gk
     from radixserve.attention.kernels.decode_attention import decode_attention_fwd
-    import triton
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for bs, ctx in ((64, 1536), (256, 1536), (512, 1536), (862, 1536)):
         for dtype in (torch.bfloat16, torch.float8_e4m3fn):
             layer_bytes = 2 * bs * ctx * gk.NUM_KV_HEADS * gk.HEAD_DIM * dtype.itemsize
@@ -48,9 +46,7 @@ def decode_attention_rates() -> None:
             pool = gk.make_pool([ctx] * bs, layers)
             k_bufs = [b.to(dtype) for b in pool.k_buffers]
             v_bufs = [b.to(dtype) for b in pool.v_buffers]
-            # as TritonAttnBackend.num_kv_splits_for: about two programs per SM
-            splits = max(1, min(16, triton.next_power_of_2(
-                triton.cdiv(2 * sms, bs * gk.NUM_KV_HEADS))))
+            splits = gk.kv_splits_for(bs)
             q = torch.randn(bs, gk.NUM_HEADS, gk.HEAD_DIM, dtype=torch.bfloat16, device="cuda")
             out = torch.empty_like(q)
             mid_out = torch.empty(bs, gk.NUM_HEADS, splits, gk.HEAD_DIM, device="cuda")

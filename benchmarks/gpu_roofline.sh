@@ -9,6 +9,8 @@
 # long:    4 prompts of 120,000 tokens, 32 out (long-context prefill)
 # short:   4,000 requests of 128 in / 8 out (the scheduler's cost per request)
 # radix:   the generated-shared-prefix set, radix cache on and off
+# profile: where a batch-8 decode step goes (torch.profiler, graphs) and the extend kernel on
+#          8K chunks over 24K-120K prefixes, with its config sweep (ROOF_STEPS=profile, ~3 min)
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out/gpu_roofline}"
@@ -52,6 +54,17 @@ fi
 if step radix; then
     echo "== shared-prefix set"
     offline radix 200 --radix both --dataset-name generated-shared-prefix
+fi
+if step profile; then
+    echo "== profile"
+    timeout -k 10 150 python3 benchmarks/gpu_profile_decode.py --batch 8 --graph \
+        > "$OUT/profile_decode_b8.log" 2>&1
+    echo "   decode b8 rc $?"
+    tail -25 "$OUT/profile_decode_b8.log"
+    timeout -k 10 200 python3 benchmarks/gpu_kernels.py --only extend --long --sweep \
+        > "$OUT/extend_long.log" 2>&1
+    echo "   extend rc $?"
+    grep -E "prefix|x4096|x1024" "$OUT/extend_long.log" | head -40
 fi
 if step offline; then
     echo "== offline 1024/1024 x 1000"

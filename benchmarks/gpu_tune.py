@@ -80,14 +80,11 @@ def bench_gemm() -> None:
 
 
 def bench_attn() -> None:
-    from gpu_kernels import bench_decode, decode_report
+    from gpu_kernels import bench_decode, decode_report, kv_splits_for
     from radixserve.attention.kernels.decode_attention import DecodeKernelConfig
-    import triton
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     print("== decode attention sweep (random slots)")
     for bs, ctx in ((1, 1024), (256, 1536), (512, 1536)):
-        # as TritonAttnBackend.num_kv_splits_for: about two programs per SM
-        plan = max(1, min(16, triton.next_power_of_2(triton.cdiv(2 * sms, bs * 8))))
+        plan = kv_splits_for(bs)
         rows = []
         for bn, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
             for splits in sorted({plan, max(1, plan // 2), plan * 2}):
