@@ -114,7 +114,8 @@ class KVPool(ABC):
         if slots.numel() == 0:
             return
         freed = self._freed
-        freed.append(slots.to(torch.int64).cpu())
+        # a copy: the caller's tensor may be a view of something it changes later
+        freed.append(slots.to(device="cpu", dtype=torch.int64, copy=True))
         self._freed_count += slots.numel()
         # pieces of geometrically falling sizes (merge the last two while the newer is at
         # least half the older): the list stays O(log n) long, each slot is copied O(log n) times
