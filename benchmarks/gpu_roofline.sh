@@ -5,6 +5,8 @@
 #   ROOF_STEPS="offline http" bash benchmarks/gpu_roofline.sh              (~5 min)
 # decode:  one static batch of 1 2 4 8 16 at context 1024, graphs + overlap
 # offline: random 1024/1024 x 1000 through the Engine (retractions, recomputed tokens)
+# offline_mixed: the same with --enable-mixed-chunk (running requests keep decoding while the
+#          next wave is prefilled; see PERFORMANCE, "where the bf16 offline run's time goes")
 # http:    the same workload through the server, streaming, rate inf (ratio to offline)
 # long:    4 prompts of 120,000 tokens, 32 out (long-context prefill)
 # short:   4,000 requests of 128 in / 8 out (the scheduler's cost per request)
@@ -70,6 +72,12 @@ if step offline; then
     echo "== offline 1024/1024 x 1000"
     offline main 200 --radix on --dataset-name random --num-prompts "$PROMPTS" \
         --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0
+fi
+if step offline_mixed; then
+    echo "== offline 1024/1024 x 1000, mixed prefill + decode passes"
+    offline mixed 200 --radix on --enable-mixed-chunk --dataset-name random \
+        --num-prompts "$PROMPTS" --random-input-len 1024 --random-output-len 1024 \
+        --random-range-ratio 1.0
 fi
 if step http; then
     echo "== HTTP streaming, same workload"
