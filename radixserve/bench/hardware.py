@@ -28,6 +28,8 @@ __all__ = ["ParamCounts", "param_counts", "attention_flops_per_key"]
 
 H200_MEM_BANDWIDTH = 4.25e12  # bytes/s
 H200_BF16_FLOPS = 796e12  # dense FLOP/s
+# torch._scaled_mm, 8192^3, row-wise scales, measured on the lent H200 (benchmarks/gpu_peaks.py)
+H200_FP8_FLOPS = 1185e12
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -94,22 +96,35 @@ def forward_flops(cfg: ModelConfig, num_tokens: int, context: float,
     on average; the LM head runs on `num_logits` tokens (default: all of them). Linear FLOPs
     count each token's active weights (MoE: its top-k experts); `decode` selects MLA's absorbed
     attention."""
+    return sum(forward_flops_split(cfg, num_tokens, context, num_logits, decode))
+
+
+def forward_flops_split(cfg: ModelConfig, num_tokens: int, context: float,
+                        num_logits: int | None = None, decode: bool = False
+                        ) -> tuple[float, float]:
+    """forward_flops as (decoder linear layers, the rest: LM head and attention): with FP8
+    weights only the first run on the FP8 tensor cores."""
     counts = param_counts(cfg)
     logits = num_tokens if num_logits is None else num_logits
     attention = attention_flops_per_key(cfg, absorbed=decode) * context
-    return 2.0 * counts.active_linear * num_tokens + 2.0 * counts.lm_head * logits + \
-        attention * num_tokens
+    return (2.0 * counts.active_linear * num_tokens,
+            2.0 * counts.lm_head * logits + attention * num_tokens)
 
 
 def prefill_flops(cfg: ModelConfig, batch: int, input_len: int) -> float:
     """Causal prefill: token i attends to i + 1 keys, (input_len + 1) / 2 on average; logits
     only for each prompt's last token."""
-    return forward_flops(cfg, batch * input_len, (input_len + 1) / 2, num_logits=batch)
+    return sum(prefill_flops_split(cfg, batch, input_len))
+
+
+def prefill_flops_split(cfg: ModelConfig, batch: int, input_len: int) -> tuple[float, float]:
+    return forward_flops_split(cfg, batch * input_len, (input_len + 1) / 2, num_logits=batch)
 
 
 def workload_limit_seconds(cfg: ModelConfig, prompt_lens: list[int], output_lens: list[int],
                            dtype: torch.dtype | str, peak: "DevicePeak",
-                           kv_dtype: torch.dtype | None = None) -> float:
+                           kv_dtype: torch.dtype | None = None,
+                           fp8_linears: bool = False) -> float:
     """The least time a whole offline workload can take: every FLOP at the peak rate plus every
     KV byte decode must read at the peak bandwidth.
 
@@ -118,17 +133,23 @@ def workload_limit_seconds(cfg: ModelConfig, prompt_lens: list[int], output_lens
     kernels, one after the other. FLOPs: each prompt's prefill, and one forward token per output
     token after the first (which prefill produced). Bytes: each decoded token reads its whole
     context's K/V. Weight reads are left out (shared by the whole batch, small beside the KV at
-    serving batch sizes), so the limit is optimistic for small batches. No prefix sharing."""
-    flops = 0.0
+    serving batch sizes), so the limit is optimistic for small batches. No prefix sharing.
+    fp8_linears: the decoder's linear layers run at peak.fp8_flops (FP8 weights), the LM head
+    and attention at peak.peak_flops."""
+    linear_flops = other_flops = 0.0
     kv_bytes = 0.0
     kv = kv_bytes_per_token(cfg, dtype, kv_dtype)
     for n_in, n_out in zip(prompt_lens, output_lens):
-        flops += prefill_flops(cfg, 1, n_in)
+        linear, other = prefill_flops_split(cfg, 1, n_in)
         steps = max(n_out - 1, 0)  # decode steps; step j attends to n_in + j + 1 keys
         mean_context = n_in + (steps + 1) / 2 if steps else 0.0
-        flops += forward_flops(cfg, steps, mean_context, decode=True)
+        decode_linear, decode_other = forward_flops_split(cfg, steps, mean_context, decode=True)
+        linear_flops += linear + decode_linear
+        other_flops += other + decode_other
         kv_bytes += steps * mean_context * kv
-    return flops / peak.peak_flops + kv_bytes / peak.mem_bandwidth
+    linear_peak = peak.fp8_flops if fp8_linears and peak.fp8_flops else peak.peak_flops
+    return (linear_flops / linear_peak + other_flops / peak.peak_flops
+            + kv_bytes / peak.mem_bandwidth)
 
 
 @dataclass
@@ -137,6 +158,13 @@ class DevicePeak:
     mem_bandwidth: float  # bytes/s
     peak_flops: float  # FLOP/s in the dtype used
     source: str  # where the figures came from
+    fp8_flops: float | None = None  # FP8 x FP8 FLOP/s (H200 figure, flag, or None: unknown)
+
+    def times(self, n: int) -> "DevicePeak":
+        """The peaks of n such devices working together (tensor parallelism)."""
+        return DevicePeak(self.name, self.mem_bandwidth * n, self.peak_flops * n,
+                          f"{self.source}, x{n}",
+                          None if self.fp8_flops is None else self.fp8_flops * n)
 
 
 class Roofline(NamedTuple):
@@ -186,8 +214,10 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int | None
 
 
 def device_peak(device: torch.device | str, dtype: torch.dtype | str,
-                bandwidth: float | None = None, peak_flops: float | None = None) -> DevicePeak:
-    """Flag values when given; the H200 defaults on an H200 (bf16/fp16); else measured."""
+                bandwidth: float | None = None, peak_flops: float | None = None,
+                fp8_flops: float | None = None) -> DevicePeak:
+    """Flag values when given; the H200 defaults on an H200 (bf16/fp16); else measured (the
+    FP8 peak is not measured here: benchmarks/gpu_peaks.py does it on a GPU)."""
     device, dtype = torch.device(device), as_dtype(dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     sources: list[str] = []
@@ -203,7 +233,9 @@ def device_peak(device: torch.device | str, dtype: torch.dtype | str,
         sources.append("flops: H200 default" if is_h200 and half else "flops: measured")
     else:
         sources.append("flops: flag")
-    return DevicePeak(name, float(bandwidth), float(peak_flops), ", ".join(sources))
+    fp8 = fp8_flops if fp8_flops is not None else (H200_FP8_FLOPS if is_h200 else None)
+    return DevicePeak(name, float(bandwidth), float(peak_flops), ", ".join(sources),
+                      None if fp8 is None else float(fp8))
 
 
 def add_peak_args(parser: argparse.ArgumentParser) -> None:
@@ -211,6 +243,9 @@ def add_peak_args(parser: argparse.ArgumentParser) -> None:
                         help="memory bandwidth in bytes/s (default: H200 figure or measured)")
     parser.add_argument("--peak-flops", type=float, default=None,
                         help="peak FLOP/s in the model dtype (default: H200 figure or measured)")
+    parser.add_argument("--fp8-peak-flops", type=float, default=None,
+                        help="FP8 FLOP/s for limits with FP8 weights (default: the H200 figure "
+                             "on an H200, else the model dtype's peak)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-path", default=None, help="a directory with config.json")
     add_peak_args(parser)
     args = parser.parse_args(argv)
-    peak = device_peak(args.device, args.dtype, args.bandwidth, args.peak_flops)
+    peak = device_peak(args.device, args.dtype, args.bandwidth, args.peak_flops,
+                       args.fp8_peak_flops)
     print(f"device {peak.name}: {peak.mem_bandwidth / 1e9:.1f} GB/s, "
           f"{peak.peak_flops / 1e12:.2f} TFLOP/s {args.dtype} ({peak.source})")
     if args.model_path:

@@ -109,7 +109,8 @@ def _limit(engine: Any, requests: list[SampleRequest], duration: float,
     limit = hardware.workload_limit_seconds(runner.model_config,
                                             [r.prompt_len for r in requests],
                                             [r.output_len for r in requests], runner.dtype, peak,
-                                            runner.kv_cache_spec.storage_dtype)
+                                            runner.kv_cache_spec.storage_dtype,
+                                            fp8_linears=getattr(runner, "fp8", None) is not None)
     return {"limit_s": limit, "limit_ratio": limit / duration}
 
 
@@ -172,11 +173,10 @@ def main(argv: list[str] | None = None) -> int:
                 # both holds two models' memory)
                 peak = hardware.device_peak(engine.scheduler.runner.device,
                                             engine.scheduler.runner.dtype, args.bandwidth,
-                                            args.peak_flops)
+                                            args.peak_flops, args.fp8_peak_flops)
                 tp = server_args.tp_size
                 if tp > 1:  # the ranks share the work: the limit counts every GPU
-                    peak = hardware.DevicePeak(peak.name, peak.mem_bandwidth * tp,
-                                               peak.peak_flops * tp, f"{peak.source}, x{tp}")
+                    peak = peak.times(tp)
             results.append(run_offline(engine, requests, radix, peak=peak))
         finally:
             engine.shutdown()

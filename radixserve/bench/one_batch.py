@@ -232,11 +232,10 @@ def _run(args: argparse.Namespace, server_args: ServerArgs, tp_rank: int) -> int
 
     runner = ModelRunner(server_args, tp_rank=tp_rank,
                          dist_init_method=server_args.dist_init_method)
-    peak = hardware.device_peak(runner.device, runner.dtype, args.bandwidth, args.peak_flops)
+    peak = hardware.device_peak(runner.device, runner.dtype, args.bandwidth, args.peak_flops,
+                                args.fp8_peak_flops)
     if server_args.tp_size > 1:  # each GPU moves and computes its share
-        peak = hardware.DevicePeak(peak.name, peak.mem_bandwidth * server_args.tp_size,
-                                   peak.peak_flops * server_args.tp_size,
-                                   f"{peak.source}, x{server_args.tp_size} ranks")
+        peak = peak.times(server_args.tp_size)
     # warm-up: lazy initialisation, allocator growth and kernel autotuning stay out of the figures
     run_one_batch(runner, max(args.batch_size), args.input_len, min(args.output_len, 4), peak,
                   args.seed + 1)

@@ -142,3 +142,27 @@ def test_workload_limit_sums_compute_and_kv_reads() -> None:
     expected = flops / 1e12 + kv_bytes / 1e9
     got = hardware.workload_limit_seconds(cfg, prompts, outputs, "bfloat16", peak)
     assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_workload_limit_runs_fp8_linears_at_the_fp8_peak() -> None:
+    """With FP8 weights the decoder's linear FLOPs take the FP8 peak; the LM head, attention
+    and the KV reads are unchanged. Without an FP8 peak everything takes the dtype's peak."""
+    cfg = ModelConfig.from_hf_dict(dict(
+        architectures=["LlamaForCausalLM"], vocab_size=1000, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512))
+    prompts, outputs = [7, 3], [5, 2]
+    peak = hardware.DevicePeak("test", mem_bandwidth=1e9, peak_flops=1e12, source="flag",
+                               fp8_flops=2e12)
+    bf16 = hardware.workload_limit_seconds(cfg, prompts, outputs, "bfloat16", peak)
+    fp8 = hardware.workload_limit_seconds(cfg, prompts, outputs, "bfloat16", peak,
+                                          fp8_linears=True)
+    linear = sum(hardware.prefill_flops_split(cfg, 1, n)[0] for n in prompts)
+    for n_in, n_out in zip(prompts, outputs):
+        steps = n_out - 1
+        linear += hardware.forward_flops_split(cfg, steps, n_in + (steps + 1) / 2, decode=True)[0]
+    assert bf16 - fp8 == pytest.approx(linear / 1e12 - linear / 2e12, rel=1e-9)
+    no_fp8_peak = hardware.DevicePeak("test", 1e9, 1e12, "flag")
+    assert hardware.workload_limit_seconds(cfg, prompts, outputs, "bfloat16", no_fp8_peak,
+                                           fp8_linears=True) == pytest.approx(bf16)
+    assert peak.times(2).fp8_flops == 4e12 and no_fp8_peak.times(2).fp8_flops is None
