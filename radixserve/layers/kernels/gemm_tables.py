@@ -29,8 +29,10 @@ def _table(kind: str, n: int, k: int) -> tuple[tuple[int, dict[str, Any]], ...]:
     return tuple(sorted((int(m), entry) for m, entry in raw.items()))
 
 
+@functools.lru_cache(maxsize=None)
 def tuned_entry(kind: str, n: int, k: int, m: int) -> dict[str, Any] | None:
-    """The swept entry covering M rows of an [n, k] weight, or None."""
+    """The swept entry covering M rows of an [n, k] weight, or None. Cached: eager FP8 linears
+    ask on every call (callers only read the entry)."""
     for swept_m, entry in _table(kind, n, k):
         if swept_m >= m:
             return entry if (swept_m == 1) == (m == 1) else None
@@ -39,3 +41,4 @@ def tuned_entry(kind: str, n: int, k: int, m: int) -> dict[str, Any] | None:
 
 def clear_cache() -> None:
     _table.cache_clear()
+    tuned_entry.cache_clear()
