@@ -14,15 +14,8 @@
 #          (FP8_OFFLINE_MODES picks a subset)
 set -u
 cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/out/gpu_fp8}"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error
+. benchmarks/gpu_common.sh gpu_fp8 "${FP8_STEPS:-tests tune decode offline}"
 MODEL=benchmarks/configs/llama-3.1-8b
-STEPS="${FP8_STEPS:-tests tune decode offline}"
-step() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
-quiet() { grep -v -E 'Warning|return func|warnings.warn'; }
 
 if step tests; then
     echo "== tests"

@@ -13,14 +13,7 @@
 # offline:     random 1024/1024 x MOE_OFFLINE_PROMPTS (default 500), Mixtral and V2-Lite
 set -u
 cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/out/gpu_moe}"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error
-STEPS="${MOE_STEPS:-tests correctness kernels decode offline}"
-step() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
-quiet() { grep -v -E 'Warning|return func|warnings.warn'; }
+. benchmarks/gpu_common.sh gpu_moe "${MOE_STEPS:-tests correctness kernels decode offline}"
 
 if step tests; then
     echo "== tests"

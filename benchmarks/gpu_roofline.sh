@@ -15,15 +15,9 @@
 #          8K chunks over 24K-120K prefixes, with its config sweep (ROOF_STEPS=profile, ~3 min)
 set -u
 cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/out/gpu_roofline}"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error
+. benchmarks/gpu_common.sh gpu_roofline "${ROOF_STEPS:-decode short long radix offline http}"
 MODEL="${ROOF_MODEL:-benchmarks/configs/llama-3.1-8b}"
 PROMPTS="${ROOF_PROMPTS:-1000}"  # offline and http
-STEPS="${ROOF_STEPS:-decode short long radix offline http}"
-step() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 COMMON=(--model-path "$MODEL" --load-format dummy --dtype bfloat16)
 
 offline() {  # label seconds flags...
@@ -81,18 +75,11 @@ if step offline_mixed; then
 fi
 if step http; then
     echo "== HTTP streaming, same workload"
-    python3 -m radixserve.cli serve "${COMMON[@]}" --port 30200 --skip-tokenizer-init \
-        > "$OUT/server.log" 2>&1 &
-    server=$!
-    for _ in $(seq 1 150); do
-        curl -sf http://127.0.0.1:30200/health > /dev/null 2>&1 && break
-        sleep 2
-    done
+    start_server 30200 "$OUT/server.log" "${COMMON[@]}" --skip-tokenizer-init
     timeout -k 10 200 python3 -m radixserve.bench.serving --backend radixserve \
         --base-url http://127.0.0.1:30200 --dataset-name random --num-prompts "$PROMPTS" \
         --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0 \
         --request-rate inf --output-file "$OUT/http.jsonl" > "$OUT/http.log" 2>&1
     echo "   rc $?: $(grep -E 'throughput|TTFT|ITL' "$OUT/http.log" | head -4 | tr '\n' ' ')"
-    kill "$server" 2>/dev/null
-    wait "$server" 2>/dev/null
+    stop_server
 fi

@@ -13,14 +13,8 @@
 # stays as the host sets it (NCCL_NVLS_ENABLE=0).
 set -u
 cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/out/gpu_tp}"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error
+. benchmarks/gpu_common.sh gpu_tp "${TP_STEPS:-correctness one_batch offline}"
 MODEL=benchmarks/configs/llama-3.1-70b
-STEPS="${TP_STEPS:-correctness one_batch offline}"
-step() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/env.txt" 2>&1
 env | grep -E '^NCCL_' >> "$OUT/env.txt"
 
@@ -63,13 +57,8 @@ L8="${DP_MODEL:-benchmarks/configs/llama-3.1-8b}"
 serve_and_bench() {  # label port "bench flags" server-flags...
     local label=$1 port=$2 bench_flags=$3
     shift 3
-    python3 -m radixserve.cli serve --model-path "$L8" --load-format dummy --dtype bfloat16 \
-        --port "$port" --skip-tokenizer-init "$@" > "$OUT/server_$label.log" 2>&1 &
-    local server=$!
-    for _ in $(seq 1 150); do
-        curl -sf "http://127.0.0.1:$port/health" > /dev/null 2>&1 && break
-        sleep 2
-    done
+    start_server "$port" "$OUT/server_$label.log" --model-path "$L8" --load-format dummy \
+        --dtype bfloat16 --skip-tokenizer-init "$@"
     # shellcheck disable=SC2086
     timeout -k 10 "${DP_BENCH_SECONDS:-240}" python3 -m radixserve.bench.serving \
         --backend radixserve --base-url "http://127.0.0.1:$port" --request-rate inf \
@@ -77,8 +66,7 @@ serve_and_bench() {  # label port "bench flags" server-flags...
     echo "   $label rc $?: $(grep -E 'Output token throughput|Request throughput' \
         "$OUT/serving_$label.log" | tr -s ' ' | tr '\n' ' ')"
     echo "   $label $(curl -sf "http://127.0.0.1:$port/metrics" | grep -E '^radixserve:cache_hit_rate' | head -2 | tr '\n' ' ')"
-    kill "$server" 2>/dev/null
-    wait "$server" 2>/dev/null
+    stop_server
 }
 RANDOM_SET="--dataset-name random --num-prompts ${DP_PROMPTS:-1000} --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0"
 GSP_SET="--dataset-name generated-shared-prefix --gsp-shuffle"

@@ -14,15 +14,9 @@
 # Dummy weights throughout; NCCL multicast stays as the host sets it (NCCL_NVLS_ENABLE=0).
 set -u
 cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/out/gpu_tp8}"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error
+. benchmarks/gpu_common.sh gpu_tp8 "${STEPS:-decode70 offline70 serving70 decode405 offline405 tp_vs_dp}"
 TP="${TP_SIZE:-8}"
 PROMPTS="${PROMPTS:-1000}"
-STEPS="${STEPS:-decode70 offline70 serving70 decode405 offline405 tp_vs_dp}"
-step() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 quiet() { grep -v -E 'Warning|return func|warnings.warn|Decode batch|Prefill batch'; }
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/env.txt" 2>&1
 env | grep -E '^NCCL_' >> "$OUT/env.txt"
@@ -58,13 +52,8 @@ if step offline70; then echo "== offline, 70B bf16, tp $TP"; offline 70b "$L70" 
 serve_and_bench() {  # label port rates server-flags...
     local label=$1 port=$2 rates=$3
     shift 3
-    python3 -m radixserve.cli serve --load-format dummy --dtype bfloat16 --port "$port" \
-        --skip-tokenizer-init "$@" > "$OUT/server_$label.log" 2>&1 &
-    local server=$!
-    for _ in $(seq 1 150); do
-        curl -sf "http://127.0.0.1:$port/health" > /dev/null 2>&1 && break
-        sleep 2
-    done
+    start_server "$port" "$OUT/server_$label.log" --load-format dummy --dtype bfloat16 \
+        --skip-tokenizer-init "$@"
     for rate in $rates; do
         timeout -k 10 200 python3 -m radixserve.bench.serving --backend radixserve \
             --base-url "http://127.0.0.1:$port" --dataset-name random --num-prompts "$PROMPTS" \
@@ -74,8 +63,7 @@ serve_and_bench() {  # label port rates server-flags...
         echo "   $label rate $rate rc $?: $(grep -E 'TTFT|ITL|throughput' \
             "$OUT/serving_${label}_rate_$rate.log" | head -4 | tr '\n' ' ')"
     done
-    kill "$server" 2>/dev/null
-    wait "$server" 2>/dev/null
+    stop_server
 }
 
 if step serving70; then

@@ -1,0 +1,31 @@
+# Sourced by the benchmarks/*.sh device scripts, from the repository root:
+#   . benchmarks/gpu_common.sh NAME "STEPS"
+# sets OUT (default out/NAME, created), the environment every run needs (the repository on
+# PYTHONPATH, unbuffered output, no hub access, quiet progress bars), STEPS, and:
+#   step NAME            true when NAME is among STEPS
+#   quiet                stdin without warning lines
+#   start_server PORT LOG serve-flags...   a server in the background ($SERVER_PID), once its
+#                        /health answers (up to 5 minutes)
+#   stop_server          stop it and wait
+OUT="${OUT:-$PWD/out/$1}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error
+STEPS="$2"
+step() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+quiet() { grep -v -E 'Warning|return func|warnings.warn'; }
+start_server() {
+    local port=$1 log=$2
+    shift 2
+    python3 -m radixserve.cli serve --port "$port" "$@" > "$log" 2>&1 &
+    SERVER_PID=$!
+    for _ in $(seq 1 150); do
+        curl -sf "http://127.0.0.1:$port/health" > /dev/null 2>&1 && return 0
+        sleep 2
+    done
+}
+stop_server() {
+    kill "$SERVER_PID" 2>/dev/null
+    wait "$SERVER_PID" 2>/dev/null
+}
