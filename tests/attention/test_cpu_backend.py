@@ -2,8 +2,9 @@
 
 The decode kernel is checked against attention/kernels/reference.py on random pools (shuffled
 slots and rows, GQA, windows, soft-caps); the backend against torch_native through real pools:
-EXTEND on a shared cached prefix, DECODE and MIXED passes with rope, the same outputs and the
-same K/V in the pool.
+EXTEND on a shared cached prefix, DECODE and MIXED passes with rope (extend runs through the
+per-token kernel and, past its length limit, the padded SDPA), the same outputs and the same
+K/V in the pool.
 """
 from __future__ import annotations
 
@@ -74,7 +75,11 @@ class Driver(PoolDriver):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_backend_matches_torch_native(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("extend_kernel_max", [256, 3])  # 3: extend runs take the padded SDPA
+def test_backend_matches_torch_native(dtype: torch.dtype, extend_kernel_max: int,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import radixserve.attention.cpu_backend as cpu_backend
+    monkeypatch.setattr(cpu_backend, "EXTEND_KERNEL_MAX_TOKENS", extend_kernel_max)
     drivers = [Driver(CPUAttnBackend, dtype), Driver(TorchNativeAttnBackend, dtype)]
     assert drivers[0].backend.ops is not None
     results: list[list[list[torch.Tensor]]] = [[], []]
