@@ -37,7 +37,7 @@ class Pool:
     seq_lens: torch.Tensor
 
 
-def make_pool(seq_lens: list[int], num_layers: int = 1) -> Pool:
+def make_pool(seq_lens: list[int], num_layers: int = 1, kv_dtype: torch.dtype = DTYPE) -> Pool:
     total = sum(seq_lens)
     slots = torch.randperm(total, device="cuda").int() + 1
     req_to_token = torch.zeros((len(seq_lens), max(seq_lens)), dtype=torch.int32, device="cuda")
@@ -47,8 +47,10 @@ def make_pool(seq_lens: list[int], num_layers: int = 1) -> Pool:
         offset += seq_len
     shape = (total + 1, NUM_KV_HEADS, HEAD_DIM)
     return Pool(req_to_token,
-                [torch.randn(shape, dtype=DTYPE, device="cuda") for _ in range(num_layers)],
-                [torch.randn(shape, dtype=DTYPE, device="cuda") for _ in range(num_layers)],
+                [torch.randn(shape, dtype=DTYPE, device="cuda").to(kv_dtype)
+                 for _ in range(num_layers)],
+                [torch.randn(shape, dtype=DTYPE, device="cuda").to(kv_dtype)
+                 for _ in range(num_layers)],
                 torch.arange(len(seq_lens), device="cuda"),
                 torch.tensor(seq_lens, device="cuda"))
 
@@ -66,13 +68,14 @@ def time_graph(fn: Callable[[], None]) -> float:
     return do_bench_cudagraph(fn, rep=50) * 1e-3
 
 
-def bench_decode(bs: int, context: int, num_kv_splits: int, config: object) -> float:
+def bench_decode(bs: int, context: int, num_kv_splits: int, config: object,
+                 kv_dtype: torch.dtype = DTYPE) -> float:
     """Seconds per layer. The kernel runs over enough layers' KV (like a model step) that
     the data read is well past the 60 MB L2 cache."""
     from radixserve.attention.kernels.decode_attention import decode_attention_fwd
-    layer_bytes = 2 * bs * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    layer_bytes = 2 * bs * context * NUM_KV_HEADS * HEAD_DIM * kv_dtype.itemsize
     num_layers = max(1, min(32, -(-(1 << 30) // layer_bytes)))
-    pool = make_pool([context] * bs, num_layers)
+    pool = make_pool([context] * bs, num_layers, kv_dtype)
     q = torch.randn((bs, NUM_HEADS, HEAD_DIM), dtype=DTYPE, device="cuda")
     out = torch.empty_like(q)
     mid_out = torch.empty((bs, NUM_HEADS, num_kv_splits, HEAD_DIM), device="cuda")
@@ -110,8 +113,60 @@ def bench_sdpa_causal(bs: int, seq_len: int) -> float:
     return time_graph(lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True))
 
 
-def decode_report(bs: int, context: int, seconds: float, label: str) -> str:
-    kv_bytes = 2 * bs * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+def bench_sdpa_prefix(prefix_len: int, extend_len: int) -> dict[str, float]:
+    """Vendor attention for one chunk over a long cached prefix, with the prefix K/V gathered
+    out of the pool into contiguous tensors first (the gather is timed too): torch's flash
+    path through a lower-right causal bias, and cuDNN in two calls (prefix without mask, chunk
+    causal) merged by their log-sum-exps. Each variant that the installed torch cannot run is
+    left out."""
+    from torch.nn.attention.bias import causal_lower_right
+    total = prefix_len + extend_len
+    pool = make_pool([total])
+    rows = pool.req_to_token[0, :prefix_len].long()
+    q = torch.randn((1, NUM_HEADS, extend_len, HEAD_DIM), dtype=DTYPE, device="cuda")
+    k_new = torch.randn((1, NUM_KV_HEADS, extend_len, HEAD_DIM), dtype=DTYPE, device="cuda")
+    v_new = torch.randn_like(k_new)
+    group = NUM_HEADS // NUM_KV_HEADS
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def gathered() -> tuple[torch.Tensor, torch.Tensor]:
+        k = torch.cat((pool.k_buffers[0].index_select(0, rows).transpose(0, 1)[None], k_new), 2)
+        v = torch.cat((pool.v_buffers[0].index_select(0, rows).transpose(0, 1)[None], v_new), 2)
+        return k, v
+
+    def flash_lower_right() -> None:
+        k, v = gathered()
+        sdpa(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+             causal_lower_right(extend_len, total))
+
+    def cudnn_two_part() -> None:
+        k, v = gathered()
+        k = k.repeat_interleave(group, 1)
+        v = v.repeat_interleave(group, 1)
+        cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
+        out_p, lse_p = cudnn(q, k[:, :, :prefix_len], v[:, :, :prefix_len], None, True)[:2]
+        out_c, lse_c = cudnn(q, k[:, :, prefix_len:], v[:, :, prefix_len:], None, True, 0.0,
+                             True)[:2]
+        shape = (1, NUM_HEADS, extend_len, 1)
+        lse_p, lse_c = lse_p.reshape(shape), lse_c.reshape(shape)
+        lse = torch.logaddexp(lse_p, lse_c)
+        _ = out_p * torch.exp(lse_p - lse) + out_c * torch.exp(lse_c - lse)
+
+    results = {"gather K/V only": time_graph(lambda: gathered())}
+    for name, fn in (("flash lower-right + gather", flash_lower_right),
+                     ("cuDNN 2-part + gather", cudnn_two_part)):
+        try:
+            fn()
+            torch.cuda.synchronize()
+            results[name] = time_graph(fn)
+        except Exception as exc:  # a backend this torch lacks: say so, go on
+            print(f"   {name}: not run ({type(exc).__name__}: {str(exc)[:120]})")
+    return results
+
+
+def decode_report(bs: int, context: int, seconds: float, label: str,
+                  kv_dtype: torch.dtype = DTYPE) -> str:
+    kv_bytes = 2 * bs * context * NUM_KV_HEADS * HEAD_DIM * kv_dtype.itemsize
     flops = 4 * bs * NUM_HEADS * context * HEAD_DIM
     bandwidth = kv_bytes / seconds
     return (f"decode bs={bs:<4} ctx={context:<5} {label:<24} {seconds * 1e6:9.1f} us  "
@@ -134,6 +189,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="try other configs too")
     parser.add_argument("--only", choices=["decode", "extend"], help="time one kernel only")
+    parser.add_argument("--small", action="store_true",
+                        help="decode: batch 1-16 at context 1024 (the decode-step regimes), "
+                             "with a wider config and split sweep")
+    parser.add_argument("--fp8", action="store_true",
+                        help="decode: an FP8 (e4m3) KV pool at batch 256 and 862, context 1536 "
+                             "(the FP8 offline run's regime), with an FP8 config sweep")
     parser.add_argument("--long", action="store_true",
                         help="extend: also 8,192-token chunks on 24K / 56K / 120K-token prefixes "
                              "(chunked prefill of a long prompt)")
@@ -154,16 +215,30 @@ def main() -> None:
     if args.sweep:
         decode_configs += [DecodeKernelConfig(*c) for c in (
             (32, 4, 2), (64, 4, 3), (128, 4, 2), (32, 2, 3), (64, 2, 2))]
-    for bs in (1, 32, 128) if args.only != "extend" else ():
-        for context in (1024, 4096):
-            plan = kv_splits_for(bs)
-            split_choices = sorted({plan, 1, 2, 4, 8, 16, 32}) if args.sweep else [plan]
-            for config in decode_configs:
-                for splits in split_choices:
-                    seconds = bench_decode(bs, context, splits, config)
-                    label = (f"splits={splits}{'*' if splits == plan else ''} "
-                             f"n{config.block_n}w{config.num_warps}s{config.num_stages}")
-                    print(decode_report(bs, context, seconds, label))
+    decode_cases = [(bs, c) for bs in (1, 32, 128) for c in (1024, 4096)]
+    if args.small:
+        decode_cases = [(bs, 1024) for bs in (1, 4, 8, 16)]
+        decode_configs += [DecodeKernelConfig(*c) for c in (
+            (32, 2, 2), (64, 4, 2), (64, 2, 3, True), (128, 4, 2, True), (32, 2, 2, True),
+            (64, 4, 2, True), (64, 2, 2, True))]
+    kv_dtype = DTYPE
+    if args.fp8:
+        kv_dtype = torch.float8_e4m3fn
+        decode_cases = [(256, 1536), (862, 1536)]
+        decode_configs += [DecodeKernelConfig(*c) for c in (
+            (128, 4, 2), (128, 4, 3), (128, 8, 2), (64, 4, 3), (64, 4, 4), (64, 2, 4),
+            (64, 2, 3, True), (128, 4, 2, True), (64, 4, 3, True))]
+    for bs, context in decode_cases if args.only != "extend" else ():
+        plan = kv_splits_for(bs)
+        split_choices = sorted({plan, 1, 2, 4, 8, 16, 32, 64}) if args.sweep else [plan]
+        for config in decode_configs:
+            for splits in split_choices:
+                seconds = bench_decode(bs, context, splits, config, kv_dtype)
+                label = (f"splits={splits}{'*' if splits == plan else ''} "
+                         f"n{config.block_n}w{config.num_warps}s{config.num_stages}"
+                         f"{'e' if config.early_v else ''}")
+                print(decode_report(bs, context, seconds, label, kv_dtype))
+
 
     cases = {"1x4096": ([0], [4096]), "8x1024": ([0] * 8, [1024] * 8),
              "1x512 on 3584 prefix": ([3584], [512])}
@@ -181,6 +256,9 @@ def main() -> None:
             seconds = bench_extend(prefix_lens, extend_lens, c)
             label = f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}"
             print(extend_report(name, flops, seconds, label))
+        if len(prefix_lens) == 1 and prefix_lens[0] >= 16384:
+            for label, seconds in bench_sdpa_prefix(prefix_lens[0], extend_lens[0]).items():
+                print(extend_report(name, flops, seconds, label))
         if not any(prefix_lens) and len(set(extend_lens)) == 1:
             seconds = bench_sdpa_causal(len(extend_lens), extend_lens[0])
             print(extend_report(name, flops, seconds, "torch SDPA (baseline)"))

@@ -81,5 +81,8 @@ if step http; then
         --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0 \
         --request-rate inf --output-file "$OUT/http.jsonl" > "$OUT/http.log" 2>&1
     echo "   rc $?: $(grep -E 'throughput|TTFT|ITL' "$OUT/http.log" | head -4 | tr '\n' ' ')"
+    # CPU seconds each server process used (HTTP, detokenizer, scheduler): which one is busy
+    ps -o pid,ppid,time,args --ppid "$SERVER_PID" -p "$SERVER_PID" | cut -c1-110 \
+        | tee "$OUT/http_cpu.txt"
     stop_server
 fi

@@ -150,8 +150,8 @@ def _per_token_rows(forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Te
     num_tokens = forward_batch.num_tokens
     rows = torch.repeat_interleave(forward_batch.req_pool_indices, ext_lens,
                                    output_size=num_tokens)
-    first = torch.repeat_interleave(forward_batch.seq_lens - ext_lens - forward_batch.extend_start_loc,
-                                    ext_lens, output_size=num_tokens)
+    prefix_minus_start = forward_batch.seq_lens - ext_lens - forward_batch.extend_start_loc
+    first = torch.repeat_interleave(prefix_minus_start, ext_lens, output_size=num_tokens)
     return rows, first + torch.arange(1, num_tokens + 1, device=rows.device)
 
 

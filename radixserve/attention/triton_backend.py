@@ -14,6 +14,10 @@ Invariants:
   plus two index_put launches); forward_extend / forward_decode are then told not to store again.
 - Each layer's attention window and logit soft-cap go to the kernels as they are (window -1 and
   cap 0 compile the kernels without either).
+- Long extend runs (prefix + new tokens >= LONG_EXTEND_MIN_TOKENS and enough new ones: the
+  chunks of a long prompt, not a decode tail) go to cuDNN one request at a time
+  (kernels/long_extend.py), the rest of the batch to one Triton launch, in layers without a
+  window or soft-cap and where cuDNN runs.
 """
 from __future__ import annotations
 
@@ -28,6 +32,9 @@ from radixserve.attention.kernels.decode_attention import (DecodeKernelConfig,
                                                            decode_attention_fwd)
 from radixserve.attention.kernels.extend_attention import (ExtendKernelConfig,
                                                            extend_attention_fwd)
+from radixserve.attention.kernels.long_extend import (LONG_EXTEND_MIN_NEW_TOKENS,
+                                                      LONG_EXTEND_MIN_TOKENS, cudnn_usable,
+                                                      long_extend_attention)
 from radixserve.attention.kernels.mla_decode import mla_decode_attention_fwd
 from radixserve.attention.mla_plan import MLAExtendPlan
 
@@ -48,12 +55,23 @@ class DecodeMetadata:
 
 
 @dataclass
+class LongRun:
+    """One request's new tokens [token_start, token_start + num_new) for cuDNN."""
+    token_start: int
+    num_new: int
+    prefix_len: int
+    slots: torch.Tensor  # [prefix_len + num_new] its req_to_token row
+
+
+@dataclass
 class ExtendMetadata:
     req_pool_indices: torch.Tensor
     extend_start_loc: torch.Tensor
     extend_seq_lens: torch.Tensor
     extend_prefix_lens: torch.Tensor
     max_extend_len: int
+    long_runs: list[LongRun] | None = None  # None: every request goes to the Triton kernel
+    others: "ExtendMetadata | None" = None  # with long_runs: the rest of the batch, if any
 
 
 class DecodeWorkspace:
@@ -79,6 +97,13 @@ class DecodeWorkspace:
         mid_lse = self.buffer[out_elems:out_elems + lse_elems].view(bs, self.num_heads,
                                                                     num_splits)
         return mid_out, mid_lse
+
+
+def _cudnn_serves(layer: "RadixAttention", dtype: torch.dtype) -> bool:
+    """cuDNN's attention applies to this layer: no window, no soft-cap, one head width of at
+    most 128, half-precision activations."""
+    return _window(layer) < 0 and not layer.logit_cap > 0 and layer.head_dim <= 128 and \
+        layer.v_head_dim == layer.head_dim and dtype in (torch.bfloat16, torch.float16)
 
 
 def _window(layer: "RadixAttention") -> int:
@@ -107,6 +132,9 @@ class TritonAttnBackend(AttentionBackend):
         self.decode_config = decode_config or DecodeKernelConfig()
         self.extend_config = extend_config  # None: chosen from head_dim by the kernel module
         self.workspace = self._new_workspace(self.max_bs)
+        # long extend runs through cuDNN: a CUDA device where it runs, a plain MHA pool
+        self.long_extend_enabled = len(self.kv_pool.kv_buffers(0)) == 2 and \
+            cudnn_usable(self.device) if self.kv_pool.layer_num else False
         self.graph_workspace: DecodeWorkspace | None = None
         self.graph_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.decode_metadata: DecodeMetadata | None = None
@@ -147,6 +175,36 @@ class TritonAttnBackend(AttentionBackend):
             forward_batch.req_pool_indices, forward_batch.extend_start_loc,
             forward_batch.extend_seq_lens, forward_batch.extend_prefix_lens,
             max(forward_batch.extend_seq_lens_cpu, default=0))
+        if self.long_extend_enabled:
+            self._plan_long_runs(self.extend_metadata, forward_batch)
+
+    def _plan_long_runs(self, meta: ExtendMetadata, forward_batch: ForwardBatch) -> None:
+        """Pick the requests whose run goes to cuDNN; the others keep one Triton launch."""
+        ext_lens = forward_batch.extend_seq_lens_cpu or []
+        prefix_lens = forward_batch.extend_prefix_lens_cpu or []
+        long_ids = [i for i, (e, p) in enumerate(zip(ext_lens, prefix_lens))
+                    if e + p >= LONG_EXTEND_MIN_TOKENS and e >= LONG_EXTEND_MIN_NEW_TOKENS]
+        if not long_ids:
+            return
+        starts = [0]
+        for e in ext_lens[:-1]:
+            starts.append(starts[-1] + e)
+        table = self.req_to_token_pool.req_to_token
+        meta.long_runs = []
+        for i in long_ids:
+            row = table.index_select(0, meta.req_pool_indices[i:i + 1])[0]
+            meta.long_runs.append(LongRun(starts[i], ext_lens[i], prefix_lens[i],
+                                          row[:prefix_lens[i] + ext_lens[i]]))
+        chosen = set(long_ids)
+        other_ids = [i for i in range(len(ext_lens)) if i not in chosen]
+        if other_ids:
+            pick = torch.tensor(other_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+            meta.others = ExtendMetadata(
+                meta.req_pool_indices.index_select(0, pick),
+                meta.extend_start_loc.index_select(0, pick),
+                meta.extend_seq_lens.index_select(0, pick),
+                meta.extend_prefix_lens.index_select(0, pick),
+                max(ext_lens[i] for i in other_ids))
 
     # ---- forward ----
     def _store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
@@ -186,12 +244,22 @@ class TritonAttnBackend(AttentionBackend):
         q = q.view(-1, num_heads, head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         k_buffer, v_buffer = self.kv_pool.kv_buffers(layer.layer_id)
-        extend_attention_fwd(q, k, v, out, k_buffer, v_buffer,
-                             self.req_to_token_pool.req_to_token,
-                             meta.req_pool_indices, meta.extend_start_loc, meta.extend_seq_lens,
-                             meta.extend_prefix_lens, meta.max_extend_len, layer.scaling,
-                             self.extend_config, sliding_window=_window(layer),
-                             logit_cap=layer.logit_cap, **self._scale_args(layer))
+        triton_meta: ExtendMetadata | None = meta
+        if meta.long_runs is not None and _cudnn_serves(layer, q.dtype):
+            scales = self.kv_pool.kv_scales(layer.layer_id)
+            for run in meta.long_runs:
+                rows = slice(run.token_start, run.token_start + run.num_new)
+                long_extend_attention(q[rows], k_buffer, v_buffer, run.slots, run.prefix_len,
+                                      layer.scaling, out[rows], scales)
+            triton_meta = meta.others
+        if triton_meta is not None:
+            extend_attention_fwd(q, k, v, out, k_buffer, v_buffer,
+                                 self.req_to_token_pool.req_to_token,
+                                 triton_meta.req_pool_indices, triton_meta.extend_start_loc,
+                                 triton_meta.extend_seq_lens, triton_meta.extend_prefix_lens,
+                                 triton_meta.max_extend_len, layer.scaling,
+                                 self.extend_config, sliding_window=_window(layer),
+                                 logit_cap=layer.logit_cap, **self._scale_args(layer))
         return out.view(-1, num_heads * head_dim)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

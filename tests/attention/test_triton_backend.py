@@ -186,3 +186,47 @@ def test_real_cuda_graph_replay_tracks_new_lengths() -> None:
         k_buf, v_buf = driver.kv_pool.kv_buffers(layer.layer_id)
         ref = pool_attention(q, fb, k_buf, v_buf, layer.scaling)
         torch.testing.assert_close(out, ref, **tolerance(torch.bfloat16))
+
+
+def _route_long_runs(monkeypatch: pytest.MonkeyPatch, driver: Driver, attend: object) -> list[int]:
+    """Send extend runs of >= 20 tokens (prefix included; >= 4 new) down the cuDNN path with
+    `attend` (a decode tail of a long request stays with the kernel);
+    returns a list that grows by one per long run served."""
+    import functools
+
+    import radixserve.attention.triton_backend as triton_backend
+    from radixserve.attention.kernels.long_extend import long_extend_attention
+    served: list[int] = []
+
+    def counted(*args: object, **kwargs: object) -> None:
+        served.append(1)
+        functools.partial(long_extend_attention, attend=attend)(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "LONG_EXTEND_MIN_TOKENS", 20)
+    monkeypatch.setattr(triton_backend, "LONG_EXTEND_MIN_NEW_TOKENS", 4)
+    monkeypatch.setattr(triton_backend, "long_extend_attention", counted)
+    driver.backend.long_extend_enabled = True
+    return served
+
+
+def test_long_runs_split_between_cudnn_path_and_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long runs (a 20-token prompt, a 17-token chunk on a 21-token prefix in a MIXED pass) take
+    the cuDNN path's layout and merge (with its plain-PyTorch stand-in), the other requests of
+    the same passes the Triton kernel; every output matches attention read from the pool."""
+    from radixserve.attention.kernels.long_extend import reference_attend
+    driver = Driver(torch.float16, DEVICE)
+    served = _route_long_runs(monkeypatch, driver, reference_attend)
+    play_session(driver)
+    assert len(served) == 2 * NUM_LAYERS
+
+
+@gpu
+@needs_cuda
+def test_long_runs_through_cudnn_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixserve.attention.kernels.long_extend import cudnn_attend, cudnn_usable
+    if not cudnn_usable(torch.device("cuda")):
+        pytest.skip("cuDNN attention does not run here")
+    driver = Driver(torch.bfloat16, torch.device("cuda"), small_blocks=False)
+    served = _route_long_runs(monkeypatch, driver, cudnn_attend)
+    play_session(driver)
+    assert len(served) == 2 * NUM_LAYERS

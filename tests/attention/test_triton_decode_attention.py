@@ -59,6 +59,15 @@ def test_decode_matches_reference(group: int, head_dim: int, dtype: torch.dtype)
     torch.testing.assert_close(out, ref, **tolerance(dtype))
 
 
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+def test_decode_early_v_load_matches_reference(num_kv_splits: int) -> None:
+    """The variant that gathers V together with K gives the same attention."""
+    config = DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1, early_v=True)
+    out, ref = run_decode([1, 13, 64, 75], num_kv_heads=2, group=4, head_dim=64,
+                          dtype=torch.float16, num_kv_splits=num_kv_splits, config=config)
+    torch.testing.assert_close(out, ref, **tolerance(torch.float16))
+
+
 @pytest.mark.parametrize("num_kv_splits", [1, 2, 8])
 def test_decode_batch_one_any_split_count(num_kv_splits: int) -> None:
     out, ref = run_decode([97], num_kv_heads=1, group=4, head_dim=64, dtype=torch.float32,

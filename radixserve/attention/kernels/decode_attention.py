@@ -45,6 +45,7 @@ class DecodeKernelConfig:
     block_n: int = 64        # KV positions per inner step; also the split alignment
     num_warps: int = 2
     num_stages: int = 3
+    early_v: bool = False    # load a block's V together with its K (before the scores)
 
 
 LOG2E = 1.4426950408889634
@@ -87,6 +88,7 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, SLIDING_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr,
     USE_PDL: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_FP16: tl.constexpr,
+    EARLY_V: tl.constexpr,
 ):
     """FP8 KV: the codes are multiplied as they are (k_scale is folded into sm_scale_log2e by
     the caller, v_scale applied to the output), converted to fp16 (FP8_AS_FP16: exact, and one
@@ -129,6 +131,9 @@ def _decode_split_kernel(
             kv_mask = pos_mask[:, None] & d_mask[None, :]
             k = tl.load(K_Buffer + slots[:, None] * stride_kt + kv_head * stride_kh
                         + offs_d[None, :], mask=kv_mask, other=0.0)
+            if EARLY_V:  # issue the V gather with K's: one memory round trip per block, not two
+                v = tl.load(V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh
+                            + offs_d[None, :], mask=kv_mask, other=0.0)
             if KV_FP8:
                 k = k.to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2e
@@ -141,8 +146,9 @@ def _decode_split_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh
-                        + offs_d[None, :], mask=kv_mask, other=0.0)
+            if not EARLY_V:
+                v = tl.load(V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh
+                            + offs_d[None, :], mask=kv_mask, other=0.0)
             if KV_FP8:
                 v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -264,7 +270,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         BLOCK_H=max(16, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(q.dtype), SINGLE_SPLIT=single_split,
         SLIDING_WINDOW=window, LOGIT_CAP=cap, KV_FP8=kv_fp8,
-        FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16),
+        FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16), EARLY_V=config.early_v,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
     )
     if single_split:
