@@ -45,7 +45,7 @@ class DecodeKernelConfig:
     block_n: int = 64        # KV positions per inner step; also the split alignment
     num_warps: int = 2
     num_stages: int = 3
-    early_v: bool = False    # load a block's V together with its K (before the scores)
+    early_v: bool = False    # load a block's V together with its K (before the scores): FP8
 
 
 LOG2E = 1.4426950408889634

@@ -38,7 +38,8 @@ LONG_EXTEND_MIN_NEW_TOKENS = 512
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float],
                     tuple[torch.Tensor, torch.Tensor]]
 
-_usable: dict[torch.device, bool] = {}
+# device -> None (cuDNN unusable), or whether it takes the gathered rows' strided (BSHD) layout
+_usable: dict[torch.device, bool | None] = {}
 
 
 def cudnn_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -62,24 +63,40 @@ def reference_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     return out.to(q.dtype), lse
 
 
+def _agrees(device: torch.device, strided: bool) -> bool:
+    """One small cuDNN call, in the layout the path uses, against the reference."""
+    rows = torch.randn(64, 2, 128, dtype=torch.bfloat16, device=device)  # [S, H, D]
+    x = rows.transpose(0, 1).unsqueeze(0)  # [1, H, S, D], BSHD strides
+    if not strided:
+        x = x.contiguous()
+    out, lse = cudnn_attend(x, x, x, True, 0.1)
+    ref, ref_lse = reference_attend(x, x, x, True, 0.1)
+    return bool(torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2) and
+                torch.allclose(lse, ref_lse, atol=1e-2, rtol=1e-3))
+
+
+def _probe(device: torch.device) -> bool | None:
+    if device.type != "cuda" or LONG_EXTEND_MIN_TOKENS <= 0:
+        return None
+    if device not in _usable:
+        found: bool | None = None
+        for strided in (True, False):
+            try:
+                if _agrees(device, strided):
+                    found = strided
+                    break
+            except (RuntimeError, AttributeError, NotImplementedError) as exc:
+                logger.info("cuDNN attention (%s layout) unavailable: %s",
+                            "strided" if strided else "contiguous", exc)
+        if found is None:
+            logger.info("long extends use the Triton kernel (cuDNN attention does not run)")
+        _usable[device] = found
+    return _usable[device]
+
+
 def cudnn_usable(device: torch.device) -> bool:
     """cuDNN attention runs on this device (checked once per device with a tiny call)."""
-    if device.type != "cuda" or LONG_EXTEND_MIN_TOKENS <= 0:
-        return False
-    found = _usable.get(device)
-    if found is None:
-        try:
-            x = torch.randn(1, 2, 64, 128, dtype=torch.bfloat16, device=device)
-            out, lse = cudnn_attend(x, x, x, True, 0.1)
-            ref, ref_lse = reference_attend(x, x, x, True, 0.1)
-            found = bool(torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2) and
-                         torch.allclose(lse, ref_lse, atol=1e-2, rtol=1e-3))
-        except (RuntimeError, AttributeError, NotImplementedError) as exc:
-            logger.info("cuDNN attention unavailable (%s): long extends use the Triton kernel",
-                        exc)
-            found = False
-        _usable[device] = found
-    return found
+    return _probe(device) is not None
 
 
 def long_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -93,6 +110,13 @@ def long_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: tor
     num_new, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
+    strided = attend is not cudnn_attend or bool(_probe(q.device))
+
+    def heads_first(rows: torch.Tensor) -> torch.Tensor:
+        """[S, H, D] rows -> [1, H, S, D]: a view (BSHD strides) where the kernel takes one."""
+        view = rows.transpose(0, 1).unsqueeze(0)
+        return view if strided else view.contiguous()
+
     keys = k_buffer.index_select(0, slots)  # [P + E, Hkv, D]
     values = v_buffer.index_select(0, slots)
     if kv_scales is not None:
@@ -100,9 +124,8 @@ def long_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: tor
         values = (values.float() * kv_scales[1]).to(q.dtype)
     new_keys = keys[prefix_len:].repeat_interleave(group, dim=1)  # [E, Hq, D]
     new_values = values[prefix_len:].repeat_interleave(group, dim=1)
-    out_new, lse_new = attend(q.transpose(0, 1).unsqueeze(0).contiguous(),
-                              new_keys.transpose(0, 1).unsqueeze(0).contiguous(),
-                              new_values.transpose(0, 1).unsqueeze(0).contiguous(), True, scale)
+    out_new, lse_new = attend(heads_first(q), heads_first(new_keys), heads_first(new_values),
+                              True, scale)
     out_new = out_new[0].transpose(0, 1)  # [E, Hq, D]
     if prefix_len == 0:
         out.copy_(out_new)
@@ -110,16 +133,14 @@ def long_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: tor
     # query rows (new token e, group member g) of each KV head: [1, Hkv, E * G, D]
     grouped_q = q.view(num_new, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
     grouped_q = grouped_q.reshape(1, num_kv_heads, num_new * group, head_dim)
-    out_pre, lse_pre = attend(grouped_q,
-                              keys[:prefix_len].transpose(0, 1).unsqueeze(0).contiguous(),
-                              values[:prefix_len].transpose(0, 1).unsqueeze(0).contiguous(),
-                              False, scale)
+    out_pre, lse_pre = attend(grouped_q, heads_first(keys[:prefix_len]),
+                              heads_first(values[:prefix_len]), False, scale)
     out_pre = out_pre[0].view(num_kv_heads, num_new, group, head_dim).permute(1, 0, 2, 3)
     out_pre = out_pre.reshape(num_new, num_heads, head_dim)
     lse_pre = lse_pre[0].view(num_kv_heads, num_new, group).permute(1, 0, 2)
     lse_pre = lse_pre.reshape(num_new, num_heads, 1).float()
     lse_new = lse_new[0].transpose(0, 1).reshape(num_new, num_heads, 1).float()
-    total = torch.logaddexp(lse_pre, lse_new)
-    merged = out_pre.float() * torch.exp(lse_pre - total) + \
-        out_new.float() * torch.exp(lse_new - total)
-    out.copy_(merged)
+    # out = (o_pre e^lse_pre + o_new e^lse_new) / (e^lse_pre + e^lse_new)
+    #     = lerp(o_new, o_pre, sigmoid(lse_pre - lse_new))
+    weight = torch.sigmoid(lse_pre - lse_new)
+    out.copy_(torch.lerp(out_new.float(), out_pre.float(), weight))
