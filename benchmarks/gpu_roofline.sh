@@ -7,7 +7,8 @@
 # offline: random 1024/1024 x 1000 through the Engine (retractions, recomputed tokens)
 # offline_mixed: the same with --enable-mixed-chunk (running requests keep decoding while the
 #          next wave is prefilled; see PERFORMANCE, "where the bf16 offline run's time goes")
-# http:    the same workload through the server, streaming, rate inf (ratio to offline)
+# http:    the same workload through the server, streaming, rate inf (ratio to offline); the
+#          lent machines lack the server's packages: carry benchmarks/device_wheels.sh's .whl
 # long:    4 prompts of 120,000 tokens, 32 out (long-context prefill)
 # short:   4,000 requests of 128 in / 8 out (the scheduler's cost per request)
 # radix:   the generated-shared-prefix set, radix cache on and off
