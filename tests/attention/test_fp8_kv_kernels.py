@@ -37,7 +37,8 @@ def _fp8_pool(seq_lens: list[int], num_kv_heads: int, head_dim: int, seed: int):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_kv_splits", [1, 3])
-def test_decode_over_fp8_kv(dtype: torch.dtype, num_kv_splits: int) -> None:
+@pytest.mark.parametrize("early_v", [False, True])  # True: the FP8 pools' default
+def test_decode_over_fp8_kv(dtype: torch.dtype, num_kv_splits: int, early_v: bool) -> None:
     seq_lens, kv_heads, group, head_dim = [1, 13, 40], 2, 4, 64
     pool, exact = _fp8_pool(seq_lens, kv_heads, head_dim, seed=3)
     gen = torch.Generator().manual_seed(4)
@@ -51,7 +52,8 @@ def test_decode_over_fp8_kv(dtype: torch.dtype, num_kv_splits: int) -> None:
     scale = head_dim ** -0.5
     decode_attention_fwd(q, pool.k_buffer, pool.v_buffer, out, pool.req_to_token,
                          pool.req_pool_indices, pool.seq_lens, mid_out, mid_lse, scale,
-                         DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1),
+                         DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1,
+                                            early_v=early_v),
                          k_scale=K_SCALE, v_scale=V_SCALE)
     ref = decode_attention_reference(q.float(), exact.k_buffer, exact.v_buffer,
                                      exact.req_to_token, exact.req_pool_indices,

@@ -230,3 +230,16 @@ def test_long_runs_through_cudnn_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None
     served = _route_long_runs(monkeypatch, driver, cudnn_attend)
     play_session(driver)
     assert len(served) == 2 * NUM_LAYERS
+
+
+@pytest.mark.parametrize("storage", [None, torch.float8_e4m3fn])
+def test_fp8_pools_decode_with_v_gathered_early(storage: torch.dtype | None) -> None:
+    """FP8 pools default to the decode variant that loads V with K; others keep the old order."""
+    from radixserve.attention.base import AttentionContext
+    from radixserve.mem.kv_pool import KVCacheSpec, make_kv_pool
+    from radixserve.mem.req_to_token_pool import ReqToTokenPool
+    spec = KVCacheSpec("mha", 1, NUM_KV_HEADS, HEAD_DIM, torch.float16, storage_dtype=storage)
+    context = AttentionContext(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DEVICE, 4,
+                               ReqToTokenPool(4, 32, DEVICE), make_kv_pool(64, spec, DEVICE))
+    backend = TritonAttnBackend(context, num_kv_splits=4, num_sms=2)
+    assert backend.decode_config.early_v == (storage is not None)
