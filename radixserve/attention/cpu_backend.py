@@ -6,11 +6,15 @@
     softmax and the weighted sum of V in fp32; windows and logit soft-caps are honoured;
   * rope: one kernel rotates q and k in place and copies rotated k and v into the pool at
     `out_cache_loc` (instead of ~20 small ops and two index_put's per layer);
-  * extend (and MIXED) passes whose longest new run is at most EXTEND_KERNEL_MAX_TOKENS: the
-    same kernel, each new token a one-token "request" over its own causal prefix of the
+  * fp32 extend (and MIXED) passes whose longest new run is at most EXTEND_KERNEL_MAX_TOKENS:
+    the same kernel, each new token a one-token "request" over its own causal prefix of the
     request's row (no gather, no padded queries, no mask; 1.5x faster than the padded SDPA at
     64 x 128 tokens on 2 cores); longer runs: torch_native's padded SDPA, whose tiled matmuls
-    win from ~512 tokens on.
+    win from ~512 tokens on. In bf16/fp16 the prompt keeps the padded SDPA, whose rounding is
+    Hugging Face's: the kernel's fp32 softmax and weighted sum are closer to the fp32 result,
+    but on the bundled SmolLM2 that moved "What is the capital of France?" onto a bf16 tie of
+    the first answer token (logprob -1.895 for both "The" and "L"; fp32: -1.883 vs -1.965), and
+    argmax then left Paris.
 
 Falls back to torch_native wherever the kernels do not apply: no compiled kernels (no
 toolchain, RADIXSERVE_CPU_KERNELS=0), a pool whose buffers are not in the activations' dtype
@@ -45,6 +49,7 @@ class CPUAttnBackend(TorchNativeAttnBackend):
         plain_mha = len(buffers) == 2 and buffers[0].dtype in _KERNEL_DTYPES and \
             self.kv_pool.kv_scales(0) is None
         self.ops = cpu_ops() if plain_mha and context.device.type == "cpu" else None
+        self.extend_by_kernel = self.ops is not None and buffers[0].dtype == torch.float32
         # token_start of a one-token-per-request part -> (its req_pool_indices, seq_lens)
         self._decode_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # every token of the pass as a one-token request: (req_pool_index, causal length)
@@ -59,7 +64,7 @@ class CPUAttnBackend(TorchNativeAttnBackend):
         if self.ops is not None and forward_batch.forward_mode.is_decode():
             self._token_rows = (forward_batch.req_pool_indices, forward_batch.seq_lens)
             return
-        if self.ops is not None and \
+        if self.extend_by_kernel and \
                 max(forward_batch.extend_seq_lens_cpu) <= EXTEND_KERNEL_MAX_TOKENS:
             self._token_rows = _per_token_rows(forward_batch)
             return

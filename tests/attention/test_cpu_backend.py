@@ -117,3 +117,14 @@ def test_backend_falls_back_without_kernels(monkeypatch: pytest.MonkeyPatch) -> 
         outs.append(d.run(d.batch(ForwardMode.DECODE, [a], [1])))
     for x, y in zip(*outs):
         assert torch.equal(x, y)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompts_take_the_kernel_in_fp32_only(dtype: torch.dtype) -> None:
+    """bf16 prompts keep the padded SDPA (Hugging Face's rounding); fp32 ones the kernel."""
+    driver = Driver(CPUAttnBackend, dtype)
+    assert driver.backend.extend_by_kernel == (dtype == torch.float32)
+    a = driver.new_request()
+    driver.backend.init_forward_metadata(driver.batch(ForwardMode.EXTEND, [a], [5]))
+    assert (driver.backend._token_rows is not None) == (dtype == torch.float32)
