@@ -5,7 +5,10 @@
 #   step NAME            true when NAME is among STEPS
 #   quiet                stdin without warning lines
 #   start_server PORT LOG serve-flags...   a server in the background ($SERVER_PID), once its
-#                        /health answers (up to 5 minutes)
+#                        /health answers (up to 5 minutes; a server that exits returns at once).
+#                        The lent machines lack the server's packages: carry the .whl that
+#                        benchmarks/device_wheels.sh makes and install it first (its header says
+#                        how), or every server step fails at import.
 #   stop_server          stop it and wait
 OUT="${OUT:-$PWD/out/$1}"
 mkdir -p "$OUT"
@@ -22,6 +25,10 @@ start_server() {
     SERVER_PID=$!
     for _ in $(seq 1 150); do
         curl -sf "http://127.0.0.1:$port/health" > /dev/null 2>&1 && return 0
+        if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+            echo "   server exited: $(tail -1 "$log")"
+            return 1
+        fi
         sleep 2
     done
 }
