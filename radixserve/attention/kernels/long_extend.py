@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 import torch
 
+from radixserve.mem.kv_pool import dequantize
+
 logger = logging.getLogger(__name__)
 
 # prefix + new tokens of a request from which its run goes to cuDNN (below, our kernel's single
@@ -38,8 +40,7 @@ LONG_EXTEND_MIN_NEW_TOKENS = 512
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float],
                     tuple[torch.Tensor, torch.Tensor]]
 
-# device -> None (cuDNN unusable), or whether it takes the gathered rows' strided (BSHD) layout
-_usable: dict[torch.device, bool | None] = {}
+_usable: dict[torch.device, bool] = {}  # the probe's verdict per device
 
 
 def cudnn_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -63,40 +64,25 @@ def reference_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     return out.to(q.dtype), lse
 
 
-def _agrees(device: torch.device, strided: bool) -> bool:
-    """One small cuDNN call, in the layout the path uses, against the reference."""
-    rows = torch.randn(64, 2, 128, dtype=torch.bfloat16, device=device)  # [S, H, D]
-    x = rows.transpose(0, 1).unsqueeze(0)  # [1, H, S, D], BSHD strides
-    if not strided:
-        x = x.contiguous()
-    out, lse = cudnn_attend(x, x, x, True, 0.1)
-    ref, ref_lse = reference_attend(x, x, x, True, 0.1)
-    return bool(torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2) and
-                torch.allclose(lse, ref_lse, atol=1e-2, rtol=1e-3))
-
-
-def _probe(device: torch.device) -> bool | None:
-    if device.type != "cuda" or LONG_EXTEND_MIN_TOKENS <= 0:
-        return None
-    if device not in _usable:
-        found: bool | None = None
-        for strided in (True, False):
-            try:
-                if _agrees(device, strided):
-                    found = strided
-                    break
-            except (RuntimeError, AttributeError, NotImplementedError) as exc:
-                logger.info("cuDNN attention (%s layout) unavailable: %s",
-                            "strided" if strided else "contiguous", exc)
-        if found is None:
-            logger.info("long extends use the Triton kernel (cuDNN attention does not run)")
-        _usable[device] = found
-    return _usable[device]
-
-
 def cudnn_usable(device: torch.device) -> bool:
-    """cuDNN attention runs on this device (checked once per device with a tiny call)."""
-    return _probe(device) is not None
+    """cuDNN attention runs on this device: one small call against the reference, once per
+    device (any torch without the op, or a cuDNN that refuses it, says no)."""
+    if device.type != "cuda" or LONG_EXTEND_MIN_TOKENS <= 0:
+        return False
+    if device not in _usable:
+        try:
+            x = torch.randn(1, 2, 64, 128, dtype=torch.bfloat16, device=device)
+            out, lse = cudnn_attend(x, x, x, True, 0.1)
+            ref, ref_lse = reference_attend(x, x, x, True, 0.1)
+            _usable[device] = bool(
+                torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2) and
+                torch.allclose(lse, ref_lse, atol=1e-2, rtol=1e-3))
+        except (RuntimeError, AttributeError, NotImplementedError) as exc:
+            logger.info("cuDNN attention unavailable: %s", exc)
+            _usable[device] = False
+        if not _usable[device]:
+            logger.info("long extends use the Triton kernel (cuDNN attention does not run)")
+    return _usable[device]
 
 
 def long_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -110,18 +96,16 @@ def long_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: tor
     num_new, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
-    strided = attend is not cudnn_attend or bool(_probe(q.device))
 
     def heads_first(rows: torch.Tensor) -> torch.Tensor:
-        """[S, H, D] rows -> [1, H, S, D]: a view (BSHD strides) where the kernel takes one."""
-        view = rows.transpose(0, 1).unsqueeze(0)
-        return view if strided else view.contiguous()
+        """[S, H, D] rows -> contiguous [1, H, S, D]."""
+        return rows.transpose(0, 1).unsqueeze(0).contiguous()
 
     keys = k_buffer.index_select(0, slots)  # [P + E, Hkv, D]
     values = v_buffer.index_select(0, slots)
     if kv_scales is not None:
-        keys = (keys.float() * kv_scales[0]).to(q.dtype)
-        values = (values.float() * kv_scales[1]).to(q.dtype)
+        keys = dequantize(keys, kv_scales[0], q.dtype)
+        values = dequantize(values, kv_scales[1], q.dtype)
     new_keys = keys[prefix_len:].repeat_interleave(group, dim=1)  # [E, Hq, D]
     new_values = values[prefix_len:].repeat_interleave(group, dim=1)
     out_new, lse_new = attend(heads_first(q), heads_first(new_keys), heads_first(new_values),
