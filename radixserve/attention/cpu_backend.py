@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # the per-token kernel over a request's causal prefix costs ~q_len^2 vector dot products and
-# SDPA's flash path ~q_len^2 matmul FLOPs: measured break-even ~512 new tokens (bf16, 2 cores)
+# SDPA's flash path ~q_len^2 matmul FLOPs: fp32 on 2 cores, the kernel is ahead up to 512 new
+# tokens (64 x 128: 19.0 vs 23.5 ms per layer; 4 x 512: 14.8 vs 16.5) and behind at 1,024
 EXTEND_KERNEL_MAX_TOKENS = 256
 
 
@@ -143,9 +144,7 @@ class CPUAttnBackend(TorchNativeAttnBackend):
     def _ensure_parts(self, forward_batch: ForwardBatch) -> None:
         """The padded parts torch_native attends over, for a layer the kernel cannot serve."""
         if not self.parts:
-            token_rows = self._token_rows
             super().init_forward_metadata(forward_batch)
-            self._token_rows = token_rows
 
 
 def _per_token_rows(forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,7 +29,7 @@ import triton
 
 from radixserve.attention.base import AttentionBackend, AttentionContext
 from radixserve.attention.kernels.decode_attention import (DecodeKernelConfig,
-                                                           decode_attention_fwd)
+                                                           decode_attention_fwd, is_fp8)
 from radixserve.attention.kernels.extend_attention import (ExtendKernelConfig,
                                                            extend_attention_fwd)
 from radixserve.attention.kernels.long_extend import (LONG_EXTEND_MIN_NEW_TOKENS,
@@ -133,9 +133,7 @@ class TritonAttnBackend(AttentionBackend):
             # FP8 codes: gathering V with K hides the conversions' latency (H200, batch 256-862,
             # context 1536: 2.93-3.04 TB/s against 2.77-2.82; bf16 gains nothing from it)
             buffers = self.kv_pool.kv_buffers(0) if self.kv_pool.layer_num else ()
-            decode_config = DecodeKernelConfig(
-                early_v=bool(buffers) and buffers[0].dtype in (torch.float8_e4m3fn,
-                                                               torch.float8_e5m2))
+            decode_config = DecodeKernelConfig(early_v=bool(buffers) and is_fp8(buffers[0].dtype))
         self.decode_config = decode_config
         self.extend_config = extend_config  # None: chosen from head_dim by the kernel module
         self.workspace = self._new_workspace(self.max_bs)

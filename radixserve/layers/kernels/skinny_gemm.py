@@ -144,7 +144,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: dict[str, int],
             y, m, n, k, k_per_split, x2.stride(0), weight.stride(0),
             scale.stride(0) if has_scale else 0, y.stride(0), HAS_SCALE=has_scale,
             GROUPED=grouped, GROUP_K=group_k or k, HAS_BIAS=bias is not None,
-            ATOMIC=split > 1, SWAP_AB=bool(cfg.get("SWAP_AB", 0)), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
+            ATOMIC=split > 1, SWAP_AB=bool(cfg.get("SWAP_AB", 0)), BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_args(x2))
     if split > 1:
         y = (y + bias.float()).to(x.dtype) if bias is not None else y.to(x.dtype)
