@@ -9,6 +9,8 @@
 #          next wave is prefilled; see PERFORMANCE, "where the bf16 offline run's time goes")
 # http:    the same workload through the server, streaming, rate inf (ratio to offline); the
 #          lent machines lack the server's packages: carry benchmarks/device_wheels.sh's .whl
+#          (with py-spy among them, each http step also profiles the HTTP process)
+# http_incremental: the same with --incremental-streaming-output (chunks carry only new ids)
 # long:    4 prompts of 120,000 tokens, 32 out (long-context prefill)
 # short:   4,000 requests of 128 in / 8 out (the scheduler's cost per request)
 # radix:   the generated-shared-prefix set, radix cache on and off
@@ -74,16 +76,31 @@ if step offline_mixed; then
         --num-prompts "$PROMPTS" --random-input-len 1024 --random-output-len 1024 \
         --random-range-ratio 1.0
 fi
-if step http; then
-    echo "== HTTP streaming, same workload"
-    start_server 30200 "$OUT/server.log" "${COMMON[@]}" --skip-tokenizer-init
-    timeout -k 10 200 python3 -m radixserve.bench.serving --backend radixserve \
+http_run() {  # label server-flags...: the offline workload through /generate, streaming
+    local label=$1
+    shift
+    echo "== HTTP streaming, same workload ($label: ${*:-default flags})"
+    start_server 30200 "$OUT/server_$label.log" "${COMMON[@]}" --skip-tokenizer-init "$@"
+    # where the HTTP process's time goes (py-spy, when carried: see ROOF_HTTP_FLAGS below)
+    if command -v py-spy > /dev/null; then
+        py-spy record -p "$SERVER_PID" -d 60 -r 100 -f raw -o "$OUT/http_prof_$label.txt" \
+            > /dev/null 2>&1 &
+    fi
+    timeout -k 10 300 python3 -m radixserve.bench.serving --backend radixserve \
         --base-url http://127.0.0.1:30200 --dataset-name random --num-prompts "$PROMPTS" \
         --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0 \
-        --request-rate inf --output-file "$OUT/http.jsonl" > "$OUT/http.log" 2>&1
-    echo "   rc $?: $(grep -E 'throughput|TTFT|ITL' "$OUT/http.log" | head -4 | tr '\n' ' ')"
+        --request-rate inf --output-file "$OUT/http_$label.jsonl" > "$OUT/http_$label.log" 2>&1
+    echo "   rc $?: $(grep -E 'Duration|Output token throughput|Mean (TTFT|ITL)' \
+        "$OUT/http_$label.log" | tr -s ' ' | tr '\n' ' ')"
     # CPU seconds each server process used (HTTP, detokenizer, scheduler): which one is busy
     ps -o pid,ppid,time,args --ppid "$SERVER_PID" -p "$SERVER_PID" | cut -c1-110 \
-        | tee "$OUT/http_cpu.txt"
+        | tee "$OUT/http_cpu_$label.txt"
     stop_server
+}
+if step http; then
+    # each chunk of a native /generate stream carries all output ids so far (SGLang's default)
+    http_run cumulative
+fi
+if step http_incremental; then  # only the new ids per chunk (--incremental-streaming-output)
+    http_run incremental --incremental-streaming-output
 fi

@@ -47,6 +47,8 @@ class ServerArgs:
     cpu_kv_cache_bytes: int = 2 * 1024 * 1024 * 1024
     max_running_requests: int | None = None
     max_queued_requests: int | None = None
+    # native /generate streams: each chunk carries only its new text and ids (SGLang's flag)
+    incremental_streaming_output: bool = False
 
     # scheduling
     max_prefill_tokens: int = 16384
@@ -302,13 +304,35 @@ class ModelConfig:
 
 
 def resolve_dtype(name: str, model_dtype: str, device: str) -> torch.dtype:
-    """'auto' takes the checkpoint's dtype on GPU; on CPU bf16 checkpoints run in bf16 too."""
+    """'auto' takes the checkpoint's dtype, except on a CPU without native matmuls in it: a
+    bf16 (fp16) checkpoint there computes in float32, since oneDNN emulates bf16 (fp16)
+    without AVX512-BF16 / AMX (AVX512-FP16 / AMX-FP16), ~7x slower than float32 on an AVX2
+    CPU. float32 holds every bf16 and fp16 value exactly, so the weights are unchanged. An
+    explicit --dtype is always taken as given."""
     import torch
     table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
              "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
              "half": torch.float16, "float": torch.float32}
-    if name == "auto":
+    auto = name == "auto"
+    if auto:
         name = model_dtype if model_dtype in table else "bfloat16"
     if name not in table:
         raise ValueError(f"unknown --dtype {name!r}")
-    return table[name]
+    dtype = table[name]
+    if auto and device == "cpu" and not cpu_computes_natively(dtype):
+        logger.info("dtype auto: this CPU has no native %s matmul; computing in float32",
+                    name)
+        return torch.float32
+    return dtype
+
+
+def cpu_computes_natively(dtype: torch.dtype) -> bool:
+    """Whether oneDNN runs matmuls in `dtype` on this CPU's own instructions (float32 always;
+    bf16 with AVX512-BF16 or AMX, fp16 with AVX512-FP16 or AMX-FP16)."""
+    import torch
+    mkldnn = torch.backends.mkldnn.is_available()
+    if dtype == torch.bfloat16:
+        return mkldnn and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.float16:
+        return mkldnn and torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return True

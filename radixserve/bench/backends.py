@@ -1,7 +1,8 @@
 """One coroutine per HTTP API: send one request, time its token events, return a RequestOutput.
 
   radixserve   POST /generate, SSE lines "data: {json}" with cumulative "text" and "meta_info"
-               ({"prompt_tokens", "completion_tokens", "cached_tokens", ...}), then "data: [DONE]".
+               ({"prompt_tokens", "completion_tokens", "cached_tokens", ...}), then "data: [DONE]"
+               (or, from a server with --incremental-streaming-output, the new text and ids).
   openai       POST /v1/completions (prompt = token ids or text), usage in the last chunk.
   openai-chat  POST /v1/chat/completions (one user message of text), usage in the last chunk.
 Every request asks for greedy decoding with ignore_eos so the output length is exactly the
@@ -140,7 +141,10 @@ async def request_radixserve(session: aiohttp.ClientSession, req: RequestInput) 
             if count > tokens_seen:
                 clock.token_event()
                 tokens_seen = count
-            out.generated_text = text
+            # --incremental-streaming-output: a chunk holds fewer ids than the count so far
+            ids = event.get("output_ids")
+            incremental = ids is not None and len(ids) < count
+            out.generated_text = out.generated_text + text if incremental else text
             _read_meta(out, meta)
 
     return await _post(session, req, body, handle)

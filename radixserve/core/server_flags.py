@@ -26,7 +26,8 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
     "tokenizer_path": (MODEL, "tokenizer folder, when not the model's", None),
     "load_format": (MODEL, "how to read the weights; dummy: random weights (shape-only runs)",
                     ("auto", "safetensors", "gguf", "dummy")),
-    "dtype": (MODEL, "compute dtype; auto: the checkpoint's",
+    "dtype": (MODEL, "compute dtype; auto: the checkpoint's (float32 on a CPU without native "
+                     "bf16 / fp16 matmuls)",
               ("auto", "float32", "float16", "bfloat16")),
     "kv_cache_dtype": (MODEL, "KV cache storage: auto (the compute dtype) or FP8 with a scale "
                               "per layer (the checkpoint's, else calibrated at startup)",
@@ -47,6 +48,10 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
                 None),
     "served_model_name": (SERVING, "the model name the API reports and accepts", None),
     "max_queued_requests": (SERVING, "refuse (429) requests past this many waiting", None),
+    "incremental_streaming_output": (SERVING, "native /generate streams: each chunk carries "
+                                              "only the text and output_ids new since the "
+                                              "previous one (default: everything so far, as "
+                                              "SGLang does)", None),
     "log_level": (LOGGING, "log level of every process",
                   ("debug", "info", "warning", "error")),
     "log_requests": (LOGGING, "log each request and its output", None),

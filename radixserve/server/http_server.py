@@ -48,7 +48,8 @@ class APIKeyMiddleware:
 def build_app(tm: TokenizerManager, api_key: str | None, model_name: str,
               model_aliases: frozenset[str], server_info: Callable[[], dict[str, Any]],
               is_ready: Callable[[], bool], max_request_bytes: int = 64 << 20,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None,
+              incremental_streaming_output: bool = False) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await tm.start()
@@ -59,7 +60,7 @@ def build_app(tm: TokenizerManager, api_key: str | None, model_name: str,
 
     app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    app.include_router(native_router(tm, server_info, is_ready))
+    app.include_router(native_router(tm, server_info, is_ready, incremental_streaming_output))
     ctx = OpenAIContext(tokenizer_manager=tm, model_name=model_name, model_aliases=model_aliases,
                         tool_call_parser=tool_call_parser)
     app.include_router(openai_router(ctx, tm.limits.context_len))

@@ -137,9 +137,18 @@ def build_requests(tm: TokenizerManager, obj: GenerateReqInput) -> tuple[list[Ge
 
 
 async def _stream_chunks(tm: TokenizerManager, reqs: list[GenerateRequest], is_batch: bool,
-                         request: Request) -> AsyncIterator[str]:
+                         request: Request, incremental: bool) -> AsyncIterator[bytes]:
+    """SSE chunks of each request's output: cumulative text and output_ids, or with
+    `incremental` only what is new since that request's previous chunk (meta_info stays
+    cumulative either way)."""
+    sent_text = [0] * len(reqs)
+    sent_ids = [0] * len(reqs)
     async with contextlib.aclosing(tm.generate_merged(reqs, request)) as outputs:
         async for index, out in outputs:
+            if incremental:
+                text, ids = out.text[sent_text[index]:], out.output_ids[sent_ids[index]:]
+                sent_text[index], sent_ids[index] = len(out.text), len(out.output_ids)
+                out = dataclasses.replace(out, text=text, output_ids=ids)
             chunk = out.to_json()
             if is_batch:
                 chunk["index"] = index
@@ -147,7 +156,8 @@ async def _stream_chunks(tm: TokenizerManager, reqs: list[GenerateRequest], is_b
 
 
 def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]],
-                  is_ready: Callable[[], bool]) -> APIRouter:
+                  is_ready: Callable[[], bool],
+                  incremental_streaming_output: bool = False) -> APIRouter:
     router = APIRouter()
 
     @router.post("/generate")
@@ -157,7 +167,8 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
         obj: GenerateReqInput = await tm.offload(parse_model, GenerateReqInput, raw)
         reqs, is_batch = await tm.offload(build_requests, tm, obj)
         if obj.stream:
-            return await sse_response(_stream_chunks(tm, reqs, is_batch, request))
+            return await sse_response(_stream_chunks(tm, reqs, is_batch, request,
+                                                     incremental_streaming_output))
         outs = await tm.generate_all(reqs, request)
         result = [o.to_json() for o in outs]
         return JSONResponse(result if is_batch else result[0])

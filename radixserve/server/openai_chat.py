@@ -103,11 +103,11 @@ async def create_chat_completion(ctx: OpenAIContext, request: Request, raw: Any)
 
 async def stream_events(ctx: OpenAIContext, body: ChatCompletionRequest, plan: ToolPlan,
                         model: str, reqs: list[GenerateRequest],
-                        request: Request) -> AsyncIterator[str]:
+                        request: Request) -> AsyncIterator[bytes]:
     response_id, created = new_id("chatcmpl"), now_s()
 
     def chunk(index: int, delta: dict[str, Any], reason: str | None = None,
-              logprobs: Any = None) -> str:
+              logprobs: Any = None) -> bytes:
         return sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
                     "model": model, "choices": [{"index": index, "delta": delta,
                                                  "logprobs": logprobs,

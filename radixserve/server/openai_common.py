@@ -2,13 +2,13 @@
 usage, finish reasons, and Server-Sent Events."""
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
+import orjson
 from fastapi.responses import StreamingResponse
 
 from radixserve.server.errors import APIError, ClientDisconnected
@@ -67,12 +67,16 @@ def usage_of(outputs: list[ReqOutput], n: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def sse(data: dict[str, Any] | str) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return f"data: {payload}\n\n"
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One Server-Sent Event. orjson writes UTF-8 as json.dumps(ensure_ascii=False) would, ~5x
+    faster (a native /generate chunk carries every output id so far); non-finite floats
+    (a -inf logprob) become null, which standard JSON parsers accept."""
+    payload = data.encode() if isinstance(data, str) else orjson.dumps(
+        data, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+    return b"data: " + payload + b"\n\n"
 
 
-async def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+async def sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
     """Stream `events` (already formatted) and a final "data: [DONE]".
 
     The first event is awaited before the response starts, so that errors found up to then
@@ -86,7 +90,7 @@ async def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
         await events.aclose()
         raise
 
-    async def body() -> AsyncIterator[str]:
+    async def body() -> AsyncIterator[bytes]:
         try:
             if first is not None:
                 yield first

@@ -114,7 +114,7 @@ async def create_completion(ctx: OpenAIContext, request: Request, raw: Any) -> R
 
 
 async def stream_events(ctx: OpenAIContext, body: CompletionRequest, model: str,
-                        reqs: list[GenerateRequest], request: Request) -> AsyncIterator[str]:
+                        reqs: list[GenerateRequest], request: Request) -> AsyncIterator[bytes]:
     response_id, created = new_id("cmpl"), now_s()
     sent_text = [0] * len(reqs)
     sent_logprobs = [0] * len(reqs)

@@ -198,6 +198,11 @@ class TokenizerManager:
     async def generate_merged(self, reqs: list[GenerateRequest], http_request: Request | None
                               ) -> AsyncIterator[tuple[int, ReqOutput]]:
         """Streamed updates of several requests, interleaved as they come: (index, output)."""
+        if len(reqs) == 1:  # one stream (the common case): no pump task and queue per update
+            async with contextlib.aclosing(self.generate(reqs[0], http_request)) as outputs:
+                async for out in outputs:
+                    yield 0, out
+            return
         await self.cache_shared_prefixes(reqs, http_request)
         queue: asyncio.Queue[tuple[int, ReqOutput | BaseException | None]] = asyncio.Queue()
 
@@ -329,15 +334,16 @@ class TokenizerManager:
         return state
 
     async def _wait(self, state: ReqState, http_request: Request | None) -> None:
-        while True:
+        # an update that arrived while the consumer was busy is taken at once: under load that
+        # is most waits, and wait_for would cost a task and a timer each (Python 3.11)
+        while not state.event.is_set():
             try:
                 await asyncio.wait_for(state.event.wait(), DISCONNECT_POLL_S)
-                state.event.clear()
-                return
             except asyncio.TimeoutError:
                 if http_request is not None and await http_request.is_disconnected():
                     logger.info("client of request %s disconnected; aborting", state.req.rid)
                     raise ClientDisconnected(state.req.rid) from None
+        state.event.clear()
 
     async def _recv_loop(self) -> None:
         while True:
