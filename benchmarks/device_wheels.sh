@@ -13,7 +13,8 @@ cd "$(dirname "$0")/.."
 rm -rf .whl
 version() { python3 -m pip show "$1" 2>/dev/null | sed -n "s/^Version: //p" || true; }
 PACKAGES=(fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
-          pyzmq opentelemetry-api annotated-doc click orjson py-spy)
+          pyzmq opentelemetry-api annotated-doc click orjson httptools
+          py-spy)
 specs=()
 for name in "${PACKAGES[@]}"; do
     v="$(version "$name")"

@@ -73,3 +73,18 @@ def test_rope_scaling_kinds_are_supported_or_refused(rope: dict | None, ok: bool
     else:
         with pytest.raises(ValueError, match="not supported"):
             ModelConfig.from_hf_dict(_hf("LlamaForCausalLM", **extra))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_computes_in_float32_where_the_cpu_lacks_bf16(monkeypatch: pytest.MonkeyPatch,
+                                                                 native: bool) -> None:
+    import torch
+
+    from radixserve import config
+    monkeypatch.setattr(config, "cpu_computes_natively", lambda dtype: native)
+    auto_cpu = config.resolve_dtype("auto", "bfloat16", "cpu")
+    assert auto_cpu == (torch.bfloat16 if native else torch.float32)
+    # an explicit dtype, another device and a float32 checkpoint are taken as they are
+    assert config.resolve_dtype("bfloat16", "bfloat16", "cpu") == torch.bfloat16
+    assert config.resolve_dtype("auto", "bfloat16", "cuda") == torch.bfloat16
+    assert config.resolve_dtype("auto", "float32", "cpu") == torch.float32

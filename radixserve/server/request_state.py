@@ -67,6 +67,7 @@ class ReqState:
     logprobs: dict[str, list[Any]] = field(default_factory=lambda: {k: [] for k in LOGPROB_KEYS})
     finished: bool = False
     error: ReqError | None = None
+    disconnected: bool = False  # its HTTP client went away (set by the disconnect watcher)
     created_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     last_token_time: float | None = None

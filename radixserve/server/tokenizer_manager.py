@@ -39,7 +39,6 @@ from radixserve.server.tokenizer_utils import token_texts
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DISCONNECT_POLL_S = 1.0  # how often a waiting request checks that its client is still there
 REPLY_TIMEOUT_S = 60.0
 
 
@@ -158,9 +157,11 @@ class TokenizerManager:
                        http_request: Request | None = None) -> AsyncIterator[ReqOutput]:
         """Outputs of one request: each streamed update if req.stream, always the final one."""
         state = self._send(req)
+        watcher = None if http_request is None else \
+            asyncio.create_task(_watch_disconnect(http_request, state))
         try:
             while True:
-                await self._wait(state, http_request)
+                await self._wait(state)
                 if state.error is not None:
                     raise APIError(state.error.message, status_code=state.error.http_status)
                 if state.finished:
@@ -170,6 +171,8 @@ class TokenizerManager:
                 if req.stream:
                     yield state.snapshot()
         finally:
+            if watcher is not None:
+                watcher.cancel()
             if not state.finished and state.error is None:
                 self.abort(req.rid)
             self.rid_to_state.pop(req.rid, None)
@@ -333,17 +336,16 @@ class TokenizerManager:
             stream=req.stream))
         return state
 
-    async def _wait(self, state: ReqState, http_request: Request | None) -> None:
-        # an update that arrived while the consumer was busy is taken at once: under load that
-        # is most waits, and wait_for would cost a task and a timer each (Python 3.11)
-        while not state.event.is_set():
-            try:
-                await asyncio.wait_for(state.event.wait(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if http_request is not None and await http_request.is_disconnected():
-                    logger.info("client of request %s disconnected; aborting", state.req.rid)
-                    raise ClientDisconnected(state.req.rid) from None
+    async def _wait(self, state: ReqState) -> None:
+        """Until the request has news (an update that came while its consumer was busy is taken
+        at once) or its client is gone. No timer per wait: at 1,000 streams the old 1 s
+        wait_for + is_disconnected poll was ~20% of this process (H200 profile)."""
+        if not state.event.is_set():
+            await state.event.wait()
         state.event.clear()
+        if state.disconnected:
+            logger.info("client of request %s disconnected; aborting", state.req.rid)
+            raise ClientDisconnected(state.req.rid)
 
     async def _recv_loop(self) -> None:
         while True:
@@ -406,3 +408,13 @@ class TokenizerManager:
         if self.log_requests:
             logger.info("finished %s: %r, %s", state.req.rid, state.text,
                         state.meta_info.get("finish_reason"))
+
+
+async def _watch_disconnect(http_request: Request, state: ReqState) -> None:
+    """Wake the request's consumer when its client goes (ASGI http.disconnect). The handlers
+    have read the body by now, so the next message the server hands this request is that one;
+    it costs nothing while it waits (one task per request, not a poll per wait)."""
+    while (await http_request.receive())["type"] != "http.disconnect":
+        pass
+    state.disconnected = True
+    state.event.set()

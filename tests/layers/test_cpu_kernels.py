@@ -80,3 +80,20 @@ def test_rope_store(dtype: torch.dtype) -> None:
     assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
     assert torch.equal(k_buf[loc], ref_k.view(tokens, kv_heads, head_dim))
     assert torch.equal(v_buf[loc], v.reshape(tokens, kv_heads, head_dim))
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch) -> None:
+    import os
+    import time
+
+    from radixserve.core import cpu_kernels
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    for name, age, kept in (("stale_build", cpu_kernels.STALE_LOCK_S + 60, False),
+                            ("running_build", 5.0, True)):
+        folder = tmp_path / name
+        folder.mkdir()
+        lock = folder / "lock"
+        lock.touch()
+        os.utime(lock, (time.time() - age, time.time() - age))
+        cpu_kernels._drop_stale_lock(name)
+        assert lock.exists() == kept

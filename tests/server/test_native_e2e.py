@@ -131,3 +131,22 @@ def test_control_routes(server: Any) -> None:
     finished = [line for line in metrics.splitlines()
                 if line.startswith("radixserve:request_success_total")]
     assert sum(float(line.split()[-1]) for line in finished) >= 1
+
+
+def test_incremental_streaming_output_sends_only_new_pieces() -> None:
+    """--incremental-streaming-output: the chunks' texts and ids join into the whole output."""
+    from tests.server.server_process import ServerProcess
+    proc = ServerProcess("--incremental-streaming-output")
+    try:
+        body = {"text": PROMPT, "sampling_params": greedy(12)}
+        full = post(proc, "/generate", body).json()
+        events = sse_events(post(proc, "/generate", {**body, "stream": True}, stream=True))
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        assert len(chunks) > 1
+        assert "".join(c["text"] for c in chunks) == full["text"]
+        assert [i for c in chunks for i in c["output_ids"]] == full["output_ids"]
+        counts = [c["meta_info"]["completion_tokens"] for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == len(full["output_ids"])
+    finally:
+        assert proc.stop() == 0

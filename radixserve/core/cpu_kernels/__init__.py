@@ -18,6 +18,7 @@ import logging
 import os
 import platform
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -60,9 +61,29 @@ def _capability_flags() -> list[str]:
     return ["-DCPU_CAPABILITY=DEFAULT"]
 
 
+# a build takes ~1 min on 2 cores: a lock file older than this was left by a killed build
+STALE_LOCK_S = 600.0
+
+
+def _drop_stale_lock(name: str) -> None:
+    """torch's builder waits, without a timeout, for the lock file of a build in progress; a
+    build killed mid-way (a stopped server, a timed-out test) leaves that file behind, and
+    every later process, servers included, would hang at startup. Remove it when stale."""
+    from torch.utils.cpp_extension import _get_build_directory
+    lock = Path(_get_build_directory(name, False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing the stale CPU-kernel build lock %s (%.0f s old)", lock, age)
+        lock.unlink(missing_ok=True)
+
+
 def build(verbose: bool = False) -> ModuleType:
     """Compile (or load the cached build of) the kernels; raises on failure."""
     from torch.utils.cpp_extension import load
+    _drop_stale_lock(module_name())
     return load(name=module_name(), sources=[str(_SOURCE)], verbose=verbose,
                 extra_cflags=[*_CFLAGS, *_capability_flags()],
                 extra_ldflags=["-fopenmp"])
