@@ -81,7 +81,7 @@ http_run() {  # label server-flags...: the offline workload through /generate, s
     shift
     echo "== HTTP streaming, same workload ($label: ${*:-default flags})"
     start_server 30200 "$OUT/server_$label.log" "${COMMON[@]}" --skip-tokenizer-init "$@"
-    # where the HTTP process's time goes (py-spy, when carried: see ROOF_HTTP_FLAGS below)
+    # where the HTTP process's time goes (py-spy, when the .whl carried it: see the header)
     if command -v py-spy > /dev/null; then
         py-spy record -p "$SERVER_PID" -d 60 -r 100 -f raw -o "$OUT/http_prof_$label.txt" \
             > /dev/null 2>&1 &
