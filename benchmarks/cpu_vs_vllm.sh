@@ -7,6 +7,8 @@
 # out tok/s, `bench.engine_vs_hf --skip-hf`), vLLM offline bf16 and fp32 (the peer's
 # offline_bench.py, two runs each), then both servers streaming `bench serving` 64 x 128/128 at
 # rate inf through /v1/completions with the same client (ours first, then vLLM's).
+# SERVE_DTYPES (default bfloat16) lists the served dtypes; VLLM_REPEATS (default 2) the peer's
+# runs of each offline figure (its emulated-bf16 batch run takes ~4.6 min on an AVX2 CPU).
 # Leave the machine otherwise idle: a 2-thread step stalls whenever another process takes a core.
 set -u
 cd "$(dirname "$0")/.."
@@ -38,15 +40,18 @@ for round in $(seq "${ROUNDS:-2}"); do
             > "$OUT/ours_${dtype}_$round.log" 2>&1
         echo "$(date -u +%H:%M) ours $dtype: $(tail -1 "$OUT/ours_${dtype}_$round.log")"
         env "${VLLM_ENV[@]}" "$PEER/vllm-venv/bin/python" "$PEER_DIR/offline_bench.py" \
-            --model "$MODEL" --dtype $dtype > "$OUT/vllm_${dtype}_$round.log" 2>&1
+            --model "$MODEL" --dtype $dtype --repeats "${VLLM_REPEATS:-2}" \
+            > "$OUT/vllm_${dtype}_$round.log" 2>&1
         echo "$(date -u +%H:%M) vllm $dtype: $(grep RESULT "$OUT/vllm_${dtype}_$round.log")"
     done
-    python3 -m radixserve.launch_server --port 31950 --dtype bfloat16 --model-path "$MODEL" \
-        > "$OUT/ours_server_$round.log" 2>&1 &
-    OURS=$!
-    wait_health http://127.0.0.1:31950/health 300 && serve_bench "ours_$round" 31950
-    kill $OURS; wait $OURS 2>/dev/null
-    PORT=8100 bash "$PEER_DIR/serve.sh" > /dev/null
-    wait_health http://127.0.0.1:8100/health 400 && serve_bench "vllm_$round" 8100
-    pkill -f "vllm.entrypoints.openai.api_server" ; sleep 5
+    for dtype in ${SERVE_DTYPES:-bfloat16}; do
+        python3 -m radixserve.launch_server --port 31950 --dtype $dtype --model-path "$MODEL" \
+            > "$OUT/ours_server_${dtype}_$round.log" 2>&1 &
+        OURS=$!
+        wait_health http://127.0.0.1:31950/health 300 && serve_bench "ours_${dtype}_$round" 31950
+        kill $OURS; wait $OURS 2>/dev/null
+        DTYPE=$dtype PORT=8100 bash "$PEER_DIR/serve.sh" > /dev/null
+        wait_health http://127.0.0.1:8100/health 400 && serve_bench "vllm_${dtype}_$round" 8100
+        pkill -f "vllm.entrypoints.openai.api_server" ; sleep 5
+    done
 done

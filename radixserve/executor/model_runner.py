@@ -28,6 +28,7 @@ from radixserve.executor.sampler import (Sampler, compute_input_logprobs, comput
                                          compute_logprobs_on_device)
 from radixserve.loader import init_dummy_weights, load_model_source
 from radixserve.loader.model_source import ModelSource
+from radixserve.layers.cpu_linear import keep_checkpoint_dtype
 from radixserve.loader.weight_loading import load_weights
 from radixserve.mem.kv_pool import (KV_CACHE_DTYPES, KVCacheSpec, KVPool, make_kv_pool,
                                     spec_bytes_per_token)
@@ -134,6 +135,10 @@ class ModelRunner:
         for name, buf in model.named_buffers():
             if "cos_cache" in name or "sin_cache" in name:
                 buf.data = buf.data.float()
+        checkpoint_dtype = getattr(torch, str(self.model_config.torch_dtype), None)
+        if (self.device.type == "cpu" and self.dtype == torch.float32
+                and self.server_args.dtype == "auto" and checkpoint_dtype != torch.float32):
+            keep_checkpoint_dtype(model, checkpoint_dtype)  # float32 compute of a bf16 checkpoint
         model.eval().requires_grad_(False)
         return model
 

@@ -28,6 +28,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, embedding_dim),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        # set where the weight is stored narrower than the compute dtype (layers/cpu_linear.py:
+        # keep_checkpoint_dtype): looked-up rows are widened to it
+        self.output_dtype: torch.dtype | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape != (self.num_embeddings, param.shape[1]):
@@ -38,11 +41,15 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return nn.functional.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = torch.where(mine, input_ids - self.vocab_start, 0)
-        out = nn.functional.embedding(local, self.weight) * mine.unsqueeze(-1)
+        out = self._lookup(local) * mine.unsqueeze(-1)
         return get_tp_group().all_reduce(out)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = nn.functional.embedding(ids, self.weight)
+        return rows if self.output_dtype is None else rows.to(self.output_dtype)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -65,10 +65,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         kernel = _small_m_kernel(weight.shape[0], weight.shape[1], x.shape[0])
         if kernel is not None:
             return kernel(x, weight, bias)
-    if not x.is_cuda:  # oneDNN with the weight packed once (layers/cpu_linear.py)
+    if not x.is_cuda:  # the CPU GEMV, or oneDNN with the weight packed once (cpu_linear.py)
         out = packed_linear(x, weight, bias)
         if out is not None:
             return out
+        if weight.dtype != x.dtype:  # a bf16 weight kept under float32 compute
+            weight = weight.to(x.dtype)
     return nn.functional.linear(x, weight, bias)
 
 

@@ -83,6 +83,7 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank,
                                               total_heads * (self.nope_dim + self.v_dim))
+        self.kv_b_proj.weight_read_directly = True  # _up_weights views it in the compute dtype
         self.o_proj = RowParallelLinear(total_heads * self.v_dim, hidden, bias=bias)
         self.rotary = rotary
         scaling = self.qk_dim ** -0.5 * yarn_softmax_mscale(config)

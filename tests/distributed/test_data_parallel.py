@@ -74,7 +74,10 @@ def _server_outputs(checkpoint: str, method: str) -> tuple[list[list[int]], dict
         assert server.stop() == 0
 
 
-@pytest.mark.parametrize("method", ["round_robin", "shortest_queue", "cache_aware"])
+# every method routes through the same replicas; CI runs cache_aware, --run-slow all three
+@pytest.mark.parametrize("method", [pytest.param("round_robin", marks=pytest.mark.slow),
+                                    pytest.param("shortest_queue", marks=pytest.mark.slow),
+                                    "cache_aware"])
 def test_dp2_gives_dp1_outputs(checkpoint: str, method: str) -> None:
     engine = radixserve.Engine(checkpoint, dtype="float32", skip_tokenizer_init=True,
                                max_total_tokens=2048)

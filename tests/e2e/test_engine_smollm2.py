@@ -162,7 +162,10 @@ def test_radix_cache_off_gives_identical_outputs(reference_outputs):
     assert outs == reference_outputs
 
 
-@pytest.mark.parametrize("chunk, mixed", [(16, False), (16, True), (64, False), (1024, True)])
+@pytest.mark.parametrize("chunk, mixed", [pytest.param(16, False, marks=pytest.mark.slow),
+                                          (16, True),
+                                          pytest.param(64, False, marks=pytest.mark.slow),
+                                          (1024, True)])
 def test_chunked_prefill_gives_identical_outputs(reference_outputs, chunk, mixed):
     outs, _ = _greedy_outputs(chunked_prefill_size=chunk, enable_mixed_chunk=mixed)
     assert outs == reference_outputs

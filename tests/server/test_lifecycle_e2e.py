@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import aiohttp
+import pytest
 import requests
 
 from tests.server.server_process import (REPO_ROOT, ServerProcess, free_port, pid_alive,
@@ -48,6 +49,7 @@ def test_queue_limit_then_scheduler_death() -> None:
         server.stop()
 
 
+@pytest.mark.slow  # the SIGTERM case below also checks a clean exit (0, no orphans)
 def test_clean_sigint_shutdown() -> None:
     server = ServerProcess()
     try:
@@ -137,6 +139,7 @@ def test_shutdown_ends_open_streams_with_an_error_event() -> None:
         server.stop()
 
 
+@pytest.mark.slow  # scheduler death is also tested above (test_queue_limit_then_scheduler_death)
 def test_open_streams_fail_at_once_when_the_scheduler_dies() -> None:
     server = ServerProcess()
     try:

@@ -91,7 +91,7 @@ def build(verbose: bool = False) -> ModuleType:
 
 def cpu_ops() -> object | None:
     """The compiled kernels (the op namespace torch.ops.radixserve_cpu: decode_attention,
-    rope_store, rms_norm, silu_and_mul), or None (logged once) when they are disabled or will
+    rope_store, rms_norm, silu_and_mul, gemv), or None (logged once) when they are disabled or will
     not build."""
     if "ops" in _state:
         return _state["ops"]

@@ -1,5 +1,6 @@
 // CPU kernels for the decode step: attention over the KV pool in place (through req_to_token),
-// rope fused with the K/V store, RMSNorm (+ residual) and SiLU-and-mul.
+// rope fused with the K/V store, RMSNorm (+ residual), SiLU-and-mul, and the small-M (1-4 rows)
+// products of decode at small batch.
 //
 // Numerics follow the PyTorch ops they replace: for bf16/fp16 every elementwise op rounds to the
 // activations' dtype where the PyTorch sequence does (rope: x*cos, x*sin, their sum; RMSNorm:
@@ -408,6 +409,62 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   });
 }
 
+// ---- Small-M products (decode GEMV): y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) ----------
+// A decode step at batch 1-4 streams every weight row once: the speed is the rate rows are read.
+// R weight rows advance together (R independent streams for the prefetcher, each loaded vector
+// used by all M activation rows held in fp32), and the fp32 sums are reduced once per row.
+template <typename W, int M, int R>
+inline void gemv_block(const float* x, int64_t K, const W* w, int64_t w_st, float* sums) {
+  Vec acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = Vec(0.f);
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    Vec wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = load_vec(w + r * w_st + k);
+    for (int m = 0; m < M; ++m) {
+      const Vec xv = Vec::loadu(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = at::vec::fmadd(wv[r], xv, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) {
+      float total = reduce_add(acc[m][r]);
+      for (int64_t t = k; t < K; ++t) total += x[m * K + t] * load(w + r * w_st, t);
+      sums[m * R + r] = total;
+    }
+}
+
+// W: the weight's dtype; Y: the activations' (y and bias), W's or float (a bf16/fp16 weight
+// kept in its checkpoint dtype under float32 compute)
+template <typename W, typename Y, int M, int R>
+void gemv_impl(const float* x, const W* w, int64_t w_st, const Y* bias, int64_t N, int64_t K,
+               Y* y, int64_t y_st) {
+  const int64_t blocks = (N + R - 1) / R;
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    float sums[M * R];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * R;
+      const int64_t rows = std::min<int64_t>(R, N - n0);
+      if (rows == R) {
+        gemv_block<W, M, R>(x, K, w + n0 * w_st, w_st, sums);
+      } else {  // the last rows of N: one at a time
+        for (int64_t r = 0; r < rows; ++r) {
+          float one[M];
+          gemv_block<W, M, 1>(x, K, w + (n0 + r) * w_st, w_st, one);
+          for (int m = 0; m < M; ++m) sums[m * R + r] = one[m];
+        }
+      }
+      for (int m = 0; m < M; ++m)
+        for (int64_t r = 0; r < rows; ++r) {
+          float v = sums[m * R + r];
+          if (bias) v += load(bias, n0 + r);
+          store(y + m * y_st, n0 + r, v);
+        }
+    }
+  });
+}
+
 void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
 }
@@ -500,6 +557,68 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+template <typename W, typename Y>
+void gemv_dispatch(const float* x, const W* w, int64_t w_st, const Y* bias, int64_t M, int64_t N,
+                   int64_t K, Y* y) {
+  switch (M) {
+    case 1: gemv_impl<W, Y, 1, 8>(x, w, w_st, bias, N, K, y, N); break;
+    case 2: gemv_impl<W, Y, 2, 4>(x, w, w_st, bias, N, K, y, N); break;
+    case 3: gemv_impl<W, Y, 3, 2>(x, w, w_st, bias, N, K, y, N); break;
+    default: gemv_impl<W, Y, 4, 2>(x, w, w_st, bias, N, K, y, N); break;
+  }
+}
+
+// x [M, K] (M <= 4) @ weight[N, K].T (+ bias [N]) -> [M, N] in x's dtype. The weight has x's
+// dtype, or is bf16/fp16 under float32 x (its values widen exactly: the same sums as a float32
+// copy of it would give, bit for bit).
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight,
+                const c10::optional<at::Tensor>& bias) {
+  check_cpu(x, "gemv x");
+  check_cpu(weight, "gemv weight");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "gemv: x [M, K] and weight [N, K]");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 4, "gemv: 1 to 4 rows");
+  TORCH_CHECK(weight.stride(1) == 1, "gemv: weight rows must be contiguous");
+  const bool widened = x.scalar_type() == at::kFloat &&
+                       (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf);
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || widened,
+              "gemv: one dtype (or a bf16/fp16 weight under float32)");
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->is_contiguous() &&
+                bias->scalar_type() == x.scalar_type(), "gemv: bias [N] of x's dtype");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  // x as M x K contiguous floats (a few KB): float32 rows are read in place
+  std::vector<float> x_buf;
+  const float* xp = nullptr;
+  if (x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.stride(0) == K) {
+    xp = x.data_ptr<float>();
+  } else {
+    x_buf.resize(M * K);
+    RS_DISPATCH(x.scalar_type(), "gemv_x", [&] {
+      const scalar_t* src = x.data_ptr<scalar_t>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) x_buf[m * K + k] = load(src + m * x.stride(0), k * x.stride(1));
+    });
+    xp = x_buf.data();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  const int64_t ws = weight.stride(0);
+  if (widened) {
+    const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    float* yp = y.data_ptr<float>();
+    if (weight.scalar_type() == at::kBFloat16)
+      gemv_dispatch(xp, weight.data_ptr<c10::BFloat16>(), ws, bp, M, N, K, yp);
+    else
+      gemv_dispatch(xp, weight.data_ptr<c10::Half>(), ws, bp, M, N, K, yp);
+    return y;
+  }
+  RS_DISPATCH(x.scalar_type(), "gemv", [&] {
+    const scalar_t* bp = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
+    gemv_dispatch(xp, weight.data_ptr<scalar_t>(), ws, bp, M, N, K, y.data_ptr<scalar_t>());
+  });
+  return y;
+}
+
 // Thread i of torch's OpenMP team (the one at::parallel_for uses) -> cores[i]: each compute
 // thread keeps its core and its caches. Returns the core each thread was pinned to (-1 where
 // the kernel refused).
@@ -529,6 +648,7 @@ TORCH_LIBRARY(radixserve_cpu, m) {
         "bool store_kv) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> Tensor[]");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("pin_threads(int[] cores) -> int[]");
 }
 
@@ -537,6 +657,7 @@ TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
   m.impl("rope_store", &rope_store);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gemv", &gemv);
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CompositeExplicitAutograd, m) {
