@@ -22,13 +22,13 @@ from radixserve.executor.kv_calibration import calibrate_kv_scales
 from radixserve.executor.memory_budget import max_kv_tokens, max_request_slots
 from radixserve.executor.pending_decode import PendingDecode
 from radixserve.executor.sampling_info import SamplingBatchInfo
+from radixserve.layers.cpu_linear import keep_checkpoint_dtype
 from radixserve.layers.logits import LogitsOutput
 from radixserve.layers.quantization.fp8 import fp8_config, fp8_linears
 from radixserve.executor.sampler import (Sampler, compute_input_logprobs, compute_logprobs,
                                          compute_logprobs_on_device)
 from radixserve.loader import init_dummy_weights, load_model_source
 from radixserve.loader.model_source import ModelSource
-from radixserve.layers.cpu_linear import keep_checkpoint_dtype
 from radixserve.loader.weight_loading import load_weights
 from radixserve.mem.kv_pool import (KV_CACHE_DTYPES, KVCacheSpec, KVPool, make_kv_pool,
                                     spec_bytes_per_token)

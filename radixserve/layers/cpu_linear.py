@@ -35,6 +35,7 @@ import os
 import torch
 from torch import nn
 
+from radixserve.config import cpu_computes_natively
 from radixserve.core.cpu_kernels import cpu_ops
 
 logger = logging.getLogger(__name__)
@@ -48,10 +49,10 @@ _supported: dict[torch.dtype, bool] = {}
 
 
 def _dtype_supported(dtype: torch.dtype) -> bool:
+    """oneDNN is there and runs `dtype` natively on this CPU (cached: asked on every product)."""
     found = _supported.get(dtype)
     if found is None:
-        found = torch.backends.mkldnn.is_available() and (
-            dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        found = torch.backends.mkldnn.is_available() and cpu_computes_natively(dtype)
         _supported[dtype] = found
     return found
 
@@ -73,12 +74,10 @@ def _packed(weight: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _gemv_applies(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return (_GEMV_ENABLED and 1 <= x2d.shape[0] <= GEMV_MAX_ROWS and _weight_fits(x2d, weight)
-            and x2d.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    """The 1-4-row kernel serves this product (shapes and dtypes already checked)."""
+    return (_GEMV_ENABLED and 1 <= x2d.shape[0] <= GEMV_MAX_ROWS and weight.stride(1) == 1
             and (x2d.dtype == torch.float32 or not _dtype_supported(x2d.dtype))
-            and weight.dim() == 2 and weight.stride(1) == 1 and weight.device.type == "cpu"
-            and (bias is None or (bias.dtype == x2d.dtype and bias.is_contiguous()))
-            and cpu_ops() is not None)
+            and (bias is None or bias.is_contiguous()) and cpu_ops() is not None)
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -86,17 +85,18 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor,
     """x @ weight.T (+ bias) through the GEMV kernel (1-4 rows) or the packed weight, or None
     where neither applies (not a CPU Parameter, another dtype, no oneDNN): the caller then runs
     F.linear."""
-    if x.device.type == "cpu" and x.dim() >= 1 and x.shape[-1] == weight.shape[-1]:
-        x2d = x.reshape(-1, x.shape[-1])
-        if _gemv_applies(x2d, weight, bias):
-            out = cpu_ops().gemv(x2d, weight, bias)
-            return out.view(*x.shape[:-1], weight.shape[0])
-    if not (_ENABLED and isinstance(weight, nn.Parameter) and x.device.type == "cpu"
-            and x.dtype in _DTYPES + _NARROW and _weight_fits(x, weight) and weight.dim() == 2
-            and weight.is_contiguous() and x.shape[-1] == weight.shape[1]
-            and (bias is None or bias.dtype == x.dtype) and torch.backends.mkldnn.is_available()):
+    if not (x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2
+            and x.dim() >= 1 and x.shape[-1] == weight.shape[1]
+            and x.dtype in _DTYPES + _NARROW and _weight_fits(x, weight)
+            and (bias is None or bias.dtype == x.dtype)):
         return None
     x2d = x.reshape(-1, x.shape[-1])
+    if _gemv_applies(x2d, weight, bias):
+        out = cpu_ops().gemv(x2d, weight, bias)
+        return out.view(*x.shape[:-1], weight.shape[0])
+    if not (_ENABLED and isinstance(weight, nn.Parameter) and weight.is_contiguous()
+            and torch.backends.mkldnn.is_available()):
+        return None
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()
     if x.dtype in _DTYPES and _dtype_supported(x.dtype):
