@@ -20,7 +20,7 @@ from radixserve.core.forward_batch import (ForwardBatch, ForwardMode, ForwardOut
 from radixserve.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from radixserve.executor.kv_calibration import calibrate_kv_scales
 from radixserve.executor.memory_budget import max_kv_tokens, max_request_slots
-from radixserve.executor.pending_decode import PendingDecode
+from radixserve.executor.pending_step import PendingStep
 from radixserve.executor.sampling_info import SamplingBatchInfo
 from radixserve.layers.cpu_linear import keep_checkpoint_dtype
 from radixserve.layers.logits import LogitsOutput
@@ -237,15 +237,32 @@ class ModelRunner:
 
     @staticmethod
     def can_overlap(batch: ModelWorkerBatch) -> bool:
-        """Whether `forward_decode_async` may run this batch: any decode step. Penalties and
+        """Whether an asynchronous launch may run this batch: any decode step
+        (`forward_decode_async`), and any EXTEND pass that returns no logprobs
+        (`forward_extend_async`: prompt logprobs are assembled on the host). Penalties and
         seeds need the caller to bring the sampling info up to date on the device
         (SamplingBatchInfo.advance): the requests' output lists are one token behind while a
-        step is in flight. Logprobs are copied back with the ids."""
-        return batch.forward_mode.is_decode() and batch.sampling_info is not None
+        step is in flight. A decode step's logprobs are copied back with the ids."""
+        if batch.sampling_info is None:
+            return False
+        if batch.forward_mode.is_decode():
+            return True
+        return batch.forward_mode == ForwardMode.EXTEND and not batch.return_logprob
+
+    @torch.inference_mode()
+    def forward_extend_async(self, batch: ModelWorkerBatch) -> PendingStep:
+        """Launch one EXTEND pass (a prefill batch) and return without waiting for it: the
+        scheduler builds and launches its next pass while this one runs, and reads the
+        sampled ids from the PendingStep afterwards (see can_overlap)."""
+        assert self.can_overlap(batch) and not batch.forward_mode.is_decode(), \
+            "this batch needs the synchronous forward"
+        assert batch.sampling_info is not None
+        logits = self._forward_eager(batch).next_token_logits
+        return PendingStep(self._sample_ids(logits, batch.sampling_info))
 
     @torch.inference_mode()
     def forward_decode_async(self, batch: ModelWorkerBatch,
-                             input_ids: torch.Tensor | None = None) -> PendingDecode:
+                             input_ids: torch.Tensor | None = None) -> PendingStep:
         """Launch one decode step and return without waiting for it (see can_overlap).
         `input_ids` ([bs] on the device) replaces batch.input_ids: the overlap path passes the
         ids the step before sampled, which the host has not read yet."""
@@ -266,7 +283,7 @@ class ModelRunner:
         if batch.return_logprob:
             logprobs = compute_logprobs_on_device(logits, ids,
                                                   max(batch.top_logprobs_nums, default=0))
-        return PendingDecode(ids, logprobs)
+        return PendingStep(ids, logprobs)
 
     def _sample_ids(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """Sampled ids, rank 0's on every rank: the ranks' logits are equal (gathered), and a

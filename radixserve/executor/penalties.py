@@ -48,6 +48,14 @@ def _stop_token_ids(req: "Req", eos_token_ids: Iterable[int], vocab_size: int) -
     return sorted(t for t in stops if 0 <= t < vocab_size)
 
 
+# every tensor of BatchPenalties: (name, neutral value, one column per vocabulary entry)
+_PENALTY_FIELDS: tuple[tuple[str, float, bool], ...] = (
+    ("frequency_penalties", 0.0, False), ("presence_penalties", 0.0, False),
+    ("output_token_counts", 0.0, True), ("repetition_penalties", 1.0, False),
+    ("seen_token_mask", False, True), ("min_new_tokens", 0, False), ("output_lens", 0, False),
+    ("stop_token_mask", False, True), ("logit_bias", 0.0, True))
+
+
 @dataclass
 class BatchPenalties:
     """Penalty state of one batch, as device tensors ([bs, 1] coefficients, [bs, vocab] tables)."""
@@ -154,12 +162,38 @@ class BatchPenalties:
     def filter(self, rows: torch.Tensor) -> "BatchPenalties":
         """The state of rows `rows` (device int64 indices, in the new batch's order)."""
         out = BatchPenalties(vocab_size=self.vocab_size)
-        for name in ("frequency_penalties", "presence_penalties", "output_token_counts",
-                     "repetition_penalties", "seen_token_mask", "min_new_tokens", "output_lens",
-                     "stop_token_mask", "logit_bias"):
+        for name, _, _ in _PENALTY_FIELDS:
             value = getattr(self, name)
             if value is not None:
                 setattr(out, name, value.index_select(0, rows))
+        return out
+
+    @staticmethod
+    def concat(first: "BatchPenalties | None", second: "BatchPenalties | None",
+               first_rows: int, second_rows: int) -> "BatchPenalties | None":
+        """The state of a batch made of `first`'s rows, then `second`'s (either may be None:
+        a batch whose rows use no penalty). A group used by only one side gets its neutral
+        value on the other side's rows."""
+        if first is None and second is None:
+            return None
+        some = first if first is not None else second
+        assert some is not None
+        out = BatchPenalties(vocab_size=some.vocab_size)
+        for name, neutral, per_token in _PENALTY_FIELDS:
+            a = None if first is None else getattr(first, name)
+            b = None if second is None else getattr(second, name)
+            if a is None and b is None:
+                continue
+            like = a if a is not None else b
+            assert like is not None
+
+            def part(value: torch.Tensor | None, rows: int) -> torch.Tensor:
+                if value is not None:
+                    return value
+                shape = (rows, some.vocab_size) if per_token else (rows, *like.shape[1:])
+                return torch.full(shape, neutral, dtype=like.dtype, device=like.device)
+
+            setattr(out, name, torch.cat((part(a, first_rows), part(b, second_rows))))
         return out
 
     def advance(self, next_token_ids: torch.Tensor) -> None:

@@ -194,6 +194,34 @@ class SamplingBatchInfo:
             greedy_rows=greedy_rows,
             vocab_mask=None if self.vocab_mask is None else self.vocab_mask.index_select(0, index))
 
+    def concat(self, other: "SamplingBatchInfo") -> "SamplingBatchInfo":
+        """The info of a batch made of this one's rows, then `other`'s (requests joining a
+        decode batch whose state is carried on the device). No host sync."""
+        if self.vocab_mask is not None or other.vocab_mask is not None:
+            raise ValueError("a batch with a grammar's mask is rebuilt each step, not joined")
+        n = self.batch_size
+        return SamplingBatchInfo(
+            temperatures=torch.cat((self.temperatures, other.temperatures)),
+            top_ps=torch.cat((self.top_ps, other.top_ps)),
+            top_ks=torch.cat((self.top_ks, other.top_ks)),
+            min_ps=torch.cat((self.min_ps, other.min_ps)),
+            greedy_mask=torch.cat((self.greedy_mask, other.greedy_mask)),
+            vocab_size=self.vocab_size, device=self.device,
+            is_all_greedy=self.is_all_greedy and other.is_all_greedy,
+            has_greedy=self.has_greedy or other.has_greedy,
+            need_top_p=self.need_top_p or other.need_top_p,
+            need_top_k=self.need_top_k or other.need_top_k,
+            need_min_p=self.need_min_p or other.need_min_p,
+            # an all-greedy side has no sampled rows: its max_top_k (vocab_size) says nothing
+            max_top_k=(other.max_top_k if self.is_all_greedy else self.max_top_k
+                       if other.is_all_greedy else max(self.max_top_k, other.max_top_k)),
+            seed_rows=self.seed_rows + [n + row for row in other.seed_rows],
+            seeds=self.seeds + other.seeds,
+            seed_steps=self.seed_steps + other.seed_steps,
+            penalties=BatchPenalties.concat(self.penalties, other.penalties, n,
+                                            other.batch_size),
+            greedy_rows=self.greedy_rows | frozenset(n + row for row in other.greedy_rows))
+
     def advance(self, next_token_ids: torch.Tensor) -> None:
         """After a decode step appended `next_token_ids` (one per row), bring the info up to date
         for the next step without rebuilding it (no host sync). Only valid while the batch keeps

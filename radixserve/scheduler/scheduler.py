@@ -4,6 +4,13 @@ allocation; it hands batches to a ModelRunner and gets token ids back.
 One turn (run_turn): admit a prefill batch if the budgets allow (continuing the request being
 chunked first) and run it; otherwise run up to --num-continuous-decode-steps decode steps,
 retracting requests when memory runs short and returning early when streamed output waits.
+
+Under the overlap schedule (the default) each pass is launched before the host reads the
+sampled ids of the pass before it, so the GPU always has the next pass queued while Python
+appends tokens, checks stops, sends output and admits the next batch. At most one pass is in
+flight between turns (`inflight`, a decode step, or `inflight_prefill`): every launch settles
+the pass launched before it. A prefill's requests join the decode batch once their first token
+is read back, one step after the pass that follows them.
 """
 from __future__ import annotations
 
@@ -22,8 +29,8 @@ from radixserve.scheduler.admission import PrefillAdder
 from radixserve.scheduler.batch import BatchBuilder, merge_mixed
 from radixserve.scheduler.grammar.manager import GrammarManager
 from radixserve.scheduler.in_batch_prefix import InBatchPrefixIndex
-from radixserve.scheduler.overlap_decode import (DecodeLauncher, InflightDecode,
-                                                 ends_after_next_token)
+from radixserve.scheduler.overlap import (DecodeLauncher, InflightDecode, InflightPrefill,
+                                          ends_after_next_token)
 from radixserve.scheduler.output import OutputSlice, build_token_output, needs_send
 from radixserve.scheduler.policy import SchedulePolicy, match_prefix
 from radixserve.scheduler.retraction import NewTokenRatio, pick_retractions
@@ -67,6 +74,8 @@ class Scheduler:
         self.launcher = None if self.args.disable_overlap_schedule else \
             DecodeLauncher(model_runner, self.builder)
         self.inflight: InflightDecode | None = None
+        # a prefill batch launched and not yet read back (its requests join `running` then)
+        self.inflight_prefill: InflightPrefill | None = None
         # grammars compile in a worker thread; with TP every rank waits, to admit alike
         self.grammars = GrammarManager(tokenizer, model_runner.vocab_size, eos_token_ids,
                                        context_len, self.args.enable_jump_forward,
@@ -167,7 +176,18 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting_queue or self.running or self.chunked_req or self.outbox
-                    or self.inflight)
+                    or self.inflight or self.inflight_prefill)
+
+    def admitted_reqs(self) -> list[Req]:
+        """The running requests, and those of the prefill in flight that will join them."""
+        pending = self.inflight_prefill
+        if pending is None:
+            return self.running
+        return self.running + [r for r, chunk_only in zip(pending.reqs, pending.chunk_only)
+                               if not chunk_only]
+
+    def _in_flight(self) -> bool:
+        return self.inflight is not None or self.inflight_prefill is not None
 
     # ---- one turn ----
     def run_turn(self) -> list[BatchTokenIDOut]:
@@ -177,30 +197,31 @@ class Scheduler:
                        and self.last_turn_was_chunk and not self.args.enable_mixed_chunk)
         prefill = None if decode_turn else self._get_new_prefill_batch()
         self.last_turn_was_chunk = prefill is not None and self.chunked_req is not None
-        if decode_turn or prefill:
-            self._settle()  # those passes read every request's tokens so far
         if decode_turn:
-            self._run_decode_step()
+            self._run_decode(1)
         elif prefill and self._can_mix(prefill):
+            self._settle()  # the mixed pass reads every request's tokens so far
             self._run_mixed(prefill)
         elif prefill:
             self._run_prefill(prefill)
-        elif self.running or self.inflight:
-            steps = max(1, self.args.num_continuous_decode_steps)
-            # a grammar's mask needs the previous token on the host: constrained = synchronous
-            if self.launcher is not None and all(r.grammar is None for r in self.running):
-                self._run_decode_steps_overlapped(self.launcher, steps)
-            else:
-                self._settle()
-                for _ in range(steps):
-                    self._run_decode_step()
-                    if not self.running or self._streamed_output_waiting():
-                        break
+        elif self.running or self._in_flight():
+            self._run_decode(max(1, self.args.num_continuous_decode_steps))
         elif self.waiting_queue:  # nothing ran: the queue waits for grammars to compile
             self.grammars.wait_any(self.waiting_queue, timeout_s=0.01)
-        if not (self.waiting_queue or self.running or self.chunked_req or self.inflight):
+        if not (self.waiting_queue or self.running or self.chunked_req or self._in_flight()):
             self._on_idle()
         return self._drain_outbox()
+
+    def _run_decode(self, steps: int) -> None:
+        # a grammar's mask needs the previous token on the host: constrained = synchronous
+        if self.launcher is not None and all(r.grammar is None for r in self.running):
+            self._run_decode_steps_overlapped(self.launcher, steps)
+            return
+        self._settle()
+        for _ in range(steps):
+            self._run_decode_step()
+            if not self.running or self._streamed_output_waiting():
+                break
 
     def _streamed_output_waiting(self) -> bool:
         return any(r.stream and needs_send(r, self.args.stream_interval) for r in self.running)
@@ -219,7 +240,8 @@ class Scheduler:
         if not self.waiting_queue and self.chunked_req is None:
             return None
         self._end_failed_grammars()
-        if len(self.running) >= self.max_running_requests:
+        running = self.admitted_reqs()
+        if len(running) >= self.max_running_requests:
             return None
         chunked = self.chunked_req
         if chunked is not None:
@@ -228,10 +250,10 @@ class Scheduler:
         ordered = self.policy.order(self.waiting_queue) if self.waiting_queue else []
         matched = self.policy.matches_all(len(self.waiting_queue))
         adder = PrefillAdder.create(
-            self.tree_cache, self.token_to_kv_pool.available_size(), self.running, chunked,
+            self.tree_cache, self.token_to_kv_pool.available_size(), running, chunked,
             self.ratio.value, self.args.max_prefill_tokens,
             self.args.chunked_prefill_size if self.args.chunked_prefill_enabled else None,
-            self.max_running_requests - len(self.running))
+            self.max_running_requests - len(running))
         in_batch = InBatchPrefixIndex() if self.policy.policy in ("lpm", "dfs-weight") else None
         if chunked is not None:
             adder.add_chunked_req(chunked)
@@ -257,7 +279,7 @@ class Scheduler:
                 self.stats.num_recomputed_tokens += req.extend_input_len
         self.chunked_req = adder.new_chunked_req
         self.stats.log_prefill(len(adder.can_run), adder.new_input_tokens,
-                               adder.new_cached_tokens, self.token_usage(), len(self.running),
+                               adder.new_cached_tokens, self.token_usage(), len(running),
                                len(self.waiting_queue), self.chunked_req is not None)
         return adder.can_run
 
@@ -270,8 +292,23 @@ class Scheduler:
                 self._finish(req, FinishReason.abort(message), release=False)
 
     def _run_prefill(self, reqs: list[Req]) -> None:
+        """Under the overlap schedule: launch the batch, share its prompts' KV in the prefix
+        cache at once (the device writes it before any later pass reads it: they run in
+        launch order), then settle the pass launched before it while this one runs. Its ids
+        are read when the next pass is launched (or anything settles). Prompt logprobs are
+        assembled on the host: such batches run synchronously."""
+        if self.launcher is None or any(r.return_logprob for r in reqs):
+            self._settle()
+            batch = self.builder.prepare_extend(reqs)
+            self._process_prefill_results(reqs, self.runner.forward(batch))
+            return
         batch = self.builder.prepare_extend(reqs)
-        self._process_prefill_results(reqs, self.runner.forward(batch))
+        handle = self.runner.forward_extend_async(batch)
+        chunk_only = [r.is_being_chunked for r in reqs]
+        for req in reqs:
+            self.tree_cache.cache_unfinished_req(req)
+        self._settle()
+        self.inflight_prefill = InflightPrefill(handle, reqs, chunk_only)
 
     def _can_mix(self, prefill: list[Req]) -> bool:
         """--enable-mixed-chunk: run the prefill (chunk) and the decode batch in one pass."""
@@ -292,15 +329,19 @@ class Scheduler:
         self._process_decode_results(OutputSlice(out, n))
         self._process_prefill_results(prefill, out)
 
-    def _process_prefill_results(self, reqs: list[Req], out: Any) -> None:
+    def _process_prefill_results(self, reqs: list[Req], out: Any,
+                                 launched: InflightPrefill | None = None) -> None:
+        """`launched`: the pass was launched ahead (its prompts are in the cache already, and
+        its chunk flags are the ones it ran with)."""
         for i, req in enumerate(reqs):
             if req.return_logprob and out.input_token_logprobs is not None:
                 req.input_token_logprobs += out.input_token_logprobs[i]
                 if req.top_logprobs_num and out.input_top_logprobs is not None:
                     req.input_top_logprobs += out.input_top_logprobs[i]
-            if req.is_being_chunked:
+            if req.is_being_chunked if launched is None else launched.chunk_only[i]:
                 # this chunk's KV becomes the prefix the next chunk extends
-                self.tree_cache.cache_unfinished_req(req)
+                if launched is None:
+                    self.tree_cache.cache_unfinished_req(req)
                 continue
             if req.sampling_params.max_new_tokens == 0:
                 self._finish(req, FinishReason.max_length(0))
@@ -311,8 +352,8 @@ class Scheduler:
             elif jumped:
                 self._requeue_for_extend(req)
             else:
-                # share the prompt's KV with later requests right away
-                self.tree_cache.cache_unfinished_req(req)
+                if launched is None:  # share the prompt's KV with later requests right away
+                    self.tree_cache.cache_unfinished_req(req)
                 self.running.append(req)
 
     def _append_token(self, req: Req, i: int, out: Any) -> int:
@@ -359,14 +400,10 @@ class Scheduler:
         while True:
             launched = None
             if launched_steps < max_steps:
-                if self.inflight is None:
-                    self._ensure_decode_memory()
-                    reqs = list(self.running)
-                else:
-                    reqs = [r for r in self.inflight.reqs if not r.finished
-                            and not ends_after_next_token(r, self.context_len)]
-                    if not self._decode_memory_available(len(reqs)):
-                        reqs = []  # short of KV: settle first; the next turn may retract
+                reqs = self._next_decode_reqs()
+                if not reqs and self.inflight_prefill is not None:
+                    self._settle()  # only the prefill's requests are left to decode
+                    reqs = self._next_decode_reqs()
                 if reqs:
                     launched = launcher.launch(reqs, self.inflight)
                     launched_steps += 1
@@ -376,8 +413,30 @@ class Scheduler:
                     self._streamed_output_waiting():
                 break  # what was launched last runs on while the turn's output goes out
 
+    def _next_decode_reqs(self) -> list[Req]:
+        """The requests of the next overlapped decode step: those of the step in flight that go
+        on, then the ones whose prefill was read back since (their token is on the host); none
+        when the KV pool is short (settle first; the next turn may retract) or when a request
+        with a grammar would join (settle; the next turn decodes synchronously)."""
+        if self.inflight is None:
+            self._ensure_decode_memory()
+            reqs = list(self.running)
+        else:
+            in_step = {id(r) for r in self.inflight.reqs}
+            reqs = [r for r in self.inflight.reqs if not r.finished
+                    and not ends_after_next_token(r, self.context_len)]
+            reqs += [r for r in self.running if id(r) not in in_step]
+            if not self._decode_memory_available(len(reqs)):
+                return []
+        if any(r.grammar is not None for r in reqs):
+            return []
+        return reqs
+
     def _settle(self) -> None:
-        """Read back and process the decode step in flight, if any."""
+        """Read back and process the pass in flight, if any (there is at most one)."""
+        if self.inflight_prefill is not None:
+            prefill, self.inflight_prefill = self.inflight_prefill, None
+            self._process_prefill_results(prefill.reqs, prefill.handle.output(()), prefill)
         if self.inflight is None:
             return
         inflight, self.inflight = self.inflight, None
@@ -477,10 +536,10 @@ class Scheduler:
         self.last_memory_check = self.check_memory()
 
     def get_internal_state(self) -> InternalState:
-        idle = not (self.waiting_queue or self.running or self.chunked_req)
+        idle = not (self.waiting_queue or self.running or self.chunked_req or self._in_flight())
         ok, leaked = self.check_memory() if idle else (None, 0)
         return InternalState(
-            num_running_reqs=len(self.running) + (self.chunked_req is not None),
+            num_running_reqs=len(self.admitted_reqs()) + (self.chunked_req is not None),
             num_queued_reqs=len(self.waiting_queue),
             max_total_num_tokens=self.max_total_num_tokens,
             available_tokens=self.token_to_kv_pool.available_size(),

@@ -193,8 +193,10 @@ def test_overlap_on_and_off_give_identical_outputs_and_stops():
 
 def test_overlap_carries_penalties_and_seeds_exactly():
     """Seeded sampling and penalties under overlap read the sampling state carried on the device
-    (rows kept, advanced by the token in flight); it must equal the state rebuilt from the
-    requests' outputs each step: the same tokens with overlap on and off."""
+    (rows kept, advanced by the token in flight, and joined by the rows of requests whose
+    prefill is read back meanwhile: 8-token chunks admit the prompts over several turns); it
+    must equal the state rebuilt from the requests' outputs each step: the same tokens with
+    overlap on and off."""
     prompts = PROMPTS + ["List three animals:"]
     params = [
         {"max_new_tokens": 24, "temperature": 0.9, "seed": 3, "frequency_penalty": 0.8},
@@ -206,7 +208,8 @@ def test_overlap_carries_penalties_and_seeds_exactly():
     prompts = prompts[:len(params)]
     results = []
     for overlap in (True, False):
-        eng = radixserve.Engine(dtype="float32", disable_overlap_schedule=not overlap)
+        eng = radixserve.Engine(dtype="float32", disable_overlap_schedule=not overlap,
+                                chunked_prefill_size=8)
         results.append([o["output_ids"] for o in eng.generate(prompts, params)])
         state = eng.get_internal_state()
         assert state["memory_check_ok"] and state["leaked_tokens"] == 0

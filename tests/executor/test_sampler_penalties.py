@@ -183,3 +183,53 @@ def test_filter_then_advance_equals_a_fresh_build() -> None:
     for _ in range(3):
         logits = torch.randn(len(keep), VOCAB) * 3
         torch.testing.assert_close(carried.penalties.apply(logits), fresh.penalties.apply(logits))
+
+
+def _joined_and_fresh(kept: list[Req], joining: list[Req]
+                      ) -> tuple[SamplingBatchInfo, SamplingBatchInfo]:
+    joined = SamplingBatchInfo.from_reqs(kept, VOCAB, "cpu", EOS).concat(
+        SamplingBatchInfo.from_reqs(joining, VOCAB, "cpu", EOS))
+    return joined, SamplingBatchInfo.from_reqs(kept + joining, VOCAB, "cpu", EOS)
+
+
+def test_concat_equals_a_fresh_build_of_the_joined_batch() -> None:
+    """Requests joining a decode batch in flight: the carried rows' info, then the joining
+    rows' info, decide as one info built from all the requests (penalties used by one side
+    only get neutral rows on the other; seeds keep their rows and steps)."""
+    rng = random.Random(11)
+    for trial in range(6):
+        reqs = random_reqs(rng, 9)
+        for i, req in enumerate(reqs):
+            if i % 3 == 1:
+                req.sampling_params.seed = 40 + i
+            if trial % 2 and i == 2:
+                req.sampling_params.logit_bias = {5: 3.0, 6: -2.0}
+            if i == 4:
+                req.sampling_params.top_k = 3
+        split = [0, 3, 5, 9, 4, 7][trial]
+        if trial == 3:  # no penalties at all on the joining side
+            reqs = reqs[:split] + [make_req([1, 2], [3], temperature=0.8)]
+        joined, fresh = _joined_and_fresh(reqs[:split], reqs[split:])
+        assert _info_state(joined) == _info_state(fresh)
+        assert (joined.need_top_k, joined.need_top_p, joined.need_min_p) == \
+            (fresh.need_top_k, fresh.need_top_p, fresh.need_min_p)
+        assert joined.max_top_k == fresh.max_top_k
+        assert (joined.penalties is None) == (fresh.penalties is None)
+        logits = torch.randn(len(reqs), VOCAB) * 3
+        if fresh.penalties is not None:
+            assert joined.penalties is not None
+            torch.testing.assert_close(joined.penalties.apply(logits),
+                                       fresh.penalties.apply(logits))
+        sampled = []
+        for info in (joined, fresh):
+            torch.manual_seed(trial)  # the unseeded rows' noise
+            sampled.append(Sampler().forward(logits, info))
+        torch.testing.assert_close(*sampled)
+
+
+def test_concat_of_greedy_batches_stays_greedy() -> None:
+    kept = [make_req([1], [2], temperature=0.0) for _ in range(2)]
+    joining = [make_req([3], [], temperature=0.0)]
+    joined, fresh = _joined_and_fresh(kept, joining)
+    assert joined.is_all_greedy and joined.penalties is None
+    assert _info_state(joined) == _info_state(fresh)

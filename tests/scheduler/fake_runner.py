@@ -14,7 +14,7 @@ from radixserve.core.io_struct import TokenizedGenerateReq
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.core.forward_batch import ModelWorkerBatch
 from radixserve.executor.model_runner import ForwardOutput, ModelRunner
-from radixserve.executor.pending_decode import PendingDecode
+from radixserve.executor.pending_step import PendingStep
 from radixserve.mem.kv_pool import KVCacheSpec, make_kv_pool
 from radixserve.mem.req_to_token_pool import ReqToTokenPool
 from radixserve.scheduler.scheduler import Scheduler
@@ -40,17 +40,31 @@ class FakeRunner:
         self.sequences: dict[int, list[int]] = {}  # row -> tokens whose KV must exist
         self.batches: list[ModelWorkerBatch] = []
         self.async_steps = 0  # decode steps launched through forward_decode_async
+        self.async_prefills = 0  # prefill passes launched through forward_extend_async
+        # carried decode steps (ids from the step in flight) that some requests joined
+        self.joined_steps = 0
+        self.last_decode_rows: set[int] = set()
 
     def forward(self, batch: ModelWorkerBatch) -> ForwardOutput:
         return ForwardOutput(self._run(batch, batch.input_ids))
 
     def forward_decode_async(self, batch: ModelWorkerBatch,
-                             input_ids: torch.Tensor | None = None) -> PendingDecode:
+                             input_ids: torch.Tensor | None = None) -> PendingStep:
         """As ModelRunner's: `input_ids`, when given, replaces batch.input_ids (stale then)."""
         assert ModelRunner.can_overlap(batch)
         self.async_steps += 1
+        rows = set(batch.req_pool_indices)
+        if input_ids is not None and rows - self.last_decode_rows:
+            self.joined_steps += 1
+        self.last_decode_rows = rows
         ids = batch.input_ids if input_ids is None else input_ids.tolist()
-        return PendingDecode(torch.tensor(self._run(batch, ids), dtype=torch.int64))
+        return PendingStep(torch.tensor(self._run(batch, ids), dtype=torch.int64))
+
+    def forward_extend_async(self, batch: ModelWorkerBatch) -> PendingStep:
+        """As ModelRunner's: the pass runs at once here; the scheduler reads its ids later."""
+        assert ModelRunner.can_overlap(batch) and not batch.forward_mode.is_decode()
+        self.async_prefills += 1
+        return PendingStep(torch.tensor(self._run(batch, batch.input_ids), dtype=torch.int64))
 
     def _run(self, batch: ModelWorkerBatch, input_ids: list[int]) -> list[int]:
         self.batches.append(batch)

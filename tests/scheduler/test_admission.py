@@ -67,7 +67,7 @@ def test_staggered_known_lengths_overlap_where_a_flat_reservation_would_not() ->
     scheduler.add_request(make_req("short", [2] * 40, max_new=10, ignore_eos=True))
     scheduler.run_turn()
     # a flat reservation: 11 held + 149 to come + 40 + 10 > 200; the peak (t = 10) is ~71
-    assert sorted(r.rid for r in scheduler.running) == ["long", "short"]
+    assert sorted(r.rid for r in scheduler.admitted_reqs()) == ["long", "short"]
     results = run_all(scheduler)
     assert results["short"]["ids"] == expected_output([2] * 40, 10)
     assert results["long"]["ids"] == expected_output([1] * 10, 150)

@@ -114,13 +114,13 @@ def test_steps_stay_in_flight_across_turns() -> None:
 def test_streaming_sends_each_token_while_the_next_step_runs() -> None:
     scheduler, runner = make_scheduler(num_continuous_decode_steps=5)
     scheduler.add_request(make_req("s", [4, 5, 6], max_new=6, stream=True))
-    first = scheduler.run_turn()  # prefill: the first token
-    assert first[0].new_output_ids[0] == expected_output([4, 5, 6], 1)
+    assert scheduler.run_turn() == []  # the prefill is launched, its token not yet read
+    assert scheduler.inflight_prefill is not None and runner.async_prefills == 1
     before = len(runner.batches)
-    outs = scheduler.run_turn()  # launch step 1, launch step 2, read step 1, send
-    assert len(runner.batches) - before == 2
-    assert outs[0].new_output_ids[0] == expected_output([4, 5, 6], 2)[1:]
-    for k in range(3, 6):  # from then on: one launched, one read back and sent, per turn
+    first = scheduler.run_turn()  # read the prefill's token, launch step 1, send
+    assert len(runner.batches) - before == 1 and scheduler.inflight is not None
+    assert first[0].new_output_ids[0] == expected_output([4, 5, 6], 1)
+    for k in range(2, 6):  # from then on: one launched, one read back and sent, per turn
         before = len(runner.batches)
         outs = scheduler.run_turn()
         assert outs[0].new_output_ids[0] == expected_output([4, 5, 6], k)[k - 1:]
@@ -160,3 +160,92 @@ def test_retraction_under_overlap_keeps_outputs_exact() -> None:
         assert results[f"r{i}"]["ids"] == expected_output(p[:15], 40)
     assert scheduler.stats.num_retractions > 0 and runner.async_steps > 0
     assert_memory_clean(scheduler)
+
+
+@pytest.mark.parametrize("policy", ["lpm", "fcfs"])
+def test_requests_joining_a_decode_batch_in_flight_get_exact_outputs(policy: str) -> None:
+    """Prefill batches launched ahead (read back once the next pass is launched) while other
+    requests decode: requests arrive over many turns, share prefixes, are chunked, stop on
+    tokens or by length, and join the carried decode batch; every output is the model's, as
+    with the synchronous schedule, and no slot leaks."""
+    rng = random.Random(7)
+    base = [rng.randrange(1, 50) for _ in range(30)]
+    arrivals = []
+    for i in range(24):
+        prompt = base[:rng.randrange(0, 30)] + [rng.randrange(1, 50)
+                                                for _ in range(rng.randrange(1, 25))]
+        max_new = rng.randrange(1, 30)
+        expected = expected_output(prompt, max_new)
+        stop = [expected[-1]] if i % 3 == 0 and expected[-1] not in expected[:-1] else None
+        arrivals.append((rng.randrange(0, 60), f"r{i}", prompt, max_new, stop))
+    results = []
+    for overlap in (True, False):
+        scheduler, runner = make_scheduler(
+            max_total_tokens=600, num_continuous_decode_steps=3, schedule_policy=policy,
+            chunked_prefill_size=16, disable_overlap_schedule=not overlap)
+        outputs: dict[str, list[int]] = {}
+        for turn in range(2000):
+            for when, rid, prompt, max_new, stop in arrivals:
+                if when == turn:
+                    scheduler.add_request(make_req(rid, prompt, max_new=max_new,
+                                                   stop_token_ids=stop))
+            for out in scheduler.run_turn():
+                for i, rid in enumerate(out.rids):
+                    outputs.setdefault(rid, []).extend(out.new_output_ids[i])
+            if turn > 60 and not scheduler.has_work():
+                break
+        assert not scheduler.has_work()
+        assert_memory_clean(scheduler)
+        results.append(outputs)
+        if overlap:
+            assert runner.async_prefills > 0 and runner.joined_steps > 0
+        else:
+            assert runner.async_prefills == 0 and runner.async_steps == 0
+    assert results[0] == results[1]
+    for _, rid, prompt, max_new, stop in arrivals:
+        expected = expected_output(prompt, max_new)
+        assert results[0][rid] == expected
+
+
+def test_chunks_of_a_long_prompt_launch_before_the_one_before_is_read() -> None:
+    scheduler, runner = make_scheduler(chunked_prefill_size=16)
+    prompt = [(7 * i) % 49 + 1 for i in range(70)]
+    scheduler.add_request(make_req("long", prompt, max_new=5))
+    for chunk in range(1, 5):  # 16, 32, 48, 64 tokens: each launched while the last runs
+        assert scheduler.run_turn() == []
+        assert runner.async_prefills == chunk and scheduler.inflight_prefill is not None
+        assert scheduler.chunked_req is not None
+    results = run_all(scheduler)
+    assert results["long"]["ids"] == expected_output(prompt, 5)
+    assert runner.async_prefills == 5
+    assert_memory_clean(scheduler)
+
+
+def test_abort_and_state_while_a_prefill_is_in_flight() -> None:
+    scheduler, runner = make_scheduler()
+    scheduler.add_request(make_req("keep", [1, 2, 3], max_new=12))
+    scheduler.add_request(make_req("drop", [4, 5, 6, 7], max_new=12))
+    assert scheduler.run_turn() == []
+    state = scheduler.get_internal_state()
+    assert state.num_running_reqs == 2 and state.memory_check_ok is None  # not idle
+    assert scheduler.inflight_prefill is not None
+    scheduler.abort_request("drop")
+    assert scheduler.inflight_prefill is None  # read back before the abort freed its memory
+    results = run_all(scheduler)
+    assert results["drop"]["finish"]["type"] == "abort"
+    assert results["keep"]["ids"] == expected_output([1, 2, 3], 12)
+    assert_memory_clean(scheduler)
+
+
+def test_prefill_with_logprobs_is_read_back_at_once() -> None:
+    """Prompt logprobs are assembled on the host: such a batch runs synchronously."""
+    scheduler, runner = make_scheduler()
+    req = make_req("lp", [1, 2, 3], max_new=4, stream=True)
+    req.return_logprob = True
+    scheduler.add_request(req)
+    first = scheduler.run_turn()
+    assert runner.async_prefills == 0 and first[0].new_output_ids[0] == \
+        expected_output([1, 2, 3], 1)
+    results = run_all(scheduler)
+    assert_memory_clean(scheduler)
+    assert len(results["lp"]["ids"]) == 3

@@ -74,7 +74,7 @@ def test_admission_reserves_running_requests_future_tokens():
     scheduler, runner = make_scheduler(max_total_tokens=400, num_continuous_decode_steps=1)
     scheduler.add_request(make_req("long", [1] * 10, max_new=300))
     scheduler.run_turn()  # prefill "long"
-    assert len(scheduler.running) == 1
+    assert len(scheduler.admitted_reqs()) == 1
     # reserved = 299 * 0.7 ~ 209; free ~ 389 - 209 = 180 < 100 + 100: refused for now
     scheduler.add_request(make_req("big", [2] * 100, max_new=100))
     scheduler.run_turn()
@@ -82,12 +82,12 @@ def test_admission_reserves_running_requests_future_tokens():
     # v0.2 admits in policy order and stops at the first request that does not fit
     scheduler.add_request(make_req("small", [3] * 10, max_new=10))
     scheduler.run_turn()
-    assert [r.rid for r in scheduler.running] == ["long"]
+    assert [r.rid for r in scheduler.admitted_reqs()] == ["long"]
     # without the big one ahead of it, the small one fits the estimate
     scheduler.abort_request("big")
     outs = scheduler.run_turn()
     assert outs[0].rids == ["big"] and outs[0].finished_reasons[0]["type"] == "abort"
-    assert "small" in [r.rid for r in scheduler.running]
+    assert "small" in [r.rid for r in scheduler.admitted_reqs()]
     results = run_all(scheduler)
     assert results["small"]["ids"] == expected_output([3] * 10, 10)
     assert_memory_clean(scheduler)
@@ -136,7 +136,7 @@ def test_retraction_picks_fewest_output_tokens_and_raises_ratio():
     # admitted: 20 + 60 fits the estimate, but old (100) + new (80) > 120 tokens later
     scheduler.add_request(make_req("new", [2] * 20, max_new=60))
     scheduler.run_turn()
-    assert "new" in [r.rid for r in scheduler.running]
+    assert "new" in [r.rid for r in scheduler.admitted_reqs()]
     ratio_before = scheduler.ratio.value
     for _ in range(100):
         if scheduler.stats.num_retractions:

@@ -15,7 +15,7 @@ from radixserve.core.forward_batch import ForwardOutput
 from radixserve.executor.sampler import DeviceLogprobs, top_logprob_lists
 
 
-class PendingDecode:
+class PendingStep:
     """Sampled ids (and logprobs) of one launched decode step, read with `token_ids()` or
     `output()`; `ids` stays on the model's device for the next step to read as input."""
 
