@@ -7,10 +7,11 @@ retracting requests when memory runs short and returning early when streamed out
 
 Under the overlap schedule (the default) each pass is launched before the host reads the
 sampled ids of the pass before it, so the GPU always has the next pass queued while Python
-appends tokens, checks stops, sends output and admits the next batch. At most one pass is in
-flight between turns (`inflight`, a decode step, or `inflight_prefill`): every launch settles
-the pass launched before it. A prefill's requests join the decode batch once their first token
-is read back, one step after the pass that follows them.
+appends tokens, checks stops, sends output and admits the next batch. Between turns one pass is
+in flight (`inflight`, a decode step, or `inflight_prefill`): every launch settles the pass
+launched before it, except that the one decode step between two chunks of a prompt leaves the
+prefill in flight too. A prefill's requests join the decode batch once their first token is
+read back, one step after the pass that follows them.
 """
 from __future__ import annotations
 
@@ -198,7 +199,7 @@ class Scheduler:
         prefill = None if decode_turn else self._get_new_prefill_batch()
         self.last_turn_was_chunk = prefill is not None and self.chunked_req is not None
         if decode_turn:
-            self._run_decode(1)
+            self._run_decode(1, keep_prefill=True)
         elif prefill and self._can_mix(prefill):
             self._settle()  # the mixed pass reads every request's tokens so far
             self._run_mixed(prefill)
@@ -212,10 +213,11 @@ class Scheduler:
             self._on_idle()
         return self._drain_outbox()
 
-    def _run_decode(self, steps: int) -> None:
+    def _run_decode(self, steps: int, keep_prefill: bool = False) -> None:
+        """keep_prefill: a decode turn between two chunks; see _run_decode_steps_overlapped."""
         # a grammar's mask needs the previous token on the host: constrained = synchronous
         if self.launcher is not None and all(r.grammar is None for r in self.running):
-            self._run_decode_steps_overlapped(self.launcher, steps)
+            self._run_decode_steps_overlapped(self.launcher, steps, keep_prefill)
             return
         self._settle()
         for _ in range(steps):
@@ -386,7 +388,8 @@ class Scheduler:
         batch = self.builder.prepare_decode(self.running)
         self._process_decode_results(self.runner.forward(batch))
 
-    def _run_decode_steps_overlapped(self, launcher: DecodeLauncher, max_steps: int) -> None:
+    def _run_decode_steps_overlapped(self, launcher: DecodeLauncher, max_steps: int,
+                                     keep_prefill: bool = False) -> None:
         """Launch up to max_steps decode steps, each before the previous one's ids are read:
         step k+1 takes its input ids from step k on the device, and while it runs the host
         appends step k's tokens, checks which requests finished and (after the turn) sends the
@@ -395,7 +398,16 @@ class Scheduler:
 
         Step k+1 leaves out requests whose step-k token is their last by length; a request that
         stops on a token (EOS, stop string) is found one step late: its step-k+1 token is
-        dropped and the KV slot that step wrote goes back with the request's other slots."""
+        dropped and the KV slot that step wrote goes back with the request's other slots.
+
+        keep_prefill (a one-step turn between two chunks of a prompt): the step is launched
+        behind the prefill in flight, and both stay in flight. The next turn admits and
+        launches the next chunk's batch before the host waits for either, so the GPU is never
+        left without a queued pass while Python reads the prefill back (its requests join the
+        decode batch at the same step as when it is read here). Then two passes are in flight
+        between turns, the prefill launched first; `_settle` reads them in that order."""
+        keep_prefill = keep_prefill and max_steps == 1 and self.inflight is None \
+            and self.inflight_prefill is not None
         launched_steps = 0
         while True:
             launched = None
@@ -403,11 +415,13 @@ class Scheduler:
                 reqs = self._next_decode_reqs()
                 if not reqs and self.inflight_prefill is not None:
                     self._settle()  # only the prefill's requests are left to decode
+                    keep_prefill = False
                     reqs = self._next_decode_reqs()
                 if reqs:
                     launched = launcher.launch(reqs, self.inflight)
                     launched_steps += 1
-            self._settle()
+            if not (keep_prefill and launched is not None):
+                self._settle()
             self.inflight = launched
             if launched is None or launched_steps >= max_steps or \
                     self._streamed_output_waiting():
@@ -433,7 +447,8 @@ class Scheduler:
         return reqs
 
     def _settle(self) -> None:
-        """Read back and process the pass in flight, if any (there is at most one)."""
+        """Read back and process the passes in flight, in launch order: at most one, or a
+        prefill and the decode step launched after it (keep_prefill)."""
         if self.inflight_prefill is not None:
             prefill, self.inflight_prefill = self.inflight_prefill, None
             self._process_prefill_results(prefill.reqs, prefill.handle.output(()), prefill)

@@ -249,3 +249,27 @@ def test_prefill_with_logprobs_is_read_back_at_once() -> None:
     results = run_all(scheduler)
     assert_memory_clean(scheduler)
     assert len(results["lp"]["ids"]) == 3
+
+
+def test_the_decode_step_between_two_chunks_leaves_the_prefill_in_flight() -> None:
+    """Chunk, one decode step, chunk: the decode step is launched behind the chunk's pass and
+    neither is read back in that turn; the next turn launches the next chunk first."""
+    scheduler, runner = make_scheduler(chunked_prefill_size=16,
+                                       num_continuous_decode_steps=4)
+    scheduler.add_request(make_req("run", [3, 4], max_new=30))
+    first_turns = [scheduler.run_turn() for _ in range(3)]  # prefill, read back, decode
+    assert first_turns[0] == []
+    prompt = [(5 * i) % 47 + 1 for i in range(60)]
+    scheduler.add_request(make_req("long", prompt, max_new=6))
+    scheduler.run_turn()  # the first chunk, launched ahead
+    assert scheduler.inflight_prefill is not None and scheduler.chunked_req is not None
+    scheduler.run_turn()  # the decode turn between chunks
+    assert scheduler.inflight is not None and scheduler.inflight_prefill is not None
+    prefills = runner.async_prefills
+    scheduler.run_turn()  # the next chunk is launched before both are read back
+    assert runner.async_prefills == prefills + 1
+    assert scheduler.inflight is None and scheduler.inflight_prefill is not None
+    results = run_all(scheduler)
+    assert results["long"]["ids"] == expected_output(prompt, 6)
+    assert results["run"]["ids"] == expected_output([3, 4], 30)
+    assert_memory_clean(scheduler)
