@@ -52,10 +52,36 @@ class ReqToTokenPool:
         self.free_slots = list(range(self.size))
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        """Table and host copy: row[start:start + len(slots)] = slots (CPU int tensor)."""
+        """Table and host copy: row[start:start + len(slots)] = slots (CPU int tensor).
+        Never waits for the device (a pass may be running: the copy is queued behind it)."""
+        if len(slots) == 0:
+            return
         slots = slots.to("cpu", torch.int32)
         self.host_table[row, start:start + len(slots)] = slots.numpy()
-        self.req_to_token[row, start:start + len(slots)] = slots.to(self.device)
+        self.req_to_token[row, start:start + len(slots)] = slots.to(self.device,
+                                                                    non_blocking=True)
+
+    def write_many(self, writes: list[tuple[int, int, torch.Tensor]]) -> None:
+        """`write(row, start, slots)` for each, with one copy to the device for all of them
+        (a prefill batch's rows)."""
+        writes = [(row, start, slots) for row, start, slots in writes if len(slots)]
+        if not writes:
+            return
+        if len(writes) == 1:
+            for row, start, slots in writes:
+                self.write(row, start, slots)
+            return
+        rows, positions, values = [], [], []
+        for row, start, slots in writes:
+            host = slots.to("cpu", torch.int32).numpy()
+            self.host_table[row, start:start + len(host)] = host
+            rows.append(np.full(len(host), row, dtype=np.int64))
+            positions.append(np.arange(start, start + len(host), dtype=np.int64))
+            values.append(host.astype(np.int64))
+        packed = torch.from_numpy(np.stack((np.concatenate(rows), np.concatenate(positions),
+                                            np.concatenate(values))))
+        packed = packed.to(self.device, non_blocking=True)
+        self.req_to_token[packed[0], packed[1]] = packed[2].to(torch.int32)
 
     def write_host_positions(self, rows: list[int], positions: list[int],
                              slots: torch.Tensor) -> None:
@@ -70,7 +96,8 @@ class ReqToTokenPool:
         self.write_host_positions(rows, positions, slots)
         index = torch.tensor([rows, positions], dtype=torch.int64).to(self.device,
                                                                      non_blocking=True)
-        self.req_to_token[index[0], index[1]] = slots.to(self.device, torch.int32)
+        self.req_to_token[index[0], index[1]] = slots.to(self.device, torch.int32,
+                                                         non_blocking=True)
 
     def read_row(self, row: int, length: int) -> torch.Tensor:
         """The first `length` slots of a row, int64 on the CPU, from the host copy (no sync)."""

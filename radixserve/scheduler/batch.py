@@ -63,13 +63,14 @@ class BatchBuilder:
         """Allocate rows and KV slots for the requests' extend tokens (prefix already locked).
         `with_sampling=False` leaves sampling_info empty (a part of a MIXED pass)."""
         new_rows = [r for r in reqs if r.req_pool_idx is None]
+        writes: list[tuple[int, int, torch.Tensor]] = []  # the table's rows, one copy for all
         if new_rows:
             rows = self.req_to_token_pool.alloc(len(new_rows))
             if rows is None:
                 raise OutOfMemoryError("no free request slot (admission should prevent this)")
             for req, row in zip(new_rows, rows):
                 req.req_pool_idx = row
-                self.req_to_token_pool.write(row, 0, req.prefix_indices)
+                writes.append((row, 0, req.prefix_indices))
         extend_lens = [r.extend_input_len for r in reqs]
         out_cache_loc = alloc_kv(sum(extend_lens), self.token_to_kv_pool, self.tree_cache)
         input_ids: list[int] = []
@@ -77,11 +78,11 @@ class BatchBuilder:
         for req, ext_len in zip(reqs, extend_lens):
             prefix_len = len(req.prefix_indices)
             assert req.req_pool_idx is not None
-            self.req_to_token_pool.write(req.req_pool_idx, prefix_len,
-                                         out_cache_loc[offset:offset + ext_len])
+            writes.append((req.req_pool_idx, prefix_len, out_cache_loc[offset:offset + ext_len]))
             input_ids.extend(req.fill_ids[prefix_len:prefix_len + ext_len])
             req.kv_len = prefix_len + ext_len
             offset += ext_len
+        self.req_to_token_pool.write_many(writes)
         return_logprob = any(r.return_logprob for r in reqs)
         batch = ModelWorkerBatch(
             forward_mode=forward_mode,

@@ -1,0 +1,39 @@
+"""ReqToTokenPool's writes: the device table and its host copy agree, one write or many."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve.mem.req_to_token_pool import ReqToTokenPool
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_write_many_equals_writes_one_by_one(device: str) -> None:
+    rng = random.Random(3)
+    one, many = ReqToTokenPool(8, 64, device), ReqToTokenPool(8, 64, device)
+    for _ in range(5):
+        writes = []
+        for row in rng.sample(range(8), 5):
+            start = rng.randrange(0, 40)
+            length = rng.choice([0, 1, rng.randrange(2, 24)])
+            dtype = rng.choice([torch.int64, torch.int32])
+            writes.append((row, start, torch.tensor(
+                [rng.randrange(1, 10_000) for _ in range(length)], dtype=dtype)))
+        for row, start, slots in writes:
+            one.write(row, start, slots)
+        many.write_many(writes)
+        assert np.array_equal(one.host_table, many.host_table)
+        assert torch.equal(one.req_to_token.cpu(), many.req_to_token.cpu())
+        assert np.array_equal(many.host_table, many.req_to_token.cpu().numpy())
+
+
+def test_an_empty_write_touches_nothing() -> None:
+    pool = ReqToTokenPool(2, 8, "cpu")
+    pool.write(1, 7, torch.empty(0, dtype=torch.int64))
+    pool.write_many([(0, 3, torch.empty(0, dtype=torch.int64))])
+    assert not pool.host_table.any() and not pool.req_to_token.any()
