@@ -22,6 +22,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from radixserve.core.req import Req
 
 if TYPE_CHECKING:
@@ -47,29 +49,47 @@ def has_known_length(req: Req) -> bool:
 @dataclass
 class PeakCheck:
     """Requests of known length as (tokens left to generate, tokens held when finished minus
-    tokens left), sorted by tokens left."""
+    tokens left), sorted by tokens left.
+
+    `fits` answers in O(log n) from tables rebuilt (vectorised) after each `add`: with n
+    requests sorted by tokens left l_j, F_j the tokens handed back before the j-th finishes,
+    and R the reserve, moment j of the list as it stands needs free + E_j >= 0 with
+    E_j = F_j - (l_j + R)(n - j). A new request (l, h) inserted at position a adds one request
+    running at every moment before it (E_j - (l_j + R)), its own moment
+    (F_a - (l + R)(n + 1 - a)), and its h tokens handed back at every moment after it
+    (E_j + h): so a prefix minimum and a suffix minimum decide every moment at once."""
     left: list[int] = field(default_factory=list)
     held: list[int] = field(default_factory=list)
+    _tables: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def add(self, tokens_left: int, tokens_held: int) -> None:
         at = bisect.bisect_right(self.left, tokens_left)
         self.left.insert(at, tokens_left)
         self.held.insert(at, tokens_held)
+        self._tables = None
+
+    def _build(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        n = len(self.left)
+        left = np.asarray(self.left, dtype=np.float64) + PEAK_RESERVE_PER_REQUEST
+        freed = np.zeros(n + 1)
+        np.cumsum(np.asarray(self.held, dtype=np.float64), out=freed[1:])
+        moments = freed[:n] - left * (n - np.arange(n))  # E_j
+        before = np.full(n + 1, np.inf)  # min over j < a of E_j - (l_j + R)
+        np.minimum.accumulate(moments - left, out=before[1:])
+        after = np.full(n + 1, np.inf)  # min over j >= a of E_j
+        after[:n] = np.minimum.accumulate(moments[::-1])[::-1]
+        return freed, before, after
 
     def fits(self, free: float, tokens_left: int, tokens_held: int) -> bool:
         """Would adding this request keep every finishing moment at or above the reserve?
         free: tokens free now, after the request's prompt is stored."""
+        if self._tables is None:
+            self._tables = self._build()
+        freed, before, after = self._tables
         at = bisect.bisect_right(self.left, tokens_left)
-        left = self.left[:at] + [tokens_left] + self.left[at:]
-        held = self.held[:at] + [tokens_held] + self.held[at:]
-        freed = 0
-        still_running = len(left)
-        for tokens, occupied in zip(left, held):
-            if free + freed - tokens * still_running < PEAK_RESERVE_PER_REQUEST * still_running:
-                return False
-            freed += occupied
-            still_running -= 1
-        return True
+        own = freed[at] - (tokens_left + PEAK_RESERVE_PER_REQUEST) * (len(self.left) + 1 - at)
+        return bool(free + before[at] >= 0 and free + own >= 0
+                    and free + tokens_held + after[at] >= 0)
 
 
 @dataclass

@@ -19,9 +19,13 @@ class InBatchPrefixIndex:
     def __init__(self) -> None:
         self.root: dict[int, dict] = {}
 
-    def add(self, tokens: list[int]) -> None:
+    def add(self, req: Req) -> None:
+        """Index an admitted request's prompt, as deep as a later query can need: a request
+        that shares this one's tokens up to its own cached length c' shares them with the
+        radix cache too, so this request matched at least c' and a query looks at most
+        MIN_SHARED_TOKENS past that."""
         node = self.root
-        for token in tokens:
+        for token in req.fill_ids[:len(req.prefix_indices) + MIN_SHARED_TOKENS]:
             node = node.setdefault(token, {})
 
     def shared_len(self, tokens: list[int]) -> int:

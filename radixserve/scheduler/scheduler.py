@@ -269,7 +269,7 @@ class Scheduler:
             if not adder.add_one_req(req):
                 break
             if in_batch is not None:
-                in_batch.add(req.fill_ids)
+                in_batch.add(req)
         if not adder.can_run:
             return None
         admitted = {id(r) for r in adder.can_run}

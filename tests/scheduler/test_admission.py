@@ -2,9 +2,10 @@
 ratio estimate that over-admits them and then retracts."""
 from __future__ import annotations
 
+import bisect
 import random
 
-from radixserve.scheduler.admission import PeakCheck
+from radixserve.scheduler.admission import PEAK_RESERVE_PER_REQUEST, PeakCheck
 from tests.scheduler.fake_runner import (assert_memory_clean, expected_output, make_req,
                                          make_scheduler, run_all)
 
@@ -24,6 +25,39 @@ def test_peak_check_counts_what_finished_requests_hand_back() -> None:
     assert alone.fits(2 * 20 + 2, 20, 0) and not alone.fits(2 * 20 + 1, 20, 0)
     peak.add(20, 50)
     assert peak.left == [20, 100] and peak.held == [50, 10]
+
+
+def _fits_by_walking_every_moment(left: list[int], held: list[int], free: float,
+                                  tokens_left: int, tokens_held: int) -> bool:
+    """The definition: insert the request, then walk the finishing moments in order."""
+    at = bisect.bisect_right(left, tokens_left)
+    left = left[:at] + [tokens_left] + left[at:]
+    held = held[:at] + [tokens_held] + held[at:]
+    freed, still_running = 0, len(left)
+    for tokens, occupied in zip(left, held):
+        if free + freed - tokens * still_running < PEAK_RESERVE_PER_REQUEST * still_running:
+            return False
+        freed += occupied
+        still_running -= 1
+    return True
+
+
+def test_peak_check_tables_agree_with_walking_every_moment() -> None:
+    rng = random.Random(4)
+    for trial in range(300):
+        peak = PeakCheck()
+        for _ in range(rng.randrange(0, 40)):
+            peak.add(rng.randrange(1, 200), rng.randrange(1, 300))
+        for _ in range(10):
+            tokens_left, tokens_held = rng.randrange(1, 250), rng.randrange(1, 300)
+            expected_free = sum(peak.left) // max(1, len(peak.left)) * (len(peak.left) + 1)
+            free = rng.choice([rng.uniform(0, 2 * expected_free + 100),
+                               float(rng.randrange(0, 20_000))])
+            assert peak.fits(free, tokens_left, tokens_held) == _fits_by_walking_every_moment(
+                peak.left, peak.held, free, tokens_left, tokens_held), trial
+        if rng.random() < 0.5:  # the tables follow later additions
+            peak.add(rng.randrange(1, 200), rng.randrange(1, 300))
+            assert peak.fits(1e9, 5, 5) and not peak.fits(0, 5, 5)
 
 
 def _run_counting_peak(scheduler) -> tuple[dict[str, dict], int]:
