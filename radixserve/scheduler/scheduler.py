@@ -502,6 +502,11 @@ class Scheduler:
         self.tree_cache.evict(need - self.token_to_kv_pool.available_size())
         if self.token_to_kv_pool.available_size() >= need:
             return
+        if self.inflight_prefill is not None:
+            # its requests hold KV too: read it back so they can be retracted like the others
+            self._settle()
+            self._ensure_decode_memory(extra_tokens)
+            return
         keep, retract = pick_retractions(self.running, self._free_after_retraction, extra_tokens)
         self._retract(retract)
         self.running = keep

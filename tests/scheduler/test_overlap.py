@@ -273,3 +273,23 @@ def test_the_decode_step_between_two_chunks_leaves_the_prefill_in_flight() -> No
     assert results["long"]["ids"] == expected_output(prompt, 6)
     assert results["run"]["ids"] == expected_output([3, 4], 30)
     assert_memory_clean(scheduler)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_small_pool_with_prefills_in_flight_keeps_outputs_exact(seed: int) -> None:
+    """KV so short that decode retracts while prefills are launched ahead: every request
+    still gets exactly the model's tokens (none cut short by a prefill's memory in flight)."""
+    rng = random.Random(seed)
+    reqs = [(f"r{i}", [rng.randrange(1, 50) for _ in range(rng.randrange(5, 40))],
+             rng.randrange(5, 40)) for i in range(14)]
+    for overlap in (True, False):
+        scheduler, _ = make_scheduler(max_total_tokens=150, num_continuous_decode_steps=4,
+                                      chunked_prefill_size=16, schedule_conservativeness=0.3,
+                                      disable_overlap_schedule=not overlap)
+        for rid, prompt, max_new in reqs:
+            scheduler.add_request(make_req(rid, prompt, max_new=max_new))
+        results = run_all(scheduler)
+        for rid, prompt, max_new in reqs:
+            assert results[rid]["ids"] == expected_output(prompt, max_new), (overlap, rid)
+        assert scheduler.stats.num_retractions > 0
+        assert_memory_clean(scheduler)
