@@ -28,13 +28,21 @@ class RequestLimits:
                    info.get("max_total_num_tokens"), info.get("max_prefill_tokens"))
 
 
+def _ids_in_range(input_ids: list[int], vocab_size: int) -> bool:
+    """Every id an int in [0, vocab_size): min and max of a list of ints run in C."""
+    try:
+        return 0 <= min(input_ids) and max(input_ids) < vocab_size
+    except TypeError:  # not all comparable numbers: fall back to the per-id check
+        return all(isinstance(t, int) and 0 <= t < vocab_size for t in input_ids)
+
+
 def check_prompt(input_ids: list[int], limits: RequestLimits) -> None:
     """The prompt alone: non-empty, known token ids, shorter than the context, and servable
     by the KV cache (and in one prefill when chunked prefill is off)."""
     n = len(input_ids)
     if n == 0:
         raise InvalidRequestError("the prompt is empty", param="prompt")
-    if limits.vocab_size and any(not 0 <= t < limits.vocab_size for t in input_ids):
+    if limits.vocab_size and not _ids_in_range(input_ids, limits.vocab_size):
         raise InvalidRequestError(f"input_ids must be in [0, {limits.vocab_size})",
                                   param="prompt")
     if n >= limits.context_len:
