@@ -293,3 +293,26 @@ def test_a_small_pool_with_prefills_in_flight_keeps_outputs_exact(seed: int) -> 
             assert results[rid]["ids"] == expected_output(prompt, max_new), (overlap, rid)
         assert scheduler.stats.num_retractions > 0
         assert_memory_clean(scheduler)
+
+
+def test_short_of_kv_with_a_prefill_in_flight_retracts_instead_of_cutting() -> None:
+    """The KV pool runs dry while a prefill is in flight: the decode step reads the prefill
+    back first, so its request can be retracted (its KV goes back to the cache) and the one
+    running goes on; without that, the running request alone would look too big for the pool
+    and be ended early."""
+    scheduler, _ = make_scheduler(max_total_tokens=200, num_continuous_decode_steps=1)
+    scheduler.add_request(make_req("a", [1, 2, 3, 4, 5], max_new=40))
+    for _ in range(4):
+        scheduler.run_turn()
+    scheduler.add_request(make_req("b", [6] * 20, max_new=10))
+    scheduler.run_turn()  # b's prefill launched; a's step read back
+    assert scheduler.inflight_prefill is not None and scheduler.running
+    pool = scheduler.token_to_kv_pool
+    taken = pool.alloc(pool.available_size())  # something else holds every free slot
+    scheduler.run_turn()
+    assert scheduler.stats.num_retractions == 1 and scheduler.waiting_queue[0].rid == "b"
+    pool.free(taken)
+    results = run_all(scheduler)
+    assert results["a"]["ids"] == expected_output([1, 2, 3, 4, 5], 40)
+    assert results["b"]["ids"] == expected_output([6] * 20, 10)
+    assert_memory_clean(scheduler)
