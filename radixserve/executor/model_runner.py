@@ -238,16 +238,17 @@ class ModelRunner:
     @staticmethod
     def can_overlap(batch: ModelWorkerBatch) -> bool:
         """Whether an asynchronous launch may run this batch: any decode step
-        (`forward_decode_async`), and any EXTEND pass that returns no logprobs
-        (`forward_extend_async`: prompt logprobs are assembled on the host). Penalties and
-        seeds need the caller to bring the sampling info up to date on the device
+        (`forward_decode_async`), and any EXTEND pass that asks for no prompt logprobs
+        (`forward_extend_async`: those are assembled on the host). Penalties and seeds need
+        the caller to bring the sampling info up to date on the device
         (SamplingBatchInfo.advance): the requests' output lists are one token behind while a
-        step is in flight. A decode step's logprobs are copied back with the ids."""
+        step is in flight. The sampled tokens' logprobs are copied back with the ids."""
         if batch.sampling_info is None:
             return False
         if batch.forward_mode.is_decode():
             return True
-        return batch.forward_mode == ForwardMode.EXTEND and not batch.return_logprob
+        return (batch.forward_mode == ForwardMode.EXTEND
+                and all(start < 0 for start in batch.extend_logprob_start_lens))
 
     @torch.inference_mode()
     def forward_extend_async(self, batch: ModelWorkerBatch) -> PendingStep:
@@ -258,7 +259,12 @@ class ModelRunner:
             "this batch needs the synchronous forward"
         assert batch.sampling_info is not None
         logits = self._forward_eager(batch).next_token_logits
-        return PendingStep(self._sample_ids(logits, batch.sampling_info))
+        ids = self._sample_ids(logits, batch.sampling_info)
+        logprobs = None
+        if batch.return_logprob:
+            logprobs = compute_logprobs_on_device(logits, ids,
+                                                  max(batch.top_logprobs_nums, default=0))
+        return PendingStep(ids, logprobs)
 
     @torch.inference_mode()
     def forward_decode_async(self, batch: ModelWorkerBatch,

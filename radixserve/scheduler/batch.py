@@ -40,6 +40,11 @@ def alloc_kv(num_tokens: int, token_to_kv_pool: "KVPool",
     return slots
 
 
+def wants_prompt_logprobs(req: Req) -> bool:
+    """The request asks for its prompt tokens' logprobs in this pass (assembled on the host)."""
+    return req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids
+
+
 class BatchBuilder:
     def __init__(self, req_to_token_pool: "ReqToTokenPool", token_to_kv_pool: "KVPool",
                  tree_cache: "BasePrefixCache", vocab_size: int, eos_token_ids: set[int],
@@ -104,7 +109,7 @@ class BatchBuilder:
     def _add_input_logprob_targets(batch: ModelWorkerBatch, reqs: list[Req]) -> None:
         for req, ext_len in zip(reqs, batch.extend_seq_lens):
             prefix_len = len(req.prefix_indices)
-            want = req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids
+            want = wants_prompt_logprobs(req)
             start = max(req.logprob_start_len - prefix_len, 0) if want else -1
             # targets: the prompt token after each extend position, up to the prompt's end
             end = min(prefix_len + ext_len + 1, len(req.origin_input_ids))

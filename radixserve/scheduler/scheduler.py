@@ -27,7 +27,7 @@ from radixserve.core.request_validation import RequestLimits, check_prompt
 from radixserve.core.sampling_params import InvalidRequestError
 from radixserve.mem.base_cache import BasePrefixCache
 from radixserve.scheduler.admission import PrefillAdder
-from radixserve.scheduler.batch import BatchBuilder, merge_mixed
+from radixserve.scheduler.batch import BatchBuilder, merge_mixed, wants_prompt_logprobs
 from radixserve.scheduler.grammar.manager import GrammarManager
 from radixserve.scheduler.in_batch_prefix import InBatchPrefixIndex
 from radixserve.scheduler.overlap import (DecodeLauncher, InflightDecode, InflightPrefill,
@@ -299,7 +299,7 @@ class Scheduler:
         launch order), then settle the pass launched before it while this one runs. Its ids
         are read when the next pass is launched (or anything settles). Prompt logprobs are
         assembled on the host: such batches run synchronously."""
-        if self.launcher is None or any(r.return_logprob for r in reqs):
+        if self.launcher is None or any(wants_prompt_logprobs(r) for r in reqs):
             self._settle()
             batch = self.builder.prepare_extend(reqs)
             self._process_prefill_results(reqs, self.runner.forward(batch))
@@ -451,7 +451,8 @@ class Scheduler:
         prefill and the decode step launched after it (keep_prefill)."""
         if self.inflight_prefill is not None:
             prefill, self.inflight_prefill = self.inflight_prefill, None
-            self._process_prefill_results(prefill.reqs, prefill.handle.output(()), prefill)
+            out = prefill.handle.output([r.top_logprobs_num for r in prefill.reqs])
+            self._process_prefill_results(prefill.reqs, out, prefill)
         if self.inflight is None:
             return
         inflight, self.inflight = self.inflight, None

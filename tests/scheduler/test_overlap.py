@@ -237,18 +237,23 @@ def test_abort_and_state_while_a_prefill_is_in_flight() -> None:
     assert_memory_clean(scheduler)
 
 
-def test_prefill_with_logprobs_is_read_back_at_once() -> None:
-    """Prompt logprobs are assembled on the host: such a batch runs synchronously."""
+@pytest.mark.parametrize("logprob_start_len,ahead", [(0, False), (-1, True)])
+def test_only_prompt_logprobs_keep_a_prefill_synchronous(logprob_start_len: int,
+                                                        ahead: bool) -> None:
+    """Prompt logprobs are assembled on the host: such a batch is read back at once. The
+    sampled token's logprobs come back with the ids, so a batch asking only for those is
+    launched ahead like any other."""
     scheduler, runner = make_scheduler()
     req = make_req("lp", [1, 2, 3], max_new=4, stream=True)
     req.return_logprob = True
+    req.logprob_start_len = logprob_start_len
     scheduler.add_request(req)
     first = scheduler.run_turn()
-    assert runner.async_prefills == 0 and first[0].new_output_ids[0] == \
-        expected_output([1, 2, 3], 1)
+    assert runner.async_prefills == int(ahead)
+    assert (first == []) == ahead
     results = run_all(scheduler)
     assert_memory_clean(scheduler)
-    assert len(results["lp"]["ids"]) == 3
+    assert len(results["lp"]["ids"]) == 4 - (0 if ahead else 1)
 
 
 def test_the_decode_step_between_two_chunks_leaves_the_prefill_in_flight() -> None:
