@@ -90,10 +90,11 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor,
             and x.dtype in _DTYPES + _NARROW and _weight_fits(x, weight)
             and (bias is None or bias.dtype == x.dtype)):
         return None
-    x2d = x.reshape(-1, x.shape[-1])
+    flat = x.dim() == 2  # the usual case: no reshape and view (a few us each, per product)
+    x2d = x if flat else x.reshape(-1, x.shape[-1])
     if _gemv_applies(x2d, weight, bias):
         out = cpu_ops().gemv(x2d, weight, bias)
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return out if flat else out.view(*x.shape[:-1], weight.shape[0])
     if not (_ENABLED and isinstance(weight, nn.Parameter) and weight.is_contiguous()
             and torch.backends.mkldnn.is_available()):
         return None
@@ -109,7 +110,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor,
         out = torch.ops.mkldnn._linear_pointwise(
             x2d.float(), _packed(weight, torch.float32), None if bias is None else bias.float(),
             "none", [], "").to(x.dtype)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return out if flat else out.view(*x.shape[:-1], weight.shape[0])
 
 
 def keep_checkpoint_dtype(model: nn.Module, dtype: torch.dtype) -> int:
