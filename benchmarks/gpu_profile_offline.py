@@ -6,7 +6,6 @@ a prefill-heavy run (issue 17's short-requests row) spends the GPU.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections import defaultdict
@@ -16,6 +15,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.dummy_engine import dummy_engine, greedy_params, workload_parser  # noqa: E402
 
 GROUPS = (("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "xmma", "cublas")),
           ("extend attention", ("_extend_kernel", "cudnn", "fmha", "flash")),
@@ -34,25 +34,12 @@ def group_of(name: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model-path", default="benchmarks/configs/llama-3.1-8b")
-    parser.add_argument("--num-prompts", type=int, default=1000)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=8)
-    parser.add_argument("engine_args", nargs="*")
-    args = parser.parse_args()
-    import radixserve
-    extra = {}
-    for item in args.engine_args:
-        key, value = item.split("=", 1)
-        extra[key] = {"true": True, "false": False}.get(value, int(value) if value.isdigit()
-                                                       else value)
-    engine = radixserve.Engine(args.model_path, load_format="dummy", dtype="bfloat16",
-                               skip_tokenizer_init=True, **extra)
+    args = workload_parser(default_prompts=1000).parse_args()
+    engine = dummy_engine(args)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 30000, args.input_len).tolist()
                for _ in range(args.num_prompts)]
-    params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
+    params = greedy_params(args)
     engine.generate(input_ids=prompts[:64], sampling_params=params)  # warm-up, every shape
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -9,7 +9,6 @@ the pipeline (a blocking host-to-device copy, `.item()`, `.tolist()` of a device
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import traceback
 import warnings
@@ -20,28 +19,16 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks.dummy_engine import dummy_engine, greedy_params, workload_parser  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model-path", default="benchmarks/configs/llama-3.1-8b")
-    parser.add_argument("--num-prompts", type=int, default=300)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=8)
-    parser.add_argument("engine_args", nargs="*")
-    args = parser.parse_args()
-    import radixserve
-    extra = {}
-    for item in args.engine_args:
-        key, value = item.split("=", 1)
-        extra[key] = {"true": True, "false": False}.get(
-            value, int(value) if value.isdigit() else value)
-    engine = radixserve.Engine(args.model_path, load_format="dummy", dtype="bfloat16",
-                               skip_tokenizer_init=True, **extra)
+    args = workload_parser(default_prompts=300).parse_args()
+    engine = dummy_engine(args)
     vocab = engine.scheduler.runner.vocab_size
     prompts = [[(7 * i + 3 * j) % (vocab - 1) + 1 for j in range(args.input_len)]
                for i in range(args.num_prompts)]
-    params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
+    params = greedy_params(args)
     engine.generate(input_ids=prompts[:16], sampling_params=params)  # warm-up, compiles
     sites: Counter[str] = Counter()
 

@@ -260,11 +260,7 @@ class ModelRunner:
         assert batch.sampling_info is not None
         logits = self._forward_eager(batch).next_token_logits
         ids = self._sample_ids(logits, batch.sampling_info)
-        logprobs = None
-        if batch.return_logprob:
-            logprobs = compute_logprobs_on_device(logits, ids,
-                                                  max(batch.top_logprobs_nums, default=0))
-        return PendingStep(ids, logprobs)
+        return self._pending_step(batch, logits, ids)
 
     @torch.inference_mode()
     def forward_decode_async(self, batch: ModelWorkerBatch,
@@ -285,6 +281,12 @@ class ModelRunner:
             ids = greedy_ids
         else:
             ids = self._sample_ids(logits, info)
+        return self._pending_step(batch, logits, ids)
+
+    @staticmethod
+    def _pending_step(batch: ModelWorkerBatch, logits: torch.Tensor,
+                      ids: torch.Tensor) -> PendingStep:
+        """A launched pass's ids, with their logprobs computed on the device when asked."""
         logprobs = None
         if batch.return_logprob:
             logprobs = compute_logprobs_on_device(logits, ids,

@@ -68,8 +68,7 @@ class ReqToTokenPool:
         if not writes:
             return
         if len(writes) == 1:
-            for row, start, slots in writes:
-                self.write(row, start, slots)
+            self.write(*writes[0])
             return
         rows, positions, values = [], [], []
         for row, start, slots in writes:

@@ -60,7 +60,9 @@ class PeakCheck:
     (E_j + h): so a prefix minimum and a suffix minimum decide every moment at once."""
     left: list[int] = field(default_factory=list)
     held: list[int] = field(default_factory=list)
-    _tables: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    # derived from left/held by _build (None until the next fits after an add)
+    _tables: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(
+        default=None, repr=False, compare=False)
 
     def add(self, tokens_left: int, tokens_held: int) -> None:
         at = bisect.bisect_right(self.left, tokens_left)

@@ -190,6 +190,11 @@ class Scheduler:
     def _in_flight(self) -> bool:
         return self.inflight is not None or self.inflight_prefill is not None
 
+    def _idle(self) -> bool:
+        """Nothing queued, running, being chunked or in flight (the memory check's moment)."""
+        return not (self.waiting_queue or self.running or self.chunked_req
+                    or self._in_flight())
+
     # ---- one turn ----
     def run_turn(self) -> list[BatchTokenIDOut]:
         # while a prompt is being chunked, decode gets every other turn (unless the two share
@@ -209,7 +214,7 @@ class Scheduler:
             self._run_decode(max(1, self.args.num_continuous_decode_steps))
         elif self.waiting_queue:  # nothing ran: the queue waits for grammars to compile
             self.grammars.wait_any(self.waiting_queue, timeout_s=0.01)
-        if not (self.waiting_queue or self.running or self.chunked_req or self._in_flight()):
+        if self._idle():
             self._on_idle()
         return self._drain_outbox()
 
@@ -340,7 +345,8 @@ class Scheduler:
                 req.input_token_logprobs += out.input_token_logprobs[i]
                 if req.top_logprobs_num and out.input_top_logprobs is not None:
                     req.input_top_logprobs += out.input_top_logprobs[i]
-            if req.is_being_chunked if launched is None else launched.chunk_only[i]:
+            chunk_only = req.is_being_chunked if launched is None else launched.chunk_only[i]
+            if chunk_only:
                 # this chunk's KV becomes the prefix the next chunk extends
                 if launched is None:
                     self.tree_cache.cache_unfinished_req(req)
@@ -557,8 +563,7 @@ class Scheduler:
         self.last_memory_check = self.check_memory()
 
     def get_internal_state(self) -> InternalState:
-        idle = not (self.waiting_queue or self.running or self.chunked_req or self._in_flight())
-        ok, leaked = self.check_memory() if idle else (None, 0)
+        ok, leaked = self.check_memory() if self._idle() else (None, 0)
         return InternalState(
             num_running_reqs=len(self.admitted_reqs()) + (self.chunked_req is not None),
             num_queued_reqs=len(self.waiting_queue),
