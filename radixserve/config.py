@@ -254,6 +254,8 @@ class ModelConfig:
         self.tie_word_embeddings: bool = bool(get("tie_word_embeddings", False))
         default_bias = self.architecture.startswith("Qwen2")  # Qwen2: bias on q/k/v
         self.attention_bias: bool = bool(get("attention_bias", get("qkv_bias", default_bias)))
+        # Llama and Qwen3 put attention_bias on o_proj too; Qwen2's q/k/v bias stops there
+        self.o_proj_bias: bool = self.attention_bias and not default_bias
         self.mlp_bias: bool = bool(get("mlp_bias", False))
         dtype = get("dtype", None) or "bfloat16"
         self.torch_dtype: str = str(dtype).replace("torch.", "")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,9 +23,15 @@ from radixserve.layers.quantization.fp8 import FP8_DTYPE, Fp8Config, current_fp8
 from radixserve.layers.quantization.fp8_linear import (add_fp8_params, finish_fp8_loading,
                                                        fp8_linear)
 
+if TYPE_CHECKING:
+    from radixserve.layers.norm import RMSNorm
+
 # RADIXSERVE_GEMV=0 sends one-token and decode-sized products to cuBLAS too (for A/B timing)
 SMALL_M_MAX = 64  # the largest row count a swept table may cover
 _GEMV_ENABLED = os.environ.get("RADIXSERVE_GEMV", "1") != "0"
+# RADIXSERVE_ROW_FUSION=0 keeps a one-row layer's norms, SiLU-mul and residual adds as their own
+# kernels (for A/B timing of `LinearBase.fused_row_product`)
+ROW_FUSION_ENABLED = os.environ.get("RADIXSERVE_ROW_FUSION", "1") != "0"
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,6 +143,42 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.bias)
+
+    def fuses_one_row(self, dtype: torch.dtype, *, residual: bool = False) -> bool:
+        """Whether `fused_row_product` has a kernel for one row of `dtype`: the GPU GEMV (bf16
+        or FP8 weights) with a configuration for this weight."""
+        if not (_GEMV_ENABLED and ROW_FUSION_ENABLED) or \
+                dtype not in (torch.float16, torch.bfloat16):
+            return False
+        if residual and self.tp_size > 1:  # the ranks' partial sums are reduced before the add
+            return False
+        kernels = _triton_kernels()
+        if kernels is None or self.weight.stride(1) != 1:
+            return False
+        gemv = kernels[1]
+        if self.fp8 is not None:
+            return self.weight.dtype == FP8_DTYPE and gemv.fp8_gemv_config(
+                self.weight, self.weight_scale, self.fp8.block) is not None
+        n, k = self.weight.shape
+        return self.weight.dtype == dtype and gemv.tuned_gemv_config("bf16", n, k) is not None
+
+    def fused_row_product(self, x: torch.Tensor, *, norm: "RMSNorm | None" = None,
+                          gated: bool = False, residual: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+        """One row x [1, K] through this layer with its neighbours fused into the GEMV (see
+        kernels/gemv.py RowFusion): norm: x is the residual stream and the input is norm(x);
+        gated: the output is silu(gate) * up of a gate|up weight; residual: the output is
+        residual + x @ W.T. Only where `fuses_one_row` said so."""
+        gemv = _triton_kernels()[1]
+        fusion = gemv.RowFusion(None if norm is None else norm.weight,
+                                0.0 if norm is None else norm.variance_epsilon, gated, residual)
+        x = x.contiguous()
+        if self.fp8 is None:
+            return gemv.gemv(x, self.weight, self.bias, fusion=fusion)
+        y = gemv.fp8_gemv(x, self.weight, self.weight_scale, self.fp8.block, self.bias,
+                          fusion=fusion)
+        assert y is not None, "fuses_one_row promised an FP8 GEMV configuration"
+        return y
 
 
 def _rank_and_size(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:

@@ -21,7 +21,7 @@ from torch import nn
 
 from radixserve.config import ModelConfig
 from radixserve.core.forward_batch import ForwardBatch
-from radixserve.layers.activation import gated_activation
+from radixserve.layers.activation import SiluAndMul, gated_activation
 from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from radixserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
@@ -43,7 +43,7 @@ class DecoderAttention(nn.Module):
                                           config.num_attention_heads,
                                           config.num_key_value_heads, bias=config.attention_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
-                                        bias=False)
+                                        bias=config.o_proj_bias)
         self.head_dim = head_dim
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
@@ -59,12 +59,17 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        return self.o_proj(self.attend(positions, self.qkv_proj(hidden), forward_batch))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
+               forward_batch: ForwardBatch) -> torch.Tensor:
+        """Attention over the projected q|k|v, before the output projection."""
+        q, k, v = self.qkv_proj.split(qkv)
         if self.q_norm is not None and self.k_norm is not None:
             q = self._per_head_norm(self.q_norm, q)
             k = self._per_head_norm(self.k_norm, k)
         # the backend rotates q/k (fused with its KV store where it can)
-        return self.o_proj(self.attn(q, k, v, forward_batch, RopeInput(positions, self.rotary)))
+        return self.attn(q, k, v, forward_batch, RopeInput(positions, self.rotary))
 
 
 class GatedMLP(nn.Module):
@@ -109,9 +114,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+        self._fuses_one_row: dict[torch.dtype, bool] = {}
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, forward_batch: ForwardBatch
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if hidden.shape[0] == 1 and one_row_kernels_apply(hidden) and \
+                self.fuses_one_row(hidden.dtype):
+            return self.forward_one_row(positions, hidden, residual, forward_batch), None
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -120,6 +130,43 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, forward_batch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def fuses_one_row(self, dtype: torch.dtype) -> bool:
+        """A dense SwiGLU layer whose four linears all have one-row kernels for `dtype`
+        (decided once per dtype)."""
+        if dtype not in self._fuses_one_row:
+            attn, mlp = self.self_attn, self.mlp
+            self._fuses_one_row[dtype] = (
+                isinstance(attn, DecoderAttention) and isinstance(mlp, GatedMLP)
+                and isinstance(mlp.act, SiluAndMul)
+                and type(self.input_layernorm) is RMSNorm
+                and type(self.post_attention_layernorm) is RMSNorm
+                and attn.qkv_proj.fuses_one_row(dtype)
+                and attn.o_proj.fuses_one_row(dtype, residual=True)
+                and mlp.gate_up_proj.fuses_one_row(dtype)
+                and mlp.down_proj.fuses_one_row(dtype, residual=True))
+        return self._fuses_one_row[dtype]
+
+    def forward_one_row(self, positions: torch.Tensor, hidden: torch.Tensor,
+                        residual: torch.Tensor | None, forward_batch: ForwardBatch
+                        ) -> torch.Tensor:
+        """One token (batch-1 decode): four GEMVs carry the two RMSNorms (into the q|k|v and
+        gate|up products), SiLU-mul (gate|up's output) and both residual adds (o and down's
+        outputs), so seven kernels become four. Returns the residual stream after the layer
+        (nothing left to add)."""
+        stream = hidden if residual is None else hidden + residual
+        attn, mlp = self.self_attn, self.mlp
+        qkv = attn.qkv_proj.fused_row_product(stream, norm=self.input_layernorm)
+        stream = attn.o_proj.fused_row_product(attn.attend(positions, qkv, forward_batch),
+                                               residual=stream)
+        act = mlp.gate_up_proj.fused_row_product(stream, norm=self.post_attention_layernorm,
+                                                 gated=True)
+        return mlp.down_proj.fused_row_product(act, residual=stream)
+
+
+def one_row_kernels_apply(hidden: torch.Tensor) -> bool:
+    """The fused one-row kernels are GPU kernels (tests point this at the interpreter)."""
+    return hidden.is_cuda and hidden.dim() == 2
 
 
 LayerFactory = Callable[[ModelConfig, int, RotaryEmbedding], nn.Module]

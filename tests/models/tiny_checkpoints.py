@@ -15,6 +15,10 @@ CONFIGS = {
         BASE, num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    # biases on every linear, and sizes the one-row GEMV takes (K a multiple of 64 everywhere)
+    "llama_biases_i128": (transformers.LlamaConfig, dict(
+        BASE, intermediate_size=128, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
+        tie_word_embeddings=False)),
     # Qwen2: bias on q/k/v
     "qwen2_bias": (transformers.Qwen2Config, dict(
         BASE, num_key_value_heads=2, rope_theta=1000000.0, tie_word_embeddings=False)),

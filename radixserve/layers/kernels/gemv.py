@@ -35,34 +35,73 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
-def _gemv_kernel(X, W, Scale, B, Y, N, K, stride_wn, stride_sn,
+def _gemv_kernel(X, W, Scale, B, Y, NormW, Residual, N, K, stride_wn, stride_sn, eps,
                  HAS_SCALE: tl.constexpr, GROUPED: tl.constexpr, GROUP_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+                 RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  USE_PDL: tl.constexpr):
+    """N: the output rows; GATED reads gate rows [0, N) and up rows [N, 2N) of W."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    x_ptrs = X + offs_k
+    up_rows = N * stride_wn  # GATED: the up half starts N rows down
     for k_start in range(0, K, BLOCK_K):
         w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_ptrs)
-        prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
+        x = tl.load(X + k_start + offs_k).to(tl.float32)
+        if NORM:  # RMSNorm's weight now, its 1/rms once the row's squares are summed
+            squares += x * x
+            x = x * tl.load(NormW + k_start + offs_k).to(tl.float32)
+        prod = w.to(tl.float32) * x[None, :]
+        if GATED:
+            w_up = tl.load(w_ptrs + up_rows, mask=n_mask[:, None], other=0.0,
+                           eviction_policy="evict_first")
+            prod_up = w_up.to(tl.float32) * x[None, :]
         if HAS_SCALE and GROUPED:
-            s = tl.load(Scale + offs_n * stride_sn + k_start // GROUP_K, mask=n_mask, other=0.0)
-            prod = prod * s[:, None]
+            s_ptrs = Scale + offs_n * stride_sn + k_start // GROUP_K
+            prod = prod * tl.load(s_ptrs, mask=n_mask, other=0.0)[:, None]
+            if GATED:
+                prod_up = prod_up * tl.load(s_ptrs + N * stride_sn, mask=n_mask,
+                                            other=0.0)[:, None]
         acc += prod
+        if GATED:
+            acc_up += prod_up
         w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
-    if HAS_SCALE and not GROUPED:
-        y = y * tl.load(Scale + offs_n * stride_sn, mask=n_mask, other=0.0)
-    if HAS_BIAS:
-        y += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if NORM:
+        inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        y = y * inv_rms
+    y = _scale_and_bias(y, offs_n, n_mask, 0, Scale, B, stride_sn, HAS_SCALE, GROUPED,
+                        HAS_BIAS)
+    if GATED:  # silu(gate) * up, each rounded as the unfused layers round them
+        up = tl.sum(acc_up, axis=1)
+        if NORM:
+            up = up * inv_rms
+        up = _scale_and_bias(up, offs_n, n_mask, N, Scale, B, stride_sn, HAS_SCALE, GROUPED,
+                             HAS_BIAS)
+        gate = y.to(Y.dtype.element_ty).to(tl.float32)
+        up = up.to(Y.dtype.element_ty).to(tl.float32)
+        y = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty).to(tl.float32) * up
+    if RESIDUAL:  # the residual stream's add, rounded as torch's add of two rounded tensors
+        r = tl.load(Residual + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        y = y.to(Y.dtype.element_ty).to(tl.float32) + r
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _scale_and_bias(y, offs_n, n_mask, row_offset, Scale, B, stride_sn,
+                    HAS_SCALE: tl.constexpr, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Per-row scales and bias of rows offs_n + row_offset."""
+    if HAS_SCALE and not GROUPED:
+        y = y * tl.load(Scale + (offs_n + row_offset) * stride_sn, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(B + offs_n + row_offset, mask=n_mask, other=0.0).to(tl.float32)
+    return y
 
 
 def gemv_config(n: int, k: int) -> GemvConfig | None:
@@ -97,44 +136,90 @@ def tuned_gemv_config(kind: str, n: int, k: int) -> GemvConfig | None:
     return None if half is None else half._replace(block_k=half.block_k * 2)
 
 
+class RowFusion(NamedTuple):
+    """What a one-row product fuses around the GEMV (all off: the plain product).
+
+    norm_weight/eps: x is the residual stream s and the product takes RMSNorm(s) as its input
+    (the norm's weight applied per column, 1/rms(s) once per output row, all in float32);
+    gated: the weight stacks gate and up rows ([2I, K]) and the output is silu(gate) * up [I];
+    residual: the output is residual + product (the residual stream's next value).
+    """
+    norm_weight: torch.Tensor | None = None
+    eps: float = 0.0
+    gated: bool = False
+    residual: torch.Tensor | None = None
+
+
+NO_FUSION = RowFusion()
+
+
+def fused_config(config: GemvConfig, fusion: RowFusion) -> GemvConfig:
+    """A gated product loads two weight tiles per step: half the rows of each per program."""
+    if fusion.gated and config.block_n > 1:
+        return config._replace(block_n=config.block_n // 2)
+    return config
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-            group_k: int | None, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
+            group_k: int | None, bias: torch.Tensor | None, config: GemvConfig,
+            fusion: RowFusion = NO_FUSION) -> torch.Tensor:
     n, k = weight.shape
+    if fusion.gated:
+        assert n % 2 == 0, "a gated weight stacks gate and up halves"
+        n //= 2
     y = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
     has_scale = scale is not None
     grouped = has_scale and scale.shape[1] > 1
+    norm_weight, residual = fusion.norm_weight, fusion.residual
+    if residual is not None:
+        assert residual.numel() == n and residual.is_contiguous()
+    if norm_weight is not None:
+        assert norm_weight.shape == (k,) and norm_weight.is_contiguous()
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, scale if has_scale else weight, bias if bias is not None else weight, y, n,
-        k, weight.stride(0), scale.stride(0) if has_scale else 0, HAS_SCALE=has_scale,
+        x, weight, scale if has_scale else weight, bias if bias is not None else weight, y,
+        norm_weight if norm_weight is not None else weight,
+        residual if residual is not None else weight, n, k, weight.stride(0),
+        scale.stride(0) if has_scale else 0, float(fusion.eps), HAS_SCALE=has_scale,
         GROUPED=grouped, GROUP_K=group_k or k, HAS_BIAS=bias is not None,
+        NORM=norm_weight is not None, GATED=fusion.gated, RESIDUAL=residual is not None,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl_launch_args(x))
     return y
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
-    """x [1, K] or [K] (contiguous), weight [N, K] (rows contiguous) -> [1, N] or [N]."""
+         config: GemvConfig | None = None, fusion: RowFusion = NO_FUSION) -> torch.Tensor:
+    """x [1, K] or [K] (contiguous), weight [N, K] (rows contiguous) -> [1, N] or [N]
+    (N / 2 when gated)."""
     n, k = weight.shape
     assert x.shape[-1] == k and x.numel() == k and x.is_contiguous()
     assert weight.stride(1) == 1
     config = config or tuned_gemv_config("bf16", n, k)
     if config is None or k % config.block_k:
         raise ValueError(f"no GEMV block size divides K={k}")
-    return _launch(x, weight, None, None, bias, config)
+    return _launch(x, weight, None, None, bias, fused_config(config, fusion), fusion)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
              group_k: int | None, bias: torch.Tensor | None = None,
-             config: GemvConfig | None = None) -> torch.Tensor | None:
+             config: GemvConfig | None = None,
+             fusion: RowFusion = NO_FUSION) -> torch.Tensor | None:
     """One row x [1, K] against FP8 codes [N, K] x scales [N, G]; None when no block size
     divides K (the caller falls back)."""
+    config = fp8_gemv_config(weight, scale, group_k, config)
+    if config is None:
+        return None
+    return _launch(x, weight, scale, group_k, bias, fused_config(config, fusion), fusion)
+
+
+def fp8_gemv_config(weight: torch.Tensor, scale: torch.Tensor, group_k: int | None,
+                    config: GemvConfig | None = None) -> GemvConfig | None:
+    """The configuration the FP8 GEMV runs these codes with (`config`, else the swept or
+    default one), or None when no block size divides K."""
     n, k = weight.shape
     config = config or tuned_gemv_config("fp8", n, k)
     if config is None:
         return None
     if scale.shape[1] > 1 and group_k and config.block_k > group_k:
         config = config._replace(block_k=group_k)  # a step must stay inside one scale group
-    if k % config.block_k:
-        return None
-    return _launch(x, weight, scale, group_k, bias, config)
+    return None if k % config.block_k else config

@@ -1,0 +1,155 @@
+"""Batch-1 decode's fused one-row kernels (kernels/gemv.py RowFusion, DecoderLayer.forward_one_row)
+against the unfused layers: per linear (bf16-style fp16 and FP8 weights, the Triton interpreter on
+CPU) and through the Engine on a tiny random checkpoint."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():  # read when a kernel is decorated: before the imports below
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+import radixserve  # noqa: E402
+from radixserve.layers import linear as linear_module  # noqa: E402
+from radixserve.layers.activation import SiluAndMul  # noqa: E402
+from radixserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,  # noqa: E402
+                                      RowParallelLinear)
+from radixserve.layers.norm import RMSNorm  # noqa: E402
+from radixserve.layers.quantization.fp8 import Fp8Config, fp8_linears  # noqa: E402
+from radixserve.models import blocks  # noqa: E402
+from tests.models.tiny_checkpoints import make_checkpoint  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.float16
+
+
+def _fill(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    for param in module.parameters():
+        if param.dtype.is_floating_point and param.element_size() > 1:
+            param.data.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    return module.to(DEVICE, DTYPE)
+
+
+def _norm(size: int, seed: int) -> RMSNorm:
+    norm = RMSNorm(size, 1e-5)
+    norm.weight.data = 1.0 + 0.2 * torch.randn(size, generator=torch.Generator().manual_seed(seed))
+    return norm.to(DEVICE, DTYPE)
+
+
+def _row(size: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, size, generator=gen) * scale).to(DEVICE, DTYPE)
+
+
+def _quantised(make):  # the layer with per-channel FP8 weights, quantised at load
+    with fp8_linears(Fp8Config(online=True)):
+        layer = make()
+    _fill(layer, 7)
+    layer.finish_loading()
+    return layer
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_norm_fused_into_the_qkv_product(fp8: bool) -> None:
+    make = lambda: QKVParallelLinear(128, 32, 4, 2, bias=True, tp_rank=0, tp_size=1)  # noqa
+    layer = _quantised(make) if fp8 else _fill(make(), 1)
+    norm, stream = _norm(128, 2), _row(128, 3, scale=3.0)
+    assert layer.fuses_one_row(DTYPE)
+    got = layer.fused_row_product(stream, norm=norm)
+    want = layer(norm(stream))
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_norm_and_silu_fused_into_the_gate_up_product(fp8: bool) -> None:
+    make = lambda: MergedColumnParallelLinear(128, [64, 64], bias=True, tp_rank=0,  # noqa
+                                              tp_size=1)
+    layer = _quantised(make) if fp8 else _fill(make(), 4)
+    norm, stream = _norm(128, 5), _row(128, 6)
+    got = layer.fused_row_product(stream, norm=norm, gated=True)
+    want = SiluAndMul()(layer(norm(stream)))
+    assert got.shape == (1, 64)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_residual_add_fused_into_the_down_product(fp8: bool) -> None:
+    make = lambda: RowParallelLinear(256, 128, bias=True, tp_rank=0, tp_size=1)  # noqa
+    layer = _quantised(make) if fp8 else _fill(make(), 8)
+    x, stream = _row(256, 9), _row(128, 10, scale=4.0)
+    assert layer.fuses_one_row(DTYPE, residual=True)
+    got = layer.fused_row_product(x, residual=stream)
+    want = layer(x) + stream
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_what_does_not_fuse() -> None:
+    # the ranks' partial sums must be reduced before the residual add
+    row = _fill(RowParallelLinear(256, 128, tp_rank=0, tp_size=2), 1)
+    assert row.fuses_one_row(DTYPE) and not row.fuses_one_row(DTYPE, residual=True)
+    odd = _fill(RowParallelLinear(100, 128, tp_rank=0, tp_size=1), 1)  # no block divides K
+    assert not odd.fuses_one_row(DTYPE, residual=True)
+    fp32 = RowParallelLinear(256, 128, tp_rank=0, tp_size=1)  # float32 stays on cuBLAS
+    assert not fp32.fuses_one_row(torch.float32)
+
+
+def test_off_switch(monkeypatch) -> None:
+    layer = _fill(RowParallelLinear(256, 128, tp_rank=0, tp_size=1), 1)
+    assert layer.fuses_one_row(DTYPE)
+    monkeypatch.setattr(linear_module, "ROW_FUSION_ENABLED", False)
+    assert not layer.fuses_one_row(DTYPE)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama_biases_i128")
+    make_checkpoint("llama_biases_i128", folder)
+    return str(folder)
+
+
+def _greedy(checkpoint: str, **args) -> list[int]:
+    engine = radixserve.Engine(checkpoint, dtype="float16", skip_tokenizer_init=True,
+                               max_total_tokens=2000, **args)
+    prompt = torch.randint(0, 160, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    # one request: every decode step is one row (few steps: the interpreter is slow)
+    out = engine.generate(input_ids=[prompt], sampling_params={
+        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+    state = engine.get_internal_state()
+    assert state["memory_check_ok"] and state["leaked_tokens"] == 0
+    engine.shutdown()
+    return out[0]["output_ids"]
+
+
+def test_engine_greedy_outputs_unchanged_by_the_fused_layers(checkpoint, monkeypatch) -> None:
+    reference = _greedy(checkpoint)
+    calls = []
+    fused = blocks.DecoderLayer.forward_one_row
+
+    def counting(self, *args):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return fused(self, *args)
+
+    monkeypatch.setattr(blocks, "one_row_kernels_apply", lambda hidden: hidden.dim() == 2)
+    monkeypatch.setattr(blocks.DecoderLayer, "forward_one_row", counting)
+    assert _greedy(checkpoint) == reference
+    assert len(calls) == 2 * 5  # 2 layers x the decode steps after the first token
+
+
+def test_block_scaled_fp8_gate_up_with_norm_matches_the_dequantised_product() -> None:
+    from radixserve.layers.kernels.fp8_gemm import fp8_weight_gemm_reference
+    from radixserve.layers.kernels.gemv import RowFusion, fp8_gemv
+    gen = torch.Generator().manual_seed(11)
+    n, k, block = 48, 256, 64
+    scale = torch.rand(n, k // block, generator=gen) * 0.01 + 0.001
+    codes = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    norm, stream = _norm(k, 12), _row(k, 13, scale=2.0)
+    got = fp8_gemv(stream, codes.to(DEVICE), scale.to(DEVICE), block,
+                   fusion=RowFusion(norm.weight, norm.variance_epsilon, gated=True))
+    product = fp8_weight_gemm_reference(norm(stream).cpu(), codes, scale, block).to(DTYPE)
+    want = F.silu(product[:, :n // 2]) * product[:, n // 2:]
+    torch.testing.assert_close(got.float().cpu(), want.float(), atol=2e-2, rtol=2e-2)
