@@ -8,12 +8,14 @@ down GEMV) against the fused chain of four (kernels/gemv.py RowFusion: the norms
 and gate|up GEMVs, SiLU-mul in gate|up's, the residual adds in o's and down's), each captured in
 a CUDA graph over rotating layer copies so every weight byte comes from HBM. Prints µs per layer
 and x 32 per step. --sweep also times each fused kernel over a grid of GEMV configurations
-around the one it runs with.
+around the one it runs with; --write stores each winner in the kernels' tables
+(kernels/gemm_tables.py, the M = 1 entry's "norm" / "norm+gated" / "residual" keys).
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 import time
 from pathlib import Path
@@ -93,35 +95,74 @@ def check(layer: Layer, x: torch.Tensor) -> float:
     return max(worst, ((got - want).float().abs().max() / want.float().abs().max()).item())
 
 
-def sweep(layers: list[Layer], x: torch.Tensor, budget: float) -> None:
-    from radixserve.layers.kernels.gemv import (GemvConfig, RowFusion, fused_config,
-                                                tuned_gemv_config)
-    act = torch.randn(1, INTER, device="cuda", dtype=torch.bfloat16)
-    cases = {"qkv": (x, RowFusion(layers[0].norm1, 1e-5)),
-             "o": (x, RowFusion(residual=x)),
-             "gate_up": (x, RowFusion(layers[0].norm2, 1e-5, gated=True)),
-             "down": (act, RowFusion(residual=x))}
-    for name, (inp, fusion) in cases.items():
-        deadline = time.monotonic() + budget / len(cases)
-        n, k = layers[0].w[name].shape
-        base = tuned_gemv_config(layers[0].kind, n, k)
+VARIANTS = {"qkv": "norm", "o": "residual", "gate_up": "norm+gated", "down": "residual"}
+
+
+def sweep(kind: str, budget: float, write: bool) -> None:
+    """Each fused product over a grid of GEMV configurations, weights rotated through >= 600 MB
+    (gpu_gemm_tune.Shape); with `write`, a winner 2% or more ahead of the configuration the
+    product runs with now goes into its table's M = 1 entry under the variant's name."""
+    from gpu_gemm_tune import MARGIN, Shape
+
+    from radixserve.layers.kernels import gemm_tables
+    from radixserve.layers.kernels.gemv import GemvConfig, RowFusion, fp8_gemv, gemv, row_config
+    shapes = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN),
+              "down": (HIDDEN, INTER)}
+    norm = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
+    stream = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    for name, (n, k) in shapes.items():
+        shape = Shape(kind, n, k)
+        x = torch.randn(1, INTER if name == "down" else HIDDEN, device="cuda",
+                        dtype=torch.bfloat16)
+        fusion = RowFusion(residual=stream) if VARIANTS[name] == "residual" else \
+            RowFusion(norm, 1e-5, gated=name == "gate_up")
+
+        def product(w, config=None):  # type: ignore[no-untyped-def]
+            if kind == "fp8":
+                return fp8_gemv(x, w, shape.scale, None, config=config, fusion=fusion)
+            return gemv(x, w, config=config, fusion=fusion)
+
+        current = row_config(kind, n, k, fusion)
+        t_current = shape.timed(product)
+        t_plain = shape.timed(lambda w: fp8_gemv(x, w, shape.scale, None) if kind == "fp8"
+                              else gemv(x, w))
+        deadline = time.monotonic() + budget / len(shapes)
         results = []
         for bn, bk, warps, stages in itertools.product((4, 8, 16, 32), (512, 1024), (4, 8),
                                                        (3, 4)):
             if time.monotonic() > deadline or k % bk:
                 continue
             config = GemvConfig(bn, bk, warps, stages)
-            try:
-                t = time_graph(lambda: [layer.product(name, inp, fusion, config)
-                                        for layer in layers]) / len(layers)
-            except Exception:  # out of registers / shared memory
-                continue
-            results.append((t, config))
-        results.sort()
-        t_base = time_graph(lambda: [layer.product(name, inp, fusion) for layer in layers]) \
-            / len(layers)
-        print(f"   {name:8s} runs {fused_config(base, fusion)} {t_base * 1e6:7.1f} us; best: "
-              + "; ".join(f"{c} {t * 1e6:.1f}" for t, c in results[:3]))
+            results.append((shape.timed(lambda w, c=config: product(w, c)), config))
+        results.sort(key=lambda pair: pair[0])
+        print(f"   {name:8s} plain GEMV {t_plain * 1e6:6.1f} us; {VARIANTS[name]} with "
+              f"{tuple(current)} {t_current * 1e6:6.1f} us; best of {len(results)}: "
+              + "; ".join(f"{tuple(c)} {t * 1e6:.1f}" for t, c in results[:3]), flush=True)
+        if write and results and results[0][0] * MARGIN < t_current:
+            t_best, best = results[0]
+            path = gemm_tables.CONFIG_DIR / f"{kind}_N{n}_K{k}.json"
+            table = json.loads(path.read_text()) if path.is_file() else {}
+            table.setdefault("1", {})[VARIANTS[name]] = dict(
+                best._asdict(), us=round(t_best * 1e6, 2), base_us=round(t_current * 1e6, 2))
+            path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+            print(f"   -> {path.name}", flush=True)
+        del shape
+        torch.cuda.empty_cache()
+    gemm_tables.clear_cache()
+
+
+def chain(kind: str) -> None:
+    layers = [Layer(kind) for _ in range(COPIES)]
+    stream = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    hidden = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    print(f"== {kind}: fused vs unfused rows differ by at most "
+          f"{check(layers[0], stream):.2e} (relative to the largest)")
+    t_unfused = time_graph(lambda: [layer.unfused(stream, hidden) for layer in layers]) / COPIES
+    t_fused = time_graph(lambda: [layer.fused(stream) for layer in layers]) / COPIES
+    print(f"   per layer: unfused {t_unfused * 1e6:.1f} us, fused {t_fused * 1e6:.1f} us; "
+          f"x 32 layers: {t_unfused * 32e3:.3f} -> {t_fused * 32e3:.3f} ms", flush=True)
+    del layers
+    torch.cuda.empty_cache()
 
 
 def main() -> int:
@@ -129,20 +170,13 @@ def main() -> int:
     parser.add_argument("--kinds", nargs="+", default=["bf16", "fp8"])
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--budget", type=float, default=120.0, help="seconds per kind's sweep")
+    parser.add_argument("--write", action="store_true", help="store the sweep's winners")
     args = parser.parse_args()
     for kind in args.kinds:
-        layers = [Layer(kind) for _ in range(COPIES)]
-        stream = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
-        hidden = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
-        print(f"== {kind}: fused vs unfused rows differ by at most "
-              f"{check(layers[0], stream):.2e} (relative to the largest)")
-        t_unfused = time_graph(lambda: [layer.unfused(stream, hidden) for layer in layers]) \
-            / COPIES
-        t_fused = time_graph(lambda: [layer.fused(stream) for layer in layers]) / COPIES
-        print(f"   per layer: unfused {t_unfused * 1e6:.1f} us, fused {t_fused * 1e6:.1f} us; "
-              f"x 32 layers: {t_unfused * 32e3:.3f} -> {t_fused * 32e3:.3f} ms")
+        chain(kind)
         if args.sweep:
-            sweep(layers, stream, args.budget)
+            sweep(kind, args.budget, args.write)
+            chain(kind)
     return 0
 
 

@@ -150,6 +150,14 @@ class RowFusion(NamedTuple):
     residual: torch.Tensor | None = None
 
 
+    @property
+    def variant(self) -> str:
+        """The name of this fusion's swept configuration in the M = 1 table entry ("" none)."""
+        return "+".join(name for name, on in (("norm", self.norm_weight is not None),
+                                               ("gated", self.gated),
+                                               ("residual", self.residual is not None)) if on)
+
+
 NO_FUSION = RowFusion()
 
 
@@ -158,6 +166,19 @@ def fused_config(config: GemvConfig, fusion: RowFusion) -> GemvConfig:
     if fusion.gated and config.block_n > 1:
         return config._replace(block_n=config.block_n // 2)
     return config
+
+
+def row_config(kind: str, n: int, k: int, fusion: RowFusion) -> GemvConfig | None:
+    """The configuration of a one-row product of this kind with `fusion`: the variant's swept
+    entry (benchmarks/gpu_row_fusion.py --write; block_n counts the rows of each half when
+    gated), else the plain product's adapted by `fused_config`."""
+    entry = tuned_entry(kind, n, k, 1)
+    swept = (entry or {}).get(fusion.variant) if fusion.variant else None
+    if swept is not None and k % swept["block_k"] == 0:
+        return GemvConfig(swept["block_n"], swept["block_k"], swept["num_warps"],
+                          swept["num_stages"])
+    plain = tuned_gemv_config(kind, n, k)
+    return None if plain is None else fused_config(plain, fusion)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
@@ -194,10 +215,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n, k = weight.shape
     assert x.shape[-1] == k and x.numel() == k and x.is_contiguous()
     assert weight.stride(1) == 1
-    config = config or tuned_gemv_config("bf16", n, k)
+    config = config or row_config("bf16", n, k, fusion)
     if config is None or k % config.block_k:
         raise ValueError(f"no GEMV block size divides K={k}")
-    return _launch(x, weight, None, None, bias, fused_config(config, fusion), fusion)
+    return _launch(x, weight, None, None, bias, config, fusion)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -206,18 +227,19 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
              fusion: RowFusion = NO_FUSION) -> torch.Tensor | None:
     """One row x [1, K] against FP8 codes [N, K] x scales [N, G]; None when no block size
     divides K (the caller falls back)."""
-    config = fp8_gemv_config(weight, scale, group_k, config)
+    config = fp8_gemv_config(weight, scale, group_k, config, fusion)
     if config is None:
         return None
-    return _launch(x, weight, scale, group_k, bias, fused_config(config, fusion), fusion)
+    return _launch(x, weight, scale, group_k, bias, config, fusion)
 
 
 def fp8_gemv_config(weight: torch.Tensor, scale: torch.Tensor, group_k: int | None,
-                    config: GemvConfig | None = None) -> GemvConfig | None:
+                    config: GemvConfig | None = None,
+                    fusion: RowFusion = NO_FUSION) -> GemvConfig | None:
     """The configuration the FP8 GEMV runs these codes with (`config`, else the swept or
     default one), or None when no block size divides K."""
     n, k = weight.shape
-    config = config or tuned_gemv_config("fp8", n, k)
+    config = config or row_config("fp8", n, k, fusion)
     if config is None:
         return None
     if scale.shape[1] > 1 and group_k and config.block_k > group_k:
