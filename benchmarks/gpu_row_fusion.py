@@ -146,7 +146,6 @@ def sweep(kind: str, budget: float, write: bool) -> None:
                 best._asdict(), us=round(t_best * 1e6, 2), base_us=round(t_current * 1e6, 2))
             path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
             print(f"   -> {path.name}", flush=True)
-        del shape
         torch.cuda.empty_cache()
     gemm_tables.clear_cache()
 
@@ -161,7 +160,6 @@ def chain(kind: str) -> None:
     t_fused = time_graph(lambda: [layer.fused(stream) for layer in layers]) / COPIES
     print(f"   per layer: unfused {t_unfused * 1e6:.1f} us, fused {t_fused * 1e6:.1f} us; "
           f"x 32 layers: {t_unfused * 32e3:.3f} -> {t_fused * 32e3:.3f} ms", flush=True)
-    del layers
     torch.cuda.empty_cache()
 
 

@@ -15,7 +15,6 @@ read back, one step after the pass that follows them.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from radixserve.config import ServerArgs
@@ -30,18 +29,19 @@ from radixserve.scheduler.admission import PrefillAdder
 from radixserve.scheduler.batch import BatchBuilder, merge_mixed, wants_prompt_logprobs
 from radixserve.scheduler.grammar.manager import GrammarManager
 from radixserve.scheduler.in_batch_prefix import InBatchPrefixIndex
-from radixserve.scheduler.overlap import (DecodeLauncher, InflightDecode, InflightPrefill,
-                                          ends_after_next_token)
+from radixserve.scheduler.kv_pressure import KVPressureMixin
+from radixserve.scheduler.overlap import DecodeLauncher, InflightDecode, InflightPrefill
+from radixserve.scheduler.overlap_loop import OverlapLoopMixin
 from radixserve.scheduler.output import OutputSlice, build_token_output, needs_send
 from radixserve.scheduler.policy import SchedulePolicy, match_prefix
-from radixserve.scheduler.retraction import NewTokenRatio, pick_retractions
+from radixserve.scheduler.retraction import NewTokenRatio
 from radixserve.scheduler.runner_protocol import ModelRunnerLike
 from radixserve.scheduler.stats import SchedulerStats, check_memory
 
-logger = logging.getLogger("radixserve.scheduler")
+class Scheduler(OverlapLoopMixin, KVPressureMixin):
+    """The loop of turns, admission and results; the overlapped decode loop and the KV
+    pressure handling are its mixins (overlap_loop.py, kv_pressure.py)."""
 
-
-class Scheduler:
     def __init__(self, server_args: ServerArgs, model_runner: ModelRunnerLike,
                  tokenizer: Detokenizer | None, eos_token_ids: set[int], context_len: int) -> None:
         self.args = server_args.resolve()
@@ -394,94 +394,6 @@ class Scheduler:
         batch = self.builder.prepare_decode(self.running)
         self._process_decode_results(self.runner.forward(batch))
 
-    def _run_decode_steps_overlapped(self, launcher: DecodeLauncher, max_steps: int,
-                                     keep_prefill: bool = False) -> None:
-        """Launch up to max_steps decode steps, each before the previous one's ids are read:
-        step k+1 takes its input ids from step k on the device, and while it runs the host
-        appends step k's tokens, checks which requests finished and (after the turn) sends the
-        output. The last step launched stays in flight across the turn (`self.inflight`); a
-        prefill, a retraction, an abort or a synchronous step settles it first (`_settle`).
-
-        Step k+1 leaves out requests whose step-k token is their last by length; a request that
-        stops on a token (EOS, stop string) is found one step late: its step-k+1 token is
-        dropped and the KV slot that step wrote goes back with the request's other slots.
-
-        keep_prefill (a one-step turn between two chunks of a prompt): the step is launched
-        behind the prefill in flight, and both stay in flight. The next turn admits and
-        launches the next chunk's batch before the host waits for either, so the GPU is never
-        left without a queued pass while Python reads the prefill back (its requests join the
-        decode batch at the same step as when it is read here). Then two passes are in flight
-        between turns, the prefill launched first; `_settle` reads them in that order."""
-        keep_prefill = keep_prefill and max_steps == 1 and self.inflight is None \
-            and self.inflight_prefill is not None
-        launched_steps = 0
-        while True:
-            launched = None
-            if launched_steps < max_steps:
-                reqs = self._next_decode_reqs()
-                if not reqs and self.inflight_prefill is not None:
-                    self._settle()  # only the prefill's requests are left to decode
-                    keep_prefill = False
-                    reqs = self._next_decode_reqs()
-                if reqs:
-                    launched = launcher.launch(reqs, self.inflight)
-                    launched_steps += 1
-            if not (keep_prefill and launched is not None):
-                self._settle()
-            self.inflight = launched
-            if launched is None or launched_steps >= max_steps or \
-                    self._streamed_output_waiting():
-                break  # what was launched last runs on while the turn's output goes out
-
-    def _next_decode_reqs(self) -> list[Req]:
-        """The requests of the next overlapped decode step: those of the step in flight that go
-        on, then the ones whose prefill was read back since (their token is on the host); none
-        when the KV pool is short (settle first; the next turn may retract) or when a request
-        with a grammar would join (settle; the next turn decodes synchronously)."""
-        if self.inflight is None:
-            self._ensure_decode_memory()
-            reqs = list(self.running)
-        else:
-            in_step = {id(r) for r in self.inflight.reqs}
-            reqs = [r for r in self.inflight.reqs if not r.finished
-                    and not ends_after_next_token(r, self.context_len)]
-            reqs += [r for r in self.running if id(r) not in in_step]
-            if not self._decode_memory_available(len(reqs)):
-                return []
-        if any(r.grammar is not None for r in reqs):
-            return []
-        return reqs
-
-    def _settle(self) -> None:
-        """Read back and process the passes in flight, in launch order: at most one, or a
-        prefill and the decode step launched after it (keep_prefill)."""
-        if self.inflight_prefill is not None:
-            prefill, self.inflight_prefill = self.inflight_prefill, None
-            out = prefill.handle.output([r.top_logprobs_num for r in prefill.reqs])
-            self._process_prefill_results(prefill.reqs, out, prefill)
-        if self.inflight is None:
-            return
-        inflight, self.inflight = self.inflight, None
-        out = inflight.handle.output([r.top_logprobs_num for r in inflight.reqs])
-        requeued: set[int] = set()
-        for i, req in enumerate(inflight.reqs):
-            if req.finished:  # stopped on the step before; this token is past its end
-                continue
-            jumped = self._append_token(req, i, out)
-            if req.finished:
-                self._finish(req)
-            elif jumped:
-                self._requeue_for_extend(req)
-                requeued.add(id(req))
-        self._after_decode_step(len(inflight.reqs), [r for r in self.running if not r.finished
-                                                     and id(r) not in requeued])
-
-    def _decode_memory_available(self, need: int) -> bool:
-        available = self.token_to_kv_pool.available_size()
-        if available < need:
-            self.tree_cache.evict(need - available)
-        return self.token_to_kv_pool.available_size() >= need
-
     def _process_decode_results(self, out: Any) -> None:
         still_running: list[Req] = []
         for i, req in enumerate(self.running):
@@ -499,53 +411,6 @@ class Scheduler:
                                   self.token_usage(), len(self.waiting_queue))
         self.running = still_running
         self.ratio.decay()
-
-    def _ensure_decode_memory(self, extra_tokens: int = 0) -> None:
-        """Each running request needs one KV slot (plus `extra_tokens` for a prefill sharing the
-        pass); retract the cheapest requests if short."""
-        need = len(self.running) + extra_tokens
-        if self.token_to_kv_pool.available_size() >= need:
-            return
-        self.tree_cache.evict(need - self.token_to_kv_pool.available_size())
-        if self.token_to_kv_pool.available_size() >= need:
-            return
-        if self.inflight_prefill is not None:
-            # its requests hold KV too: read it back so they can be retracted like the others
-            self._settle()
-            self._ensure_decode_memory(extra_tokens)
-            return
-        keep, retract = pick_retractions(self.running, self._free_after_retraction, extra_tokens)
-        self._retract(retract)
-        self.running = keep
-        self.ratio.after_retraction(keep)
-        logger.warning("KV cache is full: retracted %d requests (%d still running); "
-                       "new_token_ratio is now %.2f; %d retractions and %d recomputed tokens "
-                       "so far", len(retract), len(keep), self.ratio.value,
-                       self.stats.num_retractions, self.stats.num_recomputed_tokens)
-        need = len(self.running) + extra_tokens
-        self.tree_cache.evict(need - self.token_to_kv_pool.available_size())
-        if self.running and self.token_to_kv_pool.available_size() < need:
-            if extra_tokens:  # the chunk was promised its memory: the decodes step aside
-                self._retract(self.running)
-            else:  # one request alone fills the whole cache: it cannot grow, so it ends here
-                for req in self.running:
-                    self._finish(req, FinishReason.max_length(len(req.output_ids)))
-            self.running = []
-
-    def _retract(self, reqs: list[Req]) -> None:
-        """Back to the front of the queue with their output; their KV stays in the cache."""
-        for req in reqs:
-            self.tree_cache.cache_finished_req(req, token_ids=req.all_ids()[:req.kv_len])
-            req.kv_len = 0
-            req.retraction_count += 1
-            req.is_being_chunked = False
-        self.waiting_queue = list(reqs) + self.waiting_queue
-        self.stats.num_retractions += len(reqs)
-
-    def _free_after_retraction(self, retracted: list[Req]) -> int:
-        """Slots that would be free (or evictable) if `retracted` gave theirs back."""
-        freed = sum(r.kv_len - len(r.prefix_indices) for r in retracted)
-        return self.token_to_kv_pool.available_size() + self.tree_cache.evictable_size() + freed
 
     # ---- idle, memory accounting ----
     def token_usage(self) -> float:
