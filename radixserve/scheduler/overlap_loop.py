@@ -29,9 +29,7 @@ class OverlapLoopMixin:
         def _streamed_output_waiting(self) -> bool: ...
         def _process_prefill_results(self, reqs: list[Req], out: Any,
                                      launched: InflightPrefill | None = None) -> None: ...
-        def _append_token(self, req: Req, i: int, out: Any) -> int: ...
-        def _finish(self, req: Req, reason: Any = None, release: bool = True) -> None: ...
-        def _requeue_for_extend(self, req: Req) -> None: ...
+        def _take_token(self, req: Req, i: int, out: Any) -> bool: ...
         def _after_decode_step(self, batch_size: int, still_running: list[Req]) -> None: ...
 
     def _run_decode_steps_overlapped(self, launcher: DecodeLauncher, max_steps: int,
@@ -103,15 +101,11 @@ class OverlapLoopMixin:
             return
         inflight, self.inflight = self.inflight, None
         out = inflight.handle.output([r.top_logprobs_num for r in inflight.reqs])
-        requeued: set[int] = set()
+        left: set[int] = set()  # requests that finished or went back to the queue
         for i, req in enumerate(inflight.reqs):
             if req.finished:  # stopped on the step before; this token is past its end
                 continue
-            jumped = self._append_token(req, i, out)
-            if req.finished:
-                self._finish(req)
-            elif jumped:
-                self._requeue_for_extend(req)
-                requeued.add(id(req))
+            if not self._take_token(req, i, out):
+                left.add(id(req))
         self._after_decode_step(len(inflight.reqs), [r for r in self.running if not r.finished
-                                                     and id(r) not in requeued])
+                                                     and id(r) not in left])

@@ -354,15 +354,20 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
             if req.sampling_params.max_new_tokens == 0:
                 self._finish(req, FinishReason.max_length(0))
                 continue
-            jumped = self._append_token(req, i, out)
-            if req.finished:
-                self._finish(req)
-            elif jumped:
-                self._requeue_for_extend(req)
-            else:
+            if self._take_token(req, i, out):
                 if launched is None:  # share the prompt's KV with later requests right away
                     self.tree_cache.cache_unfinished_req(req)
                 self.running.append(req)
+
+    def _take_token(self, req: Req, i: int, out: Any) -> bool:
+        """Append row i's sampled token, then end the request or requeue it (jump-forward) as
+        the token says; True when it decodes on."""
+        jumped = self._append_token(req, i, out)
+        if req.finished:
+            self._finish(req)
+        elif jumped:
+            self._requeue_for_extend(req)
+        return not (req.finished or jumped)
 
     def _append_token(self, req: Req, i: int, out: Any) -> int:
         """Append a sampled token; returns how many jump-forward added (`_requeue_for_extend`)."""
@@ -397,12 +402,7 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
     def _process_decode_results(self, out: Any) -> None:
         still_running: list[Req] = []
         for i, req in enumerate(self.running):
-            jumped = self._append_token(req, i, out)
-            if req.finished:
-                self._finish(req)
-            elif jumped:
-                self._requeue_for_extend(req)
-            else:
+            if self._take_token(req, i, out):
                 still_running.append(req)
         self._after_decode_step(len(self.running), still_running)
 
