@@ -118,7 +118,7 @@ def _greedy(checkpoint: str, **args) -> list[int]:
     prompt = torch.randint(0, 160, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     # one request: every decode step is one row (few steps: the interpreter is slow)
     out = engine.generate(input_ids=[prompt], sampling_params={
-        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+        "max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
     state = engine.get_internal_state()
     assert state["memory_check_ok"] and state["leaked_tokens"] == 0
     engine.shutdown()
@@ -138,7 +138,7 @@ def test_engine_greedy_outputs_unchanged_by_the_fused_layers(checkpoint, monkeyp
     monkeypatch.setattr(blocks.DecoderLayer, "forward_one_row", counting)
     assert _greedy(checkpoint) == reference
     # 2 layers x the decode steps after the first token (with CUDA graphs: at capture only)
-    assert len(calls) == 2 * 5 or (torch.cuda.is_available() and calls)
+    assert len(calls) == 2 * 3 or (torch.cuda.is_available() and calls)
 
 
 def test_block_scaled_fp8_gate_up_with_norm_matches_the_dequantised_product() -> None:
