@@ -16,6 +16,9 @@
 # radix:   the generated-shared-prefix set, radix cache on and off
 # profile: where a batch-8 decode step goes (torch.profiler, graphs) and the extend kernel on
 #          8K chunks over 24K-120K prefixes, with its config sweep (ROOF_STEPS=profile, ~3 min)
+# fusion:  a batch-1 decode layer's linears with and without the one-row fusions, bf16 and FP8
+#          (benchmarks/gpu_row_fusion.py; ROOF_FUSION_ARGS="--sweep --write" re-sweeps their
+#          configurations into the kernels' tables, ~4 min)
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/gpu_common.sh gpu_roofline "${ROOF_STEPS:-decode short long radix offline http}"
@@ -53,6 +56,13 @@ fi
 if step radix; then
     echo "== shared-prefix set"
     offline radix 200 --radix both --dataset-name generated-shared-prefix
+fi
+if step fusion; then
+    echo "== fusion"
+    timeout -k 10 330 python3 benchmarks/gpu_row_fusion.py ${ROOF_FUSION_ARGS:-} \
+        > "$OUT/row_fusion.log" 2>&1
+    echo "   rc $?"
+    grep -E "^==|per layer|us;" "$OUT/row_fusion.log"
 fi
 if step profile; then
     echo "== profile"
