@@ -29,16 +29,26 @@ from gpu_gemm_tune import time_graph  # noqa: E402
 
 HIDDEN, INTER, QKV = 4096, 14336, 6144
 COPIES = 3  # a bf16 layer's linears are 436 MB: three copies are far past the 60 MB L2
+SHAPES = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN),
+          "down": (HIDDEN, INTER)}
+
+
+def one_row(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, fusion=None,
+            config=None) -> torch.Tensor:
+    """The package's GEMV over bf16 weights, or over FP8 codes when a scale is given."""
+    from radixserve.layers.kernels.gemv import NO_FUSION, fp8_gemv, gemv
+    fusion = fusion or NO_FUSION
+    if scale is not None:
+        return fp8_gemv(x, w, scale, None, config=config, fusion=fusion)
+    return gemv(x, w, config=config, fusion=fusion)
 
 
 class Layer:
     def __init__(self, kind: str) -> None:
         self.kind = kind
-        shapes = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN),
-                  "down": (HIDDEN, INTER)}
         self.w: dict[str, torch.Tensor] = {}
         self.scale: dict[str, torch.Tensor | None] = {}
-        for name, (n, k) in shapes.items():
+        for name, (n, k) in SHAPES.items():
             if kind == "fp8":
                 self.w[name] = torch.randint(-100, 100, (n, k), device="cuda",
                                              dtype=torch.int16).to(torch.float8_e4m3fn)
@@ -50,12 +60,7 @@ class Layer:
         self.norm2 = 1 + 0.1 * torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16)
 
     def product(self, name: str, x: torch.Tensor, fusion=None, config=None) -> torch.Tensor:
-        from radixserve.layers.kernels.gemv import NO_FUSION, fp8_gemv, gemv
-        fusion = fusion or NO_FUSION
-        if self.kind == "fp8":
-            return fp8_gemv(x, self.w[name], self.scale[name], None, config=config,
-                            fusion=fusion)
-        return gemv(x, self.w[name], config=config, fusion=fusion)
+        return one_row(x, self.w[name], self.scale[name], fusion, config)
 
     def unfused(self, stream: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         from radixserve.layers.kernels.rmsnorm import fused_rmsnorm
@@ -105,12 +110,10 @@ def sweep(kind: str, budget: float, write: bool) -> None:
     from gpu_gemm_tune import MARGIN, Shape
 
     from radixserve.layers.kernels import gemm_tables
-    from radixserve.layers.kernels.gemv import GemvConfig, RowFusion, fp8_gemv, gemv, row_config
-    shapes = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN),
-              "down": (HIDDEN, INTER)}
+    from radixserve.layers.kernels.gemv import GemvConfig, RowFusion, row_config
     norm = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
     stream = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    for name, (n, k) in shapes.items():
+    for name, (n, k) in SHAPES.items():
         shape = Shape(kind, n, k)
         x = torch.randn(1, INTER if name == "down" else HIDDEN, device="cuda",
                         dtype=torch.bfloat16)
@@ -118,15 +121,12 @@ def sweep(kind: str, budget: float, write: bool) -> None:
             RowFusion(norm, 1e-5, gated=name == "gate_up")
 
         def product(w, config=None):  # type: ignore[no-untyped-def]
-            if kind == "fp8":
-                return fp8_gemv(x, w, shape.scale, None, config=config, fusion=fusion)
-            return gemv(x, w, config=config, fusion=fusion)
+            return one_row(x, w, shape.scale, fusion, config)
 
         current = row_config(kind, n, k, fusion)
         t_current = shape.timed(product)
-        t_plain = shape.timed(lambda w: fp8_gemv(x, w, shape.scale, None) if kind == "fp8"
-                              else gemv(x, w))
-        deadline = time.monotonic() + budget / len(shapes)
+        t_plain = shape.timed(lambda w: one_row(x, w, shape.scale))
+        deadline = time.monotonic() + budget / len(SHAPES)
         results = []
         for bn, bk, warps, stages in itertools.product((4, 8, 16, 32), (512, 1024), (4, 8),
                                                        (3, 4)):

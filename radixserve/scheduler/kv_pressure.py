@@ -15,6 +15,7 @@ from radixserve.scheduler.retraction import pick_retractions
 
 if TYPE_CHECKING:
     from radixserve.mem.base_cache import BasePrefixCache
+    from radixserve.mem.kv_pool import KVPool
     from radixserve.scheduler.overlap import InflightPrefill
     from radixserve.scheduler.retraction import NewTokenRatio
     from radixserve.scheduler.stats import SchedulerStats
@@ -26,7 +27,7 @@ class KVPressureMixin:
     running: list[Req]
     waiting_queue: list[Req]
     tree_cache: "BasePrefixCache"
-    token_to_kv_pool: object
+    token_to_kv_pool: "KVPool"
     inflight_prefill: "InflightPrefill | None"
     ratio: "NewTokenRatio"
     stats: "SchedulerStats"

@@ -149,7 +149,6 @@ class RowFusion(NamedTuple):
     gated: bool = False
     residual: torch.Tensor | None = None
 
-
     @property
     def variant(self) -> str:
         """The name of this fusion's swept configuration in the M = 1 table entry ("" none)."""
