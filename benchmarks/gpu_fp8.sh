@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # FP8 and decode-sized GEMMs on one H200 (issues 13 and 17), from the repository root; logs
 # under $OUT.
-#   FP8_STEPS="tests tune decode offline" bash benchmarks/gpu_fp8.sh
+#   FP8_STEPS="tests tune mma decode offline" bash benchmarks/gpu_fp8.sh
 # tests:   FP8 and small-M kernels against references on the GPU (GEMV, skinny GEMM, FP8-weight
 #          GEMM, FP8 KV through the Triton decode/extend kernels and the fused rope + store)
 # tune:    benchmarks/gpu_gemm_tune.py: sweep the GEMV / skinny GEMM per Llama-3.1-8B shape and
 #          row count, write radixserve/layers/kernels/gemm_configs/ (and $OUT/gemm_configs.tgz);
 #          FP8_TUNE_ARGS passes more flags (e.g. "--kinds fp8 --no-gemv")
+# mma:     benchmarks/gpu_fp8_mma.py: the FP8 tensor-core kernel for decode rows against the
+#          GEMV / skinny GEMM it would replace, per shape, row count and one-row fusion
+#          (FP8_MMA_ARGS, default "--write --budget 240": winners into the tables, and
+#          $OUT/gemm_configs.tgz)
 # decode:  Llama-3.1-8B shapes, dummy weights, one static batch of 1 / 8 / 32 at context 1024,
 #          graphs + overlap: bf16, FP8 weights quantised at load (--quantization fp8), and FP8
 #          weights + FP8 KV cache
@@ -14,14 +18,14 @@
 #          (FP8_OFFLINE_MODES picks a subset)
 set -u
 cd "$(dirname "$0")/.."
-. benchmarks/gpu_common.sh gpu_fp8 "${FP8_STEPS:-tests tune decode offline}"
+. benchmarks/gpu_common.sh gpu_fp8 "${FP8_STEPS:-tests tune mma decode offline}"
 MODEL=benchmarks/configs/llama-3.1-8b
 
 if step tests; then
     echo "== tests"
     timeout -k 10 "${FP8_TEST_SECONDS:-150}" python3 -m pytest -q -x tests/layers/test_fp8_gemm.py \
         tests/layers/test_skinny_gemm.py tests/layers/test_gemv.py tests/mem/test_fp8_kv.py \
-        tests/attention/test_fp8_kv_kernels.py \
+        tests/attention/test_fp8_kv_kernels.py tests/layers/test_fp8_mma_rows.py \
         > "$OUT/tests.log" 2>&1
     echo "   rc $?: $(tail -1 "$OUT/tests.log")"
     grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -8
@@ -32,6 +36,14 @@ if step tune; then
         --budget "${FP8_TUNE_BUDGET:-240}" ${FP8_TUNE_ARGS:-} > "$OUT/tune.log" 2>&1
     echo "   rc $?"
     grep -E "^==|M=" "$OUT/tune.log" | cut -c1-150
+    tar czf "$OUT/gemm_configs.tgz" -C radixserve/layers/kernels gemm_configs
+fi
+if step mma; then
+    echo "== mma"
+    timeout -k 10 "${FP8_MMA_SECONDS:-320}" python3 benchmarks/gpu_fp8_mma.py \
+        ${FP8_MMA_ARGS:---write --budget 240} > "$OUT/mma.log" 2>&1
+    echo "   rc $?"
+    grep -E "^ +M=" "$OUT/mma.log" | cut -c1-220
     tar czf "$OUT/gemm_configs.tgz" -C radixserve/layers/kernels gemm_configs
 fi
 one_batch() {  # label, extra flags...

@@ -35,9 +35,13 @@ SHAPES = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HI
 
 def one_row(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, fusion=None,
             config=None) -> torch.Tensor:
-    """The package's GEMV over bf16 weights, or over FP8 codes when a scale is given."""
+    """The package's GEMV over bf16 weights, or over FP8 codes when a scale is given (without
+    a GEMV `config`: the model's FP8 dispatch, which may take the tensor-core kernel)."""
+    from radixserve.layers.kernels.fp8_gemm import fp8_rows_product
     from radixserve.layers.kernels.gemv import NO_FUSION, fp8_gemv, gemv
     fusion = fusion or NO_FUSION
+    if scale is not None and config is None:
+        return fp8_rows_product(x, w, scale, None, fusion=fusion)
     if scale is not None:
         return fp8_gemv(x, w, scale, None, config=config, fusion=fusion)
     return gemv(x, w, config=config, fusion=fusion)

@@ -175,9 +175,11 @@ class LinearBase(nn.Module):
         x = x.contiguous()
         if self.fp8 is None:
             return gemv.gemv(x, self.weight, self.bias, fusion=fusion)
-        y = gemv.fp8_gemv(x, self.weight, self.weight_scale, self.fp8.block, self.bias,
-                          fusion=fusion)
+        from radixserve.layers.kernels.fp8_gemm import fp8_rows_product
+        y = fp8_rows_product(x.view(1, -1), self.weight, self.weight_scale, self.fp8.block,
+                             self.bias, fusion)
         assert y is not None, "fuses_one_row promised an FP8 GEMV configuration"
+        y = y.view(*x.shape[:-1], y.shape[-1])
         return y
 
 

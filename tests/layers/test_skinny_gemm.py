@@ -60,14 +60,6 @@ def test_default_config_splits_k_only_for_small_batches() -> None:
     assert default_config(8, 4096, 4096, 64)["BLOCK_K"] == 64  # inside one scale group
 
 
-@pytest.fixture
-def table_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(gemm_tables, "CONFIG_DIR", tmp_path)
-    gemm_tables.clear_cache()
-    yield tmp_path
-    gemm_tables.clear_cache()
-
-
 def test_tuned_entry_uses_the_smallest_swept_row_count_covering_m(table_dir) -> None:
     gemv = {"block_n": 4, "block_k": 128, "num_warps": 4, "num_stages": 2, "us": 1.0}
     tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "num_warps": 4,

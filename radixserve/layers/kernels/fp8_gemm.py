@@ -1,8 +1,10 @@
 """The GPU linear over FP8 weight codes [N, K] with scales [N, G], x [M, K] bf16/fp16.
 
-One row: the FP8 GEMV (kernels/gemv.py). Decode-sized batches: the skinny tile GEMM
-(kernels/skinny_gemm.py), which loads FP8 codes (half the bytes of bf16) and runs the bf16
-tensor cores; per-shape configurations swept on the H200 come from `gemm_tables`. Large
+Up to 16 rows, where the H200 sweep found it faster: the FP8 tensor-core kernel
+(kernels/fp8_mma_rows.py), which feeds the codes to e4m3 MMAs and quantises the activations in
+registers. Otherwise one row: the FP8 GEMV (kernels/gemv.py); decode-sized batches: the skinny
+tile GEMM (kernels/skinny_gemm.py), which loads FP8 codes (half the bytes of bf16) and runs the
+bf16 tensor cores. Per-shape configurations swept on the H200 come from `gemm_tables`. Large
 per-channel batches: `torch._scaled_mm` (cuBLASLt, FP8 tensor cores) with activations quantised
 per token. Block-scaled weights always take the Triton kernels.
 """
@@ -10,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.layers.kernels import fp8_mma_rows
 from radixserve.layers.kernels.gemm_tables import tuned_entry
-from radixserve.layers.kernels.gemv import fp8_gemv
+from radixserve.layers.kernels.gemv import NO_FUSION, RowFusion, fp8_gemv
 from radixserve.layers.kernels.per_token_quant import per_token_quant
 from radixserve.layers.kernels.skinny_gemm import (config_from_entry, default_config,
                                                    skinny_gemm)
@@ -47,14 +50,33 @@ def scaled_mm_per_token(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+def fp8_rows_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                     group_k: int | None, bias: torch.Tensor | None = None,
+                     fusion: RowFusion = NO_FUSION) -> torch.Tensor | None:
+    """x [M, K] (rows contiguous) with `fusion` on the FP8 tensor-core kernel where its sweep
+    won for this shape, row count and fusion; else, for one row, the FP8 GEMV. None when
+    neither applies (the caller falls back)."""
+    m = x.shape[0]
+    if m <= fp8_mma_rows.MAX_ROWS and fp8_mma_rows.available(x):
+        config = fp8_mma_rows.tuned_config(weight.shape[0], weight.shape[1], m, fusion.variant)
+        if config is not None and scale.shape[1] > 1 and group_k:
+            config = fp8_mma_rows.within_group(config, group_k)
+        if config is not None:
+            return fp8_mma_rows.fp8_mma_rows(x, weight, scale, group_k, bias, config, fusion)
+    if m == 1:
+        return fp8_gemv(x, weight, scale, group_k, bias, fusion=fusion)
+    return None
+
+
 def fp8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                       block: int | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """The GPU FP8 linear: _scaled_mm for large per-channel batches (when the device has FP8
-    tensor cores), else the weight-dequantising Triton GEMM."""
+    """The GPU FP8 linear: decode rows on `fp8_rows_product` where it applies, _scaled_mm for
+    large per-channel batches (when the device has FP8 tensor cores), else the
+    weight-dequantising Triton GEMM."""
     tokens = x.numel() // x.shape[-1]
     entry = tuned_entry("fp8", weight.shape[0], weight.shape[1], tokens)
-    if tokens == 1 and x.is_contiguous():  # batch-1 decode: the FP8 GEMV
-        y = fp8_gemv(x.reshape(1, -1), weight, scale, block, bias)
+    if 0 < tokens <= fp8_mma_rows.MAX_ROWS and x.is_contiguous():  # decode rows
+        y = fp8_rows_product(x.reshape(tokens, -1), weight, scale, block, bias)
         if y is not None:
             return y.view(*x.shape[:-1], weight.shape[0])
     wants_scaled_mm = tokens >= SCALED_MM_MIN_TOKENS if entry is None else \

@@ -1,0 +1,162 @@
+"""FP8 decode products on the e4m3 tensor cores (kernels/fp8_mma_rows.py) against the kernels
+they would replace, on the H200; --write stores the winners in the kernels' tables.
+
+    python3 benchmarks/gpu_fp8_mma.py [--budget 240] [--write] [--rows 1 8 2 4 16]
+
+Per Llama-3.1-8B FP8 shape (per-channel scales, as --quantization fp8 makes them):
+  M = 1:  each one-row fusion the decode layer runs (q|k|v with the input norm, o and down with
+          the residual add, gate|up with the norm and SiLU-mul) against the FP8 GEMV with its
+          swept variant configuration;
+  M = 8:  the plain product over a grid of configurations against what fp8_weight_matmul runs
+          without this kernel (the skinny tile GEMM or _scaled_mm, per the table);
+  M = 2, 4, 16: the five best configurations of M = 8.
+Each candidate is timed as the caller runs it, in a CUDA graph over rotating weight copies
+(gpu_gemm_tune.Shape), and the winner's error against the dequantised float32 product is
+printed, with one and two activation terms. A winner 2% or more ahead of the incumbent goes in
+the table's entry for M under "mma" (keyed by the fusion's name, "" for none); a stale one is
+removed when the incumbent wins.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_gemm_tune import MARGIN, Shape  # noqa: E402
+from gpu_row_fusion import SHAPES, VARIANTS  # noqa: E402
+
+FULL_SWEEP_ROWS = (1, 8)  # the others try the five best of M = 8
+
+
+def candidates():
+    from radixserve.layers.kernels.fp8_mma_rows import MmaRowsConfig
+    for block_n, block_k, warps, stages in itertools.product((64, 128), (128, 256, 512),
+                                                             (4, 8), (3, 4, 5)):
+        if block_n == 64 and warps == 8:
+            continue
+        yield MmaRowsConfig(block_n, block_k, warps, stages, 2)
+
+
+def fusion_for(name: str, m: int, n: int, k: int):
+    """The fusion the decode layer runs this product with at M = 1 (none above)."""
+    from radixserve.layers.kernels.gemv import NO_FUSION, RowFusion
+    if m > 1:
+        return NO_FUSION
+    if VARIANTS[name] == "residual":
+        return RowFusion(residual=torch.randn(m, n, device="cuda", dtype=torch.bfloat16))
+    norm = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16)
+    return RowFusion(norm, 1e-5, gated=name == "gate_up")
+
+
+def incumbent(x, w, scale, fusion):
+    """What the model runs for this product with the tensor-core kernel switched off."""
+    from radixserve.layers.kernels import fp8_mma_rows
+    from radixserve.layers.kernels.fp8_gemm import fp8_rows_product, fp8_weight_matmul
+    enabled, fp8_mma_rows.ENABLED = fp8_mma_rows.ENABLED, False
+    try:
+        if x.shape[0] == 1:
+            return fp8_rows_product(x, w, scale, None, fusion=fusion)
+        return fp8_weight_matmul(x, w, scale, None, None)
+    finally:
+        fp8_mma_rows.ENABLED = enabled
+
+
+def errors(x, w, scale, fusion, config) -> str:
+    """The kernel's largest error against the dequantised float32 product (plain products
+    only: the fused ones are tested in tests/layers/test_fp8_mma_rows.py), 1 and 2 terms."""
+    from radixserve.layers.kernels.fp8_gemm import fp8_weight_gemm_reference
+    from radixserve.layers.kernels.fp8_mma_rows import fp8_mma_rows
+    if fusion.variant:
+        return ""
+    want = fp8_weight_gemm_reference(x, w, scale, None)
+    parts = []
+    for terms in (1, 2):
+        got = fp8_mma_rows(x, w, scale, None, config=config._replace(x_terms=terms)).float()
+        parts.append(f"{terms} term(s) {((got - want).abs().max() / want.abs().max()).item():.1e}")
+    return "; error " + ", ".join(parts)
+
+
+def store(name: str, n: int, k: int, m: int, variant: str, entry: dict | None) -> None:
+    from radixserve.layers.kernels import gemm_tables
+    path = gemm_tables.CONFIG_DIR / f"fp8_N{n}_K{k}.json"
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    mma = table.setdefault(str(m), {}).setdefault("mma", {})
+    if entry is None:
+        mma.pop(variant, None)
+    else:
+        mma[variant] = entry
+    if not mma:
+        del table[str(m)]["mma"]
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    gemm_tables.clear_cache()
+
+
+def sweep(rows: list[int], budget: float, write: bool) -> None:
+    from radixserve.layers.kernels.fp8_mma_rows import fp8_mma_rows
+    deadline = time.monotonic() + budget
+    ranked: dict[str, list] = {}
+    cases = [(m, name) for m in rows for name in SHAPES]
+    for index, (m, name) in enumerate(cases):
+        n, k = SHAPES[name]
+        shape = Shape("fp8", n, k)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        fusion = fusion_for(name, m, n, k)
+        t_base = shape.timed(lambda w: incumbent(x, w, shape.scale, fusion))
+        grid = list(candidates()) if m in FULL_SWEEP_ROWS or name not in ranked else \
+            [config for _, config in ranked[name][:5]]
+        case_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(cases) - index)
+        results = []
+        for config in grid:
+            if time.monotonic() > case_deadline:
+                break
+            if k % config.block_k:
+                continue
+            results.append((shape.timed(lambda w, c=config: fp8_mma_rows(
+                x, w, shape.scale, None, config=c, fusion=fusion)), config))
+        results.sort(key=lambda pair: pair[0])
+        if m == 8:
+            ranked[name] = results
+        if not results:
+            print(f"   M={m:<2} {name:8s} no candidate timed (budget)", flush=True)
+            continue
+        t_best, best = results[0]
+        t_one = shape.timed(lambda w: fp8_mma_rows(x, w, shape.scale, None,
+                                                   config=best._replace(x_terms=1),
+                                                   fusion=fusion))
+        print(f"   M={m:<2} {name:8s} {fusion.variant or 'plain':10s} incumbent "
+              f"{t_base * 1e6:6.1f} us ({shape.nbytes / t_base / 1e12:4.2f} TB/s); mma best of "
+              f"{len(results)} {tuple(best)} {t_best * 1e6:6.1f} us "
+              f"({shape.nbytes / t_best / 1e12:4.2f} TB/s), one term {t_one * 1e6:6.1f} us"
+              + errors(x, shape.weights[0], shape.scale, fusion, best), flush=True)
+        if write:
+            wins = t_best * MARGIN < t_base
+            store(name, n, k, m, fusion.variant, dict(
+                best._asdict(), us=round(t_best * 1e6, 2), base_us=round(t_base * 1e6, 2))
+                if wins else None)
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 2, 4, 16])
+    parser.add_argument("--budget", type=float, default=240.0, help="seconds in all")
+    parser.add_argument("--write", action="store_true", help="store the winners")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_fp8_mma: no CUDA device")
+        return 0
+    sweep(args.rows, args.budget, args.write)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,218 @@
+"""A few rows (1-16: decode) against FP8 weight codes on the FP8 tensor cores, in Triton.
+
+The FP8 GEMV (gemv.py) and the skinny tile GEMM (skinny_gemm.py) convert every weight code to
+float32 or bf16 in registers before they multiply: twice the ALU work per byte of a bf16
+weight, which keeps them at 2.5-3.6 TB/s on an H200 where the copy rate is 4.25. Here the codes
+go from memory to the MMA as they are (Hopper's e4m3 x e4m3 products, fp32 accumulation), so the
+only per-byte work is the load. The activations are quantised instead, in registers, per K step:
+each program turns its [BLOCK_K] slice of every row into e4m3 codes with one scale per row and
+step (amax / 448), so no separate quantisation pass runs and the fused prologues of gemv.py
+still apply. X_TERMS = 2 keeps activations near bf16 precision: the step's remainder
+x / s - hi is quantised again (lo, scaled by 16) and multiplied too, so x ~ s * (hi + lo / 16)
+with a relative error of ~2^-8 (one term: ~2^-4, the usual per-token FP8 activations). The
+tensor cores are idle at these row counts, so the second product costs issue slots, not time.
+
+The weight rows are the MMA's first operand (BLOCK_N of them, 64 or 128: Hopper's wgmma takes
+64 rows per warp group), the rows of x its second (padded to BLOCK_M = 16), and the tile is
+stored transposed. Scales: per output row once at the end, or (GROUPED) per K group of GROUP_K
+columns as each step, inside one group, is added. The one-row fusions of gemv.py (RowFusion:
+RMSNorm in the prologue, SiLU-mul of gate|up, the residual add) work per row here as there.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
+from radixserve.layers.kernels.gemm_tables import tuned_entry
+from radixserve.layers.kernels.gemv import NO_FUSION, RowFusion
+
+MAX_ROWS = 16  # the rows of x one launch takes (the MMA's second operand, padded)
+# RADIXSERVE_FP8_MMA=0 keeps FP8 decode products on the converting kernels (for A/B timing)
+ENABLED = os.environ.get("RADIXSERVE_FP8_MMA", "1") != "0"
+
+
+class MmaRowsConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    x_terms: int = 2
+
+
+@triton.jit
+def _fp8_mma_rows_kernel(X, W, Scale, B, Y, NormW, Residual, M, N, K, stride_xm, stride_wn,
+                         stride_sn, stride_ym, stride_rm, eps, GROUPED: tl.constexpr,
+                         GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                         GATED: tl.constexpr, RESIDUAL: tl.constexpr, X_TERMS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    """N: the output columns; GATED reads gate rows [0, N) and up rows [N, 2N) of W."""
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    x_ptrs = X + offs_m[None, :] * stride_xm + offs_k[:, None]
+    up_rows = N.to(tl.int64) * stride_wn  # GATED: the up half starts N rows down
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(tl.float32)
+        if NORM:  # RMSNorm's weight now, its 1/rms once the row's squares are summed
+            squares += tl.sum(x * x, axis=0)
+            x = x * tl.load(NormW + k_start + offs_k).to(tl.float32)[:, None]
+        step_scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30) / 448.0  # [BLOCK_M]
+        scaled = x * (1.0 / step_scale)[None, :]  # within +-448, e4m3's range
+        hi = scaled.to(tl.float8e4nv)
+        if X_TERMS == 2:  # the remainder, at most half a step of hi: x 16 stays in range
+            lo = ((scaled - hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
+        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
+        part = tl.dot(w, hi)
+        if X_TERMS == 2:
+            part += tl.dot(w, lo) * 0.0625
+        part = part * step_scale[None, :]
+        if GATED:
+            w_up = tl.load(w_ptrs + up_rows, mask=n_mask[:, None], other=0.0,
+                           eviction_policy="evict_first")
+            part_up = tl.dot(w_up, hi)
+            if X_TERMS == 2:
+                part_up += tl.dot(w_up, lo) * 0.0625
+            part_up = part_up * step_scale[None, :]
+        if GROUPED:
+            s_ptrs = Scale + offs_n * stride_sn + k_start // GROUP_K
+            part = part * tl.load(s_ptrs, mask=n_mask, other=0.0)[:, None]
+            if GATED:
+                part_up = part_up * tl.load(s_ptrs + N * stride_sn, mask=n_mask,
+                                            other=0.0)[:, None]
+        acc += part
+        if GATED:
+            acc_up += part_up
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if NORM:
+        inv_rms = tl.rsqrt(squares / K + eps)
+        acc = acc * inv_rms[None, :]
+        acc_up = acc_up * inv_rms[None, :]
+    y = _rows_scale_and_bias(acc, offs_n, n_mask, 0, Scale, B, stride_sn, GROUPED, HAS_BIAS)
+    if GATED:  # silu(gate) * up, each rounded as the unfused layers round them
+        up = _rows_scale_and_bias(acc_up, offs_n, n_mask, N, Scale, B, stride_sn, GROUPED,
+                                  HAS_BIAS)
+        gate = y.to(Y.dtype.element_ty).to(tl.float32)
+        up = up.to(Y.dtype.element_ty).to(tl.float32)
+        y = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty).to(tl.float32) * up
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    if RESIDUAL:  # the residual stream's add, rounded as torch's add of two rounded tensors
+        r = tl.load(Residual + offs_m[None, :] * stride_rm + offs_n[:, None], mask=out_mask,
+                    other=0.0).to(tl.float32)
+        y = y.to(Y.dtype.element_ty).to(tl.float32) + r
+    tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], y.to(Y.dtype.element_ty),
+             mask=out_mask)
+
+
+@triton.jit
+def _rows_scale_and_bias(acc, offs_n, n_mask, row_offset, Scale, B, stride_sn,
+                         GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Per-output-row scales (unless GROUPED: applied per step) and bias of the transposed
+    tile acc [BLOCK_N, BLOCK_M] for weight rows offs_n + row_offset."""
+    if not GROUPED:
+        acc = acc * tl.load(Scale + (offs_n + row_offset) * stride_sn, mask=n_mask,
+                            other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n + row_offset, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    return acc
+
+
+def tuned_config(n: int, k: int, m: int, variant: str = "") -> MmaRowsConfig | None:
+    """The swept configuration for m rows against an [n, k] FP8 weight with the fusion
+    `variant` (RowFusion.variant): the "mma" key of the fp8 table's entry for m
+    (benchmarks/gpu_fp8_mma.py --write), present only where this kernel beat the converting
+    one; None otherwise."""
+    entry = ((tuned_entry("fp8", n, k, m) or {}).get("mma") or {}).get(variant)
+    if entry is None or k % entry["block_k"]:
+        return None
+    return MmaRowsConfig(entry["block_n"], entry["block_k"], entry["num_warps"],
+                         entry["num_stages"], entry.get("x_terms", 2))
+
+
+def within_group(config: MmaRowsConfig, group_k: int) -> MmaRowsConfig | None:
+    """The configuration with its K step inside one scale group of group_k columns (None if
+    no power-of-two step of at least 32 divides the group)."""
+    block_k = config.block_k
+    while block_k >= 32 and group_k % block_k:
+        block_k //= 2
+    return config._replace(block_k=block_k) if block_k >= 32 else None
+
+
+@functools.lru_cache(maxsize=None)
+def _has_fp8_mma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether x's device runs e4m3 MMAs (CUDA capability 8.9 and later; the interpreter on
+    CPU tensors), unless RADIXSERVE_FP8_MMA=0."""
+    if not ENABLED:
+        return False
+    if not x.is_cuda:
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return _has_fp8_mma(x.device.index if x.device.index is not None
+                        else torch.cuda.current_device())
+
+
+def default_config(n: int, k: int, group_k: int | None) -> MmaRowsConfig | None:
+    """Without a swept entry: 64 weight rows x 256 columns per step (at most one scale group),
+    four stages; None when no step width divides K."""
+    block_k = 256 if group_k is None else min(256, group_k)
+    while block_k >= 32 and k % block_k:
+        block_k //= 2
+    if block_k < 32:
+        return None
+    return MmaRowsConfig(64, block_k, 4, 4)
+
+
+def fp8_mma_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                 group_k: int | None, bias: torch.Tensor | None = None,
+                 config: MmaRowsConfig | None = None,
+                 fusion: RowFusion = NO_FUSION) -> torch.Tensor:
+    """x [M <= 16, K] (rows contiguous) against FP8 codes [N, K] x scales [N, G] -> [M, N] in
+    x's dtype (N / 2 when gated); see RowFusion for `fusion`."""
+    n, k = weight.shape
+    m = x.shape[0]
+    assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1 and 0 < m <= MAX_ROWS
+    assert weight.stride(1) == 1
+    grouped = scale.shape[1] > 1
+    config = config or default_config(n, k, group_k if grouped else None)
+    if config is None or k % config.block_k:
+        raise ValueError(f"no step width divides K={k}")
+    if grouped:
+        assert group_k and group_k % config.block_k == 0, "a step must stay in one scale group"
+    if fusion.gated:
+        assert n % 2 == 0, "a gated weight stacks gate and up halves"
+        n //= 2
+    norm_weight, residual = fusion.norm_weight, fusion.residual
+    if residual is not None:
+        assert residual.shape == (m, n) and residual.stride(1) == 1
+    if norm_weight is not None:
+        assert norm_weight.shape == (k,) and norm_weight.is_contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _fp8_mma_rows_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, scale, bias if bias is not None else weight, y,
+        norm_weight if norm_weight is not None else weight,
+        residual if residual is not None else weight, m, n, k, x.stride(0), weight.stride(0),
+        scale.stride(0), y.stride(0), residual.stride(0) if residual is not None else 0,
+        float(fusion.eps), GROUPED=grouped, GROUP_K=group_k or k, HAS_BIAS=bias is not None,
+        NORM=norm_weight is not None, GATED=fusion.gated, RESIDUAL=residual is not None,
+        X_TERMS=config.x_terms, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_launch_args(x))
+    return y

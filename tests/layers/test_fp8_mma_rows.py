@@ -1,0 +1,139 @@
+"""The FP8 tensor-core kernel for decode rows (kernels/fp8_mma_rows.py; the Triton interpreter on
+CPU at small shapes) against the dequantised product, with each one-row fusion, and the table
+entries that route decode products to it."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from radixserve.layers.kernels import fp8_mma_rows as mma_rows  # noqa: E402
+from radixserve.layers.kernels.fp8_gemm import (fp8_rows_product,  # noqa: E402
+                                                fp8_weight_gemm_reference)
+from radixserve.layers.kernels.fp8_mma_rows import MmaRowsConfig, fp8_mma_rows  # noqa: E402
+from radixserve.layers.kernels.gemv import RowFusion  # noqa: E402
+from tests.triton_interpreter import fix_fp8_rounding  # noqa: E402
+
+fix_fp8_rounding()
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16  # interpreter: fp16
+SMALL = MmaRowsConfig(block_n=64, block_k=64, num_warps=4, num_stages=2)
+
+
+def _weights(n: int, k: int, block: int | None, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    codes = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, 1 if block is None else k // block, generator=gen) * 0.01 + 0.001
+    return codes, scale
+
+
+def _rows(m: int, k: int, seed: int, spread: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    # a few large columns, as real activations have, so a step's scale is not one number
+    x = torch.randn(m, k, generator=gen) * (1 + spread * (torch.rand(k, generator=gen) > 0.97))
+    return x.to(DTYPE)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float().cpu() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("block", [None, 64])
+def test_rows_match_the_dequantised_product(m: int, block: int | None) -> None:
+    codes, scale = _weights(96, 256, block, seed=m)  # 96: the second program is half masked
+    x = _rows(m, 256, seed=m + 1, spread=20.0)
+    bias = torch.randn(96).to(DTYPE)
+    got = fp8_mma_rows(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), block,
+                       bias.to(DEVICE), SMALL)
+    want = fp8_weight_gemm_reference(x, codes, scale, block) + bias.float()
+    assert got.shape == (m, 96) and got.dtype == DTYPE
+    assert _relative_error(got, want) < 8e-3
+
+
+def test_the_second_activation_term_restores_bf16_precision() -> None:
+    codes, scale = _weights(64, 512, None, seed=3)
+    x = _rows(4, 512, seed=4, spread=50.0)
+    want = fp8_weight_gemm_reference(x, codes, scale, None)
+    errors = {terms: _relative_error(fp8_mma_rows(
+        x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None,
+        config=SMALL._replace(x_terms=terms)), want) for terms in (1, 2)}
+    # one e4m3 term: ~2^-4 per element; two: ~2^-8, the output's own rounding
+    assert errors[2] < 5e-3 < errors[1] and errors[2] * 4 < errors[1]
+
+
+def _norm_weight(k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (1.0 + 0.2 * torch.randn(k, generator=gen)).to(DTYPE)
+
+
+def _rms_normed(stream: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    s = stream.float()
+    return (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)).to(DTYPE) * weight
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_norm_fused_in_the_prologue(m: int) -> None:
+    codes, scale = _weights(128, 256, None, seed=5)
+    stream, weight = _rows(m, 256, seed=6) * 3, _norm_weight(256, 7)
+    got = fp8_mma_rows(stream.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None,
+                       config=SMALL, fusion=RowFusion(weight.to(DEVICE), 1e-5))
+    want = fp8_weight_gemm_reference(_rms_normed(stream, weight), codes, scale, None)
+    assert _relative_error(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("block", [None, 64])
+def test_norm_and_silu_of_gate_up(block: int | None) -> None:
+    codes, scale = _weights(256, 256, block, seed=8)  # gate rows 0-127, up rows 128-255
+    stream, weight = _rows(2, 256, seed=9), _norm_weight(256, 10)
+    got = fp8_mma_rows(stream.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), block,
+                       config=SMALL, fusion=RowFusion(weight.to(DEVICE), 1e-5, gated=True))
+    product = fp8_weight_gemm_reference(_rms_normed(stream, weight), codes, scale, block)
+    want = F.silu(product[:, :128]) * product[:, 128:]
+    assert got.shape == (2, 128)
+    assert _relative_error(got, want) < 2e-2
+
+
+def test_residual_add_in_the_epilogue() -> None:
+    codes, scale = _weights(64, 512, None, seed=11)
+    x, stream = _rows(3, 512, seed=12), _rows(3, 64, seed=13) * 4
+    got = fp8_mma_rows(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None, config=SMALL,
+                       fusion=RowFusion(residual=stream.to(DEVICE)))
+    want = fp8_weight_gemm_reference(x, codes, scale, None) + stream.float()
+    assert _relative_error(got, want) < 1e-2
+
+
+def test_a_swept_entry_routes_rows_to_the_kernel(table_dir, monkeypatch) -> None:
+    swept = dict(block_n=64, block_k=128, num_warps=4, num_stages=2, x_terms=2, us=1.0)
+    (table_dir / "fp8_N64_K256.json").write_text(json.dumps({
+        "1": {"block_n": 4, "block_k": 128, "num_warps": 4, "num_stages": 2,
+              "mma": {"residual": swept}},
+        "8": {"kernel": "scaled_mm", "mma": {"": swept}}}))
+    assert mma_rows.tuned_config(64, 256, 1, "residual") == MmaRowsConfig(64, 128, 4, 2, 2)
+    assert mma_rows.tuned_config(64, 256, 1, "") is None  # the plain GEMV won at M = 1
+    assert mma_rows.tuned_config(64, 256, 6, "") == MmaRowsConfig(64, 128, 4, 2, 2)
+    assert mma_rows.tuned_config(64, 256, 9, "") is None  # past the sweep
+    # a block-scaled weight keeps each step inside one scale group
+    assert mma_rows.within_group(MmaRowsConfig(64, 256, 4, 2), 64).block_k == 64
+
+    launched = []
+    real = mma_rows.fp8_mma_rows
+    monkeypatch.setattr(mma_rows, "fp8_mma_rows",
+                        lambda *args: launched.append(args[5]) or real(*args))
+    codes, scale = _weights(64, 256, None, seed=14)
+    x = _rows(6, 256, seed=15)
+    got = fp8_rows_product(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None)
+    assert launched == [MmaRowsConfig(64, 128, 4, 2, 2)]
+    assert _relative_error(got, fp8_weight_gemm_reference(x, codes, scale, None)) < 8e-3
+    # one plain row: the FP8 GEMV; and nothing for 6 rows once the kernel is switched off
+    assert fp8_rows_product(x[:1].to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None) \
+        is not None and len(launched) == 1
+    monkeypatch.setattr(mma_rows, "ENABLED", False)
+    assert fp8_rows_product(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None) is None
