@@ -58,6 +58,18 @@ def test_rows_match_the_dequantised_product(m: int, block: int | None) -> None:
     assert _relative_error(got, want) < 8e-3
 
 
+@pytest.mark.parametrize("m,split", [(1, 4), (5, 3)])
+def test_split_k_programs_add_up_in_the_last_to_arrive(m: int, split: int) -> None:
+    codes, scale = _weights(96, 512, 64, seed=20 + m)
+    x = _rows(m, 512, seed=21, spread=20.0)
+    config = SMALL._replace(split_k=split)
+    want = fp8_weight_gemm_reference(x, codes, scale, 64)
+    for _ in range(2):  # the second launch finds the tile counters back at zero
+        got = fp8_mma_rows(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), 64, config=config)
+        assert _relative_error(got, want) < 8e-3
+    assert not mma_rows.tile_counters(got.device, 2).any()
+
+
 def test_the_second_activation_term_restores_bf16_precision() -> None:
     codes, scale = _weights(64, 512, None, seed=3)
     x = _rows(4, 512, seed=4, spread=50.0)
@@ -79,46 +91,51 @@ def _rms_normed(stream: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)).to(DTYPE) * weight
 
 
-@pytest.mark.parametrize("m", [1, 3])
-def test_norm_fused_in_the_prologue(m: int) -> None:
+@pytest.mark.parametrize("m,split", [(1, 1), (3, 1), (1, 2)])
+def test_norm_fused_in_the_prologue(m: int, split: int) -> None:
     codes, scale = _weights(128, 256, None, seed=5)
     stream, weight = _rows(m, 256, seed=6) * 3, _norm_weight(256, 7)
     got = fp8_mma_rows(stream.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None,
-                       config=SMALL, fusion=RowFusion(weight.to(DEVICE), 1e-5))
+                       config=SMALL._replace(split_k=split),
+                       fusion=RowFusion(weight.to(DEVICE), 1e-5))
     want = fp8_weight_gemm_reference(_rms_normed(stream, weight), codes, scale, None)
     assert _relative_error(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("block", [None, 64])
-def test_norm_and_silu_of_gate_up(block: int | None) -> None:
+@pytest.mark.parametrize("m,block,split", [(2, None, 1), (2, 64, 1), (1, 64, 2)])
+def test_norm_and_silu_of_gate_up(m: int, block: int | None, split: int) -> None:
     codes, scale = _weights(256, 256, block, seed=8)  # gate rows 0-127, up rows 128-255
-    stream, weight = _rows(2, 256, seed=9), _norm_weight(256, 10)
+    stream, weight = _rows(m, 256, seed=9), _norm_weight(256, 10)
     got = fp8_mma_rows(stream.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), block,
-                       config=SMALL, fusion=RowFusion(weight.to(DEVICE), 1e-5, gated=True))
+                       config=SMALL._replace(split_k=split),
+                       fusion=RowFusion(weight.to(DEVICE), 1e-5, gated=True))
     product = fp8_weight_gemm_reference(_rms_normed(stream, weight), codes, scale, block)
     want = F.silu(product[:, :128]) * product[:, 128:]
-    assert got.shape == (2, 128)
+    assert got.shape == (m, 128)
     assert _relative_error(got, want) < 2e-2
 
 
-def test_residual_add_in_the_epilogue() -> None:
+@pytest.mark.parametrize("m,split", [(3, 1), (1, 3)])
+def test_residual_add_in_the_epilogue(m: int, split: int) -> None:
     codes, scale = _weights(64, 512, None, seed=11)
-    x, stream = _rows(3, 512, seed=12), _rows(3, 64, seed=13) * 4
-    got = fp8_mma_rows(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None, config=SMALL,
+    x, stream = _rows(m, 512, seed=12), _rows(m, 64, seed=13) * 4
+    got = fp8_mma_rows(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None,
+                       config=SMALL._replace(split_k=split),
                        fusion=RowFusion(residual=stream.to(DEVICE)))
     want = fp8_weight_gemm_reference(x, codes, scale, None) + stream.float()
     assert _relative_error(got, want) < 1e-2
 
 
 def test_a_swept_entry_routes_rows_to_the_kernel(table_dir, monkeypatch) -> None:
-    swept = dict(block_n=64, block_k=128, num_warps=4, num_stages=2, x_terms=2, us=1.0)
+    swept = dict(block_n=64, block_k=128, num_warps=4, num_stages=2, x_terms=2, split_k=2,
+                 us=1.0)
     (table_dir / "fp8_N64_K256.json").write_text(json.dumps({
         "1": {"block_n": 4, "block_k": 128, "num_warps": 4, "num_stages": 2,
               "mma": {"residual": swept}},
         "8": {"kernel": "scaled_mm", "mma": {"": swept}}}))
-    assert mma_rows.tuned_config(64, 256, 1, "residual") == MmaRowsConfig(64, 128, 4, 2, 2)
+    assert mma_rows.tuned_config(64, 256, 1, "residual") == MmaRowsConfig(64, 128, 4, 2, 2, 2)
     assert mma_rows.tuned_config(64, 256, 1, "") is None  # the plain GEMV won at M = 1
-    assert mma_rows.tuned_config(64, 256, 6, "") == MmaRowsConfig(64, 128, 4, 2, 2)
+    assert mma_rows.tuned_config(64, 256, 6, "") == MmaRowsConfig(64, 128, 4, 2, 2, 2)
     assert mma_rows.tuned_config(64, 256, 9, "") is None  # past the sweep
     # a block-scaled weight keeps each step inside one scale group
     assert mma_rows.within_group(MmaRowsConfig(64, 256, 4, 2), 64).block_k == 64
@@ -130,7 +147,7 @@ def test_a_swept_entry_routes_rows_to_the_kernel(table_dir, monkeypatch) -> None
     codes, scale = _weights(64, 256, None, seed=14)
     x = _rows(6, 256, seed=15)
     got = fp8_rows_product(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None)
-    assert launched == [MmaRowsConfig(64, 128, 4, 2, 2)]
+    assert launched == [MmaRowsConfig(64, 128, 4, 2, 2, 2)]
     assert _relative_error(got, fp8_weight_gemm_reference(x, codes, scale, None)) < 8e-3
     # one plain row: the FP8 GEMV; and nothing for 6 rows once the kernel is switched off
     assert fp8_rows_product(x[:1].to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None) \

@@ -43,39 +43,63 @@ class MmaRowsConfig(NamedTuple):
     num_warps: int
     num_stages: int
     x_terms: int = 2
+    split_k: int = 1
 
 
 @triton.jit
-def _fp8_mma_rows_kernel(X, W, Scale, B, Y, NormW, Residual, M, N, K, stride_xm, stride_wn,
-                         stride_sn, stride_ym, stride_rm, eps, GROUPED: tl.constexpr,
-                         GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                         GATED: tl.constexpr, RESIDUAL: tl.constexpr, X_TERMS: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         USE_PDL: tl.constexpr):
-    """N: the output columns; GATED reads gate rows [0, N) and up rows [N, 2N) of W."""
+def _fp8_mma_rows_kernel(X, W, Scale, B, Y, NormW, Residual, Work, Counters, M, N, K,
+                         k_per_split, stride_xm, stride_wn, stride_sn, stride_ym, stride_rm,
+                         eps, GROUPED: tl.constexpr, GROUP_K: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+                         RESIDUAL: tl.constexpr, X_TERMS: tl.constexpr, ONE_ROW: tl.constexpr,
+                         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """N: the output columns; GATED reads gate rows [0, N) and up rows [N, 2N) of W.
+    program_id(1) takes K columns [s * k_per_split, (s + 1) * k_per_split); with SPLIT_K > 1
+    each program leaves its partial tile in Work and the last of a tile's programs to arrive
+    (Counters, one per tile, left at zero) adds them up and runs the epilogue."""
     pdl_prologue(USE_PDL)
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    x_ptrs = X + offs_m[None, :] * stride_xm + offs_k[:, None]
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + k_begin + offs_k[None, :]
+    x_ptrs = X + offs_m[None, :] * stride_xm + k_begin + offs_k[:, None]
     up_rows = N.to(tl.int64) * stride_wn  # GATED: the up half starts N rows down
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
-        x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(tl.float32)
-        if NORM:  # RMSNorm's weight now, its 1/rms once the row's squares are summed
-            squares += tl.sum(x * x, axis=0)
-            x = x * tl.load(NormW + k_start + offs_k).to(tl.float32)[:, None]
-        step_scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30) / 448.0  # [BLOCK_M]
-        scaled = x * (1.0 / step_scale)[None, :]  # within +-448, e4m3's range
-        hi = scaled.to(tl.float8e4nv)
-        if X_TERMS == 2:  # the remainder, at most half a step of hi: x 16 stays in range
-            lo = ((scaled - hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
+    row_squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # ONE_ROW: summed once at the end
+    col0 = offs_m[None, :] == 0
+    for k_start in range(k_begin, k_end, BLOCK_K):
+        if ONE_ROW:  # the row's step as a vector; the MMA operand is it in column 0, else 0
+            xv = tl.load(X + k_start + offs_k).to(tl.float32)
+            if NORM:  # RMSNorm's weight now, its 1/rms once the row's squares are summed
+                row_squares += xv * xv
+                xv = xv * tl.load(NormW + k_start + offs_k).to(tl.float32)
+            row_scale = tl.maximum(tl.max(tl.abs(xv), axis=0), 1e-30) / 448.0
+            scaled_v = xv * (1.0 / row_scale)  # within +-448, e4m3's range
+            hi_v = scaled_v.to(tl.float8e4nv).to(tl.float32)
+            hi = tl.where(col0, hi_v[:, None], 0.0).to(tl.float8e4nv)
+            if X_TERMS == 2:  # the remainder, at most half a step of hi: x 16 stays in range
+                lo = tl.where(col0, ((scaled_v - hi_v) * 16.0)[:, None],
+                              0.0).to(tl.float8e4nv)
+            step_scale = tl.where(offs_m == 0, row_scale, 0.0)
+        else:
+            x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(tl.float32)
+            if NORM:
+                squares += tl.sum(x * x, axis=0)
+                x = x * tl.load(NormW + k_start + offs_k).to(tl.float32)[:, None]
+            step_scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30) / 448.0  # [BLOCK_M]
+            scaled = x * (1.0 / step_scale)[None, :]
+            hi = scaled.to(tl.float8e4nv)
+            if X_TERMS == 2:
+                lo = ((scaled - hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
         w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
         part = tl.dot(w, hi)
         if X_TERMS == 2:
@@ -99,6 +123,52 @@ def _fp8_mma_rows_kernel(X, W, Scale, B, Y, NormW, Residual, M, N, K, stride_xm,
             acc_up += part_up
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if ONE_ROW and NORM:
+        squares = tl.where(offs_m == 0, tl.sum(row_squares, axis=0), 0.0)
+    if SPLIT_K == 1:
+        _epilogue(acc, acc_up, squares, offs_n, offs_m, n_mask, m_mask, N, K, eps, Scale, B,
+                  Y, Residual, stride_sn, stride_ym, stride_rm, GROUPED, HAS_BIAS, NORM,
+                  GATED, RESIDUAL)
+    else:
+        tiles = tl.num_programs(0)
+        tile_elems = BLOCK_N * BLOCK_M
+        offs_tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
+        part_ptrs = Work + (pid_k * tiles + pid_n).to(tl.int64) * tile_elems + offs_tile
+        up_offset = SPLIT_K * tiles * tile_elems  # where the up halves' partials start
+        sq_ptrs = Work + up_offset * (2 if GATED else 1) + (pid_k * tiles + pid_n) * BLOCK_M \
+            + offs_m
+        tl.store(part_ptrs, acc)
+        if GATED:
+            tl.store(part_ptrs + up_offset, acc_up)
+        if NORM:
+            tl.store(sq_ptrs, squares)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:  # the last of the tile's programs: sum and finish
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                step = (s - pid_k) * tiles  # in tiles, from this program's own partial
+                acc += tl.load(part_ptrs + step * tile_elems, cache_modifier=".cg")
+                if GATED:
+                    acc_up += tl.load(part_ptrs + up_offset + step * tile_elems,
+                                      cache_modifier=".cg")
+                if NORM:
+                    squares += tl.load(sq_ptrs + step * BLOCK_M, cache_modifier=".cg")
+            tl.atomic_xchg(Counters + pid_n, 0)  # ready for the next launch
+            _epilogue(acc, acc_up, squares, offs_n, offs_m, n_mask, m_mask, N, K, eps, Scale,
+                      B, Y, Residual, stride_sn, stride_ym, stride_rm, GROUPED, HAS_BIAS,
+                      NORM, GATED, RESIDUAL)
+
+
+@triton.jit
+def _epilogue(acc, acc_up, squares, offs_n, offs_m, n_mask, m_mask, N, K, eps, Scale, B, Y,
+              Residual, stride_sn, stride_ym, stride_rm, GROUPED: tl.constexpr,
+              HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+              RESIDUAL: tl.constexpr):
+    """1/rms, scales, bias, SiLU-mul and the residual add of the finished transposed tile,
+    stored as rows of Y."""
     if NORM:
         inv_rms = tl.rsqrt(squares / K + eps)
         acc = acc * inv_rms[None, :]
@@ -141,7 +211,7 @@ def tuned_config(n: int, k: int, m: int, variant: str = "") -> MmaRowsConfig | N
     if entry is None or k % entry["block_k"]:
         return None
     return MmaRowsConfig(entry["block_n"], entry["block_k"], entry["num_warps"],
-                         entry["num_stages"], entry.get("x_terms", 2))
+                         entry["num_stages"], entry.get("x_terms", 2), entry.get("split_k", 1))
 
 
 def within_group(config: MmaRowsConfig, group_k: int) -> MmaRowsConfig | None:
@@ -177,7 +247,7 @@ def default_config(n: int, k: int, group_k: int | None) -> MmaRowsConfig | None:
         block_k //= 2
     if block_k < 32:
         return None
-    return MmaRowsConfig(64, block_k, 4, 4)
+    return MmaRowsConfig(64, block_k, 4, 4)  # one split: K is not split without a sweep
 
 
 def fp8_mma_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -205,14 +275,43 @@ def fp8_mma_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if norm_weight is not None:
         assert norm_weight.shape == (k,) and norm_weight.is_contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _fp8_mma_rows_kernel[(triton.cdiv(n, config.block_n),)](
+    tiles = triton.cdiv(n, config.block_n)
+    split = config.split_k
+    k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
+    split = triton.cdiv(k, k_per_split)  # no program without columns
+    work = counters = y
+    if split > 1:
+        halves = 2 if fusion.gated else 1
+        work = torch.empty(split * tiles * (MAX_ROWS * config.block_n * halves + MAX_ROWS),
+                           dtype=torch.float32, device=x.device)
+        counters = tile_counters(x.device, tiles)
+    _fp8_mma_rows_kernel[(tiles, split)](
         x, weight, scale, bias if bias is not None else weight, y,
         norm_weight if norm_weight is not None else weight,
-        residual if residual is not None else weight, m, n, k, x.stride(0), weight.stride(0),
-        scale.stride(0), y.stride(0), residual.stride(0) if residual is not None else 0,
-        float(fusion.eps), GROUPED=grouped, GROUP_K=group_k or k, HAS_BIAS=bias is not None,
+        residual if residual is not None else weight, work, counters, m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
+        residual.stride(0) if residual is not None else 0, float(fusion.eps),
+        GROUPED=grouped, GROUP_K=group_k or k, HAS_BIAS=bias is not None,
         NORM=norm_weight is not None, GATED=fusion.gated, RESIDUAL=residual is not None,
-        X_TERMS=config.x_terms, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_launch_args(x))
+        X_TERMS=config.x_terms, ONE_ROW=m == 1, SPLIT_K=split, BLOCK_M=MAX_ROWS,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl_launch_args(x))
     return y
+
+
+COUNTER_SLOTS = 1 << 16  # output tiles one split-K launch may have (N up to 4M at 64 rows)
+_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The arrival counters of split-K launches on this device and stream: int32 zeros, one per
+    output tile, which every launch leaves at zero again. Launches on one stream run one after
+    another (PDL included: a kernel's programs wait for the previous grid before any load), so
+    they share one array, kept for the life of the process (CUDA graphs hold its address);
+    another stream gets its own."""
+    assert tiles <= COUNTER_SLOTS
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
