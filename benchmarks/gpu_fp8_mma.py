@@ -13,7 +13,8 @@ Per Llama-3.1-8B FP8 shape (per-channel scales, as --quantization fp8 makes them
           rows both kernels take the same time: the tiles are 16 rows whatever M is).
 Each candidate is timed as the caller runs it, in a CUDA graph over rotating weight copies
 (gpu_gemm_tune.Shape), and the winner's error against the dequantised float32 product is
-printed, with one and two activation terms. A winner 2% or more ahead of the incumbent goes in
+printed, with one and two activation terms (two, ~bf16 activations, unless one term is 2%
+faster: one term is the dynamic FP8 activations --quantization fp8 specifies). A winner 2% or more ahead of the incumbent goes in
 the table's entry for M under "mma" (keyed by the fusion's name, "" for none); a stale one is
 removed when the incumbent wins.
 """
@@ -148,6 +149,8 @@ def sweep(rows: list[int], budget: float, write: bool) -> None:
               f"{len(results)} {tuple(best)} {t_best * 1e6:6.1f} us "
               f"({shape.nbytes / t_best / 1e12:4.2f} TB/s), one term {t_one * 1e6:6.1f} us"
               + errors(x, shape.weights[0], shape.scale, fusion, best), flush=True)
+        if t_one * MARGIN < t_best:  # one term: the per-token-style FP8 activations that
+            t_best, best = t_one, best._replace(x_terms=1)  # --quantization fp8 specifies
         if write:
             wins = t_best * MARGIN < t_base
             entry = dict(best._asdict(), us=round(t_best * 1e6, 2),

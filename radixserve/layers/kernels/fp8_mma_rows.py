@@ -71,60 +71,85 @@ def _fp8_mma_rows_kernel(X, W, Scale, B, Y, NormW, Residual, Work, Counters, M, 
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + k_begin + offs_k[None, :]
     x_ptrs = X + offs_m[None, :] * stride_xm + k_begin + offs_k[:, None]
     up_rows = N.to(tl.int64) * stride_wn  # GATED: the up half starts N rows down
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    # the prologue: each row's amax over this program's columns (after the norm's weight),
+    # which scales its codes, and the row's sum of squares for RMSNorm's 1/rms
     squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    row_squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # ONE_ROW: summed once at the end
+    if ONE_ROW:
+        amax_v = tl.zeros([BLOCK_K], dtype=tl.float32)
+        squares_v = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k_start in range(k_begin, k_end, BLOCK_K):
+            xv = tl.load(X + k_start + offs_k).to(tl.float32)
+            if NORM:
+                squares_v += xv * xv
+                xv = xv * tl.load(NormW + k_start + offs_k).to(tl.float32)
+            amax_v = tl.maximum(amax_v, tl.abs(xv))
+        one_scale = tl.maximum(tl.max(amax_v, axis=0), 1e-30) / 448.0
+        one_inv = 1.0 / one_scale
+        row_scale = tl.where(offs_m == 0, one_scale, 1.0)
+        squares = tl.where(offs_m == 0, tl.sum(squares_v, axis=0), 0.0)
+    else:
+        amax = tl.zeros([BLOCK_K, BLOCK_M], dtype=tl.float32)
+        prologue_ptrs = x_ptrs
+        for k_start in range(k_begin, k_end, BLOCK_K):
+            x = tl.load(prologue_ptrs, mask=m_mask[None, :], other=0.0).to(tl.float32)
+            if NORM:
+                squares += tl.sum(x * x, axis=0)
+                x = x * tl.load(NormW + k_start + offs_k).to(tl.float32)[:, None]
+            amax = tl.maximum(amax, tl.abs(x))
+            prologue_ptrs += BLOCK_K
+        row_scale = tl.maximum(tl.max(amax, axis=0), 1e-30) / 448.0  # amax / e4m3's largest
+    inv = 1.0 / row_scale  # [BLOCK_M]
     col0 = offs_m[None, :] == 0
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up_lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k_start in range(k_begin, k_end, BLOCK_K):
         if ONE_ROW:  # the row's step as a vector; the MMA operand is it in column 0, else 0
             xv = tl.load(X + k_start + offs_k).to(tl.float32)
-            if NORM:  # RMSNorm's weight now, its 1/rms once the row's squares are summed
-                row_squares += xv * xv
+            if NORM:
                 xv = xv * tl.load(NormW + k_start + offs_k).to(tl.float32)
-            row_scale = tl.maximum(tl.max(tl.abs(xv), axis=0), 1e-30) / 448.0
-            scaled_v = xv * (1.0 / row_scale)  # within +-448, e4m3's range
+            scaled_v = xv * one_inv  # within +-448, e4m3's range
             hi_v = scaled_v.to(tl.float8e4nv).to(tl.float32)
             hi = tl.where(col0, hi_v[:, None], 0.0).to(tl.float8e4nv)
             if X_TERMS == 2:  # the remainder, at most half a step of hi: x 16 stays in range
                 lo = tl.where(col0, ((scaled_v - hi_v) * 16.0)[:, None],
                               0.0).to(tl.float8e4nv)
-            step_scale = tl.where(offs_m == 0, row_scale, 0.0)
         else:
             x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(tl.float32)
             if NORM:
-                squares += tl.sum(x * x, axis=0)
                 x = x * tl.load(NormW + k_start + offs_k).to(tl.float32)[:, None]
-            step_scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30) / 448.0  # [BLOCK_M]
-            scaled = x * (1.0 / step_scale)[None, :]
+            scaled = x * inv[None, :]
             hi = scaled.to(tl.float8e4nv)
             if X_TERMS == 2:
                 lo = ((scaled - hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
         w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
-        part = tl.dot(w, hi)
-        if X_TERMS == 2:
-            part += tl.dot(w, lo) * 0.0625
-        part = part * step_scale[None, :]
         if GATED:
             w_up = tl.load(w_ptrs + up_rows, mask=n_mask[:, None], other=0.0,
                            eviction_policy="evict_first")
-            part_up = tl.dot(w_up, hi)
-            if X_TERMS == 2:
-                part_up += tl.dot(w_up, lo) * 0.0625
-            part_up = part_up * step_scale[None, :]
-        if GROUPED:
+        if GROUPED:  # each step's weight scales, per row: the products are scaled first
             s_ptrs = Scale + offs_n * stride_sn + k_start // GROUP_K
-            part = part * tl.load(s_ptrs, mask=n_mask, other=0.0)[:, None]
+            s = tl.load(s_ptrs, mask=n_mask, other=0.0)[:, None]
+            acc += tl.dot(w, hi) * s
+            if X_TERMS == 2:
+                acc_lo += tl.dot(w, lo) * s
             if GATED:
-                part_up = part_up * tl.load(s_ptrs + N * stride_sn, mask=n_mask,
-                                            other=0.0)[:, None]
-        acc += part
-        if GATED:
-            acc_up += part_up
+                s_up = tl.load(s_ptrs + N * stride_sn, mask=n_mask, other=0.0)[:, None]
+                acc_up += tl.dot(w_up, hi) * s_up
+                if X_TERMS == 2:
+                    acc_up_lo += tl.dot(w_up, lo) * s_up
+        else:  # the MMAs accumulate in place
+            acc = tl.dot(w, hi, acc)
+            if X_TERMS == 2:
+                acc_lo = tl.dot(w, lo, acc_lo)
+            if GATED:
+                acc_up = tl.dot(w_up, hi, acc_up)
+                if X_TERMS == 2:
+                    acc_up_lo = tl.dot(w_up, lo, acc_up_lo)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if ONE_ROW and NORM:
-        squares = tl.where(offs_m == 0, tl.sum(row_squares, axis=0), 0.0)
+    acc = (acc + acc_lo * 0.0625) * row_scale[None, :]
+    acc_up = (acc_up + acc_up_lo * 0.0625) * row_scale[None, :]
     if SPLIT_K == 1:
         _epilogue(acc, acc_up, squares, offs_n, offs_m, n_mask, m_mask, N, K, eps, Scale, B,
                   Y, Residual, stride_sn, stride_ym, stride_rm, GROUPED, HAS_BIAS, NORM,
