@@ -154,3 +154,20 @@ def test_a_swept_entry_routes_rows_to_the_kernel(table_dir, monkeypatch) -> None
         is not None and len(launched) == 1
     monkeypatch.setattr(mma_rows, "ENABLED", False)
     assert fp8_rows_product(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None) is None
+
+
+def test_the_shipped_tables_entries_are_launchable() -> None:
+    """Every "mma" entry in the package's fp8 tables reads back as a configuration that divides
+    its K (benchmarks/gpu_fp8_mma.py wrote them on the H200)."""
+    from radixserve.layers.kernels.gemm_tables import CONFIG_DIR
+    seen = 0
+    for path in sorted(CONFIG_DIR.glob("fp8_N*_K*.json")):
+        n, k = (int(part[1:]) for part in path.stem.split("_")[1:])
+        for m, entry in json.loads(path.read_text()).items():
+            for variant in entry.get("mma", {}):
+                config = mma_rows.tuned_config(n, k, int(m), variant)
+                assert config is not None and k % config.block_k == 0, (path.name, m, variant)
+                assert config.block_n in (64, 128) and config.x_terms in (1, 2)
+                assert config.split_k >= 1 and k // config.split_k >= config.block_k
+                seen += 1
+    assert seen, "the tables carry no tensor-core entries"

@@ -25,6 +25,8 @@ from tests.models.tiny_checkpoints import make_checkpoint  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.float16
+# ~15 s in the interpreter: CI skips it, the GPU runs it (a no-op mark there)
+SLOW_ON_CPU = pytest.mark.usefixtures() if torch.cuda.is_available() else pytest.mark.slow
 
 
 def _fill(module: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -139,6 +141,22 @@ def test_engine_greedy_outputs_unchanged_by_the_fused_layers(checkpoint, monkeyp
     assert _greedy(checkpoint) == reference
     # 2 layers x the decode steps after the first token (with CUDA graphs: at capture only)
     assert len(calls) == 2 * 3 or (torch.cuda.is_available() and calls)
+
+
+@SLOW_ON_CPU
+def test_engine_greedy_outputs_with_fp8_rows_on_the_tensor_cores(checkpoint, monkeypatch) -> None:
+    """FP8 weights: every fused one-row product on kernels/fp8_mma_rows.py (two activation
+    terms, K split in two) gives the greedy tokens of the GEMV."""
+    from radixserve.layers.kernels import fp8_mma_rows
+    monkeypatch.setattr(blocks, "one_row_kernels_apply", lambda hidden: hidden.dim() == 2)
+    monkeypatch.setattr(fp8_mma_rows, "ENABLED", False)
+    reference = _greedy(checkpoint, quantization="fp8")
+    configs = []
+    monkeypatch.setattr(fp8_mma_rows, "ENABLED", True)
+    monkeypatch.setattr(fp8_mma_rows, "tuned_config", lambda n, k, m, variant="": configs.append(
+        variant) or fp8_mma_rows.MmaRowsConfig(64, 64, 4, 2, x_terms=2, split_k=2))
+    assert _greedy(checkpoint, quantization="fp8") == reference
+    assert {"norm", "norm+gated", "residual"} <= set(configs)
 
 
 def test_block_scaled_fp8_gate_up_with_norm_matches_the_dequantised_product() -> None:

@@ -131,9 +131,10 @@ def tuned_gemv_config(kind: str, n: int, k: int) -> GemvConfig | None:
                           entry["num_stages"])
     if kind == "bf16":
         return gemv_config(n, k)
-    # FP8 rows are half as many bytes as bf16 ones: twice the columns per step
+    # FP8 rows are half as many bytes as bf16 ones: twice the columns per step (where K
+    # has them; a narrow K takes the bf16 step)
     half = gemv_config(n, k // 2)
-    return None if half is None else half._replace(block_k=half.block_k * 2)
+    return gemv_config(n, k) if half is None else half._replace(block_k=half.block_k * 2)
 
 
 class RowFusion(NamedTuple):
