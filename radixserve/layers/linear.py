@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 
 # RADIXSERVE_GEMV=0 sends one-token and decode-sized products to cuBLAS too (for A/B timing)
 SMALL_M_MAX = 64  # the largest row count a swept table may cover
-FUSED_ROWS_MAX = 16  # the most rows `fused_row_product` takes (FP8 on the tensor cores)
 _GEMV_ENABLED = os.environ.get("RADIXSERVE_GEMV", "1") != "0"
 # RADIXSERVE_ROW_FUSION=0 keeps a one-row layer's norms, SiLU-mul and residual adds as their own
 # kernels (for A/B timing of `LinearBase.fused_row_product`)
@@ -163,30 +162,13 @@ class LinearBase(nn.Module):
         n, k = self.weight.shape
         return self.weight.dtype == dtype and gemv.tuned_gemv_config("bf16", n, k) is not None
 
-    def fuses_rows(self, dtype: torch.dtype, rows: int, *, residual: bool = False) -> bool:
-        """Whether `fused_row_product` has a kernel for `rows` rows of `dtype`: one row on the
-        GEMV (`fuses_one_row`); 2-16 rows of FP8 weights on the tensor-core kernel
-        (kernels/fp8_mma_rows.py) where the H200 sweep has an entry for this shape."""
-        if rows == 1:
-            return self.fuses_one_row(dtype, residual=residual)
-        if not (self.fp8 is not None and 1 < rows <= FUSED_ROWS_MAX and _GEMV_ENABLED
-                and ROW_FUSION_ENABLED and dtype in (torch.float16, torch.bfloat16)):
-            return False
-        if (residual and self.tp_size > 1) or _triton_kernels() is None or \
-                self.weight.dtype != FP8_DTYPE or self.weight.stride(1) != 1:
-            return False
-        from radixserve.layers.kernels import fp8_mma_rows
-        n, k = self.weight.shape
-        return fp8_mma_rows.available(self.weight) and \
-            fp8_mma_rows.tuned_config(n, k, rows) is not None
-
     def fused_row_product(self, x: torch.Tensor, *, norm: "RMSNorm | None" = None,
                           gated: bool = False, residual: torch.Tensor | None = None
                           ) -> torch.Tensor:
-        """Rows x [M, K] through this layer with its neighbours fused into the product (see
+        """One row x [1, K] through this layer with its neighbours fused into the GEMV (see
         kernels/gemv.py RowFusion): norm: x is the residual stream and the input is norm(x);
         gated: the output is silu(gate) * up of a gate|up weight; residual: the output is
-        residual + x @ W.T. Only where `fuses_rows` said so."""
+        residual + x @ W.T. Only where `fuses_one_row` said so."""
         gemv = _triton_kernels()[1]
         fusion = gemv.RowFusion(None if norm is None else norm.weight,
                                 0.0 if norm is None else norm.variance_epsilon, gated, residual)
@@ -194,9 +176,10 @@ class LinearBase(nn.Module):
         if self.fp8 is None:
             return gemv.gemv(x, self.weight, self.bias, fusion=fusion)
         from radixserve.layers.kernels.fp8_gemm import fp8_rows_product
-        y = fp8_rows_product(x, self.weight, self.weight_scale, self.fp8.block, self.bias,
-                             fusion)
-        assert y is not None, "fuses_rows promised a kernel for these rows"
+        y = fp8_rows_product(x.view(1, -1), self.weight, self.weight_scale, self.fp8.block,
+                             self.bias, fusion)
+        assert y is not None, "fuses_one_row promised an FP8 GEMV configuration"
+        y = y.view(*x.shape[:-1], y.shape[-1])
         return y
 
 

@@ -24,8 +24,8 @@ from radixserve.core.forward_batch import ForwardBatch
 from radixserve.layers.activation import SiluAndMul, gated_activation
 from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from radixserve.layers.linear import (FUSED_ROWS_MAX, MergedColumnParallelLinear,
-                                      QKVParallelLinear, RowParallelLinear)
+from radixserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                      RowParallelLinear)
 from radixserve.layers.logits import LogitsOutput, compute_logits
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.radix_attention import RadixAttention
@@ -114,15 +114,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-        self._fuses_rows: dict[tuple[torch.dtype, int], bool] = {}
+        self._fuses_one_row: dict[torch.dtype, bool] = {}
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, forward_batch: ForwardBatch
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        rows = hidden.shape[0]
-        if 0 < rows <= FUSED_ROWS_MAX and fused_row_kernels_apply(hidden) and \
-                self.fuses_rows(hidden.dtype, rows):
-            return self.forward_fused_rows(positions, hidden, residual, forward_batch), None
+        if hidden.shape[0] == 1 and one_row_kernels_apply(hidden) and \
+                self.fuses_one_row(hidden.dtype):
+            return self.forward_one_row(positions, hidden, residual, forward_batch), None
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -132,31 +131,29 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def fuses_rows(self, dtype: torch.dtype, rows: int) -> bool:
-        """A dense SwiGLU layer whose four linears all have fused kernels for `rows` rows of
-        `dtype` (one row: the GEMVs; 2-16 rows: FP8 weights on the tensor-core kernel);
-        decided once per dtype and row count."""
-        key = (dtype, rows)
-        if key not in self._fuses_rows:
+    def fuses_one_row(self, dtype: torch.dtype) -> bool:
+        """A dense SwiGLU layer whose four linears all have one-row kernels for `dtype`
+        (decided once per dtype)."""
+        if dtype not in self._fuses_one_row:
             attn, mlp = self.self_attn, self.mlp
-            self._fuses_rows[key] = (
+            self._fuses_one_row[dtype] = (
                 isinstance(attn, DecoderAttention) and isinstance(mlp, GatedMLP)
                 and isinstance(mlp.act, SiluAndMul)
                 and type(self.input_layernorm) is RMSNorm
                 and type(self.post_attention_layernorm) is RMSNorm
-                and attn.qkv_proj.fuses_rows(dtype, rows)
-                and attn.o_proj.fuses_rows(dtype, rows, residual=True)
-                and mlp.gate_up_proj.fuses_rows(dtype, rows)
-                and mlp.down_proj.fuses_rows(dtype, rows, residual=True))
-        return self._fuses_rows[key]
+                and attn.qkv_proj.fuses_one_row(dtype)
+                and attn.o_proj.fuses_one_row(dtype, residual=True)
+                and mlp.gate_up_proj.fuses_one_row(dtype)
+                and mlp.down_proj.fuses_one_row(dtype, residual=True))
+        return self._fuses_one_row[dtype]
 
-    def forward_fused_rows(self, positions: torch.Tensor, hidden: torch.Tensor,
-                           residual: torch.Tensor | None, forward_batch: ForwardBatch
-                           ) -> torch.Tensor:
-        """A few tokens (decode at batch 1, or 2-16 with FP8 weights): four products carry
-        the two RMSNorms (into the q|k|v and gate|up products), SiLU-mul (gate|up's output)
-        and both residual adds (o and down's outputs), so seven kernels become four. Returns
-        the residual stream after the layer (nothing left to add)."""
+    def forward_one_row(self, positions: torch.Tensor, hidden: torch.Tensor,
+                        residual: torch.Tensor | None, forward_batch: ForwardBatch
+                        ) -> torch.Tensor:
+        """One token (batch-1 decode): four GEMVs carry the two RMSNorms (into the q|k|v and
+        gate|up products), SiLU-mul (gate|up's output) and both residual adds (o and down's
+        outputs), so seven kernels become four. Returns the residual stream after the layer
+        (nothing left to add)."""
         stream = hidden if residual is None else hidden + residual
         attn, mlp = self.self_attn, self.mlp
         qkv = attn.qkv_proj.fused_row_product(stream, norm=self.input_layernorm)
@@ -167,8 +164,8 @@ class DecoderLayer(nn.Module):
         return mlp.down_proj.fused_row_product(act, residual=stream)
 
 
-def fused_row_kernels_apply(hidden: torch.Tensor) -> bool:
-    """The fused row kernels are GPU kernels (tests point this at the interpreter)."""
+def one_row_kernels_apply(hidden: torch.Tensor) -> bool:
+    """The fused one-row kernels are GPU kernels (tests point this at the interpreter)."""
     return hidden.is_cuda and hidden.dim() == 2
 
 

@@ -1,4 +1,4 @@
-"""Batch-1 decode's fused one-row kernels (kernels/gemv.py RowFusion, DecoderLayer.forward_fused_rows)
+"""Batch-1 decode's fused one-row kernels (kernels/gemv.py RowFusion, DecoderLayer.forward_one_row)
 against the unfused layers: per linear (bf16-style fp16 and FP8 weights, the Triton interpreter on
 CPU) and through the Engine on a tiny random checkpoint."""
 from __future__ import annotations
@@ -22,9 +22,6 @@ from radixserve.layers.norm import RMSNorm  # noqa: E402
 from radixserve.layers.quantization.fp8 import Fp8Config, fp8_linears  # noqa: E402
 from radixserve.models import blocks  # noqa: E402
 from tests.models.tiny_checkpoints import make_checkpoint  # noqa: E402
-from tests.triton_interpreter import fix_fp8_rounding  # noqa: E402
-
-fix_fp8_rounding()  # the FP8 tensor-core kernel quantises activations in registers
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.float16
@@ -117,54 +114,49 @@ def checkpoint(tmp_path_factory):
     return str(folder)
 
 
-def _greedy(checkpoint: str, requests: int = 1, **args) -> list[list[int]]:
+def _greedy(checkpoint: str, **args) -> list[int]:
     engine = radixserve.Engine(checkpoint, dtype="float16", skip_tokenizer_init=True,
                                max_total_tokens=2000, **args)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 160, (40 + i,), generator=gen).tolist() for i in range(requests)]
+    prompt = torch.randint(0, 160, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     # one request: every decode step is one row (few steps: the interpreter is slow)
-    out = engine.generate(input_ids=prompts, sampling_params={
+    out = engine.generate(input_ids=[prompt], sampling_params={
         "max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
     state = engine.get_internal_state()
     assert state["memory_check_ok"] and state["leaked_tokens"] == 0
     engine.shutdown()
-    return [each["output_ids"] for each in out]
+    return out[0]["output_ids"]
 
 
 def test_engine_greedy_outputs_unchanged_by_the_fused_layers(checkpoint, monkeypatch) -> None:
     reference = _greedy(checkpoint)
     calls = []
-    fused = blocks.DecoderLayer.forward_fused_rows
+    fused = blocks.DecoderLayer.forward_one_row
 
     def counting(self, *args):  # type: ignore[no-untyped-def]
         calls.append(1)
         return fused(self, *args)
 
-    monkeypatch.setattr(blocks, "fused_row_kernels_apply", lambda hidden: hidden.dim() == 2)
-    monkeypatch.setattr(blocks.DecoderLayer, "forward_fused_rows", counting)
+    monkeypatch.setattr(blocks, "one_row_kernels_apply", lambda hidden: hidden.dim() == 2)
+    monkeypatch.setattr(blocks.DecoderLayer, "forward_one_row", counting)
     assert _greedy(checkpoint) == reference
     # 2 layers x the decode steps after the first token (with CUDA graphs: at capture only)
     assert len(calls) == 2 * 3 or (torch.cuda.is_available() and calls)
 
 
 @SLOW_ON_CPU
-@pytest.mark.parametrize("requests", [1, 3])
-def test_engine_greedy_outputs_with_fp8_rows_on_the_tensor_cores(checkpoint, monkeypatch,
-                                                                 requests: int) -> None:
-    """FP8 weights: every fused product of a decode step (one row, or three) on
-    kernels/fp8_mma_rows.py (two activation terms, K split in two) gives the greedy tokens of
-    the GEMV (one row) or of the unfused layers (three)."""
+def test_engine_greedy_outputs_with_fp8_rows_on_the_tensor_cores(checkpoint, monkeypatch) -> None:
+    """FP8 weights: every fused one-row product on kernels/fp8_mma_rows.py (two activation
+    terms, K split in two) gives the greedy tokens of the GEMV."""
     from radixserve.layers.kernels import fp8_mma_rows
-    monkeypatch.setattr(blocks, "fused_row_kernels_apply", lambda hidden: hidden.dim() == 2)
+    monkeypatch.setattr(blocks, "one_row_kernels_apply", lambda hidden: hidden.dim() == 2)
     monkeypatch.setattr(fp8_mma_rows, "ENABLED", False)
-    reference = _greedy(checkpoint, requests, quantization="fp8")
-    launches = []
+    reference = _greedy(checkpoint, quantization="fp8")
+    configs = []
     monkeypatch.setattr(fp8_mma_rows, "ENABLED", True)
-    monkeypatch.setattr(fp8_mma_rows, "tuned_config", lambda n, k, m, variant="": launches.append(
-        (m, variant)) or fp8_mma_rows.MmaRowsConfig(64, 64, 4, 2, x_terms=2, split_k=2))
-    assert _greedy(checkpoint, requests, quantization="fp8") == reference
-    fused = {variant for m, variant in launches if m == requests}
-    assert {"norm", "norm+gated", "residual"} <= fused
+    monkeypatch.setattr(fp8_mma_rows, "tuned_config", lambda n, k, m, variant="": configs.append(
+        variant) or fp8_mma_rows.MmaRowsConfig(64, 64, 4, 2, x_terms=2, split_k=2))
+    assert _greedy(checkpoint, quantization="fp8") == reference
+    assert {"norm", "norm+gated", "residual"} <= set(configs)
 
 
 def test_block_scaled_fp8_gate_up_with_norm_matches_the_dequantised_product() -> None:
@@ -200,28 +192,5 @@ def test_a_swept_variant_configuration_is_used(tmp_path, monkeypatch) -> None:
         assert row_config("bf16", 128, 256, RowFusion(norm, 1e-5)) == plain  # not swept
         assert row_config("bf16", 64, 256, RowFusion(norm, 1e-5, gated=True)) == \
             plain._replace(block_n=plain.block_n // 2)  # no table: half rows per half
-    finally:
-        gemm_tables.clear_cache()
-
-
-def test_fp8_rows_fuse_where_the_tensor_core_kernel_has_an_entry(tmp_path, monkeypatch) -> None:
-    import json
-
-    from radixserve.layers.kernels import gemm_tables
-    layer = _quantised(lambda: RowParallelLinear(256, 128, tp_rank=0, tp_size=1))
-    bf16 = _fill(RowParallelLinear(256, 128, tp_rank=0, tp_size=1), 1)
-    (tmp_path / "fp8_N128_K256.json").write_text(json.dumps({"8": {"mma": {"": dict(
-        block_n=64, block_k=64, num_warps=4, num_stages=2, x_terms=2, split_k=2)}}}))
-    monkeypatch.setattr(gemm_tables, "CONFIG_DIR", tmp_path)
-    gemm_tables.clear_cache()
-    try:
-        assert layer.fuses_rows(DTYPE, 4, residual=True)
-        assert not layer.fuses_rows(DTYPE, 9)  # past the sweep's rows
-        assert not bf16.fuses_rows(DTYPE, 4)  # the bf16 GEMV takes one row only
-        x = torch.cat([_row(256, 20 + i) for i in range(4)])
-        stream = torch.cat([_row(128, 30 + i, scale=4.0) for i in range(4)])
-        got = layer.fused_row_product(x, residual=stream)
-        torch.testing.assert_close(got.float(), (layer(x) + stream).float(), atol=3e-2,
-                                   rtol=2e-2)
     finally:
         gemm_tables.clear_cache()

@@ -231,10 +231,8 @@ def tuned_config(n: int, k: int, m: int, variant: str = "") -> MmaRowsConfig | N
     """The swept configuration for m rows against an [n, k] FP8 weight with the fusion
     `variant` (RowFusion.variant): the "mma" key of the fp8 table's entry for m
     (benchmarks/gpu_fp8_mma.py --write), present only where this kernel beat the converting
-    one; above one row a fused product without its own entry takes the plain product's (the
-    other kernels have no fusions there). None otherwise."""
-    swept = (tuned_entry("fp8", n, k, m) or {}).get("mma") or {}
-    entry = swept.get(variant) or (swept.get("") if m > 1 else None)
+    one; None otherwise."""
+    entry = ((tuned_entry("fp8", n, k, m) or {}).get("mma") or {}).get(variant)
     if entry is None or k % entry["block_k"]:
         return None
     return MmaRowsConfig(entry["block_n"], entry["block_k"], entry["num_warps"],
