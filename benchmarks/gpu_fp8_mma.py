@@ -1,7 +1,7 @@
 """FP8 decode products on the e4m3 tensor cores (kernels/fp8_mma_rows.py) against the kernels
 they would replace, on the H200; --write stores the winners in the kernels' tables.
 
-    python3 benchmarks/gpu_fp8_mma.py [--budget 240] [--write] [--rows 1 8 16]
+    python3 benchmarks/gpu_fp8_mma.py [--budget 240] [--write] [--rows 1 8 16] [--codes]
 
 Per Llama-3.1-8B FP8 shape (per-channel scales, as --quantization fp8 makes them):
   M = 1:  each one-row fusion the decode layer runs (q|k|v with the input norm, o and down with
@@ -161,15 +161,54 @@ def sweep(rows: list[int], budget: float, write: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def codes_sweep(rows: list[int], budget: float) -> None:
+    """What the kernel reaches when the activations arrive as e4m3 codes (the kernel before it
+    quantising them: not built yet), plain products: the codes kernel over the grid, and
+    per_token_quant alone, the pass a fused producer would hide. Nothing is written."""
+    from radixserve.layers.kernels.fp8_mma_rows import fp8_mma_rows
+    from radixserve.layers.kernels.gemv import NO_FUSION
+    from radixserve.layers.kernels.per_token_quant import per_token_quant
+    deadline = time.monotonic() + budget
+    cases = [(m, name) for m in rows for name in SHAPES]
+    for index, (m, name) in enumerate(cases):
+        n, k = SHAPES[name]
+        shape = Shape("fp8", n, k)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        codes, x_scale = per_token_quant(x, torch.float8_e4m3fn)
+        t_base = shape.timed(lambda w: incumbent(x, w, shape.scale, NO_FUSION))
+        t_quant = shape.timed(lambda w: per_token_quant(x, torch.float8_e4m3fn))
+        case_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(cases) - index)
+        results = []
+        for config in candidates(n, k):
+            if time.monotonic() > case_deadline:
+                break
+            results.append((shape.timed(lambda w, c=config: fp8_mma_rows(
+                codes, w, shape.scale, None, config=c, x_scale=x_scale,
+                out_dtype=torch.bfloat16)), config))
+        if not results:
+            continue
+        t_best, best = min(results, key=lambda pair: pair[0])
+        print(f"   codes M={m:<2} {name:8s} incumbent {t_base * 1e6:6.1f} us; codes kernel best "
+              f"of {len(results)} {tuple(best)} {t_best * 1e6:6.1f} us "
+              f"({shape.nbytes / t_best / 1e12:4.2f} TB/s); per_token_quant alone "
+              f"{t_quant * 1e6:5.1f} us", flush=True)
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16])
     parser.add_argument("--budget", type=float, default=240.0, help="seconds in all")
     parser.add_argument("--write", action="store_true", help="store the winners")
+    parser.add_argument("--codes", action="store_true",
+                        help="instead: the kernel on activations quantised beforehand")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_fp8_mma: no CUDA device")
+        return 0
+    if args.codes:
+        codes_sweep(args.rows, args.budget)
         return 0
     sweep(args.rows, args.budget, args.write)
     return 0

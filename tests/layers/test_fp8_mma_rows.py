@@ -70,6 +70,21 @@ def test_split_k_programs_add_up_in_the_last_to_arrive(m: int, split: int) -> No
     assert not mma_rows.tile_counters(got.device, 2).any()
 
 
+@pytest.mark.parametrize("m,split", [(1, 1), (6, 2)])
+def test_rows_already_quantised(m: int, split: int) -> None:
+    from radixserve.layers.kernels.per_token_quant import per_token_quant_reference
+    codes, scale = _weights(96, 256, None, seed=30 + m)
+    x = _rows(m, 256, seed=31, spread=20.0)
+    x_codes, x_scale = per_token_quant_reference(x, torch.float8_e4m3fn)
+    stream = _rows(m, 96, seed=32)
+    got = fp8_mma_rows(x_codes.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None,
+                       config=SMALL._replace(split_k=split), x_scale=x_scale.to(DEVICE),
+                       out_dtype=DTYPE, fusion=RowFusion(residual=stream.to(DEVICE)))
+    dequantised = x_codes.float() * x_scale
+    want = fp8_weight_gemm_reference(dequantised, codes, scale, None) + stream.float()
+    assert got.dtype == DTYPE and _relative_error(got, want) < 8e-3
+
+
 def test_the_second_activation_term_restores_bf16_precision() -> None:
     codes, scale = _weights(64, 512, None, seed=3)
     x = _rows(4, 512, seed=4, spread=50.0)

@@ -47,14 +47,16 @@ class MmaRowsConfig(NamedTuple):
 
 
 @triton.jit
-def _fp8_mma_rows_kernel(X, W, Scale, B, Y, NormW, Residual, Work, Counters, M, N, K,
+def _fp8_mma_rows_kernel(X, XScale, W, Scale, B, Y, NormW, Residual, Work, Counters, M, N, K,
                          k_per_split, stride_xm, stride_wn, stride_sn, stride_ym, stride_rm,
                          eps, GROUPED: tl.constexpr, GROUP_K: tl.constexpr,
                          HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
                          RESIDUAL: tl.constexpr, X_TERMS: tl.constexpr, ONE_ROW: tl.constexpr,
-                         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                         X_CODES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """N: the output columns; GATED reads gate rows [0, N) and up rows [N, 2N) of W.
+    X_CODES: X holds e4m3 codes already, with one scale per row in XScale (no NORM, one term):
+    both operands go from memory to the MMA.
     program_id(1) takes K columns [s * k_per_split, (s + 1) * k_per_split); with SPLIT_K > 1
     each program leaves its partial tile in Work and the last of a tile's programs to arrive
     (Counters, one per tile, left at zero) adds them up and runs the epilogue."""
@@ -74,7 +76,9 @@ def _fp8_mma_rows_kernel(X, W, Scale, B, Y, NormW, Residual, Work, Counters, M, 
     # the prologue: each row's amax over this program's columns (after the norm's weight),
     # which scales its codes, and the row's sum of squares for RMSNorm's 1/rms
     squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if ONE_ROW:
+    if X_CODES:
+        row_scale = tl.load(XScale + offs_m, mask=m_mask, other=1.0)
+    elif ONE_ROW:
         amax_v = tl.zeros([BLOCK_K], dtype=tl.float32)
         squares_v = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k_start in range(k_begin, k_end, BLOCK_K):
@@ -98,14 +102,16 @@ def _fp8_mma_rows_kernel(X, W, Scale, B, Y, NormW, Residual, Work, Counters, M, 
             amax = tl.maximum(amax, tl.abs(x))
             prologue_ptrs += BLOCK_K
         row_scale = tl.maximum(tl.max(amax, axis=0), 1e-30) / 448.0  # amax / e4m3's largest
-    inv = 1.0 / row_scale  # [BLOCK_M]
+        inv = 1.0 / row_scale  # [BLOCK_M]
     col0 = offs_m[None, :] == 0
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up_lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k_start in range(k_begin, k_end, BLOCK_K):
-        if ONE_ROW:  # the row's step as a vector; the MMA operand is it in column 0, else 0
+        if X_CODES:
+            hi = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+        elif ONE_ROW:  # the row's step as a vector; the MMA operand is it in column 0, else 0
             xv = tl.load(X + k_start + offs_k).to(tl.float32)
             if NORM:
                 xv = xv * tl.load(NormW + k_start + offs_k).to(tl.float32)
@@ -278,13 +284,18 @@ def default_config(n: int, k: int, group_k: int | None) -> MmaRowsConfig | None:
 def fp8_mma_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                  group_k: int | None, bias: torch.Tensor | None = None,
                  config: MmaRowsConfig | None = None,
-                 fusion: RowFusion = NO_FUSION) -> torch.Tensor:
+                 fusion: RowFusion = NO_FUSION, x_scale: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M <= 16, K] (rows contiguous) against FP8 codes [N, K] x scales [N, G] -> [M, N] in
-    x's dtype (N / 2 when gated); see RowFusion for `fusion`."""
+    x's dtype (N / 2 when gated); see RowFusion for `fusion`. x_scale [M, 1] float32: x holds
+    e4m3 codes already (per_token_quant's), the output in out_dtype; no norm fusion then."""
     n, k = weight.shape
     m = x.shape[0]
     assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1 and 0 < m <= MAX_ROWS
     assert weight.stride(1) == 1
+    if x_scale is not None:
+        assert x.dtype == torch.float8_e4m3fn and fusion.norm_weight is None
+        assert x_scale.numel() == m and out_dtype is not None
     grouped = scale.shape[1] > 1
     config = config or default_config(n, k, group_k if grouped else None)
     if config is None or k % config.block_k:
@@ -299,7 +310,7 @@ def fp8_mma_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         assert residual.shape == (m, n) and residual.stride(1) == 1
     if norm_weight is not None:
         assert norm_weight.shape == (k,) and norm_weight.is_contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     tiles = triton.cdiv(n, config.block_n)
     split = config.split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
@@ -311,14 +322,16 @@ def fp8_mma_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                            dtype=torch.float32, device=x.device)
         counters = tile_counters(x.device, tiles)
     _fp8_mma_rows_kernel[(tiles, split)](
-        x, weight, scale, bias if bias is not None else weight, y,
+        x, x_scale if x_scale is not None else scale, weight, scale, bias if bias is not None else weight, y,
         norm_weight if norm_weight is not None else weight,
         residual if residual is not None else weight, work, counters, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
         residual.stride(0) if residual is not None else 0, float(fusion.eps),
         GROUPED=grouped, GROUP_K=group_k or k, HAS_BIAS=bias is not None,
         NORM=norm_weight is not None, GATED=fusion.gated, RESIDUAL=residual is not None,
-        X_TERMS=config.x_terms, ONE_ROW=m == 1, SPLIT_K=split, BLOCK_M=MAX_ROWS,
+        X_TERMS=1 if x_scale is not None else config.x_terms,
+        ONE_ROW=m == 1 and x_scale is None, X_CODES=x_scale is not None, SPLIT_K=split,
+        BLOCK_M=MAX_ROWS,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl_launch_args(x))
     return y
