@@ -2,21 +2,27 @@
 
 The FP8 GEMV (gemv.py) and the skinny tile GEMM (skinny_gemm.py) convert every weight code to
 float32 or bf16 in registers before they multiply: twice the ALU work per byte of a bf16
-weight, which keeps them at 2.5-3.6 TB/s on an H200 where the copy rate is 4.25. Here the codes
-go from memory to the MMA as they are (Hopper's e4m3 x e4m3 products, fp32 accumulation), so the
-only per-byte work is the load. The activations are quantised instead, in registers, per K step:
-each program turns its [BLOCK_K] slice of every row into e4m3 codes with one scale per row and
-step (amax / 448), so no separate quantisation pass runs and the fused prologues of gemv.py
-still apply. X_TERMS = 2 keeps activations near bf16 precision: the step's remainder
-x / s - hi is quantised again (lo, scaled by 16) and multiplied too, so x ~ s * (hi + lo / 16)
-with a relative error of ~2^-8 (one term: ~2^-4, the usual per-token FP8 activations). The
-tensor cores are idle at these row counts, so the second product costs issue slots, not time.
+weight, which keeps them at 1.4-3.5 TB/s on an H200 where the copy rate is 4.25. Here the codes
+go from memory to the MMA as they are (Hopper's e4m3 x e4m3 products, fp32 accumulation). The
+activations are quantised instead, in registers: a prologue pass over the program's columns
+finds each row's amax (after RMSNorm's weight when the norm is fused, whose sum of squares it
+takes too), and every K step turns its slice of the rows into e4m3 codes with that one scale
+(amax / 448), so the MMAs accumulate in place and no separate quantisation pass runs. X_TERMS
+= 1 is the dynamic FP8 activations `--quantization fp8` specifies (~2^-4 relative per
+element); X_TERMS = 2 quantises the remainder x / s - hi again (lo, scaled by 16) and
+multiplies it too, x ~ s * (hi + lo / 16), ~2^-8 like bf16, for a second MMA per step (5-30%
+of the time on the H200). Activations may also arrive as codes already (X_CODES, per_token_quant's
+codes and row scales): then both operands go from memory to the MMA.
 
 The weight rows are the MMA's first operand (BLOCK_N of them, 64 or 128: Hopper's wgmma takes
 64 rows per warp group), the rows of x its second (padded to BLOCK_M = 16), and the tile is
-stored transposed. Scales: per output row once at the end, or (GROUPED) per K group of GROUP_K
-columns as each step, inside one group, is added. The one-row fusions of gemv.py (RowFusion:
-RMSNorm in the prologue, SiLU-mul of gate|up, the residual add) work per row here as there.
+stored transposed. K may be split over SPLIT_K programs per tile: each leaves its partial tile in
+a workspace and the last to arrive (an int32 counter per tile, reset by that program) adds them
+up and runs the epilogue, so the fusions below need no second kernel. Scales: per output row
+once at the end, or (GROUPED) per K group of GROUP_K columns on each step's product. The
+one-row fusions of gemv.py (RowFusion: RMSNorm in the prologue, SiLU-mul of gate|up, the
+residual add) work per row here as there. benchmarks/gpu_fp8_mma.py sweeps the configurations
+into the fp8 tables (`tuned_config`); PERFORMANCE.md, "H200, session 11", has the figures.
 """
 from __future__ import annotations
 
