@@ -220,7 +220,8 @@ def main() -> None:
         decode_cases = [(bs, 1024) for bs in (1, 4, 8, 16)]
         decode_configs += [DecodeKernelConfig(*c) for c in (
             (32, 2, 2), (64, 4, 2), (64, 2, 3, True), (128, 4, 2, True), (32, 2, 2, True),
-            (64, 4, 2, True), (64, 2, 2, True))]
+            (64, 4, 2, True), (64, 2, 2, True), (64, 2, 3, False, True),
+            (64, 2, 3, True, True))]  # the last two: the merge fused into the split kernel
     kv_dtype = DTYPE
     if args.fp8:
         kv_dtype = torch.float8_e4m3fn
@@ -236,7 +237,7 @@ def main() -> None:
                 seconds = bench_decode(bs, context, splits, config, kv_dtype)
                 label = (f"splits={splits}{'*' if splits == plan else ''} "
                          f"n{config.block_n}w{config.num_warps}s{config.num_stages}"
-                         f"{'e' if config.early_v else ''}")
+                         f"{'e' if config.early_v else ''}{'m' if config.fused_merge else ''}")
                 print(decode_report(bs, context, seconds, label, kv_dtype))
 
 

@@ -157,8 +157,14 @@ def test_backend_on_gpu_default_blocks(dtype: torch.dtype) -> None:
 
 @gpu
 @needs_cuda
-def test_real_cuda_graph_replay_tracks_new_lengths() -> None:
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_real_cuda_graph_replay_tracks_new_lengths(fused_merge: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replays over growing lengths; also with the splits merged inside the split kernel
+    (its tile counters must be back at zero for every replay)."""
+    monkeypatch.setenv("RADIXSERVE_DECODE_FUSED_MERGE", "1" if fused_merge else "0")
     driver = Driver(torch.bfloat16, torch.device("cuda"), small_blocks=False)
+    assert driver.backend.decode_config.fused_merge == fused_merge
     rows = play_session(driver)
     backend, layer, bs = driver.backend, driver.layers[0], len(rows)
     backend.init_cuda_graph_state(max_bs=bs)

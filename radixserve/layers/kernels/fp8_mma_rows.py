@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.core.tile_counters import tile_counters
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 from radixserve.layers.kernels.gemm_tables import tuned_entry
 from radixserve.layers.kernels.gemv import NO_FUSION, RowFusion
@@ -337,25 +338,6 @@ def fp8_mma_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         NORM=norm_weight is not None, GATED=fusion.gated, RESIDUAL=residual is not None,
         X_TERMS=1 if x_scale is not None else config.x_terms,
         ONE_ROW=m == 1 and x_scale is None, X_CODES=x_scale is not None, SPLIT_K=split,
-        BLOCK_M=MAX_ROWS,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl_launch_args(x))
     return y
-
-
-COUNTER_SLOTS = 1 << 16  # output tiles one split-K launch may have (N up to 4M at 64 rows)
-_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
-
-
-def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The arrival counters of split-K launches on this device and stream: int32 zeros, one per
-    output tile, which every launch leaves at zero again. Launches on one stream run one after
-    another (PDL included: a kernel's programs wait for the previous grid before any load), so
-    they share one array, kept for the life of the process (CUDA graphs hold its address);
-    another stream gets its own."""
-    assert tiles <= COUNTER_SLOTS
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
