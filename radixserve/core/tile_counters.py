@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-COUNTER_SLOTS = 1 << 16  # output tiles one launch may have
+COUNTER_SLOTS = 1 << 14  # output tiles one launch may have (64 KB of counters per stream)
 _COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
 
 

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.core.tile_counters import tile_counters
+from radixserve.core.tile_counters import COUNTER_SLOTS, tile_counters
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 
 
@@ -304,7 +304,8 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     window, cap = normalize_window_and_cap(sliding_window, logit_cap)
 
     single_split = num_kv_splits == 1
-    fused_merge = config.fused_merge and not single_split
+    fused_merge = config.fused_merge and not single_split and \
+        batch_size * num_kv_heads <= COUNTER_SLOTS
     counters = tile_counters(q.device, batch_size * num_kv_heads) if fused_merge else seq_lens
     _decode_split_kernel[(batch_size, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, out,
