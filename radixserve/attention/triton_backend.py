@@ -136,7 +136,8 @@ class TritonAttnBackend(AttentionBackend):
             buffers = self.kv_pool.kv_buffers(0) if self.kv_pool.layer_num else ()
             decode_config = DecodeKernelConfig(
                 early_v=bool(buffers) and is_fp8(buffers[0].dtype),
-                fused_merge=os.environ.get("RADIXSERVE_DECODE_FUSED_MERGE") == "1")
+                fused_merge=os.environ.get("RADIXSERVE_DECODE_FUSED_MERGE") == "1",
+                fp8_qk_mma=os.environ.get("RADIXSERVE_DECODE_FP8_QK_MMA") == "1")
         self.decode_config = decode_config
         self.extend_config = extend_config  # None: chosen from head_dim by the kernel module
         self.workspace = self._new_workspace(self.max_bs)

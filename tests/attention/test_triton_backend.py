@@ -249,3 +249,23 @@ def test_fp8_pools_decode_with_v_gathered_early(storage: torch.dtype | None) -> 
                                ReqToTokenPool(4, 32, DEVICE), make_kv_pool(64, spec, DEVICE))
     backend = TritonAttnBackend(context, num_kv_splits=4, num_sms=2)
     assert backend.decode_config.early_v == (storage is not None)
+
+
+def test_unmeasured_decode_variants_are_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The merge inside the split kernel and FP8 q . k on e4m3 MMAs stay off until the
+    environment asks for them (the H200 has not timed them yet)."""
+    from radixserve.attention.base import AttentionContext
+    from radixserve.mem.kv_pool import KVCacheSpec, make_kv_pool
+    from radixserve.mem.req_to_token_pool import ReqToTokenPool
+    spec = KVCacheSpec("mha", 1, NUM_KV_HEADS, HEAD_DIM, torch.float16,
+                       storage_dtype=torch.float8_e4m3fn)
+
+    def config() -> DecodeKernelConfig:
+        context = AttentionContext(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DEVICE, 4,
+                                   ReqToTokenPool(4, 32, DEVICE), make_kv_pool(64, spec, DEVICE))
+        return TritonAttnBackend(context, num_kv_splits=4, num_sms=2).decode_config
+
+    assert not config().fused_merge and not config().fp8_qk_mma
+    monkeypatch.setenv("RADIXSERVE_DECODE_FUSED_MERGE", "1")
+    monkeypatch.setenv("RADIXSERVE_DECODE_FP8_QK_MMA", "1")
+    assert config().fused_merge and config().fp8_qk_mma

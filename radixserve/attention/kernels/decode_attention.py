@@ -52,6 +52,10 @@ class DecodeKernelConfig:
     # the last split program of a (request, KV head) to finish merges the splits (no merge
     # kernel); not measured on the GPU yet, so off by default (RADIXSERVE_DECODE_FUSED_MERGE=1)
     fused_merge: bool = False
+    # FP8 pools: q quantised to two e4m3 terms per program and q . k on the e4m3 tensor cores
+    # with the K codes as they are (no conversion of K); not measured on the GPU yet, so off by
+    # default (RADIXSERVE_DECODE_FP8_QK_MMA=1)
+    fp8_qk_mma: bool = False
 
 
 LOG2E = 1.4426950408889634
@@ -94,13 +98,16 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, SLIDING_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr,
     USE_PDL: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_FP16: tl.constexpr,
-    EARLY_V: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    EARLY_V: tl.constexpr, FUSED_MERGE: tl.constexpr, QK_MMA: tl.constexpr,
 ):
     """FP8 KV: the codes are multiplied as they are (k_scale is folded into sm_scale_log2e by
     the caller, v_scale applied to the output), converted to fp16 (FP8_AS_FP16: exact, and one
     instruction per pair on Hopper) or to q's float32, so no per-element scaling runs.
     FUSED_MERGE: after writing its partial, each program counts itself in Counters (one per
-    request and KV head, core/tile_counters.py); the last of the used splits merges them."""
+    request and KV head, core/tile_counters.py); the last of the used splits merges them.
+    QK_MMA (FP8 KV): q becomes two e4m3 terms with one scale per head, q ~ s (hi + lo / 16)
+    (~2^-8 relative, like half precision), and the scores come from e4m3 MMAs on the K codes
+    as loaded; V is converted as before."""
     pdl_prologue(USE_PDL)
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -123,6 +130,13 @@ def _decode_split_kernel(
 
         q = tl.load(Q + batch * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=head_mask[:, None] & d_mask[None, :], other=0.0)
+        if QK_MMA:
+            qf = q.to(tl.float32)
+            q_scale = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) / 448.0  # per head
+            q_scaled = qf * (1.0 / q_scale)[:, None]
+            q_hi = q_scaled.to(tl.float8e4nv)
+            q_lo = ((q_scaled - q_hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
+            qk_scale = q_scale[:, None] * sm_scale_log2e
         if not KV_FP8:
             q = q.to(K_Buffer.dtype.element_ty)
         elif FP8_AS_FP16:
@@ -142,9 +156,13 @@ def _decode_split_kernel(
             if EARLY_V:  # issue the V gather with K's: one memory round trip per block, not two
                 v = tl.load(V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh
                             + offs_d[None, :], mask=kv_mask, other=0.0)
-            if KV_FP8:
-                k = k.to(q.dtype)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2e
+            if QK_MMA:  # the codes as loaded: e4m3 x e4m3, two terms of q
+                k_t = tl.trans(k)
+                qk = (tl.dot(q_hi, k_t) + tl.dot(q_lo, k_t) * 0.0625) * qk_scale
+            else:
+                if KV_FP8:
+                    k = k.to(q.dtype)
+                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2e
             if LOGIT_CAP > 0:
                 qk = soft_cap_log2(qk, LOGIT_CAP)
             qk = tl.where(pos_mask[None, :], qk, float("-inf"))
@@ -319,7 +337,9 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         DOT_PRECISION=dot_precision(q.dtype), SINGLE_SPLIT=single_split,
         SLIDING_WINDOW=window, LOGIT_CAP=cap, KV_FP8=kv_fp8,
         FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16), EARLY_V=config.early_v,
-        FUSED_MERGE=fused_merge, num_warps=config.num_warps, num_stages=config.num_stages,
+        FUSED_MERGE=fused_merge,
+        QK_MMA=config.fp8_qk_mma and k_buffer.dtype == torch.float8_e4m3fn,
+        num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_launch_args(q),
     )
     if single_split or fused_merge:
