@@ -139,6 +139,21 @@ def tune_shape(shape: Shape, deadline: float, gemv: bool) -> dict[str, dict]:
     return table
 
 
+# what other sweeps store inside an entry: the one-row fusions' configurations
+# (gpu_row_fusion.py) and the FP8 tensor-core kernel's (gpu_fp8_mma.py)
+OTHER_SWEEPS_KEYS = ("norm", "norm+gated", "residual", "mma")
+
+
+def merged(old: dict[str, dict], new: dict[str, dict]) -> dict[str, dict]:
+    """The table with this sweep's entries replacing the old ones, keeping what the other
+    sweeps wrote inside them."""
+    table = dict(old)
+    for m, entry in new.items():
+        kept = {key: value for key, value in old.get(m, {}).items() if key in OTHER_SWEEPS_KEYS}
+        table[m] = {**kept, **entry}
+    return table
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -169,7 +184,7 @@ def main() -> int:
             torch.cuda.empty_cache()
             path = out_dir / f"{kind}_N{n}_K{k}.json"
             old = json.loads(path.read_text()) if path.is_file() else {}
-            path.write_text(json.dumps({**old, **table}, indent=1, sort_keys=True) + "\n")
+            path.write_text(json.dumps(merged(old, table), indent=1, sort_keys=True) + "\n")
     gemm_tables.clear_cache()
     return 0
 
