@@ -111,12 +111,30 @@ def store(name: str, n: int, k: int, m: int, variant: str, entry: dict | None) -
     gemm_tables.clear_cache()
 
 
-def sweep(rows: list[int], budget: float, write: bool) -> None:
-    from radixserve.layers.kernels.fp8_mma_rows import fp8_mma_rows
+def time_grid(shape: Shape, grid: list, product, case_deadline: float) -> list:
+    """(seconds, configuration) for each of grid, in order until case_deadline passes, timed
+    as product(weight, configuration); fastest first."""
+    results = []
+    for config in grid:
+        if time.monotonic() > case_deadline:
+            break
+        results.append((shape.timed(lambda w, c=config: product(w, c)), config))
+    return sorted(results, key=lambda pair: pair[0])
+
+
+def case_deadlines(rows: list[int], budget: float):
+    """(m, name, deadline) per (rows, shape) case: the budget left shared evenly among
+    the cases left."""
     deadline = time.monotonic() + budget
-    ranked: dict[str, list] = {}
     cases = [(m, name) for m in rows for name in SHAPES]
     for index, (m, name) in enumerate(cases):
+        yield m, name, time.monotonic() + (deadline - time.monotonic()) / (len(cases) - index)
+
+
+def sweep(rows: list[int], budget: float, write: bool) -> None:
+    from radixserve.layers.kernels.fp8_mma_rows import fp8_mma_rows
+    ranked: dict[str, list] = {}
+    for m, name, case_deadline in case_deadlines(rows, budget):
         n, k = SHAPES[name]
         shape = Shape("fp8", n, k)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -125,16 +143,8 @@ def sweep(rows: list[int], budget: float, write: bool) -> None:
         n_out = n // 2 if fusion.gated else n
         grid = candidates(n_out, k) if m in FULL_SWEEP_ROWS or name not in ranked else \
             [config for _, config in ranked[name][:5]]
-        case_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(cases) - index)
-        results = []
-        for config in grid:
-            if time.monotonic() > case_deadline:
-                break
-            if k % config.block_k:
-                continue
-            results.append((shape.timed(lambda w, c=config: fp8_mma_rows(
-                x, w, shape.scale, None, config=c, fusion=fusion)), config))
-        results.sort(key=lambda pair: pair[0])
+        results = time_grid(shape, grid, lambda w, c: fp8_mma_rows(
+            x, w, shape.scale, None, c, fusion=fusion), case_deadline)
         if m == 8:
             ranked[name] = results
         if not results:
@@ -168,26 +178,19 @@ def codes_sweep(rows: list[int], budget: float) -> None:
     from radixserve.layers.kernels.fp8_mma_rows import fp8_mma_rows
     from radixserve.layers.kernels.gemv import NO_FUSION
     from radixserve.layers.kernels.per_token_quant import per_token_quant
-    deadline = time.monotonic() + budget
-    cases = [(m, name) for m in rows for name in SHAPES]
-    for index, (m, name) in enumerate(cases):
+    for m, name, case_deadline in case_deadlines(rows, budget):
         n, k = SHAPES[name]
         shape = Shape("fp8", n, k)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         codes, x_scale = per_token_quant(x, torch.float8_e4m3fn)
         t_base = shape.timed(lambda w: incumbent(x, w, shape.scale, NO_FUSION))
         t_quant = shape.timed(lambda w: per_token_quant(x, torch.float8_e4m3fn))
-        case_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(cases) - index)
-        results = []
-        for config in candidates(n, k):
-            if time.monotonic() > case_deadline:
-                break
-            results.append((shape.timed(lambda w, c=config: fp8_mma_rows(
-                codes, w, shape.scale, None, config=c, x_scale=x_scale,
-                out_dtype=torch.bfloat16)), config))
+        results = time_grid(shape, candidates(n, k), lambda w, c: fp8_mma_rows(
+            codes, w, shape.scale, None, c, x_scale=x_scale, out_dtype=torch.bfloat16),
+            case_deadline)
         if not results:
             continue
-        t_best, best = min(results, key=lambda pair: pair[0])
+        t_best, best = results[0]
         print(f"   codes M={m:<2} {name:8s} incumbent {t_base * 1e6:6.1f} us; codes kernel best "
               f"of {len(results)} {tuple(best)} {t_best * 1e6:6.1f} us "
               f"({shape.nbytes / t_best / 1e12:4.2f} TB/s); per_token_quant alone "

@@ -51,8 +51,8 @@ def test_rows_match_the_dequantised_product(m: int, block: int | None) -> None:
     codes, scale = _weights(96, 256, block, seed=m)  # 96: the second program is half masked
     x = _rows(m, 256, seed=m + 1, spread=20.0)
     bias = torch.randn(96).to(DTYPE)
-    got = fp8_mma_rows(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), block,
-                       bias.to(DEVICE), SMALL)
+    got = fp8_mma_rows(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), block, SMALL,
+                       bias.to(DEVICE))
     want = fp8_weight_gemm_reference(x, codes, scale, block) + bias.float()
     assert got.shape == (m, 96) and got.dtype == DTYPE
     assert _relative_error(got, want) < 8e-3
@@ -159,7 +159,7 @@ def test_a_swept_entry_routes_rows_to_the_kernel(table_dir, monkeypatch) -> None
     launched = []
     real = mma_rows.fp8_mma_rows
     monkeypatch.setattr(mma_rows, "fp8_mma_rows",
-                        lambda *args: launched.append(args[5]) or real(*args))
+                        lambda *args: launched.append(args[4]) or real(*args))
     codes, scale = _weights(64, 256, None, seed=14)
     x = _rows(6, 256, seed=15)
     got = fp8_rows_product(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None)

@@ -62,7 +62,7 @@ def fp8_rows_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         if config is not None and scale.shape[1] > 1 and group_k:
             config = fp8_mma_rows.within_group(config, group_k)
         if config is not None:
-            return fp8_mma_rows.fp8_mma_rows(x, weight, scale, group_k, bias, config, fusion)
+            return fp8_mma_rows.fp8_mma_rows(x, weight, scale, group_k, config, bias, fusion)
     if m == 1:
         return fp8_gemv(x, weight, scale, group_k, bias, fusion=fusion)
     return None

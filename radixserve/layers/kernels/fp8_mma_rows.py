@@ -161,8 +161,12 @@ def _fp8_mma_rows_kernel(X, XScale, W, Scale, B, Y, NormW, Residual, Work, Count
                     acc_up_lo = tl.dot(w_up, lo, acc_up_lo)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    acc = (acc + acc_lo * 0.0625) * row_scale[None, :]
-    acc_up = (acc_up + acc_up_lo * 0.0625) * row_scale[None, :]
+    if X_TERMS == 2:
+        acc += acc_lo * 0.0625
+        acc_up += acc_up_lo * 0.0625
+    acc = acc * row_scale[None, :]
+    if GATED:
+        acc_up = acc_up * row_scale[None, :]
     if SPLIT_K == 1:
         _epilogue(acc, acc_up, squares, offs_n, offs_m, n_mask, m_mask, N, K, eps, Scale, B,
                   Y, Residual, stride_sn, stride_ym, stride_rm, GROUPED, HAS_BIAS, NORM,
@@ -277,25 +281,15 @@ def available(x: torch.Tensor) -> bool:
                         else torch.cuda.current_device())
 
 
-def default_config(n: int, k: int, group_k: int | None) -> MmaRowsConfig | None:
-    """Without a swept entry: 64 weight rows x 256 columns per step (at most one scale group),
-    four stages; None when no step width divides K."""
-    block_k = 256 if group_k is None else min(256, group_k)
-    while block_k >= 32 and k % block_k:
-        block_k //= 2
-    if block_k < 32:
-        return None
-    return MmaRowsConfig(64, block_k, 4, 4)  # one split: K is not split without a sweep
-
-
 def fp8_mma_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                 group_k: int | None, bias: torch.Tensor | None = None,
-                 config: MmaRowsConfig | None = None,
-                 fusion: RowFusion = NO_FUSION, x_scale: torch.Tensor | None = None,
+                 group_k: int | None, config: MmaRowsConfig,
+                 bias: torch.Tensor | None = None, fusion: RowFusion = NO_FUSION,
+                 x_scale: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M <= 16, K] (rows contiguous) against FP8 codes [N, K] x scales [N, G] -> [M, N] in
-    x's dtype (N / 2 when gated); see RowFusion for `fusion`. x_scale [M, 1] float32: x holds
-    e4m3 codes already (per_token_quant's), the output in out_dtype; no norm fusion then."""
+    x's dtype (N / 2 when gated), with `config` (`tuned_config`'s, or a sweep's); see RowFusion
+    for `fusion`. x_scale [M, 1] float32: x holds e4m3 codes already (per_token_quant's), the
+    output in out_dtype; no norm fusion then."""
     n, k = weight.shape
     m = x.shape[0]
     assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1 and 0 < m <= MAX_ROWS
@@ -304,9 +298,8 @@ def fp8_mma_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         assert x.dtype == torch.float8_e4m3fn and fusion.norm_weight is None
         assert x_scale.numel() == m and out_dtype is not None
     grouped = scale.shape[1] > 1
-    config = config or default_config(n, k, group_k if grouped else None)
-    if config is None or k % config.block_k:
-        raise ValueError(f"no step width divides K={k}")
+    if k % config.block_k:
+        raise ValueError(f"the step width {config.block_k} does not divide K={k}")
     if grouped:
         assert group_k and group_k % config.block_k == 0, "a step must stay in one scale group"
     if fusion.gated:
@@ -329,7 +322,8 @@ def fp8_mma_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                            dtype=torch.float32, device=x.device)
         counters = tile_counters(x.device, tiles)
     _fp8_mma_rows_kernel[(tiles, split)](
-        x, x_scale if x_scale is not None else scale, weight, scale, bias if bias is not None else weight, y,
+        x, x_scale if x_scale is not None else scale, weight, scale,
+        bias if bias is not None else weight, y,
         norm_weight if norm_weight is not None else weight,
         residual if residual is not None else weight, work, counters, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
@@ -338,6 +332,6 @@ def fp8_mma_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         NORM=norm_weight is not None, GATED=fusion.gated, RESIDUAL=residual is not None,
         X_TERMS=1 if x_scale is not None else config.x_terms,
         ONE_ROW=m == 1 and x_scale is None, X_CODES=x_scale is not None, SPLIT_K=split,
-        BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl_launch_args(x))
+        BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(x))
     return y
