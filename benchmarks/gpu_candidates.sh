@@ -1,21 +1,19 @@
 #!/usr/bin/env bash
 # The GPU variants that are in the code but off until the H200 has timed them (session 11),
-# from the repository root; logs under $OUT. One call (~6 min):
-#   CAND_STEPS="tests kernels codes decode" bash benchmarks/gpu_candidates.sh
-# tests:   the variants against their references on the GPU (bf16 included): the decode merge
-#          inside the split kernel through CUDA-graph replays, e4m3 q . k over an FP8 pool, the
-#          FP8 rows on activations quantised beforehand
-# kernels: decode attention per layer, batch 1-16 at context 1024 (`...m`: merge fused) and over
-#          an e4m3 pool at batch 256 / 862, context 1536 (`...q`: e4m3 q . k)
+# from the repository root; logs under $OUT. One call (its timeouts add to ~9 min):
+#   CAND_STEPS="tests kernels codes" bash benchmarks/gpu_candidates.sh
+# tests:   the kernels against their references on the GPU (bf16 included): decode attention
+#          through CUDA-graph replays and over an FP8 pool, the FP8 rows on activations
+#          quantised beforehand
+# kernels: decode attention per layer, batch 1-16 at context 1024 and over an e4m3 pool at
+#          batch 256 / 862, context 1536
 # codes:   the FP8 tensor-core rows on pre-quantised activations next to the incumbents and
 #          next to per_token_quant alone (benchmarks/gpu_fp8_mma.py --codes)
-# decode:  one static batch of 1 and 8 at context 1024, bf16, with RADIXSERVE_DECODE_FUSED_MERGE
-#          off and on (the same machine, one after the other)
-# Where one wins, make it the default (DecodeKernelConfig in attention/triton_backend.py) and
-# record the figures in docs/PERFORMANCE.md.
+# (The fused decode merge and e4m3 q . k were timed slower in session 12 and removed.)
+# Where one wins, make it the default and record the figures in docs/PERFORMANCE.md.
 set -u
 cd "$(dirname "$0")/.."
-. benchmarks/gpu_common.sh gpu_candidates "${CAND_STEPS:-tests kernels codes decode}"
+. benchmarks/gpu_common.sh gpu_candidates "${CAND_STEPS:-tests kernels codes}"
 
 if step tests; then
     echo "== tests"
@@ -40,15 +38,4 @@ if step codes; then
     timeout -k 10 130 python3 benchmarks/gpu_fp8_mma.py --codes --rows 1 8 --budget 90 \
         > "$OUT/codes.log" 2>&1
     echo "   rc $?"; grep -E "codes M=" "$OUT/codes.log" | cut -c1-200
-fi
-if step decode; then
-    echo "== decode steps, merge kernel vs merge fused"
-    for merge in 0 1; do
-        RADIXSERVE_DECODE_FUSED_MERGE=$merge timeout -k 10 100 python3 -m radixserve.bench.one_batch \
-            --model-path benchmarks/configs/llama-3.1-8b --load-format dummy --dtype bfloat16 \
-            --batch-size 1 1 8 --input-len 1024 --output-len 64 --overlap --cuda-graph-max-bs 8 \
-            --max-total-tokens 100000 --log-level warning \
-            --output-file "$OUT/decode_merge$merge.jsonl" > "$OUT/decode_merge$merge.log" 2>&1
-        echo "   fused merge $merge rc $?"; grep -E '^ +[0-9]+ ' "$OUT/decode_merge$merge.log" | head -3
-    done
 fi

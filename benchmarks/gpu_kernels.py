@@ -220,18 +220,14 @@ def main() -> None:
         decode_cases = [(bs, 1024) for bs in (1, 4, 8, 16)]
         decode_configs += [DecodeKernelConfig(*c) for c in (
             (32, 2, 2), (64, 4, 2), (64, 2, 3, True), (128, 4, 2, True), (32, 2, 2, True),
-            (64, 4, 2, True), (64, 2, 2, True), (64, 2, 3, False, True),
-            (64, 2, 3, True, True))]  # the last two: the merge fused into the split kernel
+            (64, 4, 2, True), (64, 2, 2, True))]
     kv_dtype = DTYPE
     if args.fp8:
         kv_dtype = torch.float8_e4m3fn
         decode_cases = [(256, 1536), (862, 1536)]
         decode_configs += [DecodeKernelConfig(*c) for c in (
             (128, 4, 2), (128, 4, 3), (128, 8, 2), (64, 4, 3), (64, 4, 4), (64, 2, 4),
-            (64, 2, 3, True), (128, 4, 2, True), (64, 4, 3, True),
-            # q . k on e4m3 MMAs over the K codes (fp8_qk_mma)
-            (64, 2, 3, True, False, True), (64, 4, 3, True, False, True),
-            (128, 4, 2, True, False, True))]
+            (64, 2, 3, True), (128, 4, 2, True), (64, 4, 3, True))]
     for bs, context in decode_cases if args.only != "extend" else ():
         plan = kv_splits_for(bs)
         split_choices = sorted({plan, 1, 2, 4, 8, 16, 32, 64}) if args.sweep else [plan]
@@ -240,8 +236,7 @@ def main() -> None:
                 seconds = bench_decode(bs, context, splits, config, kv_dtype)
                 label = (f"splits={splits}{'*' if splits == plan else ''} "
                          f"n{config.block_n}w{config.num_warps}s{config.num_stages}"
-                         f"{'e' if config.early_v else ''}{'m' if config.fused_merge else ''}"
-                         f"{'q' if config.fp8_qk_mma else ''}")
+                         f"{'e' if config.early_v else ''}")
                 print(decode_report(bs, context, seconds, label, kv_dtype))
 
 

@@ -1,6 +1,6 @@
-"""Where a batch-1 decode step's GPU time goes (Llama-3.1-8B shapes, bf16, dummy weights).
+"""Where a decode step's GPU time goes (Llama-3.1-8B shapes, bf16 or FP8, dummy weights).
 
-    python3 benchmarks/gpu_profile_decode.py [--batch 1] [--context 1024]
+    python3 benchmarks/gpu_profile_decode.py [--batch 1] [--context 1024] [--quantization fp8]
 
 Runs eager decode steps under torch.profiler and prints the CUDA kernels by total time, grouped
 by kind, next to the bytes each must move; the sum of kernel time is the step time a CUDA graph
@@ -33,6 +33,8 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--graph", action="store_true", help="also time graph replays")
+    parser.add_argument("--quantization", default=None, help="e.g. fp8")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device")
@@ -41,7 +43,9 @@ def main() -> int:
                                     disable_cuda_graph=not args.graph,
                                     cuda_graph_max_bs=args.batch, max_total_tokens=args.batch
                                     * (args.context + 64), max_running_requests=args.batch,
-                                    context_length=args.context + 128))
+                                    context_length=args.context + 128,
+                                    quantization=args.quantization,
+                                    kv_cache_dtype=args.kv_cache_dtype))
     driver = RunnerDriver(runner)
     driver.extend({i: [1] * args.context for i in range(args.batch)})
     for _ in range(3):
@@ -65,7 +69,7 @@ def main() -> int:
         counts[name] += evt.count // args.steps
     print(f"GPU kernel time per decode step (batch {args.batch}, ctx {args.context}): "
           f"{total:.3f} ms; weights alone need {16.06e9 / 4.25e12 * 1000:.3f} ms at 4.25 TB/s")
-    for name, t in sorted(groups.items(), key=lambda kv: -kv[1])[:18]:
+    for name, t in sorted(groups.items(), key=lambda kv: -kv[1])[:24]:
         print(f"{t:8.3f} ms {counts[name]:5d}x  {name[:110]}")
     if graphs is not None:
         graph = graphs.graphs[max(graphs.batch_sizes)]

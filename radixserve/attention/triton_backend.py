@@ -21,7 +21,6 @@ Invariants:
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -135,9 +134,7 @@ class TritonAttnBackend(AttentionBackend):
             # context 1536: 2.93-3.04 TB/s against 2.77-2.82; bf16 gains nothing from it)
             buffers = self.kv_pool.kv_buffers(0) if self.kv_pool.layer_num else ()
             decode_config = DecodeKernelConfig(
-                early_v=bool(buffers) and is_fp8(buffers[0].dtype),
-                fused_merge=os.environ.get("RADIXSERVE_DECODE_FUSED_MERGE") == "1",
-                fp8_qk_mma=os.environ.get("RADIXSERVE_DECODE_FP8_QK_MMA") == "1")
+                early_v=bool(buffers) and is_fp8(buffers[0].dtype))
         self.decode_config = decode_config
         self.extend_config = extend_config  # None: chosen from head_dim by the kernel module
         self.workspace = self._new_workspace(self.max_bs)

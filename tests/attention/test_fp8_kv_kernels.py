@@ -18,9 +18,6 @@ from radixserve.attention.kernels.extend_attention import (  # noqa: E402
     ExtendKernelConfig, extend_attention_fwd)
 from radixserve.attention.kernels.reference import (  # noqa: E402
     decode_attention_reference, extend_attention_reference)
-from tests.triton_interpreter import fix_fp8_rounding  # noqa: E402
-
-fix_fp8_rounding()  # the e4m3 q . k variant quantises q in registers
 
 K_SCALE, V_SCALE = 0.02, 0.05
 FP8 = torch.float8_e4m3fn
@@ -40,10 +37,9 @@ def _fp8_pool(seq_lens: list[int], num_kv_heads: int, head_dim: int, seed: int):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_kv_splits", [1, 3])
-@pytest.mark.parametrize("early_v,qk_mma", [(False, False), (True, False), (True, True)])
-def test_decode_over_fp8_kv(dtype: torch.dtype, num_kv_splits: int, early_v: bool,
-                            qk_mma: bool) -> None:
-    """early_v: the FP8 pools' default; qk_mma: q . k on e4m3 MMAs (two terms of q)."""
+@pytest.mark.parametrize("early_v", [False, True])
+def test_decode_over_fp8_kv(dtype: torch.dtype, num_kv_splits: int, early_v: bool) -> None:
+    """early_v: the FP8 pools' default."""
     seq_lens, kv_heads, group, head_dim = [1, 13, 40], 2, 4, 64
     pool, exact = _fp8_pool(seq_lens, kv_heads, head_dim, seed=3)
     gen = torch.Generator().manual_seed(4)
@@ -58,7 +54,7 @@ def test_decode_over_fp8_kv(dtype: torch.dtype, num_kv_splits: int, early_v: boo
     decode_attention_fwd(q, pool.k_buffer, pool.v_buffer, out, pool.req_to_token,
                          pool.req_pool_indices, pool.seq_lens, mid_out, mid_lse, scale,
                          DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1,
-                                            early_v=early_v, fp8_qk_mma=qk_mma),
+                                            early_v=early_v),
                          k_scale=K_SCALE, v_scale=V_SCALE)
     ref = decode_attention_reference(q.float(), exact.k_buffer, exact.v_buffer,
                                      exact.req_to_token, exact.req_pool_indices,

@@ -157,14 +157,8 @@ def test_backend_on_gpu_default_blocks(dtype: torch.dtype) -> None:
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("fused_merge", [False, True])
-def test_real_cuda_graph_replay_tracks_new_lengths(fused_merge: bool,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Replays over growing lengths; also with the splits merged inside the split kernel
-    (its tile counters must be back at zero for every replay)."""
-    monkeypatch.setenv("RADIXSERVE_DECODE_FUSED_MERGE", "1" if fused_merge else "0")
+def test_real_cuda_graph_replay_tracks_new_lengths() -> None:
     driver = Driver(torch.bfloat16, torch.device("cuda"), small_blocks=False)
-    assert driver.backend.decode_config.fused_merge == fused_merge
     rows = play_session(driver)
     backend, layer, bs = driver.backend, driver.layers[0], len(rows)
     backend.init_cuda_graph_state(max_bs=bs)
@@ -249,23 +243,3 @@ def test_fp8_pools_decode_with_v_gathered_early(storage: torch.dtype | None) -> 
                                ReqToTokenPool(4, 32, DEVICE), make_kv_pool(64, spec, DEVICE))
     backend = TritonAttnBackend(context, num_kv_splits=4, num_sms=2)
     assert backend.decode_config.early_v == (storage is not None)
-
-
-def test_unmeasured_decode_variants_are_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The merge inside the split kernel and FP8 q . k on e4m3 MMAs stay off until the
-    environment asks for them (the H200 has not timed them yet)."""
-    from radixserve.attention.base import AttentionContext
-    from radixserve.mem.kv_pool import KVCacheSpec, make_kv_pool
-    from radixserve.mem.req_to_token_pool import ReqToTokenPool
-    spec = KVCacheSpec("mha", 1, NUM_KV_HEADS, HEAD_DIM, torch.float16,
-                       storage_dtype=torch.float8_e4m3fn)
-
-    def config() -> DecodeKernelConfig:
-        context = AttentionContext(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DEVICE, 4,
-                                   ReqToTokenPool(4, 32, DEVICE), make_kv_pool(64, spec, DEVICE))
-        return TritonAttnBackend(context, num_kv_splits=4, num_sms=2).decode_config
-
-    assert not config().fused_merge and not config().fp8_qk_mma
-    monkeypatch.setenv("RADIXSERVE_DECODE_FUSED_MERGE", "1")
-    monkeypatch.setenv("RADIXSERVE_DECODE_FP8_QK_MMA", "1")
-    assert config().fused_merge and config().fp8_qk_mma

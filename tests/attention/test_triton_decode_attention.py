@@ -68,21 +68,6 @@ def test_decode_early_v_load_matches_reference(num_kv_splits: int) -> None:
     torch.testing.assert_close(out, ref, **tolerance(torch.float16))
 
 
-@pytest.mark.parametrize("window", [-1, 40])
-def test_decode_fused_merge_matches_reference(window: int) -> None:
-    """The last split program of each request and KV head merges the splits itself: ragged
-    lengths (1 token: one used split of four; 75: all four), a window, twice (the counters are
-    back at zero after a launch)."""
-    from radixserve.core.tile_counters import tile_counters
-    config = DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1, fused_merge=True)
-    for seed in (0, 1):
-        out, ref = run_decode([1, 13, 64, 75], num_kv_heads=2, group=4, head_dim=64,
-                              dtype=torch.float16, num_kv_splits=4, config=config, seed=seed,
-                              sliding_window=window)
-        torch.testing.assert_close(out, ref, **tolerance(torch.float16))
-    assert not tile_counters(out.device, 8)[:8].any()
-
-
 @pytest.mark.parametrize("num_kv_splits", [1, 2, 8])
 def test_decode_batch_one_any_split_count(num_kv_splits: int) -> None:
     out, ref = run_decode([97], num_kv_heads=1, group=4, head_dim=64, dtype=torch.float32,

@@ -17,9 +17,7 @@ Split plan, computed on the device from seq_len so a CUDA graph can replay it fo
 So `num_kv_splits` is an upper bound chosen on the host (per batch size); short sequences (or
 short windows: a long context with a window of W costs only W positions) use fewer splits by
 themselves. Stage 2 derives the same number of used splits from seq_len and W. With one split
-(large batches) stage 1 writes the final output itself and stage 2 is not launched; with
-`fused_merge` neither is it: the last split program of each request and KV head to finish
-merges the group's splits itself (core/tile_counters.py).
+(large batches) stage 1 writes the final output itself and stage 2 is not launched.
 
 Logit soft-capping (Gemma-2) with cap c > 0 turns each score s = (q . k) * sm_scale into
 c * tanh(s / c) before the softmax. The kernels keep scores in base-2 units (times log2(e));
@@ -37,7 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.core.tile_counters import COUNTER_SLOTS, tile_counters
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 
 
@@ -49,13 +46,6 @@ class DecodeKernelConfig:
     num_warps: int = 2
     num_stages: int = 3
     early_v: bool = False    # load a block's V together with its K (before the scores): FP8
-    # the last split program of a (request, KV head) to finish merges the splits (no merge
-    # kernel); not measured on the GPU yet, so off by default (RADIXSERVE_DECODE_FUSED_MERGE=1)
-    fused_merge: bool = False
-    # FP8 pools: q quantised to two e4m3 terms per program and q . k on the e4m3 tensor cores
-    # with the K codes as they are (no conversion of K); not measured on the GPU yet, so off by
-    # default (RADIXSERVE_DECODE_FP8_QK_MMA=1)
-    fp8_qk_mma: bool = False
 
 
 LOG2E = 1.4426950408889634
@@ -91,23 +81,18 @@ def soft_cap_log2(qk, LOGIT_CAP: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(
     Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens, Mid_out, Mid_lse, O,
-    Counters, sm_scale_log2e, num_kv_splits, v_scale,
+    sm_scale_log2e, num_kv_splits, v_scale,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_req_row,
     stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h, stride_ob, stride_oh,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, SLIDING_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr,
     USE_PDL: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_FP16: tl.constexpr,
-    EARLY_V: tl.constexpr, FUSED_MERGE: tl.constexpr, QK_MMA: tl.constexpr,
+    EARLY_V: tl.constexpr,
 ):
     """FP8 KV: the codes are multiplied as they are (k_scale is folded into sm_scale_log2e by
     the caller, v_scale applied to the output), converted to fp16 (FP8_AS_FP16: exact, and one
-    instruction per pair on Hopper) or to q's float32, so no per-element scaling runs.
-    FUSED_MERGE: after writing its partial, each program counts itself in Counters (one per
-    request and KV head, core/tile_counters.py); the last of the used splits merges them.
-    QK_MMA (FP8 KV): q becomes two e4m3 terms with one scale per head, q ~ s (hi + lo / 16)
-    (~2^-8 relative, like half precision), and the scores come from e4m3 MMAs on the K codes
-    as loaded; V is converted as before."""
+    instruction per pair on Hopper) or to q's float32, so no per-element scaling runs."""
     pdl_prologue(USE_PDL)
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -130,13 +115,6 @@ def _decode_split_kernel(
 
         q = tl.load(Q + batch * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=head_mask[:, None] & d_mask[None, :], other=0.0)
-        if QK_MMA:
-            qf = q.to(tl.float32)
-            q_scale = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) / 448.0  # per head
-            q_scaled = qf * (1.0 / q_scale)[:, None]
-            q_hi = q_scaled.to(tl.float8e4nv)
-            q_lo = ((q_scaled - q_hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
-            qk_scale = q_scale[:, None] * sm_scale_log2e
         if not KV_FP8:
             q = q.to(K_Buffer.dtype.element_ty)
         elif FP8_AS_FP16:
@@ -156,13 +134,9 @@ def _decode_split_kernel(
             if EARLY_V:  # issue the V gather with K's: one memory round trip per block, not two
                 v = tl.load(V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh
                             + offs_d[None, :], mask=kv_mask, other=0.0)
-            if QK_MMA:  # the codes as loaded: e4m3 x e4m3, two terms of q
-                k_t = tl.trans(k)
-                qk = (tl.dot(q_hi, k_t) + tl.dot(q_lo, k_t) * 0.0625) * qk_scale
-            else:
-                if KV_FP8:
-                    k = k.to(q.dtype)
-                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2e
+            if KV_FP8:
+                k = k.to(q.dtype)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2e
             if LOGIT_CAP > 0:
                 qk = soft_cap_log2(qk, LOGIT_CAP)
             qk = tl.where(pos_mask[None, :], qk, float("-inf"))
@@ -192,47 +166,10 @@ def _decode_split_kernel(
             tl.store(out_ptrs, acc / l_i[:, None], mask=out_mask)
             tl.store(Mid_lse + batch * stride_lse_b + heads * stride_lse_h + split,
                      m_i + tl.log2(l_i), mask=head_mask)
-            if FUSED_MERGE:
-                tl.debug_barrier()  # every thread's partial is written before the release
-                counter = Counters + batch * tl.num_programs(1) + kv_head
-                num_used_splits = tl.cdiv(win_len, split_len)
-                if tl.atomic_add(counter, 1, sem="acq_rel") == num_used_splits - 1:
-                    _merge_group(Mid_out, Mid_lse, O, batch, heads, head_mask, offs_d, d_mask,
-                                 num_used_splits, stride_mid_b, stride_mid_h, stride_mid_s,
-                                 stride_lse_b, stride_lse_h, stride_ob, stride_oh, BLOCK_H,
-                                 BLOCK_D)
-                    tl.atomic_xchg(counter, 0)  # ready for the next launch
-    elif SINGLE_SPLIT or (FUSED_MERGE and split == 0 and win_len == 0):
-        # seq_len 0 (never scheduled): zeros, as the merge would give
+    elif SINGLE_SPLIT:  # seq_len 0 (never scheduled): zeros, as the merge would give
         tl.store(O + batch * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  tl.zeros([BLOCK_H, BLOCK_D], dtype=O.dtype.element_ty),
                  mask=head_mask[:, None] & d_mask[None, :])
-
-
-@triton.jit
-def _merge_group(Mid_out, Mid_lse, O, batch, heads, head_mask, offs_d, d_mask, num_used_splits,
-                 stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h,
-                 stride_ob, stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The merge kernel's sum for one request's GQA group of heads, inside the split kernel
-    (the partials are read from L2: other programs wrote them)."""
-    out_mask = head_mask[:, None] & d_mask[None, :]
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for split in range(0, num_used_splits):
-        lse = tl.load(Mid_lse + batch * stride_lse_b + heads * stride_lse_h + split,
-                      mask=head_mask, other=0.0, cache_modifier=".cg")
-        part = tl.load(Mid_out + batch * stride_mid_b + heads[:, None] * stride_mid_h
-                       + split * stride_mid_s + offs_d[None, :], mask=out_mask, other=0.0,
-                       cache_modifier=".cg")
-        m_new = tl.maximum(m_i, lse)
-        alpha = tl.exp2(m_i - m_new)
-        weight = tl.exp2(lse - m_new)
-        acc = acc * alpha[:, None] + weight[:, None] * part
-        l_i = l_i * alpha + weight
-        m_i = m_new
-    tl.store(O + batch * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-             (acc / l_i[:, None]).to(O.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -322,12 +259,9 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     window, cap = normalize_window_and_cap(sliding_window, logit_cap)
 
     single_split = num_kv_splits == 1
-    fused_merge = config.fused_merge and not single_split and \
-        batch_size * num_kv_heads <= COUNTER_SLOTS
-    counters = tile_counters(q.device, batch_size * num_kv_heads) if fused_merge else seq_lens
     _decode_split_kernel[(batch_size, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, out,
-        counters, sm_scale_log2e, num_kv_splits, float(v_scale),
+        sm_scale_log2e, num_kv_splits, float(v_scale),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
@@ -337,12 +271,9 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         DOT_PRECISION=dot_precision(q.dtype), SINGLE_SPLIT=single_split,
         SLIDING_WINDOW=window, LOGIT_CAP=cap, KV_FP8=kv_fp8,
         FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16), EARLY_V=config.early_v,
-        FUSED_MERGE=fused_merge,
-        QK_MMA=config.fp8_qk_mma and k_buffer.dtype == torch.float8_e4m3fn,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_launch_args(q),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
     )
-    if single_split or fused_merge:
+    if single_split:
         return
     _decode_merge_kernel[(batch_size, num_heads)](
         mid_out, mid_lse, out, seq_lens, num_kv_splits,
