@@ -3,6 +3,9 @@ they would replace, on the H200; --write stores the winners in the kernels' tabl
 
     python3 benchmarks/gpu_fp8_mma.py [--budget 240] [--write] [--rows 1 8 16] [--codes]
 
+--codes sweeps the kernel on activation codes quantised beforehand instead (see codes_sweep;
+`--codes --rows 8 16 --write` writes the "codes" entries DecoderLayer.forward_fp8_rows needs).
+
 Per Llama-3.1-8B FP8 shape (per-channel scales, as --quantization fp8 makes them):
   M = 1:  each one-row fusion the decode layer runs (q|k|v with the input norm, o and down with
           the residual add, gate|up with the norm and SiLU-mul) against the FP8 GEMV with its
@@ -171,30 +174,46 @@ def sweep(rows: list[int], budget: float, write: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def codes_sweep(rows: list[int], budget: float) -> None:
-    """What the kernel reaches when the activations arrive as e4m3 codes (the kernel before it
-    quantising them: not built yet), plain products: the codes kernel over the grid, and
-    per_token_quant alone, the pass a fused producer would hide. Nothing is written."""
+def codes_sweep(rows: list[int], budget: float, write: bool) -> None:
+    """The kernel on activations that arrive as e4m3 codes (RMSNorm and SiLU-mul emit them in
+    DecoderLayer.forward_fp8_rows), plain products, over the grid (M = 16: M = 8's five best),
+    against what the model runs now (the kernel quantising in registers where its entry says
+    so), and per_token_quant alone (the pass the producers fold in). --write stores a winner
+    2% or more ahead as the "codes" variant of the entry's "mma" key, for M >= 2 only (one row
+    keeps the fused GEMV layer, which has no norm or SiLU kernel to carry the quantisation)."""
+    from radixserve.layers.kernels.fp8_gemm import fp8_weight_matmul
     from radixserve.layers.kernels.fp8_mma_rows import fp8_mma_rows
-    from radixserve.layers.kernels.gemv import NO_FUSION
     from radixserve.layers.kernels.per_token_quant import per_token_quant
+    ranked: dict[str, list] = {}
     for m, name, case_deadline in case_deadlines(rows, budget):
         n, k = SHAPES[name]
         shape = Shape("fp8", n, k)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         codes, x_scale = per_token_quant(x, torch.float8_e4m3fn)
-        t_base = shape.timed(lambda w: incumbent(x, w, shape.scale, NO_FUSION))
+        t_base = shape.timed(lambda w: fp8_weight_matmul(x, w, shape.scale, None, None))
         t_quant = shape.timed(lambda w: per_token_quant(x, torch.float8_e4m3fn))
-        results = time_grid(shape, candidates(n, k), lambda w, c: fp8_mma_rows(
+        grid = candidates(n, k) if m in FULL_SWEEP_ROWS or name not in ranked else \
+            [config for _, config in ranked[name][:5]]
+        results = time_grid(shape, grid, lambda w, c: fp8_mma_rows(
             codes, w, shape.scale, None, c, x_scale=x_scale, out_dtype=torch.bfloat16),
             case_deadline)
+        if m == 8:
+            ranked[name] = results
         if not results:
+            print(f"   codes M={m:<2} {name:8s} no candidate timed (budget)", flush=True)
             continue
         t_best, best = results[0]
-        print(f"   codes M={m:<2} {name:8s} incumbent {t_base * 1e6:6.1f} us; codes kernel best "
+        print(f"   codes M={m:<2} {name:8s} now {t_base * 1e6:6.1f} us; codes kernel best "
               f"of {len(results)} {tuple(best)} {t_best * 1e6:6.1f} us "
               f"({shape.nbytes / t_best / 1e12:4.2f} TB/s); per_token_quant alone "
               f"{t_quant * 1e6:5.1f} us", flush=True)
+        if write and m > 1:
+            wins = t_best * MARGIN < t_base
+            entry = dict(best._replace(x_terms=1)._asdict(), us=round(t_best * 1e6, 2),
+                         base_us=round(t_base * 1e6, 2))
+            for rows_ in [m] + [r for r, source in COPIED_ROWS.items() if source == m]:
+                store(name, n, k, rows_, "codes",
+                      (entry if rows_ == m else dict(entry, measured_at=m)) if wins else None)
         torch.cuda.empty_cache()
 
 
@@ -211,7 +230,7 @@ def main() -> int:
         print("gpu_fp8_mma: no CUDA device")
         return 0
     if args.codes:
-        codes_sweep(args.rows, args.budget)
+        codes_sweep(args.rows, args.budget, args.write)
         return 0
     sweep(args.rows, args.budget, args.write)
     return 0

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.core.cpu_kernels import cpu_ops
+from radixserve.layers.quantization.fp8 import FP8_DTYPE, Fp8Rows, quantize_rows
 
 
 class SiluAndMul(nn.Module):
@@ -23,6 +24,15 @@ class SiluAndMul(nn.Module):
             return cpu_ops().silu_and_mul(x)
         half = x.shape[-1] // 2
         return F.silu(x[..., :half]) * x[..., half:]
+
+    def forward_quantized(self, x: torch.Tensor) -> Fp8Rows:
+        """silu(gate) * up of x [M, 2I] as per-token e4m3 rows for an FP8 linear: one kernel
+        on the GPU; elsewhere `forward` and then the rows quantised (the same values)."""
+        if x.is_cuda:
+            from radixserve.layers.kernels.silu_and_mul import silu_and_mul_quant
+            codes, scales = silu_and_mul_quant(x, FP8_DTYPE)
+            return Fp8Rows(codes, scales, x.dtype)
+        return quantize_rows(self.forward(x))
 
 
 class GeluTanhAndMul(nn.Module):

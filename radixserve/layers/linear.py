@@ -19,9 +19,11 @@ from torch import nn
 
 from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.cpu_linear import packed_linear
-from radixserve.layers.quantization.fp8 import FP8_DTYPE, Fp8Config, current_fp8_config
+from radixserve.layers.quantization.fp8 import (FP8_DTYPE, Fp8Config, Fp8Rows,
+                                                current_fp8_config)
 from radixserve.layers.quantization.fp8_linear import (add_fp8_params, finish_fp8_loading,
-                                                       fp8_linear)
+                                                       fp8_linear, fp8_rows_linear,
+                                                       takes_fp8_rows)
 
 if TYPE_CHECKING:
     from radixserve.layers.norm import RMSNorm
@@ -135,14 +137,24 @@ class LinearBase(nn.Module):
         """After every tensor is loaded (--quantization fp8 quantises here)."""
         finish_fp8_loading(self)
 
-    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ W.T (+ bias) with this rank's weight, FP8 or not."""
+    def product(self, x: "torch.Tensor | Fp8Rows", bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W.T (+ bias) with this rank's weight, FP8 or not. x may be rows quantised
+        beforehand (`Fp8Rows`, for FP8 layers only: see `takes_fp8_rows`)."""
+        if isinstance(x, Fp8Rows):
+            assert self.fp8 is not None, "quantised rows need an FP8 weight"
+            return fp8_rows_linear(x, self.weight, self.weight_scale, self.fp8.block, bias)
         if self.fp8 is not None:
             return fp8_linear(x, self.weight, self.weight_scale, self.fp8.block, bias)
         return linear(x, self.weight, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: "torch.Tensor | Fp8Rows") -> torch.Tensor:
         return self.product(x, self.bias)
+
+    def takes_fp8_rows(self, rows: int) -> bool:
+        """Whether rows quantised beforehand (per token, e4m3) go to the tensor cores as they
+        are here: an FP8 weight with a swept configuration for that many rows."""
+        return self.fp8 is not None and self.weight.stride(1) == 1 and \
+            takes_fp8_rows(self.weight, self.fp8.block, rows)
 
     def fuses_one_row(self, dtype: torch.dtype, *, residual: bool = False) -> bool:
         """Whether `fused_row_product` has a kernel for one row of `dtype`: the GPU GEMV (bf16

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from radixserve.core.cpu_kernels import cpu_ops
+from radixserve.layers.quantization.fp8 import FP8_DTYPE, Fp8Rows, quantize_rows
 
 
 class RMSNorm(nn.Module):
@@ -32,6 +33,21 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         out = self.weight * h.to(dtype)
         return out if residual is None else (out, residual)
+
+    def forward_quantized(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                          ) -> tuple[Fp8Rows, torch.Tensor | None]:
+        """(norm(x [+ residual]) as per-token e4m3 rows for an FP8 linear, x + residual or
+        None). x [M, hidden] in the weight's dtype. One kernel on the GPU; elsewhere `forward`
+        and then the rows quantised (the same values)."""
+        if x.is_cuda:
+            from radixserve.layers.kernels.rmsnorm import fused_rmsnorm_quant
+            codes, scales, residual = fused_rmsnorm_quant(x, self.weight, self.variance_epsilon,
+                                                          residual, FP8_DTYPE)
+            return Fp8Rows(codes, scales, x.dtype), residual
+        out = self.forward(x, residual)
+        if residual is not None:
+            out, residual = out
+        return quantize_rows(out), residual
 
 
 def _cpu_kernel_fits(x: torch.Tensor, weight: torch.Tensor,

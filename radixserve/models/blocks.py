@@ -28,6 +28,7 @@ from radixserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLin
                                       RowParallelLinear)
 from radixserve.layers.logits import LogitsOutput, compute_logits
 from radixserve.layers.norm import RMSNorm
+from radixserve.layers.quantization.fp8 import Fp8Rows
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary import RopeInput, RotaryEmbedding
 from radixserve.mem.kv_pool import KVCacheSpec
@@ -57,7 +58,7 @@ class DecoderAttention(nn.Module):
     def _per_head_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return norm(x.reshape(-1, self.head_dim)).view(x.shape[0], -1)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+    def forward(self, positions: torch.Tensor, hidden: "torch.Tensor | Fp8Rows",
                 forward_batch: ForwardBatch) -> torch.Tensor:
         return self.o_proj(self.attend(positions, self.qkv_proj(hidden), forward_batch))
 
@@ -84,8 +85,12 @@ class GatedMLP(nn.Module):
                                            reduce_results=reduce_results)
         self.act = gated_activation(activation)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: "torch.Tensor | Fp8Rows") -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    def forward_fp8_rows(self, x: Fp8Rows) -> torch.Tensor:
+        """Rows quantised beforehand: SiLU-mul quantises its output for the down projection."""
+        return self.down_proj(self.act.forward_quantized(self.gate_up_proj(x)))
 
 
 def dense_mlp(config: ModelConfig, intermediate_size: int | None = None,
@@ -115,6 +120,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
         self._fuses_one_row: dict[torch.dtype, bool] = {}
+        self._takes_fp8_rows: dict[int, bool] = {}
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, forward_batch: ForwardBatch
@@ -122,6 +128,8 @@ class DecoderLayer(nn.Module):
         if hidden.shape[0] == 1 and one_row_kernels_apply(hidden) and \
                 self.fuses_one_row(hidden.dtype):
             return self.forward_one_row(positions, hidden, residual, forward_batch), None
+        if one_row_kernels_apply(hidden) and self.takes_fp8_rows(hidden):
+            return self.forward_fp8_rows(positions, hidden, residual, forward_batch)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -131,21 +139,57 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def _dense_swiglu(self) -> bool:
+        """Attention, then a SiLU-gated MLP, each behind a Llama RMSNorm: the layer the fused
+        decode paths rewrite."""
+        return isinstance(self.self_attn, DecoderAttention) and \
+            isinstance(self.mlp, GatedMLP) and isinstance(self.mlp.act, SiluAndMul) and \
+            type(self.input_layernorm) is RMSNorm and \
+            type(self.post_attention_layernorm) is RMSNorm
+
     def fuses_one_row(self, dtype: torch.dtype) -> bool:
         """A dense SwiGLU layer whose four linears all have one-row kernels for `dtype`
         (decided once per dtype)."""
         if dtype not in self._fuses_one_row:
             attn, mlp = self.self_attn, self.mlp
             self._fuses_one_row[dtype] = (
-                isinstance(attn, DecoderAttention) and isinstance(mlp, GatedMLP)
-                and isinstance(mlp.act, SiluAndMul)
-                and type(self.input_layernorm) is RMSNorm
-                and type(self.post_attention_layernorm) is RMSNorm
+                self._dense_swiglu()
                 and attn.qkv_proj.fuses_one_row(dtype)
                 and attn.o_proj.fuses_one_row(dtype, residual=True)
                 and mlp.gate_up_proj.fuses_one_row(dtype)
                 and mlp.down_proj.fuses_one_row(dtype, residual=True))
         return self._fuses_one_row[dtype]
+
+    def takes_fp8_rows(self, hidden: torch.Tensor) -> bool:
+        """A dense SwiGLU layer whose q|k|v, gate|up and down products have tensor-core
+        configurations for this many rows of activations quantised beforehand (FP8 weights,
+        2-16 rows on the GPU: kernels/fp8_gemm.py `fp8_codes_product`); decided once per row
+        count."""
+        rows = hidden.shape[0]
+        if rows not in self._takes_fp8_rows:
+            attn, mlp = self.self_attn, self.mlp
+            self._takes_fp8_rows[rows] = (
+                self._dense_swiglu()
+                and self.input_layernorm.weight.dtype == hidden.dtype
+                and attn.qkv_proj.takes_fp8_rows(rows)
+                and mlp.gate_up_proj.takes_fp8_rows(rows)
+                and mlp.down_proj.takes_fp8_rows(rows))
+        return self._takes_fp8_rows[rows]
+
+    def forward_fp8_rows(self, positions: torch.Tensor, hidden: torch.Tensor,
+                         residual: torch.Tensor | None, forward_batch: ForwardBatch
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with FP8 weights at a few rows: both RMSNorms and SiLU-mul emit e4m3 rows
+        and a scale per row, so q|k|v, gate|up and down take activation codes as they are
+        (per-token W8A8, the activations `--quantization fp8` specifies) instead of
+        quantising them in registers. o_proj quantises its input itself, as before."""
+        rows, residual = self.input_layernorm.forward_quantized(hidden, residual)
+        if residual is None:
+            residual = hidden
+        hidden = self.self_attn(positions, rows, forward_batch)
+        rows, residual = self.post_attention_layernorm.forward_quantized(hidden, residual)
+        assert residual is not None
+        return self.mlp.forward_fp8_rows(rows), residual
 
     def forward_one_row(self, positions: torch.Tensor, hidden: torch.Tensor,
                         residual: torch.Tensor | None, forward_batch: ForwardBatch
@@ -165,7 +209,8 @@ class DecoderLayer(nn.Module):
 
 
 def one_row_kernels_apply(hidden: torch.Tensor) -> bool:
-    """The fused one-row kernels are GPU kernels (tests point this at the interpreter)."""
+    """The fused decode-row kernels (one row; FP8 rows quantised beforehand) are GPU kernels
+    (tests point this at the interpreter)."""
     return hidden.is_cuda and hidden.dim() == 2
 
 

@@ -10,6 +10,8 @@ per token. Block-scaled weights always take the Triton kernels.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from radixserve.layers.kernels import fp8_mma_rows
@@ -19,6 +21,9 @@ from radixserve.layers.kernels.per_token_quant import per_token_quant
 from radixserve.layers.kernels.skinny_gemm import (config_from_entry, default_config,
                                                    skinny_gemm)
 
+# RADIXSERVE_FP8_ROW_CODES=0: decode rows are not quantised by the kernel before the product
+# (DecoderLayer.forward_fp8_rows off; for A/B timing)
+CODES_ENABLED = os.environ.get("RADIXSERVE_FP8_ROW_CODES", "1") != "0"
 SCALED_MM_MIN_TOKENS = 64  # per-channel weights at this many rows and more (without a swept
 # entry): FP8 tensor cores; the H200 sweep had _scaled_mm ahead of the Triton tiles from M=64
 
@@ -66,6 +71,36 @@ def fp8_rows_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if m == 1:
         return fp8_gemv(x, weight, scale, group_k, bias, fusion=fusion)
     return None
+
+
+def fp8_codes_config(n: int, k: int, m: int, group_k: int | None
+                     ) -> "fp8_mma_rows.MmaRowsConfig | None":
+    """The tensor-core configuration for m rows of activation codes against an [n, k] FP8
+    weight (the "codes" variant of the table's "mma" key, written where the sweep found it
+    faster than the kernel quantising in registers), or None."""
+    if not (0 < m <= fp8_mma_rows.MAX_ROWS and fp8_mma_rows.ENABLED and CODES_ENABLED):
+        return None
+    config = fp8_mma_rows.tuned_config(n, k, m, "codes")
+    if config is not None and group_k:
+        config = fp8_mma_rows.within_group(config, group_k)
+    return config
+
+
+def fp8_codes_product(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                      scale: torch.Tensor, group_k: int | None, bias: torch.Tensor | None,
+                      out_dtype: torch.dtype) -> torch.Tensor | None:
+    """Activation codes [M, K] (e4m3, one scale per row) against FP8 weight codes, on the
+    tensor cores with both operands as loaded; None where no configuration applies."""
+    m = codes.shape[0]
+    if codes.dtype != torch.float8_e4m3fn or not fp8_mma_rows.available(codes):
+        return None
+    grouped = scale.shape[1] > 1
+    config = fp8_codes_config(weight.shape[0], weight.shape[1], m,
+                              group_k if grouped else None)
+    if config is None:
+        return None
+    return fp8_mma_rows.fp8_mma_rows(codes, weight, scale, group_k if grouped else None,
+                                     config, bias, x_scale=x_scale, out_dtype=out_dtype)
 
 
 def fp8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

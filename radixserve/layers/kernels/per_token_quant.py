@@ -12,8 +12,7 @@ import triton
 import triton.language as tl
 
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
-
-MIN_SCALE = 1e-12  # an all-zero row still gets a finite scale
+from radixserve.layers.quantization.fp8 import FP8_MIN_ROW_SCALE as MIN_SCALE
 
 
 @triton.jit

@@ -13,12 +13,14 @@ import triton
 import triton.language as tl
 
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
+from radixserve.layers.kernels.per_token_quant import MIN_SCALE
 
 
 @triton.jit
-def _rmsnorm_kernel(X, Residual, W, Out, ResidualOut, stride_x, stride_r, stride_o, stride_ro,
-                    n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                    USE_PDL: tl.constexpr):
+def _rmsnorm_kernel(X, Residual, W, Out, ResidualOut, Scales, stride_x, stride_r, stride_o,
+                    stride_ro, n_cols, eps, fp8_max, min_scale, HAS_RESIDUAL: tl.constexpr,
+                    QUANT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """QUANT: Out holds FP8 codes of the output rounded to X's dtype, Scales one scale per row."""
     pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -32,7 +34,14 @@ def _rmsnorm_kernel(X, Residual, W, Out, ResidualOut, stride_x, stride_r, stride
     variance = tl.sum(xf * xf, axis=0) / n_cols
     normed = (xf * tl.rsqrt(variance + eps)).to(x.dtype).to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Out + row * stride_o + cols, (normed * w).to(Out.dtype.element_ty), mask=mask)
+    if QUANT:  # as per_token_quant takes the rounded output
+        y = (normed * w).to(X.dtype.element_ty).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / fp8_max, min_scale)
+        tl.store(Scales + row, scale)
+        q = tl.clamp(y / scale, -fp8_max, fp8_max)
+        tl.store(Out + row * stride_o + cols, q.to(Out.dtype.element_ty), mask=mask)
+    else:
+        tl.store(Out + row * stride_o + cols, (normed * w).to(Out.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
@@ -47,12 +56,32 @@ def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
     x, residual: [..., hidden]; weight: [hidden]. Outputs are new tensors of x's shape.
     """
+    out, _, residual_out = _launch(x, weight, eps, residual, None)
+    return out if residual_out is None else (out, residual_out)
+
+
+def fused_rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                        residual: torch.Tensor | None, fp8_dtype: torch.dtype
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(codes [M, hidden] fp8_dtype, scales [M, 1] float32, x + residual or None): the norm's
+    output, rounded to x's dtype, quantised per row as `per_token_quant` does. x 2-D."""
+    assert x.dim() == 2 and weight.dtype == x.dtype
+    assert residual is None or residual.dtype == x.dtype
+    return _launch(x, weight, eps, residual, fp8_dtype)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+            fp8_dtype: torch.dtype | None
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     n_cols = x.shape[-1]
     assert weight.shape == (n_cols,)
     x2d = _rows(x, n_cols)
     sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    out = torch.empty(x2d.shape, dtype=torch.promote_types(sum_dtype, weight.dtype),
-                      device=x.device)
+    out_dtype = fp8_dtype or torch.promote_types(sum_dtype, weight.dtype)
+    out = torch.empty(x2d.shape, dtype=out_dtype, device=x.device)
+    scales = None
+    if fp8_dtype is not None:
+        scales = torch.empty(x2d.shape[0], 1, dtype=torch.float32, device=x.device)
     if residual is not None:
         r2d = _rows(residual, n_cols)
         residual_out = torch.empty(x2d.shape, dtype=sum_dtype, device=x.device)
@@ -62,13 +91,13 @@ def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     num_warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
     if x2d.shape[0] > 0:
         _rmsnorm_kernel[(x2d.shape[0],)](
-            x2d, r2d, weight, out, residual_out, x2d.stride(0), r2d.stride(0), out.stride(0),
-            residual_out.stride(0), n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+            x2d, r2d, weight, out, residual_out, scales if scales is not None else x2d,
+            x2d.stride(0), r2d.stride(0), out.stride(0), residual_out.stride(0), n_cols, eps,
+            torch.finfo(fp8_dtype).max if fp8_dtype is not None else 0.0, MIN_SCALE,
+            HAS_RESIDUAL=residual is not None, QUANT=fp8_dtype is not None, BLOCK=block,
             num_warps=num_warps, **pdl_launch_args(x2d))
     out = out.view(x.shape)
-    if residual is None:
-        return out
-    return out, residual_out.view(x.shape)
+    return out, scales, None if residual is None else residual_out.view(x.shape)
 
 
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,

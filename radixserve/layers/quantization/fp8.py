@@ -19,12 +19,36 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
+
+
+class Fp8Rows(NamedTuple):
+    """Activation rows already quantised per token for an FP8 linear (by the kernel that made
+    them: RMSNorm, SiLU-mul): e4m3 codes [M, K], one float32 scale per row [M, 1], and the
+    dtype the product is to return."""
+    codes: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+    def dequantize(self) -> torch.Tensor:
+        return (self.codes.float() * self.scales).to(self.dtype)
+
+
+FP8_MIN_ROW_SCALE = 1e-12  # an all-zero row still gets a finite scale
+
+
+def quantize_rows(x: torch.Tensor) -> Fp8Rows:
+    """x [M, K] -> per-token e4m3 rows (scale amax / 448 per row), in PyTorch: the values the
+    GPU kernels that emit rows (per_token_quant, RMSNorm's and SiLU-mul's quantising outputs)
+    produce."""
+    scales = (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_ROW_SCALE)
+    codes = (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return Fp8Rows(codes, scales, x.dtype)
 
 
 @dataclass(frozen=True)

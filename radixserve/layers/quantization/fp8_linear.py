@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from radixserve.layers.quantization.fp8 import (FP8_DTYPE, Fp8Config, dequantize_weight,
-                                                expand_scale, quantize_per_channel)
+from radixserve.layers.quantization.fp8 import (FP8_DTYPE, Fp8Config, Fp8Rows,
+                                                dequantize_weight, expand_scale,
+                                                quantize_per_channel)
 
 if TYPE_CHECKING:
     from radixserve.layers.linear import LinearBase
@@ -79,3 +80,30 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 
 __all__ = ["FP8_DTYPE", "add_fp8_params", "finish_fp8_loading", "fp8_linear"]
+
+
+def fp8_rows_linear(x: Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, block: int | None,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """Quantised activation rows @ dequant(weight).T (+ bias), in x.dtype: on the GPU the FP8
+    tensor cores take both codes as they are (kernels/fp8_gemm.py `fp8_codes_product`) where
+    the sweep configured them; elsewhere the rows are dequantised and take `fp8_linear`."""
+    try:
+        from radixserve.layers.kernels.fp8_gemm import fp8_codes_product
+    except ImportError:
+        pass
+    else:
+        y = fp8_codes_product(x.codes, x.scales, weight, scale, block, bias, x.dtype)
+        if y is not None:
+            return y
+    return fp8_linear(x.dequantize(), weight, scale, block, bias)
+
+
+def takes_fp8_rows(weight: torch.Tensor, block: int | None, rows: int) -> bool:
+    """Whether `fp8_rows_linear` has a tensor-core configuration for `rows` rows against this
+    weight (else quantising the rows beforehand would only add a dequantisation)."""
+    try:
+        from radixserve.layers.kernels.fp8_gemm import fp8_codes_config
+    except ImportError:
+        return False
+    return weight.dtype == FP8_DTYPE and fp8_codes_config(
+        weight.shape[0], weight.shape[1], rows, block) is not None

@@ -1,0 +1,131 @@
+"""FP8 decode rows quantised by the kernel before the product (DecoderLayer.forward_fp8_rows):
+RMSNorm and SiLU-mul emitting e4m3 codes and row scales (the Triton interpreter on CPU), the
+layer routing, and the Engine's greedy tokens with the codes on the tensor-core kernel."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # read when a kernel is decorated: before the imports below
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+import radixserve  # noqa: E402
+from radixserve.layers.kernels import fp8_gemm, fp8_mma_rows  # noqa: E402
+from radixserve.layers.kernels.per_token_quant import per_token_quant_reference  # noqa: E402
+from radixserve.layers.kernels.rmsnorm import fused_rmsnorm_quant, rmsnorm_reference  # noqa: E402
+from radixserve.layers.kernels.silu_and_mul import (silu_and_mul_quant,  # noqa: E402
+                                                    silu_and_mul_reference)
+from radixserve.layers.quantization.fp8 import FP8_DTYPE, quantize_rows  # noqa: E402
+from radixserve.models import blocks  # noqa: E402
+from tests.models.tiny_checkpoints import make_checkpoint  # noqa: E402
+from tests.triton_interpreter import fix_fp8_rounding  # noqa: E402
+
+fix_fp8_rounding()
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16
+
+
+def _values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return codes.float().cpu() * scales.float().cpu()
+
+
+def _assert_same_rows(codes, scales, want: torch.Tensor) -> None:
+    """The rows equal per_token_quant's of `want`: scales to float32 rounding, codes to at
+    most one step of e4m3 where the float32 quotient sits on a rounding boundary."""
+    want_codes, want_scales = per_token_quant_reference(want.float().cpu(), FP8_DTYPE)
+    torch.testing.assert_close(scales.cpu(), want_scales, rtol=1e-6, atol=0)
+    step = want_scales * 2.0 ** -3 * want_codes.float().abs().clamp(min=2 ** -6)
+    assert ((_values(codes, scales) - _values(want_codes, want_scales)).abs()
+            <= step + 1e-12).all()
+    assert (codes.float().cpu() == want_codes.float()).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_emits_the_rows_per_token_quant_makes_of_its_output(with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(5, 256, generator=gen) * 2).to(DTYPE)
+    residual = (torch.randn(5, 256, generator=gen) * 3).to(DTYPE) if with_residual else None
+    x[2, 7] = 40.0  # an outlier column sets its row's scale
+    weight = (1 + 0.2 * torch.randn(256, generator=gen)).to(DTYPE)
+    codes, scales, stream = fused_rmsnorm_quant(
+        x.to(DEVICE), weight.to(DEVICE), 1e-5,
+        None if residual is None else residual.to(DEVICE), FP8_DTYPE)
+    want = rmsnorm_reference(x, weight, 1e-5, residual)
+    if with_residual:
+        want, want_stream = want
+        torch.testing.assert_close(stream.cpu(), want_stream)
+    else:
+        assert stream is None
+    assert codes.dtype == FP8_DTYPE and scales.shape == (5, 1)
+    _assert_same_rows(codes, scales, want)
+
+
+@pytest.mark.parametrize("block", [256, 64])  # the row in registers; read twice in blocks
+def test_silu_and_mul_emits_the_rows_per_token_quant_makes_of_its_output(block: int) -> None:
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, 2 * 200, generator=gen) * 2).to(DTYPE)  # 200: the last block masked
+    codes, scales = silu_and_mul_quant(x.to(DEVICE), FP8_DTYPE, block=block)
+    assert codes.shape == (3, 200)
+    _assert_same_rows(codes, scales, silu_and_mul_reference(x))
+
+
+def test_zero_rows_get_a_finite_scale() -> None:
+    rows = quantize_rows(torch.zeros(2, 64, dtype=DTYPE))
+    assert torch.isfinite(rows.scales).all() and not rows.codes.float().any()
+    assert (rows.dequantize() == 0).all()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama_biases_i128")
+    make_checkpoint("llama_biases_i128", folder)
+    return str(folder)
+
+
+def _greedy(checkpoint: str) -> list[list[int]]:
+    engine = radixserve.Engine(checkpoint, dtype="float16", skip_tokenizer_init=True,
+                               max_total_tokens=2000, quantization="fp8")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 160, (n,), generator=gen).tolist() for n in (12, 20, 7)]
+    # three requests: every decode step is three rows (few steps: the interpreter is slow)
+    outs = engine.generate(input_ids=prompts, sampling_params={
+        "max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
+    state = engine.get_internal_state()
+    assert state["memory_check_ok"] and state["leaked_tokens"] == 0
+    engine.shutdown()
+    return [out["output_ids"] for out in outs]
+
+
+def test_engine_decode_rows_take_activation_codes(checkpoint, monkeypatch) -> None:
+    """With a "codes" configuration for three rows, both norms and SiLU-mul quantise and
+    q|k|v, gate|up and down run on the codes: the greedy tokens are those of the layers
+    without it (FP8 weights, unquantised activations), and those of the same quantised rows
+    dequantised and multiplied in float16 (the fallback without the tensor-core kernel)."""
+    plain = _greedy(checkpoint)
+    monkeypatch.setattr(blocks, "one_row_kernels_apply", lambda hidden: hidden.dim() == 2)
+    configs: list[tuple[int, int, int]] = []
+
+    def config(n: int, k: int, m: int, group_k: int | None):  # type: ignore[no-untyped-def]
+        configs.append((n, k, m))
+        return fp8_mma_rows.MmaRowsConfig(64, 64, 4, 2, split_k=2) if m == 3 else None
+
+    monkeypatch.setattr(fp8_gemm, "fp8_codes_config", config)
+    calls = []
+    codes_path = blocks.DecoderLayer.forward_fp8_rows
+    monkeypatch.setattr(blocks.DecoderLayer, "forward_fp8_rows",
+                        lambda self, *args: calls.append(1) or codes_path(self, *args))
+    products = []
+    kernel = fp8_mma_rows.fp8_mma_rows
+    monkeypatch.setattr(fp8_mma_rows, "fp8_mma_rows", lambda *args, **kw: products.append(
+        kw.get("x_scale") is not None) or kernel(*args, **kw))
+    got = _greedy(checkpoint)
+    assert got == plain
+    assert calls and any(products)  # the layers took the codes path, the kernel took codes
+    assert {m for _, _, m in configs} >= {3}
+    monkeypatch.setattr(fp8_mma_rows, "available", lambda x: False)  # dequantise instead
+    products.clear()
+    assert _greedy(checkpoint) == got
+    assert not products
