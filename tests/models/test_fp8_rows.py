@@ -110,7 +110,8 @@ def test_engine_decode_rows_take_activation_codes(checkpoint, monkeypatch) -> No
 
     def config(n: int, k: int, m: int, group_k: int | None):  # type: ignore[no-untyped-def]
         configs.append((n, k, m))
-        return fp8_mma_rows.MmaRowsConfig(64, 64, 4, 2, split_k=2) if m == 3 else None
+        # 2-16 rows (a CUDA graph pads the three rows to its batch size)
+        return fp8_mma_rows.MmaRowsConfig(64, 64, 4, 2, split_k=2) if 2 <= m <= 16 else None
 
     monkeypatch.setattr(fp8_gemm, "fp8_codes_config", config)
     calls = []
@@ -124,7 +125,7 @@ def test_engine_decode_rows_take_activation_codes(checkpoint, monkeypatch) -> No
     got = _greedy(checkpoint)
     assert got == plain
     assert calls and any(products)  # the layers took the codes path, the kernel took codes
-    assert {m for _, _, m in configs} >= {3}
+    assert any(2 < m <= 16 for _, _, m in configs)
     monkeypatch.setattr(fp8_mma_rows, "available", lambda x: False)  # dequantise instead
     products.clear()
     assert _greedy(checkpoint) == got
