@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # FP8 and decode-sized GEMMs on one H200 (issues 13 and 17), from the repository root; logs
 # under $OUT.
-#   FP8_STEPS="tests tune mma decode offline" bash benchmarks/gpu_fp8.sh
+#   FP8_STEPS="tests tune mma codes decode offline" bash benchmarks/gpu_fp8.sh
 # tests:   FP8 and small-M kernels against references on the GPU (GEMV, skinny GEMM, FP8-weight
 #          GEMM, FP8 KV through the Triton decode/extend kernels and the fused rope + store)
 # tune:    benchmarks/gpu_gemm_tune.py: sweep the GEMV / skinny GEMM per Llama-3.1-8B shape and
@@ -11,6 +11,10 @@
 #          GEMV / skinny GEMM it would replace, per shape, row count and one-row fusion
 #          (FP8_MMA_ARGS, default "--write --budget 240": winners into the tables, and
 #          $OUT/gemm_configs.tgz)
+# codes:   benchmarks/gpu_fp8_mma.py --codes: the same kernel on activation codes (what
+#          DecoderLayer.forward_fp8_rows gives it at 2-16 rows) against what the model runs
+#          without them; winners into the tables as "codes" (FP8_CODES_ARGS, default
+#          "--rows 8 16 --write --budget 120"; after `mma`, whose entries it compares with)
 # decode:  Llama-3.1-8B shapes, dummy weights, one static batch of 1 / 8 / 32 at context 1024,
 #          graphs + overlap: bf16, FP8 weights quantised at load (--quantization fp8), and FP8
 #          weights + FP8 KV cache
@@ -18,7 +22,7 @@
 #          (FP8_OFFLINE_MODES picks a subset)
 set -u
 cd "$(dirname "$0")/.."
-. benchmarks/gpu_common.sh gpu_fp8 "${FP8_STEPS:-tests tune mma decode offline}"
+. benchmarks/gpu_common.sh gpu_fp8 "${FP8_STEPS:-tests tune mma codes decode offline}"
 MODEL=benchmarks/configs/llama-3.1-8b
 
 if step tests; then
@@ -26,7 +30,7 @@ if step tests; then
     timeout -k 10 "${FP8_TEST_SECONDS:-150}" python3 -m pytest -q -x tests/layers/test_fp8_gemm.py \
         tests/layers/test_skinny_gemm.py tests/layers/test_gemv.py tests/mem/test_fp8_kv.py \
         tests/attention/test_fp8_kv_kernels.py tests/layers/test_fp8_mma_rows.py \
-        > "$OUT/tests.log" 2>&1
+        tests/models/test_fp8_rows.py > "$OUT/tests.log" 2>&1
     echo "   rc $?: $(tail -1 "$OUT/tests.log")"
     grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -8
 fi
@@ -44,6 +48,14 @@ if step mma; then
         ${FP8_MMA_ARGS:---write --budget 240} > "$OUT/mma.log" 2>&1
     echo "   rc $?"
     grep -E "^ +M=" "$OUT/mma.log" | cut -c1-220
+    tar czf "$OUT/gemm_configs.tgz" -C radixserve/layers/kernels gemm_configs
+fi
+if step codes; then
+    echo "== codes"
+    timeout -k 10 "${FP8_CODES_SECONDS:-180}" python3 benchmarks/gpu_fp8_mma.py --codes \
+        ${FP8_CODES_ARGS:---rows 8 16 --write --budget 120} > "$OUT/codes.log" 2>&1
+    echo "   rc $?"
+    grep -E "codes M=" "$OUT/codes.log" | cut -c1-200
     tar czf "$OUT/gemm_configs.tgz" -C radixserve/layers/kernels gemm_configs
 fi
 one_batch() {  # label, extra flags...
