@@ -13,6 +13,8 @@
 # http_incremental: the same with --incremental-streaming-output (chunks carry only new ids)
 # long:    4 prompts of 120,000 tokens, 32 out (long-context prefill)
 # short:   4,000 requests of 128 in / 8 out (the scheduler's cost per request)
+# short_profile: the same under py-spy (folded stacks in $OUT/short.folded: where the host time
+#          goes; needs py-spy, e.g. from benchmarks/device_wheels.sh's .whl, on PATH)
 # radix:   the generated-shared-prefix set, radix cache on and off
 # profile: where a batch-8 decode step goes (torch.profiler, graphs) and the extend kernel on
 #          8K chunks over 24K-120K prefixes, with its config sweep (ROOF_STEPS=profile, ~3 min)
@@ -47,6 +49,19 @@ if step short; then
     echo "== short requests"
     offline short 150 --radix on --dataset-name random --num-prompts 4000 \
         --random-input-len 128 --random-output-len 8 --random-range-ratio 1.0
+fi
+if step short_profile; then
+    echo "== short requests under py-spy"
+    if command -v py-spy > /dev/null; then
+        timeout -k 10 200 py-spy record -r 200 -f raw -o "$OUT/short.folded" -- \
+            python3 -m radixserve.bench.offline "${COMMON[@]}" --radix on --dataset-name random \
+            --num-prompts 4000 --random-input-len 128 --random-output-len 8 \
+            --random-range-ratio 1.0 > "$OUT/offline_short_profile.log" 2>&1
+        echo "   rc $?"
+        grep -E -A2 '^radix ' "$OUT/offline_short_profile.log" | head -4
+    else
+        echo "   py-spy not found: carry benchmarks/device_wheels.sh's .whl (see the header)"
+    fi
 fi
 if step long; then
     echo "== long-context prefill"
