@@ -86,6 +86,29 @@ class RadixCache(BasePrefixCache):
         # unlocked childless nodes (root aside): eviction's candidates, kept as the tree changes
         # so an eviction does not walk the whole tree
         self._evictable_leaves: set[TreeNode] = set()
+        # their LRU order, lazily: (last_access_time, node_id, seq, node) pushed whenever a node
+        # becomes a candidate or is used while one; entries whose node has left the set or been
+        # used since are stale and skipped, so an eviction pops O(k log n), not a heapify of
+        # every candidate (a full cache evicts at every admission)
+        self._lru_heap: list[tuple[int, int, int, TreeNode]] = []
+        self._heap_seq = itertools.count()
+
+    def _mark_evictable(self, node: TreeNode) -> None:
+        self._evictable_leaves.add(node)
+        self._push_lru(node)
+
+    def _push_lru(self, node: TreeNode) -> None:
+        heap = self._lru_heap
+        if len(heap) > 2 * len(self._evictable_leaves) + 4096:  # mostly stale: rebuild
+            heap[:] = [(n.last_access_time, n.node_id, next(self._heap_seq), n)
+                       for n in self._evictable_leaves if n is not node]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (node.last_access_time, node.node_id, next(self._heap_seq), node))
+
+    def _touch(self, node: TreeNode, now: int) -> None:
+        node.last_access_time = now
+        if node in self._evictable_leaves:
+            self._push_lru(node)
 
     # ---- lookups and inserts ----
     def match_prefix(self, key: list[int]) -> MatchResult:
@@ -103,7 +126,7 @@ class RadixCache(BasePrefixCache):
             match_len = _common_prefix_len(child.key, key, pos)
             if match_len < len(child.key):
                 child = self._split(child, match_len)
-            child.last_access_time = now
+            self._touch(child, now)
             values.append(child.value)
             node = child
             pos += match_len
@@ -131,12 +154,12 @@ class RadixCache(BasePrefixCache):
                 node.children[key[pos]] = leaf
                 self._evictable_size += len(leaf.key)
                 self._evictable_leaves.discard(node)
-                self._evictable_leaves.add(leaf)
+                self._mark_evictable(leaf)
                 return pos
             match_len = _common_prefix_len(child.key, key, pos)
             if match_len < len(child.key):
                 child = self._split(child, match_len)
-            child.last_access_time = now
+            self._touch(child, now)
             node = child
             pos += match_len
         return pos
@@ -228,7 +251,7 @@ class RadixCache(BasePrefixCache):
                 self._protected_size -= len(node.key)
                 delta += len(node.key)
                 if not node.children:
-                    self._evictable_leaves.add(node)
+                    self._mark_evictable(node)
             node.lock_ref -= 1
             node = node.parent
         return delta
@@ -240,13 +263,14 @@ class RadixCache(BasePrefixCache):
         evicted, so more than `num_tokens` may be freed. Returns the number freed."""
         if num_tokens <= 0:
             return 0
-        heap = [(n.last_access_time, n.node_id, n) for n in self._evictable_leaves]
-        heapq.heapify(heap)
+        heap, leaves = self._lru_heap, self._evictable_leaves
         freed: list[torch.Tensor] = []
         freed_len = 0
         while freed_len < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
-            self._evictable_leaves.discard(node)
+            used_at, _, _, node = heapq.heappop(heap)
+            if node not in leaves or node.last_access_time != used_at:
+                continue  # stale: no longer a candidate, or used since (a newer entry exists)
+            leaves.discard(node)
             parent = node.parent
             assert parent is not None
             del parent.children[node.key[0]]
@@ -255,8 +279,7 @@ class RadixCache(BasePrefixCache):
             freed_len += len(node.key)
             self._evictable_size -= len(node.key)
             if not parent.children and parent.lock_ref == 0 and parent is not self.root:
-                self._evictable_leaves.add(parent)
-                heapq.heappush(heap, (parent.last_access_time, parent.node_id, parent))
+                self._mark_evictable(parent)
         if freed:
             self.token_to_kv_pool.free(torch.cat(freed))
         return freed_len
@@ -293,6 +316,10 @@ class RadixCache(BasePrefixCache):
         leaves = {n for n in self._nodes()
                   if not n.children and n.lock_ref == 0 and n is not root}
         _require(leaves == self._evictable_leaves, "the evictable-leaf set is out of date")
+        ordered = {id(n) for t, _, _, n in self._lru_heap
+                   if n in leaves and n.last_access_time == t}
+        _require(all(id(n) in ordered for n in leaves),
+                 "an evictable leaf has no current entry in the LRU heap")
         for node in self._nodes():
             _require(node.lock_ref >= 0, f"negative lock_ref on {node!r}")
             children_locks = 0

@@ -153,6 +153,31 @@ def test_evict_reaches_parent_once_children_are_gone() -> None:
     cache.check_invariants()
 
 
+def test_eviction_order_survives_many_uses_between_evictions() -> None:
+    """Every use of a candidate leaves a stale entry in the lazy LRU heap (and enough of them
+    make it rebuild): the order evicted is still least recently used first, against a
+    brute-force LRU of the same uses."""
+    import random
+    cache = new_cache(kv_size=400)
+    keys = [[i, i] for i in range(1, 101)]
+    for key in keys:
+        insert_fresh(cache, key)
+    rng = random.Random(0)
+    last_use = {k[0]: t for t, k in enumerate(keys)}
+    for t in range(len(keys), len(keys) + 6000):  # enough stale entries to force rebuilds
+        key = rng.choice(keys[:60])
+        cache.match_prefix(key)
+        last_use[key[0]] = t
+    cache.check_invariants()
+    order = sorted(last_use, key=last_use.get)  # least recently used first
+    for victim in order[:50]:
+        assert cache.evict(1) == 2
+        # a miss touches nothing, so the order of the rest is unchanged
+        assert cache.match_prefix([victim, victim]).indices.numel() == 0, victim
+    assert all(cache.match_prefix([k, k]).indices.numel() == 2 for k in order[50:])
+    cache.check_invariants()
+
+
 def test_evict_skips_locked_path() -> None:
     cache = new_cache()
     insert_fresh(cache, [1, 2, 3, 4])

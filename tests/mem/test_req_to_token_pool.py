@@ -37,3 +37,19 @@ def test_an_empty_write_touches_nothing() -> None:
     pool.write(1, 7, torch.empty(0, dtype=torch.int64))
     pool.write_many([(0, 3, torch.empty(0, dtype=torch.int64))])
     assert not pool.host_table.any() and not pool.req_to_token.any()
+
+
+def test_rows_are_reused_most_recently_freed_first() -> None:
+    """Rows come back as a stack: a new request takes a row whose host pages are mapped
+    already, not one untouched since start-up (whose first write faults its pages in)."""
+    pool = ReqToTokenPool(size=8, max_context_len=16, device="cpu")
+    assert pool.alloc(3) == [0, 1, 2]
+    pool.free(1)
+    assert pool.alloc(1) == [1]
+    pool.free([0, 2])
+    assert pool.alloc(2) == [2, 0]
+    assert pool.alloc(0) == [] and pool.available_size() == 5
+    assert pool.alloc(6) is None
+    assert sorted(pool.alloc(5)) == [3, 4, 5, 6, 7] and pool.available_size() == 0
+    pool.clear()
+    assert pool.alloc(2) == [0, 1]

@@ -1,0 +1,99 @@
+"""The scheduler's own host cost per request, with a model runner that costs nothing: what issue
+17's short-requests row (4,000 x 128 in / 8 out) spends on the host outside the model.
+
+    python3 benchmarks/cpu_scheduler_cost.py [--num-prompts 4000] [--input-len 128]
+        [--output-len 8] [--max-total-tokens 400000] [--context-len 131072] [--profile 25]
+
+The runner (the scheduler tests' FakeRunner without its model) keeps real pools (the request
+table, rows of --context-len, and a KV pool of one float per slot; --max-total-tokens below the workload's 544K tokens makes the prefix cache
+evict), writes decode slots as the ModelRunner does, and returns token 1 for every request at
+once, so the time measured is admission, the prefix cache, batch building, output handling and
+the scheduler's bookkeeping, on this CPU. --profile N prints cProfile's N largest cumulative
+entries. Figures only; nothing asserts on time.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from radixserve.config import ServerArgs  # noqa: E402
+from radixserve.core.forward_batch import ModelWorkerBatch  # noqa: E402
+from radixserve.core.io_struct import TokenizedGenerateReq  # noqa: E402
+from radixserve.core.sampling_params import SamplingParams  # noqa: E402
+from radixserve.scheduler.scheduler import Scheduler  # noqa: E402
+from tests.scheduler.fake_runner import FakeRunner  # noqa: E402
+
+VOCAB = 32000
+
+
+class NullRunner(FakeRunner):
+    """The scheduler tests' runner (real pools) without its model or its checks: every pass
+    returns token 1 per request."""
+
+    def __init__(self, max_total_tokens: int, max_reqs: int, context_len: int) -> None:
+        super().__init__(max_total_tokens, max_reqs, context_len)
+        self.vocab_size = VOCAB
+
+    def _run(self, batch: ModelWorkerBatch, input_ids: list[int]) -> list[int]:
+        if batch.forward_mode.is_decode():  # as the ModelRunner does for every DECODE pass
+            self.req_to_token_pool.write_decode_slots(
+                torch.tensor(batch.req_pool_indices), torch.tensor(batch.seq_lens),
+                batch.out_cache_loc)
+        return [1] * len(batch.req_pool_indices)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=4000)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=8)
+    parser.add_argument("--max-total-tokens", type=int, default=400_000)
+    parser.add_argument("--max-running-requests", type=int, default=1024)
+    parser.add_argument("--context-len", type=int, default=131072,
+                        help="the request table's row width (Llama-3.1's context by default, "
+                             "as the H200 runs size it)")
+    parser.add_argument("--profile", type=int, default=0, help="cProfile's N top entries")
+    args = parser.parse_args()
+    context = args.context_len
+    runner = NullRunner(args.max_total_tokens, args.max_running_requests, context)
+    scheduler = Scheduler(ServerArgs(device="cpu", max_running_requests=args.max_running_requests),
+                          runner, None, {0}, context)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(100, VOCAB, (args.num_prompts, args.input_len), generator=gen).tolist()
+    params = SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True)
+    params.verify()
+    params.normalize()
+    profiler = cProfile.Profile() if args.profile else None
+    start = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(TokenizedGenerateReq(rid=f"r{i}", input_text=None, input_ids=prompt,
+                                                   sampling_params=params, stream=False))
+    turns = finished = 0
+    while scheduler.has_work():
+        for out in scheduler.run_turn():
+            finished += sum(reason is not None for reason in out.finished_reasons)
+        turns += 1
+    if profiler is not None:
+        profiler.disable()
+    seconds = time.perf_counter() - start
+    ok, leaked = scheduler.check_memory()
+    print(f"{args.num_prompts} x {args.input_len}/{args.output_len}: {seconds:.2f} s on the "
+          f"host, {seconds / args.num_prompts * 1e6:.0f} us per request, {turns} turns, "
+          f"{finished} finished, memory check {'ok' if ok else f'FAILED ({leaked} leaked)'}")
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.profile)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
