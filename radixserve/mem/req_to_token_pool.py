@@ -16,8 +16,26 @@ half of a decode step's slots, inside the CUDA graph on replay).
 """
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import torch
+
+
+def _lazy_zeros(rows: int, cols: int) -> np.ndarray:
+    """An int32 [rows, cols] table of zeros whose pages are mapped only when first written, in
+    small pages: only the positions written take host memory (the table is 2 GB at 4,096 rows
+    of a 128K context, a request writes a few KB of its row). numpy's own zeros ask for huge
+    pages on an array this large, and the first write to each then zeroes 2 MB: ~670 us on
+    this CPU against ~1 us for a 4 KB page."""
+    try:
+        buffer = mmap.mmap(-1, max(rows * cols * 4, 1),
+                           flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (AttributeError, TypeError, OSError):  # no anonymous private mappings here
+        return np.zeros((rows, cols), dtype=np.int32)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buffer.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(buffer, dtype=np.int32, count=rows * cols).reshape(rows, cols)
 
 
 class ReqToTokenPool:
@@ -28,13 +46,12 @@ class ReqToTokenPool:
         self.padding_row = size
         self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32,
                                         device=self.device)
-        # numpy's zeros are calloc'd: only rows and columns written take host memory
-        self.host_table = np.zeros((size + 1, max_context_len), dtype=np.int32)
+        self.host_table = _lazy_zeros(size + 1, max_context_len)
         # a stack, most recently freed row on top: rows are reused while their host pages are
         # mapped. Handed out first-in-first-out, every request would take a row never touched
         # since start-up, and its first write a page fault (with numpy's huge pages, zeroing
-        # 2 MB): 670 us per row at a 128K context on this CPU against 7.6 us reused, ~1.2 s of
-        # the H200's 4,000 x 128/8 run (docs/PERFORMANCE.md, session 12)
+        # 2 MB: 670 us per row at a 128K context on this CPU against 7.6 us reused; ~1.2 s of
+        # the H200's 4,000 x 128/8 run, docs/PERFORMANCE.md, session 12)
         self.free_slots: list[int] = list(range(size - 1, -1, -1))
 
     def available_size(self) -> int:

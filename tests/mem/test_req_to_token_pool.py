@@ -53,3 +53,15 @@ def test_rows_are_reused_most_recently_freed_first() -> None:
     assert sorted(pool.alloc(5)) == [3, 4, 5, 6, 7] and pool.available_size() == 0
     pool.clear()
     assert pool.alloc(2) == [0, 1]
+
+
+def test_the_host_table_starts_zero_and_takes_writes_anywhere() -> None:
+    """The host copy is a lazily mapped table of zeros: any row and column reads 0 until
+    written, and holds what is written."""
+    pool = ReqToTokenPool(size=6, max_context_len=5000, device="cpu")
+    assert pool.host_table.shape == (7, 5000) and pool.host_table.dtype == np.int32
+    assert not pool.host_table[[0, 3, 6]].any()
+    pool.write(5, 4990, torch.arange(10))
+    assert pool.host_table[5, 4990:].tolist() == list(range(10))
+    assert pool.read_row(5, 5000)[4990:].tolist() == list(range(10))
+    assert not pool.host_table[4].any() and not pool.host_table[6].any()
