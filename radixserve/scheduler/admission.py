@@ -51,7 +51,9 @@ class PeakCheck:
     """Requests of known length as (tokens left to generate, tokens held when finished minus
     tokens left), sorted by tokens left.
 
-    `fits` answers in O(log n) from tables rebuilt (vectorised) after each `add`: with n
+    `fits` answers at once when the free tokens cover every request's remaining growth (the
+    common case: a pool with room), else in O(log n) from tables rebuilt (vectorised, O(n))
+    after each `add`: with n
     requests sorted by tokens left l_j, F_j the tokens handed back before the j-th finishes,
     and R the reserve, moment j of the list as it stands needs free + E_j >= 0 with
     E_j = F_j - (l_j + R)(n - j). A new request (l, h) inserted at position a adds one request
@@ -64,10 +66,16 @@ class PeakCheck:
     _tables: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(
         default=None, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        # sum of (l_j + R): what every request still running will yet need, an upper bound
+        # of every moment's need (moment j needs (l_j + R)(n - j) <= the sum over i >= j)
+        self._need = sum(self.left) + PEAK_RESERVE_PER_REQUEST * len(self.left)
+
     def add(self, tokens_left: int, tokens_held: int) -> None:
         at = bisect.bisect_right(self.left, tokens_left)
         self.left.insert(at, tokens_left)
         self.held.insert(at, tokens_held)
+        self._need += tokens_left + PEAK_RESERVE_PER_REQUEST
         self._tables = None
 
     def _build(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -85,6 +93,8 @@ class PeakCheck:
     def fits(self, free: float, tokens_left: int, tokens_held: int) -> bool:
         """Would adding this request keep every finishing moment at or above the reserve?
         free: tokens free now, after the request's prompt is stored."""
+        if free >= self._need + tokens_left + PEAK_RESERVE_PER_REQUEST:
+            return True  # room for everything still to come: no moment can fall short
         if self._tables is None:
             self._tables = self._build()
         freed, before, after = self._tables
