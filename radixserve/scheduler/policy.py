@@ -47,6 +47,11 @@ class SchedulePolicy:
         return self.policy == "dfs-weight" or (self.policy == "lpm"
                                                 and queue_len <= LPM_MAX_QUEUE_LEN)
 
+    def keeps_queue_order(self, queue_len: int) -> bool:
+        """Does `order` return a queue this long as it stands (fcfs, or lpm's fallback)?"""
+        return self.policy == "fcfs" or (self.policy == "lpm"
+                                         and queue_len > LPM_MAX_QUEUE_LEN)
+
     def order(self, waiting_queue: list[Req]) -> list[Req]:
         """Return the queue in admission order. With `matches_all`, every request's prefix is
         matched; otherwise none is (the caller matches as it admits)."""

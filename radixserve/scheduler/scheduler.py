@@ -264,7 +264,9 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
         in_batch = InBatchPrefixIndex() if self.policy.policy in ("lpm", "dfs-weight") else None
         if chunked is not None:
             adder.add_chunked_req(chunked)
+        scanned = 0  # requests of `ordered` the loop looked at
         for req in ordered:
+            scanned += 1
             if not self.grammars.ready(req):  # compiling (or failed: ended next turn)
                 continue
             if not matched:
@@ -278,7 +280,14 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
         if not adder.can_run:
             return None
         admitted = {id(r) for r in adder.can_run}
-        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        queue = self.waiting_queue
+        if self.policy.keeps_queue_order(len(queue)):
+            # admission walked the queue itself: only its first `scanned` can have gone (a
+            # turn over a queue of thousands then costs what it admits, not the queue)
+            self.waiting_queue = [r for r in queue[:scanned] if id(r) not in admitted]
+            self.waiting_queue += queue[scanned:]
+        else:
+            self.waiting_queue = [r for r in queue if id(r) not in admitted]
         for req in adder.can_run:
             if req is not chunked and not req.output_ids and req.retraction_count == 0:
                 req.cached_tokens = len(req.prefix_indices)

@@ -404,3 +404,29 @@ def test_decode_steps_interleave_with_chunks():
     assert not any(a is False and b is False for a, b in zip(chunk_turns, chunk_turns[1:]))
     assert results["long"]["ids"] == expected_output(long_prompt, 3)
     assert_memory_clean(scheduler)
+
+
+@pytest.mark.parametrize("policy", ["lpm", "fcfs"])
+def test_a_long_queue_loses_exactly_what_a_turn_admits(policy):
+    """Over a queue longer than lpm's matching limit both policies admit in queue order, and
+    only the front the turn looked at is rebuilt: the rest keeps its order, a request skipped
+    in the front (its grammar still compiling) stays in place, and every request finishes."""
+    scheduler, _ = make_scheduler(max_total_tokens=4000, max_reqs=8, schedule_policy=policy)
+    ps = prompts(200, 6, seed=3)
+    for i, p in enumerate(ps):
+        assert scheduler.add_request(make_req(f"q{i}", p, max_new=2)) is None
+    skipped = scheduler.waiting_queue[1]
+    ready = scheduler.grammars.ready
+    scheduler.grammars.ready = lambda req: req is not skipped and ready(req)
+    before = [r.rid for r in scheduler.waiting_queue]
+    assert scheduler.policy.keeps_queue_order(len(before))
+    scheduler.run_turn()
+    after = [r.rid for r in scheduler.waiting_queue]
+    gone = set(before) - set(after)
+    assert gone and "q1" not in gone and len(after) == len(set(after))
+    assert after == [rid for rid in before if rid not in gone]  # the rest in order
+    assert max(before.index(rid) for rid in gone) == len(gone)  # the front, less q1
+    scheduler.grammars.ready = ready
+    results = run_all(scheduler)
+    assert all(results[f"q{i}"]["ids"] == expected_output(p, 2) for i, p in enumerate(ps))
+    assert_memory_clean(scheduler)
