@@ -114,6 +114,17 @@ def store(name: str, n: int, k: int, m: int, variant: str, entry: dict | None) -
     gemm_tables.clear_cache()
 
 
+def store_outcome(name: str, n: int, k: int, m: int, variant: str, best, t_best: float,
+                  t_base: float) -> None:
+    """The winner of m rows into the table (and into the rows that copy m), or its stale entry
+    out when it is not 2% ahead of the incumbent."""
+    wins = t_best * MARGIN < t_base
+    entry = dict(best._asdict(), us=round(t_best * 1e6, 2), base_us=round(t_base * 1e6, 2))
+    for rows in [m] + [r for r, source in COPIED_ROWS.items() if source == m]:
+        store(name, n, k, rows, variant,
+              (entry if rows == m else dict(entry, measured_at=m)) if wins else None)
+
+
 def time_grid(shape: Shape, grid: list, product, case_deadline: float) -> list:
     """(seconds, configuration) for each of grid, in order until case_deadline passes, timed
     as product(weight, configuration); fastest first."""
@@ -165,12 +176,7 @@ def sweep(rows: list[int], budget: float, write: bool) -> None:
         if t_one * MARGIN < t_best:  # one term: the per-token-style FP8 activations that
             t_best, best = t_one, best._replace(x_terms=1)  # --quantization fp8 specifies
         if write:
-            wins = t_best * MARGIN < t_base
-            entry = dict(best._asdict(), us=round(t_best * 1e6, 2),
-                         base_us=round(t_base * 1e6, 2))
-            for rows in [m] + [r for r, source in COPIED_ROWS.items() if source == m]:
-                store(name, n, k, rows, fusion.variant,
-                      (entry if rows == m else dict(entry, measured_at=m)) if wins else None)
+            store_outcome(name, n, k, m, fusion.variant, best, t_best, t_base)
         torch.cuda.empty_cache()
 
 
@@ -208,12 +214,7 @@ def codes_sweep(rows: list[int], budget: float, write: bool) -> None:
               f"({shape.nbytes / t_best / 1e12:4.2f} TB/s); per_token_quant alone "
               f"{t_quant * 1e6:5.1f} us", flush=True)
         if write and m > 1:
-            wins = t_best * MARGIN < t_base
-            entry = dict(best._replace(x_terms=1)._asdict(), us=round(t_best * 1e6, 2),
-                         base_us=round(t_base * 1e6, 2))
-            for rows_ in [m] + [r for r, source in COPIED_ROWS.items() if source == m]:
-                store(name, n, k, rows_, "codes",
-                      (entry if rows_ == m else dict(entry, measured_at=m)) if wins else None)
+            store_outcome(name, n, k, m, "codes", best._replace(x_terms=1), t_best, t_base)
         torch.cuda.empty_cache()
 
 

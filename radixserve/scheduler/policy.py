@@ -47,17 +47,20 @@ class SchedulePolicy:
         return self.policy == "dfs-weight" or (self.policy == "lpm"
                                                 and queue_len <= LPM_MAX_QUEUE_LEN)
 
+    def _policy_for(self, queue_len: int) -> str:
+        """The order a queue this long is taken in: lpm falls back to fcfs past its limit."""
+        if self.policy == "lpm" and queue_len > LPM_MAX_QUEUE_LEN:
+            return "fcfs"
+        return self.policy
+
     def keeps_queue_order(self, queue_len: int) -> bool:
         """Does `order` return a queue this long as it stands (fcfs, or lpm's fallback)?"""
-        return self.policy == "fcfs" or (self.policy == "lpm"
-                                         and queue_len > LPM_MAX_QUEUE_LEN)
+        return self._policy_for(queue_len) == "fcfs"
 
     def order(self, waiting_queue: list[Req]) -> list[Req]:
         """Return the queue in admission order. With `matches_all`, every request's prefix is
         matched; otherwise none is (the caller matches as it admits)."""
-        policy = self.policy
-        if policy == "lpm" and len(waiting_queue) > LPM_MAX_QUEUE_LEN:
-            policy = "fcfs"
+        policy = self._policy_for(len(waiting_queue))
         if self.matches_all(len(waiting_queue)):
             for req in waiting_queue:
                 match_prefix(req, self.tree_cache)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
-from radixserve.layers.quantization.fp8 import FP8_MIN_ROW_SCALE as MIN_SCALE
+from radixserve.layers.quantization.fp8 import FP8_MIN_ROW_SCALE as MIN_SCALE, quantize_rows
 
 
 @triton.jit
@@ -51,6 +51,5 @@ def per_token_quant(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tens
 
 def per_token_quant_reference(x: torch.Tensor, fp8_dtype: torch.dtype
                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    fp8_max = torch.finfo(fp8_dtype).max
-    scales = (x.float().abs().amax(dim=1, keepdim=True) / fp8_max).clamp(min=MIN_SCALE)
-    return (x.float() / scales).clamp(-fp8_max, fp8_max).to(fp8_dtype), scales
+    rows = quantize_rows(x, fp8_dtype)
+    return rows.codes, rows.scales

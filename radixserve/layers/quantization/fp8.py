@@ -45,12 +45,13 @@ class Fp8Rows(NamedTuple):
 FP8_MIN_ROW_SCALE = 1e-12  # an all-zero row still gets a finite scale
 
 
-def quantize_rows(x: torch.Tensor) -> Fp8Rows:
-    """x [M, K] -> per-token e4m3 rows (scale amax / 448 per row), in PyTorch: the values the
+def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype = FP8_DTYPE) -> Fp8Rows:
+    """x [M, K] -> per-token FP8 rows (scale amax / FP8 max per row), in PyTorch: the values the
     GPU kernels that emit rows (per_token_quant, RMSNorm's and SiLU-mul's quantising outputs)
     produce."""
-    scales = (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_ROW_SCALE)
-    codes = (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    fp8_max = torch.finfo(fp8_dtype).max
+    scales = (x.float().abs().amax(dim=1, keepdim=True) / fp8_max).clamp(min=FP8_MIN_ROW_SCALE)
+    codes = (x.float() / scales).clamp(-fp8_max, fp8_max).to(fp8_dtype)
     return Fp8Rows(codes, scales, x.dtype)
 
 
