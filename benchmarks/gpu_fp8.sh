@@ -18,6 +18,11 @@
 # decode:  Llama-3.1-8B shapes, dummy weights, one static batch of 1 / 8 / 32 at context 1024,
 #          graphs + overlap: bf16, FP8 weights quantised at load (--quantization fp8), and FP8
 #          weights + FP8 KV cache
+# attn:    decode attention over an FP8 (and bf16) pool at the FP8 offline run's batch (256 and
+#          862 at context 1536): the config sweep with 1, 2 and 4 KV heads per program, and the
+#          rate of only reading K/V in the same pattern, over random slots and then contiguous
+#          ones (benchmarks/gpu_kernels.py --only decode --fp8 --gather [--contiguous]); the
+#          kernel tests first (~4 min)
 # offline: random 1024/1024 x FP8_PROMPTS (default 1000): bf16, FP8 KV only, FP8 weights + KV
 #          (FP8_OFFLINE_MODES picks a subset)
 set -u
@@ -33,6 +38,21 @@ if step tests; then
         tests/models/test_fp8_rows.py > "$OUT/tests.log" 2>&1
     echo "   rc $?: $(tail -1 "$OUT/tests.log")"
     grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -8
+fi
+if step attn; then
+    echo "== decode attention over FP8 KV"
+    timeout -k 10 150 python3 -m pytest -q -x tests/attention/test_fp8_kv_kernels.py \
+        tests/attention/test_triton_decode_attention.py > "$OUT/attn_tests.log" 2>&1
+    echo "   tests rc $?: $(tail -1 "$OUT/attn_tests.log")"
+    grep -E "^(FAILED|E  )" "$OUT/attn_tests.log" | head -8
+    for layout in random contiguous; do
+        flag=""
+        [ "$layout" = contiguous ] && flag=--contiguous
+        timeout -k 10 240 python3 benchmarks/gpu_kernels.py --only decode --fp8 --gather $flag \
+            > "$OUT/attn_$layout.log" 2>&1
+        echo "   $layout slots rc $?"
+        grep -E "^decode|not run" "$OUT/attn_$layout.log"
+    done
 fi
 if step tune; then
     echo "== tune"

@@ -37,9 +37,13 @@ class Pool:
     seq_lens: torch.Tensor
 
 
-def make_pool(seq_lens: list[int], num_layers: int = 1, kv_dtype: torch.dtype = DTYPE) -> Pool:
+def make_pool(seq_lens: list[int], num_layers: int = 1, kv_dtype: torch.dtype = DTYPE,
+              contiguous: bool = False) -> Pool:
+    """Slots at random in the pool, or (contiguous) each request's positions in one run, as a
+    prompt prefilled in one pass gets them."""
     total = sum(seq_lens)
-    slots = torch.randperm(total, device="cuda").int() + 1
+    slots = (torch.arange(total, device="cuda") if contiguous
+             else torch.randperm(total, device="cuda")).int() + 1
     req_to_token = torch.zeros((len(seq_lens), max(seq_lens)), dtype=torch.int32, device="cuda")
     offset = 0
     for row, seq_len in enumerate(seq_lens):
@@ -69,13 +73,13 @@ def time_graph(fn: Callable[[], None]) -> float:
 
 
 def bench_decode(bs: int, context: int, num_kv_splits: int, config: object,
-                 kv_dtype: torch.dtype = DTYPE) -> float:
+                 kv_dtype: torch.dtype = DTYPE, contiguous: bool = False) -> float:
     """Seconds per layer. The kernel runs over enough layers' KV (like a model step) that
     the data read is well past the 60 MB L2 cache."""
     from radixserve.attention.kernels.decode_attention import decode_attention_fwd
     layer_bytes = 2 * bs * context * NUM_KV_HEADS * HEAD_DIM * kv_dtype.itemsize
     num_layers = max(1, min(32, -(-(1 << 30) // layer_bytes)))
-    pool = make_pool([context] * bs, num_layers, kv_dtype)
+    pool = make_pool([context] * bs, num_layers, kv_dtype, contiguous)
     q = torch.randn((bs, NUM_HEADS, HEAD_DIM), dtype=DTYPE, device="cuda")
     out = torch.empty_like(q)
     mid_out = torch.empty((bs, NUM_HEADS, num_kv_splits, HEAD_DIM), device="cuda")
@@ -86,6 +90,50 @@ def bench_decode(bs: int, context: int, num_kv_splits: int, config: object,
             decode_attention_fwd(q, k_buffer, v_buffer, out, pool.req_to_token,
                                  pool.req_pool_indices, pool.seq_lens, mid_out, mid_lse,
                                  HEAD_DIM ** -0.5, config)
+    return time_graph(step) / num_layers
+
+
+def bench_gather(bs: int, context: int, heads: int, kv_dtype: torch.dtype, block_n: int,
+                 num_warps: int, num_stages: int, contiguous: bool = False) -> float:
+    """Seconds per layer for only reading what decode attention reads (slot indices, then
+    K and V rows of `heads` KV heads per program), xor-reduced so nothing is dropped: the rate
+    this access pattern allows, without the attention's arithmetic."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gather_kernel(K, V, Req_to_token, Seq_lens, Out, stride_kt, stride_req,
+                      HEADS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+        batch = tl.program_id(0)
+        head = tl.program_id(1) * HEADS
+        seq_len = tl.load(Seq_lens + batch).to(tl.int32)
+        cols = tl.arange(0, HEADS * D)
+        acc = tl.zeros([BLOCK_N, HEADS * D], dtype=tl.int8)
+        for start in range(0, seq_len, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            mask = pos < seq_len
+            slots = tl.load(Req_to_token + batch * stride_req + pos, mask=mask, other=0)
+            offs = slots.to(tl.int64)[:, None] * stride_kt + head * D + cols[None, :]
+            acc ^= tl.load(K + offs, mask=mask[:, None], other=0)
+            acc ^= tl.load(V + offs, mask=mask[:, None], other=0)
+        tl.store(Out + (batch * tl.num_programs(1) + tl.program_id(1)) * HEADS * D + cols,
+                 tl.xor_sum(acc, 0))
+
+    layer_bytes = 2 * bs * context * NUM_KV_HEADS * HEAD_DIM * kv_dtype.itemsize
+    num_layers = max(1, min(32, -(-(1 << 30) // layer_bytes)))
+    pool = make_pool([context] * bs, num_layers, kv_dtype, contiguous)
+    # one byte lane per element (bf16 rows read as twice as many int8 columns)
+    width = HEAD_DIM * kv_dtype.itemsize
+    out = torch.empty((bs * NUM_KV_HEADS * width,), dtype=torch.int8, device="cuda")
+    views = [(k.view(torch.int8), v.view(torch.int8))
+             for k, v in zip(pool.k_buffers, pool.v_buffers)]
+
+    def step() -> None:
+        for k, v in views:
+            gather_kernel[(bs, NUM_KV_HEADS // heads)](
+                k, v, pool.req_to_token, pool.seq_lens, out, k.stride(0),
+                pool.req_to_token.stride(0), HEADS=heads, D=width,
+                BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
     return time_graph(step) / num_layers
 
 
@@ -195,6 +243,12 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true",
                         help="decode: an FP8 (e4m3) KV pool at batch 256 and 862, context 1536 "
                              "(the FP8 offline run's regime), with an FP8 config sweep")
+    parser.add_argument("--contiguous", action="store_true",
+                        help="decode: each request's KV slots in one run (a prompt prefilled "
+                             "in one pass) instead of scattered at random")
+    parser.add_argument("--gather", action="store_true",
+                        help="decode --fp8: also the rate of only reading K/V in the same "
+                             "pattern (1, 2, 4 KV heads per program), FP8 and bf16")
     parser.add_argument("--long", action="store_true",
                         help="extend: also 8,192-token chunks on 24K / 56K / 120K-token prefixes "
                              "(chunked prefill of a long prompt)")
@@ -227,17 +281,42 @@ def main() -> None:
         decode_cases = [(256, 1536), (862, 1536)]
         decode_configs += [DecodeKernelConfig(*c) for c in (
             (128, 4, 2), (128, 4, 3), (128, 8, 2), (64, 4, 3), (64, 4, 4), (64, 2, 4),
-            (64, 2, 3, True), (128, 4, 2, True), (64, 4, 3, True))]
+            (64, 2, 3, True), (128, 4, 2, True), (64, 4, 3, True),
+            # several KV heads per program (block-diagonal q): 256-512 contiguous bytes per
+            # token instead of 128
+            (64, 2, 3, True, 2), (64, 4, 3, True, 2), (32, 2, 3, True, 2), (32, 4, 4, True, 2),
+            (64, 4, 2, True, 4), (32, 4, 3, True, 4), (32, 4, 4, True, 4), (16, 4, 4, True, 4),
+            (64, 8, 3, True, 4))]
     for bs, context in decode_cases if args.only != "extend" else ():
         plan = kv_splits_for(bs)
         split_choices = sorted({plan, 1, 2, 4, 8, 16, 32, 64}) if args.sweep else [plan]
         for config in decode_configs:
             for splits in split_choices:
-                seconds = bench_decode(bs, context, splits, config, kv_dtype)
+                try:
+                    seconds = bench_decode(bs, context, splits, config, kv_dtype,
+                                           args.contiguous)
+                except Exception as exc:  # a config that does not compile (registers, smem)
+                    print(f"   {config}: not run ({type(exc).__name__}: {str(exc)[:100]})")
+                    continue
                 label = (f"splits={splits}{'*' if splits == plan else ''} "
                          f"n{config.block_n}w{config.num_warps}s{config.num_stages}"
-                         f"{'e' if config.early_v else ''}")
+                         f"{'e' if config.early_v else ''}"
+                         f"{f'h{config.kv_heads_per_program}' if config.kv_heads_per_program > 1 else ''}")
                 print(decode_report(bs, context, seconds, label, kv_dtype))
+        if args.gather and args.fp8:
+            for gather_dtype in (kv_dtype, DTYPE):
+                for heads, block_n, warps, stages in ((1, 64, 2, 3), (2, 64, 4, 3),
+                                                      (4, 32, 4, 3), (4, 64, 8, 3)):
+                    try:
+                        seconds = bench_gather(bs, context, heads, gather_dtype, block_n, warps,
+                                               stages, args.contiguous)
+                    except Exception as exc:
+                        print(f"   gather h{heads}: not run ({type(exc).__name__}: "
+                              f"{str(exc)[:100]})")
+                        continue
+                    print(decode_report(bs, context, seconds,
+                                        f"gather only h{heads} n{block_n}w{warps}s{stages}",
+                                        gather_dtype))
 
 
     cases = {"1x4096": ([0], [4096]), "8x1024": ([0] * 8, [1024] * 8),

@@ -21,6 +21,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -110,6 +111,16 @@ def _window(layer: "RadixAttention") -> int:
     return layer.sliding_window if layer.sliding_window is not None else -1
 
 
+def _decode_config_from_env(default: DecodeKernelConfig) -> DecodeKernelConfig:
+    """RADIXSERVE_DECODE_CONFIG="block_n,num_warps,num_stages,early_v,kv_heads_per_program"
+    replaces the decode kernel's configuration (A/B runs on the GPU; empty: the default)."""
+    spec = os.environ.get("RADIXSERVE_DECODE_CONFIG", "")
+    if not spec:
+        return default
+    block_n, warps, stages, early_v, heads = (int(x) for x in spec.split(","))
+    return DecodeKernelConfig(block_n, warps, stages, bool(early_v), heads)
+
+
 class TritonAttnBackend(AttentionBackend):
     def __init__(self, context: AttentionContext, num_kv_splits: int = 16,
                  num_sms: int | None = None, decode_config: DecodeKernelConfig | None = None,
@@ -135,6 +146,7 @@ class TritonAttnBackend(AttentionBackend):
             buffers = self.kv_pool.kv_buffers(0) if self.kv_pool.layer_num else ()
             decode_config = DecodeKernelConfig(
                 early_v=bool(buffers) and is_fp8(buffers[0].dtype))
+            decode_config = _decode_config_from_env(decode_config)
         self.decode_config = decode_config
         self.extend_config = extend_config  # None: chosen from head_dim by the kernel module
         self.workspace = self._new_workspace(self.max_bs)
