@@ -22,7 +22,11 @@
 #          862 at context 1536): the config sweep with 1, 2 and 4 KV heads per program, and the
 #          rate of only reading K/V in the same pattern, over random slots and then contiguous
 #          ones (benchmarks/gpu_kernels.py --only decode --fp8 --gather [--contiguous]); the
-#          kernel tests first (~4 min)
+#          kernel tests first (~4 min). FP8_ATTN_LAYOUTS (default "random contiguous") picks the
+#          slot layouts, FP8_ATTN_ARGS adds flags (e.g. "--fp8-bits-only")
+# attn_ab: the FP8 KV offline run (as `offline` kv8) with the decode config that the attn step's
+#          log found fastest at batch 862 (RADIXSERVE_DECODE_CONFIG), and with the default, when
+#          the best is >= 3% faster than the default
 # offline: random 1024/1024 x FP8_PROMPTS (default 1000): bf16, FP8 KV only, FP8 weights + KV
 #          (FP8_OFFLINE_MODES picks a subset)
 set -u
@@ -45,11 +49,11 @@ if step attn; then
         tests/attention/test_triton_decode_attention.py > "$OUT/attn_tests.log" 2>&1
     echo "   tests rc $?: $(tail -1 "$OUT/attn_tests.log")"
     grep -E "^(FAILED|E  )" "$OUT/attn_tests.log" | head -8
-    for layout in random contiguous; do
+    for layout in ${FP8_ATTN_LAYOUTS:-random contiguous}; do
         flag=""
         [ "$layout" = contiguous ] && flag=--contiguous
         timeout -k 10 240 python3 benchmarks/gpu_kernels.py --only decode --fp8 --gather $flag \
-            > "$OUT/attn_$layout.log" 2>&1
+            ${FP8_ATTN_ARGS:-} > "$OUT/attn_$layout.log" 2>&1
         echo "   $layout slots rc $?"
         grep -E "^decode|not run" "$OUT/attn_$layout.log"
     done
@@ -107,6 +111,17 @@ offline() {  # label, extra flags...
     echo "   $label rc $?"
     quiet < "$OUT/offline_$label.log" | grep -E 'KV cache:|^ +on|ratio' | tail -3
 }
+if step attn_ab; then
+    echo "== FP8 KV offline with the fastest decode config at batch 862"
+    best=$(python3 benchmarks/decode_config_pick.py "$OUT/attn_random.log" 862 0.97)
+    echo "   pick: ${best:-none}"
+    if [ -n "$best" ]; then
+        export RADIXSERVE_DECODE_CONFIG="$best"
+        offline kv8_picked --kv-cache-dtype fp8_e4m3
+        unset RADIXSERVE_DECODE_CONFIG
+        offline kv8 --kv-cache-dtype fp8_e4m3
+    fi
+fi
 if step offline; then
     echo "== offline"
     MODES="${FP8_OFFLINE_MODES:-bf16 kv8 w8kv8}"

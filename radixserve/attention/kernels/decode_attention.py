@@ -50,6 +50,9 @@ class DecodeKernelConfig:
     # pool, so a program reads HEADS x head_dim contiguous elements per token, and the GQA
     # groups of the HEADS heads fill more of the 16-row MMA (block-diagonal q, below)
     kv_heads_per_program: int = 1
+    # e4m3 codes to fp16 by bit operations (a byte permute, a shift and masks per pair; the
+    # value times 2^-8, folded into the scales) instead of the conversion instruction: CUDA only
+    e4m3_bit_convert: bool = False
 
 
 LOG2E = 1.4426950408889634
@@ -83,6 +86,29 @@ def soft_cap_log2(qk, LOGIT_CAP: tl.constexpr):
 
 
 @triton.jit
+def e4m3_to_fp16_times_2_pow_minus_8(codes):
+    """e4m3 codes (as uint8) -> fp16 holding value * 2^-8, exactly, subnormals included: the
+    byte b = s eeee mmm becomes the half s 0eeee mmm 0000000 (the exponent bias 7 against 15
+    is the 2^-8); NaN codes become finite. Four codes per 32-bit register: two byte
+    permutes, then one shift and two masks per pair of halves (CUDA only: inline PTX)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 lo, hi, t;
+        prmt.b32 lo, $2, 0, 0x1404;
+        prmt.b32 hi, $2, 0, 0x3424;
+        shr.b32 t, lo, 1;
+        and.b32 t, t, 0x3F803F80;
+        and.b32 lo, lo, 0x80008000;
+        or.b32 $0, lo, t;
+        shr.b32 t, hi, 1;
+        and.b32 t, t, 0x3F803F80;
+        and.b32 hi, hi, 0x80008000;
+        or.b32 $1, hi, t;
+        }""",
+        constraints="=r,=r,r", args=[codes], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens, Mid_out, Mid_lse, O,
     sm_scale_log2e, num_kv_splits, v_scale,
@@ -92,7 +118,7 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, SLIDING_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr,
     USE_PDL: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_FP16: tl.constexpr,
-    EARLY_V: tl.constexpr, HEADS: tl.constexpr,
+    EARLY_V: tl.constexpr, HEADS: tl.constexpr, E4M3_BITS: tl.constexpr,
 ):
     """FP8 KV: the codes are multiplied as they are (k_scale is folded into sm_scale_log2e by
     the caller, v_scale applied to the output), converted to fp16 (FP8_AS_FP16: exact, and one
@@ -155,7 +181,9 @@ def _decode_split_kernel(
             if EARLY_V:  # issue the V gather with K's: one memory round trip per block, not two
                 v = tl.load(V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh
                             + offs_c[None, :], mask=kv_mask, other=0.0)
-            if KV_FP8:
+            if E4M3_BITS:  # K_Buffer is read as uint8: the codes' bytes
+                k = e4m3_to_fp16_times_2_pow_minus_8(k)
+            elif KV_FP8:
                 k = k.to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2e
             if LOGIT_CAP > 0:
@@ -170,7 +198,9 @@ def _decode_split_kernel(
             if not EARLY_V:
                 v = tl.load(V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh
                             + offs_c[None, :], mask=kv_mask, other=0.0)
-            if KV_FP8:
+            if E4M3_BITS:
+                v = e4m3_to_fp16_times_2_pow_minus_8(v)
+            elif KV_FP8:
                 v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
@@ -287,6 +317,13 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     block_d = triton.next_power_of_2(head_dim)
     kv_fp8 = is_fp8(k_buffer.dtype)
     sm_scale_log2e = sm_scale * LOG2E * (float(k_scale) if kv_fp8 else 1.0)
+    half_q = q.dtype in (torch.float16, torch.bfloat16)
+    e4m3_bits = (config.e4m3_bit_convert and k_buffer.dtype == torch.float8_e4m3fn and half_q
+                 and k_buffer.is_cuda)
+    if e4m3_bits:  # the bytes go in as they are; the halves hold value * 2^-8
+        k_buffer, v_buffer = k_buffer.view(torch.uint8), v_buffer.view(torch.uint8)
+        sm_scale_log2e *= 256.0
+        v_scale = float(v_scale) * 256.0
     window, cap = normalize_window_and_cap(sliding_window, logit_cap)
 
     heads_per_program = _kv_heads_per_program(config.kv_heads_per_program, num_kv_heads,
@@ -304,8 +341,8 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(q.dtype), SINGLE_SPLIT=single_split,
         SLIDING_WINDOW=window, LOGIT_CAP=cap, KV_FP8=kv_fp8,
-        FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16), EARLY_V=config.early_v,
-        HEADS=heads_per_program, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
+        FP8_AS_FP16=half_q, EARLY_V=config.early_v, HEADS=heads_per_program,
+        E4M3_BITS=e4m3_bits, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
     )
     if single_split:
         return
