@@ -10,8 +10,8 @@ import re
 import sys
 
 LINE = re.compile(r"^decode bs=(\d+)\s+ctx=\d+\s+splits=\d+\*\s+"
-                  r"n(\d+)w(\d+)s(\d+)(e?)(?:h(\d+))?(b?)\s+([\d.]+) us")
-DEFAULT = (64, 2, 3, 1, 1, 0)
+                  r"n(\d+)w(\d+)s(\d+)(e?)\s+([\d.]+) us")
+DEFAULT = (64, 2, 3, 1)
 
 
 def pick(lines: list[str], batch: int, factor: float) -> str:
@@ -20,14 +20,13 @@ def pick(lines: list[str], batch: int, factor: float) -> str:
         match = LINE.match(line)
         if not match or int(match.group(1)) != batch:
             continue
-        block_n, warps, stages, early, heads, bits, micros = match.groups()[1:]
-        config = (int(block_n), int(warps), int(stages), int(bool(early)), int(heads or 1),
-                  int(bool(bits)))
+        block_n, warps, stages, early, micros = match.groups()[1:]
+        config = (int(block_n), int(warps), int(stages), int(bool(early)))
         times[config] = min(float(micros), times.get(config, float("inf")))
     if not times or DEFAULT not in times:
         return ""
     best = min(times, key=times.__getitem__)
-    if times[best] >= factor * times[DEFAULT]:
+    if best == DEFAULT or times[best] >= factor * times[DEFAULT]:
         return ""
     return ",".join(str(v) for v in best)
 

@@ -18,12 +18,12 @@
 # decode:  Llama-3.1-8B shapes, dummy weights, one static batch of 1 / 8 / 32 at context 1024,
 #          graphs + overlap: bf16, FP8 weights quantised at load (--quantization fp8), and FP8
 #          weights + FP8 KV cache
-# attn:    decode attention over an FP8 (and bf16) pool at the FP8 offline run's batch (256 and
-#          862 at context 1536): the config sweep with 1, 2 and 4 KV heads per program, and the
-#          rate of only reading K/V in the same pattern, over random slots and then contiguous
-#          ones (benchmarks/gpu_kernels.py --only decode --fp8 --gather [--contiguous]); the
-#          kernel tests first (~4 min). FP8_ATTN_LAYOUTS (default "random contiguous") picks the
-#          slot layouts, FP8_ATTN_ARGS adds flags (e.g. "--fp8-bits-only")
+# attn:    decode attention over an FP8 pool at the FP8 offline run's batch (256 and 862 at
+#          context 1536): the config sweep, and the rate of only reading K/V in the same
+#          pattern (1, 2, 4 KV heads per program; FP8 and bf16), over random slots and then
+#          contiguous ones (benchmarks/gpu_kernels.py --only decode --fp8 --gather
+#          [--contiguous]); the kernel tests first (~4 min). FP8_ATTN_LAYOUTS (default "random
+#          contiguous") picks the slot layouts, FP8_ATTN_ARGS adds flags
 # attn_ab: the FP8 KV offline run (as `offline` kv8) with the decode config that the attn step's
 #          log found fastest at batch 862 (RADIXSERVE_DECODE_CONFIG), and with the default, when
 #          the best is >= 3% faster than the default

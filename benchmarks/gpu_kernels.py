@@ -246,8 +246,6 @@ def main() -> None:
     parser.add_argument("--contiguous", action="store_true",
                         help="decode: each request's KV slots in one run (a prompt prefilled "
                              "in one pass) instead of scattered at random")
-    parser.add_argument("--fp8-bits-only", action="store_true",
-                        help="decode --fp8: only the FP8 default and the bit-conversion configs")
     parser.add_argument("--gather", action="store_true",
                         help="decode --fp8: also the rate of only reading K/V in the same "
                              "pattern (1, 2, 4 KV heads per program), FP8 and bf16")
@@ -283,19 +281,7 @@ def main() -> None:
         decode_cases = [(256, 1536), (862, 1536)]
         decode_configs += [DecodeKernelConfig(*c) for c in (
             (128, 4, 2), (128, 4, 3), (128, 8, 2), (64, 4, 3), (64, 4, 4), (64, 2, 4),
-            (64, 2, 3, True), (128, 4, 2, True), (64, 4, 3, True),
-            # several KV heads per program (block-diagonal q): 256-512 contiguous bytes per
-            # token instead of 128
-            (64, 2, 3, True, 2), (64, 4, 3, True, 2), (32, 2, 3, True, 2), (32, 4, 4, True, 2),
-            (64, 4, 2, True, 4), (32, 4, 3, True, 4), (32, 4, 4, True, 4), (16, 4, 4, True, 4),
-            (64, 8, 3, True, 4),
-            # e4m3 codes converted by bit operations instead of the conversion instruction
-            (64, 2, 3, True, 1, True), (64, 2, 3, False, 1, True), (64, 2, 4, True, 1, True),
-            (128, 4, 3, True, 1, True), (64, 4, 3, True, 1, True), (32, 2, 3, True, 1, True),
-            (32, 2, 4, True, 1, True), (64, 4, 3, True, 2, True), (128, 8, 3, True, 1, True))]
-    if args.fp8 and args.fp8_bits_only:
-        decode_configs = [c for c in decode_configs if c.e4m3_bit_convert
-                          or c == DecodeKernelConfig(early_v=True)]
+            (64, 2, 3, True), (128, 4, 2, True), (64, 4, 3, True))]
     for bs, context in decode_cases if args.only != "extend" else ():
         plan = kv_splits_for(bs)
         split_choices = sorted({plan, 1, 2, 4, 8, 16, 32, 64}) if args.sweep else [plan]
@@ -309,9 +295,7 @@ def main() -> None:
                     continue
                 label = (f"splits={splits}{'*' if splits == plan else ''} "
                          f"n{config.block_n}w{config.num_warps}s{config.num_stages}"
-                         f"{'e' if config.early_v else ''}"
-                         f"{f'h{config.kv_heads_per_program}' if config.kv_heads_per_program > 1 else ''}"
-                         f"{'b' if config.e4m3_bit_convert else ''}")
+                         f"{'e' if config.early_v else ''}")
                 print(decode_report(bs, context, seconds, label, kv_dtype))
         if args.gather and args.fp8:
             for gather_dtype in (kv_dtype, DTYPE):

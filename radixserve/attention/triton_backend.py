@@ -112,17 +112,13 @@ def _window(layer: "RadixAttention") -> int:
 
 
 def _decode_config_from_env(default: DecodeKernelConfig) -> DecodeKernelConfig:
-    """RADIXSERVE_DECODE_CONFIG="block_n,num_warps,num_stages,early_v,kv_heads_per_program,
-    e4m3_bit_convert" (integers; the last two may be left out) replaces the decode kernel's
-    configuration (A/B runs on the GPU; empty: the default)."""
+    """RADIXSERVE_DECODE_CONFIG="block_n,num_warps,num_stages,early_v" (integers) replaces the
+    decode kernel's configuration (A/B runs on the GPU; empty: the default)."""
     spec = os.environ.get("RADIXSERVE_DECODE_CONFIG", "")
     if not spec:
         return default
-    values = [int(x) for x in spec.split(",")]
-    block_n, warps, stages, early_v = values[:4]
-    heads = values[4] if len(values) > 4 else 1
-    bits = bool(values[5]) if len(values) > 5 else False
-    return DecodeKernelConfig(block_n, warps, stages, bool(early_v), heads, bits)
+    block_n, warps, stages, early_v = (int(x) for x in spec.split(","))
+    return DecodeKernelConfig(block_n, warps, stages, bool(early_v))
 
 
 class TritonAttnBackend(AttentionBackend):

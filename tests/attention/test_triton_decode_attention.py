@@ -68,33 +68,6 @@ def test_decode_early_v_load_matches_reference(num_kv_splits: int) -> None:
     torch.testing.assert_close(out, ref, **tolerance(torch.float16))
 
 
-@pytest.mark.parametrize("heads_per_program", [2, 4])
-@pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("num_kv_splits", [1, 3])
-def test_decode_several_kv_heads_per_program(heads_per_program: int, group: int,
-                                             num_kv_splits: int) -> None:
-    """Each row keeps only its own KV head's scores and values (block-diagonal q): 4 KV heads,
-    so rows of different heads share a program; ragged lengths and a window of 20."""
-    config = DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1,
-                                kv_heads_per_program=heads_per_program)
-    for options in ({}, {"sliding_window": 20}):
-        out, ref = run_decode([1, 13, 64, 75], num_kv_heads=4, group=group, head_dim=32,
-                              dtype=torch.float32, num_kv_splits=num_kv_splits, config=config,
-                              seed=heads_per_program + group, **options)
-        torch.testing.assert_close(out, ref, **tolerance(torch.float32))
-
-
-def test_decode_several_kv_heads_per_program_falls_back_where_the_layout_does_not_allow() -> None:
-    """head_dim 80 (not a power of two) and 3 KV heads (not divisible by 2) run one per program."""
-    config = DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1, kv_heads_per_program=2)
-    out, ref = run_decode([5, 40], num_kv_heads=1, group=2, head_dim=80, dtype=torch.float32,
-                          num_kv_splits=2, config=config, seed=5)
-    torch.testing.assert_close(out, ref, **tolerance(torch.float32))
-    out, ref = run_decode([5, 40], num_kv_heads=3, group=2, head_dim=32, dtype=torch.float32,
-                          num_kv_splits=2, config=config, seed=6)
-    torch.testing.assert_close(out, ref, **tolerance(torch.float32))
-
-
 @pytest.mark.parametrize("num_kv_splits", [1, 2, 8])
 def test_decode_batch_one_any_split_count(num_kv_splits: int) -> None:
     out, ref = run_decode([97], num_kv_heads=1, group=4, head_dim=64, dtype=torch.float32,
@@ -251,14 +224,9 @@ def test_decode_bf16_window_and_cap(window: int, logit_cap: float, group: int) -
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("seq_lens", [[4096], [1, 100, 1000, 3000, 17, 4096, 65, 64]])
-@pytest.mark.parametrize("heads_per_program", [1, 2, 4])
-def test_decode_bf16_real_shapes(group: int, head_dim: int, seq_lens: list[int],
-                                 heads_per_program: int) -> None:
-    config = DecodeKernelConfig(kv_heads_per_program=heads_per_program,
-                                block_n=64 if heads_per_program < 4 else 32,
-                                num_warps=2 if heads_per_program == 1 else 4)
+def test_decode_bf16_real_shapes(group: int, head_dim: int, seq_lens: list[int]) -> None:
     out, ref = run_decode(seq_lens, num_kv_heads=8, group=group, head_dim=head_dim,
-                          dtype=torch.bfloat16, num_kv_splits=16, config=config)
+                          dtype=torch.bfloat16, num_kv_splits=16, config=DecodeKernelConfig())
     torch.testing.assert_close(out, ref, **tolerance(torch.bfloat16))
 
 

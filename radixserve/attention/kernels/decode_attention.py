@@ -46,13 +46,6 @@ class DecodeKernelConfig:
     num_warps: int = 2
     num_stages: int = 3
     early_v: bool = False    # load a block's V together with its K (before the scores): FP8
-    # KV heads one program serves (1, 2 or 4): their K/V rows of a token are adjacent in the
-    # pool, so a program reads HEADS x head_dim contiguous elements per token, and the GQA
-    # groups of the HEADS heads fill more of the 16-row MMA (block-diagonal q, below)
-    kv_heads_per_program: int = 1
-    # e4m3 codes to fp16 by bit operations (a byte permute, a shift and masks per pair; the
-    # value times 2^-8, folded into the scales) instead of the conversion instruction: CUDA only
-    e4m3_bit_convert: bool = False
 
 
 LOG2E = 1.4426950408889634
@@ -86,29 +79,6 @@ def soft_cap_log2(qk, LOGIT_CAP: tl.constexpr):
 
 
 @triton.jit
-def e4m3_to_fp16_times_2_pow_minus_8(codes):
-    """e4m3 codes (as uint8) -> fp16 holding value * 2^-8, exactly, subnormals included: the
-    byte b = s eeee mmm becomes the half s 0eeee mmm 0000000 (the exponent bias 7 against 15
-    is the 2^-8); NaN codes become finite. Four codes per 32-bit register: two byte
-    permutes, then one shift and two masks per pair of halves (CUDA only: inline PTX)."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 lo, hi, t;
-        prmt.b32 lo, $2, 0, 0x1404;
-        prmt.b32 hi, $2, 0, 0x3424;
-        shr.b32 t, lo, 1;
-        and.b32 t, t, 0x3F803F80;
-        and.b32 lo, lo, 0x80008000;
-        or.b32 $0, lo, t;
-        shr.b32 t, hi, 1;
-        and.b32 t, t, 0x3F803F80;
-        and.b32 hi, hi, 0x80008000;
-        or.b32 $1, hi, t;
-        }""",
-        constraints="=r,=r,r", args=[codes], dtype=tl.float16, is_pure=True, pack=4)
-
-
-@triton.jit
 def _decode_split_kernel(
     Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens, Mid_out, Mid_lse, O,
     sm_scale_log2e, num_kv_splits, v_scale,
@@ -118,22 +88,14 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, SLIDING_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr,
     USE_PDL: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_FP16: tl.constexpr,
-    EARLY_V: tl.constexpr, HEADS: tl.constexpr, E4M3_BITS: tl.constexpr,
+    EARLY_V: tl.constexpr,
 ):
     """FP8 KV: the codes are multiplied as they are (k_scale is folded into sm_scale_log2e by
     the caller, v_scale applied to the output), converted to fp16 (FP8_AS_FP16: exact, and one
-    instruction per pair on Hopper) or to q's float32, so no per-element scaling runs.
-
-    HEADS > 1 KV heads per program (head_dim a power of two, each token's K/V rows of all KV
-    heads contiguous): row r of the query tile is query head kv_head * GROUP_SIZE + r, which
-    belongs to local KV head r // GROUP_SIZE; column c is element c % HEAD_DIM of local KV head
-    c // HEAD_DIM. q is block-diagonal (row r holds its head's values in its own KV head's
-    columns, zeros elsewhere), so q . k^T over all HEADS x HEAD_DIM columns is each row's own
-    score, and of p . v only each row's own KV head's columns are kept (the rest mixes in the
-    other heads' values and is never stored)."""
+    instruction per pair on Hopper) or to q's float32, so no per-element scaling runs."""
     pdl_prologue(USE_PDL)
     batch = tl.program_id(0)
-    kv_head = tl.program_id(1) * HEADS  # the program's first KV head
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(Seq_lens + batch).to(tl.int32)
@@ -145,45 +107,34 @@ def _decode_split_kernel(
     end = tl.minimum(start + split_len, seq_len)
     offs_g = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP_SIZE + offs_g
-    head_mask = offs_g < GROUP_SIZE * HEADS
-    if HEADS == 1:
-        offs_c = tl.arange(0, BLOCK_D)  # columns: the head's elements
-        c_mask = offs_c < HEAD_DIM
-        cols = offs_c  # element of a column in its head
-        row_mask = head_mask[:, None] & c_mask[None, :]
-    else:  # columns: HEADS heads' elements back to back (BLOCK_D == HEAD_DIM)
-        offs_c = tl.arange(0, HEADS * BLOCK_D)
-        c_mask = offs_c < HEADS * HEAD_DIM
-        cols = offs_c % HEAD_DIM
-        own = (offs_c[None, :] // HEAD_DIM) == (offs_g[:, None] // GROUP_SIZE)
-        row_mask = head_mask[:, None] & own  # a row's own KV head's columns
+    head_mask = offs_g < GROUP_SIZE
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
     if start < end:
         req_row = tl.load(Req_pool_indices + batch).to(tl.int64)
 
-        q = tl.load(Q + batch * stride_qb + heads[:, None] * stride_qh + cols[None, :],
-                    mask=row_mask, other=0.0)
+        q = tl.load(Q + batch * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=head_mask[:, None] & d_mask[None, :], other=0.0)
         if not KV_FP8:
             q = q.to(K_Buffer.dtype.element_ty)
         elif FP8_AS_FP16:
             q = q.to(tl.float16)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, HEADS * BLOCK_D], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
         for block_start in range(start, end, BLOCK_N):
             pos = block_start + tl.arange(0, BLOCK_N)
             pos_mask = pos < end
             slots = tl.load(Req_to_token + req_row * stride_req_row + pos, mask=pos_mask,
                             other=0).to(tl.int64)
-            kv_mask = pos_mask[:, None] & c_mask[None, :]
+            kv_mask = pos_mask[:, None] & d_mask[None, :]
             k = tl.load(K_Buffer + slots[:, None] * stride_kt + kv_head * stride_kh
-                        + offs_c[None, :], mask=kv_mask, other=0.0)
+                        + offs_d[None, :], mask=kv_mask, other=0.0)
             if EARLY_V:  # issue the V gather with K's: one memory round trip per block, not two
                 v = tl.load(V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh
-                            + offs_c[None, :], mask=kv_mask, other=0.0)
-            if E4M3_BITS:  # K_Buffer is read as uint8: the codes' bytes
-                k = e4m3_to_fp16_times_2_pow_minus_8(k)
-            elif KV_FP8:
+                            + offs_d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:
                 k = k.to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2e
             if LOGIT_CAP > 0:
@@ -197,28 +148,28 @@ def _decode_split_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             if not EARLY_V:
                 v = tl.load(V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh
-                            + offs_c[None, :], mask=kv_mask, other=0.0)
-            if E4M3_BITS:
-                v = e4m3_to_fp16_times_2_pow_minus_8(v)
-            elif KV_FP8:
+                            + offs_d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:
                 v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
         if KV_FP8:
             acc = acc * v_scale
+        out_mask = head_mask[:, None] & d_mask[None, :]
         if SINGLE_SPLIT:  # the only split: this is the final output
-            tl.store(O + batch * stride_ob + heads[:, None] * stride_oh + cols[None, :],
-                     (acc / l_i[:, None]).to(O.dtype.element_ty), mask=row_mask)
+            tl.store(O + batch * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                     (acc / l_i[:, None]).to(O.dtype.element_ty), mask=out_mask)
         else:
             out_ptrs = (Mid_out + batch * stride_mid_b + heads[:, None] * stride_mid_h
-                        + split * stride_mid_s + cols[None, :])
-            tl.store(out_ptrs, acc / l_i[:, None], mask=row_mask)
+                        + split * stride_mid_s + offs_d[None, :])
+            tl.store(out_ptrs, acc / l_i[:, None], mask=out_mask)
             tl.store(Mid_lse + batch * stride_lse_b + heads * stride_lse_h + split,
                      m_i + tl.log2(l_i), mask=head_mask)
     elif SINGLE_SPLIT:  # seq_len 0 (never scheduled): zeros, as the merge would give
-        tl.store(O + batch * stride_ob + heads[:, None] * stride_oh + cols[None, :],
-                 tl.zeros([BLOCK_H, HEADS * BLOCK_D], dtype=O.dtype.element_ty), mask=row_mask)
+        tl.store(O + batch * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 tl.zeros([BLOCK_H, BLOCK_D], dtype=O.dtype.element_ty),
+                 mask=head_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -272,18 +223,6 @@ def normalize_window_and_cap(sliding_window: int, logit_cap: float) -> tuple[int
     return window, cap
 
 
-def _kv_heads_per_program(wanted: int, num_kv_heads: int, head_dim: int,
-                          k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> int:
-    """The config's KV heads per program where the layout allows it, else 1: the heads must
-    divide evenly, head_dim be a power of two, and a token's rows of all heads be contiguous."""
-    if wanted <= 1:
-        return 1
-    contiguous = all(buf.stride(1) == head_dim for buf in (k_buffer, v_buffer))
-    if num_kv_heads % wanted or head_dim & (head_dim - 1) or not contiguous:
-        return 1
-    return wanted
-
-
 def decode_workspace_shapes(batch_size: int, num_heads: int, num_kv_splits: int,
                             head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of (mid_out, mid_lse), both float32."""
@@ -317,19 +256,10 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     block_d = triton.next_power_of_2(head_dim)
     kv_fp8 = is_fp8(k_buffer.dtype)
     sm_scale_log2e = sm_scale * LOG2E * (float(k_scale) if kv_fp8 else 1.0)
-    half_q = q.dtype in (torch.float16, torch.bfloat16)
-    e4m3_bits = (config.e4m3_bit_convert and k_buffer.dtype == torch.float8_e4m3fn and half_q
-                 and k_buffer.is_cuda)
-    if e4m3_bits:  # the bytes go in as they are; the halves hold value * 2^-8
-        k_buffer, v_buffer = k_buffer.view(torch.uint8), v_buffer.view(torch.uint8)
-        sm_scale_log2e *= 256.0
-        v_scale = float(v_scale) * 256.0
     window, cap = normalize_window_and_cap(sliding_window, logit_cap)
 
-    heads_per_program = _kv_heads_per_program(config.kv_heads_per_program, num_kv_heads,
-                                              head_dim, k_buffer, v_buffer)
     single_split = num_kv_splits == 1
-    _decode_split_kernel[(batch_size, num_kv_heads // heads_per_program, num_kv_splits)](
+    _decode_split_kernel[(batch_size, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, out,
         sm_scale_log2e, num_kv_splits, float(v_scale),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
@@ -337,12 +267,11 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
         GROUP_SIZE=group_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_H=max(16, triton.next_power_of_2(group_size * heads_per_program)),
-        BLOCK_N=config.block_n,
+        BLOCK_H=max(16, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(q.dtype), SINGLE_SPLIT=single_split,
         SLIDING_WINDOW=window, LOGIT_CAP=cap, KV_FP8=kv_fp8,
-        FP8_AS_FP16=half_q, EARLY_V=config.early_v, HEADS=heads_per_program,
-        E4M3_BITS=e4m3_bits, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
+        FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16), EARLY_V=config.early_v,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
     )
     if single_split:
         return

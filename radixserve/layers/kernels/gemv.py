@@ -17,6 +17,7 @@ Swept configurations per shape (benchmarks/gpu_gemm_tune.py) come from `gemm_tab
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -25,6 +26,10 @@ import triton.language as tl
 
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 from radixserve.layers.kernels.gemm_tables import tuned_entry
+
+# the first weight tile loaded before the PDL wait (_gemv_kernel); RADIXSERVE_GEMV_EARLY_WEIGHTS=0
+# loads it after, as every other load
+EARLY_WEIGHTS = os.environ.get("RADIXSERVE_GEMV_EARLY_WEIGHTS", "1") != "0"
 
 
 class GemvConfig(NamedTuple):
@@ -35,42 +40,72 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
+def _gemv_step(acc, acc_up, squares, w, w_up, X, NormW, Scale, offs_n, n_mask, offs_k, k_start,
+               N, stride_sn, NORM: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
+               GROUPED: tl.constexpr, GROUP_K: tl.constexpr):
+    """One BLOCK_K step: the weight tile(s) w (and w_up) times x[k_start:], accumulated."""
+    x = tl.load(X + k_start + offs_k).to(tl.float32)
+    if NORM:  # RMSNorm's weight now, its 1/rms once the row's squares are summed
+        squares += x * x
+        x = x * tl.load(NormW + k_start + offs_k).to(tl.float32)
+    prod = w.to(tl.float32) * x[None, :]
+    if GATED:
+        prod_up = w_up.to(tl.float32) * x[None, :]
+    if HAS_SCALE and GROUPED:
+        s_ptrs = Scale + offs_n * stride_sn + k_start // GROUP_K
+        prod = prod * tl.load(s_ptrs, mask=n_mask, other=0.0)[:, None]
+        if GATED:
+            prod_up = prod_up * tl.load(s_ptrs + N * stride_sn, mask=n_mask,
+                                        other=0.0)[:, None]
+    acc += prod
+    if GATED:
+        acc_up += prod_up
+    return acc, acc_up, squares
+
+
+@triton.jit
 def _gemv_kernel(X, W, Scale, B, Y, NormW, Residual, N, K, stride_wn, stride_sn, eps,
                  HAS_SCALE: tl.constexpr, GROUPED: tl.constexpr, GROUP_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
                  RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_PDL: tl.constexpr):
-    """N: the output rows; GATED reads gate rows [0, N) and up rows [N, 2N) of W."""
-    pdl_prologue(USE_PDL)
+                 EARLY_W: tl.constexpr, USE_PDL: tl.constexpr):
+    """N: the output rows; GATED reads gate rows [0, N) and up rows [N, 2N) of W.
+
+    EARLY_W: the first weight tile is loaded before the PDL wait. Weights are never written by
+    the kernels before (only x, the norm's input and the residual are), so a program that
+    starts while its predecessor still runs already has HBM busy with its first tile."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    up_rows = N * stride_wn  # GATED: the up half starts N rows down
+    if EARLY_W:
+        w_first = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
+        w_first_up = w_first
+        if GATED:
+            w_first_up = tl.load(w_ptrs + up_rows, mask=n_mask[:, None], other=0.0,
+                                 eviction_policy="evict_first")
+    pdl_prologue(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    up_rows = N * stride_wn  # GATED: the up half starts N rows down
-    for k_start in range(0, K, BLOCK_K):
+    k_begin = 0
+    if EARLY_W:
+        acc, acc_up, squares = _gemv_step(
+            acc, acc_up, squares, w_first, w_first_up, X, NormW, Scale, offs_n, n_mask, offs_k,
+            0, N, stride_sn, NORM, GATED, HAS_SCALE, GROUPED, GROUP_K)
+        w_ptrs += BLOCK_K
+        k_begin = BLOCK_K
+    for k_start in range(k_begin, K, BLOCK_K):
         w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
-        x = tl.load(X + k_start + offs_k).to(tl.float32)
-        if NORM:  # RMSNorm's weight now, its 1/rms once the row's squares are summed
-            squares += x * x
-            x = x * tl.load(NormW + k_start + offs_k).to(tl.float32)
-        prod = w.to(tl.float32) * x[None, :]
+        w_up = w
         if GATED:
             w_up = tl.load(w_ptrs + up_rows, mask=n_mask[:, None], other=0.0,
                            eviction_policy="evict_first")
-            prod_up = w_up.to(tl.float32) * x[None, :]
-        if HAS_SCALE and GROUPED:
-            s_ptrs = Scale + offs_n * stride_sn + k_start // GROUP_K
-            prod = prod * tl.load(s_ptrs, mask=n_mask, other=0.0)[:, None]
-            if GATED:
-                prod_up = prod_up * tl.load(s_ptrs + N * stride_sn, mask=n_mask,
-                                            other=0.0)[:, None]
-        acc += prod
-        if GATED:
-            acc_up += prod_up
+        acc, acc_up, squares = _gemv_step(
+            acc, acc_up, squares, w, w_up, X, NormW, Scale, offs_n, n_mask, offs_k, k_start, N,
+            stride_sn, NORM, GATED, HAS_SCALE, GROUPED, GROUP_K)
         w_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
     if NORM:
@@ -203,8 +238,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
         scale.stride(0) if has_scale else 0, float(fusion.eps), HAS_SCALE=has_scale,
         GROUPED=grouped, GROUP_K=group_k or k, HAS_BIAS=bias is not None,
         NORM=norm_weight is not None, GATED=fusion.gated, RESIDUAL=residual is not None,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl_launch_args(x))
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, EARLY_W=EARLY_WEIGHTS,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(x))
     return y
 
 
