@@ -27,8 +27,8 @@ import triton.language as tl
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 from radixserve.layers.kernels.gemm_tables import tuned_entry
 
-# the first weight tile loaded before the PDL wait (_gemv_kernel); RADIXSERVE_GEMV_EARLY_WEIGHTS=0
-# loads it after, as every other load
+# the first weight tile loaded before the PDL wait (_gemv_kernel): H200 batch-1 decode, Llama-3.1-8B
+# shapes, bf16 4.20 -> 4.14 ms, FP8 2.81 -> 2.79 ms; RADIXSERVE_GEMV_EARLY_WEIGHTS=0 loads it after
 EARLY_WEIGHTS = os.environ.get("RADIXSERVE_GEMV_EARLY_WEIGHTS", "1") != "0"
 
 
