@@ -281,7 +281,11 @@ def main() -> None:
         decode_cases = [(256, 1536), (862, 1536)]
         decode_configs += [DecodeKernelConfig(*c) for c in (
             (128, 4, 2), (128, 4, 3), (128, 8, 2), (64, 4, 3), (64, 4, 4), (64, 2, 4),
-            (64, 2, 3, True), (128, 4, 2, True), (64, 4, 3, True))]
+            (64, 2, 3, True), (128, 4, 2, True), (64, 4, 3, True),
+            # smaller K/V tiles: the default's 246 registers per thread (K and V tiles both
+            # live) allow 4 programs (8 warps) per SM (Nsight Compute, session 13)
+            (32, 2, 3, True), (32, 2, 4, True), (32, 2, 5, True), (32, 1, 4, True),
+            (16, 1, 4, True), (16, 2, 6, True), (32, 4, 4, True))]
     for bs, context in decode_cases if args.only != "extend" else ():
         plan = kv_splits_for(bs)
         split_choices = sorted({plan, 1, 2, 4, 8, 16, 32, 64}) if args.sweep else [plan]
