@@ -10,8 +10,8 @@ import re
 import sys
 
 LINE = re.compile(r"^decode bs=(\d+)\s+ctx=\d+\s+splits=\d+\*\s+"
-                  r"n(\d+)w(\d+)s(\d+)(e?)\s+([\d.]+) us")
-DEFAULT = (64, 2, 3, 1)
+                  r"n(\d+)w(\d+)s(\d+)(e?)(?:r(\d+))?\s+([\d.]+) us")
+DEFAULT = (64, 2, 3, 1, 0)
 
 
 def pick(lines: list[str], batch: int, factor: float) -> str:
@@ -20,8 +20,8 @@ def pick(lines: list[str], batch: int, factor: float) -> str:
         match = LINE.match(line)
         if not match or int(match.group(1)) != batch:
             continue
-        block_n, warps, stages, early, micros = match.groups()[1:]
-        config = (int(block_n), int(warps), int(stages), int(bool(early)))
+        block_n, warps, stages, early, registers, micros = match.groups()[1:]
+        config = (int(block_n), int(warps), int(stages), int(bool(early)), int(registers or 0))
         times[config] = min(float(micros), times.get(config, float("inf")))
     if not times or DEFAULT not in times:
         return ""

@@ -285,7 +285,10 @@ def main() -> None:
             # smaller K/V tiles: the default's 246 registers per thread (K and V tiles both
             # live) allow 4 programs (8 warps) per SM (Nsight Compute, session 13)
             (32, 2, 3, True), (32, 2, 4, True), (32, 2, 5, True), (32, 1, 4, True),
-            (16, 1, 4, True), (16, 2, 6, True), (32, 4, 4, True))]
+            (16, 1, 4, True), (16, 2, 6, True), (32, 4, 4, True),
+            # or the default's tiles under a register cap (6 or 8 programs per SM if it holds)
+            (64, 2, 3, True, 168), (64, 2, 4, True, 168), (64, 2, 3, True, 128),
+            (32, 2, 4, True, 128), (32, 1, 4, True, 168))]
     for bs, context in decode_cases if args.only != "extend" else ():
         plan = kv_splits_for(bs)
         split_choices = sorted({plan, 1, 2, 4, 8, 16, 32, 64}) if args.sweep else [plan]
@@ -299,7 +302,8 @@ def main() -> None:
                     continue
                 label = (f"splits={splits}{'*' if splits == plan else ''} "
                          f"n{config.block_n}w{config.num_warps}s{config.num_stages}"
-                         f"{'e' if config.early_v else ''}")
+                         f"{'e' if config.early_v else ''}"
+                         f"{f'r{config.max_registers}' if config.max_registers else ''}")
                 print(decode_report(bs, context, seconds, label, kv_dtype))
         if args.gather and args.fp8:
             for gather_dtype in (kv_dtype, DTYPE):

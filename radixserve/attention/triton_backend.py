@@ -112,13 +112,16 @@ def _window(layer: "RadixAttention") -> int:
 
 
 def _decode_config_from_env(default: DecodeKernelConfig) -> DecodeKernelConfig:
-    """RADIXSERVE_DECODE_CONFIG="block_n,num_warps,num_stages,early_v" (integers) replaces the
-    decode kernel's configuration (A/B runs on the GPU; empty: the default)."""
+    """RADIXSERVE_DECODE_CONFIG="block_n,num_warps,num_stages,early_v[,max_registers]"
+    (integers) replaces the decode kernel's configuration (A/B runs on the GPU; empty: the
+    default)."""
     spec = os.environ.get("RADIXSERVE_DECODE_CONFIG", "")
     if not spec:
         return default
-    block_n, warps, stages, early_v = (int(x) for x in spec.split(","))
-    return DecodeKernelConfig(block_n, warps, stages, bool(early_v))
+    values = [int(x) for x in spec.split(",")]
+    block_n, warps, stages, early_v = values[:4]
+    return DecodeKernelConfig(block_n, warps, stages, bool(early_v),
+                              values[4] if len(values) > 4 else 0)
 
 
 class TritonAttnBackend(AttentionBackend):

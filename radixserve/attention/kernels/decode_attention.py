@@ -46,6 +46,9 @@ class DecodeKernelConfig:
     num_warps: int = 2
     num_stages: int = 3
     early_v: bool = False    # load a block's V together with its K (before the scores): FP8
+    # a cap on registers per thread (0: the compiler's choice), for more programs per SM: over
+    # an FP8 pool the kernel takes 246 and fits 4 programs (8 warps) per SM on an H200
+    max_registers: int = 0
 
 
 LOG2E = 1.4426950408889634
@@ -272,6 +275,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         SLIDING_WINDOW=window, LOGIT_CAP=cap, KV_FP8=kv_fp8,
         FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16), EARLY_V=config.early_v,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
+        **({"maxnreg": config.max_registers} if config.max_registers > 0 else {}),
     )
     if single_split:
         return
