@@ -243,6 +243,11 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true",
                         help="decode: an FP8 (e4m3) KV pool at batch 256 and 862, context 1536 "
                              "(the FP8 offline run's regime), with an FP8 config sweep")
+    parser.add_argument("--fp8-batches", type=int, nargs="+", default=[256, 862],
+                        help="decode --fp8: the batch sizes (context 1536)")
+    parser.add_argument("--fp8-from", type=int, default=0,
+                        help="decode --fp8: time the FP8 default and the sweep's configs from "
+                             "this index on only")
     parser.add_argument("--contiguous", action="store_true",
                         help="decode: each request's KV slots in one run (a prompt prefilled "
                              "in one pass) instead of scattered at random")
@@ -278,7 +283,7 @@ def main() -> None:
     kv_dtype = DTYPE
     if args.fp8:
         kv_dtype = torch.float8_e4m3fn
-        decode_cases = [(256, 1536), (862, 1536)]
+        decode_cases = [(bs, 1536) for bs in args.fp8_batches]
         decode_configs += [DecodeKernelConfig(*c) for c in (
             (128, 4, 2), (128, 4, 3), (128, 8, 2), (64, 4, 3), (64, 4, 4), (64, 2, 4),
             (64, 2, 3, True), (128, 4, 2, True), (64, 4, 3, True),
@@ -289,6 +294,8 @@ def main() -> None:
             # or the default's tiles under a register cap (6 or 8 programs per SM if it holds)
             (64, 2, 3, True, 168), (64, 2, 4, True, 168), (64, 2, 3, True, 128),
             (32, 2, 4, True, 128), (32, 1, 4, True, 168))]
+    if args.fp8 and args.fp8_from:
+        decode_configs = [DecodeKernelConfig(early_v=True)] + decode_configs[args.fp8_from:]
     for bs, context in decode_cases if args.only != "extend" else ():
         plan = kv_splits_for(bs)
         split_choices = sorted({plan, 1, 2, 4, 8, 16, 32, 64}) if args.sweep else [plan]
