@@ -25,8 +25,8 @@
 #          [--contiguous]); the kernel tests first (~4 min). FP8_ATTN_LAYOUTS (default "random
 #          contiguous") picks the slot layouts, FP8_ATTN_ARGS adds flags
 # attn_ab: the FP8 KV offline run (as `offline` kv8) with the decode config that the attn step's
-#          log found fastest at batch 862 (RADIXSERVE_DECODE_CONFIG), and with the default, when
-#          the best is >= 3% faster than the default
+#          log (or FP8_ATTN_LOG) found fastest at batch 862 (RADIXSERVE_DECODE_CONFIG), and with
+#          the default, when the best is >= 3% faster than the default
 # offline: random 1024/1024 x FP8_PROMPTS (default 1000): bf16, FP8 KV only, FP8 weights + KV
 #          (FP8_OFFLINE_MODES picks a subset)
 set -u
@@ -113,7 +113,8 @@ offline() {  # label, extra flags...
 }
 if step attn_ab; then
     echo "== FP8 KV offline with the fastest decode config at batch 862"
-    best=$(python3 benchmarks/decode_config_pick.py "$OUT/attn_random.log" 862 0.97)
+    best=$(python3 benchmarks/decode_config_pick.py "${FP8_ATTN_LOG:-$OUT/attn_random.log}" \
+        862 0.97)
     echo "   pick: ${best:-none}"
     if [ -n "$best" ]; then
         export RADIXSERVE_DECODE_CONFIG="$best"
