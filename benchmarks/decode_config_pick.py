@@ -1,6 +1,7 @@
-"""The fastest decode-attention config of a `gpu_kernels.py --only decode` log at one batch size,
-as RADIXSERVE_DECODE_CONFIG's value, printed only when it beats the FP8 pools' default config
-(n64w2s3e) by the given factor; nothing otherwise.
+"""The labels `gpu_kernels.py --only decode` prints for decode-attention configs, and the pick of
+its log that gpu_fp8.sh's attn_ab step runs: the fastest config at one batch size, as
+RADIXSERVE_DECODE_CONFIG's value, printed only when it beats the FP8 pools' default config by the
+given factor; nothing otherwise.
 
     python3 benchmarks/decode_config_pick.py LOG BATCH [FACTOR]
 """
@@ -8,27 +9,49 @@ from __future__ import annotations
 
 import re
 import sys
+from pathlib import Path
 
-LINE = re.compile(r"^decode bs=(\d+)\s+ctx=\d+\s+splits=\d+\*\s+"
-                  r"n(\d+)w(\d+)s(\d+)(e?)(?:r(\d+))?\s+([\d.]+) us")
-DEFAULT = (64, 2, 3, 1, 0)
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from radixserve.attention.kernels.decode_attention import (  # noqa: E402
+    DecodeKernelConfig, default_decode_config)
+
+# the label: n{block_n}w{num_warps}s{num_stages}, then e (V with K), then r{max_registers}
+LABEL = r"n(\d+)w(\d+)s(\d+)(e?)(?:r(\d+))?"
+LINE = re.compile(r"^decode bs=(\d+)\s+ctx=\d+\s+splits=\d+\*\s+" + LABEL + r"\s+([\d.]+) us")
+
+
+def config_label(config: DecodeKernelConfig) -> str:
+    return (f"n{config.block_n}w{config.num_warps}s{config.num_stages}"
+            f"{'e' if config.early_v else ''}"
+            f"{f'r{config.max_registers}' if config.max_registers else ''}")
+
+
+def env_value(config: DecodeKernelConfig) -> str:
+    """RADIXSERVE_DECODE_CONFIG's spelling of the config."""
+    return (f"{config.block_n},{config.num_warps},{config.num_stages},{int(config.early_v)},"
+            f"{config.max_registers}")
 
 
 def pick(lines: list[str], batch: int, factor: float) -> str:
-    times: dict[tuple[int, ...], float] = {}
+    default = default_decode_config(torch.float8_e4m3fn)
+    times: dict[DecodeKernelConfig, float] = {}
     for line in lines:
         match = LINE.match(line)
         if not match or int(match.group(1)) != batch:
             continue
         block_n, warps, stages, early, registers, micros = match.groups()[1:]
-        config = (int(block_n), int(warps), int(stages), int(bool(early)), int(registers or 0))
+        config = DecodeKernelConfig(int(block_n), int(warps), int(stages), bool(early),
+                                    int(registers or 0))
         times[config] = min(float(micros), times.get(config, float("inf")))
-    if not times or DEFAULT not in times:
+    if default not in times:
         return ""
     best = min(times, key=times.__getitem__)
-    if best == DEFAULT or times[best] >= factor * times[DEFAULT]:
+    if best == default or times[best] >= factor * times[default]:
         return ""
-    return ",".join(str(v) for v in best)
+    return env_value(best)
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_kernels import HEAD_DIM, NUM_HEADS, make_pool  # noqa: E402
 from radixserve.attention.kernels.decode_attention import (  # noqa: E402
-    DecodeKernelConfig, decode_attention_fwd)
+    decode_attention_fwd, default_decode_config)
 
 
 def main() -> None:
@@ -31,9 +31,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1536)
     parser.add_argument("--launches", type=int, default=3)
     args = parser.parse_args()
-    fp8 = args.kv_dtype == "fp8"
-    kv_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    config = DecodeKernelConfig(early_v=fp8)
+    kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
+    config = default_decode_config(kv_dtype)
     pool = make_pool([args.context] * args.batch, 1, kv_dtype)
     q = torch.randn((args.batch, NUM_HEADS, HEAD_DIM), dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(q)

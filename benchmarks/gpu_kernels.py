@@ -14,9 +14,11 @@ printed beside it as a baseline. Figures only; nothing here asserts on time.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -72,14 +74,19 @@ def time_graph(fn: Callable[[], None]) -> float:
     return do_bench_cudagraph(fn, rep=50) * 1e-3
 
 
-def bench_decode(bs: int, context: int, num_kv_splits: int, config: object,
-                 kv_dtype: torch.dtype = DTYPE, contiguous: bool = False) -> float:
-    """Seconds per layer. The kernel runs over enough layers' KV (like a model step) that
-    the data read is well past the 60 MB L2 cache."""
-    from radixserve.attention.kernels.decode_attention import decode_attention_fwd
+def decode_pool(bs: int, context: int, kv_dtype: torch.dtype, contiguous: bool) -> Pool:
+    """bs requests of `context` positions over enough layers' KV (like a model step) that the
+    data a pass over them reads is well past the 60 MB L2 cache."""
     layer_bytes = 2 * bs * context * NUM_KV_HEADS * HEAD_DIM * kv_dtype.itemsize
     num_layers = max(1, min(32, -(-(1 << 30) // layer_bytes)))
-    pool = make_pool([context] * bs, num_layers, kv_dtype, contiguous)
+    return make_pool([context] * bs, num_layers, kv_dtype, contiguous)
+
+
+def bench_decode(bs: int, context: int, num_kv_splits: int, config: object,
+                 kv_dtype: torch.dtype = DTYPE, contiguous: bool = False) -> float:
+    """Seconds per layer, over decode_pool's layers."""
+    from radixserve.attention.kernels.decode_attention import decode_attention_fwd
+    pool = decode_pool(bs, context, kv_dtype, contiguous)
     q = torch.randn((bs, NUM_HEADS, HEAD_DIM), dtype=DTYPE, device="cuda")
     out = torch.empty_like(q)
     mid_out = torch.empty((bs, NUM_HEADS, num_kv_splits, HEAD_DIM), device="cuda")
@@ -90,14 +97,12 @@ def bench_decode(bs: int, context: int, num_kv_splits: int, config: object,
             decode_attention_fwd(q, k_buffer, v_buffer, out, pool.req_to_token,
                                  pool.req_pool_indices, pool.seq_lens, mid_out, mid_lse,
                                  HEAD_DIM ** -0.5, config)
-    return time_graph(step) / num_layers
+    return time_graph(step) / len(pool.k_buffers)
 
 
-def bench_gather(bs: int, context: int, heads: int, kv_dtype: torch.dtype, block_n: int,
-                 num_warps: int, num_stages: int, contiguous: bool = False) -> float:
-    """Seconds per layer for only reading what decode attention reads (slot indices, then
-    K and V rows of `heads` KV heads per program), xor-reduced so nothing is dropped: the rate
-    this access pattern allows, without the attention's arithmetic."""
+@functools.cache
+def _gather_kernel() -> Any:
+    """bench_gather's kernel, compiled once (triton is imported only when timing)."""
     import triton
     import triton.language as tl
 
@@ -119,9 +124,16 @@ def bench_gather(bs: int, context: int, heads: int, kv_dtype: torch.dtype, block
         tl.store(Out + (batch * tl.num_programs(1) + tl.program_id(1)) * HEADS * D + cols,
                  tl.xor_sum(acc, 0))
 
-    layer_bytes = 2 * bs * context * NUM_KV_HEADS * HEAD_DIM * kv_dtype.itemsize
-    num_layers = max(1, min(32, -(-(1 << 30) // layer_bytes)))
-    pool = make_pool([context] * bs, num_layers, kv_dtype, contiguous)
+    return gather_kernel
+
+
+def bench_gather(bs: int, context: int, heads: int, kv_dtype: torch.dtype, block_n: int,
+                 num_warps: int, num_stages: int, contiguous: bool = False) -> float:
+    """Seconds per layer for only reading what decode attention reads (slot indices, then
+    K and V rows of `heads` KV heads per program), xor-reduced so nothing is dropped: the rate
+    this access pattern allows, without the attention's arithmetic."""
+    kernel = _gather_kernel()
+    pool = decode_pool(bs, context, kv_dtype, contiguous)
     # one byte lane per element (bf16 rows read as twice as many int8 columns)
     width = HEAD_DIM * kv_dtype.itemsize
     out = torch.empty((bs * NUM_KV_HEADS * width,), dtype=torch.int8, device="cuda")
@@ -130,11 +142,11 @@ def bench_gather(bs: int, context: int, heads: int, kv_dtype: torch.dtype, block
 
     def step() -> None:
         for k, v in views:
-            gather_kernel[(bs, NUM_KV_HEADS // heads)](
+            kernel[(bs, NUM_KV_HEADS // heads)](
                 k, v, pool.req_to_token, pool.seq_lens, out, k.stride(0),
                 pool.req_to_token.stride(0), HEADS=heads, D=width,
                 BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
-    return time_graph(step) / num_layers
+    return time_graph(step) / len(views)
 
 
 def bench_extend(prefix_lens: list[int], extend_lens: list[int], config: object) -> float:
@@ -262,7 +274,9 @@ def main() -> None:
         sys.exit("benchmarks/gpu_kernels.py needs a CUDA GPU (none found); nothing was timed.")
     import triton
 
-    from radixserve.attention.kernels.decode_attention import DecodeKernelConfig
+    from benchmarks.decode_config_pick import config_label
+    from radixserve.attention.kernels.decode_attention import (DecodeKernelConfig,
+                                                               default_decode_config)
     from radixserve.attention.kernels.extend_attention import (ExtendKernelConfig,
                                                                default_extend_config)
     torch.manual_seed(0)
@@ -295,7 +309,7 @@ def main() -> None:
             (64, 2, 3, True, 168), (64, 2, 4, True, 168), (64, 2, 3, True, 128),
             (32, 2, 4, True, 128), (32, 1, 4, True, 168))]
     if args.fp8 and args.fp8_from:
-        decode_configs = [DecodeKernelConfig(early_v=True)] + decode_configs[args.fp8_from:]
+        decode_configs = [default_decode_config(kv_dtype)] + decode_configs[args.fp8_from:]
     for bs, context in decode_cases if args.only != "extend" else ():
         plan = kv_splits_for(bs)
         split_choices = sorted({plan, 1, 2, 4, 8, 16, 32, 64}) if args.sweep else [plan]
@@ -307,10 +321,7 @@ def main() -> None:
                 except Exception as exc:  # a config that does not compile (registers, smem)
                     print(f"   {config}: not run ({type(exc).__name__}: {str(exc)[:100]})")
                     continue
-                label = (f"splits={splits}{'*' if splits == plan else ''} "
-                         f"n{config.block_n}w{config.num_warps}s{config.num_stages}"
-                         f"{'e' if config.early_v else ''}"
-                         f"{f'r{config.max_registers}' if config.max_registers else ''}")
+                label = f"splits={splits}{'*' if splits == plan else ''} {config_label(config)}"
                 print(decode_report(bs, context, seconds, label, kv_dtype))
         if args.gather and args.fp8:
             for gather_dtype in (kv_dtype, DTYPE):

@@ -30,7 +30,8 @@ import triton
 
 from radixserve.attention.base import AttentionBackend, AttentionContext
 from radixserve.attention.kernels.decode_attention import (DecodeKernelConfig,
-                                                           decode_attention_fwd, is_fp8)
+                                                           decode_attention_fwd,
+                                                           default_decode_config)
 from radixserve.attention.kernels.extend_attention import (ExtendKernelConfig,
                                                            extend_attention_fwd)
 from radixserve.attention.kernels.long_extend import (LONG_EXTEND_MIN_NEW_TOKENS,
@@ -144,12 +145,9 @@ class TritonAttnBackend(AttentionBackend):
                        if self.device.type == "cuda" else 132)
         self.num_sms = num_sms
         if decode_config is None:
-            # FP8 codes: gathering V with K hides the conversions' latency (H200, batch 256-862,
-            # context 1536: 2.93-3.04 TB/s against 2.77-2.82; bf16 gains nothing from it)
             buffers = self.kv_pool.kv_buffers(0) if self.kv_pool.layer_num else ()
-            decode_config = DecodeKernelConfig(
-                early_v=bool(buffers) and is_fp8(buffers[0].dtype))
-            decode_config = _decode_config_from_env(decode_config)
+            decode_config = _decode_config_from_env(
+                default_decode_config(buffers[0].dtype) if buffers else DecodeKernelConfig())
         self.decode_config = decode_config
         self.extend_config = extend_config  # None: chosen from head_dim by the kernel module
         self.workspace = self._new_workspace(self.max_bs)

@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from benchmarks.decode_config_pick import pick  # noqa: E402
+from benchmarks.decode_config_pick import config_label, pick  # noqa: E402
 from radixserve.attention.kernels.decode_attention import DecodeKernelConfig  # noqa: E402
 from radixserve.attention.triton_backend import _decode_config_from_env  # noqa: E402
 
@@ -28,6 +28,13 @@ def test_pick_the_fastest_planned_split_config_that_beats_the_default_enough() -
     assert pick(LOG, 256, 1.0) == "64,2,3,1,168"  # a register cap
     assert pick(LOG, 256, 0.95) == ""
     assert pick(LOG, 1, 1.0) == ""  # no lines for that batch
+
+
+def test_labels_are_what_the_pick_reads() -> None:
+    config = DecodeKernelConfig(32, 1, 4, True, 168)
+    line = f"decode bs=862  ctx=1536  splits=1* {config_label(config):<24} 1.0 us"
+    assert pick(LOG + [line], 862, 1.0) == "32,1,4,1,168"
+    assert config_label(DecodeKernelConfig(early_v=True)) == "n64w2s3e"
 
 
 def test_decode_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -40,6 +40,18 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
+def _load_weight_tiles(w_ptrs, up_rows, n_mask, GATED: tl.constexpr):
+    """One BLOCK_K step's weight tile, and (GATED) the up half's tile N rows down (else the
+    same tile again, unused)."""
+    w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
+    w_up = w
+    if GATED:
+        w_up = tl.load(w_ptrs + up_rows, mask=n_mask[:, None], other=0.0,
+                       eviction_policy="evict_first")
+    return w, w_up
+
+
+@triton.jit
 def _gemv_step(acc, acc_up, squares, w, w_up, X, NormW, Scale, offs_n, n_mask, offs_k, k_start,
                N, stride_sn, NORM: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
                GROUPED: tl.constexpr, GROUP_K: tl.constexpr):
@@ -83,11 +95,7 @@ def _gemv_kernel(X, W, Scale, B, Y, NormW, Residual, N, K, stride_wn, stride_sn,
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     up_rows = N * stride_wn  # GATED: the up half starts N rows down
     if EARLY_W:
-        w_first = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
-        w_first_up = w_first
-        if GATED:
-            w_first_up = tl.load(w_ptrs + up_rows, mask=n_mask[:, None], other=0.0,
-                                 eviction_policy="evict_first")
+        w_first, w_first_up = _load_weight_tiles(w_ptrs, up_rows, n_mask, GATED)
     pdl_prologue(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -100,11 +108,7 @@ def _gemv_kernel(X, W, Scale, B, Y, NormW, Residual, N, K, stride_wn, stride_sn,
         w_ptrs += BLOCK_K
         k_begin = BLOCK_K
     for k_start in range(k_begin, K, BLOCK_K):
-        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
-        w_up = w
-        if GATED:
-            w_up = tl.load(w_ptrs + up_rows, mask=n_mask[:, None], other=0.0,
-                           eviction_policy="evict_first")
+        w, w_up = _load_weight_tiles(w_ptrs, up_rows, n_mask, GATED)
         acc, acc_up, squares = _gemv_step(
             acc, acc_up, squares, w, w_up, X, NormW, Scale, offs_n, n_mask, offs_k, k_start, N,
             stride_sn, NORM, GATED, HAS_SCALE, GROUPED, GROUP_K)
