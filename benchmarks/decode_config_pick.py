@@ -20,7 +20,7 @@ from radixserve.attention.kernels.decode_attention import (  # noqa: E402
 
 # the label: n{block_n}w{num_warps}s{num_stages}, then e (V with K), then r{max_registers}
 LABEL = r"n(\d+)w(\d+)s(\d+)(e?)(?:r(\d+))?"
-LINE = re.compile(r"^decode bs=(\d+)\s+ctx=\d+\s+splits=\d+\*\s+" + LABEL + r"\s+([\d.]+) us")
+LINE = re.compile(r"^decode bs=(\d+)\s+ctx=\d+\s+splits=(\d+)\*\s+" + LABEL + r"\s+([\d.]+) us")
 
 
 def config_label(config: DecodeKernelConfig) -> str:
@@ -36,17 +36,18 @@ def env_value(config: DecodeKernelConfig) -> str:
 
 
 def pick(lines: list[str], batch: int, factor: float) -> str:
-    default = default_decode_config(torch.float8_e4m3fn)
+    default = None  # the FP8 default at the batch's split plan
     times: dict[DecodeKernelConfig, float] = {}
     for line in lines:
         match = LINE.match(line)
         if not match or int(match.group(1)) != batch:
             continue
-        block_n, warps, stages, early, registers, micros = match.groups()[1:]
+        splits, block_n, warps, stages, early, registers, micros = match.groups()[1:]
+        default = default_decode_config(torch.float8_e4m3fn, int(splits))
         config = DecodeKernelConfig(int(block_n), int(warps), int(stages), bool(early),
                                     int(registers or 0))
         times[config] = min(float(micros), times.get(config, float("inf")))
-    if default not in times:
+    if default is None or default not in times:
         return ""
     best = min(times, key=times.__getitem__)
     if best == default or times[best] >= factor * times[default]:

@@ -245,6 +245,28 @@ def extend_report(name: str, flops: float, seconds: float, label: str) -> str:
             f" of 796)")
 
 
+# decode --fp8: the sweep's configs (block_n, num_warps, num_stages, early_v[, max_registers]),
+# in groups that --fp8-groups names
+FP8_SWEEP: dict[str, tuple[tuple, ...]] = {
+    "wide": ((128, 4, 2), (128, 4, 3), (128, 8, 2), (64, 4, 3), (64, 4, 4), (64, 2, 4),
+             (64, 2, 3, True), (128, 4, 2, True), (64, 4, 3, True)),
+    # smaller K/V tiles: two warps with 64-position tiles took 246 registers per thread and
+    # fit 4 programs (8 warps) per SM (Nsight Compute, session 13)
+    "small_tiles": ((32, 2, 3, True), (32, 2, 4, True), (32, 2, 5, True), (16, 2, 6, True),
+                    (32, 4, 4, True)),
+    # one warp per program: more programs, each with its own loads in flight (session 14:
+    # n32w1s4 read 3.63 TB/s at batch 862 where the two-warp default read 3.12)
+    "one_warp": ((32, 1, 3, True), (32, 1, 4, True), (32, 1, 5, True), (32, 1, 6, True),
+                 (64, 1, 3, True), (64, 1, 4, True), (16, 1, 4, True), (16, 1, 6, True),
+                 (16, 1, 8, True), (32, 1, 4, False), (64, 2, 3, True)),
+    # where one split begins (batch 33 up runs one split): the two defaults and their kin
+    "split_boundary": ((64, 2, 3, True), (32, 1, 4, True), (32, 1, 5, True), (16, 1, 6, True)),
+    # register caps (Triton's maxnreg) for more programs per SM
+    "capped": ((64, 2, 3, True, 168), (64, 2, 4, True, 168), (64, 2, 3, True, 128),
+               (32, 2, 4, True, 128), (32, 1, 4, True, 168), (32, 1, 3, True, 200)),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="try other configs too")
@@ -257,9 +279,9 @@ def main() -> None:
                              "(the FP8 offline run's regime), with an FP8 config sweep")
     parser.add_argument("--fp8-batches", type=int, nargs="+", default=[256, 862],
                         help="decode --fp8: the batch sizes (context 1536)")
-    parser.add_argument("--fp8-from", type=int, default=0,
-                        help="decode --fp8: time the FP8 default and the sweep's configs from "
-                             "this index on only")
+    parser.add_argument("--fp8-groups", nargs="+", choices=sorted(FP8_SWEEP), default=None,
+                        help="decode --fp8: time the FP8 default and these groups of the "
+                             "sweep only (default: every group)")
     parser.add_argument("--contiguous", action="store_true",
                         help="decode: each request's KV slots in one run (a prompt prefilled "
                              "in one pass) instead of scattered at random")
@@ -284,7 +306,7 @@ def main() -> None:
     print(f"Llama-3.1-8B attention: {NUM_HEADS} q heads, {NUM_KV_HEADS} kv heads, "
           f"head_dim {HEAD_DIM}, {DTYPE}")
 
-    decode_configs = [DecodeKernelConfig()]
+    decode_configs: list[DecodeKernelConfig | None] = [None]  # None: the default (per split plan)
     if args.sweep:
         decode_configs += [DecodeKernelConfig(*c) for c in (
             (32, 4, 2), (64, 4, 3), (128, 4, 2), (32, 2, 3), (64, 2, 2))]
@@ -293,28 +315,21 @@ def main() -> None:
         decode_cases = [(bs, 1024) for bs in (1, 4, 8, 16)]
         decode_configs += [DecodeKernelConfig(*c) for c in (
             (32, 2, 2), (64, 4, 2), (64, 2, 3, True), (128, 4, 2, True), (32, 2, 2, True),
-            (64, 4, 2, True), (64, 2, 2, True))]
+            (64, 4, 2, True), (64, 2, 2, True), (32, 1, 4), (32, 1, 4, True), (64, 1, 3),
+            (16, 1, 4))]
     kv_dtype = DTYPE
     if args.fp8:
         kv_dtype = torch.float8_e4m3fn
         decode_cases = [(bs, 1536) for bs in args.fp8_batches]
-        decode_configs += [DecodeKernelConfig(*c) for c in (
-            (128, 4, 2), (128, 4, 3), (128, 8, 2), (64, 4, 3), (64, 4, 4), (64, 2, 4),
-            (64, 2, 3, True), (128, 4, 2, True), (64, 4, 3, True),
-            # smaller K/V tiles: the default's 246 registers per thread (K and V tiles both
-            # live) allow 4 programs (8 warps) per SM (Nsight Compute, session 13)
-            (32, 2, 3, True), (32, 2, 4, True), (32, 2, 5, True), (32, 1, 4, True),
-            (16, 1, 4, True), (16, 2, 6, True), (32, 4, 4, True),
-            # or the default's tiles under a register cap (6 or 8 programs per SM if it holds)
-            (64, 2, 3, True, 168), (64, 2, 4, True, 168), (64, 2, 3, True, 128),
-            (32, 2, 4, True, 128), (32, 1, 4, True, 168))]
-    if args.fp8 and args.fp8_from:
-        decode_configs = [default_decode_config(kv_dtype)] + decode_configs[args.fp8_from:]
+        groups = args.fp8_groups or list(FP8_SWEEP)
+        decode_configs = [None] + [  # None: the default for the case's split plan
+            DecodeKernelConfig(*c) for group in groups for c in FP8_SWEEP[group]]
     for bs, context in decode_cases if args.only != "extend" else ():
         plan = kv_splits_for(bs)
         split_choices = sorted({plan, 1, 2, 4, 8, 16, 32, 64}) if args.sweep else [plan]
-        for config in decode_configs:
+        for listed in decode_configs:
             for splits in split_choices:
+                config = listed or default_decode_config(kv_dtype, splits)
                 try:
                     seconds = bench_decode(bs, context, splits, config, kv_dtype,
                                            args.contiguous)

@@ -112,13 +112,13 @@ def _window(layer: "RadixAttention") -> int:
     return layer.sliding_window if layer.sliding_window is not None else -1
 
 
-def _decode_config_from_env(default: DecodeKernelConfig) -> DecodeKernelConfig:
+def _decode_config_from_env() -> DecodeKernelConfig | None:
     """RADIXSERVE_DECODE_CONFIG="block_n,num_warps,num_stages,early_v[,max_registers]"
-    (integers) replaces the decode kernel's configuration (A/B runs on the GPU; empty: the
-    default)."""
+    (integers) replaces the decode kernel's configuration at every batch size (A/B runs on the
+    GPU; empty: the per-pool, per-split default)."""
     spec = os.environ.get("RADIXSERVE_DECODE_CONFIG", "")
     if not spec:
-        return default
+        return None
     values = [int(x) for x in spec.split(",")]
     block_n, warps, stages, early_v = values[:4]
     return DecodeKernelConfig(block_n, warps, stages, bool(early_v),
@@ -144,11 +144,9 @@ class TritonAttnBackend(AttentionBackend):
             num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                        if self.device.type == "cuda" else 132)
         self.num_sms = num_sms
-        if decode_config is None:
-            buffers = self.kv_pool.kv_buffers(0) if self.kv_pool.layer_num else ()
-            decode_config = _decode_config_from_env(
-                default_decode_config(buffers[0].dtype) if buffers else DecodeKernelConfig())
-        self.decode_config = decode_config
+        # None: default_decode_config for the pool's dtype and each batch's split count
+        self.decode_config = decode_config or _decode_config_from_env()
+        self.kv_dtype = self.kv_pool.kv_buffers(0)[0].dtype if self.kv_pool.layer_num else None
         self.extend_config = extend_config  # None: chosen from head_dim by the kernel module
         self.workspace = self._new_workspace(self.max_bs)
         # long extend runs through cuDNN: a CUDA device where it runs, a plain MHA pool
@@ -160,6 +158,12 @@ class TritonAttnBackend(AttentionBackend):
         self.extend_metadata: ExtendMetadata | None = None
 
     # ---- planning ----
+    def decode_config_for(self, num_kv_splits: int) -> DecodeKernelConfig:
+        """The decode kernel's config for a batch cut into num_kv_splits splits per request."""
+        if self.decode_config is not None:
+            return self.decode_config
+        return default_decode_config(self.kv_dtype, num_kv_splits)
+
     def num_kv_splits_for(self, bs: int) -> int:
         """Enough (bs x KV head x split) programs to fill the GPU about twice, a power of two."""
         want = triton.cdiv(2 * self.num_sms, bs * self.num_kv_heads)
@@ -293,9 +297,10 @@ class TritonAttnBackend(AttentionBackend):
         q = q.view(-1, num_heads, head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         k_buffer, v_buffer = self.kv_pool.kv_buffers(layer.layer_id)
+        config = self.decode_config_for(meta.num_kv_splits)
         decode_attention_fwd(q, k_buffer, v_buffer, out, self.req_to_token_pool.req_to_token,
                              meta.req_pool_indices, meta.seq_lens, meta.mid_out, meta.mid_lse,
-                             layer.scaling, self.decode_config, sliding_window=_window(layer),
+                             layer.scaling, config, sliding_window=_window(layer),
                              logit_cap=layer.logit_cap, **self._scale_args(layer))
         return out.view(-1, num_heads * head_dim)
 

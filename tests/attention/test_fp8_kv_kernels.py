@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 from attn_testkit import DEVICE, random_pool  # noqa: E402
 from radixserve.attention.kernels.decode_attention import (  # noqa: E402
-    DecodeKernelConfig, decode_attention_fwd, decode_workspace_shapes)
+    DecodeKernelConfig, decode_attention_fwd, decode_workspace_shapes, default_decode_config)
 from radixserve.attention.kernels.extend_attention import (  # noqa: E402
     ExtendKernelConfig, extend_attention_fwd)
 from radixserve.attention.kernels.reference import (  # noqa: E402
@@ -37,9 +37,15 @@ def _fp8_pool(seq_lens: list[int], num_kv_heads: int, head_dim: int, seed: int):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_kv_splits", [1, 3])
-@pytest.mark.parametrize("early_v", [False, True])
-def test_decode_over_fp8_kv(dtype: torch.dtype, num_kv_splits: int, early_v: bool) -> None:
-    """early_v: the FP8 pools' default."""
+@pytest.mark.parametrize("config", [
+    DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1),
+    DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1, early_v=True),
+    default_decode_config(FP8, 1), default_decode_config(FP8, 3)],
+    ids=["plain", "early_v", "fp8_default_one_split", "fp8_default_split"])
+def test_decode_over_fp8_kv(dtype: torch.dtype, num_kv_splits: int,
+                            config: DecodeKernelConfig) -> None:
+    """fp8_default_*: the configs FP8 pools run (one split: one warp over 32-position tiles;
+    several: two warps over 64; V with K in both)."""
     seq_lens, kv_heads, group, head_dim = [1, 13, 40], 2, 4, 64
     pool, exact = _fp8_pool(seq_lens, kv_heads, head_dim, seed=3)
     gen = torch.Generator().manual_seed(4)
@@ -53,9 +59,7 @@ def test_decode_over_fp8_kv(dtype: torch.dtype, num_kv_splits: int, early_v: boo
     scale = head_dim ** -0.5
     decode_attention_fwd(q, pool.k_buffer, pool.v_buffer, out, pool.req_to_token,
                          pool.req_pool_indices, pool.seq_lens, mid_out, mid_lse, scale,
-                         DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1,
-                                            early_v=early_v),
-                         k_scale=K_SCALE, v_scale=V_SCALE)
+                         config, k_scale=K_SCALE, v_scale=V_SCALE)
     ref = decode_attention_reference(q.float(), exact.k_buffer, exact.v_buffer,
                                      exact.req_to_token, exact.req_pool_indices,
                                      exact.seq_lens, scale)

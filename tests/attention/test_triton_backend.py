@@ -234,7 +234,8 @@ def test_long_runs_through_cudnn_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None
 
 @pytest.mark.parametrize("storage", [None, torch.float8_e4m3fn])
 def test_fp8_pools_decode_with_v_gathered_early(storage: torch.dtype | None) -> None:
-    """FP8 pools default to the decode variant that loads V with K; others keep the old order."""
+    """FP8 pools default to the decode variants that load V with K (one warp per program when a
+    batch runs one split); others keep the old order."""
     from radixserve.attention.base import AttentionContext
     from radixserve.mem.kv_pool import KVCacheSpec, make_kv_pool
     from radixserve.mem.req_to_token_pool import ReqToTokenPool
@@ -242,4 +243,7 @@ def test_fp8_pools_decode_with_v_gathered_early(storage: torch.dtype | None) -> 
     context = AttentionContext(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DEVICE, 4,
                                ReqToTokenPool(4, 32, DEVICE), make_kv_pool(64, spec, DEVICE))
     backend = TritonAttnBackend(context, num_kv_splits=4, num_sms=2)
-    assert backend.decode_config.early_v == (storage is not None)
+    for splits in (1, 4):
+        config = backend.decode_config_for(splits)
+        assert config.early_v == (storage is not None)
+        assert config.num_warps == (1 if storage is not None and splits == 1 else 2)

@@ -6,12 +6,18 @@ import pytest
 pytest.importorskip("triton")
 
 from benchmarks.decode_config_pick import config_label, pick  # noqa: E402
-from radixserve.attention.kernels.decode_attention import DecodeKernelConfig  # noqa: E402
+import torch  # noqa: E402
+
+from radixserve.attention.kernels.decode_attention import (  # noqa: E402
+    DecodeKernelConfig, default_decode_config)
 from radixserve.attention.triton_backend import _decode_config_from_env  # noqa: E402
 
 LOG = """\
-decode bs=256  ctx=1536  splits=1* n64w2s3e           259.6 us   3.10 TB/s (73.0% of 4.25)
-decode bs=862  ctx=1536  splits=1* n64w2s3e           873.4 us   3.10 TB/s (73.1% of 4.25)
+decode bs=256  ctx=1536  splits=1* n32w1s4e           259.6 us   3.10 TB/s (73.0% of 4.25)
+decode bs=862  ctx=1536  splits=1* n32w1s4e           873.4 us   3.10 TB/s (73.1% of 4.25)
+decode bs=8    ctx=1536  splits=8* n64w2s3e            15.3 us   1.64 TB/s (38.6% of 4.25)
+decode bs=8    ctx=1536  splits=8* n32w1s4e            19.8 us   1.27 TB/s (29.9% of 4.25)
+decode bs=8    ctx=1536  splits=8* n16w1s6e            14.0 us   1.56 TB/s (36.8% of 4.25)
 decode bs=862  ctx=1536  splits=1* n128w4s2e          840.0 us   3.20 TB/s (75.0% of 4.25)
 decode bs=862  ctx=1536  splits=1* n64w2s4            800.0 us   3.40 TB/s (80.0% of 4.25)
 decode bs=256  ctx=1536  splits=1* n64w2s3er168       250.0 us   3.20 TB/s
@@ -28,6 +34,9 @@ def test_pick_the_fastest_planned_split_config_that_beats_the_default_enough() -
     assert pick(LOG, 256, 1.0) == "64,2,3,1,168"  # a register cap
     assert pick(LOG, 256, 0.95) == ""
     assert pick(LOG, 1, 1.0) == ""  # no lines for that batch
+    # several splits: the default is the two-warp config, which a one-warp one beats by 8.5%
+    assert pick(LOG, 8, 0.95) == "16,1,6,1,0"
+    assert pick(LOG, 8, 0.90) == ""
 
 
 def test_labels_are_what_the_pick_reads() -> None:
@@ -38,10 +47,18 @@ def test_labels_are_what_the_pick_reads() -> None:
 
 
 def test_decode_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    default = DecodeKernelConfig(early_v=True)
     monkeypatch.delenv("RADIXSERVE_DECODE_CONFIG", raising=False)
-    assert _decode_config_from_env(default) is default
+    assert _decode_config_from_env() is None  # the per-pool, per-split default
     monkeypatch.setenv("RADIXSERVE_DECODE_CONFIG", "128,4,2,0")
-    assert _decode_config_from_env(default) == DecodeKernelConfig(128, 4, 2, False)
+    assert _decode_config_from_env() == DecodeKernelConfig(128, 4, 2, False)
     monkeypatch.setenv("RADIXSERVE_DECODE_CONFIG", "64,2,3,1,168")
-    assert _decode_config_from_env(default) == DecodeKernelConfig(64, 2, 3, True, 168)
+    assert _decode_config_from_env() == DecodeKernelConfig(64, 2, 3, True, 168)
+
+
+def test_fp8_default_depends_on_the_split_plan() -> None:
+    one_split = default_decode_config(torch.float8_e4m3fn, 1)
+    assert (one_split.num_warps, one_split.block_n, one_split.early_v) == (1, 32, True)
+    split = default_decode_config(torch.float8_e4m3fn, 8)
+    assert (split.num_warps, split.block_n, split.early_v) == (2, 64, True)
+    assert default_decode_config(torch.bfloat16, 1) == DecodeKernelConfig()
+    assert default_decode_config(torch.bfloat16, 8) == DecodeKernelConfig()
