@@ -218,16 +218,17 @@ def default_decode_config(kv_dtype: torch.dtype, num_kv_splits: int = 1) -> Deco
 
     FP8 codes, V gathered with K (hides the conversions' latency: 2.93-3.04 TB/s against
     2.77-2.82 without, H200, batch 256-862, context 1536). At half of bf16's bytes per token the
-    conversions and the two MMAs no longer hide under the loads; at the large batches that run
-    one split, many one-warp programs over 32-position tiles (each with its own loads in flight)
-    keep more of them going than fewer two-warp ones: batch 862, 3.47-3.63 TB/s against
-    3.05-3.12. Small batches split each request and have few programs: there two warps over
-    64-position tiles stay faster (batch 8, context 1536: 15.3 us against 19.8).
+    conversions and the two MMAs no longer hide under the loads; at the batches that run one
+    split, many one-warp programs over 32-position tiles with five stages (each program with
+    its own loads in flight) keep more of them going than fewer two-warp ones: context 1536,
+    batch 862 766 us against 870-888, batch 256 239 against 267, batch 64 66 against 71
+    (batch 128: 145 against 134). Small batches split each request and have few programs:
+    there two warps over 64-position tiles stay faster (batch 8: 15.3 us against 17.7).
     bf16 reads at copy bandwidth with the plain default."""
     if not is_fp8(kv_dtype):
         return DecodeKernelConfig()
     if num_kv_splits == 1:
-        return DecodeKernelConfig(block_n=32, num_warps=1, num_stages=4, early_v=True)
+        return DecodeKernelConfig(block_n=32, num_warps=1, num_stages=5, early_v=True)
     return DecodeKernelConfig(early_v=True)
 
 
