@@ -68,6 +68,32 @@ def test_decode_early_v_load_matches_reference(num_kv_splits: int) -> None:
     torch.testing.assert_close(out, ref, **tolerance(torch.float16))
 
 
+@pytest.mark.parametrize("q_scale", [1.0, 8.0])
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32]
+                         + ([torch.bfloat16] if torch.cuda.is_available() else []))
+def test_decode_lazy_rescale_matches_reference(q_scale: float, num_kv_splits: int,
+                                               dtype: torch.dtype) -> None:
+    """A stale running max: with q x 8 (scores spread over tens of powers of two) later blocks
+    pass it by more than LAZY_MAX_BITS and rescale mid-split; with q x 1 they almost never do,
+    and the probabilities run up to 2^LAZY_MAX_BITS."""
+    for config in (DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1, lazy_rescale=True),
+                   DecodeKernelConfig(block_n=32, num_warps=1, num_stages=2, early_v=True,
+                                      lazy_rescale=True)):
+        out, ref = run_decode([1, 13, 64, 75, 200], num_kv_heads=2, group=4, head_dim=64,
+                              dtype=dtype, num_kv_splits=num_kv_splits, config=config, seed=7,
+                              q_scale=q_scale)
+        torch.testing.assert_close(out, ref, **tolerance(dtype))
+
+
+def test_decode_lazy_rescale_with_window_and_cap() -> None:
+    config = DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1, lazy_rescale=True)
+    out, ref = run_decode([1, 40, 90], num_kv_heads=1, group=4, head_dim=64,
+                          dtype=torch.float32, num_kv_splits=2, config=config, seed=9,
+                          q_scale=8.0, sliding_window=50, logit_cap=20.0)
+    torch.testing.assert_close(out, ref, **tolerance(torch.float32))
+
+
 @pytest.mark.parametrize("num_kv_splits", [1, 2, 8])
 def test_decode_batch_one_any_split_count(num_kv_splits: int) -> None:
     out, ref = run_decode([97], num_kv_heads=1, group=4, head_dim=64, dtype=torch.float32,

@@ -49,9 +49,16 @@ class DecodeKernelConfig:
     # a cap on registers per thread (0: the compiler's choice), for more programs per SM: over
     # an FP8 pool the kernel takes 246 and fits 4 programs (8 warps) per SM on an H200
     max_registers: int = 0
+    # keep a stale running max per row until some row's block max passes it by LAZY_MAX_BITS
+    # (base 2): most blocks then skip the rescale of the accumulator (exp2 of the correction,
+    # a multiply per accumulator element); probabilities reach at most 2^LAZY_MAX_BITS
+    lazy_rescale: bool = False
 
 
 LOG2E = 1.4426950408889634
+# lazy_rescale's slack: p = 2^(score - stale max) stays <= 256, exact enough in fp16/bf16 (same
+# relative precision as p <= 1) and far from overflow in the float32 sums
+LAZY_MAX_BITS = 8.0
 
 
 @triton.jit
@@ -91,7 +98,7 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, SLIDING_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr,
     USE_PDL: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_FP16: tl.constexpr,
-    EARLY_V: tl.constexpr,
+    EARLY_V: tl.constexpr, LAZY_RESCALE: tl.constexpr = False, LAZY_BITS: tl.constexpr = 8.0,
 ):
     """FP8 KV: the codes are multiplied as they are (k_scale is folded into sm_scale_log2e by
     the caller, v_scale applied to the output), converted to fp16 (FP8_AS_FP16: exact, and one
@@ -144,18 +151,34 @@ def _decode_split_kernel(
                 qk = soft_cap_log2(qk, LOGIT_CAP)
             qk = tl.where(pos_mask[None, :], qk, float("-inf"))
             # every block holds at least one valid position (all of [start, end) is in the
-            # window), so m_new is finite
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            # window), so the block's row maxima are finite
+            m_block = tl.max(qk, 1)
+            if LAZY_RESCALE:
+                # one branch for the whole program: the first block (m_i = -inf) always takes it
+                if tl.max(m_block - m_i, 0) > LAZY_BITS:
+                    m_new = tl.maximum(m_i, m_block)
+                    alpha = tl.exp2(m_i - m_new)
+                    acc = acc * alpha[:, None]
+                    l_i = l_i * alpha
+                    m_i = m_new
+                p = tl.exp2(qk - m_i[:, None])
+                l_i = l_i + tl.sum(p, 1)
+            else:
+                m_new = tl.maximum(m_i, m_block)
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(qk - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
             if not EARLY_V:
                 v = tl.load(V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh
                             + offs_d[None, :], mask=kv_mask, other=0.0)
             if KV_FP8:
                 v = v.to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            if LAZY_RESCALE:  # acc is on m_i's scale already
+                acc = acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                                    input_precision=DOT_PRECISION)
+                m_i = m_new
 
         if KV_FP8:
             acc = acc * v_scale
@@ -293,6 +316,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         DOT_PRECISION=dot_precision(q.dtype), SINGLE_SPLIT=single_split,
         SLIDING_WINDOW=window, LOGIT_CAP=cap, KV_FP8=kv_fp8,
         FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16), EARLY_V=config.early_v,
+        LAZY_RESCALE=config.lazy_rescale, LAZY_BITS=LAZY_MAX_BITS,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
         **({"maxnreg": config.max_registers} if config.max_registers > 0 else {}),
     )
