@@ -235,7 +235,8 @@ def test_long_runs_through_cudnn_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None
 @pytest.mark.parametrize("storage", [None, torch.float8_e4m3fn])
 def test_fp8_pools_decode_with_v_gathered_early(storage: torch.dtype | None) -> None:
     """FP8 pools default to the decode variants that load V with K (one warp per program when a
-    batch runs one split); others keep the old order."""
+    batch runs one split); others keep the old order, with a lazily rescaled max where requests
+    split."""
     from radixserve.attention.base import AttentionContext
     from radixserve.mem.kv_pool import KVCacheSpec, make_kv_pool
     from radixserve.mem.req_to_token_pool import ReqToTokenPool
@@ -247,3 +248,4 @@ def test_fp8_pools_decode_with_v_gathered_early(storage: torch.dtype | None) -> 
         config = backend.decode_config_for(splits)
         assert config.early_v == (storage is not None)
         assert config.num_warps == (1 if storage is not None and splits == 1 else 2)
+        assert config.lazy_rescale == (storage is None and splits > 1)

@@ -68,4 +68,5 @@ def test_fp8_default_depends_on_the_split_plan() -> None:
     split = default_decode_config(torch.float8_e4m3fn, 8)
     assert (split.num_warps, split.block_n, split.early_v) == (2, 64, True)
     assert default_decode_config(torch.bfloat16, 1) == DecodeKernelConfig()
-    assert default_decode_config(torch.bfloat16, 8) == DecodeKernelConfig()
+    assert default_decode_config(torch.bfloat16, 8) == DecodeKernelConfig(lazy_rescale=True)
+    assert not split.lazy_rescale and not one_split.lazy_rescale

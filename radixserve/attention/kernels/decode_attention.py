@@ -247,9 +247,13 @@ def default_decode_config(kv_dtype: torch.dtype, num_kv_splits: int = 1) -> Deco
     batch 862 766 us against 870-888, batch 256 239 against 267, batch 64 66 against 71
     (batch 128: 145 against 134). Small batches split each request and have few programs:
     there two warps over 64-position tiles stay faster (batch 8: 15.3 us against 17.7).
-    bf16 reads at copy bandwidth with the plain default."""
+    Half-precision pools read at copy bandwidth with the plain default at large batches; where
+    requests split (batch 1-32) a stale running max (lazy_rescale) shortens each program's
+    chain: context 1024, batch 8 13.8 against 14.4 us, batch 16 21.9 against 22.9 (decode steps
+    5.20 against 5.24 ms at batch 8). Over FP8 pools it did not pay (batch 8 18.1 against
+    15.5 us, batch 862 844 against 826)."""
     if not is_fp8(kv_dtype):
-        return DecodeKernelConfig()
+        return DecodeKernelConfig(lazy_rescale=num_kv_splits > 1)
     if num_kv_splits == 1:
         return DecodeKernelConfig(block_n=32, num_warps=1, num_stages=5, early_v=True)
     return DecodeKernelConfig(early_v=True)
