@@ -6,7 +6,8 @@ they would replace, on the H200; --write stores the winners in the kernels' tabl
 --codes sweeps the kernel on activation codes quantised beforehand instead (see codes_sweep;
 `--codes --rows 8 16 --write` writes the "codes" entries DecoderLayer.forward_fp8_rows needs).
 
-Per Llama-3.1-8B FP8 shape (per-channel scales, as --quantization fp8 makes them):
+Per Llama-3.1-8B FP8 shape (or --model-path's on one of --tp-size ranks; per-channel scales,
+as --quantization fp8 makes them):
   M = 1:  each one-row fusion the decode layer runs (q|k|v with the input norm, o and down with
           the residual add, gate|up with the norm and SiLU-mul) against the FP8 GEMV with its
           swept variant configuration;
@@ -36,8 +37,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from benchmarks.model_shapes import DEFAULT_MODEL  # noqa: E402
 from gpu_gemm_tune import MARGIN, Shape  # noqa: E402
-from gpu_row_fusion import SHAPES, VARIANTS  # noqa: E402
+from gpu_row_fusion import SHAPES, VARIANTS, use_model  # noqa: E402
 
 FULL_SWEEP_ROWS = (1, 8)  # the others try the five best of M = 8
 SMS = 132
@@ -226,7 +228,13 @@ def main() -> int:
     parser.add_argument("--write", action="store_true", help="store the winners")
     parser.add_argument("--codes", action="store_true",
                         help="instead: the kernel on activations quantised beforehand")
+    parser.add_argument("--model-path", default=None,
+                        help="a model directory with config.json (default: Llama-3.1-8B's)")
+    parser.add_argument("--tp-size", type=int, default=1,
+                        help="sweep the shapes one of this many ranks multiplies by")
     args = parser.parse_args()
+    if args.model_path or args.tp_size > 1:
+        use_model(args.model_path or DEFAULT_MODEL, args.tp_size)
     if not torch.cuda.is_available():
         print("gpu_fp8_mma: no CUDA device")
         return 0

@@ -2,16 +2,19 @@
 (radixserve/layers/kernels/gemm_configs/{bf16,fp8}_N{n}_K{k}.json, see kernels/gemm_tables.py).
 
     python3 benchmarks/gpu_gemm_tune.py [--kinds bf16 fp8] [--budget 300] [--write-dir DIR]
+        [--model-path benchmarks/configs/llama-3.1-70b --tp-size 8]
 
-Per Llama-3.1-8B shape (qkv, o, gate_up, down, lm_head) and row count M:
-  M = 1, fp8:  the FP8 GEMV over (block_n, block_k, warps, stages);
+Per decode product of the model (qkv, o, gate_up, down, lm_head; Llama-3.1-8B by default) on
+one of --tp-size ranks (benchmarks/model_shapes.py), and row count M:
+  M = 1:       the GEMV over (block_n, block_k, warps, stages): FP8 always, bf16 with
+               --gemv-bf16 (without it, bf16 keeps its shape-class defaults, which
+               benchmarks/gpu_tune.py swept for Llama-3.1-8B's shapes);
   M = 8, 32:   the skinny tile GEMM over (SWAP_AB, BLOCK_N, BLOCK_K, SPLIT_K, stages) against cuBLAS
                (bf16) or torch._scaled_mm with per-token activation scales (fp8, per-channel);
   M = 2, 4, 16, 64: the five best configurations of the nearest full sweep, and the baseline.
 Each candidate is timed as the caller runs it (allocation, zeroing and the cast back of split K
 included) in a CUDA graph over rotating weight copies, so every read comes from HBM. An entry
-records the winner, its time ("us") and the baseline's ("base_us"). The bf16 GEMV (M = 1) keeps
-its shape-class defaults (benchmarks/gpu_tune.py swept them).
+records the winner, its time ("us") and the baseline's ("base_us").
 """
 from __future__ import annotations
 
@@ -27,8 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
-          "down": (4096, 14336), "lm_head": (128256, 4096)}
+from benchmarks.model_shapes import DEFAULT_MODEL, decode_product_shapes  # noqa: E402
+
+SHAPES = decode_product_shapes()  # Llama-3.1-8B; --model-path / --tp-size for others
 FULL_SWEEP_M = {2: 8, 4: 8, 8: 8, 16: 8, 32: 32, 64: 32}  # M -> the M whose sweep it reuses
 ORDER = (8, 32, 2, 4, 16, 64)
 MARGIN = 1.02
@@ -79,13 +83,17 @@ def tile_candidates(m: int, k: int):
 
 
 def sweep_gemv(shape: Shape) -> dict:
-    from radixserve.layers.kernels.gemv import fp8_gemv
+    from radixserve.layers.kernels.gemv import fp8_gemv, gemv
     x = torch.randn(1, shape.k, device="cuda", dtype=torch.bfloat16)
     best = (float("inf"), None)
     for cfg in gemv_candidates():
         if shape.k % cfg.block_k:
             continue
-        seconds = shape.timed(lambda w, cfg=cfg: fp8_gemv(x, w, shape.scale, None, config=cfg))
+        if shape.kind == "fp8":
+            product = lambda w, cfg=cfg: fp8_gemv(x, w, shape.scale, None, config=cfg)  # noqa
+        else:
+            product = lambda w, cfg=cfg: gemv(x, w, config=cfg)  # noqa: E731
+        seconds = shape.timed(product)
         best = min(best, (seconds, cfg), key=lambda pair: pair[0])
     seconds, cfg = best
     return dict(cfg._asdict(), us=round(seconds * 1e6, 2))
@@ -109,8 +117,9 @@ def sweep_tiles(shape: Shape, m: int, candidates: list[dict]) -> list[tuple[floa
 
 
 def tune_shape(shape: Shape, deadline: float, gemv: bool) -> dict[str, dict]:
+    """gemv: sweep the M = 1 GEMV too."""
     table: dict[str, dict] = {}
-    if shape.kind == "fp8" and gemv:
+    if gemv:
         entry = sweep_gemv(shape)
         table["1"] = entry
         print(f"  M=1  gemv {entry}  {shape.nbytes / entry['us'] / 1e6:5.2f} TB/s", flush=True)
@@ -158,7 +167,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kinds", nargs="+", default=["fp8", "bf16"])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--model-path", default=None,
+                        help="a model directory with config.json (default: Llama-3.1-8B's)")
+    parser.add_argument("--tp-size", type=int, default=1,
+                        help="sweep the shapes one of this many ranks multiplies by")
+    parser.add_argument("--gemv-bf16", action="store_true",
+                        help="sweep the bf16 GEMV at M = 1 too (shapes other than "
+                             "Llama-3.1-8B's tp 1 have no swept bf16 GEMV configuration)")
     parser.add_argument("--budget", type=float, default=300.0)
     parser.add_argument("--write-dir", default=None, help="default: the package's gemm_configs")
     parser.add_argument("--no-gemv", action="store_true",
@@ -170,16 +186,18 @@ def main() -> int:
     from radixserve.layers.kernels import gemm_tables
     out_dir = Path(args.write_dir) if args.write_dir else gemm_tables.CONFIG_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
+    shapes = decode_product_shapes(args.model_path or DEFAULT_MODEL, args.tp_size)
     deadline = time.time() + args.budget
     for kind in args.kinds:
         for name in args.shapes:
             if time.time() > deadline:
                 print("budget spent")
                 return 0
-            n, k = SHAPES[name]
+            n, k = shapes[name]
             print(f"== {kind} {name} N={n} K={k}", flush=True)
             shape = Shape(kind, n, k)
-            table = tune_shape(shape, deadline, gemv=not args.no_gemv)
+            table = tune_shape(shape, deadline, gemv=not args.no_gemv
+                               and (kind == "fp8" or args.gemv_bf16))
             del shape
             torch.cuda.empty_cache()
             path = out_dir / f"{kind}_N{n}_K{k}.json"

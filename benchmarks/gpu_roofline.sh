@@ -21,6 +21,10 @@
 # fusion:  a batch-1 decode layer's linears with and without the one-row fusions, bf16 and FP8
 #          (benchmarks/gpu_row_fusion.py; ROOF_FUSION_ARGS="--sweep --write" re-sweeps their
 #          configurations into the kernels' tables, ~4 min)
+# tune70: the decode products' sweep (benchmarks/gpu_gemm_tune.py --gemv-bf16) for Llama-3.1-70B's
+#          shapes on one rank of tp ROOF_TUNE_TP (default "2 4 8"; bf16), written into the
+#          kernels' tables and packed into $OUT/gemm_configs.tgz to bring back (~ROOF_TUNE_BUDGET
+#          seconds per tp size, default 150; issue 17 asks for every 8B/70B shape swept)
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/gpu_common.sh gpu_roofline "${ROOF_STEPS:-decode short long radix offline http}"
@@ -128,4 +132,15 @@ if step http; then
 fi
 if step http_incremental; then  # only the new ids per chunk (--incremental-streaming-output)
     http_run incremental --incremental-streaming-output
+fi
+if step tune70; then
+    for tp in ${ROOF_TUNE_TP:-2 4 8}; do
+        echo "== tune: Llama-3.1-70B, one rank of tp $tp, bf16"
+        timeout -k 10 $(( ${ROOF_TUNE_BUDGET:-150} + 60 )) python3 benchmarks/gpu_gemm_tune.py \
+            --model-path benchmarks/configs/llama-3.1-70b --tp-size "$tp" --kinds bf16 \
+            --gemv-bf16 --budget "${ROOF_TUNE_BUDGET:-150}" > "$OUT/tune70_tp$tp.log" 2>&1
+        echo "   rc $?"
+        grep -E "^==|M=" "$OUT/tune70_tp$tp.log" | cut -c1-160
+    done
+    tar czf "$OUT/gemm_configs.tgz" -C radixserve/layers/kernels gemm_configs
 fi

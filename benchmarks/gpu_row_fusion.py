@@ -2,7 +2,8 @@
 
     python3 benchmarks/gpu_row_fusion.py [--kinds bf16 fp8] [--sweep] [--budget 120]
 
-Per Llama-3.1-8B layer (attention left out): the unfused chain of seven kernels (RMSNorm with
+Per Llama-3.1-8B layer (or --model-path's, at tp 1: the only size that fuses; attention left
+out): the unfused chain of seven kernels (RMSNorm with
 the residual add, q|k|v GEMV, o GEMV, RMSNorm with the residual add, gate|up GEMV, SiLU-mul,
 down GEMV) against the fused chain of four (kernels/gemv.py RowFusion: the norms in the q|k|v
 and gate|up GEMVs, SiLU-mul in gate|up's, the residual adds in o's and down's), each captured in
@@ -25,12 +26,27 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from benchmarks.model_shapes import DEFAULT_MODEL, decode_product_shapes  # noqa: E402
 from gpu_gemm_tune import time_graph  # noqa: E402
 
-HIDDEN, INTER, QKV = 4096, 14336, 6144
 COPIES = 3  # a bf16 layer's linears are 436 MB: three copies are far past the 60 MB L2
-SHAPES = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN),
-          "down": (HIDDEN, INTER)}
+# a layer's products, and the widths around them: the residual stream (HIDDEN), o_proj's input
+# (O_IN) and down_proj's (INTER); Llama-3.1-8B unless use_model points elsewhere
+SHAPES: dict[str, tuple[int, int]] = {}
+HIDDEN = O_IN = INTER = 0
+
+
+def use_model(model_path: str | Path = DEFAULT_MODEL, tp_size: int = 1) -> None:
+    """The shapes of another model, or of one of tp_size ranks (SHAPES is updated in place:
+    gpu_fp8_mma.py shares it)."""
+    global HIDDEN, O_IN, INTER
+    shapes = decode_product_shapes(model_path, tp_size)
+    SHAPES.clear()
+    SHAPES.update({name: shapes[name] for name in ("qkv", "o", "gate_up", "down")})
+    (HIDDEN, O_IN), INTER = SHAPES["o"], SHAPES["down"][1]
+
+
+use_model()
 
 
 def one_row(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, fusion=None,
@@ -71,7 +87,7 @@ class Layer:
         from radixserve.layers.kernels.silu_and_mul import silu_and_mul
         normed, stream = fused_rmsnorm(hidden, self.norm1, 1e-5, stream)
         qkv = self.product("qkv", normed)
-        attn_out = qkv[:, :HIDDEN].contiguous()  # stands in for attention's output
+        attn_out = qkv[:, :O_IN].contiguous()  # stands in for attention's output
         o = self.product("o", attn_out)
         normed, stream = fused_rmsnorm(o, self.norm2, 1e-5, stream)
         act = silu_and_mul(self.product("gate_up", normed))
@@ -80,7 +96,7 @@ class Layer:
     def fused(self, stream: torch.Tensor) -> torch.Tensor:
         from radixserve.layers.kernels.gemv import RowFusion
         qkv = self.product("qkv", stream, RowFusion(self.norm1, 1e-5))
-        attn_out = qkv[:, :HIDDEN].contiguous()
+        attn_out = qkv[:, :O_IN].contiguous()
         stream = self.product("o", attn_out, RowFusion(residual=stream))
         act = self.product("gate_up", stream, RowFusion(self.norm2, 1e-5, gated=True))
         return self.product("down", act, RowFusion(residual=stream))
@@ -119,8 +135,7 @@ def sweep(kind: str, budget: float, write: bool) -> None:
     stream = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
     for name, (n, k) in SHAPES.items():
         shape = Shape(kind, n, k)
-        x = torch.randn(1, INTER if name == "down" else HIDDEN, device="cuda",
-                        dtype=torch.bfloat16)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         fusion = RowFusion(residual=stream) if VARIANTS[name] == "residual" else \
             RowFusion(norm, 1e-5, gated=name == "gate_up")
 
@@ -173,7 +188,11 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--budget", type=float, default=120.0, help="seconds per kind's sweep")
     parser.add_argument("--write", action="store_true", help="store the sweep's winners")
+    parser.add_argument("--model-path", default=str(DEFAULT_MODEL))
     args = parser.parse_args()
+    # one rank only: at tp > 1 the residual adds wait for the all-reduce, and the decode
+    # layer does not fuse rows
+    use_model(args.model_path)
     for kind in args.kinds:
         chain(kind)
         if args.sweep:
