@@ -12,9 +12,10 @@
 #          (FP8_MMA_ARGS, default "--write --budget 240": winners into the tables, and
 #          $OUT/gemm_configs.tgz)
 # codes:   benchmarks/gpu_fp8_mma.py --codes: the same kernel on activation codes (what
-#          DecoderLayer.forward_fp8_rows gives it at 2-16 rows) against what the model runs
+#          DecoderLayer.forward_fp8_rows gives it at 2-128 rows) against what the model runs
 #          without them; winners into the tables as "codes" (FP8_CODES_ARGS, default
-#          "--rows 8 16 --write --budget 120"; after `mma`, whose entries it compares with)
+#          "--rows 8 16 --write --budget 120"; after `mma`, whose entries it compares with;
+#          "--rows 32 64 128 --write --budget 240" sweeps the 17-128-row tiles)
 # decode:  Llama-3.1-8B shapes, dummy weights, one static batch of 1 / 8 / 32 at context 1024,
 #          graphs + overlap: bf16, FP8 weights quantised at load (--quantization fp8), and FP8
 #          weights + FP8 KV cache

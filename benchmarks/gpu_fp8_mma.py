@@ -4,7 +4,8 @@ they would replace, on the H200; --write stores the winners in the kernels' tabl
     python3 benchmarks/gpu_fp8_mma.py [--budget 240] [--write] [--rows 1 8 16] [--codes]
 
 --codes sweeps the kernel on activation codes quantised beforehand instead (see codes_sweep;
-`--codes --rows 8 16 --write` writes the "codes" entries DecoderLayer.forward_fp8_rows needs).
+`--codes --rows 8 16 --write` writes the "codes" entries DecoderLayer.forward_fp8_rows needs,
+`--codes --rows 32 64 128 --write` those of 17-128 rows).
 
 Per Llama-3.1-8B FP8 shape (or --model-path's on one of --tp-size ranks; per-channel scales,
 as --quantization fp8 makes them):
@@ -41,7 +42,8 @@ from benchmarks.model_shapes import DEFAULT_MODEL  # noqa: E402
 from gpu_gemm_tune import MARGIN, Shape  # noqa: E402
 from gpu_row_fusion import SHAPES, VARIANTS, use_model  # noqa: E402
 
-FULL_SWEEP_ROWS = (1, 8)  # the others try the five best of M = 8
+# the others try the five best of M = 8; 32-128 rows (activation codes only) tile differently
+FULL_SWEEP_ROWS = (1, 8, 32, 64, 128)
 SMS = 132
 COPIED_ROWS = {2: 8, 4: 8}  # entries written with M = 8's outcome: at 2-16 rows both kernels
 # take the same time (the tiles are 16 rows whatever M is; session 11's first sweep)
@@ -149,8 +151,13 @@ def case_deadlines(rows: list[int], budget: float):
 
 def sweep(rows: list[int], budget: float, write: bool) -> None:
     from radixserve.layers.kernels.fp8_mma_rows import fp8_mma_rows
+    from radixserve.layers.kernels.fp8_mma_rows import MAX_ROWS
     ranked: dict[str, list] = {}
     for m, name, case_deadline in case_deadlines(rows, budget):
+        if m > MAX_ROWS:
+            print(f"   M={m}: past the {MAX_ROWS} rows the kernel quantises in registers "
+                  "(--codes sweeps more rows of activation codes)", flush=True)
+            continue
         n, k = SHAPES[name]
         shape = Shape("fp8", n, k)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -163,7 +163,7 @@ class DecoderLayer(nn.Module):
     def takes_fp8_rows(self, hidden: torch.Tensor) -> bool:
         """A dense SwiGLU layer whose q|k|v, gate|up and down products have tensor-core
         configurations for this many rows of activations quantised beforehand (FP8 weights,
-        2-16 rows on the GPU: kernels/fp8_gemm.py `fp8_codes_product`); decided once per row
+        2-128 rows on the GPU: kernels/fp8_gemm.py `fp8_codes_product`); decided once per row
         count."""
         rows = hidden.shape[0]
         if rows not in self._takes_fp8_rows:

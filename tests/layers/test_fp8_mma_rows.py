@@ -86,6 +86,31 @@ def test_rows_already_quantised(m: int, split: int) -> None:
     assert got.dtype == DTYPE and _relative_error(got, want) < 8e-3
 
 
+@pytest.mark.parametrize("m,split", [(17, 1), (40, 2), (128, 1)])
+def test_more_rows_of_codes_take_a_larger_row_tile(m: int, split: int) -> None:
+    """Past 16 rows of activation codes the MMA's row tile grows to the next power of two
+    (32, 64, 128): every row still gets its own product, the padding rows are not stored."""
+    from radixserve.layers.kernels.per_token_quant import per_token_quant_reference
+    assert mma_rows.block_rows(m) == max(16, 1 << (m - 1).bit_length())
+    codes, scale = _weights(64, 256, None, seed=40 + m)
+    x = _rows(m, 256, seed=41, spread=20.0)
+    x_codes, x_scale = per_token_quant_reference(x, torch.float8_e4m3fn)
+    got = fp8_mma_rows(x_codes.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None,
+                       config=SMALL._replace(split_k=split), x_scale=x_scale.to(DEVICE),
+                       out_dtype=DTYPE)
+    want = fp8_weight_gemm_reference(x_codes.float() * x_scale, codes, scale, None)
+    assert got.shape == (m, 64) and _relative_error(got, want) < 8e-3
+    for row in (0, m // 2, m - 1):  # each row against its own product, not a neighbour's
+        assert _relative_error(got[row:row + 1], want[row:row + 1]) < 8e-3
+
+
+def test_rows_quantised_in_registers_stop_at_sixteen() -> None:
+    codes, scale = _weights(64, 256, None, seed=50)
+    with pytest.raises(AssertionError):
+        fp8_mma_rows(_rows(17, 256, seed=51).to(DEVICE), codes.to(DEVICE), scale.to(DEVICE),
+                     None, config=SMALL)
+
+
 def test_the_second_activation_term_restores_bf16_precision() -> None:
     codes, scale = _weights(64, 512, None, seed=3)
     x = _rows(4, 512, seed=4, spread=50.0)
@@ -170,6 +195,22 @@ def test_a_swept_entry_routes_rows_to_the_kernel(table_dir, monkeypatch) -> None
         is not None and len(launched) == 1
     monkeypatch.setattr(mma_rows, "ENABLED", False)
     assert fp8_rows_product(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None) is None
+
+
+def test_codes_entries_cover_up_to_128_rows(table_dir) -> None:
+    """A "codes" entry swept at 64 rows serves 17-64 rows of activation codes (the smallest
+    swept row count at or above), nothing past 128."""
+    from radixserve.layers.kernels.fp8_gemm import fp8_codes_config
+    swept = dict(block_n=128, block_k=128, num_warps=8, num_stages=3, x_terms=1, split_k=1,
+                 us=1.0)
+    (table_dir / "fp8_N64_K256.json").write_text(json.dumps({
+        "16": {"mma": {"codes": dict(swept, block_n=64)}},
+        "64": {"kernel": "scaled_mm", "mma": {"codes": swept}},
+        "128": {"kernel": "scaled_mm"}}))
+    assert fp8_codes_config(64, 256, 9, None).block_n == 64
+    assert fp8_codes_config(64, 256, 40, None) == MmaRowsConfig(128, 128, 8, 3, 1, 1)
+    assert fp8_codes_config(64, 256, 100, None) is None  # the 128-row sweep kept scaled_mm
+    assert fp8_codes_config(64, 256, 129, None) is None  # past the kernel's rows
 
 
 def test_the_shipped_tables_entries_are_launchable() -> None:

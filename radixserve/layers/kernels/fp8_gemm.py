@@ -2,7 +2,7 @@
 
 Up to 16 rows, where the H200 sweep found it faster: the FP8 tensor-core kernel
 (kernels/fp8_mma_rows.py), which feeds the codes to e4m3 MMAs and quantises the activations in
-registers. Otherwise one row: the FP8 GEMV (kernels/gemv.py); decode-sized batches: the skinny
+registers (up to 128 rows of activations quantised beforehand: `fp8_codes_product`). Otherwise one row: the FP8 GEMV (kernels/gemv.py); decode-sized batches: the skinny
 tile GEMM (kernels/skinny_gemm.py), which loads FP8 codes (half the bytes of bf16) and runs the
 bf16 tensor cores. Per-shape configurations swept on the H200 come from `gemm_tables`. Large
 per-channel batches: `torch._scaled_mm` (cuBLASLt, FP8 tensor cores) with activations quantised
@@ -78,7 +78,7 @@ def fp8_codes_config(n: int, k: int, m: int, group_k: int | None
     """The tensor-core configuration for m rows of activation codes against an [n, k] FP8
     weight (the "codes" variant of the table's "mma" key, written where the sweep found it
     faster than the kernel quantising in registers), or None."""
-    if not (0 < m <= fp8_mma_rows.MAX_ROWS and fp8_mma_rows.ENABLED and CODES_ENABLED):
+    if not (0 < m <= fp8_mma_rows.MAX_CODE_ROWS and fp8_mma_rows.ENABLED and CODES_ENABLED):
         return None
     config = fp8_mma_rows.tuned_config(n, k, m, "codes")
     if config is not None and group_k:

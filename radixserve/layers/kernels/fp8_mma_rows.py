@@ -1,4 +1,5 @@
-"""A few rows (1-16: decode) against FP8 weight codes on the FP8 tensor cores, in Triton.
+"""A few rows (decode: 1-16, or up to 128 rows of activation codes) against FP8 weight codes on
+the FP8 tensor cores, in Triton.
 
 The FP8 GEMV (gemv.py) and the skinny tile GEMM (skinny_gemm.py) convert every weight code to
 float32 or bf16 in registers before they multiply: twice the ALU work per byte of a bf16
@@ -15,8 +16,10 @@ of the time on the H200). Activations may also arrive as codes already (X_CODES,
 codes and row scales): then both operands go from memory to the MMA.
 
 The weight rows are the MMA's first operand (BLOCK_N of them, 64 or 128: Hopper's wgmma takes
-64 rows per warp group), the rows of x its second (padded to BLOCK_M = 16), and the tile is
-stored transposed. K may be split over SPLIT_K programs per tile: each leaves its partial tile in
+64 rows per warp group), the rows of x its second (padded to BLOCK_M: 16, or the next power of
+two for more rows), and the tile is stored transposed. Each weight tile is read once whatever
+BLOCK_M is, so up to ~128 rows the product stays bound by the weight bytes (FP8 at 4 TB/s and
+~1 PFLOP/s cross over near 125 rows). K may be split over SPLIT_K programs per tile: each leaves its partial tile in
 a workspace and the last to arrive (an int32 counter per tile, reset by that program) adds them
 up and runs the epilogue, so the fusions below need no second kernel. Scales: per output row
 once at the end, or (GROUPED) per K group of GROUP_K columns on each step's product. The
@@ -39,7 +42,10 @@ from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 from radixserve.layers.kernels.gemm_tables import tuned_entry
 from radixserve.layers.kernels.gemv import NO_FUSION, RowFusion
 
-MAX_ROWS = 16  # the rows of x one launch takes (the MMA's second operand, padded)
+MAX_ROWS = 16  # the rows of x one launch quantises in registers (the MMA's second operand)
+# the rows of activation codes (x_scale given) one launch takes: the prologue's amax tile and
+# the second term's accumulators that quantising in registers needs grow with the rows
+MAX_CODE_ROWS = 128
 # RADIXSERVE_FP8_MMA=0 keeps FP8 decode products on the converting kernels (for A/B timing)
 ENABLED = os.environ.get("RADIXSERVE_FP8_MMA", "1") != "0"
 
@@ -281,18 +287,24 @@ def available(x: torch.Tensor) -> bool:
                         else torch.cuda.current_device())
 
 
+def block_rows(m: int) -> int:
+    """The MMA's row tile for m rows: 16 (its smallest), else the next power of two."""
+    return max(16, triton.next_power_of_2(m))
+
+
 def fp8_mma_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                  group_k: int | None, config: MmaRowsConfig,
                  bias: torch.Tensor | None = None, fusion: RowFusion = NO_FUSION,
                  x_scale: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [M <= 16, K] (rows contiguous) against FP8 codes [N, K] x scales [N, G] -> [M, N] in
-    x's dtype (N / 2 when gated), with `config` (`tuned_config`'s, or a sweep's); see RowFusion
-    for `fusion`. x_scale [M, 1] float32: x holds e4m3 codes already (per_token_quant's), the
-    output in out_dtype; no norm fusion then."""
+    """x [M, K] (rows contiguous; M <= MAX_ROWS) against FP8 codes [N, K] x scales [N, G] ->
+    [M, N] in x's dtype (N / 2 when gated), with `config` (`tuned_config`'s, or a sweep's); see
+    RowFusion for `fusion`. x_scale [M, 1] float32: x holds e4m3 codes already (per_token_quant's;
+    M <= MAX_CODE_ROWS), the output in out_dtype; no norm fusion then."""
     n, k = weight.shape
     m = x.shape[0]
-    assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1 and 0 < m <= MAX_ROWS
+    max_rows = MAX_CODE_ROWS if x_scale is not None else MAX_ROWS
+    assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1 and 0 < m <= max_rows
     assert weight.stride(1) == 1
     if x_scale is not None:
         assert x.dtype == torch.float8_e4m3fn and fusion.norm_weight is None
@@ -312,13 +324,14 @@ def fp8_mma_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         assert norm_weight.shape == (k,) and norm_weight.is_contiguous()
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     tiles = triton.cdiv(n, config.block_n)
+    rows = block_rows(m)
     split = config.split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
     split = triton.cdiv(k, k_per_split)  # no program without columns
     work = counters = y
     if split > 1:
         halves = 2 if fusion.gated else 1
-        work = torch.empty(split * tiles * (MAX_ROWS * config.block_n * halves + MAX_ROWS),
+        work = torch.empty(split * tiles * (rows * config.block_n * halves + rows),
                            dtype=torch.float32, device=x.device)
         counters = tile_counters(x.device, tiles)
     _fp8_mma_rows_kernel[(tiles, split)](
@@ -332,6 +345,6 @@ def fp8_mma_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         NORM=norm_weight is not None, GATED=fusion.gated, RESIDUAL=residual is not None,
         X_TERMS=1 if x_scale is not None else config.x_terms,
         ONE_ROW=m == 1 and x_scale is None, X_CODES=x_scale is not None, SPLIT_K=split,
-        BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_M=rows, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(x))
     return y

@@ -13,7 +13,7 @@ Internally every FP8 linear keeps `weight_scale` as [out rows, K groups] float32
 128 input columns (block scales, expanded to rows); the matmul reads that one layout.
 Activations on the GPU: decode rows (1-16) go to the e4m3 tensor cores, quantised per token in
 registers or beforehand by the kernel that made them (`Fp8Rows`: RMSNorm and SiLU-mul emit
-codes and row scales at 2-16 rows); where no swept configuration says so, the GEMV and the
+codes and row scales at 2-128 rows where a swept configuration exists); where no swept configuration says so, the GEMV and the
 skinny GEMM multiply bf16 activations with the weights dequantised in registers; large
 per-channel batches quantise per token for `torch._scaled_mm`. Static input scales are loaded
 but not used.
