@@ -85,11 +85,11 @@ def checkpoint(tmp_path_factory):
     return str(folder)
 
 
-def _greedy(checkpoint: str) -> list[list[int]]:
+def _greedy(checkpoint: str, lengths: tuple[int, ...] = (12, 20, 7)) -> list[list[int]]:
     engine = radixserve.Engine(checkpoint, dtype="float16", skip_tokenizer_init=True,
                                max_total_tokens=2000, quantization="fp8")
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 160, (n,), generator=gen).tolist() for n in (12, 20, 7)]
+    prompts = [torch.randint(0, 160, (n,), generator=gen).tolist() for n in lengths]
     # three requests: every decode step is three rows (few steps: the interpreter is slow)
     outs = engine.generate(input_ids=prompts, sampling_params={
         "max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
@@ -130,3 +130,25 @@ def test_engine_decode_rows_take_activation_codes(checkpoint, monkeypatch) -> No
     products.clear()
     assert _greedy(checkpoint) == got
     assert not products
+
+
+def test_engine_decode_rows_past_sixteen_take_activation_codes(checkpoint, monkeypatch) -> None:
+    """Eighteen requests: every decode step is 18 rows, which the kernel takes in a 32-row
+    tile; the greedy tokens are those of the layers without the codes path."""
+    lengths = tuple(5 + (7 * i) % 13 for i in range(18))
+    plain = _greedy(checkpoint, lengths)
+    monkeypatch.setattr(blocks, "one_row_kernels_apply", lambda hidden: hidden.dim() == 2)
+    rows_seen: list[int] = []
+
+    def config(n: int, k: int, m: int, group_k: int | None):  # type: ignore[no-untyped-def]
+        rows_seen.append(m)
+        return fp8_mma_rows.MmaRowsConfig(64, 64, 4, 2) if 16 < m <= 128 else None
+
+    monkeypatch.setattr(fp8_gemm, "fp8_codes_config", config)
+    tiles = []
+    kernel = fp8_mma_rows.fp8_mma_rows
+    monkeypatch.setattr(fp8_mma_rows, "fp8_mma_rows", lambda *args, **kw: tiles.append(
+        (args[0].shape[0], kw.get("x_scale") is not None)) or kernel(*args, **kw))
+    assert _greedy(checkpoint, lengths) == plain
+    assert 18 in rows_seen and (18, True) in tiles  # 18 rows of codes in one launch
+
