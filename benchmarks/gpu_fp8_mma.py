@@ -193,11 +193,14 @@ def codes_sweep(rows: list[int], budget: float, write: bool) -> None:
     """The kernel on activations that arrive as e4m3 codes (RMSNorm and SiLU-mul emit them in
     DecoderLayer.forward_fp8_rows), plain products, over the grid (M = 16: M = 8's five best),
     against what the model runs now (the kernel quantising in registers where its entry says
-    so), and per_token_quant alone (the pass the producers fold in). --write stores a winner
+    so; past 16 rows scaled_mm or the skinny kernel), and per_token_quant alone (the pass the
+    producers fold in; fp8_weight_matmul runs it for 17-128 rows where the entry's margin
+    covers it: o_proj). --write stores a winner
     2% or more ahead as the "codes" variant of the entry's "mma" key, for M >= 2 only (one row
     keeps the fused GEMV layer, which has no norm or SiLU kernel to carry the quantisation)."""
     from radixserve.layers.kernels.fp8_gemm import fp8_weight_matmul
-    from radixserve.layers.kernels.fp8_mma_rows import fp8_mma_rows
+    from radixserve.layers.kernels.fp8_mma_rows import MAX_ROWS, fp8_mma_rows
+    from radixserve.layers.kernels.gemv import NO_FUSION
     from radixserve.layers.kernels.per_token_quant import per_token_quant
     ranked: dict[str, list] = {}
     for m, name, case_deadline in case_deadlines(rows, budget):
@@ -205,7 +208,10 @@ def codes_sweep(rows: list[int], budget: float, write: bool) -> None:
         shape = Shape("fp8", n, k)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         codes, x_scale = per_token_quant(x, torch.float8_e4m3fn)
-        t_base = shape.timed(lambda w: fp8_weight_matmul(x, w, shape.scale, None, None))
+        if m <= MAX_ROWS:  # what the rows layer would run: maybe the in-register quantising
+            t_base = shape.timed(lambda w: fp8_weight_matmul(x, w, shape.scale, None, None))
+        else:  # scaled_mm or the skinny kernel (not this kernel's own codes path)
+            t_base = shape.timed(lambda w: incumbent(x, w, shape.scale, NO_FUSION))
         t_quant = shape.timed(lambda w: per_token_quant(x, torch.float8_e4m3fn))
         grid = candidates(n, k) if m in FULL_SWEEP_ROWS or name not in ranked else \
             [config for _, config in ranked[name][:5]]

@@ -213,6 +213,29 @@ def test_codes_entries_cover_up_to_128_rows(table_dir) -> None:
     assert fp8_codes_config(64, 256, 129, None) is None  # past the kernel's rows
 
 
+@pytest.mark.parametrize("margin_us,takes_codes", [(5.0, True), (1.0, False)])
+def test_rows_past_sixteen_quantise_for_the_codes_kernel_where_that_pays(
+        table_dir, monkeypatch, margin_us: float, takes_codes: bool) -> None:
+    """A linear of 17-128 bf16 rows (o_proj in the FP8 rows layer) runs per_token_quant and the
+    codes kernel only when the swept margin over the incumbent covers the quantising pass."""
+    from radixserve.layers.kernels.fp8_gemm import fp8_weight_matmul
+    swept = dict(block_n=64, block_k=64, num_warps=4, num_stages=2, x_terms=1, split_k=1,
+                 us=10.0, base_us=10.0 + margin_us)
+    (table_dir / "fp8_N64_K256.json").write_text(json.dumps({
+        "64": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1, "SWAP_AB": 0,
+               "num_warps": 4, "num_stages": 2, "us": 20.0, "mma": {"codes": swept}}}))
+    launched = []
+    real = mma_rows.fp8_mma_rows
+    monkeypatch.setattr(mma_rows, "fp8_mma_rows", lambda *args, **kw: launched.append(
+        kw.get("x_scale") is not None) or real(*args, **kw))
+    codes, scale = _weights(64, 256, None, seed=60)
+    x = _rows(40, 256, seed=61)
+    got = fp8_weight_matmul(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE), None, None)
+    assert launched == ([True] if takes_codes else [])
+    # one e4m3 term per activation (~2^-4 relative each) on the codes path
+    assert _relative_error(got, fp8_weight_gemm_reference(x, codes, scale, None)) < 3e-2
+
+
 def test_the_shipped_tables_entries_are_launchable() -> None:
     """Every "mma" entry in the package's fp8 tables reads back as a configuration that divides
     its K (benchmarks/gpu_fp8_mma.py wrote them on the H200)."""

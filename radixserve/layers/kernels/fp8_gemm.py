@@ -26,6 +26,10 @@ from radixserve.layers.kernels.skinny_gemm import (config_from_entry, default_co
 CODES_ENABLED = os.environ.get("RADIXSERVE_FP8_ROW_CODES", "1") != "0"
 SCALED_MM_MIN_TOKENS = 64  # per-channel weights at this many rows and more (without a swept
 # entry): FP8 tensor cores; the H200 sweep had _scaled_mm ahead of the Triton tiles from M=64
+# 17-128 rows of bf16 activations quantised by per_token_quant for the tensor-core kernel's
+# "codes" configuration, where its sweep margin over the incumbent ("base_us" - "us") pays
+# for that pass too (~1.9 us on the H200, session 12)
+QUANT_PASS_US = 2.0
 
 
 def fp8_weight_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -103,17 +107,32 @@ def fp8_codes_product(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.
                                      config, bias, x_scale=x_scale, out_dtype=out_dtype)
 
 
+def _codes_pay_for_quantising(n: int, k: int, m: int) -> bool:
+    """Whether m rows (17-128) quantised by a pass of their own, then the tensor-core kernel on
+    the codes, beat the incumbent by the swept entry's margin."""
+    entry = (((tuned_entry("fp8", n, k, m) or {}).get("mma") or {}).get("codes")) or {}
+    return "us" in entry and entry.get("base_us", 0.0) - entry["us"] > QUANT_PASS_US
+
+
 def fp8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                       block: int | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """The GPU FP8 linear: decode rows on `fp8_rows_product` where it applies, _scaled_mm for
+    """The GPU FP8 linear: decode rows on `fp8_rows_product` where it applies (up to 16 rows;
+    17-128 rows through per_token_quant and the codes kernel where that pays), _scaled_mm for
     large per-channel batches (when the device has FP8 tensor cores), else the
     weight-dequantising Triton GEMM."""
     tokens = x.numel() // x.shape[-1]
-    entry = tuned_entry("fp8", weight.shape[0], weight.shape[1], tokens)
+    n, k = weight.shape
+    entry = tuned_entry("fp8", n, k, tokens)
     if 0 < tokens <= fp8_mma_rows.MAX_ROWS and x.is_contiguous():  # decode rows
         y = fp8_rows_product(x.reshape(tokens, -1), weight, scale, block, bias)
         if y is not None:
-            return y.view(*x.shape[:-1], weight.shape[0])
+            return y.view(*x.shape[:-1], n)
+    elif (tokens <= fp8_mma_rows.MAX_CODE_ROWS and x.is_contiguous()
+          and _codes_pay_for_quantising(n, k, tokens)):
+        codes, x_scale = per_token_quant(x.reshape(tokens, -1), weight.dtype)
+        y = fp8_codes_product(codes, x_scale, weight, scale, block, bias, x.dtype)
+        if y is not None:
+            return y.view(*x.shape[:-1], n)
     wants_scaled_mm = tokens >= SCALED_MM_MIN_TOKENS if entry is None else \
         entry.get("kernel") == "scaled_mm"
     if (wants_scaled_mm and scale.shape[1] == 1 and x.dtype == torch.bfloat16
