@@ -16,7 +16,8 @@
 #          without them; winners into the tables as "codes" (FP8_CODES_ARGS, default
 #          "--rows 8 16 --write --budget 120"; after `mma`, whose entries it compares with;
 #          "--rows 32 64 128 --write --budget 240" sweeps the 17-128-row tiles)
-# decode:  Llama-3.1-8B shapes, dummy weights, one static batch of 1 / 8 / 32 at context 1024,
+# decode:  Llama-3.1-8B shapes, dummy weights, one static batch of 1 / 8 / 32 (FP8_DECODE_BATCHES)
+#          at context 1024,
 #          graphs + overlap: bf16, FP8 weights quantised at load (--quantization fp8), and FP8
 #          weights + FP8 KV cache
 # attn:    decode attention over an FP8 pool at the FP8 offline run's batch (256 and 862 at
@@ -84,12 +85,15 @@ if step codes; then
     tar czf "$OUT/gemm_configs.tgz" -C radixserve/layers/kernels gemm_configs
 fi
 one_batch() {  # label, extra flags...
-    local label=$1
+    local label=$1 batches="${FP8_DECODE_BATCHES:-1 8 32}" largest
     shift
+    largest=$(echo $batches | tr ' ' '\n' | sort -n | tail -1)
     timeout -k 10 "${FP8_DECODE_SECONDS:-100}" python3 -m radixserve.bench.one_batch \
-        --model-path "$MODEL" --load-format dummy --dtype bfloat16 --batch-size 1 8 32 \
-        --input-len 1024 --output-len 32 --overlap --cuda-graph-max-bs 32 \
-        --max-total-tokens 100000 --log-level warning "$@" \
+        --model-path "$MODEL" --load-format dummy --dtype bfloat16 \
+        --batch-size $batches --input-len 1024 --output-len 32 --overlap \
+        --cuda-graph-max-bs "$largest" \
+        --max-total-tokens $(( largest * 1100 > 100000 ? largest * 1100 : 100000 )) \
+        --log-level warning "$@" \
         --output-file "$OUT/one_batch_$label.jsonl" > "$OUT/one_batch_$label.log" 2>&1
     echo "   $label rc $?"
     quiet < "$OUT/one_batch_$label.log" | tail -4
