@@ -17,9 +17,8 @@
 #          "--rows 8 16 --write --budget 120"; after `mma`, whose entries it compares with;
 #          "--rows 32 64 128 --write --budget 240" sweeps the 17-128-row tiles)
 # decode:  Llama-3.1-8B shapes, dummy weights, one static batch of 1 / 8 / 32 (FP8_DECODE_BATCHES)
-#          at context 1024,
-#          graphs + overlap: bf16, FP8 weights quantised at load (--quantization fp8), and FP8
-#          weights + FP8 KV cache
+#          at context 1024, graphs + overlap: bf16, FP8 weights quantised at load
+#          (--quantization fp8), and FP8 weights + FP8 KV cache
 # attn:    decode attention over an FP8 pool at the FP8 offline run's batch (256 and 862 at
 #          context 1536): the config sweep, and the rate of only reading K/V in the same
 #          pattern (1, 2, 4 KV heads per program; FP8 and bf16), over random slots and then
