@@ -246,7 +246,7 @@ def extend_report(name: str, flops: float, seconds: float, label: str) -> str:
 
 
 # decode --fp8: the sweep's configs (DecodeKernelConfig's fields in order: block_n, num_warps,
-# num_stages, early_v[, max_registers[, lazy_rescale]]),
+# num_stages, early_v[, max_registers[, lazy_rescale[, early_kv]]]),
 # in groups that --fp8-groups names
 FP8_SWEEP: dict[str, tuple[tuple, ...]] = {
     "wide": ((128, 4, 2), (128, 4, 3), (128, 8, 2), (64, 4, 3), (64, 4, 4), (64, 2, 4),
@@ -265,6 +265,8 @@ FP8_SWEEP: dict[str, tuple[tuple, ...]] = {
     # a stale running max, rescaled only when a block passes it by 2^8 (session 14)
     "lazy": ((64, 2, 3, True, 0, True), (32, 1, 5, True, 0, True), (32, 1, 4, True, 0, True),
              (16, 1, 6, True, 0, True)),
+    # each split's first block gathered before the PDL wait (session 14, untimed)
+    "early_kv": ((64, 2, 3, True, 0, False, True), (32, 1, 5, True, 0, False, True)),
     # register caps (Triton's maxnreg) for more programs per SM
     "capped": ((64, 2, 3, True, 168), (64, 2, 4, True, 168), (64, 2, 3, True, 128),
                (32, 2, 4, True, 128), (32, 1, 4, True, 168), (32, 1, 3, True, 200)),
@@ -320,7 +322,8 @@ def main() -> None:
         decode_configs += [DecodeKernelConfig(*c) for c in (
             (32, 2, 2), (64, 4, 2), (64, 2, 3, True), (128, 4, 2, True), (32, 2, 2, True),
             (64, 4, 2, True), (64, 2, 2, True), (32, 1, 4), (32, 1, 4, True), (64, 1, 3),
-            (16, 1, 4), (64, 2, 3, False, 0, True), (64, 2, 3, True, 0, True))]
+            (16, 1, 4), (64, 2, 3, False, 0, True), (64, 2, 3, True, 0, True),
+            (64, 2, 3, False, 0, True, True), (64, 2, 3, True, 0, True, True))]
     kv_dtype = DTYPE
     if args.fp8:
         kv_dtype = torch.float8_e4m3fn

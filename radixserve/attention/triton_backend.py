@@ -113,7 +113,8 @@ def _window(layer: "RadixAttention") -> int:
 
 
 def _decode_config_from_env() -> DecodeKernelConfig | None:
-    """RADIXSERVE_DECODE_CONFIG="block_n,num_warps,num_stages,early_v[,max_registers[,lazy]]"
+    """RADIXSERVE_DECODE_CONFIG="block_n,num_warps,num_stages,early_v[,max_registers[,lazy
+    [,early_kv]]]"
     (integers) replaces the decode kernel's configuration at every batch size (A/B runs on the
     GPU; empty: the per-pool, per-split default)."""
     spec = os.environ.get("RADIXSERVE_DECODE_CONFIG", "")
@@ -121,9 +122,9 @@ def _decode_config_from_env() -> DecodeKernelConfig | None:
         return None
     values = [int(x) for x in spec.split(",")]
     block_n, warps, stages, early_v = values[:4]
+    flags = [bool(x) for x in values[5:7]] + [False] * (2 - len(values[5:7]))
     return DecodeKernelConfig(block_n, warps, stages, bool(early_v),
-                              values[4] if len(values) > 4 else 0,
-                              bool(values[5]) if len(values) > 5 else False)
+                              values[4] if len(values) > 4 else 0, *flags)
 
 
 class TritonAttnBackend(AttentionBackend):

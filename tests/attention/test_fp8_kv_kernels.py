@@ -41,8 +41,10 @@ def _fp8_pool(seq_lens: list[int], num_kv_heads: int, head_dim: int, seed: int):
     DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1),
     DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1, early_v=True),
     default_decode_config(FP8, 1), default_decode_config(FP8, 3),
-    DecodeKernelConfig(block_n=32, num_warps=1, num_stages=5, early_v=True, lazy_rescale=True)],
-    ids=["plain", "early_v", "fp8_default_one_split", "fp8_default_split", "lazy_rescale"])
+    DecodeKernelConfig(block_n=32, num_warps=1, num_stages=5, early_v=True, lazy_rescale=True),
+    DecodeKernelConfig(block_n=16, num_warps=2, num_stages=2, early_v=True, early_kv=True)],
+    ids=["plain", "early_v", "fp8_default_one_split", "fp8_default_split", "lazy_rescale",
+         "early_kv"])
 def test_decode_over_fp8_kv(dtype: torch.dtype, num_kv_splits: int,
                             config: DecodeKernelConfig) -> None:
     """fp8_default_*: the configs FP8 pools run (one split: one warp over 32-position tiles;

@@ -86,8 +86,25 @@ def test_decode_lazy_rescale_matches_reference(q_scale: float, num_kv_splits: in
         torch.testing.assert_close(out, ref, **tolerance(dtype))
 
 
-def test_decode_lazy_rescale_with_window_and_cap() -> None:
-    config = DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1, lazy_rescale=True)
+@pytest.mark.parametrize("num_kv_splits", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32]
+                         + ([torch.bfloat16] if torch.cuda.is_available() else []))
+def test_decode_early_kv_matches_reference(num_kv_splits: int, dtype: torch.dtype) -> None:
+    """The first block of each split gathered before the PDL wait, this step's own position
+    read after it: the own position falls in a first block (short requests, the last split's
+    only block) or in a later one, and splits beyond the request are empty."""
+    for config in (DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1, early_kv=True),
+                   DecodeKernelConfig(block_n=16, num_warps=2, num_stages=2, early_v=True,
+                                      lazy_rescale=True, early_kv=True)):
+        out, ref = run_decode([1, 2, 13, 16, 17, 64, 75, 130], num_kv_heads=2, group=4,
+                              head_dim=64, dtype=dtype, num_kv_splits=num_kv_splits,
+                              config=config, seed=11)
+        torch.testing.assert_close(out, ref, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("variant", ["early_kv", "lazy_rescale"])
+def test_decode_variant_with_window_and_cap(variant: str) -> None:
+    config = DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1, **{variant: True})
     out, ref = run_decode([1, 40, 90], num_kv_heads=1, group=4, head_dim=64,
                           dtype=torch.float32, num_kv_splits=2, config=config, seed=9,
                           q_scale=8.0, sliding_window=50, logit_cap=20.0)

@@ -53,6 +53,8 @@ class DecodeKernelConfig:
     # (base 2): most blocks then skip the rescale of the accumulator (exp2 of the correction,
     # a multiply per accumulator element); probabilities reach at most 2^LAZY_MAX_BITS
     lazy_rescale: bool = False
+    # gather each split's first block (all but this step's own position) before the PDL wait
+    early_kv: bool = False
 
 
 LOG2E = 1.4426950408889634
@@ -89,6 +91,57 @@ def soft_cap_log2(qk, LOGIT_CAP: tl.constexpr):
 
 
 @triton.jit
+def _gather_rows(Buffer, slots, stride_t, head_offset, offs_d, mask):
+    """Rows `slots` of one head of a K or V buffer, masked lanes 0."""
+    return tl.load(Buffer + slots[:, None] * stride_t + head_offset + offs_d[None, :],
+                   mask=mask, other=0.0)
+
+
+@triton.jit
+def _attend_block(q, k, v, V_Buffer, slots, stride_vt, v_head_offset, offs_d, kv_mask,
+                  pos_mask, m_i, l_i, acc, sm_scale_log2e, DOT_PRECISION: tl.constexpr,
+                  LOGIT_CAP: tl.constexpr, KV_FP8: tl.constexpr, V_LOADED: tl.constexpr,
+                  LAZY_RESCALE: tl.constexpr, LAZY_BITS: tl.constexpr):
+    """One block of keys k (as loaded: FP8 codes or half precision) into the running max m_i,
+    sum l_i and weighted values acc; its values are v (V_LOADED) or gathered here (rows
+    `slots` of V_Buffer), after the scores."""
+    if KV_FP8:
+        k = k.to(q.dtype)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2e
+    if LOGIT_CAP > 0:
+        qk = soft_cap_log2(qk, LOGIT_CAP)
+    qk = tl.where(pos_mask[None, :], qk, float("-inf"))
+    # every block holds at least one valid position (all of [start, end) is in the
+    # window), so the block's row maxima are finite
+    m_block = tl.max(qk, 1)
+    if LAZY_RESCALE:
+        # one branch for the whole program: the first block (m_i = -inf) always takes it
+        if tl.max(m_block - m_i, 0) > LAZY_BITS:
+            m_new = tl.maximum(m_i, m_block)
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        p = tl.exp2(qk - m_i[:, None])
+        l_i = l_i + tl.sum(p, 1)
+    else:
+        m_new = tl.maximum(m_i, m_block)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+    if not V_LOADED:
+        v = _gather_rows(V_Buffer, slots, stride_vt, v_head_offset, offs_d, kv_mask)
+    if KV_FP8:
+        v = v.to(q.dtype)
+    if LAZY_RESCALE:  # acc is on m_i's scale already
+        acc = acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens, Mid_out, Mid_lse, O,
     sm_scale_log2e, num_kv_splits, v_scale,
@@ -99,11 +152,19 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr, SLIDING_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr,
     USE_PDL: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_FP16: tl.constexpr,
     EARLY_V: tl.constexpr, LAZY_RESCALE: tl.constexpr, LAZY_BITS: tl.constexpr,
+    EARLY_KV: tl.constexpr,
 ):
     """FP8 KV: the codes are multiplied as they are (k_scale is folded into sm_scale_log2e by
     the caller, v_scale applied to the output), converted to fp16 (FP8_AS_FP16: exact, and one
-    instruction per pair on Hopper) or to q's float32, so no per-element scaling runs."""
-    pdl_prologue(USE_PDL)
+    instruction per pair on Hopper) or to q's float32, so no per-element scaling runs.
+
+    EARLY_KV: the split's first block is gathered before the PDL wait, all but this step's own
+    position: under PDL only the kernel right before can still be running (the rope + KV store,
+    which writes q and this step's K/V), and the step's inputs (seq_lens, req_pool_indices,
+    the request table's rows) and the K/V of earlier positions were written before it. The new
+    position's row is read after the wait."""
+    if not EARLY_KV:
+        pdl_prologue(USE_PDL)
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -120,8 +181,19 @@ def _decode_split_kernel(
     head_mask = offs_g < GROUP_SIZE
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    if start < end:
+    if EARLY_KV:
         req_row = tl.load(Req_pool_indices + batch).to(tl.int64)
+        pos0 = start + tl.arange(0, BLOCK_N)
+        earlier0 = (pos0 < end) & (pos0 < seq_len - 1)  # stored by earlier steps
+        slots0 = tl.load(Req_to_token + req_row * stride_req_row + pos0, mask=earlier0,
+                         other=0).to(tl.int64)
+        mask0 = earlier0[:, None] & d_mask[None, :]
+        k0 = _gather_rows(K_Buffer, slots0, stride_kt, kv_head * stride_kh, offs_d, mask0)
+        v0 = _gather_rows(V_Buffer, slots0, stride_vt, kv_head * stride_vh, offs_d, mask0)
+        pdl_prologue(USE_PDL)
+    if start < end:
+        if not EARLY_KV:
+            req_row = tl.load(Req_pool_indices + batch).to(tl.int64)
 
         q = tl.load(Q + batch * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=head_mask[:, None] & d_mask[None, :], other=0.0)
@@ -133,52 +205,40 @@ def _decode_split_kernel(
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
-        for block_start in range(start, end, BLOCK_N):
+        loop_start = start
+        if EARLY_KV:  # the first block: this step's own position, if in it, joins now
+            own0 = (pos0 < end) & (pos0 >= seq_len - 1)
+            slot_own = tl.load(Req_to_token + req_row * stride_req_row + pos0, mask=own0,
+                               other=0).to(tl.int64)
+            own_mask = own0[:, None] & d_mask[None, :]
+            k_own = _gather_rows(K_Buffer, slot_own, stride_kt, kv_head * stride_kh, offs_d,
+                                 own_mask)
+            v_own = _gather_rows(V_Buffer, slot_own, stride_vt, kv_head * stride_vh, offs_d,
+                                 own_mask)
+            k0 = tl.where(own_mask, k_own, k0)
+            v0 = tl.where(own_mask, v_own, v0)
+            pos_mask0 = pos0 < end
+            m_i, l_i, acc = _attend_block(q, k0, v0, V_Buffer, slots0, stride_vt,
+                                          kv_head * stride_vh, offs_d,
+                                          pos_mask0[:, None] & d_mask[None, :], pos_mask0,
+                                          m_i, l_i, acc, sm_scale_log2e, DOT_PRECISION,
+                                          LOGIT_CAP, KV_FP8, True, LAZY_RESCALE, LAZY_BITS)
+            loop_start = start + BLOCK_N
+        for block_start in range(loop_start, end, BLOCK_N):
             pos = block_start + tl.arange(0, BLOCK_N)
             pos_mask = pos < end
             slots = tl.load(Req_to_token + req_row * stride_req_row + pos, mask=pos_mask,
                             other=0).to(tl.int64)
             kv_mask = pos_mask[:, None] & d_mask[None, :]
-            k = tl.load(K_Buffer + slots[:, None] * stride_kt + kv_head * stride_kh
-                        + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = _gather_rows(K_Buffer, slots, stride_kt, kv_head * stride_kh, offs_d, kv_mask)
+            v = k  # unused unless EARLY_V
             if EARLY_V:  # issue the V gather with K's: one memory round trip per block, not two
-                v = tl.load(V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh
-                            + offs_d[None, :], mask=kv_mask, other=0.0)
-            if KV_FP8:
-                k = k.to(q.dtype)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2e
-            if LOGIT_CAP > 0:
-                qk = soft_cap_log2(qk, LOGIT_CAP)
-            qk = tl.where(pos_mask[None, :], qk, float("-inf"))
-            # every block holds at least one valid position (all of [start, end) is in the
-            # window), so the block's row maxima are finite
-            m_block = tl.max(qk, 1)
-            if LAZY_RESCALE:
-                # one branch for the whole program: the first block (m_i = -inf) always takes it
-                if tl.max(m_block - m_i, 0) > LAZY_BITS:
-                    m_new = tl.maximum(m_i, m_block)
-                    alpha = tl.exp2(m_i - m_new)
-                    acc = acc * alpha[:, None]
-                    l_i = l_i * alpha
-                    m_i = m_new
-                p = tl.exp2(qk - m_i[:, None])
-                l_i = l_i + tl.sum(p, 1)
-            else:
-                m_new = tl.maximum(m_i, m_block)
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(qk - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-            if not EARLY_V:
-                v = tl.load(V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh
-                            + offs_d[None, :], mask=kv_mask, other=0.0)
-            if KV_FP8:
-                v = v.to(q.dtype)
-            if LAZY_RESCALE:  # acc is on m_i's scale already
-                acc = acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
-                                                    input_precision=DOT_PRECISION)
-                m_i = m_new
+                v = _gather_rows(V_Buffer, slots, stride_vt, kv_head * stride_vh, offs_d,
+                                 kv_mask)
+            m_i, l_i, acc = _attend_block(q, k, v, V_Buffer, slots, stride_vt,
+                                          kv_head * stride_vh, offs_d, kv_mask, pos_mask, m_i,
+                                          l_i, acc, sm_scale_log2e, DOT_PRECISION, LOGIT_CAP,
+                                          KV_FP8, EARLY_V, LAZY_RESCALE, LAZY_BITS)
 
         if KV_FP8:
             acc = acc * v_scale
@@ -320,7 +380,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         DOT_PRECISION=dot_precision(q.dtype), SINGLE_SPLIT=single_split,
         SLIDING_WINDOW=window, LOGIT_CAP=cap, KV_FP8=kv_fp8,
         FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16), EARLY_V=config.early_v,
-        LAZY_RESCALE=config.lazy_rescale, LAZY_BITS=LAZY_MAX_BITS,
+        LAZY_RESCALE=config.lazy_rescale, LAZY_BITS=LAZY_MAX_BITS, EARLY_KV=config.early_kv,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
         **({"maxnreg": config.max_registers} if config.max_registers > 0 else {}),
     )
