@@ -11,6 +11,10 @@
 #          lent machines lack the server's packages: carry benchmarks/device_wheels.sh's .whl
 #          (with py-spy among them, each http step also profiles the HTTP process)
 # http_incremental: the same with --incremental-streaming-output (chunks carry only new ids)
+# decode_ab: the decode step (batches ROOF_AB_BATCHES, default "1 8") with
+#          RADIXSERVE_DECODE_CONFIG=$ROOF_AB_CONFIG and with the default, alternated twice: a
+#          decode-attention variant's effect on whole steps (e.g. ROOF_AB_CONFIG=64,2,3,0,0,1,1,
+#          the half-precision split default with early_kv)
 # long:    4 prompts of 120,000 tokens, 32 out (long-context prefill)
 # short:   4,000 requests of 128 in / 8 out (the scheduler's cost per request)
 # short_profile: the same under py-spy (folded stacks in $OUT/short.folded: where the host time
@@ -48,6 +52,21 @@ if step decode; then
         --output-file "$OUT/decode.jsonl" > "$OUT/decode.log" 2>&1
     echo "   rc $?"
     grep -E '^batch|^ +[0-9]+ ' "$OUT/decode.log"
+fi
+decode_batches() {  # label: one static batch per size at context 1024, graphs + overlap
+    timeout -k 10 120 python3 -m radixserve.bench.one_batch "${COMMON[@]}" \
+        --batch-size ${ROOF_AB_BATCHES:-1 8} --input-len 1024 --output-len 64 --overlap \
+        --cuda-graph-max-bs 16 --max-total-tokens 100000 --log-level warning \
+        --output-file "$OUT/decode_$1.jsonl" > "$OUT/decode_$1.log" 2>&1
+    echo "   $1 ${RADIXSERVE_DECODE_CONFIG:-default} rc $?"
+    grep -E '^batch|^ +[0-9]+ ' "$OUT/decode_$1.log"
+}
+if step decode_ab; then
+    echo "== decode, RADIXSERVE_DECODE_CONFIG=${ROOF_AB_CONFIG:?set ROOF_AB_CONFIG} vs default"
+    for round in 1 2; do
+        RADIXSERVE_DECODE_CONFIG="$ROOF_AB_CONFIG" decode_batches "ab$round"
+        decode_batches "default$round"
+    done
 fi
 if step short; then
     echo "== short requests"
