@@ -114,6 +114,8 @@ def store(name: str, n: int, k: int, m: int, variant: str, entry: dict | None) -
         mma[variant] = entry
     if not mma:
         del table[str(m)]["mma"]
+        if not table[str(m)]:  # nothing else swept at m: no entry to shadow larger row counts
+            del table[str(m)]
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     gemm_tables.clear_cache()
 

@@ -236,6 +236,38 @@ def test_rows_past_sixteen_quantise_for_the_codes_kernel_where_that_pays(
     assert _relative_error(got, fp8_weight_gemm_reference(x, codes, scale, None)) < 3e-2
 
 
+def test_an_entry_of_other_sweeps_only_leaves_the_vendor_choice_to_the_row_count(
+        table_dir) -> None:
+    """A row count whose entry holds only the tensor-core kernel's configurations (the codes
+    sweep at 128 rows) keeps _scaled_mm from 64 rows on, as a row count with no entry does;
+    where the tile sweep decided, its choice stands."""
+    from radixserve.layers.kernels.fp8_gemm import SCALED_MM_MIN_TOKENS, _wants_scaled_mm
+    from radixserve.layers.kernels.gemm_tables import tuned_entry
+    codes = dict(block_n=64, block_k=64, num_warps=4, num_stages=2, x_terms=1, split_k=1,
+                 us=10.0, base_us=11.0)
+    tiles = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1, "SWAP_AB": 0,
+             "num_warps": 4, "num_stages": 2, "us": 20.0}
+    (table_dir / "fp8_N64_K256.json").write_text(json.dumps({
+        "32": tiles, "64": {"kernel": "scaled_mm"}, "128": {"mma": {"codes": codes}}}))
+    assert not _wants_scaled_mm(tuned_entry("fp8", 64, 256, 20), 20)  # the tiles won
+    assert _wants_scaled_mm(tuned_entry("fp8", 64, 256, 50), 50)  # the vendor kernel won
+    assert _wants_scaled_mm(tuned_entry("fp8", 64, 256, 100), 100)  # codes-only entry
+    assert _wants_scaled_mm(None, SCALED_MM_MIN_TOKENS)
+    assert not _wants_scaled_mm({}, SCALED_MM_MIN_TOKENS - 1)
+
+
+def test_a_sweep_leaves_no_empty_entry(table_dir) -> None:
+    """benchmarks/gpu_fp8_mma.py drops a row count's entry once its last configuration goes (an
+    empty entry would shadow the larger row counts' entries)."""
+    from benchmarks.gpu_fp8_mma import store
+    config = dict(block_n=64, block_k=64, num_warps=4, num_stages=2, x_terms=1, split_k=1)
+    store("gate_up", 64, 256, 128, "codes", config)
+    assert json.loads((table_dir / "fp8_N64_K256.json").read_text()) == {
+        "128": {"mma": {"codes": config}}}
+    store("gate_up", 64, 256, 128, "codes", None)
+    assert json.loads((table_dir / "fp8_N64_K256.json").read_text()) == {}
+
+
 def test_the_shipped_tables_entries_are_launchable() -> None:
     """Every "mma" entry in the package's fp8 tables reads back as a configuration that divides
     its K (benchmarks/gpu_fp8_mma.py wrote them on the H200)."""
@@ -244,6 +276,7 @@ def test_the_shipped_tables_entries_are_launchable() -> None:
     for path in sorted(CONFIG_DIR.glob("fp8_N*_K*.json")):
         n, k = (int(part[1:]) for part in path.stem.split("_")[1:])
         for m, entry in json.loads(path.read_text()).items():
+            assert entry, (path.name, m)  # an empty entry shadows larger row counts
             for variant in entry.get("mma", {}):
                 config = mma_rows.tuned_config(n, k, int(m), variant)
                 assert config is not None and k % config.block_k == 0, (path.name, m, variant)

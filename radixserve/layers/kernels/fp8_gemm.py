@@ -114,6 +114,15 @@ def _codes_pay_for_quantising(n: int, k: int, m: int) -> bool:
     return "us" in entry and entry.get("base_us", 0.0) - entry["us"] > QUANT_PASS_US
 
 
+def _wants_scaled_mm(entry: dict | None, tokens: int) -> bool:
+    """The table's choice where its entry made one (a vendor kernel or a tile configuration);
+    an entry holding only other sweeps' configurations (the tensor-core kernel's "mma", at 128
+    rows say) leaves it to the row count."""
+    if not entry or ("kernel" not in entry and "BLOCK_N" not in entry):
+        return tokens >= SCALED_MM_MIN_TOKENS
+    return entry.get("kernel") == "scaled_mm"
+
+
 def fp8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                       block: int | None, bias: torch.Tensor | None) -> torch.Tensor:
     """The GPU FP8 linear: decode rows on `fp8_rows_product` where it applies (up to 16 rows;
@@ -133,9 +142,7 @@ def fp8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
         y = fp8_codes_product(codes, x_scale, weight, scale, block, bias, x.dtype)
         if y is not None:
             return y.view(*x.shape[:-1], n)
-    wants_scaled_mm = tokens >= SCALED_MM_MIN_TOKENS if entry is None else \
-        entry.get("kernel") == "scaled_mm"
-    if (wants_scaled_mm and scale.shape[1] == 1 and x.dtype == torch.bfloat16
+    if (_wants_scaled_mm(entry, tokens) and scale.shape[1] == 1 and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device)[0] >= 9):
         return scaled_mm_per_token(x, weight, scale, bias)
     return fp8_weight_gemm(x, weight, scale, block, bias)
