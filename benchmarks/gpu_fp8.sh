@@ -19,6 +19,10 @@
 # decode:  Llama-3.1-8B shapes, dummy weights, one static batch of 1 / 8 / 32 (FP8_DECODE_BATCHES)
 #          at context 1024, graphs + overlap: bf16, FP8 weights quantised at load
 #          (--quantization fp8), and FP8 weights + FP8 KV cache
+# tables_ab: the w8kv8 decode step with the kernels' tables from FP8_AB_TABLES (a folder of
+#          gemm_configs/*.json, e.g. an earlier commit's: `git archive COMMIT
+#          radixserve/layers/kernels/gemm_configs | tar x -C ab_tables`, then carry it) and with
+#          the package's, alternated twice (FP8_DECODE_BATCHES)
 # attn:    decode attention over an FP8 pool at the FP8 offline run's batch (256 and 862 at
 #          context 1536): the config sweep, and the rate of only reading K/V in the same
 #          pattern (1, 2, 4 KV heads per program; FP8 and bf16), over random slots and then
@@ -103,6 +107,14 @@ if step decode; then
     case " $MODES " in *" bf16 "*) one_batch bf16 ;; esac
     case " $MODES " in *" w8 "*) one_batch w8 --quantization fp8 ;; esac
     case " $MODES " in *" w8kv8 "*) one_batch w8kv8 --quantization fp8 --kv-cache-dtype fp8_e4m3 ;; esac
+fi
+if step tables_ab; then
+    echo "== w8kv8 decode, tables of ${FP8_AB_TABLES:?set FP8_AB_TABLES} vs the package's"
+    for round in 1 2; do
+        RADIXSERVE_GEMM_CONFIG_DIR="$(cd "$FP8_AB_TABLES" && pwd)" \
+            one_batch "w8kv8_ab$round" --quantization fp8 --kv-cache-dtype fp8_e4m3
+        one_batch "w8kv8_pkg$round" --quantization fp8 --kv-cache-dtype fp8_e4m3
+    done
 fi
 offline() {  # label, extra flags...
     local label=$1
