@@ -184,9 +184,11 @@ def _decode_split_kernel(
     if EARLY_KV:
         req_row = tl.load(Req_pool_indices + batch).to(tl.int64)
         pos0 = start + tl.arange(0, BLOCK_N)
-        earlier0 = (pos0 < end) & (pos0 < seq_len - 1)  # stored by earlier steps
-        slots0 = tl.load(Req_to_token + req_row * stride_req_row + pos0, mask=earlier0,
+        pos_mask0 = pos0 < end
+        # every slot of the block, this step's own included (the table row was written before)
+        slots0 = tl.load(Req_to_token + req_row * stride_req_row + pos0, mask=pos_mask0,
                          other=0).to(tl.int64)
+        earlier0 = pos_mask0 & (pos0 < seq_len - 1)  # K/V stored by earlier steps
         mask0 = earlier0[:, None] & d_mask[None, :]
         k0 = _gather_rows(K_Buffer, slots0, stride_kt, kv_head * stride_kh, offs_d, mask0)
         v0 = _gather_rows(V_Buffer, slots0, stride_vt, kv_head * stride_vh, offs_d, mask0)
@@ -207,17 +209,13 @@ def _decode_split_kernel(
 
         loop_start = start
         if EARLY_KV:  # the first block: this step's own position, if in it, joins now
-            own0 = (pos0 < end) & (pos0 >= seq_len - 1)
-            slot_own = tl.load(Req_to_token + req_row * stride_req_row + pos0, mask=own0,
-                               other=0).to(tl.int64)
-            own_mask = own0[:, None] & d_mask[None, :]
-            k_own = _gather_rows(K_Buffer, slot_own, stride_kt, kv_head * stride_kh, offs_d,
+            own_mask = (pos_mask0 & (pos0 >= seq_len - 1))[:, None] & d_mask[None, :]
+            k_own = _gather_rows(K_Buffer, slots0, stride_kt, kv_head * stride_kh, offs_d,
                                  own_mask)
-            v_own = _gather_rows(V_Buffer, slot_own, stride_vt, kv_head * stride_vh, offs_d,
+            v_own = _gather_rows(V_Buffer, slots0, stride_vt, kv_head * stride_vh, offs_d,
                                  own_mask)
             k0 = tl.where(own_mask, k_own, k0)
             v0 = tl.where(own_mask, v_own, v0)
-            pos_mask0 = pos0 < end
             m_i, l_i, acc = _attend_block(q, k0, v0, V_Buffer, slots0, stride_vt,
                                           kv_head * stride_vh, offs_d,
                                           pos_mask0[:, None] & d_mask[None, :], pos_mask0,
