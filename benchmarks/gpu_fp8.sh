@@ -16,10 +16,11 @@
 #          without them; winners into the tables as "codes" (FP8_CODES_ARGS, default
 #          "--rows 8 16 --write --budget 120"; after `mma`, whose entries it compares with;
 #          "--rows 32 64 128 --write --budget 240" sweeps the 17-128-row tiles)
-# tune405: the same three sweeps (tune --kinds fp8, mma, codes) for Llama-3.1-405B's decode
-#          products on one rank of tp 8 (issue 18's FP8 run; one GPU is enough), each with
-#          FP8_405_BUDGET seconds (default 150), written into the tables and packed into
-#          $OUT/gemm_configs.tgz
+#          Another model's shapes on one tensor-parallel rank: the three steps' ARGS take
+#          --model-path / --tp-size, e.g. Llama-3.1-405B at tp 8 (issue 18's FP8 run, one GPU):
+#          FP8_STEPS="tune mma codes" M="--model-path benchmarks/configs/llama-3.1-405b
+#          --tp-size 8"; FP8_TUNE_ARGS="$M --kinds fp8" FP8_MMA_ARGS="$M --write --budget 150"
+#          FP8_CODES_ARGS="$M --rows 8 16 32 64 128 --write --budget 150"
 # decode:  Llama-3.1-8B shapes, dummy weights, one static batch of 1 / 8 / 32 (FP8_DECODE_BATCHES)
 #          at context 1024, graphs + overlap: bf16, FP8 weights quantised at load
 #          (--quantization fp8), and FP8 weights + FP8 KV cache
@@ -89,24 +90,6 @@ if step codes; then
         ${FP8_CODES_ARGS:---rows 8 16 --write --budget 120} > "$OUT/codes.log" 2>&1
     echo "   rc $?"
     grep -E "codes M=" "$OUT/codes.log" | cut -c1-200
-    tar czf "$OUT/gemm_configs.tgz" -C radixserve/layers/kernels gemm_configs
-fi
-if step tune405; then
-    BIG=(--model-path benchmarks/configs/llama-3.1-405b --tp-size 8)
-    budget="${FP8_405_BUDGET:-150}"
-    echo "== tune405: Llama-3.1-405B, one rank of tp 8, FP8"
-    timeout -k 10 $(( budget + 60 )) python3 benchmarks/gpu_gemm_tune.py "${BIG[@]}" \
-        --kinds fp8 --budget "$budget" > "$OUT/tune405.log" 2>&1
-    echo "   tune rc $?"
-    grep -E "^==|M=" "$OUT/tune405.log" | cut -c1-150
-    timeout -k 10 $(( budget + 60 )) python3 benchmarks/gpu_fp8_mma.py "${BIG[@]}" --write \
-        --budget "$budget" > "$OUT/mma405.log" 2>&1
-    echo "   mma rc $?"
-    grep -E "^ +M=" "$OUT/mma405.log" | cut -c1-200
-    timeout -k 10 $(( budget + 60 )) python3 benchmarks/gpu_fp8_mma.py "${BIG[@]}" --codes \
-        --rows 8 16 32 64 128 --write --budget "$budget" > "$OUT/codes405.log" 2>&1
-    echo "   codes rc $?"
-    grep -E "codes M=" "$OUT/codes405.log" | cut -c1-200
     tar czf "$OUT/gemm_configs.tgz" -C radixserve/layers/kernels gemm_configs
 fi
 one_batch() {  # label, extra flags...

@@ -44,28 +44,25 @@ offline() {  # label seconds flags...
     echo "   $label rc $?"
     grep -E -A2 '^radix ' "$OUT/offline_$label.log" | head -4
 }
+decode_batches() {  # name "batches": one static batch per size at context 1024, graphs +
+    # overlap, into $OUT/name.{jsonl,log}
+    timeout -k 10 120 python3 -m radixserve.bench.one_batch "${COMMON[@]}" \
+        --batch-size $2 --input-len 1024 --output-len 64 --overlap \
+        --cuda-graph-max-bs 16 --max-total-tokens 100000 --log-level warning \
+        --output-file "$OUT/$1.jsonl" > "$OUT/$1.log" 2>&1
+    echo "   $1 ${RADIXSERVE_DECODE_CONFIG:-default decode config} rc $?"
+    grep -E '^batch|^ +[0-9]+ ' "$OUT/$1.log"
+}
 if step decode; then
     echo "== decode"
-    timeout -k 10 120 python3 -m radixserve.bench.one_batch "${COMMON[@]}" \
-        --batch-size 1 2 4 8 16 --input-len 1024 --output-len 64 --overlap \
-        --cuda-graph-max-bs 16 --max-total-tokens 100000 --log-level warning \
-        --output-file "$OUT/decode.jsonl" > "$OUT/decode.log" 2>&1
-    echo "   rc $?"
-    grep -E '^batch|^ +[0-9]+ ' "$OUT/decode.log"
+    decode_batches decode "1 2 4 8 16"
 fi
-decode_batches() {  # label: one static batch per size at context 1024, graphs + overlap
-    timeout -k 10 120 python3 -m radixserve.bench.one_batch "${COMMON[@]}" \
-        --batch-size ${ROOF_AB_BATCHES:-1 8} --input-len 1024 --output-len 64 --overlap \
-        --cuda-graph-max-bs 16 --max-total-tokens 100000 --log-level warning \
-        --output-file "$OUT/decode_$1.jsonl" > "$OUT/decode_$1.log" 2>&1
-    echo "   $1 ${RADIXSERVE_DECODE_CONFIG:-default} rc $?"
-    grep -E '^batch|^ +[0-9]+ ' "$OUT/decode_$1.log"
-}
 if step decode_ab; then
     echo "== decode, RADIXSERVE_DECODE_CONFIG=${ROOF_AB_CONFIG:?set ROOF_AB_CONFIG} vs default"
     for round in 1 2; do
-        RADIXSERVE_DECODE_CONFIG="$ROOF_AB_CONFIG" decode_batches "ab$round"
-        decode_batches "default$round"
+        RADIXSERVE_DECODE_CONFIG="$ROOF_AB_CONFIG" decode_batches "decode_ab$round" \
+            "${ROOF_AB_BATCHES:-1 8}"
+        decode_batches "decode_default$round" "${ROOF_AB_BATCHES:-1 8}"
     done
 fi
 if step short; then
