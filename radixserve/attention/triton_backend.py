@@ -122,9 +122,9 @@ def _decode_config_from_env() -> DecodeKernelConfig | None:
         return None
     values = [int(x) for x in spec.split(",")]
     block_n, warps, stages, early_v = values[:4]
-    flags = [bool(x) for x in values[5:7]] + [False] * (2 - len(values[5:7]))
     return DecodeKernelConfig(block_n, warps, stages, bool(early_v),
-                              values[4] if len(values) > 4 else 0, *flags)
+                              values[4] if len(values) > 4 else 0,
+                              *(bool(flag) for flag in values[5:7]))  # absent: the defaults
 
 
 class TritonAttnBackend(AttentionBackend):
