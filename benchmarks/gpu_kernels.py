@@ -272,11 +272,11 @@ FP8_SWEEP: dict[str, tuple[tuple, ...]] = {
     # K and V codes into Hopper's e4m3 wgmma as they are (q and p cut into two e4m3 terms),
     # four warps over 64 or 128 positions (wgmma's 64 rows per warp group); d1 multiplies
     # only q by K so, V still converted to fp16
-    "fp8_dot": ((64, 4, 2, True, 0, False, False, 2), (64, 4, 3, True, 0, False, False, 2),
-                (64, 4, 4, True, 0, False, False, 2), (64, 4, 5, True, 0, False, False, 2),
-                (64, 4, 3, False, 0, False, False, 2), (128, 4, 2, True, 0, False, False, 2),
-                (128, 4, 3, True, 0, False, False, 2), (128, 8, 3, True, 0, False, False, 2),
-                (64, 4, 3, True, 0, False, True, 2), (64, 4, 3, True, 0, False, False, 1)),
+    "fp8_dot": ((64, 4, 3, True, 0, False, False, 2), (64, 4, 4, True, 0, False, False, 2),
+                (128, 4, 3, True, 0, False, False, 2), (64, 4, 2, True, 0, False, False, 2),
+                (128, 8, 3, True, 0, False, False, 2), (64, 4, 3, True, 0, False, False, 1),
+                (64, 4, 5, True, 0, False, False, 2), (64, 4, 3, False, 0, False, False, 2),
+                (128, 4, 2, True, 0, False, False, 2), (64, 4, 3, True, 0, False, True, 2)),
     # register caps (Triton's maxnreg) for more programs per SM
     "capped": ((64, 2, 3, True, 168), (64, 2, 4, True, 168), (64, 2, 3, True, 128),
                (32, 2, 4, True, 128), (32, 1, 4, True, 168), (32, 1, 3, True, 200)),
