@@ -96,9 +96,9 @@ def _e4m3_terms(x, scale):
 
 
 @triton.jit
-def _e4m3_dot(a_hi, a_lo, b):
-    """(a_hi + a_lo / 16) @ b on the e4m3 tensor cores, float32 out."""
-    return tl.dot(a_hi, b) + tl.dot(a_lo, b) * (1.0 / 16.0)
+def _e4m3_dot(a, b_hi, b_lo):
+    """a @ (b_hi + b_lo / 16) on the e4m3 tensor cores, float32 out."""
+    return tl.dot(a, b_hi) + tl.dot(a, b_lo) * (1.0 / 16.0)
 
 
 @triton.jit
@@ -149,7 +149,7 @@ def _attend_block(q, k, v, V_Buffer, slots, stride_vt, v_head_offset, offs_d, kv
     if FP8_DOT >= 1:
         # K's rows as the MMA's first operand (Hopper's wgmma takes 64 per warp group, with
         # e4m3 operands in K-major order, as K's rows are stored), q's terms as its second
-        qk_t = tl.dot(k, tl.trans(q)) + tl.dot(k, tl.trans(q_lo)) * (1.0 / 16.0)
+        qk_t = _e4m3_dot(k, tl.trans(q), tl.trans(q_lo))
         qk = tl.trans(qk_t) * (q_scale * sm_scale_log2e)[:, None]
     else:
         if KV_FP8:
@@ -181,8 +181,10 @@ def _attend_block(q, k, v, V_Buffer, slots, stride_vt, v_head_offset, offs_d, kv
     if FP8_DOT == 2:
         # p <= 1 (<= 2^LAZY_BITS lazily): scaled into e4m3's normal range, acc carries the scale
         p_hi, p_lo = _e4m3_terms(p, 1.0 if LAZY_RESCALE else 1.0 / P_CODE_SCALE)
-        v_t = tl.trans(v)  # V's columns as the first operand: 64 of them per warp group
-        pv = tl.trans(tl.dot(v_t, tl.trans(p_hi)) + tl.dot(v_t, tl.trans(p_lo)) * (1.0 / 16.0))
+        # V's columns as the first operand: 64 of them per warp group
+        pv = tl.trans(_e4m3_dot(tl.trans(v), tl.trans(p_hi), tl.trans(p_lo)))
+        # the update below repeats the converting path's (kept verbatim there: its PTX is
+        # unchanged only with the dot inside the expression)
         if LAZY_RESCALE:
             acc = acc + pv
         else:
@@ -434,10 +436,10 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     window, cap = normalize_window_and_cap(sliding_window, logit_cap)
 
     single_split = num_kv_splits == 1
+    half_q = q.dtype in (torch.float16, torch.bfloat16)
     # the e4m3 tensor-core products need e4m3 codes and a half-precision query
-    fp8_dot = config.fp8_dot if k_buffer.dtype == torch.float8_e4m3fn and \
-        v_buffer.dtype == torch.float8_e4m3fn and q.dtype in (torch.float16, torch.bfloat16) \
-        else 0
+    fp8_dot = config.fp8_dot if half_q and k_buffer.dtype == torch.float8_e4m3fn and \
+        v_buffer.dtype == torch.float8_e4m3fn else 0
     _decode_split_kernel[(batch_size, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, out,
         sm_scale_log2e, num_kv_splits, float(v_scale),
@@ -449,7 +451,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         BLOCK_H=max(16, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(q.dtype), SINGLE_SPLIT=single_split,
         SLIDING_WINDOW=window, LOGIT_CAP=cap, KV_FP8=kv_fp8,
-        FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16), EARLY_V=config.early_v,
+        FP8_AS_FP16=half_q, EARLY_V=config.early_v,
         LAZY_RESCALE=config.lazy_rescale, LAZY_BITS=LAZY_MAX_BITS, EARLY_KV=config.early_kv,
         FP8_DOT=fp8_dot,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
