@@ -6,7 +6,7 @@ registers and stack (spills) of the cubin. A check of a kernel change before dev
     python3 benchmarks/cpu_ptx_decode.py [--kv fp8|bf16] [--single-split] [--out DIR] \
         CONFIG [CONFIG ...]
 
-CONFIG is RADIXSERVE_DECODE_CONFIG's spelling ("32,1,5,1" or "64,4,3,1,0,0,0,2"), or
+CONFIG is RADIXSERVE_DECODE_CONFIG's spelling ("32,1,5,1" or "64,2,3,1,0,1"), or
 "default" for the pool's default at the split plan. Integer arguments get the divisibility by
 16 that Triton's launcher gives them on the GPU (every stride of the pools and workspaces is a
 multiple of 16 there): without it the K/V loads are not vectorised and not pipelined, and the
@@ -48,7 +48,7 @@ def parse_config(spec: str, kv_fp8: bool, single_split: bool) -> DecodeKernelCon
     values = [int(x) for x in spec.split(",")]
     return DecodeKernelConfig(values[0], values[1], values[2], bool(values[3]),
                               values[4] if len(values) > 4 else 0,
-                              *(bool(flag) for flag in values[5:7]), *values[7:8])
+                              *(bool(flag) for flag in values[5:7]))
 
 
 def compile_kernel(config: DecodeKernelConfig, kv_fp8: bool,
@@ -63,7 +63,7 @@ def compile_kernel(config: DecodeKernelConfig, kv_fp8: bool,
                      SINGLE_SPLIT=single_split, SLIDING_WINDOW=-1, LOGIT_CAP=0.0, USE_PDL=True,
                      KV_FP8=kv_fp8, FP8_AS_FP16=True, EARLY_V=config.early_v,
                      LAZY_RESCALE=config.lazy_rescale, LAZY_BITS=decode_attention.LAZY_MAX_BITS,
-                     EARLY_KV=config.early_kv, FP8_DOT=config.fp8_dot if kv_fp8 else 0)
+                     EARLY_KV=config.early_kv)
     for index, name in enumerate(kernel.arg_names):
         if name in constants:
             signature[name] = "constexpr"

@@ -19,8 +19,8 @@ from radixserve.attention.kernels.decode_attention import (  # noqa: E402
     DecodeKernelConfig, default_decode_config)
 
 # the label: n{block_n}w{num_warps}s{num_stages}, then e (V with K), r{max_registers}, l (lazy
-# rescale), k (first block before the PDL wait), d{fp8_dot} (e4m3 tensor-core products)
-LABEL = r"n(\d+)w(\d+)s(\d+)(e?)(?:r(\d+))?(l?)(k?)(?:d(\d))?"
+# rescale), k (first block before the PDL wait)
+LABEL = r"n(\d+)w(\d+)s(\d+)(e?)(?:r(\d+))?(l?)(k?)"
 LINE = re.compile(r"^decode bs=(\d+)\s+ctx=\d+\s+splits=(\d+)\*\s+" + LABEL + r"\s+([\d.]+) us")
 
 
@@ -28,15 +28,13 @@ def config_label(config: DecodeKernelConfig) -> str:
     return (f"n{config.block_n}w{config.num_warps}s{config.num_stages}"
             f"{'e' if config.early_v else ''}"
             f"{f'r{config.max_registers}' if config.max_registers else ''}"
-            f"{'l' if config.lazy_rescale else ''}{'k' if config.early_kv else ''}"
-            f"{f'd{config.fp8_dot}' if config.fp8_dot else ''}")
+            f"{'l' if config.lazy_rescale else ''}{'k' if config.early_kv else ''}")
 
 
 def env_value(config: DecodeKernelConfig) -> str:
     """RADIXSERVE_DECODE_CONFIG's spelling of the config."""
     return (f"{config.block_n},{config.num_warps},{config.num_stages},{int(config.early_v)},"
-            f"{config.max_registers},{int(config.lazy_rescale)},{int(config.early_kv)},"
-            f"{config.fp8_dot}")
+            f"{config.max_registers},{int(config.lazy_rescale)},{int(config.early_kv)}")
 
 
 def pick(lines: list[str], batch: int, factor: float) -> str:
@@ -46,12 +44,11 @@ def pick(lines: list[str], batch: int, factor: float) -> str:
         match = LINE.match(line)
         if not match or int(match.group(1)) != batch:
             continue
-        splits, block_n, warps, stages, early, registers, lazy, early_kv, fp8_dot, micros = \
+        splits, block_n, warps, stages, early, registers, lazy, early_kv, micros = \
             match.groups()[1:]
         default = default_decode_config(torch.float8_e4m3fn, int(splits))
         config = DecodeKernelConfig(int(block_n), int(warps), int(stages), bool(early),
-                                    int(registers or 0), bool(lazy), bool(early_kv),
-                                    int(fp8_dot or 0))
+                                    int(registers or 0), bool(lazy), bool(early_kv))
         times[config] = min(float(micros), times.get(config, float("inf")))
     if default is None or default not in times:
         return ""

@@ -246,7 +246,7 @@ def extend_report(name: str, flops: float, seconds: float, label: str) -> str:
 
 
 # decode --fp8: the sweep's configs (DecodeKernelConfig's fields in order: block_n, num_warps,
-# num_stages, early_v[, max_registers[, lazy_rescale[, early_kv[, fp8_dot]]]]),
+# num_stages, early_v[, max_registers[, lazy_rescale[, early_kv]]]),
 # in groups that --fp8-groups names
 FP8_SWEEP: dict[str, tuple[tuple, ...]] = {
     "wide": ((128, 4, 2), (128, 4, 3), (128, 8, 2), (64, 4, 3), (64, 4, 4), (64, 2, 4),
@@ -269,16 +269,6 @@ FP8_SWEEP: dict[str, tuple[tuple, ...]] = {
     # 225.8 vs 233.8 us, 862 equal), and with the lazy max (also ~3% at 256 alone; untimed)
     "early_kv": ((64, 2, 3, True, 0, False, True), (32, 1, 5, True, 0, False, True),
                  (32, 1, 5, True, 0, True, True)),
-    # K and V codes into Hopper's e4m3 wgmma as they are (q and p cut into two e4m3 terms),
-    # four warps over 64 or 128 positions (wgmma's 64 rows per warp group); d1 multiplies
-    # only q by K so, V still converted to fp16
-    # (the 96-register cap: 5 programs per SM instead of 4, 8 bytes of stack; Triton 3.6 PTX)
-    "fp8_dot": ((64, 4, 3, True, 0, False, False, 2), (64, 4, 3, True, 96, False, False, 2),
-                (64, 4, 4, True, 0, False, False, 2),
-                (128, 4, 3, True, 0, False, False, 2), (64, 4, 2, True, 0, False, False, 2),
-                (128, 8, 3, True, 0, False, False, 2), (64, 4, 3, True, 0, False, False, 1),
-                (64, 4, 5, True, 0, False, False, 2), (64, 4, 3, False, 0, False, False, 2),
-                (128, 4, 2, True, 0, False, False, 2), (64, 4, 3, True, 0, False, True, 2)),
     # register caps (Triton's maxnreg) for more programs per SM
     "capped": ((64, 2, 3, True, 168), (64, 2, 4, True, 168), (64, 2, 3, True, 128),
                (32, 2, 4, True, 128), (32, 1, 4, True, 168), (32, 1, 3, True, 200)),

@@ -42,22 +42,13 @@ def _fp8_pool(seq_lens: list[int], num_kv_heads: int, head_dim: int, seed: int):
     DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1, early_v=True),
     default_decode_config(FP8, 1), default_decode_config(FP8, 3),
     DecodeKernelConfig(block_n=32, num_warps=1, num_stages=5, early_v=True, lazy_rescale=True),
-    DecodeKernelConfig(block_n=16, num_warps=2, num_stages=2, early_v=True, early_kv=True),
-    DecodeKernelConfig(block_n=32, num_warps=1, num_stages=5, early_v=True, fp8_dot=1),
-    DecodeKernelConfig(block_n=32, num_warps=1, num_stages=5, early_v=True, fp8_dot=2),
-    DecodeKernelConfig(block_n=16, num_warps=2, num_stages=2, early_v=False, fp8_dot=2),
-    DecodeKernelConfig(block_n=32, num_warps=1, num_stages=3, early_v=True, lazy_rescale=True,
-                       early_kv=True, fp8_dot=2),
-    DecodeKernelConfig(block_n=64, num_warps=4, num_stages=3, early_v=True, fp8_dot=2)],
+    DecodeKernelConfig(block_n=16, num_warps=2, num_stages=2, early_v=True, early_kv=True)],
     ids=["plain", "early_v", "fp8_default_one_split", "fp8_default_split", "lazy_rescale",
-         "early_kv", "fp8_dot_qk", "fp8_dot_qk_pv", "fp8_dot_v_late", "fp8_dot_lazy_early_kv",
-         "fp8_dot_warp_group"])
+         "early_kv"])
 def test_decode_over_fp8_kv(dtype: torch.dtype, num_kv_splits: int,
                             config: DecodeKernelConfig) -> None:
     """fp8_default_*: the configs FP8 pools run (one split: one warp over 32-position tiles;
-    several: two warps over 64; V with K in both). fp8_dot_*: the codes multiplied on the e4m3
-    tensor cores (with half-precision queries; float32 ones ignore it); fp8_dot_warp_group is
-    the shape whose products are wgmma on Hopper (four warps over 64 positions)."""
+    several: two warps over 64; V with K in both)."""
     seq_lens, kv_heads, group, head_dim = [1, 13, 40], 2, 4, 64
     pool, exact = _fp8_pool(seq_lens, kv_heads, head_dim, seed=3)
     gen = torch.Generator().manual_seed(4)

@@ -32,34 +32,30 @@ decode bs=862  ctx=1536  splits=2 n32w2s3e            500.0 us   5.00 TB/s
 
 def test_pick_the_fastest_planned_split_config_that_beats_the_default_enough() -> None:
     # the gather-only line and a non-planned split count (no '*') are not configs to pick
-    assert pick(LOG, 862, 1.0) == "64,2,4,0,0,0,0,0"
-    assert pick(LOG, 862, 0.92) == "64,2,4,0,0,0,0,0"  # 800 < 0.92 * 873.4
+    assert pick(LOG, 862, 1.0) == "64,2,4,0,0,0,0"
+    assert pick(LOG, 862, 0.92) == "64,2,4,0,0,0,0"  # 800 < 0.92 * 873.4
     assert pick(LOG, 862, 0.90) == ""  # not 10% faster
-    assert pick(LOG, 256, 1.0) == "64,2,3,1,168,0,0,0"  # a register cap
+    assert pick(LOG, 256, 1.0) == "64,2,3,1,168,0,0"  # a register cap
     assert pick(LOG, 256, 0.95) == ""
     assert pick(LOG, 1, 1.0) == ""  # no lines for that batch
     # several splits: the default is the two-warp config, which a one-warp one beats by 8.5%
-    assert pick(LOG, 8, 0.95) == "16,1,6,1,0,0,0,0"
+    assert pick(LOG, 8, 0.95) == "16,1,6,1,0,0,0"
     assert pick(LOG, 8, 0.90) == ""
 
 
 def test_labels_are_what_the_pick_reads() -> None:
     config = DecodeKernelConfig(32, 1, 4, True, 168)
     line = f"decode bs=862  ctx=1536  splits=1* {config_label(config):<24} 1.0 us"
-    assert pick(LOG + [line], 862, 1.0) == "32,1,4,1,168,0,0,0"
+    assert pick(LOG + [line], 862, 1.0) == "32,1,4,1,168,0,0"
     assert config_label(DecodeKernelConfig(early_v=True)) == "n64w2s3e"
     lazy = DecodeKernelConfig(32, 1, 5, True, 0, True)
     line = f"decode bs=862  ctx=1536  splits=1* {config_label(lazy):<24} 0.5 us"
     assert config_label(lazy) == "n32w1s5el"
-    assert pick(LOG + [line], 862, 1.0) == "32,1,5,1,0,1,0,0"
+    assert pick(LOG + [line], 862, 1.0) == "32,1,5,1,0,1,0"
     both = DecodeKernelConfig(64, 2, 3, False, 0, True, True)
     assert config_label(both) == "n64w2s3lk"
     line = f"decode bs=862  ctx=1536  splits=1* {config_label(both):<24} 0.4 us"
-    assert pick(LOG + [line], 862, 1.0) == "64,2,3,0,0,1,1,0"
-    tensor_cores = DecodeKernelConfig(64, 4, 3, True, fp8_dot=2)
-    assert config_label(tensor_cores) == "n64w4s3ed2"
-    line = f"decode bs=862  ctx=1536  splits=1* {config_label(tensor_cores):<24} 0.3 us"
-    assert pick(LOG + [line], 862, 1.0) == "64,4,3,1,0,0,0,2"
+    assert pick(LOG + [line], 862, 1.0) == "64,2,3,0,0,1,1"
 
 
 def test_decode_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,8 +69,6 @@ def test_decode_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _decode_config_from_env() == DecodeKernelConfig(32, 1, 5, True, 0, True)
     monkeypatch.setenv("RADIXSERVE_DECODE_CONFIG", "64,2,3,0,0,1,1")
     assert _decode_config_from_env() == DecodeKernelConfig(64, 2, 3, False, 0, True, True)
-    monkeypatch.setenv("RADIXSERVE_DECODE_CONFIG", "64,4,3,1,0,0,0,2")
-    assert _decode_config_from_env() == DecodeKernelConfig(64, 4, 3, True, fp8_dot=2)
 
 
 def test_fp8_default_depends_on_the_split_plan() -> None:

@@ -55,50 +55,12 @@ class DecodeKernelConfig:
     lazy_rescale: bool = False
     # gather each split's first block (all but this step's own position) before the PDL wait
     early_kv: bool = False
-    # e4m3 pools with half-precision queries: 1 multiplies q by the K codes on the e4m3 tensor
-    # cores (q cut into two e4m3 terms, ~bf16 precision) instead of converting K to fp16; 2
-    # multiplies p by the V codes the same way (p in two terms); 0 converts K and V to fp16.
-    # Other pools and float32 queries ignore it
-    fp8_dot: int = 0
 
 
 LOG2E = 1.4426950408889634
 # lazy_rescale's slack: p = 2^(score - stale max) stays <= 256, exact enough in fp16/bf16 (same
 # relative precision as p <= 1) and far from overflow in the float32 sums
 LAZY_MAX_BITS = 8.0
-# fp8_dot: each query row is scaled so its largest element is this (e4m3 reaches 448; the
-# margin keeps the float32 rounding of x / scale from saturating)
-Q_CODE_MAX = tl.constexpr(256.0)
-# fp8_dot 2: p (<= 1, or <= 2^LAZY_MAX_BITS with the lazy max) is scaled by this before it is
-# cut into e4m3 terms, so its small values stay out of e4m3's subnormals
-P_CODE_SCALE = tl.constexpr(256.0)
-
-
-@triton.jit
-def _round_to_e4m3_bits(y):
-    """y (float32) rounded to nearest with 4 significant bits, e4m3's precision above its
-    subnormals (Veltkamp's split: t - (t - y) with t = y * (2^20 + 1)), so the conversion to
-    e4m3 after it is exact there. The GPU's conversion rounds to nearest itself; the Triton
-    interpreter's drops the carry when rounding up overflows the mantissa (125.6 -> 64)."""
-    t = y * 1048577.0
-    return t - (t - y)
-
-
-@triton.jit
-def _e4m3_terms(x, scale):
-    """x / scale as hi + lo / 16 in e4m3 codes (|x / scale| <= 256): hi carries e4m3's 4
-    significant bits, lo the next 4; hi + lo / 16 is within ~2^-9 of x / scale (relative, above
-    e4m3's subnormals, 2^-6)."""
-    y = x * (1.0 / scale)
-    hi = _round_to_e4m3_bits(y)
-    lo = _round_to_e4m3_bits((y - hi) * 16.0)
-    return hi.to(tl.float8e4nv), lo.to(tl.float8e4nv)
-
-
-@triton.jit
-def _e4m3_dot(a, b_hi, b_lo):
-    """a @ (b_hi + b_lo / 16) on the e4m3 tensor cores, float32 out."""
-    return tl.dot(a, b_hi) + tl.dot(a, b_lo) * (1.0 / 16.0)
 
 
 @triton.jit
@@ -139,22 +101,13 @@ def _gather_rows(Buffer, slots, stride_t, head_offset, offs_d, mask):
 def _attend_block(q, k, v, V_Buffer, slots, stride_vt, v_head_offset, offs_d, kv_mask,
                   pos_mask, m_i, l_i, acc, sm_scale_log2e, DOT_PRECISION: tl.constexpr,
                   LOGIT_CAP: tl.constexpr, KV_FP8: tl.constexpr, V_LOADED: tl.constexpr,
-                  LAZY_RESCALE: tl.constexpr, LAZY_BITS: tl.constexpr, q_lo, q_scale,
-                  FP8_DOT: tl.constexpr):
+                  LAZY_RESCALE: tl.constexpr, LAZY_BITS: tl.constexpr):
     """One block of keys k (as loaded: FP8 codes or half precision) into the running max m_i,
     sum l_i and weighted values acc; its values are v (V_LOADED) or gathered here (rows
-    `slots` of V_Buffer), after the scores. FP8_DOT >= 1: q is its e4m3 hi term, q_lo its lo
-    term, q_scale [BLOCK_H] their scale; 2: p is cut into e4m3 terms too (acc then holds
-    P_CODE_SCALE times the weighted sum, or as much under the lazy max)."""
-    if FP8_DOT >= 1:
-        # K's rows as the MMA's first operand (Hopper's wgmma takes 64 per warp group, with
-        # e4m3 operands in K-major order, as K's rows are stored), q's terms as its second
-        qk_t = _e4m3_dot(k, tl.trans(q), tl.trans(q_lo))
-        qk = tl.trans(qk_t) * (q_scale * sm_scale_log2e)[:, None]
-    else:
-        if KV_FP8:
-            k = k.to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2e
+    `slots` of V_Buffer), after the scores."""
+    if KV_FP8:
+        k = k.to(q.dtype)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2e
     if LOGIT_CAP > 0:
         qk = soft_cap_log2(qk, LOGIT_CAP)
     qk = tl.where(pos_mask[None, :], qk, float("-inf"))
@@ -178,26 +131,13 @@ def _attend_block(q, k, v, V_Buffer, slots, stride_vt, v_head_offset, offs_d, kv
         l_i = l_i * alpha + tl.sum(p, 1)
     if not V_LOADED:
         v = _gather_rows(V_Buffer, slots, stride_vt, v_head_offset, offs_d, kv_mask)
-    if FP8_DOT == 2:
-        # p <= 1 (<= 2^LAZY_BITS lazily): scaled into e4m3's normal range, acc carries the scale
-        p_hi, p_lo = _e4m3_terms(p, 1.0 if LAZY_RESCALE else 1.0 / P_CODE_SCALE)
-        # V's columns as the first operand: 64 of them per warp group
-        pv = tl.trans(_e4m3_dot(tl.trans(v), tl.trans(p_hi), tl.trans(p_lo)))
-        # the update below repeats the converting path's (kept verbatim there: its PTX is
-        # unchanged only with the dot inside the expression)
-        if LAZY_RESCALE:
-            acc = acc + pv
-        else:
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+    if KV_FP8:
+        v = v.to(q.dtype)
+    if LAZY_RESCALE:  # acc is on m_i's scale already
+        acc = acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     else:
-        if KV_FP8:
-            v = v.to(tl.float16 if FP8_DOT == 1 else q.dtype)
-        if LAZY_RESCALE:  # acc is on m_i's scale already
-            acc = acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
     return m_i, l_i, acc
 
 
@@ -212,7 +152,7 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr, SLIDING_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr,
     USE_PDL: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_FP16: tl.constexpr,
     EARLY_V: tl.constexpr, LAZY_RESCALE: tl.constexpr, LAZY_BITS: tl.constexpr,
-    EARLY_KV: tl.constexpr, FP8_DOT: tl.constexpr,
+    EARLY_KV: tl.constexpr,
 ):
     """FP8 KV: the codes are multiplied as they are (k_scale is folded into sm_scale_log2e by
     the caller, v_scale applied to the output), converted to fp16 (FP8_AS_FP16: exact, and one
@@ -263,12 +203,6 @@ def _decode_split_kernel(
             q = q.to(K_Buffer.dtype.element_ty)
         elif FP8_AS_FP16:
             q = q.to(tl.float16)
-        q_lo = q  # FP8_DOT: q becomes its e4m3 terms, hi (q) and lo, with one scale per row
-        q_scale = tl.zeros([BLOCK_H], dtype=tl.float32)
-        if FP8_DOT >= 1:
-            q32 = q.to(tl.float32)
-            q_scale = tl.maximum(tl.max(tl.abs(q32), 1), 1e-30) * (1.0 / Q_CODE_MAX)
-            q, q_lo = _e4m3_terms(q32, q_scale[:, None])
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -286,8 +220,7 @@ def _decode_split_kernel(
                                           kv_head * stride_vh, offs_d,
                                           pos_mask0[:, None] & d_mask[None, :], pos_mask0,
                                           m_i, l_i, acc, sm_scale_log2e, DOT_PRECISION,
-                                          LOGIT_CAP, KV_FP8, True, LAZY_RESCALE, LAZY_BITS,
-                                          q_lo, q_scale, FP8_DOT)
+                                          LOGIT_CAP, KV_FP8, True, LAZY_RESCALE, LAZY_BITS)
             loop_start = start + BLOCK_N
         for block_start in range(loop_start, end, BLOCK_N):
             pos = block_start + tl.arange(0, BLOCK_N)
@@ -303,12 +236,9 @@ def _decode_split_kernel(
             m_i, l_i, acc = _attend_block(q, k, v, V_Buffer, slots, stride_vt,
                                           kv_head * stride_vh, offs_d, kv_mask, pos_mask, m_i,
                                           l_i, acc, sm_scale_log2e, DOT_PRECISION, LOGIT_CAP,
-                                          KV_FP8, EARLY_V, LAZY_RESCALE, LAZY_BITS, q_lo,
-                                          q_scale, FP8_DOT)
+                                          KV_FP8, EARLY_V, LAZY_RESCALE, LAZY_BITS)
 
-        if FP8_DOT == 2 and not LAZY_RESCALE:  # p entered the products times P_CODE_SCALE
-            acc = acc * (v_scale / P_CODE_SCALE)
-        elif KV_FP8:
+        if KV_FP8:
             acc = acc * v_scale
         out_mask = head_mask[:, None] & d_mask[None, :]
         if SINGLE_SPLIT:  # the only split: this is the final output
@@ -436,10 +366,6 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     window, cap = normalize_window_and_cap(sliding_window, logit_cap)
 
     single_split = num_kv_splits == 1
-    half_q = q.dtype in (torch.float16, torch.bfloat16)
-    # the e4m3 tensor-core products need e4m3 codes and a half-precision query
-    fp8_dot = config.fp8_dot if half_q and k_buffer.dtype == torch.float8_e4m3fn and \
-        v_buffer.dtype == torch.float8_e4m3fn else 0
     _decode_split_kernel[(batch_size, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, out,
         sm_scale_log2e, num_kv_splits, float(v_scale),
@@ -451,9 +377,8 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         BLOCK_H=max(16, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(q.dtype), SINGLE_SPLIT=single_split,
         SLIDING_WINDOW=window, LOGIT_CAP=cap, KV_FP8=kv_fp8,
-        FP8_AS_FP16=half_q, EARLY_V=config.early_v,
+        FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16), EARLY_V=config.early_v,
         LAZY_RESCALE=config.lazy_rescale, LAZY_BITS=LAZY_MAX_BITS, EARLY_KV=config.early_kv,
-        FP8_DOT=fp8_dot,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
         **({"maxnreg": config.max_registers} if config.max_registers > 0 else {}),
     )
