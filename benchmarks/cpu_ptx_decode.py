@@ -45,10 +45,7 @@ def parse_config(spec: str, kv_fp8: bool, single_split: bool) -> DecodeKernelCon
     if spec == "default":
         return default_decode_config(torch.float8_e4m3fn if kv_fp8 else torch.bfloat16,
                                      1 if single_split else 4)
-    values = [int(x) for x in spec.split(",")]
-    return DecodeKernelConfig(values[0], values[1], values[2], bool(values[3]),
-                              values[4] if len(values) > 4 else 0,
-                              *(bool(flag) for flag in values[5:7]))
+    return DecodeKernelConfig.from_spec(spec)
 
 
 def compile_kernel(config: DecodeKernelConfig, kv_fp8: bool,
@@ -110,7 +107,7 @@ def summary(ptx: str) -> str:
     wgmma = re.findall(r"wgmma\.mma_async\S*", ptx)
     copies = len(re.findall(r"cp\.async\.c[ag]", ptx))
     types = sorted({name.split(".")[-2] + "." + name.split(".")[-1] for name in wgmma})
-    return (f"wgmma {len(wgmma)} {','.join(types) or ''}  mma.sync {ptx.count('mma.sync')}  "
+    return (f"wgmma {len(wgmma)} {','.join(types)}  mma.sync {ptx.count('mma.sync')}  "
             f"cvt e4m3->f16 {ptx.count('cvt.rn.f16x2.e4m3x2')}  "
             f"cp.async {copies}")
 

@@ -113,18 +113,13 @@ def _window(layer: "RadixAttention") -> int:
 
 
 def _decode_config_from_env() -> DecodeKernelConfig | None:
-    """RADIXSERVE_DECODE_CONFIG="block_n,num_warps,num_stages,early_v[,max_registers[,lazy
-    [,early_kv]]]"
-    (integers) replaces the decode kernel's configuration at every batch size (A/B runs on the
-    GPU; empty: the per-pool, per-split default)."""
+    """RADIXSERVE_DECODE_CONFIG (DecodeKernelConfig.from_spec's spelling) replaces the decode
+    kernel's configuration at every batch size (A/B runs on the GPU; empty: the per-pool,
+    per-split default)."""
     spec = os.environ.get("RADIXSERVE_DECODE_CONFIG", "")
     if not spec:
         return None
-    values = [int(x) for x in spec.split(",")]
-    block_n, warps, stages, early_v = values[:4]
-    return DecodeKernelConfig(block_n, warps, stages, bool(early_v),
-                              values[4] if len(values) > 4 else 0,
-                              *(bool(flag) for flag in values[5:7]))  # absent: the defaults
+    return DecodeKernelConfig.from_spec(spec)
 
 
 class TritonAttnBackend(AttentionBackend):

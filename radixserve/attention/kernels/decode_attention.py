@@ -56,6 +56,16 @@ class DecodeKernelConfig:
     # gather each split's first block (all but this step's own position) before the PDL wait
     early_kv: bool = False
 
+    @classmethod
+    def from_spec(cls, spec: str) -> "DecodeKernelConfig":
+        """The config spelled "block_n,num_warps,num_stages,early_v[,max_registers[,lazy
+        [,early_kv]]]" (integers; absent fields keep their defaults), as
+        RADIXSERVE_DECODE_CONFIG gives it."""
+        values = [int(x) for x in spec.split(",")]
+        block_n, warps, stages, early_v = values[:4]
+        return cls(block_n, warps, stages, bool(early_v), values[4] if len(values) > 4 else 0,
+                   *(bool(flag) for flag in values[5:7]))
+
 
 LOG2E = 1.4426950408889634
 # lazy_rescale's slack: p = 2^(score - stale max) stays <= 256, exact enough in fp16/bf16 (same
