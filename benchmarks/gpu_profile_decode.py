@@ -7,7 +7,9 @@ by kind, next to the bytes each must move; the sum of kernel time is the step ti
 could reach with no launch gaps. With --graph it also replays the captured decode graph of that
 batch size back to back and prints its GPU time per replay (kernels + the gaps between them,
 no host work): the difference to the kernel sum is launch gaps inside the graph, the difference
-to one-batch's ms/step is host work per step.
+to one-batch's ms/step is host work per step. The prompts are prefilled in passes of ~16K
+tokens. This driver writes each request's table row by itself, so "Memcpy" rows of ~batch
+calls per step are its own, not the engine's.
 """
 from __future__ import annotations
 
@@ -39,15 +41,20 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device")
         return 0
+    steps_run = 3 + args.steps  # the warm-up and profiled steps
     runner = ModelRunner(ServerArgs(model_path=CONFIG, load_format="dummy", dtype="bfloat16",
                                     disable_cuda_graph=not args.graph,
-                                    cuda_graph_max_bs=args.batch, max_total_tokens=args.batch
-                                    * (args.context + 64), max_running_requests=args.batch,
-                                    context_length=args.context + 128,
+                                    cuda_graph_max_bs=args.batch,
+                                    max_total_tokens=args.batch * (args.context + steps_run),
+                                    max_running_requests=args.batch,
+                                    context_length=args.context + steps_run + 64,
                                     quantization=args.quantization,
                                     kv_cache_dtype=args.kv_cache_dtype))
     driver = RunnerDriver(runner)
-    driver.extend({i: [1] * args.context for i in range(args.batch)})
+    per_prefill = max(1, 16384 // args.context)  # requests per prefill pass
+    for first in range(0, args.batch, per_prefill):
+        driver.extend({i: [1] * args.context
+                       for i in range(first, min(args.batch, first + per_prefill))})
     for _ in range(3):
         driver.extend({i: [2] for i in range(args.batch)})
     torch.cuda.synchronize()

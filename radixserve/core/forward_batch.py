@@ -98,6 +98,9 @@ class ForwardBatch:
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None
     extend_logprob_start_lens: list[int] | None = None
+    # DECODE: a float32 [>= batch_size, vocab] buffer the last-token logits are written into
+    # (the CUDA graph runner's, one for every captured size) instead of a fresh tensor
+    logits_out: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

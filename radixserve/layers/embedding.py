@@ -59,9 +59,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         raise RuntimeError("an LM head is applied with project(), not looked up")
 
 
-def project_to_vocab(hidden: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor:
-    """Logits [T, vocab] fp32 over the whole vocabulary: this rank's range, gathered."""
+def project_to_vocab(hidden: torch.Tensor, head: VocabParallelEmbedding,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [T, vocab] fp32 over the whole vocabulary: this rank's range, gathered. With
+    `out` (fp32, [>= T, vocab]) they are written into its first T rows, which are returned."""
     logits = linear(hidden, head.weight)
     if head.tp_size > 1:
         logits = get_tp_group().all_gather(logits)[..., :head.num_embeddings]
-    return logits.float()
+    if out is None:
+        return logits.float()
+    return out[:logits.shape[0]].copy_(logits)

@@ -23,8 +23,9 @@ def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:
 
 
 def _soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
-    """cap * tanh(logits / cap) (Gemma-2's final logit soft-capping), on fp32 logits."""
-    return logits if cap <= 0 else torch.tanh(logits / cap) * cap
+    """cap * tanh(logits / cap) (Gemma-2's final logit soft-capping), in place on the fp32
+    logits (a buffer given to project_to_vocab stays the output)."""
+    return logits if cap <= 0 else logits.div_(cap).tanh_().mul_(cap)
 
 
 def compute_logits(hidden: torch.Tensor, lm_head: VocabParallelEmbedding,
@@ -40,4 +41,6 @@ def compute_logits(hidden: torch.Tensor, lm_head: VocabParallelEmbedding,
     # decode: one row per request already
     last = hidden if forward_batch.forward_mode.is_decode() else \
         hidden[last_token_indices(forward_batch)]
-    return LogitsOutput(_soft_cap(project_to_vocab(last, lm_head), final_logit_cap), None)
+    logits = project_to_vocab(last, lm_head, forward_batch.logits_out
+                              if forward_batch.forward_mode.is_decode() else None)
+    return LogitsOutput(_soft_cap(logits, final_logit_cap), None)

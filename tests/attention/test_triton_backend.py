@@ -13,7 +13,8 @@ pytest.importorskip("triton")
 
 from attn_testkit import (DEVICE, PoolDriver, gpu, make_context, needs_cuda,  # noqa: E402
                           tolerance)
-from radixserve.attention.kernels.decode_attention import DecodeKernelConfig  # noqa: E402
+from radixserve.attention.kernels.decode_attention import (  # noqa: E402
+    DecodeKernelConfig, default_decode_config)
 from radixserve.attention.kernels.extend_attention import ExtendKernelConfig  # noqa: E402
 from radixserve.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from radixserve.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
@@ -114,6 +115,28 @@ def test_split_plan_depends_only_on_batch_size() -> None:
     splits = [backend.num_kv_splits_for(bs) for bs in (1, 2, 4, 32, 64, 256)]
     assert splits == sorted(splits, reverse=True) and splits[0] == 16 and splits[-1] == 1
     assert all(s & (s - 1) == 0 for s in splits)
+
+
+def test_fp8_pool_runs_two_splits_at_middle_batches() -> None:
+    """Over an FP8 pool, batches that would run one split with up to 10 programs per SM run two
+    splits of the one-split (one-warp) programs; small batches and bf16 pools keep the plain
+    plan and its configs."""
+    batches = (8, 17, 32, 33, 64, 128, 165, 166, 256)
+
+    def backend_over(dtype: torch.dtype) -> TritonAttnBackend:
+        return TritonAttnBackend(make_context(32, 8, 128, DEVICE, dtype=dtype, max_bs=256,
+                                              max_context_len=8, num_slots=16),
+                                 num_kv_splits=16, num_sms=132)
+    bf16, fp8 = backend_over(torch.bfloat16), backend_over(torch.float8_e4m3fn)
+    assert [bf16.num_kv_splits_for(bs) for bs in batches] == [8, 2, 2, 1, 1, 1, 1, 1, 1]
+    # 32 x 8 programs fill the SMs twice already; 165 x 8 <= 1,320 < 166 x 8
+    assert [fp8.num_kv_splits_for(bs) for bs in batches] == [8, 2, 2, 2, 2, 2, 2, 1, 1]
+    one_split = default_decode_config(torch.float8_e4m3fn, 1)
+    assert [fp8.decode_config_for(bs) == one_split for bs in batches] == \
+        [False, False, False, True, True, True, True, True, True]
+    assert all(bf16.decode_config_for(bs) == default_decode_config(torch.bfloat16,
+                                                                   bf16.num_kv_splits_for(bs))
+               for bs in batches)
 
 
 def test_cuda_graph_metadata_reads_fixed_buffers() -> None:
@@ -244,8 +267,9 @@ def test_fp8_pools_decode_with_v_gathered_early(storage: torch.dtype | None) -> 
     context = AttentionContext(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DEVICE, 4,
                                ReqToTokenPool(4, 32, DEVICE), make_kv_pool(64, spec, DEVICE))
     backend = TritonAttnBackend(context, num_kv_splits=4, num_sms=2)
-    for splits in (1, 4):
-        config = backend.decode_config_for(splits)
+    for bs, splits in ((21, 1), (1, 4)):  # one KV head, 2 SMs: 21 > 10 programs per SM
+        config = backend.decode_config_for(bs)
+        assert backend.num_kv_splits_for(bs) == splits
         assert config.early_v == (storage is not None)
         assert config.num_warps == (1 if storage is not None and splits == 1 else 2)
         assert config.lazy_rescale == (storage is None and splits > 1)

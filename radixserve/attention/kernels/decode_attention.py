@@ -313,8 +313,9 @@ def default_decode_config(kv_dtype: torch.dtype, num_kv_splits: int = 1) -> Deco
     split, many one-warp programs over 32-position tiles with five stages (each program with
     its own loads in flight) keep more of them going than fewer two-warp ones: context 1536,
     batch 862 766 us against 870-888, batch 256 239 against 267, batch 64 66 against 71
-    (batch 128: 145 against 134). Small batches split each request and have few programs:
-    there two warps over 64-position tiles stay faster (batch 8: 15.3 us against 17.7).
+    (batch 128: 145 against 134; TritonAttnBackend cuts such middle batches in two and keeps
+    this config, 122 us). Small batches split each request and have few programs: there two
+    warps over 64-position tiles stay faster (batch 8: 15.3 us against 17.7).
     Half-precision pools read at copy bandwidth with the plain default at large batches; where
     requests split (batch 1-32) a stale running max (lazy_rescale) shortens each program's
     chain: context 1024, batch 8 13.8 against 14.4 us, batch 16 21.9 against 22.9 (decode steps
