@@ -10,6 +10,10 @@
 #                        benchmarks/device_wheels.sh makes and install it first (its header says
 #                        how), or every server step fails at import.
 #   stop_server          stop it and wait
+#   telemetry_start LOG  sample the GPU's SM clock, power and clock-limit reasons once a second
+#                        into LOG (nvidia-smi CSV) in the background; telemetry_stop LOG stops
+#                        it and prints benchmarks/gpu_telemetry.py's summary (an H200 held at
+#                        its 700 W cap runs compute-bound kernels ~20% below burst speed)
 OUT="${OUT:-$PWD/out/$1}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -35,4 +39,20 @@ start_server() {
 stop_server() {
     kill "$SERVER_PID" 2>/dev/null
     wait "$SERVER_PID" 2>/dev/null
+}
+telemetry_start() {
+    command -v nvidia-smi > /dev/null || return 0
+    (while true; do
+        nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+            --format=csv,noheader
+        sleep 1
+    done) > "$1" 2>&1 &
+    TELEMETRY_PID=$!
+}
+telemetry_stop() {
+    [ -n "${TELEMETRY_PID:-}" ] || return 0
+    kill "$TELEMETRY_PID" 2>/dev/null
+    wait "$TELEMETRY_PID" 2>/dev/null
+    TELEMETRY_PID=
+    python3 benchmarks/gpu_telemetry.py "$1"
 }

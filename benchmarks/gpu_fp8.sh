@@ -124,12 +124,14 @@ fi
 offline() {  # label, extra flags...
     local label=$1
     shift
+    telemetry_start "$OUT/telemetry_$label.csv"
     timeout -k 10 "${FP8_OFFLINE_SECONDS:-200}" python3 -m radixserve.bench.offline \
         --model-path "$MODEL" --load-format dummy --dtype bfloat16 --radix on \
         --dataset-name random --num-prompts "${FP8_PROMPTS:-1000}" --random-input-len 1024 \
         --random-output-len 1024 --random-range-ratio 1.0 "$@" \
         --output-file "$OUT/offline_$label.jsonl" > "$OUT/offline_$label.log" 2>&1
     echo "   $label rc $?"
+    telemetry_stop "$OUT/telemetry_$label.csv"
     quiet < "$OUT/offline_$label.log" | grep -E 'KV cache:|^ +on|ratio' | tail -3
 }
 if step attn_ab; then

@@ -39,9 +39,11 @@ COMMON=(--model-path "$MODEL" --load-format dummy --dtype bfloat16)
 offline() {  # label seconds flags...
     local label=$1 seconds=$2
     shift 2
+    telemetry_start "$OUT/telemetry_$label.csv"
     timeout -k 10 "$seconds" python3 -m radixserve.bench.offline "${COMMON[@]}" "$@" \
         --output-file "$OUT/offline_$label.jsonl" > "$OUT/offline_$label.log" 2>&1
     echo "   $label rc $?"
+    telemetry_stop "$OUT/telemetry_$label.csv"
     grep -E -A2 '^radix ' "$OUT/offline_$label.log" | head -4
 }
 decode_batches() {  # name "batches": one static batch per size at context 1024, graphs +
