@@ -170,9 +170,7 @@ class TritonAttnBackend(AttentionBackend):
         cuts in two where the plain plan runs one split keeps the one-split programs."""
         if self.decode_config is not None:
             return self.decode_config
-        splits = self.num_kv_splits_for(bs)
-        if self._fp8_two_splits(bs):
-            splits = 1
+        splits = 1 if self._fp8_two_splits(bs) else self._plain_kv_splits(bs)
         return default_decode_config(self.kv_dtype, splits)
 
     def _plain_kv_splits(self, bs: int) -> int:
@@ -185,7 +183,7 @@ class TritonAttnBackend(AttentionBackend):
         to FP8_TWO_SPLIT_PROGRAMS_PER_SM per SM runs two of its one-warp programs per request:
         H200, Llama-3.1-8B, context 1536, batch 64 / 128 62.4 / 122.2 us per layer against 65.5
         / 142.8 with one split (decode steps at context 1024, FP8 weights and KV: batch 64 /
-        128 5.38 / 7.20 ms against 5.75 / 7.45); batch 192 (11.6 per SM) stays faster with one
+        128 5.40 / 7.15 ms against 5.75 / 7.45); batch 192 (11.6 per SM) stays faster with one
         (176 against 191). Where the plain plan already cuts two (batch 17-32), the two-warp
         programs stay: one warp measured 4.48 against 4.23 ms per step at batch 32."""
         return (self.fp8_mha_pool and self.max_kv_splits >= 2
