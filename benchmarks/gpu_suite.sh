@@ -5,6 +5,9 @@
 #   bash benchmarks/gpu_suite.sh            # logs under $OUT (default: out/gpu_suite)
 #
 # a. kernel tests:  pytest -m gpu over tests/attention tests/layers tests/executor (real shapes)
+# (native_kernels, not in the default steps: GPU_SUITE_STEPS=native_kernels runs the cases marked
+#  `kernel` natively, those that CI runs in the Triton interpreter, ~350 of them; -m gpu misses
+#  them, and an interpreter pass says nothing of the compiled kernel)
 # b. correctness:   benchmarks/gpu_correctness.py (tiny random Llamas: torch_native, triton,
 #                   triton + CUDA graphs vs transformers, bf16 and fp32)
 # c. figures:       benchmarks/gpu_figures.py (Llama-3.1-8B shapes, bf16, dummy weights)
@@ -52,6 +55,7 @@ OVERALL=0
 left() { echo $(( SUITE_SECONDS - SECONDS )); }
 
 summary_kernel_tests() { grep -E '[0-9]+ (passed|failed|skipped|deselected|error)' "$OUT/kernel_tests.log"; }
+summary_native_kernels() { grep -E '[0-9]+ (passed|failed|skipped|deselected|error)' "$OUT/native_kernels.log"; }
 summary_correctness() { grep '^correctness:' "$OUT/correctness.log" || tail -1 "$OUT/correctness.log"; }
 summary_figures() {
     if [ -s "$OUT/figures.txt" ]; then echo "$(( $(wc -l < "$OUT/figures.txt") - 1 )) figures"
@@ -83,6 +87,9 @@ run_step kernel_tests 110 -- \
     $PY -m pytest tests/attention tests/layers tests/executor -q -m gpu -p no:cacheprovider \
         -o addopts="" -rfE
 
+run_step native_kernels "$(( $(left) - 10 ))" -- \
+    $PY -m pytest tests -q -m kernel -p no:cacheprovider -o addopts="" -rfE
+
 CORR_LIMIT=$(( $(left) - 250 ))
 CORR_MAX="${CORR_MAX:-170}"
 [ "$CORR_LIMIT" -gt "$CORR_MAX" ] && CORR_LIMIT=$CORR_MAX
@@ -103,7 +110,8 @@ run_step figures "$FIG_LIMIT" -- \
         printf '%-13s %s\n' "${STEP_NAMES[$i]}" "${STEP_RESULTS[$i]}"
     done
     echo "---- kernel test failures ----"
-    grep -E '^(FAILED|ERROR)' "$OUT/kernel_tests.log" 2>/dev/null | head -15 || true
+    grep -E '^(FAILED|ERROR)' "$OUT/kernel_tests.log" "$OUT/native_kernels.log" 2>/dev/null \
+        | head -15 || true
     echo "---- correctness (non-PASS lines) ----"
     grep -E '^(FAIL|TIE|SKIP) ' "$OUT/correctness.log" 2>/dev/null | cut -c1-230 | head -20 || true
     echo "---- figures: figure | measured | limit | ratio (of the limit) | note ----"

@@ -19,6 +19,9 @@ from radixserve.attention.kernels.extend_attention import (  # noqa: E402
 from radixserve.attention.kernels.reference import (  # noqa: E402
     decode_attention_reference, extend_attention_reference)
 
+# Triton kernels: native on a GPU, in the interpreter on CPU (see pyproject's markers)
+pytestmark = pytest.mark.kernel
+
 K_SCALE, V_SCALE = 0.02, 0.05
 FP8 = torch.float8_e4m3fn
 # bf16 only on a GPU: the interpreter's tl.dot is wrong on bf16 operands

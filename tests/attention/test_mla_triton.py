@@ -16,6 +16,9 @@ from radixserve.executor.model_runner import ModelRunner  # noqa: E402
 from tests.models.runner_driver import RunnerDriver  # noqa: E402
 from tests.models.tiny_checkpoints import make_checkpoint  # noqa: E402
 
+# Triton kernels: native on a GPU, in the interpreter on CPU (see pyproject's markers)
+pytestmark = pytest.mark.kernel
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

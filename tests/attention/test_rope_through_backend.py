@@ -23,6 +23,9 @@ from radixserve.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E40
 from radixserve.layers.radix_attention import RadixAttention, RopeInput  # noqa: E402
 from radixserve.layers.rotary import RotaryEmbedding, default_inv_freq  # noqa: E402
 
+# Triton kernels: native on a GPU, in the interpreter on CPU (see pyproject's markers)
+pytestmark = pytest.mark.kernel
+
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 4, 2, 64, 2
 
 

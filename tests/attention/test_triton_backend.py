@@ -20,6 +20,9 @@ from radixserve.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from radixserve.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from radixserve.layers.radix_attention import RadixAttention  # noqa: E402
 
+# Triton kernels: native on a GPU, in the interpreter on CPU (see pyproject's markers)
+pytestmark = pytest.mark.kernel
+
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 4, 1, 64, 2
 
 

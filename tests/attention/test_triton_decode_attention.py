@@ -13,6 +13,9 @@ from radixserve.attention.kernels.decode_attention import (  # noqa: E402
     DecodeKernelConfig, decode_attention_fwd, decode_workspace_shapes)
 from radixserve.attention.kernels.reference import decode_attention_reference  # noqa: E402
 
+# Triton kernels: native on a GPU, in the interpreter on CPU (see pyproject's markers)
+pytestmark = pytest.mark.kernel
+
 SMALL = DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1)
 
 

@@ -13,6 +13,9 @@ from radixserve.attention.kernels.extend_attention import (  # noqa: E402
     ExtendKernelConfig, default_extend_config, extend_attention_fwd)
 from radixserve.attention.kernels.reference import extend_attention_reference  # noqa: E402
 
+# Triton kernels: native on a GPU, in the interpreter on CPU (see pyproject's markers)
+pytestmark = pytest.mark.kernel
+
 SMALL = ExtendKernelConfig(block_m=16, block_n=16, num_warps=2, num_stages=1)
 TALL = ExtendKernelConfig(block_m=32, block_n=16, num_warps=2, num_stages=1)
 

@@ -15,6 +15,9 @@ from radixserve.layers.kernels.fp8_gemm import (fp8_weight_gemm,  # noqa: E402
                                                 fp8_weight_gemm_reference)
 from radixserve.layers.quantization.fp8 import quantize_per_channel  # noqa: E402
 
+# Triton kernels: native on a GPU, in the interpreter on CPU (see pyproject's markers)
+pytestmark = pytest.mark.kernel
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

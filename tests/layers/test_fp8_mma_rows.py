@@ -21,6 +21,9 @@ from radixserve.layers.kernels.fp8_mma_rows import MmaRowsConfig, fp8_mma_rows  
 from radixserve.layers.kernels.gemv import RowFusion  # noqa: E402
 from tests.triton_interpreter import fix_fp8_rounding  # noqa: E402
 
+# Triton kernels: native on a GPU, in the interpreter on CPU (see pyproject's markers)
+pytestmark = pytest.mark.kernel
+
 fix_fp8_rounding()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16  # interpreter: fp16

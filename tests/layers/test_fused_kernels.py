@@ -17,6 +17,9 @@ from radixserve.mem.kernels.rope_kv_store import (apply_rotary_and_store_kv,  # 
 from radixserve.layers.kernels.silu_and_mul import (silu_and_mul,  # noqa: E402
                                                     silu_and_mul_reference)
 
+# Triton kernels: native on a GPU, in the interpreter on CPU (see pyproject's markers)
+pytestmark = pytest.mark.kernel
+
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")

@@ -17,6 +17,9 @@ from radixserve.layers.kernels.fused_moe import (fused_experts,  # noqa: E402
 from radixserve.layers.moe.experts import FusedMoE  # noqa: E402
 from radixserve.layers.moe.router import RoutingConfig, select_experts  # noqa: E402
 
+# Triton kernels: native on a GPU, in the interpreter on CPU (see pyproject's markers)
+pytestmark = pytest.mark.kernel
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

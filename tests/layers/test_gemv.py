@@ -13,6 +13,9 @@ pytest.importorskip("triton")
 from radixserve.layers.kernels.gemv import GemvConfig, gemv, gemv_config  # noqa: E402
 from radixserve.layers.linear import ReplicatedLinear, linear  # noqa: E402
 
+# Triton kernels: native on a GPU, in the interpreter on CPU (see pyproject's markers)
+pytestmark = pytest.mark.kernel
+
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 

@@ -15,6 +15,9 @@ pytest.importorskip("triton")
 from radixserve.layers.kernels import gemm_tables  # noqa: E402
 from radixserve.layers.kernels.skinny_gemm import default_config, skinny_gemm  # noqa: E402
 
+# Triton kernels: native on a GPU, in the interpreter on CPU (see pyproject's markers)
+pytestmark = pytest.mark.kernel
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16  # interpreter: fp16
 

@@ -18,6 +18,9 @@ from radixserve.mem.kv_pool import KVCacheSpec, dequantize, make_kv_pool, spec_b
 from tests.models.runner_driver import RunnerDriver  # noqa: E402
 from tests.models.tiny_checkpoints import make_checkpoint  # noqa: E402
 
+# Triton kernels: native on a GPU, in the interpreter on CPU (see pyproject's markers)
+pytestmark = pytest.mark.kernel
+
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_pool_quantises_with_its_scale_and_saturates(fp8) -> None:

@@ -23,6 +23,9 @@ from radixserve.models import blocks  # noqa: E402
 from tests.models.tiny_checkpoints import make_checkpoint  # noqa: E402
 from tests.triton_interpreter import fix_fp8_rounding  # noqa: E402
 
+# Triton kernels: native on a GPU, in the interpreter on CPU (see pyproject's markers)
+pytestmark = pytest.mark.kernel
+
 fix_fp8_rounding()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16

@@ -23,6 +23,9 @@ from radixserve.layers.quantization.fp8 import Fp8Config, fp8_linears  # noqa: E
 from radixserve.models import blocks  # noqa: E402
 from tests.models.tiny_checkpoints import make_checkpoint  # noqa: E402
 
+# Triton kernels: native on a GPU, in the interpreter on CPU (see pyproject's markers)
+pytestmark = pytest.mark.kernel
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.float16
 # ~15 s in the interpreter: CI skips it, the GPU runs it (a no-op mark there)
