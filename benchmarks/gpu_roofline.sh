@@ -17,6 +17,9 @@
 #          the half-precision split default with early_kv)
 # long:    4 prompts of 120,000 tokens, 32 out (long-context prefill)
 # short:   4,000 requests of 128 in / 8 out (the scheduler's cost per request)
+# short_mixed: the same with --enable-mixed-chunk: each interval's decode step of ~450 requests
+#          rides in the prefill batch instead of reading the weights once more (session 8,
+#          before prefills overlapped: 16.57 against 15.43 s; not re-measured since)
 # short_profile: the same under py-spy (folded stacks in $OUT/short.folded: where the host time
 #          goes; needs py-spy, e.g. from benchmarks/device_wheels.sh's .whl, on PATH)
 # radix:   the generated-shared-prefix set, radix cache on and off
@@ -84,6 +87,11 @@ if step short; then
     echo "== short requests"
     offline short 150 --radix on --dataset-name random --num-prompts 4000 \
         --random-input-len 128 --random-output-len 8 --random-range-ratio 1.0
+fi
+if step short_mixed; then
+    echo "== short requests, decode tokens riding in the prefill batches (--enable-mixed-chunk)"
+    offline short_mixed 150 --radix on --enable-mixed-chunk --dataset-name random \
+        --num-prompts 4000 --random-input-len 128 --random-output-len 8 --random-range-ratio 1.0
 fi
 if step short_profile; then
     echo "== short requests under py-spy"
