@@ -2,13 +2,13 @@
 (torch._scaled_mm, row-wise and tensor-wise scales), and the split-KV decode attention's read
 rate over a bf16 and an FP8 KV cache at serving batch sizes (Llama-3.1-8B heads).
 
-    python3 benchmarks/gpu_peaks.py [--sustain SECONDS]
+    python3 benchmarks/gpu_peaks.py [--sustain SECONDS [--sustain-dtype bf16|fp8]]
 
 The peaks are bursts (a CUDA graph replayed for ~50 ms), at the SM clock an idle GPU starts
-from. --sustain instead runs bf16 8192^3 matmuls back to back for SECONDS and prints the rate
-of every ~2 s: the rate a compute-bound phase of a long run gets once the board reaches its
-power limit (an H200 at 700 W held 1,455-1,605 MHz through an FP8 KV offline run; sample the
-clocks beside it with gpu_common.sh's telemetry_start).
+from. --sustain instead runs 8192^3 matmuls (bf16, or FP8 `_scaled_mm` with row-wise scales)
+back to back for SECONDS and prints the rate of every ~2 s: the rate a compute-bound phase of a
+long run gets once the board reaches its power limit (an H200 at 700 W: 665 against 796
+TFLOP/s bf16 at 1,440 MHz; sample the clocks beside it with gpu_common.sh's telemetry_start).
 """
 from __future__ import annotations
 
@@ -72,14 +72,28 @@ def decode_attention_rates() -> None:
             torch.cuda.empty_cache()
 
 
-def sustained_matmul(seconds: float, size: int = 8192, window: float = 2.0) -> None:
-    """bf16 matmuls back to back for `seconds`; the rate of each ~`window`-second stretch."""
+def sustained_matmul(seconds: float, dtype: str = "bf16", size: int = 8192,
+                     window: float = 2.0) -> None:
+    """Matmuls back to back for `seconds`; the rate of each ~`window`-second stretch. dtype
+    "fp8": `_scaled_mm` on e4m3 operands with row-wise scales (what the FP8 linears run)."""
     import time
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(size, size, device="cuda", dtype=torch.bfloat16)
+    if dtype == "fp8":
+        a8, b8t = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+        sa = torch.rand(size, 1, device="cuda")
+        sb = torch.rand(1, size, device="cuda")
+
+        def product() -> None:
+            torch._scaled_mm(a8, b8t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    else:
+        bt = b.t()
+
+        def product() -> None:
+            torch.matmul(a, bt, out=out)
     flops = 2 * size ** 3
-    torch.matmul(a, b.t(), out=out)
+    product()
     torch.cuda.synchronize()
     per_call = 0.002  # refined after the first stretch
     rates = []
@@ -89,16 +103,17 @@ def sustained_matmul(seconds: float, size: int = 8192, window: float = 2.0) -> N
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(calls):
-            torch.matmul(a, b.t(), out=out)
+            product()
         end.record()
         end.synchronize()
         elapsed = start.elapsed_time(end) * 1e-3
         per_call = elapsed / calls
         rates.append(flops / per_call / 1e12)
-        print(f"sustained bf16 matmul {size}^3, {time.perf_counter() - deadline + seconds:6.1f} s: "
-              f"{rates[-1]:7.1f} TFLOP/s", flush=True)
+        print(f"sustained {dtype} matmul {size}^3, "
+              f"{time.perf_counter() - deadline + seconds:6.1f} s: {rates[-1]:7.1f} TFLOP/s",
+              flush=True)
     tail = rates[len(rates) // 2:]
-    print(f"sustained bf16 matmul: first stretch {rates[0]:.1f}, second half's median "
+    print(f"sustained {dtype} matmul: first stretch {rates[0]:.1f}, second half's median "
           f"{sorted(tail)[len(tail) // 2]:.1f} TFLOP/s", flush=True)
 
 
@@ -106,13 +121,14 @@ if __name__ == "__main__":
     import argparse
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sustain", type=float, default=0.0,
-                        help="seconds of back-to-back bf16 matmuls instead of the burst peaks")
+                        help="seconds of back-to-back matmuls instead of the burst peaks")
+    parser.add_argument("--sustain-dtype", choices=("bf16", "fp8"), default="bf16")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_peaks: no CUDA device")
         sys.exit(0)
     if args.sustain > 0:
-        sustained_matmul(args.sustain)
+        sustained_matmul(args.sustain, args.sustain_dtype)
         sys.exit(0)
     matmul_peaks()
     decode_attention_rates()

@@ -28,10 +28,12 @@
 # fusion:  a batch-1 decode layer's linears with and without the one-row fusions, bf16 and FP8
 #          (benchmarks/gpu_row_fusion.py; ROOF_FUSION_ARGS="--sweep --write" re-sweeps their
 #          configurations into the kernels' tables, ~4 min)
-# sustain: bf16 matmuls back to back for ROOF_SUSTAIN_SECONDS (default 60) with the clocks and
-#          power sampled beside them (benchmarks/gpu_peaks.py --sustain): the compute peak once
-#          the board sits at its power limit, to set against the 796 TFLOP/s burst peak the
-#          limits use (the offline, short and long steps sample the same telemetry)
+# sustain: matmuls back to back for ROOF_SUSTAIN_SECONDS (default 60) with the clocks and
+#          power sampled beside them (benchmarks/gpu_peaks.py --sustain), in each of
+#          ROOF_SUSTAIN_DTYPES (default bf16; "bf16 fp8" adds _scaled_mm): the compute peak once
+#          the board sits at its power limit, to set against the burst peaks the limits use
+#          (session 19: bf16 665 against 796 TFLOP/s; the offline, short and long steps sample
+#          the same telemetry)
 # tune70: the decode products' sweep (benchmarks/gpu_gemm_tune.py --gemv-bf16) for Llama-3.1-70B's
 #          shapes on one rank of tp ROOF_TUNE_TP (default "2 4 8"; bf16), written into the
 #          kernels' tables and packed into $OUT/gemm_configs.tgz to bring back (~ROOF_TUNE_BUDGET
@@ -75,13 +77,16 @@ if step decode_ab; then
     done
 fi
 if step sustain; then
-    echo "== sustained bf16 matmul"
-    telemetry_start "$OUT/telemetry_sustain.csv"
-    timeout -k 10 $(( ${ROOF_SUSTAIN_SECONDS:-60} + 60 )) python3 benchmarks/gpu_peaks.py \
-        --sustain "${ROOF_SUSTAIN_SECONDS:-60}" > "$OUT/sustain.log" 2>&1
-    echo "   rc $?"
-    telemetry_stop "$OUT/telemetry_sustain.csv"
-    tail -1 "$OUT/sustain.log"
+    for dtype in ${ROOF_SUSTAIN_DTYPES:-bf16}; do
+        echo "== sustained $dtype matmul"
+        telemetry_start "$OUT/telemetry_sustain_$dtype.csv"
+        timeout -k 10 $(( ${ROOF_SUSTAIN_SECONDS:-60} + 60 )) python3 benchmarks/gpu_peaks.py \
+            --sustain "${ROOF_SUSTAIN_SECONDS:-60}" --sustain-dtype "$dtype" \
+            > "$OUT/sustain_$dtype.log" 2>&1
+        echo "   rc $?"
+        telemetry_stop "$OUT/telemetry_sustain_$dtype.csv"
+        tail -1 "$OUT/sustain_$dtype.log"
+    done
 fi
 if step short; then
     echo "== short requests"

@@ -153,5 +153,7 @@ def test_engine_decode_rows_past_sixteen_take_activation_codes(checkpoint, monke
     monkeypatch.setattr(fp8_mma_rows, "fp8_mma_rows", lambda *args, **kw: tiles.append(
         (args[0].shape[0], kw.get("x_scale") is not None)) or kernel(*args, **kw))
     assert _greedy(checkpoint, lengths) == plain
-    assert 18 in rows_seen and (18, True) in tiles  # 18 rows of codes in one launch
+    # 18 rows of codes in one launch (a CUDA graph pads them to its batch size, at most 32)
+    assert any(18 <= m <= 32 for m in rows_seen)
+    assert any(18 <= rows <= 32 and codes for rows, codes in tiles)
 
