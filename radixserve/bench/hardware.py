@@ -10,6 +10,12 @@ head only for tokens whose logits are needed) plus attention's QK^T and PV produ
 Peaks: the H200 defaults (4.25e12 B/s, 796e12 FLOP/s bf16) were measured on the lent machine;
 any other device is measured here with a large copy and a large matmul. Flags override both.
 `python -m radixserve.bench.hardware` prints the peaks of this machine.
+
+The FLOP peaks are bursts, from an idle GPU at its top clock. Under a load that lasts more than
+a second or two an H200 sits at its 700 W limit and lowers its clock: bf16 matmuls back to back
+hold 664.7e12 FLOP/s at ~1,440 MHz (FP8 `_scaled_mm` 1,189.6e12 at ~1,335 MHz, which the burst
+figure already was). `DevicePeak.sustained()` gives the peaks at the power limit where they are
+known, so a long run's limit can be stated against both (`bench offline` prints both ratios).
 """
 from __future__ import annotations
 
@@ -30,6 +36,10 @@ H200_MEM_BANDWIDTH = 4.25e12  # bytes/s
 H200_BF16_FLOPS = 796e12  # dense FLOP/s
 # torch._scaled_mm, 8192^3, row-wise scales, measured on the lent H200 (benchmarks/gpu_peaks.py)
 H200_FP8_FLOPS = 1185e12
+# the same matmuls back to back for 30-60 s, the board held at its 700 W limit
+# (benchmarks/gpu_peaks.py --sustain, session 19): what a long compute-bound phase can get
+H200_BF16_FLOPS_AT_POWER_LIMIT = 664.7e12
+H200_FP8_FLOPS_AT_POWER_LIMIT = 1189.6e12
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -159,12 +169,27 @@ class DevicePeak:
     peak_flops: float  # FLOP/s in the dtype used
     source: str  # where the figures came from
     fp8_flops: float | None = None  # FP8 x FP8 FLOP/s (H200 figure, flag, or None: unknown)
+    # the FLOP/s the device holds at its power limit under a long load (None: unknown)
+    sustained_flops: float | None = None
+    sustained_fp8_flops: float | None = None
 
     def times(self, n: int) -> "DevicePeak":
         """The peaks of n such devices working together (tensor parallelism)."""
+        def scaled(value: float | None) -> float | None:
+            return None if value is None else value * n
         return DevicePeak(self.name, self.mem_bandwidth * n, self.peak_flops * n,
-                          f"{self.source}, x{n}",
-                          None if self.fp8_flops is None else self.fp8_flops * n)
+                          f"{self.source}, x{n}", scaled(self.fp8_flops),
+                          scaled(self.sustained_flops), scaled(self.sustained_fp8_flops))
+
+    def sustained(self) -> "DevicePeak | None":
+        """These peaks with the FLOP/s held at the power limit in place of the bursts (the
+        bandwidth unchanged); None when the sustained rate of the model dtype is unknown."""
+        if self.sustained_flops is None:
+            return None
+        fp8 = self.sustained_fp8_flops if self.sustained_fp8_flops is not None \
+            else self.fp8_flops
+        return DevicePeak(self.name, self.mem_bandwidth, self.sustained_flops,
+                          f"{self.source}, sustained", fp8)
 
 
 class Roofline(NamedTuple):
@@ -215,9 +240,11 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int | None
 
 def device_peak(device: torch.device | str, dtype: torch.dtype | str,
                 bandwidth: float | None = None, peak_flops: float | None = None,
-                fp8_flops: float | None = None) -> DevicePeak:
+                fp8_flops: float | None = None,
+                sustained_flops: float | None = None) -> DevicePeak:
     """Flag values when given; the H200 defaults on an H200 (bf16/fp16); else measured (the
-    FP8 peak is not measured here: benchmarks/gpu_peaks.py does it on a GPU)."""
+    FP8 peak is not measured here: benchmarks/gpu_peaks.py does it on a GPU). The sustained
+    rates: the flag, else the H200's at its power limit (bf16/fp16), else unknown."""
     device, dtype = torch.device(device), as_dtype(dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     sources: list[str] = []
@@ -227,15 +254,20 @@ def device_peak(device: torch.device | str, dtype: torch.dtype | str,
         sources.append("bandwidth: H200 default" if is_h200 else "bandwidth: measured")
     else:
         sources.append("bandwidth: flag")
+    half = dtype in (torch.bfloat16, torch.float16)
     if peak_flops is None:
-        half = dtype in (torch.bfloat16, torch.float16)
         peak_flops = H200_BF16_FLOPS if is_h200 and half else measure_matmul_flops(device, dtype)
         sources.append("flops: H200 default" if is_h200 and half else "flops: measured")
     else:
         sources.append("flops: flag")
     fp8 = fp8_flops if fp8_flops is not None else (H200_FP8_FLOPS if is_h200 else None)
+    if sustained_flops is None and is_h200 and half:
+        sustained_flops = H200_BF16_FLOPS_AT_POWER_LIMIT
+    sustained_fp8 = H200_FP8_FLOPS_AT_POWER_LIMIT if is_h200 else None
     return DevicePeak(name, float(bandwidth), float(peak_flops), ", ".join(sources),
-                      None if fp8 is None else float(fp8))
+                      None if fp8 is None else float(fp8),
+                      None if sustained_flops is None else float(sustained_flops),
+                      sustained_fp8)
 
 
 def add_peak_args(parser: argparse.ArgumentParser) -> None:
@@ -246,6 +278,10 @@ def add_peak_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fp8-peak-flops", type=float, default=None,
                         help="FP8 FLOP/s for limits with FP8 weights (default: the H200 figure "
                              "on an H200, else the model dtype's peak)")
+    parser.add_argument("--sustained-peak-flops", type=float, default=None,
+                        help="FLOP/s in the model dtype held at the power limit under a long "
+                             "load, for a second limit (default: the H200 figure on an H200, "
+                             "else none)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,9 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     add_peak_args(parser)
     args = parser.parse_args(argv)
     peak = device_peak(args.device, args.dtype, args.bandwidth, args.peak_flops,
-                       args.fp8_peak_flops)
+                       args.fp8_peak_flops, args.sustained_peak_flops)
     print(f"device {peak.name}: {peak.mem_bandwidth / 1e9:.1f} GB/s, "
           f"{peak.peak_flops / 1e12:.2f} TFLOP/s {args.dtype} ({peak.source})")
+    if peak.sustained_flops is not None:
+        print(f"at the power limit under a long load: {peak.sustained_flops / 1e12:.2f} TFLOP/s")
     if args.model_path:
         cfg = ModelConfig.from_path(args.model_path)
         counts = param_counts(cfg)

@@ -44,6 +44,10 @@ class OfflineResult:
     # limit / duration: the fraction of the hardware's limit the run reached
     limit_s: float = float("nan")
     limit_ratio: float = float("nan")
+    # the same with the FLOP/s the device holds at its power limit (NaN when unknown): a
+    # minute-long run cannot beat this one (hardware.DevicePeak.sustained)
+    sustained_limit_s: float = float("nan")
+    sustained_limit_ratio: float = float("nan")
     # requests retracted during the run, and the tokens prefilled again because of it
     retractions: int = 0
     recomputed_tokens: int = 0
@@ -106,28 +110,39 @@ def _limit(engine: Any, requests: list[SampleRequest], duration: float,
     runner = getattr(getattr(engine, "scheduler", None), "runner", None)
     if peak is None or runner is None:
         return {}
-    limit = hardware.workload_limit_seconds(runner.model_config,
-                                            [r.prompt_len for r in requests],
-                                            [r.output_len for r in requests], runner.dtype, peak,
-                                            runner.kv_cache_spec.storage_dtype,
-                                            fp8_linears=getattr(runner, "fp8", None) is not None)
-    return {"limit_s": limit, "limit_ratio": limit / duration}
+
+    def limit(peak: hardware.DevicePeak) -> float:
+        return hardware.workload_limit_seconds(
+            runner.model_config, [r.prompt_len for r in requests],
+            [r.output_len for r in requests], runner.dtype, peak,
+            runner.kv_cache_spec.storage_dtype,
+            fp8_linears=getattr(runner, "fp8", None) is not None)
+    burst = limit(peak)
+    limits = {"limit_s": burst, "limit_ratio": burst / duration}
+    sustained_peak = peak.sustained()
+    if sustained_peak is not None:
+        sustained = limit(sustained_peak)
+        limits.update(sustained_limit_s=sustained, sustained_limit_ratio=sustained / duration)
+    return limits
 
 
 def format_results(results: list[OfflineResult]) -> str:
     lines = [f"{'radix':>5} {'prompts':>7} {'duration s':>10} {'in tok':>8} {'out tok':>8} "
              f"{'hit rate':>8} {'req/s':>7} {'out tok/s':>9} {'total tok/s':>11} {'mismatch':>8} "
-             f"{'limit s':>8} {'ratio':>6} {'retracted':>9} {'recomputed':>10}"]
+             f"{'limit s':>8} {'ratio':>6} {'at cap s':>8} {'ratio':>6} {'retracted':>9} "
+             f"{'recomputed':>10}"]
     for r in results:
         lines.append(f"{'on' if r.radix_cache else 'off':>5} {r.num_prompts:>7} "
                      f"{r.duration_s:>10.2f} {r.total_input_tokens:>8} "
                      f"{r.total_output_tokens:>8} {r.cache_hit_rate:>8.3f} "
                      f"{r.request_throughput:>7.2f} {r.output_throughput:>9.1f} "
                      f"{r.total_throughput:>11.1f} {r.output_len_mismatches:>8} "
-                     f"{r.limit_s:>8.2f} {r.limit_ratio:>6.3f} {r.retractions:>9} "
+                     f"{r.limit_s:>8.2f} {r.limit_ratio:>6.3f} {r.sustained_limit_s:>8.2f} "
+                     f"{r.sustained_limit_ratio:>6.3f} {r.retractions:>9} "
                      f"{r.recomputed_tokens:>10}")
     lines.append("limit: hardware.workload_limit_seconds (FLOPs / peak + decode KV bytes / "
-                 "bandwidth, no prefix sharing); ratio = limit / duration; retracted: requests "
+                 "bandwidth, no prefix sharing); ratio = limit / duration; at cap: the same "
+                 "limit at the FLOP/s held at the power limit (NaN: unknown); retracted: requests "
                  "sent back to the queue when decode ran out of KV, recomputed: their tokens "
                  "prefilled again")
     return "\n".join(lines)
@@ -173,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                 # both holds two models' memory)
                 peak = hardware.device_peak(engine.scheduler.runner.device,
                                             engine.scheduler.runner.dtype, args.bandwidth,
-                                            args.peak_flops, args.fp8_peak_flops)
+                                            args.peak_flops, args.fp8_peak_flops,
+                                            args.sustained_peak_flops)
                 tp = server_args.tp_size
                 if tp > 1:  # the ranks share the work: the limit counts every GPU
                     peak = peak.times(tp)

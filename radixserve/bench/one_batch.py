@@ -233,7 +233,7 @@ def _run(args: argparse.Namespace, server_args: ServerArgs, tp_rank: int) -> int
     runner = ModelRunner(server_args, tp_rank=tp_rank,
                          dist_init_method=server_args.dist_init_method)
     peak = hardware.device_peak(runner.device, runner.dtype, args.bandwidth, args.peak_flops,
-                                args.fp8_peak_flops)
+                                args.fp8_peak_flops, args.sustained_peak_flops)
     if server_args.tp_size > 1:  # each GPU moves and computes its share
         peak = peak.times(server_args.tp_size)
     # warm-up: lazy initialisation, allocator growth and kernel autotuning stay out of the figures

@@ -83,7 +83,7 @@ def test_offline_radix_on_and_off(tiny_model: str, tmp_path: Path) -> None:
                          "--gsp-system-prompt-len", str(sys_len), "--gsp-question-len",
                          str(q_len), "--gsp-output-len", str(out_len), "--radix", "both",
                          "--bandwidth", "1e10", "--peak-flops", "1e11",
-                         "--output-file", str(out)]) == 0
+                         "--sustained-peak-flops", "5e10", "--output-file", str(out)]) == 0
     on, off = [json.loads(line) for line in out.read_text().splitlines()]
     n = groups * per_group
     for rec in (on, off):
@@ -93,5 +93,9 @@ def test_offline_radix_on_and_off(tiny_model: str, tmp_path: Path) -> None:
         assert rec["output_throughput"] * rec["duration_s"] == pytest.approx(n * out_len)
         assert rec["limit_ratio"] == pytest.approx(rec["limit_s"] / rec["duration_s"])
         assert 0 < rec["limit_s"] < rec["duration_s"]
+        # at half the FLOP/s (the power limit's) the limit grows, the KV term unchanged
+        assert rec["limit_s"] < rec["sustained_limit_s"] < 2 * rec["limit_s"]
+        assert rec["sustained_limit_ratio"] == pytest.approx(
+            rec["sustained_limit_s"] / rec["duration_s"])
     assert (on["radix_cache"], off["radix_cache"]) == (True, False)
     assert on["cache_hit_rate"] > 0 and off["cache_hit_rate"] == 0

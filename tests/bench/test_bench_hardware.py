@@ -122,13 +122,17 @@ def test_device_peak_flags_win_and_cpu_is_measured() -> None:
     assert "measured" in measured.source
 
 
-def test_workload_limit_sums_compute_and_kv_reads() -> None:
-    """Against an explicit step-by-step sum: each prompt's prefill FLOPs, then one forward token
-    per decode step attending to the prompt plus the tokens so far, and that step's KV read."""
-    cfg = ModelConfig.from_hf_dict(dict(
+def _small_llama() -> ModelConfig:
+    return ModelConfig.from_hf_dict(dict(
         architectures=["LlamaForCausalLM"], vocab_size=1000, hidden_size=64,
         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512))
+
+
+def test_workload_limit_sums_compute_and_kv_reads() -> None:
+    """Against an explicit step-by-step sum: each prompt's prefill FLOPs, then one forward token
+    per decode step attending to the prompt plus the tokens so far, and that step's KV read."""
+    cfg = _small_llama()
     peak = hardware.DevicePeak("test", mem_bandwidth=1e9, peak_flops=1e12, source="flag")
     prompts, outputs = [5, 9], [4, 1]
     flops = kv_bytes = 0.0
@@ -147,10 +151,7 @@ def test_workload_limit_sums_compute_and_kv_reads() -> None:
 def test_workload_limit_runs_fp8_linears_at_the_fp8_peak() -> None:
     """With FP8 weights the decoder's linear FLOPs take the FP8 peak; the LM head, attention
     and the KV reads are unchanged. Without an FP8 peak everything takes the dtype's peak."""
-    cfg = ModelConfig.from_hf_dict(dict(
-        architectures=["LlamaForCausalLM"], vocab_size=1000, hidden_size=64,
-        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512))
+    cfg = _small_llama()
     prompts, outputs = [7, 3], [5, 2]
     peak = hardware.DevicePeak("test", mem_bandwidth=1e9, peak_flops=1e12, source="flag",
                                fp8_flops=2e12)
@@ -166,3 +167,30 @@ def test_workload_limit_runs_fp8_linears_at_the_fp8_peak() -> None:
     assert hardware.workload_limit_seconds(cfg, prompts, outputs, "bfloat16", no_fp8_peak,
                                            fp8_linears=True) == pytest.approx(bf16)
     assert peak.times(2).fp8_flops == 4e12 and no_fp8_peak.times(2).fp8_flops is None
+
+
+def test_sustained_peaks_give_a_longer_limit_and_scale_with_tensor_parallelism() -> None:
+    """The limit at the power limit replaces the burst FLOP/s (the FP8 one too when known) and
+    keeps the bandwidth; without a sustained rate there is no second limit."""
+    cfg = _small_llama()
+    prompts, outputs = [7, 3], [5, 2]
+    peak = hardware.DevicePeak("test", mem_bandwidth=1e9, peak_flops=1e12, source="flag",
+                               fp8_flops=2e12, sustained_flops=0.5e12)
+    at_cap = peak.sustained()
+    assert at_cap is not None
+    assert (at_cap.peak_flops, at_cap.mem_bandwidth, at_cap.fp8_flops) == (0.5e12, 1e9, 2e12)
+    flops_only = hardware.DevicePeak("test", mem_bandwidth=float("inf"), peak_flops=1e12,
+                                     source="flag", sustained_flops=0.5e12)
+    burst = hardware.workload_limit_seconds(cfg, prompts, outputs, "bfloat16", flops_only)
+    sustained = hardware.workload_limit_seconds(cfg, prompts, outputs, "bfloat16",
+                                                flops_only.sustained())
+    assert sustained == pytest.approx(2 * burst, rel=1e-12)  # half the FLOP/s, no KV term
+    both = hardware.DevicePeak("test", 1e9, 1e12, "flag", 2e12, 0.5e12, 1.5e12)
+    assert both.sustained().fp8_flops == 1.5e12
+    assert both.times(4).sustained_flops == 2e12 and both.times(4).sustained_fp8_flops == 6e12
+    assert hardware.DevicePeak("test", 1e9, 1e12, "flag").sustained() is None
+    flagged = hardware.device_peak("cpu", "float32", bandwidth=1e9, peak_flops=2e9,
+                                   sustained_flops=1e9)
+    assert flagged.sustained_flops == 1e9
+    assert hardware.device_peak("cpu", "float32", bandwidth=1e9, peak_flops=2e9).sustained() \
+        is None  # only the H200's rate at its power limit is known without the flag
