@@ -11,7 +11,9 @@ Batches are built by the scheduler's own BatchBuilder from real Reqs, so per-ste
 is prepare + forward + sample, ending with a device sync. With --overlap, decode runs as the
 scheduler runs it by default: each step launched before the previous step's ids are read (the
 host work of a step hides behind the GPU work of the one before); ms/step is then the decode
-run's time over its steps.
+run's time over its steps. The prompts are prefilled in passes of at most --max-prefill-tokens
+tokens (whole requests, 16,384 by default, as the scheduler bounds a prefill batch); the prefill
+time is the passes' sum.
 """
 from __future__ import annotations
 
@@ -80,12 +82,31 @@ def _make_reqs(batch_size: int, input_len: int, output_len: int, vocab_size: int
     return reqs
 
 
+def prefill_passes(reqs: list[Req], max_tokens: int | None) -> list[list[Req]]:
+    """The prompts in passes of whole requests of at most `max_tokens` tokens each (a pass
+    takes at least one request), as the scheduler bounds a prefill batch; None: one pass."""
+    if max_tokens is None:
+        return [reqs]
+    passes: list[list[Req]] = []
+    tokens = 0
+    for req in reqs:
+        if not passes or tokens + req.extend_input_len > max_tokens:
+            passes.append([])
+            tokens = 0
+        passes[-1].append(req)
+        tokens += req.extend_input_len
+    return passes
+
+
 def run_one_batch(runner: Any, batch_size: int, input_len: int, output_len: int,
-                  peak: hardware.DevicePeak, seed: int = 0, overlap: bool = False
-                  ) -> OneBatchResult:
+                  peak: hardware.DevicePeak, seed: int = 0, overlap: bool = False,
+                  max_prefill_tokens: int | None = None) -> OneBatchResult:
     """Prefill `batch_size` random prompts of `input_len` tokens, then decode until each has
     `output_len` tokens (the first comes from prefill). Frees every slot it takes. `overlap`
-    times decode as the scheduler's overlap path runs it (see timed_decode_steps)."""
+    times decode as the scheduler's overlap path runs it (see timed_decode_steps).
+    `max_prefill_tokens`: the prefill runs in passes of at most that many tokens (whole
+    requests; the prefill time is their sum), so a large batch does not need the activations
+    of one pass over all its prompts; None: one pass."""
     from radixserve.mem.chunk_cache import ChunkCache
     from radixserve.scheduler.batch import BatchBuilder
 
@@ -97,11 +118,13 @@ def run_one_batch(runner: Any, batch_size: int, input_len: int, output_len: int,
     try:
         _sync(device)
         start = time.perf_counter()
-        out = runner.forward(builder.prepare_extend(reqs))
+        passes = [(group, runner.forward(builder.prepare_extend(group)))
+                  for group in prefill_passes(reqs, max_prefill_tokens)]
         _sync(device)
         prefill_s = time.perf_counter() - start
-        for req, token in zip(reqs, out.next_token_ids):
-            req.output_ids.append(int(token))
+        for group, out in passes:
+            for req, token in zip(group, out.next_token_ids):
+                req.output_ids.append(int(token))
         step_s = timed_decode_steps(runner, builder, reqs, output_len - 1, overlap)
     finally:
         _free(runner, reqs)
@@ -237,12 +260,14 @@ def _run(args: argparse.Namespace, server_args: ServerArgs, tp_rank: int) -> int
     if server_args.tp_size > 1:  # each GPU moves and computes its share
         peak = peak.times(server_args.tp_size)
     # warm-up: lazy initialisation, allocator growth and kernel autotuning stay out of the figures
+    max_prefill = server_args.max_prefill_tokens
     run_one_batch(runner, max(args.batch_size), args.input_len, min(args.output_len, 4), peak,
-                  args.seed + 1)
+                  args.seed + 1, max_prefill_tokens=max_prefill)
     results = []
     for bs in args.batch_size:
         results.append(run_one_batch(runner, bs, args.input_len, args.output_len, peak,
-                                     args.seed, overlap=args.overlap))
+                                     args.seed, overlap=args.overlap,
+                                     max_prefill_tokens=max_prefill))
         if not tp_rank:  # as each batch finishes: a run cut short still reports its figures
             print(format_table(results[-1:], peak).splitlines()[-1], flush=True)
     runner.shutdown()

@@ -43,6 +43,11 @@ def test_one_batch_matches_the_engine_and_frees_its_slots(tiny_model: str) -> No
                                          overlap=True)
     assert overlapped.output_ids == result.output_ids and overlapped.output_ids_ok
     assert runner.token_to_kv_pool.available_size() == free_kv
+    # prefilled in passes of two prompts and one: the same tokens, every slot freed
+    in_passes = one_batch.run_one_batch(runner, batch, input_len, output_len, peak, seed=4,
+                                        max_prefill_tokens=2 * input_len)
+    assert in_passes.output_ids == result.output_ids
+    assert runner.token_to_kv_pool.available_size() == free_kv
     assert result.prefill_tok_s * result.prefill_ms / 1e3 == pytest.approx(batch * input_len)
     assert result.decode_tok_s * result.decode_ms_per_step / 1e3 == pytest.approx(batch)
     assert result.prefill_ratio == pytest.approx(result.prefill_limit_ms / result.prefill_ms)
@@ -58,6 +63,15 @@ def test_one_batch_matches_the_engine_and_frees_its_slots(tiny_model: str) -> No
         "max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True})
     engine.shutdown()
     assert [o["output_ids"] for o in outs] == result.output_ids
+
+
+def test_prefill_passes_take_whole_requests_up_to_the_token_budget() -> None:
+    reqs = one_batch._make_reqs(5, 10, 2, vocab_size=50, seed=0)
+    sizes = [[len(r.origin_input_ids) for r in group]
+             for group in one_batch.prefill_passes(reqs, 25)]
+    assert sizes == [[10, 10], [10, 10], [10]]
+    assert [len(g) for g in one_batch.prefill_passes(reqs, 7)] == [1] * 5  # one over budget each
+    assert one_batch.prefill_passes(reqs, None) == [reqs]
 
 
 def test_one_batch_cli_writes_json_lines(tiny_model: str, tmp_path: Path) -> None:
