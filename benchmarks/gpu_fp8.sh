@@ -38,7 +38,8 @@
 #          log (or FP8_ATTN_LOG) found fastest at batch 862 (RADIXSERVE_DECODE_CONFIG), and with
 #          the default, when the best is >= 3% faster than the default
 # offline: random 1024/1024 x FP8_PROMPTS (default 1000): bf16, FP8 KV only, FP8 weights + KV
-#          (FP8_OFFLINE_MODES picks a subset)
+#          (FP8_OFFLINE_MODES picks a subset; kv8_cohorts / w8kv8_cohorts: the same with
+#          --admission-plan cohorts, the leftover admitted first)
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/gpu_common.sh gpu_fp8 "${FP8_STEPS:-tests tune mma codes decode offline}"
@@ -152,4 +153,9 @@ if step offline; then
     case " $MODES " in *" bf16 "*) offline bf16 ;; esac
     case " $MODES " in *" kv8 "*) offline kv8 --kv-cache-dtype fp8_e4m3 ;; esac
     case " $MODES " in *" w8kv8 "*) offline w8kv8 --quantization fp8 --kv-cache-dtype fp8_e4m3 ;; esac
+    case " $MODES " in *" kv8_cohorts "*)
+        offline kv8_cohorts --kv-cache-dtype fp8_e4m3 --admission-plan cohorts ;; esac
+    case " $MODES " in *" w8kv8_cohorts "*)
+        offline w8kv8_cohorts --quantization fp8 --kv-cache-dtype fp8_e4m3 \
+            --admission-plan cohorts ;; esac
 fi

@@ -5,6 +5,8 @@
 #   ROOF_STEPS="offline http" bash benchmarks/gpu_roofline.sh              (~5 min)
 # decode:  one static batch of 1 2 4 8 16 at context 1024, graphs + overlap
 # offline: random 1024/1024 x 1000 through the Engine (retractions, recomputed tokens)
+# offline_cohorts: the same with --admission-plan cohorts (the 1000 - 2 x 425 leftover admitted
+#          first, so the last cohort does not run alone; benchmarks/admission_sim.py: -2.4 s)
 # offline_mixed: the same with --enable-mixed-chunk (running requests keep decoding while the
 #          next wave is prefilled; see PERFORMANCE, "where the bf16 offline run's time goes")
 # http:    the same workload through the server, streaming, rate inf (ratio to offline); the
@@ -142,6 +144,12 @@ if step offline; then
     echo "== offline 1024/1024 x 1000"
     offline main 200 --radix on --dataset-name random --num-prompts "$PROMPTS" \
         --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0
+fi
+if step offline_cohorts; then
+    echo "== offline 1024/1024 x 1000, --admission-plan cohorts"
+    offline cohorts 200 --radix on --admission-plan cohorts --dataset-name random \
+        --num-prompts "$PROMPTS" --random-input-len 1024 --random-output-len 1024 \
+        --random-range-ratio 1.0
 fi
 if step offline_mixed; then
     echo "== offline 1024/1024 x 1000, mixed prefill + decode passes"

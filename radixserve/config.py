@@ -55,6 +55,8 @@ class ServerArgs:
     chunked_prefill_size: int | None = None  # None: device default; -1 disables
     enable_mixed_chunk: bool = False
     schedule_policy: str = "lpm"  # lpm | fcfs | dfs-weight | random
+    # greedy | cohorts (bursts of known-length requests in whole cohorts, the leftover first)
+    admission_plan: str = "greedy"
     schedule_conservativeness: float = 1.0
     num_continuous_decode_steps: int = 10
     disable_radix_cache: bool = False
@@ -146,6 +148,8 @@ class ServerArgs:
             self.dist_init_addr = f"127.0.0.1:{_free_port()}"
         if self.schedule_policy not in ("lpm", "fcfs", "dfs-weight", "random"):
             raise ValueError(f"unknown --schedule-policy {self.schedule_policy!r}")
+        if self.admission_plan not in ("greedy", "cohorts"):
+            raise ValueError(f"unknown --admission-plan {self.admission_plan!r}")
         if self.disable_radix_cache and self.schedule_policy in ("lpm", "dfs-weight"):
             self.schedule_policy = "fcfs"  # cache-aware policies need the cache
         self.resolved = True

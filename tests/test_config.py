@@ -20,6 +20,7 @@ def test_cpu_defaults() -> None:
     (dict(nnodes=2, node_rank=2, dist_init_addr="127.0.0.1:1"), "not a node"),
     (dict(dp_size=2, load_balance_method="random"), "load-balance-method"),
     (dict(schedule_policy="newest"), "schedule-policy"),
+    (dict(admission_plan="eager"), "admission-plan"),
 ])
 def test_unsupported_flags_are_refused(bad: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -68,6 +68,10 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
                            None),
     "schedule_policy": (MEMORY, "order of the waiting queue (lpm: longest cached prefix "
                                 "first)", ("lpm", "fcfs", "dfs-weight", "random")),
+    "admission_plan": (MEMORY, "cohorts: admit a burst of requests of known length "
+                               "(ignore_eos) in whole cohorts, the leftover first, so cohorts "
+                               "overlap (offline batch jobs; delays the first requests)",
+                       ("greedy", "cohorts")),
     "schedule_conservativeness": (MEMORY, "scales the admission estimate of future tokens",
                                   None),
     "num_continuous_decode_steps": (MEMORY, "decode steps per scheduler turn", None),

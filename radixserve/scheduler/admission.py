@@ -90,6 +90,15 @@ class PeakCheck:
         after[:n] = np.minimum.accumulate(moments[::-1])[::-1]
         return freed, before, after
 
+    def holds(self, free: float) -> bool:
+        """Does every finishing moment of the requests as they stand keep the reserve?
+        free: tokens free now."""
+        if not self.left or free >= self._need:
+            return True
+        if self._tables is None:
+            self._tables = self._build()
+        return bool(free + self._tables[2][0] >= 0)  # the least moment, E_j's minimum
+
     def fits(self, free: float, tokens_left: int, tokens_held: int) -> bool:
         """Would adding this request keep every finishing moment at or above the reserve?
         free: tokens free now, after the request's prompt is stored."""

@@ -27,6 +27,7 @@ from radixserve.core.sampling_params import InvalidRequestError
 from radixserve.mem.base_cache import BasePrefixCache
 from radixserve.scheduler.admission import PrefillAdder
 from radixserve.scheduler.batch import BatchBuilder, merge_mixed, wants_prompt_logprobs
+from radixserve.scheduler.cohort_gate import CohortGate
 from radixserve.scheduler.grammar.manager import GrammarManager
 from radixserve.scheduler.in_batch_prefix import InBatchPrefixIndex
 from radixserve.scheduler.kv_pressure import KVPressureMixin
@@ -62,6 +63,8 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
                                     self.tree_cache, model_runner.vocab_size, eos_token_ids,
                                     model_runner.device)
         self.ratio = NewTokenRatio(self.args.schedule_conservativeness)
+        # --admission-plan cohorts: bursts of known-length requests admitted in whole cohorts
+        self.cohort_gate = CohortGate() if self.args.admission_plan == "cohorts" else None
         self.stats = SchedulerStats()
 
         self.waiting_queue: list[Req] = []
@@ -262,10 +265,16 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
             self.args.chunked_prefill_size if self.args.chunked_prefill_enabled else None,
             self.max_running_requests - len(running))
         in_batch = InBatchPrefixIndex() if self.policy.policy in ("lpm", "dfs-weight") else None
+        allowance = None if self.cohort_gate is None else self.cohort_gate.allowance(
+            ordered, running,
+            self.token_to_kv_pool.available_size() + self.tree_cache.evictable_size(),
+            self.max_total_num_tokens)
         if chunked is not None:
             adder.add_chunked_req(chunked)
         scanned = 0  # requests of `ordered` the loop looked at
         for req in ordered:
+            if allowance is not None and len(adder.can_run) - (chunked is not None) >= allowance:
+                break
             scanned += 1
             if not self.grammars.ready(req):  # compiling (or failed: ended next turn)
                 continue
@@ -279,6 +288,8 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
                 in_batch.add(req)
         if not adder.can_run:
             return None
+        if self.cohort_gate is not None:
+            self.cohort_gate.admitted(len(adder.can_run) - (chunked is not None))
         admitted = {id(r) for r in adder.can_run}
         queue = self.waiting_queue
         if self.policy.keeps_queue_order(len(queue)):
