@@ -3,13 +3,17 @@
 
     python3 benchmarks/cpu_scheduler_cost.py [--num-prompts 4000] [--input-len 128]
         [--output-len 8] [--max-total-tokens 400000] [--context-len 131072] [--profile 25]
+        [--admission-plan cohorts] [--chunked-prefill-size 8192]
 
 The runner (the scheduler tests' FakeRunner without its model) keeps real pools (the request
 table, rows of --context-len, and a KV pool of one float per slot; --max-total-tokens below the workload's 544K tokens makes the prefix cache
 evict), writes decode slots as the ModelRunner does, and returns token 1 for every request at
 once, so the time measured is admission, the prefix cache, batch building, output handling and
 the scheduler's bookkeeping, on this CPU. --profile N prints cProfile's N largest cumulative
-entries. Figures only; nothing asserts on time.
+entries. It also prints the decode steps and prefill batches the run took: with the GPU's
+pool sizes (`--max-total-tokens 1741507`, FP8 KV; 870753, bf16) and 1,000 x 1024/1024 these
+are the H200 offline runs' cohorts, as this scheduler forms them (`--admission-plan`).
+Figures only; nothing asserts on time.
 """
 from __future__ import annotations
 
@@ -61,10 +65,15 @@ def main() -> int:
                         help="the request table's row width (Llama-3.1's context by default, "
                              "as the H200 runs size it)")
     parser.add_argument("--profile", type=int, default=0, help="cProfile's N top entries")
+    parser.add_argument("--admission-plan", default="greedy", choices=("greedy", "cohorts"))
+    parser.add_argument("--chunked-prefill-size", type=int, default=None,
+                        help="default: the CPU's (512); the GPU's is 8192")
     args = parser.parse_args()
     context = args.context_len
     runner = NullRunner(args.max_total_tokens, args.max_running_requests, context)
-    scheduler = Scheduler(ServerArgs(device="cpu", max_running_requests=args.max_running_requests),
+    scheduler = Scheduler(ServerArgs(device="cpu", max_running_requests=args.max_running_requests,
+                                     admission_plan=args.admission_plan,
+                                     chunked_prefill_size=args.chunked_prefill_size),
                           runner, None, {0}, context)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, VOCAB, (args.num_prompts, args.input_len), generator=gen).tolist()
@@ -78,18 +87,32 @@ def main() -> int:
     for i, prompt in enumerate(prompts):
         scheduler.add_request(TokenizedGenerateReq(rid=f"r{i}", input_text=None, input_ids=prompt,
                                                    sampling_params=params, stream=False))
-    turns = finished = 0
+    turns = finished = prefills = 0
+    admissions: list[tuple[int, int]] = []  # (decode steps so far, requests that joined)
+    last_admission_turn = -2
     while scheduler.has_work():
+        admitted = len(scheduler.admitted_reqs())
+        queued = len(scheduler.waiting_queue)
         for out in scheduler.run_turn():
             finished += sum(reason is not None for reason in out.finished_reasons)
         turns += 1
+        joined = queued - len(scheduler.waiting_queue)
+        if joined > 0:
+            prefills += 1
+            if turns - last_admission_turn <= 2 and admitted:  # the same ramp goes on
+                admissions[-1] = (admissions[-1][0], admissions[-1][1] + joined)
+            else:
+                admissions.append((scheduler.stats.num_decode_steps, joined))
+            last_admission_turn = turns
     if profiler is not None:
         profiler.disable()
     seconds = time.perf_counter() - start
     ok, leaked = scheduler.check_memory()
     print(f"{args.num_prompts} x {args.input_len}/{args.output_len}: {seconds:.2f} s on the "
           f"host, {seconds / args.num_prompts * 1e6:.0f} us per request, {turns} turns, "
-          f"{finished} finished, memory check {'ok' if ok else f'FAILED ({leaked} leaked)'}")
+          f"{finished} finished, memory check {'ok' if ok else f'FAILED ({leaked} leaked)'}; "
+          f"{scheduler.stats.num_decode_steps} decode steps, {prefills} prefill batches, "
+          f"admitted (decode step, requests) {admissions[:8]}")
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.profile)
     return 0
