@@ -10,7 +10,7 @@ table, rows of --context-len, and a KV pool of one float per slot; --max-total-t
 evict), writes decode slots as the ModelRunner does, and returns token 1 for every request at
 once, so the time measured is admission, the prefix cache, batch building, output handling and
 the scheduler's bookkeeping, on this CPU. --profile N prints cProfile's N largest cumulative
-entries. It also prints the decode steps and prefill batches the run took: with the GPU's
+entries. It also prints the decode steps and the prefills that admitted requests: with the GPU's
 pool sizes (`--max-total-tokens 1741507`, FP8 KV; 870753, bf16) and 1,000 x 1024/1024 these
 are the H200 offline runs' cohorts, as this scheduler forms them (`--admission-plan`).
 Figures only; nothing asserts on time.
@@ -111,7 +111,7 @@ def main() -> int:
     print(f"{args.num_prompts} x {args.input_len}/{args.output_len}: {seconds:.2f} s on the "
           f"host, {seconds / args.num_prompts * 1e6:.0f} us per request, {turns} turns, "
           f"{finished} finished, memory check {'ok' if ok else f'FAILED ({leaked} leaked)'}; "
-          f"{scheduler.stats.num_decode_steps} decode steps, {prefills} prefill batches, "
+          f"{scheduler.stats.num_decode_steps} decode steps, {prefills} prefills that admitted, "
           f"admitted (decode step, requests) {admissions[:8]}")
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.profile)
