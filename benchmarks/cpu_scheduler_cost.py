@@ -89,7 +89,7 @@ def main() -> int:
                                                    sampling_params=params, stream=False))
     turns = finished = prefills = 0
     admissions: list[tuple[int, int]] = []  # (decode steps so far, requests that joined)
-    last_admission_turn = -2
+    last_admission_step = -100
     while scheduler.has_work():
         admitted = len(scheduler.admitted_reqs())
         queued = len(scheduler.waiting_queue)
@@ -99,11 +99,13 @@ def main() -> int:
         joined = queued - len(scheduler.waiting_queue)
         if joined > 0:
             prefills += 1
-            if turns - last_admission_turn <= 2 and admitted:  # the same ramp goes on
+            steps = scheduler.stats.num_decode_steps
+            if admitted and steps - last_admission_step <= 4:  # the same ramp goes on (a
+                # prefill, then a decode step or two)
                 admissions[-1] = (admissions[-1][0], admissions[-1][1] + joined)
             else:
-                admissions.append((scheduler.stats.num_decode_steps, joined))
-            last_admission_turn = turns
+                admissions.append((steps, joined))
+            last_admission_step = steps
     if profiler is not None:
         profiler.disable()
     seconds = time.perf_counter() - start
