@@ -76,3 +76,33 @@ def test_gate_counts() -> None:
     assert gate.allowance(queue, [], POOL, POOL) == 1  # what is left of the open cohort
     gate.admitted(1)
     assert gate.allowance(queue[:16], [], POOL, POOL) == 8  # nothing left over: a full one
+
+
+def test_cohorts_with_prompts_chunked_over_several_turns() -> None:
+    """Prompts longer than a chunk: the request being chunked is not counted twice against
+    the open cohort, every request finishes with its tokens and the pool is clean."""
+    prompt, max_new, count = 40, 9, 7
+    scheduler, _ = make_scheduler(max_total_tokens=4 * (prompt + max_new + 1),
+                                  admission_plan="cohorts", schedule_policy="fcfs",
+                                  chunked_prefill_size=16)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(1, 50) for _ in range(prompt)] for _ in range(count)]
+    for i, p in enumerate(prompts):
+        scheduler.add_request(make_req(f"r{i}", p, max_new=max_new, ignore_eos=True))
+    most_running = 0
+    results: dict = {}
+    joins = []  # decode steps so far, for each request that left the queue
+    while scheduler.has_work():
+        queued = len(scheduler.waiting_queue)
+        for out in scheduler.run_turn():
+            for i, rid in enumerate(out.rids):
+                results.setdefault(rid, []).extend(out.new_output_ids[i])
+        joins += [scheduler.stats.num_decode_steps] * (queued - len(scheduler.waiting_queue))
+        most_running = max(most_running, len(scheduler.admitted_reqs()))
+    assert most_running <= 4
+    # the leftover (7 mod 4) joins one chunked prompt at a time; the next 4 only much later
+    assert len(joins) == count and joins[2] < 3 <= joins[3]
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"] == expected_output(p, max_new)
+    assert scheduler.stats.num_retractions == 0
+    assert_memory_clean(scheduler)
