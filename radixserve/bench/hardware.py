@@ -244,7 +244,8 @@ def device_peak(device: torch.device | str, dtype: torch.dtype | str,
                 sustained_flops: float | None = None) -> DevicePeak:
     """Flag values when given; the H200 defaults on an H200 (bf16/fp16); else measured (the
     FP8 peak is not measured here: benchmarks/gpu_peaks.py does it on a GPU). The sustained
-    rates: the flag, else the H200's at its power limit (bf16/fp16), else unknown."""
+    rates: the flag, else the H200's at its power limit (bf16/fp16) when its burst figure was
+    not flagged either, else unknown (the FP8 one then falls back to the FP8 peak)."""
     device, dtype = torch.device(device), as_dtype(dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     sources: list[str] = []
@@ -255,15 +256,18 @@ def device_peak(device: torch.device | str, dtype: torch.dtype | str,
     else:
         sources.append("bandwidth: flag")
     half = dtype in (torch.bfloat16, torch.float16)
+    # the H200's rates at its power limit go with its burst figures, not with flagged ones
+    h200_sustained = is_h200 and half and peak_flops is None
+    h200_sustained_fp8 = is_h200 and fp8_flops is None
     if peak_flops is None:
         peak_flops = H200_BF16_FLOPS if is_h200 and half else measure_matmul_flops(device, dtype)
         sources.append("flops: H200 default" if is_h200 and half else "flops: measured")
     else:
         sources.append("flops: flag")
     fp8 = fp8_flops if fp8_flops is not None else (H200_FP8_FLOPS if is_h200 else None)
-    if sustained_flops is None and is_h200 and half:
+    if sustained_flops is None and h200_sustained:
         sustained_flops = H200_BF16_FLOPS_AT_POWER_LIMIT
-    sustained_fp8 = H200_FP8_FLOPS_AT_POWER_LIMIT if is_h200 else None
+    sustained_fp8 = H200_FP8_FLOPS_AT_POWER_LIMIT if h200_sustained_fp8 else None
     return DevicePeak(name, float(bandwidth), float(peak_flops), ", ".join(sources),
                       None if fp8 is None else float(fp8),
                       None if sustained_flops is None else float(sustained_flops),
@@ -280,8 +284,8 @@ def add_peak_args(parser: argparse.ArgumentParser) -> None:
                              "on an H200, else the model dtype's peak)")
     parser.add_argument("--sustained-peak-flops", type=float, default=None,
                         help="FLOP/s in the model dtype held at the power limit under a long "
-                             "load, for a second limit (default: the H200 figure on an H200, "
-                             "else none)")
+                             "load, for a second limit (default: the H200 figure on an H200 "
+                             "without --peak-flops, else none)")
 
 
 def main(argv: list[str] | None = None) -> int:

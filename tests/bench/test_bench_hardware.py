@@ -194,3 +194,16 @@ def test_sustained_peaks_give_a_longer_limit_and_scale_with_tensor_parallelism()
     assert flagged.sustained_flops == 1e9
     assert hardware.device_peak("cpu", "float32", bandwidth=1e9, peak_flops=2e9).sustained() \
         is None  # only the H200's rate at its power limit is known without the flag
+
+
+def test_h200_rates_at_the_power_limit_go_with_its_own_burst_figures(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    peak = hardware.device_peak("cuda", "bfloat16")
+    assert (peak.peak_flops, peak.sustained_flops) == (
+        hardware.H200_BF16_FLOPS, hardware.H200_BF16_FLOPS_AT_POWER_LIMIT)
+    assert peak.sustained().fp8_flops == hardware.H200_FP8_FLOPS_AT_POWER_LIMIT
+    flagged = hardware.device_peak("cuda", "bfloat16", peak_flops=1e15, fp8_flops=2e15)
+    assert flagged.sustained() is None  # another device's figures: no H200 rate beside them
+    both = hardware.device_peak("cuda", "bfloat16", peak_flops=1e15, fp8_flops=2e15,
+                                sustained_flops=8e14)
+    assert (both.sustained().peak_flops, both.sustained().fp8_flops) == (8e14, 2e15)
