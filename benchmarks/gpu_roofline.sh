@@ -58,12 +58,14 @@ offline() {  # label seconds flags...
     grep -E -A2 '^radix ' "$OUT/offline_$label.log" | head -4
 }
 decode_batches() {  # name "batches": one static batch per size at context 1024, graphs +
-    # overlap, into $OUT/name.{jsonl,log}
+    # overlap, into $OUT/name.{jsonl,log}, with the clocks and power sampled beside it
+    telemetry_start "$OUT/telemetry_$1.csv"
     timeout -k 10 120 python3 -m radixserve.bench.one_batch "${COMMON[@]}" \
         --batch-size $2 --input-len 1024 --output-len 64 --overlap \
         --cuda-graph-max-bs 16 --max-total-tokens 100000 --log-level warning \
         --output-file "$OUT/$1.jsonl" > "$OUT/$1.log" 2>&1
     echo "   $1 ${RADIXSERVE_DECODE_CONFIG:-default decode config} rc $?"
+    telemetry_stop "$OUT/telemetry_$1.csv"
     grep -E '^batch|^ +[0-9]+ ' "$OUT/$1.log"
 }
 if step decode; then
