@@ -134,7 +134,7 @@ class PrefillAdder:
         reserved = 0.0
         for r in running:
             if has_known_length(r):
-                peak.add(expected_new_tokens(r), len(r.origin_input_ids) + len(r.output_ids))
+                peak.add(expected_new_tokens(r), r.seqlen)
             else:
                 reserved += expected_new_tokens(r) * new_token_ratio
         if chunked_req is not None:
@@ -161,7 +161,7 @@ class PrefillAdder:
         if not has_known_length(req):
             return req.extend_input_len + new_tokens <= self.rem_total_tokens
         return self.peak.fits(self.rem_total_tokens - req.extend_input_len, new_tokens,
-                              len(req.origin_input_ids) + len(req.output_ids))
+                              req.seqlen)
 
     def add_chunked_req(self, req: Req) -> None:
         """Continue the request being chunked: its next chunk, as much as the budgets allow.
@@ -193,8 +193,7 @@ class PrefillAdder:
             self.rem_total_tokens += self.tree_cache.dec_lock_ref(req.cache_handle)
             return False
         if has_known_length(req):
-            self.peak.add(expected_new_tokens(req),
-                          len(req.origin_input_ids) + len(req.output_ids))
+            self.peak.add(expected_new_tokens(req), req.seqlen)
             if take < req.extend_input_len:  # the rest of the prompt comes in later chunks
                 self.rem_total_tokens -= req.extend_input_len - take
         else:

@@ -35,7 +35,7 @@ from radixserve.scheduler.admission import (PEAK_RESERVE_PER_REQUEST, PeakCheck,
 
 def _final_tokens(req: Req) -> int:
     """What the request holds when it finishes: its prompt, its output so far, the rest."""
-    return len(req.origin_input_ids) + len(req.output_ids) + expected_new_tokens(req)
+    return req.seqlen + expected_new_tokens(req)
 
 
 def full_cohort(queue: list[Req], pool_tokens: int) -> int:
@@ -53,10 +53,9 @@ def full_cohort(queue: list[Req], pool_tokens: int) -> int:
 def cohort_fits(cohort: list[Req], running: list[Req], free_tokens: float) -> bool:
     """Do these queued requests pass the peak check all together beside the running ones?
     free_tokens: free now (free + evictable, as admission counts it)."""
-    held = {id(r): len(r.origin_input_ids) + len(r.output_ids) for r in running + cohort}
-    pairs = sorted((expected_new_tokens(r), held[id(r)]) for r in running + cohort)
-    peak = PeakCheck([left for left, _ in pairs], [tokens for _, tokens in pairs])
-    return peak.holds(free_tokens - sum(held[id(r)] for r in cohort))
+    pairs = sorted((expected_new_tokens(r), r.seqlen) for r in running + cohort)
+    peak = PeakCheck([left for left, _ in pairs], [held for _, held in pairs])
+    return peak.holds(free_tokens - sum(r.seqlen for r in cohort))
 
 
 @dataclass
