@@ -51,6 +51,9 @@ class OfflineResult:
     # requests retracted during the run, and the tokens prefilled again because of it
     retractions: int = 0
     recomputed_tokens: int = 0
+    # the scheduler's decode steps during the run: each reads the weights once, so at a given
+    # token count fewer steps (bigger batches) is the cheaper run (--admission-plan cohorts)
+    decode_steps: int = 0
 
 
 def engine_vocab_size(engine: Any) -> int | None:
@@ -72,7 +75,7 @@ def run_offline(engine: Any, requests: list[SampleRequest], radix_cache: bool,
     engine.generate(input_ids=[warm_ids], sampling_params=[_sampling(4)])
 
     params = [_sampling(r.output_len) for r in requests]
-    before = _retraction_counts(engine)
+    before = _scheduler_counts(engine)
     start = time.perf_counter()
     if all(r.prompt_ids is not None for r in requests):
         outputs = engine.generate(input_ids=[r.prompt_ids for r in requests],
@@ -81,7 +84,7 @@ def run_offline(engine: Any, requests: list[SampleRequest], radix_cache: bool,
         outputs = engine.generate(prompt=[r.prompt_text for r in requests],
                                   sampling_params=params)
     duration = time.perf_counter() - start
-    after = _retraction_counts(engine)
+    after = _scheduler_counts(engine)
 
     metas = [o["meta_info"] for o in outputs]
     total_in = sum(int(m["prompt_tokens"]) for m in metas)
@@ -97,12 +100,15 @@ def run_offline(engine: Any, requests: list[SampleRequest], radix_cache: bool,
         request_throughput=len(requests) / duration, output_throughput=total_out / duration,
         total_throughput=(total_in + total_out) / duration,
         retractions=after[0] - before[0], recomputed_tokens=after[1] - before[1],
+        decode_steps=after[2] - before[2],
         **_limit(engine, requests, duration, peak))
 
 
-def _retraction_counts(engine: Any) -> tuple[int, int]:
+def _scheduler_counts(engine: Any) -> tuple[int, int, int]:
+    """The scheduler's retractions, recomputed tokens and decode steps since its start."""
     state = engine.get_internal_state()
-    return int(state.get("num_retractions", 0)), int(state.get("num_recomputed_tokens", 0))
+    return (int(state.get("num_retractions", 0)), int(state.get("num_recomputed_tokens", 0)),
+            int(state.get("num_decode_steps", 0)))
 
 
 def _limit(engine: Any, requests: list[SampleRequest], duration: float,
@@ -130,7 +136,7 @@ def format_results(results: list[OfflineResult]) -> str:
     lines = [f"{'radix':>5} {'prompts':>7} {'duration s':>10} {'in tok':>8} {'out tok':>8} "
              f"{'hit rate':>8} {'req/s':>7} {'out tok/s':>9} {'total tok/s':>11} {'mismatch':>8} "
              f"{'limit s':>8} {'ratio':>6} {'at cap s':>8} {'ratio':>6} {'retracted':>9} "
-             f"{'recomputed':>10}"]
+             f"{'recomputed':>10} {'decode steps':>12}"]
     for r in results:
         lines.append(f"{'on' if r.radix_cache else 'off':>5} {r.num_prompts:>7} "
                      f"{r.duration_s:>10.2f} {r.total_input_tokens:>8} "
@@ -139,12 +145,12 @@ def format_results(results: list[OfflineResult]) -> str:
                      f"{r.total_throughput:>11.1f} {r.output_len_mismatches:>8} "
                      f"{r.limit_s:>8.2f} {r.limit_ratio:>6.3f} {r.sustained_limit_s:>8.2f} "
                      f"{r.sustained_limit_ratio:>6.3f} {r.retractions:>9} "
-                     f"{r.recomputed_tokens:>10}")
+                     f"{r.recomputed_tokens:>10} {r.decode_steps:>12}")
     lines.append("limit: hardware.workload_limit_seconds (FLOPs / peak + decode KV bytes / "
                  "bandwidth, no prefix sharing); ratio = limit / duration; at cap: the same "
                  "limit at the FLOP/s held at the power limit (NaN: unknown); retracted: requests "
                  "sent back to the queue when decode ran out of KV, recomputed: their tokens "
-                 "prefilled again")
+                 "prefilled again; decode steps: the scheduler's, each one weight read")
     return "\n".join(lines)
 
 

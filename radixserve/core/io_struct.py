@@ -63,6 +63,8 @@ class InternalState:
     leaked_tokens: int
     dp_rank: int = 0  # the data-parallel replica that answers
     num_recomputed_tokens: int = 0  # prefilled again after a retraction
+    # decode steps run since the start (each reads the weights once, whatever its batch)
+    num_decode_steps: int = 0
 
     @classmethod
     def merge(cls, states: list["InternalState"]) -> "InternalState":
@@ -83,6 +85,7 @@ class InternalState:
             cache_hit_rate=sum(s.cache_hit_rate for s in states) / n,
             num_retractions=sum(s.num_retractions for s in states),
             num_recomputed_tokens=sum(s.num_recomputed_tokens for s in states),
+            num_decode_steps=sum(s.num_decode_steps for s in states),
             new_token_ratio=sum(s.new_token_ratio for s in states) / n,
             memory_check_ok=None if None in checks else all(checks),  # type: ignore[arg-type]
             leaked_tokens=sum(s.leaked_tokens for s in states))

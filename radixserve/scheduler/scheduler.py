@@ -175,7 +175,8 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
         self.token_to_kv_pool.clear()
         self.req_to_token_pool.clear()
         self.stats = SchedulerStats(num_retractions=self.stats.num_retractions,
-                                    num_recomputed_tokens=self.stats.num_recomputed_tokens)
+                                    num_recomputed_tokens=self.stats.num_recomputed_tokens,
+                                    num_decode_steps=self.stats.num_decode_steps)
         return FlushCacheReply(True, "cache flushed")
 
     def has_work(self) -> bool:
@@ -460,6 +461,7 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
             cache_hit_rate=self.stats.cache_hit_rate,
             num_retractions=self.stats.num_retractions,
             num_recomputed_tokens=self.stats.num_recomputed_tokens,
+            num_decode_steps=self.stats.num_decode_steps,
             new_token_ratio=self.ratio.value,
             memory_check_ok=ok,
             leaked_tokens=leaked)

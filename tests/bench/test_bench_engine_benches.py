@@ -111,5 +111,8 @@ def test_offline_radix_on_and_off(tiny_model: str, tmp_path: Path) -> None:
         assert rec["limit_s"] < rec["sustained_limit_s"] < 2 * rec["limit_s"]
         assert rec["sustained_limit_ratio"] == pytest.approx(
             rec["sustained_limit_s"] / rec["duration_s"])
+        # one request at a time: its first token comes from the prefill, the rest one decode
+        # step each (the warm-up request's steps are not counted)
+        assert rec["decode_steps"] == n * (out_len - 1)
     assert (on["radix_cache"], off["radix_cache"]) == (True, False)
     assert on["cache_hit_rate"] > 0 and off["cache_hit_rate"] == 0
