@@ -150,11 +150,12 @@ class LinearBase(nn.Module):
     def forward(self, x: "torch.Tensor | Fp8Rows") -> torch.Tensor:
         return self.product(x, self.bias)
 
-    def takes_fp8_rows(self, rows: int) -> bool:
-        """Whether rows quantised beforehand (per token, e4m3) go to the tensor cores as they
-        are here: an FP8 weight with a swept configuration for that many rows."""
+    def takes_fp8_rows(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether rows of `dtype` activations quantised beforehand (per token, e4m3) go to
+        the tensor cores as they are here: an FP8 weight with a swept configuration for that
+        many rows, or a batch _scaled_mm takes."""
         return self.fp8 is not None and self.weight.stride(1) == 1 and \
-            takes_fp8_rows(self.weight, self.fp8.block, rows)
+            takes_fp8_rows(self.weight, self.weight_scale, self.fp8.block, rows, dtype)
 
     def fuses_one_row(self, dtype: torch.dtype, *, residual: bool = False) -> bool:
         """Whether `fused_row_product` has a kernel for one row of `dtype`: the GPU GEMV (bf16

@@ -161,28 +161,29 @@ class DecoderLayer(nn.Module):
         return self._fuses_one_row[dtype]
 
     def takes_fp8_rows(self, hidden: torch.Tensor) -> bool:
-        """A dense SwiGLU layer whose q|k|v, gate|up and down products have tensor-core
-        configurations for this many rows of activations quantised beforehand (FP8 weights,
-        2-128 rows on the GPU: kernels/fp8_gemm.py `fp8_codes_product`); decided once per row
-        count."""
-        rows = hidden.shape[0]
+        """A dense SwiGLU layer whose q|k|v, gate|up and down products take this many rows of
+        activations quantised beforehand (FP8 weights on the GPU: the tensor-core kernel's
+        configurations at 2-128 rows, _scaled_mm's batches past them; kernels/fp8_gemm.py
+        `fp8_codes_product`); decided once per row count."""
+        rows, dtype = hidden.shape[0], hidden.dtype
         if rows not in self._takes_fp8_rows:
             attn, mlp = self.self_attn, self.mlp
             self._takes_fp8_rows[rows] = (
                 self._dense_swiglu()
-                and self.input_layernorm.weight.dtype == hidden.dtype
-                and attn.qkv_proj.takes_fp8_rows(rows)
-                and mlp.gate_up_proj.takes_fp8_rows(rows)
-                and mlp.down_proj.takes_fp8_rows(rows))
+                and self.input_layernorm.weight.dtype == dtype
+                and attn.qkv_proj.takes_fp8_rows(rows, dtype)
+                and mlp.gate_up_proj.takes_fp8_rows(rows, dtype)
+                and mlp.down_proj.takes_fp8_rows(rows, dtype))
         return self._takes_fp8_rows[rows]
 
     def forward_fp8_rows(self, positions: torch.Tensor, hidden: torch.Tensor,
                          residual: torch.Tensor | None, forward_batch: ForwardBatch
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` with FP8 weights at a few rows: both RMSNorms and SiLU-mul emit e4m3 rows
-        and a scale per row, so q|k|v, gate|up and down take activation codes as they are
-        (per-token W8A8, the activations `--quantization fp8` specifies) instead of
-        quantising them in registers. o_proj quantises its input itself, as before."""
+        """`forward` with FP8 weights where the products take codes: both RMSNorms and
+        SiLU-mul emit e4m3 rows and a scale per row, so q|k|v, gate|up and down take
+        activation codes as they are (per-token W8A8, the activations `--quantization fp8`
+        specifies) instead of quantising them in registers (decode rows) or in a pass of
+        their own (batches). o_proj quantises its input itself, as before."""
         rows, residual = self.input_layernorm.forward_quantized(hidden, residual)
         if residual is None:
             residual = hidden

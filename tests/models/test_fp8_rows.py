@@ -13,6 +13,7 @@ if not torch.cuda.is_available():  # read when a kernel is decorated: before the
 pytest.importorskip("triton")
 
 import radixserve  # noqa: E402
+from radixserve.layers import linear as linear_module  # noqa: E402
 from radixserve.layers.kernels import fp8_gemm, fp8_mma_rows  # noqa: E402
 from radixserve.layers.kernels.per_token_quant import per_token_quant_reference  # noqa: E402
 from radixserve.layers.kernels.rmsnorm import fused_rmsnorm_quant, rmsnorm_reference  # noqa: E402
@@ -88,8 +89,9 @@ def checkpoint(tmp_path_factory):
     return str(folder)
 
 
-def _greedy(checkpoint: str, lengths: tuple[int, ...] = (12, 20, 7)) -> list[list[int]]:
-    engine = radixserve.Engine(checkpoint, dtype="float16", skip_tokenizer_init=True,
+def _greedy(checkpoint: str, lengths: tuple[int, ...] = (12, 20, 7),
+            dtype: str = "float16") -> list[list[int]]:
+    engine = radixserve.Engine(checkpoint, dtype=dtype, skip_tokenizer_init=True,
                                max_total_tokens=2000, quantization="fp8")
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 160, (n,), generator=gen).tolist() for n in lengths]
@@ -157,3 +159,44 @@ def test_engine_decode_rows_past_sixteen_take_activation_codes(checkpoint, monke
     assert any(18 <= m <= 32 for m in rows_seen)
     assert any(18 <= rows <= 32 and codes for rows, codes in tiles)
 
+
+
+def test_engine_batches_past_the_code_rows_take_codes_on_scaled_mm(checkpoint,
+                                                                   monkeypatch) -> None:
+    """A prefill batch of more rows than the tensor-core kernel takes (159 > MAX_CODE_ROWS):
+    both norms and SiLU-mul quantise, and q|k|v, gate|up and down run _scaled_mm on their
+    codes, where the bf16 rows went to _scaled_mm through a quantisation pass of their own
+    (RADIXSERVE_FP8_PREQUANT_BATCHES=0). The greedy tokens are the same. On CPU a float
+    reference stands in for _scaled_mm, and batches of 64 rows or more take the GPU's route."""
+    lengths = (150, 9)
+    on_gpu = torch.cuda.is_available()
+    dtype = "bfloat16" if on_gpu else "float16"
+    product = fp8_gemm.scaled_mm_codes
+    if not on_gpu:
+        def product(codes, x_scale, weight, scale, bias, out_dtype):  # type: ignore[no-redef]
+            y = (codes.float() * x_scale) @ (weight.float() * scale.float()).t()
+            return (y if bias is None else y + bias.float()).to(out_dtype)
+
+        plain_linear = linear_module.fp8_linear
+
+        def batch_linear(x, weight, scale, block, bias):  # type: ignore[no-untyped-def]
+            if x.dim() == 2 and x.shape[0] >= 64:  # scaled_mm_per_token's quantisation pass
+                codes, scales = per_token_quant_reference(x.float(), FP8_DTYPE)
+                return product(codes, scales, weight, scale, bias, x.dtype)
+            return plain_linear(x, weight, scale, block, bias)
+
+        monkeypatch.setattr(linear_module, "fp8_linear", batch_linear)
+        monkeypatch.setattr(fp8_gemm, "scaled_mm_takes",
+                            lambda weight, scale_cols, tokens, dtype: tokens >= 64)
+    monkeypatch.setattr(fp8_gemm, "PREQUANT_BATCHES", False)
+    plain = _greedy(checkpoint, lengths, dtype)
+    monkeypatch.setattr(fp8_gemm, "PREQUANT_BATCHES", True)
+    monkeypatch.setattr(blocks, "one_row_kernels_apply", lambda hidden: hidden.dim() == 2)
+    monkeypatch.setattr(fp8_gemm, "fp8_codes_config", lambda *args: None)  # no decode rows
+    batches: list[int] = []
+    monkeypatch.setattr(fp8_gemm, "scaled_mm_codes", lambda codes, *args: batches.append(
+        codes.shape[0]) or product(codes, *args))
+    assert _greedy(checkpoint, lengths, dtype) == plain
+    # the prefill's three products per layer took the norm's and SiLU-mul's codes
+    assert batches and all(rows == sum(lengths) for rows in batches)
+    assert len(batches) % 3 == 0

@@ -26,6 +26,10 @@ from radixserve.layers.kernels.skinny_gemm import (config_from_entry, default_co
 CODES_ENABLED = os.environ.get("RADIXSERVE_FP8_ROW_CODES", "1") != "0"
 SCALED_MM_MIN_TOKENS = 64  # per-channel weights at this many rows and more (without a swept
 # entry): FP8 tensor cores; the H200 sweep had _scaled_mm ahead of the Triton tiles from M=64
+# RADIXSERVE_FP8_PREQUANT_BATCHES=0: batches past the tensor-core kernel's rows (prefill, large
+# decode batches) keep bf16 rows into the product, which quantises them in a pass of its own,
+# instead of taking the codes the RMSNorm / SiLU-mul before it emit (for A/B timing)
+PREQUANT_BATCHES = os.environ.get("RADIXSERVE_FP8_PREQUANT_BATCHES", "1") != "0"
 # 17-128 rows of bf16 activations quantised by per_token_quant for the tensor-core kernel's
 # "codes" configuration, where its sweep margin over the incumbent ("base_us" - "us") pays
 # for that pass too (~1.9 us on the H200, session 12)
@@ -53,10 +57,30 @@ def scaled_mm_per_token(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     x_codes, x_scale = per_token_quant(x2, weight.dtype)
-    y = torch._scaled_mm(x_codes, weight.t(), scale_a=x_scale,
-                         scale_b=scale.reshape(1, -1).contiguous(), bias=bias,
-                         out_dtype=x.dtype)
+    y = scaled_mm_codes(x_codes, x_scale, weight, scale, bias, x.dtype)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def scaled_mm_codes(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                    scale: torch.Tensor, bias: torch.Tensor | None,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """Activation codes [M, K] (e4m3, one scale per row) against per-channel FP8 weight codes
+    on cuBLASLt's FP8 tensor cores, row-wise scales on both sides."""
+    return torch._scaled_mm(codes, weight.t(), scale_a=x_scale,
+                            scale_b=scale.reshape(1, -1).contiguous(), bias=bias,
+                            out_dtype=out_dtype)
+
+
+def scaled_mm_takes(weight: torch.Tensor, scale_cols: int, tokens: int,
+                    dtype: torch.dtype) -> bool:
+    """Whether `tokens` rows of `dtype` activations against this FP8 weight run on
+    torch._scaled_mm: per-channel scales (scale_cols 1), bf16, a device with FP8 tensor cores
+    (sm_90 and later), and the table's choice for this shape (without an entry: from
+    SCALED_MM_MIN_TOKENS rows)."""
+    n, k = weight.shape
+    return (scale_cols == 1 and dtype == torch.bfloat16 and weight.is_cuda
+            and torch.cuda.get_device_capability(weight.device)[0] >= 9
+            and _wants_scaled_mm(tuned_entry("fp8", n, k, tokens), tokens))
 
 
 def fp8_rows_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -96,15 +120,35 @@ def fp8_codes_product(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.
     """Activation codes [M, K] (e4m3, one scale per row) against FP8 weight codes, on the
     tensor cores with both operands as loaded; None where no configuration applies."""
     m = codes.shape[0]
-    if codes.dtype != torch.float8_e4m3fn or not fp8_mma_rows.available(codes):
+    if codes.dtype != torch.float8_e4m3fn:
         return None
     grouped = scale.shape[1] > 1
     config = fp8_codes_config(weight.shape[0], weight.shape[1], m,
-                              group_k if grouped else None)
-    if config is None:
-        return None
-    return fp8_mma_rows.fp8_mma_rows(codes, weight, scale, group_k if grouped else None,
-                                     config, bias, x_scale=x_scale, out_dtype=out_dtype)
+                              group_k if grouped else None) \
+        if fp8_mma_rows.available(codes) else None
+    if config is not None:
+        return fp8_mma_rows.fp8_mma_rows(codes, weight, scale, group_k if grouped else None,
+                                         config, bias, x_scale=x_scale, out_dtype=out_dtype)
+    if _batch_takes_codes(weight, scale.shape[1], m, out_dtype):
+        return scaled_mm_codes(codes, x_scale, weight, scale, bias, out_dtype)
+    return None
+
+
+def takes_code_rows(weight: torch.Tensor, scale_cols: int, group_k: int | None, rows: int,
+                    dtype: torch.dtype) -> bool:
+    """Whether `fp8_codes_product` runs `rows` rows of activation codes against this weight
+    as they are: the tensor-core kernel's "codes" configuration (up to MAX_CODE_ROWS), or,
+    past those rows, _scaled_mm where the bf16 rows would have gone to it anyway (their
+    quantisation then moves into the kernel before: one pass over the activations fewer)."""
+    n, k = weight.shape
+    return fp8_codes_config(n, k, rows, group_k if scale_cols > 1 else None) is not None \
+        or _batch_takes_codes(weight, scale_cols, rows, dtype)
+
+
+def _batch_takes_codes(weight: torch.Tensor, scale_cols: int, rows: int,
+                       dtype: torch.dtype) -> bool:
+    return PREQUANT_BATCHES and CODES_ENABLED and rows > fp8_mma_rows.MAX_CODE_ROWS \
+        and scaled_mm_takes(weight, scale_cols, rows, dtype)
 
 
 def _codes_pay_for_quantising(n: int, k: int, m: int) -> bool:
@@ -131,7 +175,6 @@ def fp8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     weight-dequantising Triton GEMM."""
     tokens = x.numel() // x.shape[-1]
     n, k = weight.shape
-    entry = tuned_entry("fp8", n, k, tokens)
     if 0 < tokens <= fp8_mma_rows.MAX_ROWS and x.is_contiguous():  # decode rows
         y = fp8_rows_product(x.reshape(tokens, -1), weight, scale, block, bias)
         if y is not None:
@@ -142,8 +185,7 @@ def fp8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
         y = fp8_codes_product(codes, x_scale, weight, scale, block, bias, x.dtype)
         if y is not None:
             return y.view(*x.shape[:-1], n)
-    if (_wants_scaled_mm(entry, tokens) and scale.shape[1] == 1 and x.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device)[0] >= 9):
+    if scaled_mm_takes(weight, scale.shape[1], tokens, x.dtype):
         return scaled_mm_per_token(x, weight, scale, bias)
     return fp8_weight_gemm(x, weight, scale, block, bias)
 

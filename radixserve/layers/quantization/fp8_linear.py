@@ -98,12 +98,14 @@ def fp8_rows_linear(x: Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, block
     return fp8_linear(x.dequantize(), weight, scale, block, bias)
 
 
-def takes_fp8_rows(weight: torch.Tensor, block: int | None, rows: int) -> bool:
-    """Whether `fp8_rows_linear` has a tensor-core configuration for `rows` rows against this
-    weight (else quantising the rows beforehand would only add a dequantisation)."""
+def takes_fp8_rows(weight: torch.Tensor, scale: torch.Tensor, block: int | None, rows: int,
+                   dtype: torch.dtype) -> bool:
+    """Whether `fp8_rows_linear` runs `rows` rows of `dtype` activations, quantised beforehand,
+    on a kernel that takes their codes (kernels/fp8_gemm.py `takes_code_rows`; else quantising
+    the rows beforehand would only add a dequantisation)."""
     try:
-        from radixserve.layers.kernels.fp8_gemm import fp8_codes_config
+        from radixserve.layers.kernels.fp8_gemm import takes_code_rows
     except ImportError:
         return False
-    return weight.dtype == FP8_DTYPE and fp8_codes_config(
-        weight.shape[0], weight.shape[1], rows, block) is not None
+    return weight.dtype == FP8_DTYPE and takes_code_rows(weight, scale.shape[1], block, rows,
+                                                         dtype)
