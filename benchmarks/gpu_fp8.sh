@@ -40,6 +40,9 @@
 # offline: random 1024/1024 x FP8_PROMPTS (default 1000): bf16, FP8 KV only, FP8 weights + KV
 #          (FP8_OFFLINE_MODES picks a subset; kv8_cohorts / w8kv8_cohorts: the same with
 #          --admission-plan cohorts, the leftover admitted first)
+# prequant_ab: FP8 W + KV offline with batches on the norms' codes (the default) and with
+#          RADIXSERVE_FP8_PREQUANT_BATCHES=0 (bf16 rows, a quantising pass per product),
+#          alternated twice (~8 min; FP8_PROMPTS as above)
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/gpu_common.sh gpu_fp8 "${FP8_STEPS:-tests tune mma codes decode offline}"
@@ -158,4 +161,12 @@ if step offline; then
     case " $MODES " in *" w8kv8_cohorts "*)
         offline w8kv8_cohorts --quantization fp8 --kv-cache-dtype fp8_e4m3 \
             --admission-plan cohorts ;; esac
+fi
+if step prequant_ab; then
+    echo "== FP8 W + KV offline: batches on the norms' codes vs a quantising pass"
+    for round in 1 2; do
+        offline "w8kv8_codes$round" --quantization fp8 --kv-cache-dtype fp8_e4m3
+        RADIXSERVE_FP8_PREQUANT_BATCHES=0 offline "w8kv8_pass$round" --quantization fp8 \
+            --kv-cache-dtype fp8_e4m3
+    done
 fi
