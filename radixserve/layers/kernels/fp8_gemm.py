@@ -6,7 +6,8 @@ registers (up to 128 rows of activations quantised beforehand: `fp8_codes_produc
 tile GEMM (kernels/skinny_gemm.py), which loads FP8 codes (half the bytes of bf16) and runs the
 bf16 tensor cores. Per-shape configurations swept on the H200 come from `gemm_tables`. Large
 per-channel batches: `torch._scaled_mm` (cuBLASLt, FP8 tensor cores) with activations quantised
-per token. Block-scaled weights always take the Triton kernels.
+per token, by a pass of their own or, where the layer runs on codes (`fp8_codes_product`), by the
+RMSNorm or SiLU-mul before. Block-scaled weights always take the Triton kernels.
 """
 from __future__ import annotations
 
@@ -118,7 +119,9 @@ def fp8_codes_product(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.
                       scale: torch.Tensor, group_k: int | None, bias: torch.Tensor | None,
                       out_dtype: torch.dtype) -> torch.Tensor | None:
     """Activation codes [M, K] (e4m3, one scale per row) against FP8 weight codes, on the
-    tensor cores with both operands as loaded; None where no configuration applies."""
+    tensor cores with both operands as loaded: the tensor-core kernel where its sweep left a
+    "codes" configuration, _scaled_mm for batches past its rows (`takes_code_rows`); None
+    where neither applies."""
     m = codes.shape[0]
     if codes.dtype != torch.float8_e4m3fn:
         return None
