@@ -54,6 +54,11 @@ class NullRunner(FakeRunner):
         return [1] * len(batch.req_pool_indices)
 
 
+def _lengths(length: int, ratio: float, count: int, gen: torch.Generator) -> list[int]:
+    low = max(1, int(length * ratio))
+    return torch.randint(low, length + 1, (count,), generator=gen).tolist()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=4000)
@@ -68,6 +73,9 @@ def main() -> int:
     parser.add_argument("--admission-plan", default="greedy", choices=("greedy", "cohorts"))
     parser.add_argument("--chunked-prefill-size", type=int, default=None,
                         help="default: the CPU's (512); the GPU's is 8192")
+    parser.add_argument("--random-range-ratio", type=float, default=1.0,
+                        help="lengths drawn uniformly from [ratio x len, len], as bench's random "
+                             "dataset draws them (1.0: every request the same)")
     args = parser.parse_args()
     context = args.context_len
     runner = NullRunner(args.max_total_tokens, args.max_running_requests, context)
@@ -76,15 +84,17 @@ def main() -> int:
                                      chunked_prefill_size=args.chunked_prefill_size),
                           runner, None, {0}, context)
     gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(100, VOCAB, (args.num_prompts, args.input_len), generator=gen).tolist()
-    params = SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True)
-    params.verify()
-    params.normalize()
+    input_lens = _lengths(args.input_len, args.random_range_ratio, args.num_prompts, gen)
+    output_lens = _lengths(args.output_len, args.random_range_ratio, args.num_prompts, gen)
+    prompts = [torch.randint(100, VOCAB, (n,), generator=gen).tolist() for n in input_lens]
     profiler = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
     if profiler is not None:
         profiler.enable()
-    for i, prompt in enumerate(prompts):
+    for i, (prompt, output_len) in enumerate(zip(prompts, output_lens)):
+        params = SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True)
+        params.verify()
+        params.normalize()
         scheduler.add_request(TokenizedGenerateReq(rid=f"r{i}", input_text=None, input_ids=prompt,
                                                    sampling_params=params, stream=False))
     turns = finished = prefills = 0
