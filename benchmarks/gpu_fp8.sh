@@ -42,7 +42,10 @@
 #          --admission-plan cohorts, the leftover admitted first)
 # prequant_ab: FP8 W + KV offline with batches on the norms' codes (the default) and with
 #          RADIXSERVE_FP8_PREQUANT_BATCHES=0 (bf16 rows, a quantising pass per product),
-#          alternated twice (~8 min; FP8_PROMPTS as above)
+#          alternated twice (~7 min; FP8_PROMPTS as above)
+# fast_accum: _scaled_mm's rate and error with and without use_fast_accum at the 8B shapes
+#          (benchmarks/gpu_scaled_mm.py, ~1 min), then FP8 W + KV offline with
+#          RADIXSERVE_FP8_FAST_ACCUM=1 (set it against a prequant_ab run of the same call)
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/gpu_common.sh gpu_fp8 "${FP8_STEPS:-tests tune mma codes decode offline}"
@@ -169,4 +172,12 @@ if step prequant_ab; then
         RADIXSERVE_FP8_PREQUANT_BATCHES=0 offline "w8kv8_pass$round" --quantization fp8 \
             --kv-cache-dtype fp8_e4m3
     done
+fi
+if step fast_accum; then
+    echo "== _scaled_mm with use_fast_accum"
+    timeout -k 10 150 python3 benchmarks/gpu_scaled_mm.py > "$OUT/scaled_mm.log" 2>&1
+    echo "   rc $?"
+    cat "$OUT/scaled_mm.log"
+    RADIXSERVE_FP8_FAST_ACCUM=1 offline w8kv8_fast_accum --quantization fp8 \
+        --kv-cache-dtype fp8_e4m3
 fi

@@ -31,6 +31,10 @@ SCALED_MM_MIN_TOKENS = 64  # per-channel weights at this many rows and more (wit
 # decode batches) keep bf16 rows into the product, which quantises them in a pass of its own,
 # instead of taking the codes the RMSNorm / SiLU-mul before it emit (for A/B timing)
 PREQUANT_BATCHES = os.environ.get("RADIXSERVE_FP8_PREQUANT_BATCHES", "1") != "0"
+# RADIXSERVE_FP8_FAST_ACCUM=1: _scaled_mm keeps the FP8 tensor cores' accumulator as it is along K
+# instead of promoting it to float32 (use_fast_accum; off until benchmarks/gpu_scaled_mm.py has
+# timed it and bounded its error on the H200)
+FAST_ACCUM = os.environ.get("RADIXSERVE_FP8_FAST_ACCUM", "0") == "1"
 # 17-128 rows of bf16 activations quantised by per_token_quant for the tensor-core kernel's
 # "codes" configuration, where its sweep margin over the incumbent ("base_us" - "us") pays
 # for that pass too (~1.9 us on the H200, session 12)
@@ -69,7 +73,7 @@ def scaled_mm_codes(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.Te
     on cuBLASLt's FP8 tensor cores, row-wise scales on both sides."""
     return torch._scaled_mm(codes, weight.t(), scale_a=x_scale,
                             scale_b=scale.reshape(1, -1).contiguous(), bias=bias,
-                            out_dtype=out_dtype)
+                            out_dtype=out_dtype, use_fast_accum=FAST_ACCUM)
 
 
 def scaled_mm_takes(weight: torch.Tensor, scale_cols: int, tokens: int,
