@@ -131,9 +131,8 @@ def fp8_codes_product(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.
         return None
     grouped = scale.shape[1] > 1
     config = fp8_codes_config(weight.shape[0], weight.shape[1], m,
-                              group_k if grouped else None) \
-        if fp8_mma_rows.available(codes) else None
-    if config is not None:
+                              group_k if grouped else None)
+    if config is not None and fp8_mma_rows.available(codes):
         return fp8_mma_rows.fp8_mma_rows(codes, weight, scale, group_k if grouped else None,
                                          config, bias, x_scale=x_scale, out_dtype=out_dtype)
     if _batch_takes_codes(weight, scale.shape[1], m, out_dtype):
