@@ -44,8 +44,11 @@
 #          RADIXSERVE_FP8_PREQUANT_BATCHES=0 (bf16 rows, a quantising pass per product),
 #          alternated twice (~7 min; FP8_PROMPTS as above)
 # fast_accum: _scaled_mm's rate and error with and without use_fast_accum at the 8B shapes
-#          (benchmarks/gpu_scaled_mm.py, ~1 min), then FP8 W + KV offline with
-#          RADIXSERVE_FP8_FAST_ACCUM=1 (set it against a prequant_ab run of the same call)
+#          (benchmarks/gpu_scaled_mm.py, ~1 min)
+# w8kv8_ab: FP8 W + KV offline once per word of FP8_AB_RUNS, in that order (~95 s each):
+#          codes (the default: the norms' codes, fast accumulation), pass
+#          (RADIXSERVE_FP8_PREQUANT_BATCHES=0), exact (RADIXSERVE_FP8_FAST_ACCUM=0: _scaled_mm
+#          promotes its accumulator); e.g. FP8_AB_RUNS="exact codes pass exact codes pass"
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/gpu_common.sh gpu_fp8 "${FP8_STEPS:-tests tune mma codes decode offline}"
@@ -178,6 +181,20 @@ if step fast_accum; then
     timeout -k 10 150 python3 benchmarks/gpu_scaled_mm.py > "$OUT/scaled_mm.log" 2>&1
     echo "   rc $?"
     cat "$OUT/scaled_mm.log"
-    RADIXSERVE_FP8_FAST_ACCUM=1 offline w8kv8_fast_accum --quantization fp8 \
-        --kv-cache-dtype fp8_e4m3
+fi
+if step w8kv8_ab; then
+    echo "== FP8 W + KV offline: ${FP8_AB_RUNS:?set FP8_AB_RUNS}"
+    n=0
+    for variant in $FP8_AB_RUNS; do
+        n=$((n + 1))
+        case $variant in
+            codes) env_var=RADIXSERVE_FP8_PREQUANT_BATCHES=1 ;;
+            pass) env_var=RADIXSERVE_FP8_PREQUANT_BATCHES=0 ;;
+            exact) env_var=RADIXSERVE_FP8_FAST_ACCUM=0 ;;
+            *) echo "   unknown variant $variant"; continue ;;
+        esac
+        export "$env_var"
+        offline "w8kv8_$variant$n" --quantization fp8 --kv-cache-dtype fp8_e4m3
+        unset "${env_var%%=*}"
+    done
 fi
