@@ -2,11 +2,13 @@
 (torch._scaled_mm, row-wise and tensor-wise scales), and the split-KV decode attention's read
 rate over a bf16 and an FP8 KV cache at serving batch sizes (Llama-3.1-8B heads).
 
-    python3 benchmarks/gpu_peaks.py [--sustain SECONDS [--sustain-dtype bf16|fp8]]
+    python3 benchmarks/gpu_peaks.py [--matmul-only] [--sustain SECONDS
+        [--sustain-dtype bf16|fp8|fp8-fast]]
 
 The peaks are bursts (a CUDA graph replayed for ~50 ms), at the SM clock an idle GPU starts
 from. --sustain instead runs 8192^3 matmuls (bf16, or FP8 `_scaled_mm` with row-wise scales)
-back to back for SECONDS and prints the rate of every ~2 s: the rate a compute-bound phase of a
+back to back for SECONDS (fp8-fast: with `use_fast_accum`, as the engine's FP8 linears run since
+session 21) and prints the rate of every ~2 s: the rate a compute-bound phase of a
 long run gets once the board reaches its power limit (an H200 at 700 W: 665 against 796
 TFLOP/s bf16 at 1,440 MHz; sample the clocks beside it with gpu_common.sh's telemetry_start).
 """
@@ -40,6 +42,10 @@ def matmul_peaks(size: int = 8192) -> None:
                                             out_dtype=torch.bfloat16))
     print(f"fp8 _scaled_mm {size}^3, row-wise scales: {flops / t / 1e12:7.1f} TFLOP/s",
           flush=True)
+    t = time_graph(lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb,
+                                            out_dtype=torch.bfloat16, use_fast_accum=True))
+    print(f"fp8 _scaled_mm {size}^3, row-wise scales, fast accumulation: "
+          f"{flops / t / 1e12:7.1f} TFLOP/s", flush=True)
 
 
 def decode_attention_rates() -> None:
@@ -75,18 +81,20 @@ def decode_attention_rates() -> None:
 def sustained_matmul(seconds: float, dtype: str = "bf16", size: int = 8192,
                      window: float = 2.0) -> None:
     """Matmuls back to back for `seconds`; the rate of each ~`window`-second stretch. dtype
-    "fp8": `_scaled_mm` on e4m3 operands with row-wise scales (what the FP8 linears run)."""
+    "fp8": `_scaled_mm` on e4m3 operands with row-wise scales; "fp8-fast": the same with
+    `use_fast_accum` (what the FP8 linears run)."""
     import time
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(size, size, device="cuda", dtype=torch.bfloat16)
-    if dtype == "fp8":
+    if dtype in ("fp8", "fp8-fast"):
         a8, b8t = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
         sa = torch.rand(size, 1, device="cuda")
         sb = torch.rand(1, size, device="cuda")
 
         def product() -> None:
-            torch._scaled_mm(a8, b8t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+            torch._scaled_mm(a8, b8t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                             use_fast_accum=dtype == "fp8-fast")
     else:
         bt = b.t()
 
@@ -122,7 +130,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sustain", type=float, default=0.0,
                         help="seconds of back-to-back matmuls instead of the burst peaks")
-    parser.add_argument("--sustain-dtype", choices=("bf16", "fp8"), default="bf16")
+    parser.add_argument("--sustain-dtype", choices=("bf16", "fp8", "fp8-fast"), default="bf16")
+    parser.add_argument("--matmul-only", action="store_true",
+                        help="the burst matmul peaks only (no decode attention rates)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_peaks: no CUDA device")
@@ -131,4 +141,5 @@ if __name__ == "__main__":
         sustained_matmul(args.sustain, args.sustain_dtype)
         sys.exit(0)
     matmul_peaks()
-    decode_attention_rates()
+    if not args.matmul_only:
+        decode_attention_rates()
