@@ -98,9 +98,12 @@ class ForwardBatch:
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None
     extend_logprob_start_lens: list[int] | None = None
-    # DECODE: a float32 [>= batch_size, vocab] buffer the last-token logits are written into
-    # (the CUDA graph runner's, one for every captured size) instead of a fresh tensor
+    # DECODE: a [>= batch_size, vocab] buffer the last-token logits are written into (the CUDA
+    # graph runner's, one for every captured size) instead of a fresh tensor
     logits_out: torch.Tensor | None = None
+    # DECODE: last-token logits in the compute dtype, not float32 (the CUDA graphs': their
+    # argmax needs no float32 copy; see layers/logits.compute_logits)
+    logits_in_model_dtype: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -329,8 +329,9 @@ class ModelRunner:
     def forward_logits(self, batch: ModelWorkerBatch) -> LogitsOutput:
         """Run the model: last-position logits per request (+ all extend logits if asked).
         A DECODE pass first records its new KV slots in req_to_token."""
-        if self._uses_graph(batch):
-            return LogitsOutput(self.cuda_graph_runner.replay(batch)[0], None)  # type: ignore
+        if self._uses_graph(batch):  # float32, as the eager path gives them
+            return LogitsOutput(self.cuda_graph_runner.replay(batch)[0].float(),  # type: ignore
+                                None)
         return self._forward_eager(batch)
 
     def _forward_eager(self, batch: ModelWorkerBatch,

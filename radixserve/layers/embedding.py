@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from radixserve.distributed.parallel_state import get_tp_group
-from radixserve.layers.linear import linear
+from radixserve.layers.linear import linear, linear_into
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -60,12 +60,17 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 def project_to_vocab(hidden: torch.Tensor, head: VocabParallelEmbedding,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits [T, vocab] fp32 over the whole vocabulary: this rank's range, gathered. With
-    `out` (fp32, [>= T, vocab]) they are written into its first T rows, which are returned."""
+                     out: torch.Tensor | None = None, keep_dtype: bool = False) -> torch.Tensor:
+    """Logits [T, vocab] over the whole vocabulary: this rank's range, gathered. float32, or
+    with keep_dtype the product's own dtype (the compute dtype). With `out` ([>= T, vocab], of
+    the result's dtype) they are written into its first T rows, which are returned; with one
+    rank and keep_dtype the product writes them there itself (`linear_into`)."""
+    rows = hidden.shape[0]
+    if out is not None and keep_dtype and head.tp_size == 1:
+        return linear_into(hidden, head.weight, out[:rows])
     logits = linear(hidden, head.weight)
     if head.tp_size > 1:
         logits = get_tp_group().all_gather(logits)[..., :head.num_embeddings]
     if out is None:
-        return logits.float()
-    return out[:logits.shape[0]].copy_(logits)
+        return logits if keep_dtype else logits.float()
+    return out[:rows].copy_(logits)

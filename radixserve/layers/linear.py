@@ -62,18 +62,24 @@ def _small_m_kernel(n: int, k: int, m: int):  # -> a callable(x, weight, bias) o
     return lambda x, weight, bias: skinny_gemm.skinny_gemm(x, weight, cfg, bias=bias)
 
 
+def _small_m_product(x: torch.Tensor, weight: torch.Tensor):  # -> a callable or None
+    """The Triton GEMV / skinny GEMM that `linear` runs this product on, if any."""
+    if (_GEMV_ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] <= SMALL_M_MAX
+            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and weight.stride(1) == 1 and x.shape[0] > 0):
+        return _small_m_kernel(weight.shape[0], weight.shape[1], x.shape[0])
+    return None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
     """x @ weight.T (+ bias). On CUDA in fp16/bf16 a single row (batch-1 decode) goes to the
     Triton GEMV, which reads the weights faster than cuBLAS does at M=1, and a decode-sized
     batch to the skinny Triton GEMM where the H200 sweep found it faster (kernels/gemm_tables);
     the rest to cuBLAS."""
-    if (_GEMV_ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] <= SMALL_M_MAX
-            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and weight.stride(1) == 1 and x.shape[0] > 0):
-        kernel = _small_m_kernel(weight.shape[0], weight.shape[1], x.shape[0])
-        if kernel is not None:
-            return kernel(x, weight, bias)
+    kernel = _small_m_product(x, weight)
+    if kernel is not None:
+        return kernel(x, weight, bias)
     if not x.is_cuda:  # the CPU GEMV, or oneDNN with the weight packed once (cpu_linear.py)
         out = packed_linear(x, weight, bias)
         if out is not None:
@@ -81,6 +87,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if weight.dtype != x.dtype:  # a bf16 weight kept under float32 compute
             weight = weight.to(x.dtype)
     return nn.functional.linear(x, weight, bias)
+
+
+def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """linear(x, weight) written into `out` ([rows, out_features], contiguous, of the product's
+    dtype), which is returned. Where `linear` would run cuBLAS, cuBLAS writes `out` itself, so
+    the product is not written twice; the Triton kernels' and the CPU's results are copied in."""
+    if (x.is_cuda and x.dim() == 2 and out.dtype == x.dtype == weight.dtype
+            and out.is_contiguous() and _small_m_product(x, weight) is None):
+        return torch.matmul(x, weight.t(), out=out)
+    return out.copy_(linear(x, weight))
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -11,7 +11,8 @@ from radixserve.layers.embedding import VocabParallelEmbedding, project_to_vocab
 
 
 class LogitsOutput(NamedTuple):
-    next_token_logits: torch.Tensor  # [bs, vocab] fp32
+    # [bs, vocab] fp32; a decode graph's in the compute dtype (ForwardBatch.logits_in_model_dtype)
+    next_token_logits: torch.Tensor
     extend_logits: torch.Tensor | None  # [T, vocab] fp32 when input logprobs were asked
 
 
@@ -31,7 +32,11 @@ def _soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
 def compute_logits(hidden: torch.Tensor, lm_head: VocabParallelEmbedding,
                    forward_batch: ForwardBatch, final_logit_cap: float = 0.0) -> LogitsOutput:
     """Logits of each request's last position (and of every position when input logprobs were
-    asked), over the whole vocabulary on every tensor-parallel rank."""
+    asked), over the whole vocabulary on every tensor-parallel rank.
+
+    A decode batch with `logits_in_model_dtype` (the CUDA graphs') keeps them in the compute
+    dtype: the graph's argmax needs no float32 copy of [bs, vocab], and the sampler and the
+    logprobs convert what they read (a final logit cap keeps float32, which it is applied in)."""
     want_input_logprobs = (forward_batch.return_logprob
                            and forward_batch.forward_mode.is_extend()
                            and any(s >= 0 for s in forward_batch.extend_logprob_start_lens or []))
@@ -41,6 +46,8 @@ def compute_logits(hidden: torch.Tensor, lm_head: VocabParallelEmbedding,
     # decode: one row per request already
     last = hidden if forward_batch.forward_mode.is_decode() else \
         hidden[last_token_indices(forward_batch)]
-    logits = project_to_vocab(last, lm_head, forward_batch.logits_out
-                              if forward_batch.forward_mode.is_decode() else None)
+    decode = forward_batch.forward_mode.is_decode()
+    logits = project_to_vocab(last, lm_head, forward_batch.logits_out if decode else None,
+                              keep_dtype=decode and forward_batch.logits_in_model_dtype
+                              and final_logit_cap <= 0)
     return LogitsOutput(_soft_cap(logits, final_logit_cap), None)

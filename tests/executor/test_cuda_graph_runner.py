@@ -211,6 +211,8 @@ def test_replay_matches_eager(tmp_path: Path, dtype: str) -> None:
     # allocated for the graph's life); a smaller batch after a larger one reads its own rows
     assert {graphs.outputs[bs][0].data_ptr() for bs in graphs.batch_sizes} == \
         {graphs.logits_out.data_ptr()}
+    # in the compute dtype: the argmax needs no float32 copy (forward_logits converts)
+    assert graphs.logits_out.dtype == getattr(torch, dtype)
     for step, bs in enumerate([1, 2, 3, 8, 13, 16, 24, 5]):  # 3, 13, 5: padded to 4, 16, 8
         batch = reqs.decode(bs, step)
         assert graphs.can_run(batch)
