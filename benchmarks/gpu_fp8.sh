@@ -53,6 +53,8 @@
 #          buffer (RADIXSERVE_GRAPH_FP32_LOGITS=1), FP8 W + KV decode steps at
 #          FP8_LOGITS_BATCHES (default "256 896", context 1024), alternated twice; the graph
 #          runner's GPU tests first
+# peaks:   benchmarks/gpu_peaks.py --matmul-only (50 ms bursts: FP8 already power-held) and
+#          --full-clock (~4 ms graphs after idle seconds: the rate at the full clock), ~2 min
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/gpu_common.sh gpu_fp8 "${FP8_STEPS:-tests tune mma codes decode offline}"
@@ -216,4 +218,9 @@ if step logits_ab; then
             FP8_DECODE_SECONDS="${FP8_DECODE_SECONDS:-240}" one_batch \
             "w8kv8_bf16_logits$round" --quantization fp8 --kv-cache-dtype fp8_e4m3
     done
+fi
+if step peaks; then
+    echo "== matmul peaks: bursts, then at the full clock"
+    timeout -k 10 60 python3 benchmarks/gpu_peaks.py --matmul-only 2>&1 | quiet
+    timeout -k 10 150 python3 benchmarks/gpu_peaks.py --full-clock 2>&1 | quiet
 fi

@@ -2,11 +2,14 @@
 (torch._scaled_mm, row-wise and tensor-wise scales), and the split-KV decode attention's read
 rate over a bf16 and an FP8 KV cache at serving batch sizes (Llama-3.1-8B heads).
 
-    python3 benchmarks/gpu_peaks.py [--matmul-only] [--sustain SECONDS
+    python3 benchmarks/gpu_peaks.py [--matmul-only] [--full-clock] [--sustain SECONDS
         [--sustain-dtype bf16|fp8|fp8-fast]]
 
 The peaks are bursts (a CUDA graph replayed for ~50 ms), at the SM clock an idle GPU starts
-from. --sustain instead runs 8192^3 matmuls (bf16, or FP8 `_scaled_mm` with row-wise scales)
+from; an FP8 8192^3 product reaches the 700 W limit within that burst, so its figure is already
+power-held. --full-clock times a graph of only ~4 ms after two idle seconds, several times:
+the rate at the full clock, which compute-bound phases get when memory-bound work around them
+keeps the board under its limit (an FP8 W + KV decode step: session 21). --sustain instead runs 8192^3 matmuls (bf16, or FP8 `_scaled_mm` with row-wise scales)
 back to back for SECONDS (fp8-fast: with `use_fast_accum`, as the engine's FP8 linears run since
 session 21) and prints the rate of every ~2 s: the rate a compute-bound phase of a
 long run gets once the board reaches its power limit (an H200 at 700 W: 665 against 796
@@ -46,6 +49,60 @@ def matmul_peaks(size: int = 8192) -> None:
                                             out_dtype=torch.bfloat16, use_fast_accum=True))
     print(f"fp8 _scaled_mm {size}^3, row-wise scales, fast accumulation: "
           f"{flops / t / 1e12:7.1f} TFLOP/s", flush=True)
+
+
+def full_clock_matmuls(repeats: int = 5, idle_seconds: float = 2.0,
+                       graph_seconds: float = 0.004) -> None:
+    """Each product as one graph of ~graph_seconds of back-to-back calls, replayed once after
+    idle_seconds of an idle GPU; the best of `repeats` replays."""
+    import time
+    shapes = {"8192^3": (8192, 8192, 8192), "896 x 28672 x 4096 (gate_up, FP8 decode batch)":
+              (896, 28672, 4096)}
+    for label, (m, n, k) in shapes.items():
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        a8, b8t = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+        sa = torch.rand(m, 1, device="cuda")
+        sb = torch.rand(1, n, device="cuda")
+        products = {
+            "bf16": lambda: a @ b.t(),
+            "fp8 fast accumulation": lambda: torch._scaled_mm(
+                a8, b8t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True),
+            "fp8 promoted": lambda: torch._scaled_mm(
+                a8, b8t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16),
+        }
+        flops = 2 * m * n * k
+        for name, product in products.items():
+            product()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            product()
+            end.record()
+            end.synchronize()
+            calls = max(1, int(graph_seconds / (start.elapsed_time(end) * 1e-3)))
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                product()  # warm-up on the capture stream
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(calls):
+                    product()
+            best = 0.0
+            for _ in range(repeats):
+                time.sleep(idle_seconds)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                best = max(best, flops * calls / (start.elapsed_time(end) * 1e-3) / 1e12)
+            print(f"full clock {label:<48} {name:<22} {best:7.1f} TFLOP/s "
+                  f"({calls} calls, best of {repeats})", flush=True)
+            del graph
+        del a, b, a8, b8t
+        torch.cuda.empty_cache()
 
 
 def decode_attention_rates() -> None:
@@ -133,12 +190,17 @@ if __name__ == "__main__":
     parser.add_argument("--sustain-dtype", choices=("bf16", "fp8", "fp8-fast"), default="bf16")
     parser.add_argument("--matmul-only", action="store_true",
                         help="the burst matmul peaks only (no decode attention rates)")
+    parser.add_argument("--full-clock", action="store_true",
+                        help="only the matmul rates of ~4 ms graphs after idle seconds")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_peaks: no CUDA device")
         sys.exit(0)
     if args.sustain > 0:
         sustained_matmul(args.sustain, args.sustain_dtype)
+        sys.exit(0)
+    if args.full_clock:
+        full_clock_matmuls()
         sys.exit(0)
     matmul_peaks()
     if not args.matmul_only:
