@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from radixserve.attention.torch_native import TorchNativeAttnBackend
-from radixserve.executor.cuda_graph_runner import (INPUT_IDS, NUM_INPUT_ROWS, OUT_CACHE_LOC,
-                                                   POSITIONS, REQ_POOL_INDICES, SEQ_LENS,
-                                                   CudaGraphRunner, capture_batch_sizes,
-                                                   fill_padded_inputs, pick_graph_batch_size)
+from radixserve.executor.cuda_graph_runner import (INPUT_IDS, LOGITS_IN_MODEL_DTYPE,
+                                                   NUM_INPUT_ROWS, OUT_CACHE_LOC, POSITIONS,
+                                                   REQ_POOL_INDICES, SEQ_LENS, CudaGraphRunner,
+                                                   capture_batch_sizes, fill_padded_inputs,
+                                                   pick_graph_batch_size)
 from radixserve.attention.base import AttentionContext
 from radixserve.core.forward_batch import ForwardMode, ModelWorkerBatch
 from radixserve.mem.kv_pool import KVCacheSpec, make_kv_pool
@@ -211,8 +212,9 @@ def test_replay_matches_eager(tmp_path: Path, dtype: str) -> None:
     # allocated for the graph's life); a smaller batch after a larger one reads its own rows
     assert {graphs.outputs[bs][0].data_ptr() for bs in graphs.batch_sizes} == \
         {graphs.logits_out.data_ptr()}
-    # in the compute dtype: the argmax needs no float32 copy (forward_logits converts)
-    assert graphs.logits_out.dtype == getattr(torch, dtype)
+    # RADIXSERVE_GRAPH_BF16_LOGITS=1: in the compute dtype (forward_logits converts)
+    assert graphs.logits_out.dtype == (getattr(torch, dtype) if LOGITS_IN_MODEL_DTYPE
+                                       else torch.float32)
     for step, bs in enumerate([1, 2, 3, 8, 13, 16, 24, 5]):  # 3, 13, 5: padded to 4, 16, 8
         batch = reqs.decode(bs, step)
         assert graphs.can_run(batch)
