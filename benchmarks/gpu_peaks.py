@@ -9,9 +9,10 @@ The peaks are bursts (a CUDA graph replayed for ~50 ms), at the SM clock an idle
 from; an FP8 8192^3 product reaches the 700 W limit within that burst, so its figure is already
 power-held. --full-clock times a graph of only ~4 ms after two idle seconds, several times:
 the rate at the full clock, which compute-bound phases get when memory-bound work around them
-keeps the board under its limit (an FP8 W + KV decode step: session 21). --sustain instead runs 8192^3 matmuls (bf16, or FP8 `_scaled_mm` with row-wise scales)
-back to back for SECONDS (fp8-fast: with `use_fast_accum`, as the engine's FP8 linears run since
-session 21) and prints the rate of every ~2 s: the rate a compute-bound phase of a
+keeps the board under its limit (an FP8 W + KV decode step: session 21). --sustain instead runs
+8192^3 matmuls (bf16, or FP8 `_scaled_mm` with row-wise scales) back to back for SECONDS
+(fp8-fast: with `use_fast_accum`, as the engine's FP8 linears run since session 21) and prints
+the rate of every ~2 s: the rate a compute-bound phase of a
 long run gets once the board reaches its power limit (an H200 at 700 W: 665 against 796
 TFLOP/s bf16 at 1,440 MHz; sample the clocks beside it with gpu_common.sh's telemetry_start).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -26,29 +28,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+def matmul_products(m: int, n: int, k: int) -> dict[str, Callable[[], None]]:
+    """[m, k] x [n, k]^T on random operands, each kind as a callable: "bf16" (into one
+    preallocated output), "fp8" (`_scaled_mm` on e4m3 codes, row-wise scales, the accumulator
+    promoted), "fp8-fast" (the same with `use_fast_accum`, as the FP8 linears run) and
+    "fp8-tensor" (one scale per operand)."""
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    a8, b8t = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+    sa = torch.rand(m, 1, device="cuda")
+    sb = torch.rand(1, n, device="cuda")
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    bt = b.t()
+    one = torch.ones((), device="cuda")
+
+    def scaled_mm(scale_a: torch.Tensor, scale_b: torch.Tensor,
+                  fast: bool) -> Callable[[], None]:
+        return lambda: torch._scaled_mm(a8, b8t, scale_a=scale_a, scale_b=scale_b,
+                                        out_dtype=torch.bfloat16, use_fast_accum=fast)
+    return {"bf16": lambda: torch.matmul(a, bt, out=out), "fp8": scaled_mm(sa, sb, False),
+            "fp8-fast": scaled_mm(sa, sb, True), "fp8-tensor": scaled_mm(one, one, False)}
+
+
 def matmul_peaks(size: int = 8192) -> None:
     from gpu_kernels import time_graph
-    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     flops = 2 * size ** 3
-    t = time_graph(lambda: a @ b.t())
-    print(f"bf16 matmul {size}^3: {flops / t / 1e12:7.1f} TFLOP/s", flush=True)
-    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
-    one = torch.ones((), device="cuda")
-    t = time_graph(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one,
-                                            out_dtype=torch.bfloat16))
-    print(f"fp8 _scaled_mm {size}^3, tensor-wise scales: {flops / t / 1e12:7.1f} TFLOP/s",
-          flush=True)
-    sa = torch.rand(size, 1, device="cuda")
-    sb = torch.rand(1, size, device="cuda")
-    t = time_graph(lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb,
-                                            out_dtype=torch.bfloat16))
-    print(f"fp8 _scaled_mm {size}^3, row-wise scales: {flops / t / 1e12:7.1f} TFLOP/s",
-          flush=True)
-    t = time_graph(lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb,
-                                            out_dtype=torch.bfloat16, use_fast_accum=True))
-    print(f"fp8 _scaled_mm {size}^3, row-wise scales, fast accumulation: "
-          f"{flops / t / 1e12:7.1f} TFLOP/s", flush=True)
+    products = matmul_products(size, size, size)
+    labels = {"bf16": "bf16 matmul", "fp8-tensor": "fp8 _scaled_mm, tensor-wise scales",
+              "fp8": "fp8 _scaled_mm, row-wise scales",
+              "fp8-fast": "fp8 _scaled_mm, row-wise scales, fast accumulation"}
+    for kind, label in labels.items():
+        t = time_graph(products[kind])
+        print(f"{label} {size}^3: {flops / t / 1e12:7.1f} TFLOP/s", flush=True)
 
 
 def full_clock_matmuls(repeats: int = 5, idle_seconds: float = 2.0,
@@ -59,20 +70,10 @@ def full_clock_matmuls(repeats: int = 5, idle_seconds: float = 2.0,
     shapes = {"8192^3": (8192, 8192, 8192), "896 x 28672 x 4096 (gate_up, FP8 decode batch)":
               (896, 28672, 4096)}
     for label, (m, n, k) in shapes.items():
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        a8, b8t = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
-        sa = torch.rand(m, 1, device="cuda")
-        sb = torch.rand(1, n, device="cuda")
-        products = {
-            "bf16": lambda: a @ b.t(),
-            "fp8 fast accumulation": lambda: torch._scaled_mm(
-                a8, b8t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True),
-            "fp8 promoted": lambda: torch._scaled_mm(
-                a8, b8t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16),
-        }
         flops = 2 * m * n * k
-        for name, product in products.items():
+        products = matmul_products(m, n, k)
+        for name in ("bf16", "fp8-fast", "fp8"):
+            product = products[name]
             product()
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -98,10 +99,9 @@ def full_clock_matmuls(repeats: int = 5, idle_seconds: float = 2.0,
                 end.record()
                 end.synchronize()
                 best = max(best, flops * calls / (start.elapsed_time(end) * 1e-3) / 1e12)
-            print(f"full clock {label:<48} {name:<22} {best:7.1f} TFLOP/s "
+            print(f"full clock {label:<48} {name:<9} {best:7.1f} TFLOP/s "
                   f"({calls} calls, best of {repeats})", flush=True)
             del graph
-        del a, b, a8, b8t
         torch.cuda.empty_cache()
 
 
@@ -137,26 +137,10 @@ def decode_attention_rates() -> None:
 
 def sustained_matmul(seconds: float, dtype: str = "bf16", size: int = 8192,
                      window: float = 2.0) -> None:
-    """Matmuls back to back for `seconds`; the rate of each ~`window`-second stretch. dtype
-    "fp8": `_scaled_mm` on e4m3 operands with row-wise scales; "fp8-fast": the same with
-    `use_fast_accum` (what the FP8 linears run)."""
+    """Matmuls back to back for `seconds`; the rate of each ~`window`-second stretch. dtype:
+    a kind of `matmul_products` ("fp8-fast" is what the FP8 linears run)."""
     import time
-    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(size, size, device="cuda", dtype=torch.bfloat16)
-    if dtype in ("fp8", "fp8-fast"):
-        a8, b8t = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
-        sa = torch.rand(size, 1, device="cuda")
-        sb = torch.rand(1, size, device="cuda")
-
-        def product() -> None:
-            torch._scaled_mm(a8, b8t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
-                             use_fast_accum=dtype == "fp8-fast")
-    else:
-        bt = b.t()
-
-        def product() -> None:
-            torch.matmul(a, bt, out=out)
+    product = matmul_products(size, size, size)[dtype]
     flops = 2 * size ** 3
     product()
     torch.cuda.synchronize()
