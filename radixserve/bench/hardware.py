@@ -13,9 +13,10 @@ any other device is measured here with a large copy and a large matmul. Flags ov
 
 The FLOP peaks are bursts, from an idle GPU at its top clock. Under a load that lasts more than
 a second or two an H200 sits at its 700 W limit and lowers its clock: bf16 matmuls back to back
-hold 664.7e12 FLOP/s at ~1,440 MHz (FP8 `_scaled_mm` 1,189.6e12 at ~1,335 MHz, which the burst
-figure already was). `DevicePeak.sustained()` gives the peaks at the power limit where they are
-known, so a long run's limit can be stated against both (`bench offline` prints both ratios).
+hold 664.7e12 FLOP/s at ~1,440 MHz (FP8 `_scaled_mm` with fast accumulation 1,294.5e12, about
+what its 50 ms burst figure already is: an FP8 product reaches the limit within the burst).
+`DevicePeak.sustained()` gives the peaks at the power limit where they are known, so a long
+run's limit can be stated against both (`bench offline` prints both ratios).
 """
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ from radixserve.layers.embedding import VocabParallelEmbedding, project_to_vocab
 
 
 class LogitsOutput(NamedTuple):
-    # [bs, vocab] fp32; a decode graph's in the compute dtype with ForwardBatch.logits_in_model_dtype
+    # [bs, vocab] fp32; a decode graph's in the compute dtype with
+    # ForwardBatch.logits_in_model_dtype
     next_token_logits: torch.Tensor
     extend_logits: torch.Tensor | None  # [T, vocab] fp32 when input logprobs were asked
 
@@ -35,8 +36,9 @@ def compute_logits(hidden: torch.Tensor, lm_head: VocabParallelEmbedding,
     asked), over the whole vocabulary on every tensor-parallel rank.
 
     A decode batch with `logits_in_model_dtype` (the CUDA graphs', with
-    RADIXSERVE_GRAPH_BF16_LOGITS=1) keeps them in the compute dtype: the graph's argmax needs no float32 copy of [bs, vocab], and the sampler and the
-    logprobs convert what they read (a final logit cap keeps float32, which it is applied in)."""
+    RADIXSERVE_GRAPH_BF16_LOGITS=1) keeps them in the compute dtype: the graph's argmax needs
+    no float32 copy of [bs, vocab], and the sampler and the logprobs convert what they read
+    (a final logit cap keeps float32, which it is applied in)."""
     want_input_logprobs = (forward_batch.return_logprob
                            and forward_batch.forward_mode.is_extend()
                            and any(s >= 0 for s in forward_batch.extend_logprob_start_lens or []))
