@@ -40,15 +40,13 @@
 # offline: random 1024/1024 x FP8_PROMPTS (default 1000): bf16, FP8 KV only, FP8 weights + KV
 #          (FP8_OFFLINE_MODES picks a subset; kv8_cohorts / w8kv8_cohorts: the same with
 #          --admission-plan cohorts, the leftover admitted first)
-# prequant_ab: FP8 W + KV offline with batches on the norms' codes (the default) and with
-#          RADIXSERVE_FP8_PREQUANT_BATCHES=0 (bf16 rows, a quantising pass per product),
-#          alternated twice (~7 min; FP8_PROMPTS as above)
 # fast_accum: _scaled_mm's rate and error with and without use_fast_accum at the 8B shapes
 #          (benchmarks/gpu_scaled_mm.py, ~1 min)
 # w8kv8_ab: FP8 W + KV offline once per word of FP8_AB_RUNS, in that order (~95 s each):
 #          codes (the default: the norms' codes, fast accumulation), pass
 #          (RADIXSERVE_FP8_PREQUANT_BATCHES=0), exact (RADIXSERVE_FP8_FAST_ACCUM=0: _scaled_mm
 #          promotes its accumulator); e.g. FP8_AB_RUNS="exact codes pass exact codes pass"
+#          (session 20's prequant_ab step was FP8_AB_RUNS="codes pass codes pass")
 # logits_ab: the decode graphs' logits in bf16 (RADIXSERVE_GRAPH_BF16_LOGITS=1, off by default
 #          until this step has run) against the float32 buffer, FP8 W + KV decode steps at
 #          FP8_LOGITS_BATCHES (default "256 896", context 1024), alternated twice; the graph
@@ -173,14 +171,6 @@ if step offline; then
     case " $MODES " in *" w8kv8_cohorts "*)
         offline w8kv8_cohorts --quantization fp8 --kv-cache-dtype fp8_e4m3 \
             --admission-plan cohorts ;; esac
-fi
-if step prequant_ab; then
-    echo "== FP8 W + KV offline: batches on the norms' codes vs a quantising pass"
-    for round in 1 2; do
-        offline "w8kv8_codes$round" --quantization fp8 --kv-cache-dtype fp8_e4m3
-        RADIXSERVE_FP8_PREQUANT_BATCHES=0 offline "w8kv8_pass$round" --quantization fp8 \
-            --kv-cache-dtype fp8_e4m3
-    done
 fi
 if step fast_accum; then
     echo "== _scaled_mm with use_fast_accum"
