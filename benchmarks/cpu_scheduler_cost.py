@@ -24,10 +24,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from radixserve.bench.datasets import uniform_lengths  # noqa: E402
 from radixserve.config import ServerArgs  # noqa: E402
 from radixserve.core.forward_batch import ModelWorkerBatch  # noqa: E402
 from radixserve.core.io_struct import TokenizedGenerateReq  # noqa: E402
@@ -52,11 +54,6 @@ class NullRunner(FakeRunner):
                 torch.tensor(batch.req_pool_indices), torch.tensor(batch.seq_lens),
                 batch.out_cache_loc)
         return [1] * len(batch.req_pool_indices)
-
-
-def _lengths(length: int, ratio: float, count: int, gen: torch.Generator) -> list[int]:
-    low = max(1, int(length * ratio))
-    return torch.randint(low, length + 1, (count,), generator=gen).tolist()
 
 
 def main() -> int:
@@ -84,8 +81,10 @@ def main() -> int:
                                      chunked_prefill_size=args.chunked_prefill_size),
                           runner, None, {0}, context)
     gen = torch.Generator().manual_seed(0)
-    input_lens = _lengths(args.input_len, args.random_range_ratio, args.num_prompts, gen)
-    output_lens = _lengths(args.output_len, args.random_range_ratio, args.num_prompts, gen)
+    rng = np.random.default_rng(0)  # the lengths as bench's random dataset draws them
+    input_lens = uniform_lengths(rng, args.input_len, args.random_range_ratio, args.num_prompts)
+    output_lens = uniform_lengths(rng, args.output_len, args.random_range_ratio,
+                                  args.num_prompts)
     prompts = [torch.randint(100, VOCAB, (n,), generator=gen).tolist() for n in input_lens]
     profiler = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
