@@ -101,8 +101,8 @@ class ForwardBatch:
     # DECODE: a [>= batch_size, vocab] buffer the last-token logits are written into (the CUDA
     # graph runner's, one for every captured size) instead of a fresh tensor
     logits_out: torch.Tensor | None = None
-    # DECODE: last-token logits in the compute dtype, not float32 (the CUDA graphs' with
-    # RADIXSERVE_GRAPH_BF16_LOGITS=1: their argmax needs no float32 copy; layers/logits.py)
+    # DECODE: last-token logits in the compute dtype, not float32 (the CUDA graphs', unless
+    # RADIXSERVE_GRAPH_BF16_LOGITS=0: their argmax needs no float32 copy; layers/logits.py)
     logits_in_model_dtype: bool = False
 
     @property

@@ -21,12 +21,12 @@ Invariants:
   stays allocated while it lives, so the logits of every size go into the first rows of one
   `[max_bs, vocab]` buffer (`ForwardBatch.logits_out`); the argmax ids live in the pool. Both
   are valid until the next replay (whose sampling and logprobs are enqueued right after it).
-- RADIXSERVE_GRAPH_BF16_LOGITS=1 (off until the H200 has run it: gpu_fp8.sh logits_ab) keeps
-  the logits in the compute dtype, float32 only under a final logit cap: the LM head's cuBLAS
-  product writes the buffer itself and the argmax reads half the bytes, where the float32
-  buffer costs a cast of [bs, vocab] every step (0.33 ms at batch 896 on an H200). The argmax
-  is the same token (the cast is exact and monotone); the sampler and the logprobs convert the
-  rows they read.
+- The logits stay in the compute dtype (float32 only under a final logit cap, or with
+  RADIXSERVE_GRAPH_BF16_LOGITS=0): the LM head's cuBLAS product writes the buffer itself and
+  the argmax reads half the bytes, where a float32 buffer costs a cast of [bs, vocab] every
+  step (0.33 ms at batch 896 on an H200; FP8 W + KV decode at batch 896 measured 31.14 against
+  31.38 ms, gpu_fp8.sh logits_ab). The argmax is the same token (the cast is exact and
+  monotone); the sampler and the logprobs convert the rows they read.
 - No host sync: a replay copies host data in (H2D) and launches the graph; nothing is read back.
 - Backends without graph support (torch_native) raise NotImplementedError from
   `init_cuda_graph_state`; the runner then captures nothing and `can_run` is always False.
@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 NUM_INPUT_ROWS = 5  # input_ids, positions, req_pool_indices, seq_lens, out_cache_loc
 INPUT_IDS, POSITIONS, REQ_POOL_INDICES, SEQ_LENS, OUT_CACHE_LOC = range(NUM_INPUT_ROWS)
 NUM_WARMUP_RUNS = 2
-LOGITS_IN_MODEL_DTYPE = os.environ.get("RADIXSERVE_GRAPH_BF16_LOGITS", "0") == "1"
+LOGITS_IN_MODEL_DTYPE = os.environ.get("RADIXSERVE_GRAPH_BF16_LOGITS", "1") == "1"
 
 
 def capture_batch_sizes(cuda_graph_max_bs: int, max_num_reqs: int) -> list[int]:
@@ -211,8 +211,8 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def replay(self, batch: ModelWorkerBatch, input_ids: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode logits [bs, vocab] (float32, or the compute dtype with
-        RADIXSERVE_GRAPH_BF16_LOGITS=1) and their argmax [bs], valid until the next replay.
+        """Decode logits [bs, vocab] (in the compute dtype; float32 under a final logit cap or
+        with RADIXSERVE_GRAPH_BF16_LOGITS=0) and their argmax [bs], valid until the next replay.
         `input_ids` (device, [bs]) replaces batch.input_ids (the overlap path)."""
         bs = batch.batch_size
         graph_bs = pick_graph_batch_size(self.batch_sizes, bs)

@@ -35,8 +35,8 @@ def compute_logits(hidden: torch.Tensor, lm_head: VocabParallelEmbedding,
     """Logits of each request's last position (and of every position when input logprobs were
     asked), over the whole vocabulary on every tensor-parallel rank.
 
-    A decode batch with `logits_in_model_dtype` (the CUDA graphs', with
-    RADIXSERVE_GRAPH_BF16_LOGITS=1) keeps them in the compute dtype: the graph's argmax needs
+    A decode batch with `logits_in_model_dtype` (the CUDA graphs', unless
+    RADIXSERVE_GRAPH_BF16_LOGITS=0) keeps them in the compute dtype: the graph's argmax needs
     no float32 copy of [bs, vocab], and the sampler and the logprobs convert what they read
     (a final logit cap keeps float32, which it is applied in)."""
     want_input_logprobs = (forward_batch.return_logprob
