@@ -13,8 +13,8 @@ any other device is measured here with a large copy and a large matmul. Flags ov
 
 The FLOP peaks are bursts, from an idle GPU at its top clock. Under a load that lasts more than
 a second or two an H200 sits at its 700 W limit and lowers its clock: bf16 matmuls back to back
-hold 664.7e12 FLOP/s at ~1,440 MHz (FP8 `_scaled_mm` with fast accumulation 1,294.5e12, about
-what its 50 ms burst figure already is: an FP8 product reaches the limit within the burst).
+hold 664.7e12 FLOP/s at ~1,440 MHz (FP8 `_scaled_mm` with fast accumulation 1,294.5e12
+against 1,552e12 at the full clock; an FP8 product reaches the limit within a 50 ms burst).
 `DevicePeak.sustained()` gives the peaks at the power limit where they are known, so a long
 run's limit can be stated against both (`bench offline` prints both ratios).
 """
@@ -36,11 +36,11 @@ __all__ = ["ParamCounts", "param_counts", "attention_flops_per_key"]
 H200_MEM_BANDWIDTH = 4.25e12  # bytes/s
 H200_BF16_FLOPS = 796e12  # dense FLOP/s
 # torch._scaled_mm, 8192^3, row-wise scales, fast accumulation (as the FP8 linears run since
-# session 21), measured on the lent H200 (benchmarks/gpu_peaks.py: 1,287-1,304; 1,185-1,226
-# with the accumulator promoted). An 8192^3 FP8 product reaches the power limit within the
-# burst, so this is not a full-clock rate: decode steps whose attention keeps the board below
-# its limit ran their FP8 GEMMs at ~1,700 TFLOP/s (session 21's profile at batch 896)
-H200_FP8_FLOPS = 1304e12
+# session 21), at the full clock: a graph of ~4 ms replayed after two idle seconds
+# (benchmarks/gpu_peaks.py --full-clock, session 22; 1,504 at gate_up's shape at 896 rows). A
+# 50 ms burst of the 8192^3 product already meets the power limit (1,287-1,304), unlike bf16's,
+# whose full-clock rate (794) is its burst figure
+H200_FP8_FLOPS = 1552e12
 # the same matmuls back to back for 20-60 s, the board held at its 700 W limit
 # (benchmarks/gpu_peaks.py --sustain, sessions 19 and 21): what a long compute-bound phase can get
 H200_BF16_FLOPS_AT_POWER_LIMIT = 664.7e12
