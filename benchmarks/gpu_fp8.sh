@@ -39,7 +39,8 @@
 #          the default, when the best is >= 3% faster than the default
 # offline: random 1024/1024 x FP8_PROMPTS (default 1000): bf16, FP8 KV only, FP8 weights + KV
 #          (FP8_OFFLINE_MODES picks a subset; kv8_cohorts / w8kv8_cohorts: the same with
-#          --admission-plan cohorts, the leftover admitted first)
+#          --admission-plan cohorts, the leftover admitted first); FP8_OFFLINE_ARGS adds flags to
+#          each run, FP8_OFFLINE_SUFFIX to its label (e.g. "--cuda-graph-max-bs 1024" and _g1024)
 # fast_accum: _scaled_mm's rate and error with and without use_fast_accum at the 8B shapes
 #          (benchmarks/gpu_scaled_mm.py, ~1 min)
 # w8kv8_ab: FP8 W + KV offline once per word of FP8_AB_RUNS, in that order (~95 s each):
@@ -135,14 +136,14 @@ if step tables_ab; then
         one_batch "w8kv8_pkg$round" --quantization fp8 --kv-cache-dtype fp8_e4m3
     done
 fi
-offline() {  # label, extra flags...
-    local label=$1
+offline() {  # label, extra flags... (then FP8_OFFLINE_ARGS; FP8_OFFLINE_SUFFIX ends the label)
+    local label=$1${FP8_OFFLINE_SUFFIX:-}
     shift
     telemetry_start "$OUT/telemetry_$label.csv"
     timeout -k 10 "${FP8_OFFLINE_SECONDS:-200}" python3 -m radixserve.bench.offline \
         --model-path "$MODEL" --load-format dummy --dtype bfloat16 --radix on \
         --dataset-name random --num-prompts "${FP8_PROMPTS:-1000}" --random-input-len 1024 \
-        --random-output-len 1024 --random-range-ratio 1.0 "$@" \
+        --random-output-len 1024 --random-range-ratio 1.0 "$@" ${FP8_OFFLINE_ARGS:-} \
         --output-file "$OUT/offline_$label.jsonl" > "$OUT/offline_$label.log" 2>&1
     echo "   $label rc $?"
     telemetry_stop "$OUT/telemetry_$label.csv"
