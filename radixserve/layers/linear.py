@@ -31,19 +31,18 @@ if TYPE_CHECKING:
 # RADIXSERVE_GEMV=0 sends one-token and decode-sized products to cuBLAS too (for A/B timing)
 SMALL_M_MAX = 64  # the largest row count a swept table may cover
 _GEMV_ENABLED = os.environ.get("RADIXSERVE_GEMV", "1") != "0"
-# RADIXSERVE_ROW_FUSION=0 keeps a decode layer's norms, SiLU-mul and residual adds as their own
-# kernels at 1-8 rows (for A/B timing of `LinearBase.fused_row_product`)
+# RADIXSERVE_ROW_FUSION=0 keeps a one-row layer's norms, SiLU-mul and residual adds as their own
+# kernels (for A/B timing of `LinearBase.fused_row_product`)
 ROW_FUSION_ENABLED = os.environ.get("RADIXSERVE_ROW_FUSION", "1") != "0"
-MAX_FUSED_ROWS = 8  # the most rows a fused decode product takes (kernels/fused_rows.py)
 
 
 @functools.lru_cache(maxsize=None)
 def _triton_kernels():  # -> the kernels module namespace, or None without triton
     try:
-        from radixserve.layers.kernels import fused_rows, gemm_tables, gemv, skinny_gemm
+        from radixserve.layers.kernels import gemm_tables, gemv, skinny_gemm
     except ImportError:
         return None
-    return gemm_tables, gemv, skinny_gemm, fused_rows
+    return gemm_tables, gemv, skinny_gemm
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,7 +50,7 @@ def _small_m_kernel(n: int, k: int, m: int):  # -> a callable(x, weight, bias) o
     kernels = _triton_kernels()
     if kernels is None:
         return None
-    gemm_tables, gemv, skinny_gemm, _ = kernels
+    gemm_tables, gemv, skinny_gemm = kernels
     if m == 1:
         config = gemv.tuned_gemv_config("bf16", n, k)
         if config is None:
@@ -192,45 +191,17 @@ class LinearBase(nn.Module):
         n, k = self.weight.shape
         return self.weight.dtype == dtype and gemv.tuned_gemv_config("bf16", n, k) is not None
 
-    def fuses_rows(self, rows: int, dtype: torch.dtype, *, norm: bool = False,
-                   gated: bool = False, residual: bool = False) -> bool:
-        """Whether `fused_row_product` has a kernel for `rows` rows of `dtype` with these
-        fusions: one row as `fuses_one_row`; 2-8 rows over a weight of that dtype where the
-        H200 sweep wrote this fusion's configuration at that row count (kernels/fused_rows.py;
-        benchmarks/gpu_rows_fusion.py writes it only where the fused layer was faster)."""
-        if rows == 1:
-            return self.fuses_one_row(dtype, residual=residual)
-        if not (_GEMV_ENABLED and ROW_FUSION_ENABLED) or \
-                dtype not in (torch.float16, torch.bfloat16):
-            return False
-        if residual and self.tp_size > 1:
-            return False
-        kernels = _triton_kernels()
-        if kernels is None or self.fp8 is not None or self.weight.dtype != dtype or \
-                self.weight.stride(1) != 1:
-            return False
-        gemv, fused_rows = kernels[1], kernels[3]
-        n, k = self.weight.shape
-        variant = gemv.fusion_variant(norm, gated, residual)
-        return fused_rows.rows_config(n, k, rows, variant) is not None
-
     def fused_row_product(self, x: torch.Tensor, *, norm: "RMSNorm | None" = None,
                           gated: bool = False, residual: torch.Tensor | None = None
                           ) -> torch.Tensor:
-        """Rows x [M, K] through this layer with its neighbours fused into the product (see
+        """One row x [1, K] through this layer with its neighbours fused into the GEMV (see
         kernels/gemv.py RowFusion): norm: x is the residual stream and the input is norm(x);
         gated: the output is silu(gate) * up of a gate|up weight; residual: the output is
-        residual + x @ W.T. One row runs the GEMV, 2-8 rows kernels/fused_rows.py. Only where
-        `fuses_rows` (`fuses_one_row` for one row) said so."""
-        _, gemv, _, fused_rows = _triton_kernels()
+        residual + x @ W.T. Only where `fuses_one_row` said so."""
+        gemv = _triton_kernels()[1]
         fusion = gemv.RowFusion(None if norm is None else norm.weight,
                                 0.0 if norm is None else norm.variance_epsilon, gated, residual)
         x = x.contiguous()
-        if x.dim() == 2 and x.shape[0] > 1:
-            n, k = self.weight.shape
-            config = fused_rows.rows_config(n, k, x.shape[0], fusion.variant)
-            assert config is not None, "fuses_rows promised a swept configuration"
-            return fused_rows.fused_rows(x, self.weight, config, fusion, self.bias)
         if self.fp8 is None:
             return gemv.gemv(x, self.weight, self.bias, fusion=fusion)
         from radixserve.layers.kernels.fp8_gemm import fp8_rows_product

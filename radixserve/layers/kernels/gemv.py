@@ -193,15 +193,10 @@ class RowFusion(NamedTuple):
 
     @property
     def variant(self) -> str:
-        """The name of this fusion's swept configuration in a table entry ("" none)."""
-        return fusion_variant(self.norm_weight is not None, self.gated,
-                              self.residual is not None)
-
-
-def fusion_variant(norm: bool, gated: bool, residual: bool) -> str:
-    """A fusion's name in the tables: "norm", "norm+gated", "residual", ... ("" none)."""
-    return "+".join(name for name, on in (("norm", norm), ("gated", gated),
-                                           ("residual", residual)) if on)
+        """The name of this fusion's swept configuration in the M = 1 table entry ("" none)."""
+        return "+".join(name for name, on in (("norm", self.norm_weight is not None),
+                                               ("gated", self.gated),
+                                               ("residual", self.residual is not None)) if on)
 
 
 NO_FUSION = RowFusion()
