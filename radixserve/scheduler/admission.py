@@ -125,6 +125,13 @@ class PrefillAdder:
     new_chunked_req: Req | None = None
     new_input_tokens: int = 0
     new_cached_tokens: int = 0
+    continues_chunked_req: bool = False  # can_run[0] is the request being chunked
+
+    @property
+    def admitted_from_queue(self) -> int:
+        """How many of can_run came from the waiting queue this turn (all but a continued
+        chunked request)."""
+        return len(self.can_run) - self.continues_chunked_req
 
     @classmethod
     def create(cls, tree_cache: "BasePrefixCache", available_tokens: int, running: list[Req],
@@ -171,6 +178,7 @@ class PrefillAdder:
             take = min(take, self.rem_chunk_tokens)
         take = min(take, self.rem_input_tokens)
         self._admit(req, take, newly_locked=False)
+        self.continues_chunked_req = True
 
     def add_one_req(self, req: Req) -> bool:
         """Try to admit `req` (prefix already matched). False: stop looking further."""

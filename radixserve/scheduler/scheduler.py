@@ -274,7 +274,7 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
             adder.add_chunked_req(chunked)
         scanned = 0  # requests of `ordered` the loop looked at
         for req in ordered:
-            if allowance is not None and len(adder.can_run) - (chunked is not None) >= allowance:
+            if allowance is not None and adder.admitted_from_queue >= allowance:
                 break
             scanned += 1
             if not self.grammars.ready(req):  # compiling (or failed: ended next turn)
@@ -290,7 +290,7 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
         if not adder.can_run:
             return None
         if self.cohort_gate is not None:
-            self.cohort_gate.admitted(len(adder.can_run) - (chunked is not None))
+            self.cohort_gate.admitted(adder.admitted_from_queue)
         admitted = {id(r) for r in adder.can_run}
         queue = self.waiting_queue
         if self.policy.keeps_queue_order(len(queue)):
