@@ -30,6 +30,10 @@
 # fusion:  a batch-1 decode layer's linears with and without the one-row fusions, bf16 and FP8
 #          (benchmarks/gpu_row_fusion.py; ROOF_FUSION_ARGS="--sweep --write" re-sweeps their
 #          configurations into the kernels' tables, ~4 min)
+# early_ab: decode batch 1 and 8, bf16 then FP8 weights, with the decode-attention merge
+#          launching o_proj early at batch 1 (RADIXSERVE_MERGE_EARLY_LAUNCH=1, the default) and
+#          without it, alternated twice; the decode-attention and row-fusion GPU tests first
+#          (~5 min)
 # sustain: matmuls back to back for ROOF_SUSTAIN_SECONDS (default 60) with the clocks and
 #          power sampled beside them (benchmarks/gpu_peaks.py --sustain), in each of
 #          ROOF_SUSTAIN_DTYPES (default bf16; "bf16 fp8" adds _scaled_mm): the compute peak once
@@ -130,6 +134,25 @@ if step fusion; then
         > "$OUT/row_fusion.log" 2>&1
     echo "   rc $?"
     grep -E "^==|per layer|us;" "$OUT/row_fusion.log"
+fi
+if step early_ab; then
+    echo "== decode, the merge's early launch at batch 1 on (1) and off (0)"
+    timeout -k 10 200 python3 -m pytest -q -p no:cacheprovider \
+        tests/attention/test_triton_decode_attention.py tests/models/test_row_fusion.py \
+        > "$OUT/early_tests.log" 2>&1
+    echo "   tests rc $?: $(tail -1 "$OUT/early_tests.log")"
+    for kind in bf16 fp8; do
+        flags=()
+        [ "$kind" = fp8 ] && flags=(--quantization fp8)
+        for early in 1 0 1 0; do
+            RADIXSERVE_MERGE_EARLY_LAUNCH=$early timeout -k 10 100 python3 -m \
+                radixserve.bench.one_batch "${COMMON[@]}" ${flags[@]+"${flags[@]}"} \
+                --batch-size 1 8 --input-len 1024 --output-len 64 --overlap \
+                --cuda-graph-max-bs 8 --max-total-tokens 100000 --log-level warning \
+                2>&1 | grep -E '^ +(1|8) ' | tail -2 | awk -v k="$kind" -v e="$early" -F'|' \
+                '{print "   " k, "early=" e, $1, $3}'
+        done
+    done
 fi
 if step profile; then
     echo "== profile"

@@ -29,6 +29,19 @@ def pdl_prologue(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@triton.jit
+def pdl_launch_then_wait(USE_PDL: tl.constexpr):
+    """`pdl_prologue` in the other order: the next kernel may launch before this one's own
+    predecessor has finished. For a kernel whose successor does useful work before its wait
+    (the one-row GEMV loads its first weight tile, and no kernel writes weights): at batch 1
+    the decode-attention merge launches o_proj this way, so that load overlaps the split
+    kernel. Still ordered: a kernel's wait returns only once its predecessor has finished, and
+    that one finished only after its own wait."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
 @functools.lru_cache(maxsize=None)
 def _pdl_supported(device_index: int) -> bool:
     if os.environ.get("RADIXSERVE_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":

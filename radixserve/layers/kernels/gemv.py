@@ -84,10 +84,11 @@ def _gemv_kernel(X, W, Scale, B, Y, NormW, Residual, N, K, stride_wn, stride_sn,
     """N: the output rows; GATED reads gate rows [0, N) and up rows [N, 2N) of W.
 
     EARLY_W: the first weight tile is loaded before the PDL wait, so a program that starts
-    while its predecessor still runs already has HBM busy with its first tile. Safe because
-    only the kernel right before can still be running (it let this one launch after its own
-    wait, so everything before it has finished), and no kernel of a forward pass writes
-    weights (only x, the norm's input and the residual, read after the wait)."""
+    while its predecessor still runs already has HBM busy with its first tile. Safe because no
+    kernel of a forward pass writes weights, whichever kernels are still running (the one
+    right before, and the one before it where that one launched this early:
+    triton_pdl.pdl_launch_then_wait); x, the norm's input and the residual are read after the
+    wait."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
