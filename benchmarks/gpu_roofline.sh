@@ -34,6 +34,14 @@
 #          launching o_proj early at batch 1 (RADIXSERVE_MERGE_EARLY_LAUNCH=1, the default) and
 #          without it, alternated twice; the decode-attention and row-fusion GPU tests first
 #          (~5 min)
+# rows_fusion: small-batch decode's fused products (kernels/fused_rows.py): their GPU tests, then
+#          benchmarks/gpu_rows_fusion.py --write (each product swept at 2 rows; ROOF_ROWS_ARGS=
+#          "--rows 2 4 8" for more; the fused layer against the unfused one; the winners go into
+#          the tables, copied to $OUT/gemm_configs to bring back, the tables before it kept in
+#          /tmp/tables_before; ~4 min)
+# rows_ab: the decode step with the tables rows_fusion wrote against those before it,
+#          alternated (ROOF_AB_ROUNDS, default "1 2"; batches ROOF_AB_BATCHES, default
+#          "1 2 4 8 16"; ROOF_AB_TABLES names the old tables on a fresh machine)
 # sustain: matmuls back to back for ROOF_SUSTAIN_SECONDS (default 60) with the clocks and
 #          power sampled beside them (benchmarks/gpu_peaks.py --sustain), in each of
 #          ROOF_SUSTAIN_DTYPES (default bf16; "bf16 fp8" adds _scaled_mm): the compute peak once
@@ -152,6 +160,27 @@ if step early_ab; then
                 2>&1 | grep -E '^ +(1|8) ' | tail -2 | awk -v k="$kind" -v e="$early" -F'|' \
                 '{print "   " k, "early=" e, $1, $3}'
         done
+    done
+fi
+if step rows_fusion; then
+    echo "== rows fusion: GPU tests, the 2-8-row sweep (written into the tables), decode A/B"
+    timeout -k 10 240 python3 -m pytest -q -p no:cacheprovider tests/models/test_rows_fusion.py \
+        tests/models/test_row_fusion.py > "$OUT/rows_fusion_tests.log" 2>&1
+    echo "   tests rc $?: $(tail -1 "$OUT/rows_fusion_tests.log")"
+    rm -rf /tmp/tables_before && cp -r radixserve/layers/kernels/gemm_configs /tmp/tables_before
+    timeout -k 10 420 python3 benchmarks/gpu_rows_fusion.py --write ${ROOF_ROWS_ARGS:-} \
+        > "$OUT/rows_fusion.log" 2>&1
+    echo "   sweep rc $?"
+    grep -E "^==|M=" "$OUT/rows_fusion.log"
+    mkdir -p "$OUT/gemm_configs" && cp radixserve/layers/kernels/gemm_configs/bf16_*K4096.json \
+        radixserve/layers/kernels/gemm_configs/bf16_*K14336.json "$OUT/gemm_configs/"
+fi
+if step rows_ab; then
+    echo "== decode, the tables rows_fusion wrote vs those before it"
+    for round in ${ROOF_AB_ROUNDS:-1 2}; do
+        decode_batches "rows_new$round" "${ROOF_AB_BATCHES:-1 2 4 8 16}"
+        RADIXSERVE_GEMM_CONFIG_DIR="${ROOF_AB_TABLES:-/tmp/tables_before}" \
+            decode_batches "rows_old$round" "${ROOF_AB_BATCHES:-1 2 4 8 16}"
     done
 fi
 if step profile; then

@@ -1,4 +1,5 @@
-"""Suite-wide options: the `slow` marker's cases run only when asked for.
+"""Suite-wide options and fixtures: the `slow` marker's cases run only when asked for, and
+`table_dir` gives a kernel test its own empty folder of swept-configuration tables.
 
 CI runs the README's test command on a 2-core machine and must stay under 15 minutes, so the
 long end-to-end cases (each starts its own server or runs a model for tens of seconds, and each
@@ -32,3 +33,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch):
+    """An empty folder of swept-configuration tables (kernels/gemm_tables.py) for one test."""
+    from radixserve.layers.kernels import gemm_tables
+    monkeypatch.setattr(gemm_tables, "CONFIG_DIR", tmp_path)
+    gemm_tables.clear_cache()
+    yield tmp_path
+    gemm_tables.clear_cache()

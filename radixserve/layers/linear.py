@@ -31,18 +31,19 @@ if TYPE_CHECKING:
 # RADIXSERVE_GEMV=0 sends one-token and decode-sized products to cuBLAS too (for A/B timing)
 SMALL_M_MAX = 64  # the largest row count a swept table may cover
 _GEMV_ENABLED = os.environ.get("RADIXSERVE_GEMV", "1") != "0"
-# RADIXSERVE_ROW_FUSION=0 keeps a one-row layer's norms, SiLU-mul and residual adds as their own
-# kernels (for A/B timing of `LinearBase.fused_row_product`)
+# RADIXSERVE_ROW_FUSION=0 keeps a decode layer's norms, SiLU-mul and residual adds as their own
+# kernels at 1-8 rows (for A/B timing of `LinearBase.fused_row_product`)
 ROW_FUSION_ENABLED = os.environ.get("RADIXSERVE_ROW_FUSION", "1") != "0"
+MAX_FUSED_ROWS = 8  # the most rows a fused decode product takes (kernels/fused_rows.py)
 
 
 @functools.lru_cache(maxsize=None)
 def _triton_kernels():  # -> the kernels module namespace, or None without triton
     try:
-        from radixserve.layers.kernels import gemm_tables, gemv, skinny_gemm
+        from radixserve.layers.kernels import fused_rows, gemm_tables, gemv, skinny_gemm
     except ImportError:
         return None
-    return gemm_tables, gemv, skinny_gemm
+    return gemm_tables, gemv, skinny_gemm, fused_rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,12 +51,16 @@ def _small_m_kernel(n: int, k: int, m: int):  # -> a callable(x, weight, bias) o
     kernels = _triton_kernels()
     if kernels is None:
         return None
-    gemm_tables, gemv, skinny_gemm = kernels
+    gemm_tables, gemv, skinny_gemm, fused_rows = kernels
     if m == 1:
         config = gemv.tuned_gemv_config("bf16", n, k)
         if config is None:
             return None
         return lambda x, weight, bias: gemv.gemv(x.contiguous(), weight, bias, config)
+    rows = fused_rows.rows_config(n, k, m, "")  # the GEMV widened to M rows, where it won
+    if rows is not None:
+        return lambda x, weight, bias: fused_rows.fused_rows(x, weight, rows, gemv.NO_FUSION,
+                                                             bias)
     cfg = skinny_gemm.config_from_entry(gemm_tables.tuned_entry("bf16", n, k, m))
     if cfg is None:  # not swept, or cuBLAS won the sweep
         return None
@@ -63,7 +68,7 @@ def _small_m_kernel(n: int, k: int, m: int):  # -> a callable(x, weight, bias) o
 
 
 def _small_m_product(x: torch.Tensor, weight: torch.Tensor):  # -> a callable or None
-    """The Triton GEMV / skinny GEMM that `linear` runs this product on, if any."""
+    """The Triton GEMV / rows GEMV / skinny GEMM that `linear` runs this product on, if any."""
     if (_GEMV_ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] <= SMALL_M_MAX
             and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
             and weight.stride(1) == 1 and x.shape[0] > 0):
@@ -75,8 +80,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            ) -> torch.Tensor:
     """x @ weight.T (+ bias). On CUDA in fp16/bf16 a single row (batch-1 decode) goes to the
     Triton GEMV, which reads the weights faster than cuBLAS does at M=1, and a decode-sized
-    batch to the skinny Triton GEMM where the H200 sweep found it faster (kernels/gemm_tables);
-    the rest to cuBLAS."""
+    batch to the GEMV widened to its rows (kernels/fused_rows.py, 2-8 rows) or the skinny
+    Triton GEMM where the H200 sweep found it faster (kernels/gemm_tables); the rest to
+    cuBLAS."""
     kernel = _small_m_product(x, weight)
     if kernel is not None:
         return kernel(x, weight, bias)
@@ -191,17 +197,45 @@ class LinearBase(nn.Module):
         n, k = self.weight.shape
         return self.weight.dtype == dtype and gemv.tuned_gemv_config("bf16", n, k) is not None
 
+    def fuses_rows(self, rows: int, dtype: torch.dtype, *, norm: bool = False,
+                   gated: bool = False, residual: bool = False) -> bool:
+        """Whether `fused_row_product` has a kernel for `rows` rows of `dtype` with these
+        fusions: one row as `fuses_one_row`; 2-8 rows over a weight of that dtype where the
+        H200 sweep wrote this fusion's configuration at that row count (kernels/fused_rows.py;
+        benchmarks/gpu_rows_fusion.py writes it only where the fused layer was faster)."""
+        if rows == 1:
+            return self.fuses_one_row(dtype, residual=residual)
+        if not (_GEMV_ENABLED and ROW_FUSION_ENABLED) or \
+                dtype not in (torch.float16, torch.bfloat16):
+            return False
+        if residual and self.tp_size > 1:
+            return False
+        kernels = _triton_kernels()
+        if kernels is None or self.fp8 is not None or self.weight.dtype != dtype or \
+                self.weight.stride(1) != 1:
+            return False
+        gemv, fused_rows = kernels[1], kernels[3]
+        n, k = self.weight.shape
+        variant = gemv.fusion_variant(norm, gated, residual)
+        return fused_rows.rows_config(n, k, rows, variant) is not None
+
     def fused_row_product(self, x: torch.Tensor, *, norm: "RMSNorm | None" = None,
                           gated: bool = False, residual: torch.Tensor | None = None
                           ) -> torch.Tensor:
-        """One row x [1, K] through this layer with its neighbours fused into the GEMV (see
+        """Rows x [M, K] through this layer with its neighbours fused into the product (see
         kernels/gemv.py RowFusion): norm: x is the residual stream and the input is norm(x);
         gated: the output is silu(gate) * up of a gate|up weight; residual: the output is
-        residual + x @ W.T. Only where `fuses_one_row` said so."""
-        gemv = _triton_kernels()[1]
+        residual + x @ W.T. One row runs the GEMV, 2-8 rows kernels/fused_rows.py. Only where
+        `fuses_rows` (`fuses_one_row` for one row) said so."""
+        _, gemv, _, fused_rows = _triton_kernels()
         fusion = gemv.RowFusion(None if norm is None else norm.weight,
                                 0.0 if norm is None else norm.variance_epsilon, gated, residual)
         x = x.contiguous()
+        if x.dim() == 2 and x.shape[0] > 1:
+            n, k = self.weight.shape
+            config = fused_rows.rows_config(n, k, x.shape[0], fusion.variant)
+            assert config is not None, "fuses_rows promised a swept configuration"
+            return fused_rows.fused_rows(x, self.weight, config, fusion, self.bias)
         if self.fp8 is None:
             return gemv.gemv(x, self.weight, self.bias, fusion=fusion)
         from radixserve.layers.kernels.fp8_gemm import fp8_rows_product

@@ -24,8 +24,8 @@ from radixserve.core.forward_batch import ForwardBatch
 from radixserve.layers.activation import SiluAndMul, gated_activation
 from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from radixserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                      RowParallelLinear)
+from radixserve.layers.linear import (MAX_FUSED_ROWS, MergedColumnParallelLinear,
+                                      QKVParallelLinear, RowParallelLinear)
 from radixserve.layers.logits import LogitsOutput, compute_logits
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.quantization.fp8 import Fp8Rows
@@ -119,15 +119,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-        self._fuses_one_row: dict[torch.dtype, bool] = {}
+        self._fuses_rows: dict[tuple[int, torch.dtype], bool] = {}
         self._takes_fp8_rows: dict[int, bool] = {}
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, forward_batch: ForwardBatch
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if hidden.shape[0] == 1 and one_row_kernels_apply(hidden) and \
-                self.fuses_one_row(hidden.dtype):
-            return self.forward_one_row(positions, hidden, residual, forward_batch), None
+        if one_row_kernels_apply(hidden) and self.fuses_rows(hidden.shape[0], hidden.dtype):
+            return self.forward_fused(positions, hidden, residual, forward_batch), None
         if one_row_kernels_apply(hidden) and self.takes_fp8_rows(hidden):
             return self.forward_fp8_rows(positions, hidden, residual, forward_batch)
         if residual is None:
@@ -147,18 +146,22 @@ class DecoderLayer(nn.Module):
             type(self.input_layernorm) is RMSNorm and \
             type(self.post_attention_layernorm) is RMSNorm
 
-    def fuses_one_row(self, dtype: torch.dtype) -> bool:
-        """A dense SwiGLU layer whose four linears all have one-row kernels for `dtype`
-        (decided once per dtype)."""
-        if dtype not in self._fuses_one_row:
+    def fuses_rows(self, rows: int, dtype: torch.dtype) -> bool:
+        """A dense SwiGLU layer whose four linears all have fused kernels for `rows` rows of
+        `dtype` (one row: the GEMVs; 2-8: kernels/fused_rows.py where swept), decided once
+        per row count and dtype."""
+        if not 1 <= rows <= MAX_FUSED_ROWS:
+            return False
+        key = (rows, dtype)
+        if key not in self._fuses_rows:
             attn, mlp = self.self_attn, self.mlp
-            self._fuses_one_row[dtype] = (
+            self._fuses_rows[key] = (
                 self._dense_swiglu()
-                and attn.qkv_proj.fuses_one_row(dtype)
-                and attn.o_proj.fuses_one_row(dtype, residual=True)
-                and mlp.gate_up_proj.fuses_one_row(dtype)
-                and mlp.down_proj.fuses_one_row(dtype, residual=True))
-        return self._fuses_one_row[dtype]
+                and attn.qkv_proj.fuses_rows(rows, dtype, norm=True)
+                and attn.o_proj.fuses_rows(rows, dtype, residual=True)
+                and mlp.gate_up_proj.fuses_rows(rows, dtype, norm=True, gated=True)
+                and mlp.down_proj.fuses_rows(rows, dtype, residual=True))
+        return self._fuses_rows[key]
 
     def takes_fp8_rows(self, hidden: torch.Tensor) -> bool:
         """A dense SwiGLU layer whose q|k|v, gate|up and down products take this many rows of
@@ -192,13 +195,14 @@ class DecoderLayer(nn.Module):
         assert residual is not None
         return self.mlp.forward_fp8_rows(rows), residual
 
-    def forward_one_row(self, positions: torch.Tensor, hidden: torch.Tensor,
-                        residual: torch.Tensor | None, forward_batch: ForwardBatch
-                        ) -> torch.Tensor:
-        """One token (batch-1 decode): four GEMVs carry the two RMSNorms (into the q|k|v and
-        gate|up products), SiLU-mul (gate|up's output) and both residual adds (o and down's
-        outputs), so seven kernels become four. Returns the residual stream after the layer
-        (nothing left to add)."""
+    def forward_fused(self, positions: torch.Tensor, hidden: torch.Tensor,
+                      residual: torch.Tensor | None, forward_batch: ForwardBatch
+                      ) -> torch.Tensor:
+        """A decode batch of 1-8 rows where `fuses_rows` said so: four products (one row:
+        GEMVs; more: kernels/fused_rows.py) carry the two RMSNorms (into the q|k|v and gate|up
+        products), SiLU-mul (gate|up's output) and both residual adds (o and down's outputs),
+        so seven kernels become four. Returns the residual stream after the layer (nothing
+        left to add)."""
         stream = hidden if residual is None else hidden + residual
         attn, mlp = self.self_attn, self.mlp
         qkv = attn.qkv_proj.fused_row_product(stream, norm=self.input_layernorm)

@@ -1,4 +1,4 @@
-"""Batch-1 decode's fused one-row kernels (kernels/gemv.py RowFusion, DecoderLayer.forward_one_row)
+"""Batch-1 decode's fused one-row kernels (kernels/gemv.py RowFusion, DecoderLayer.forward_fused)
 against the unfused layers: per linear (bf16-style fp16 and FP8 weights, the Triton interpreter on
 CPU) and through the Engine on a tiny random checkpoint."""
 from __future__ import annotations
@@ -133,14 +133,14 @@ def _greedy(checkpoint: str, **args) -> list[int]:
 def test_engine_greedy_outputs_unchanged_by_the_fused_layers(checkpoint, monkeypatch) -> None:
     reference = _greedy(checkpoint)
     calls = []
-    fused = blocks.DecoderLayer.forward_one_row
+    fused = blocks.DecoderLayer.forward_fused
 
     def counting(self, *args):  # type: ignore[no-untyped-def]
         calls.append(1)
         return fused(self, *args)
 
     monkeypatch.setattr(blocks, "one_row_kernels_apply", lambda hidden: hidden.dim() == 2)
-    monkeypatch.setattr(blocks.DecoderLayer, "forward_one_row", counting)
+    monkeypatch.setattr(blocks.DecoderLayer, "forward_fused", counting)
     assert _greedy(checkpoint) == reference
     # 2 layers x the decode steps after the first token (with CUDA graphs: at capture only)
     assert len(calls) == 2 * 3 or (torch.cuda.is_available() and calls)

@@ -40,7 +40,7 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
-def _load_weight_tiles(w_ptrs, up_rows, n_mask, GATED: tl.constexpr):
+def load_weight_tiles(w_ptrs, up_rows, n_mask, GATED: tl.constexpr):
     """One BLOCK_K step's weight tile, and (GATED) the up half's tile N rows down (else the
     same tile again, unused)."""
     w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
@@ -96,7 +96,7 @@ def _gemv_kernel(X, W, Scale, B, Y, NormW, Residual, N, K, stride_wn, stride_sn,
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     up_rows = N * stride_wn  # GATED: the up half starts N rows down
     if EARLY_W:
-        w_first, w_first_up = _load_weight_tiles(w_ptrs, up_rows, n_mask, GATED)
+        w_first, w_first_up = load_weight_tiles(w_ptrs, up_rows, n_mask, GATED)
     pdl_prologue(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -109,7 +109,7 @@ def _gemv_kernel(X, W, Scale, B, Y, NormW, Residual, N, K, stride_wn, stride_sn,
         w_ptrs += BLOCK_K
         k_begin = BLOCK_K
     for k_start in range(k_begin, K, BLOCK_K):
-        w, w_up = _load_weight_tiles(w_ptrs, up_rows, n_mask, GATED)
+        w, w_up = load_weight_tiles(w_ptrs, up_rows, n_mask, GATED)
         acc, acc_up, squares = _gemv_step(
             acc, acc_up, squares, w, w_up, X, NormW, Scale, offs_n, n_mask, offs_k, k_start, N,
             stride_sn, NORM, GATED, HAS_SCALE, GROUPED, GROUP_K)
@@ -126,10 +126,22 @@ def _gemv_kernel(X, W, Scale, B, Y, NormW, Residual, N, K, stride_wn, stride_sn,
             up = up * inv_rms
         up = _scale_and_bias(up, offs_n, n_mask, N, Scale, B, stride_sn, HAS_SCALE, GROUPED,
                              HAS_BIAS)
+    else:
+        up = y  # unused
+    store_row_epilogue(y, up, Y, Residual, offs_n, n_mask, GATED, RESIDUAL)
+
+
+@triton.jit
+def store_row_epilogue(y, up, Y, Residual, offs_n, n_mask, GATED: tl.constexpr,
+                       RESIDUAL: tl.constexpr):
+    """One output row's end (float32 sums y, and up's when GATED): silu(gate) * up, each
+    rounded as the unfused layers round them; the residual stream's add, rounded as torch's add
+    of two rounded tensors; stored at Y in its dtype (Residual: the row's residual)."""
+    if GATED:
         gate = y.to(Y.dtype.element_ty).to(tl.float32)
         up = up.to(Y.dtype.element_ty).to(tl.float32)
         y = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty).to(tl.float32) * up
-    if RESIDUAL:  # the residual stream's add, rounded as torch's add of two rounded tensors
+    if RESIDUAL:
         r = tl.load(Residual + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         y = y.to(Y.dtype.element_ty).to(tl.float32) + r
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=n_mask)
@@ -194,10 +206,15 @@ class RowFusion(NamedTuple):
 
     @property
     def variant(self) -> str:
-        """The name of this fusion's swept configuration in the M = 1 table entry ("" none)."""
-        return "+".join(name for name, on in (("norm", self.norm_weight is not None),
-                                               ("gated", self.gated),
-                                               ("residual", self.residual is not None)) if on)
+        """The name of this fusion's swept configuration in a table entry ("" none)."""
+        return fusion_variant(self.norm_weight is not None, self.gated,
+                              self.residual is not None)
+
+
+def fusion_variant(norm: bool, gated: bool, residual: bool) -> str:
+    """A fusion's name in the tables: "norm", "norm+gated", "residual", ... ("" none)."""
+    return "+".join(name for name, on in (("norm", norm), ("gated", gated),
+                                           ("residual", residual)) if on)
 
 
 NO_FUSION = RowFusion()

@@ -1,0 +1,218 @@
+"""Small-batch decode's products through the GEMV widened to 2-8 rows, plain and with the
+layer's fusions, on the H200.
+
+    python3 benchmarks/gpu_rows_fusion.py [--rows 2 [4 8]] [--write] [--model-path DIR]
+
+First each product without fusions: the GEMV widened to M rows (kernels/fused_rows.py) against
+what linear() runs there (cuBLAS or the skinny GEMM); --write stores a winner 2% or more ahead
+under the M entry's "plain" key, which linear() then runs. Then, per Llama-3.1-8B layer (bf16,
+tp 1; attention left out) and row count M: the chain the model runs without fusions (RMSNorm
+with the residual add, q|k|v, o, RMSNorm with the residual add, gate|up, SiLU-mul, down: seven
+kernels, the products on what linear() runs, the "plain" winners included) against the fused
+chain of four (the norms in q|k|v and gate|up, SiLU-mul in gate|up, the residual adds in o and
+down). Each fused product is first swept over a grid of configurations (weights rotated through
+>= 600 MB), then both chains are captured in CUDA graphs over rotating layer copies (every
+weight byte from HBM) and timed. --write stores the fused winners in the kernels' tables (the M
+entry's "norm" / "norm+gated" / "residual" keys) where the fused chain is 2% or more faster,
+and removes them where it is not: the model fuses a layer's rows only where all four are
+written.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmarks.model_shapes import DEFAULT_MODEL  # noqa: E402
+from gpu_gemm_tune import MARGIN, Shape, time_graph  # noqa: E402
+import gpu_row_fusion as one_row  # noqa: E402  (its SHAPES / HIDDEN / O_IN / INTER)
+
+COPIES = 3
+VARIANTS = one_row.VARIANTS  # qkv: norm, o: residual, gate_up: norm+gated, down: residual
+
+
+def candidates(rows: int, columns: int, k: int, gated: bool) -> list:
+    """The grid swept per product and row count (columns: each half's when gated): tiles whose
+    float32 accumulators take at most 64 registers per thread (more spill at 8 rows) and give
+    at least one program per SM (session 24's winners at 2 rows: 4 x 1024 and 8 x 512 tiles,
+    4 warps)."""
+    from radixserve.layers.kernels.fused_rows import RowsConfig
+    return [RowsConfig(bn, bk, warps, 3)
+            for bn, bk, warps in itertools.product((2, 4, 8), (512, 1024), (4, 8))
+            if k % bk == 0 and rows * bn * bk * (2 if gated else 1) <= 64 * 32 * warps
+            and columns // bn >= 132]
+
+
+def fusion_for(name: str, rows: int, norm: torch.Tensor, stream: torch.Tensor):
+    from radixserve.layers.kernels.gemv import RowFusion
+    if VARIANTS[name] == "residual":
+        return RowFusion(residual=stream[:rows])
+    return RowFusion(norm, 1e-5, gated=name == "gate_up")
+
+
+def sweep(rows_list: list[int]) -> dict[int, dict[str, tuple[float, object]]]:
+    """rows -> product -> (seconds, best configuration)."""
+    from radixserve.layers.kernels.fused_rows import fused_rows
+    norm = 1 + 0.1 * torch.randn(one_row.HIDDEN, device="cuda", dtype=torch.bfloat16)
+    stream = torch.randn(8, one_row.HIDDEN, device="cuda", dtype=torch.bfloat16)
+    best: dict[int, dict[str, tuple[float, object]]] = {rows: {} for rows in rows_list}
+    for name, (n, k) in one_row.SHAPES.items():
+        shape = Shape("bf16", n, k)
+        for rows in rows_list:
+            gated = name == "gate_up"
+            grid = candidates(rows, n // 2 if gated else n, k, gated)
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            fusion = fusion_for(name, rows, norm, stream)
+            timed = sorted(((shape.timed(lambda w, c=cfg: fused_rows(x, w, c, fusion)), cfg)
+                            for cfg in grid), key=lambda pair: pair[0])
+            plain = shape.timed(lambda w: torch.nn.functional.linear(x, w))
+            best[rows][name] = timed[0]
+            print(f"   M={rows:<2} {name:8s} cuBLAS {plain * 1e6:6.1f} us; fused "
+                  f"{VARIANTS[name]}: " + "; ".join(f"{tuple(c)} {t * 1e6:.1f}"
+                                                    for t, c in timed[:3]), flush=True)
+        del shape
+        torch.cuda.empty_cache()
+    return best
+
+
+def sweep_plain(rows_list: list[int], write: bool) -> None:
+    """Each product without fusions through the GEMV widened to M rows against what `linear()`
+    runs there now (cuBLAS or the skinny GEMM, per the tables); with `write`, a winner 2% or
+    more ahead goes into the M entry under "plain" (linear() then runs it), a stale one is
+    removed."""
+    from radixserve.layers import linear as linear_module
+    from radixserve.layers.kernels import gemm_tables
+    from radixserve.layers.kernels.fused_rows import PLAIN, fused_rows
+    from radixserve.layers.kernels.gemv import NO_FUSION
+    for name, (n, k) in one_row.SHAPES.items():
+        shape = Shape("bf16", n, k)
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            current = shape.timed(lambda w: linear_module.linear(x, w))
+            timed = sorted(((shape.timed(lambda w, c=cfg: fused_rows(x, w, c, NO_FUSION)), cfg)
+                            for cfg in candidates(rows, n, k, False)),
+                           key=lambda pair: pair[0])
+            t_best, best = timed[0]
+            wins = t_best * MARGIN < current
+            print(f"   M={rows:<2} {name:8s} plain: linear() now {current * 1e6:6.1f} us; rows "
+                  f"GEMV " + "; ".join(f"{tuple(c)} {t * 1e6:.1f}" for t, c in timed[:3])
+                  + ("; written" if write and wins else ""), flush=True)
+            if write:
+                path = gemm_tables.CONFIG_DIR / f"bf16_N{n}_K{k}.json"
+                table = json.loads(path.read_text()) if path.is_file() else {}
+                entry = table.setdefault(str(rows), {})
+                entry.pop(PLAIN, None)
+                if wins:
+                    entry[PLAIN] = dict(best._asdict(), us=round(t_best * 1e6, 2),
+                                        base_us=round(current * 1e6, 2))
+                if not entry:
+                    del table[str(rows)]
+                path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        del shape
+        torch.cuda.empty_cache()
+    gemm_tables.clear_cache()
+    linear_module._small_m_kernel.cache_clear()
+
+
+class Layer(one_row.Layer):
+    def rows_unfused(self, stream: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """What the model runs without the fusions (linear(): cuBLAS or the skinny GEMM)."""
+        from radixserve.layers.kernels.rmsnorm import fused_rmsnorm
+        from radixserve.layers.kernels.silu_and_mul import silu_and_mul
+        from radixserve.layers.linear import linear
+        normed, stream = fused_rmsnorm(hidden, self.norm1, 1e-5, stream)
+        qkv = linear(normed, self.w["qkv"])
+        o = linear(qkv[:, :one_row.O_IN].contiguous(), self.w["o"])
+        normed, stream = fused_rmsnorm(o, self.norm2, 1e-5, stream)
+        return linear(silu_and_mul(linear(normed, self.w["gate_up"])), self.w["down"])
+
+    def rows_fused(self, stream: torch.Tensor, configs: dict[str, object]) -> torch.Tensor:
+        from radixserve.layers.kernels.fused_rows import fused_rows
+        from radixserve.layers.kernels.gemv import RowFusion
+        qkv = fused_rows(stream, self.w["qkv"], configs["qkv"], RowFusion(self.norm1, 1e-5))
+        stream = fused_rows(qkv[:, :one_row.O_IN].contiguous(), self.w["o"], configs["o"],
+                            RowFusion(residual=stream))
+        act = fused_rows(stream, self.w["gate_up"], configs["gate_up"],
+                         RowFusion(self.norm2, 1e-5, gated=True))
+        return fused_rows(act, self.w["down"], configs["down"], RowFusion(residual=stream))
+
+
+def check(layer: Layer, rows: int, configs: dict[str, object]) -> float:
+    """Largest difference of the fused chain's output from the layer computed in float32 from
+    the same bf16 weights, relative to the largest output."""
+    import torch.nn.functional as F
+    stream = torch.randn(rows, one_row.HIDDEN, device="cuda", dtype=torch.bfloat16)
+    w = {name: weight.float() for name, weight in layer.w.items()}
+
+    def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float()
+
+    s1 = stream.float()
+    qkv = F.linear(rms(s1, layer.norm1), w["qkv"])
+    s2 = s1 + F.linear(qkv[:, :one_row.O_IN], w["o"])
+    gate, up = F.linear(rms(s2, layer.norm2), w["gate_up"]).chunk(2, dim=-1)
+    want = s2 + F.linear(F.silu(gate) * up, w["down"])
+    got = layer.rows_fused(stream, configs).float()
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def write(rows: int, configs: dict[str, tuple[float, object]] | None) -> None:
+    """The fused products' configurations into the M = rows entries (None: remove them)."""
+    from radixserve.layers.kernels import gemm_tables
+    for name, (n, k) in one_row.SHAPES.items():
+        path = gemm_tables.CONFIG_DIR / f"bf16_N{n}_K{k}.json"
+        table = json.loads(path.read_text()) if path.is_file() else {}
+        entry = table.setdefault(str(rows), {})
+        if configs is None:
+            entry.pop(VARIANTS[name], None)
+        else:
+            seconds, cfg = configs[name]
+            entry[VARIANTS[name]] = dict(cfg._asdict(), us=round(seconds * 1e6, 2))
+        if not entry:
+            del table[str(rows)]
+        path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    gemm_tables.clear_cache()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="+", type=int, default=[2])
+    parser.add_argument("--write", action="store_true")
+    parser.add_argument("--model-path", default=str(DEFAULT_MODEL))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_rows_fusion: no CUDA device")
+        return 0
+    one_row.use_model(args.model_path)
+    sweep_plain(args.rows, args.write)  # first: the unfused layer below runs its winners
+    best = sweep(args.rows)
+    layers = [Layer("bf16") for _ in range(COPIES)]
+    for rows in args.rows:
+        configs = {name: cfg for name, (_, cfg) in best[rows].items()}
+        stream = torch.randn(rows, one_row.HIDDEN, device="cuda", dtype=torch.bfloat16)
+        hidden = torch.randn(rows, one_row.HIDDEN, device="cuda", dtype=torch.bfloat16)
+        error = check(layers[0], rows, configs)
+        t_unfused = time_graph(lambda: [layer.rows_unfused(stream, hidden)
+                                        for layer in layers]) / COPIES
+        t_fused = time_graph(lambda: [layer.rows_fused(stream, configs)
+                                      for layer in layers]) / COPIES
+        wins = t_fused * MARGIN < t_unfused
+        print(f"== M={rows}: per layer unfused {t_unfused * 1e6:.1f} us, fused "
+              f"{t_fused * 1e6:.1f} us (x 32: {t_unfused * 32e3:.3f} -> {t_fused * 32e3:.3f} "
+              f"ms); fused differs by {error:.2e} of the largest output"
+              + ("; written" if args.write and wins else ""), flush=True)
+        if args.write:
+            write(rows, best[rows] if wins else None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
