@@ -111,6 +111,30 @@ def test_linear_runs_the_rows_gemv_where_the_plain_product_won(table_dir) -> Non
         linear_module._small_m_kernel.cache_clear()
 
 
+def test_the_shipped_rows_entries_are_launchable() -> None:
+    """Every rows-GEMV entry in the package's bf16 tables (at 2+ rows: "plain", or a fusion's
+    name; written by benchmarks/gpu_rows_fusion.py on the H200) reads back at its row count as a
+    configuration whose block_k divides K, in an entry that is not empty (an empty one would
+    shadow larger row counts)."""
+    from radixserve.layers.kernels.fused_rows import MAX_ROWS, PLAIN
+    gemm_tables.clear_cache()
+    seen = 0
+    for path in sorted(gemm_tables.CONFIG_DIR.glob("bf16_N*_K*.json")):
+        n, k = (int(part[1:]) for part in path.stem.split("_")[1:])
+        for m, entry in json.loads(path.read_text()).items():
+            assert entry, (path.name, m)
+            if m == "1":  # the one-row GEMV's entry (its fusion variants are its own)
+                continue
+            for variant in (PLAIN, "norm", "norm+gated", "residual"):
+                if variant not in entry:
+                    continue
+                assert int(m) <= MAX_ROWS, (path.name, m, variant)
+                config = rows_config(n, k, int(m), "" if variant == PLAIN else variant)
+                assert config is not None and k % config.block_k == 0, (path.name, m, variant)
+                seen += 1
+    assert seen, "the tables carry no rows-GEMV entries"
+
+
 def _fill(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     gen = torch.Generator().manual_seed(seed)
     for param in module.parameters():
