@@ -105,16 +105,8 @@ def sweep_plain(rows_list: list[int], write: bool) -> None:
                   f"GEMV " + "; ".join(f"{tuple(c)} {t * 1e6:.1f}" for t, c in timed[:3])
                   + ("; written" if write and wins else ""), flush=True)
             if write:
-                path = gemm_tables.CONFIG_DIR / f"bf16_N{n}_K{k}.json"
-                table = json.loads(path.read_text()) if path.is_file() else {}
-                entry = table.setdefault(str(rows), {})
-                entry.pop(PLAIN, None)
-                if wins:
-                    entry[PLAIN] = dict(best._asdict(), us=round(t_best * 1e6, 2),
-                                        base_us=round(current * 1e6, 2))
-                if not entry:
-                    del table[str(rows)]
-                path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+                store(n, k, rows, PLAIN, dict(best._asdict(), us=round(t_best * 1e6, 2),
+                                              base_us=round(current * 1e6, 2)) if wins else None)
         del shape
         torch.cuda.empty_cache()
     gemm_tables.clear_cache()
@@ -163,21 +155,30 @@ def check(layer: Layer, rows: int, configs: dict[str, object]) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
+def store(n: int, k: int, rows: int, key: str, value: dict | None) -> None:
+    """Set (None: remove) `key` in the M = rows entry of the bf16 table of [n, k]; an entry
+    left empty is removed, so that it does not shadow larger row counts."""
+    from radixserve.layers.kernels import gemm_tables
+    path = gemm_tables.CONFIG_DIR / f"bf16_N{n}_K{k}.json"
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    entry = table.setdefault(str(rows), {})
+    entry.pop(key, None)
+    if value is not None:
+        entry[key] = value
+    if not entry:
+        del table[str(rows)]
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+
+
 def write(rows: int, configs: dict[str, tuple[float, object]] | None) -> None:
     """The fused products' configurations into the M = rows entries (None: remove them)."""
     from radixserve.layers.kernels import gemm_tables
     for name, (n, k) in one_row.SHAPES.items():
-        path = gemm_tables.CONFIG_DIR / f"bf16_N{n}_K{k}.json"
-        table = json.loads(path.read_text()) if path.is_file() else {}
-        entry = table.setdefault(str(rows), {})
-        if configs is None:
-            entry.pop(VARIANTS[name], None)
-        else:
+        value = None
+        if configs is not None:
             seconds, cfg = configs[name]
-            entry[VARIANTS[name]] = dict(cfg._asdict(), us=round(seconds * 1e6, 2))
-        if not entry:
-            del table[str(rows)]
-        path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+            value = dict(cfg._asdict(), us=round(seconds * 1e6, 2))
+        store(n, k, rows, VARIANTS[name], value)
     gemm_tables.clear_cache()
 
 

@@ -179,16 +179,24 @@ class LinearBase(nn.Module):
         return self.fp8 is not None and self.weight.stride(1) == 1 and \
             takes_fp8_rows(self.weight, self.weight_scale, self.fp8.block, rows, dtype)
 
+    def _row_fusion_kernels(self, dtype: torch.dtype, residual: bool):
+        """The Triton kernels (`_triton_kernels()`) when rows of `dtype` through this layer may
+        carry their neighbours at all: row fusion on, half-precision rows, weight rows
+        contiguous, and no residual add that waits for the ranks' all-reduce; else None."""
+        if not (_GEMV_ENABLED and ROW_FUSION_ENABLED) or \
+                dtype not in (torch.float16, torch.bfloat16):
+            return None
+        if residual and self.tp_size > 1:  # the ranks' partial sums are reduced before the add
+            return None
+        if self.weight.stride(1) != 1:
+            return None
+        return _triton_kernels()
+
     def fuses_one_row(self, dtype: torch.dtype, *, residual: bool = False) -> bool:
         """Whether `fused_row_product` has a kernel for one row of `dtype`: the GPU GEMV (bf16
         or FP8 weights) with a configuration for this weight."""
-        if not (_GEMV_ENABLED and ROW_FUSION_ENABLED) or \
-                dtype not in (torch.float16, torch.bfloat16):
-            return False
-        if residual and self.tp_size > 1:  # the ranks' partial sums are reduced before the add
-            return False
-        kernels = _triton_kernels()
-        if kernels is None or self.weight.stride(1) != 1:
+        kernels = self._row_fusion_kernels(dtype, residual)
+        if kernels is None:
             return False
         gemv = kernels[1]
         if self.fp8 is not None:
@@ -205,14 +213,8 @@ class LinearBase(nn.Module):
         benchmarks/gpu_rows_fusion.py writes it only where the fused layer was faster)."""
         if rows == 1:
             return self.fuses_one_row(dtype, residual=residual)
-        if not (_GEMV_ENABLED and ROW_FUSION_ENABLED) or \
-                dtype not in (torch.float16, torch.bfloat16):
-            return False
-        if residual and self.tp_size > 1:
-            return False
-        kernels = _triton_kernels()
-        if kernels is None or self.fp8 is not None or self.weight.dtype != dtype or \
-                self.weight.stride(1) != 1:
+        kernels = self._row_fusion_kernels(dtype, residual)
+        if kernels is None or self.fp8 is not None or self.weight.dtype != dtype:
             return False
         gemv, fused_rows = kernels[1], kernels[3]
         n, k = self.weight.shape

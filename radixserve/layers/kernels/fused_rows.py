@@ -15,13 +15,17 @@ one-row GEMVs do:
 The product is gemv.py's, widened: each program owns BLOCK_N output columns for all rows over
 the whole of K (no split: the norm needs every column's square, the epilogues the finished
 sums), multiplies each weight tile [BLOCK_N, BLOCK_K] by every row's x tile elementwise into
-float32 accumulators [BLOCK_M, BLOCK_N, BLOCK_K] and reduces them once at the end. A weight
-element costs one FMA per row: at 8 rows and the H200's weight-read rate that is about half the
-CUDA cores' FMA rate, so the tensor cores are not needed (a 16-row tensor-core tile with the
-norm in its prologue timed slower than cuBLAS; session 23). The first weight tile is loaded
-before the PDL wait (as gemv.py's EARLY_W). Configurations per product and row count come from
-the swept tables (gemm_tables: the variant's name inside the M entry,
-benchmarks/gpu_rows_fusion.py --write); without an entry the layer runs unfused.
+a float32 accumulator of that shape per row (the rows unrolled) and reduces them once at the
+end. A weight element costs one FMA per row, about half the H200's FMA rate at 8 rows and its
+weight-read rate; measured, the per-row work around the FMA (each row's x moved to the weight
+tile's layout per K step, the norm's per-column work) binds the kernel from 4 rows on, and at
+2 rows the plain product wins (session 24; a 16-row tensor-core tile with the norm in its
+prologue was slower than cuBLAS at every row count, session 23). The first weight tile is
+loaded before the PDL wait (as gemv.py's EARLY_W). Configurations per product and row count
+come from the swept tables (gemm_tables: the variant's name inside the M entry,
+benchmarks/gpu_rows_fusion.py --write); without an entry the layer runs unfused. Without
+fusions (the entry's "plain" key) the kernel is also linear()'s for 2-8 rows where the sweep
+found it faster than cuBLAS or the skinny GEMM.
 """
 from __future__ import annotations
 
@@ -68,7 +72,7 @@ def _rows_step(a0, a1, a2, a3, a4, a5, a6, a7, u0, u1, u2, u3, u4, u5, u6, u7, s
     """One K step of every row. The rows are unrolled (ROWS is M itself) so that each row's
     accumulator keeps the weight tile's register layout: a [M, BLOCK_N, BLOCK_K] product has
     Triton move the weight tile between layouts through shared memory every step (sm_90 code
-    compiled on a CPU, session 23). Each row's x (its squares, the norm's weight) is worked on
+    compiled on a CPU, session 24). Each row's x (its squares, the norm's weight) is worked on
     once per column, then moved to the weight tile's layout, as the one-row GEMV does."""
     w = w.to(tl.float32)
     w_up = w_up.to(tl.float32)
@@ -129,9 +133,9 @@ def _fused_rows_kernel(X, W, B, Y, NormW, Residual, N, K, stride_xm, stride_wn, 
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY_W: tl.constexpr,
                        USE_PDL: tl.constexpr):
     """Y[ROWS, N] = epilogue(prologue(X[ROWS, K]) @ W[:N].T) for 2 <= ROWS <= 8; GATED reads
-    gate rows [0, N) and up rows [N, 2N) of W. K is a multiple of BLOCK_K. EARLY_W: see
-    gemv.py (no kernel of a forward pass writes weights, and only the kernel right before can
-    still be running)."""
+    gate rows [0, N) and up rows [N, 2N) of W. K is a multiple of BLOCK_K. EARLY_W: the
+    first weight tile before the PDL wait, as gemv.py's (no kernel of a forward pass writes
+    weights)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
