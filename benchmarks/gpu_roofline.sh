@@ -34,6 +34,10 @@
 #          launching o_proj early at batch 1 (RADIXSERVE_MERGE_EARLY_LAUNCH=1, the default) and
 #          without it, alternated twice; the decode-attention and row-fusion GPU tests first
 #          (~5 min)
+# rope_ab: decode batch 1, bf16 then FP8 weights (then FP8 weights + KV), with rope and the K/V
+#          store in the q|k|v GEMV's epilogue (RADIXSERVE_GEMV_ROPE=1, the default) and as their
+#          own kernel (0), alternated twice (FP8 weights + KV once); the GEMV, rope and row-fusion
+#          GPU tests first (~5 min)
 # rows_fusion: small-batch decode's fused products (kernels/fused_rows.py): their GPU tests, then
 #          benchmarks/gpu_rows_fusion.py --write (each product swept at 2 rows; ROOF_ROWS_ARGS=
 #          "--rows 2 4 8" for more; the fused layer against the unfused one; the winners go into
@@ -79,6 +83,21 @@ decode_batches() {  # name "batches": one static batch per size at context 1024,
     echo "   $1 ${RADIXSERVE_DECODE_CONFIG:-default decode config} rc $?"
     telemetry_stop "$OUT/telemetry_$1.csv"
     grep -E '^batch|^ +[0-9]+ ' "$OUT/$1.log"
+}
+env_ab() {  # VAR "values" "batches" kind: decode steps (context 1024, graphs + overlap) of
+    # these batch sizes with VAR set to each value in turn; kind bf16, fp8 (weights) or fp8kv
+    # (weights and KV); prints "kind VAR=value batch ms/step" per batch
+    local var=$1 values=$2 batches=$3 kind=$4 value flags=()
+    [ "$kind" = fp8 ] && flags=(--quantization fp8)
+    [ "$kind" = fp8kv ] && flags=(--quantization fp8 --kv-cache-dtype fp8_e4m3)
+    local max_bs=${batches##* }
+    for value in $values; do
+        env "$var=$value" timeout -k 10 100 python3 -m radixserve.bench.one_batch \
+            "${COMMON[@]}" ${flags[@]+"${flags[@]}"} --batch-size $batches --input-len 1024 \
+            --output-len 64 --overlap --cuda-graph-max-bs "$max_bs" --max-total-tokens 100000 \
+            --log-level warning 2>&1 | grep -E '^ +[0-9]+ ' | tail -2 \
+            | awk -v k="$kind" -v v="$var=$value" -F'|' '{print "   " k, v, $1, $3}'
+    done
 }
 if step decode; then
     echo "== decode"
@@ -150,17 +169,18 @@ if step early_ab; then
         > "$OUT/early_tests.log" 2>&1
     echo "   tests rc $?: $(tail -1 "$OUT/early_tests.log")"
     for kind in bf16 fp8; do
-        flags=()
-        [ "$kind" = fp8 ] && flags=(--quantization fp8)
-        for early in 1 0 1 0; do
-            RADIXSERVE_MERGE_EARLY_LAUNCH=$early timeout -k 10 100 python3 -m \
-                radixserve.bench.one_batch "${COMMON[@]}" ${flags[@]+"${flags[@]}"} \
-                --batch-size 1 8 --input-len 1024 --output-len 64 --overlap \
-                --cuda-graph-max-bs 8 --max-total-tokens 100000 --log-level warning \
-                2>&1 | grep -E '^ +(1|8) ' | tail -2 | awk -v k="$kind" -v e="$early" -F'|' \
-                '{print "   " k, "early=" e, $1, $3}'
-        done
+        env_ab RADIXSERVE_MERGE_EARLY_LAUNCH "1 0 1 0" "1 8" "$kind"
     done
+fi
+if step rope_ab; then
+    echo "== decode batch 1, rope + K/V store in the q|k|v GEMV (1) or a kernel of their own (0)"
+    timeout -k 10 240 python3 -m pytest -q -p no:cacheprovider tests/layers/test_gemv_rope.py \
+        tests/layers/test_fused_kernels.py tests/models/test_row_fusion.py \
+        tests/attention/test_triton_decode_attention.py > "$OUT/rope_tests.log" 2>&1
+    echo "   tests rc $?: $(tail -1 "$OUT/rope_tests.log")"
+    env_ab RADIXSERVE_GEMV_ROPE "1 0 1 0" "1 1" bf16
+    env_ab RADIXSERVE_GEMV_ROPE "1 0 1 0" "1 1" fp8
+    env_ab RADIXSERVE_GEMV_ROPE "1 0" "1 1" fp8kv
 fi
 if step rows_fusion; then
     echo "== rows fusion: GPU tests, the 2-8-row sweep (written into the tables), decode A/B"

@@ -44,7 +44,7 @@ import torch
 
 from radixserve.attention.mla_plan import MLAExtendPlan, build_mla_extend_plan
 from radixserve.core.forward_batch import ForwardBatch
-from radixserve.mem.kv_pool import KVPool, dequantize
+from radixserve.mem.kv_pool import KVPool, KVStoreTarget, dequantize
 from radixserve.mem.req_to_token_pool import ReqToTokenPool
 
 if TYPE_CHECKING:  # same layer (layers/ and attention/ sit side by side)
@@ -87,10 +87,19 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Build per-pass metadata (index tensors, split plans) from the batch."""
 
+    def kv_store_target(self, layer: "RadixAttention",
+                        forward_batch: ForwardBatch) -> "KVStoreTarget | None":
+        """Where the pass's producer of q|k|v may rotate and store this layer's K/V itself
+        (then `forward(..., kv_stored=True)`), or None: this backend does (the default)."""
+        return None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: "RadixAttention", forward_batch: ForwardBatch,
-                rope: "RopeInput | None" = None) -> torch.Tensor:
-        """q: [T, H*D], k/v: [T, Hkv*D], q/k unrotated when `rope` is given. Returns [T, H*D]."""
+                rope: "RopeInput | None" = None, kv_stored: bool = False) -> torch.Tensor:
+        """q: [T, H*D], k/v: [T, Hkv*D], q/k unrotated when `rope` is given. Returns [T, H*D].
+        kv_stored: q is rotated and K/V are in the pool already (`kv_store_target`)."""
+        if kv_stored:
+            raise NotImplementedError(f"{type(self).__name__} stores K/V itself")
         if rope is not None:
             q, k = rope.rotary(rope.positions, q, k)
         if forward_batch.forward_mode.is_decode():

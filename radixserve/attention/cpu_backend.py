@@ -87,7 +87,9 @@ class CPUAttnBackend(TorchNativeAttnBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: "RadixAttention", forward_batch: ForwardBatch,
-                rope: "RopeInput | None" = None) -> torch.Tensor:
+                rope: "RopeInput | None" = None, kv_stored: bool = False) -> torch.Tensor:
+        if kv_stored:  # never: kv_store_target is the base's None
+            raise NotImplementedError("the CPU backend stores K/V itself")
         if not self._kernel_ok(q, layer):
             self._ensure_parts(forward_batch)
             return super().forward(q, k, v, layer, forward_batch, rope)

@@ -13,6 +13,7 @@ from radixserve.core.forward_batch import ForwardBatch
 if TYPE_CHECKING:
     from radixserve.layers.radix_attention import RadixAttention
     from radixserve.layers.rotary import RopeInput
+    from radixserve.mem.kv_pool import KVStoreTarget
 
 
 class HybridAttnBackend(AttentionBackend):
@@ -28,10 +29,14 @@ class HybridAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         self._for(forward_batch).init_forward_metadata(forward_batch)
 
+    def kv_store_target(self, layer: "RadixAttention",
+                        forward_batch: ForwardBatch) -> "KVStoreTarget | None":
+        return self._for(forward_batch).kv_store_target(layer, forward_batch)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: "RadixAttention", forward_batch: ForwardBatch,
-                rope: "RopeInput | None" = None) -> torch.Tensor:
-        return self._for(forward_batch).forward(q, k, v, layer, forward_batch, rope)
+                rope: "RopeInput | None" = None, kv_stored: bool = False) -> torch.Tensor:
+        return self._for(forward_batch).forward(q, k, v, layer, forward_batch, rope, kv_stored)
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: "RadixAttention", forward_batch: ForwardBatch) -> torch.Tensor:

@@ -45,6 +45,7 @@ from radixserve.core.forward_batch import ForwardBatch
 if TYPE_CHECKING:
     from radixserve.layers.radix_attention import RadixAttention
     from radixserve.layers.rotary import RopeInput
+    from radixserve.mem.kv_pool import KVStoreTarget
 
 
 # over an FP8 pool, batches with up to this many one-split programs (batch x KV heads) per SM
@@ -263,11 +264,23 @@ class TritonAttnBackend(AttentionBackend):
         self.kv_pool.store_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
         return k, v
 
+    def kv_store_target(self, layer: "RadixAttention",
+                        forward_batch: ForwardBatch) -> KVStoreTarget | None:
+        """Decode passes over an MHA pool that lets other kernels write it (`store_target`):
+        the decode kernel reads K/V only from the pool, so whoever stores them there may."""
+        if not forward_batch.forward_mode.is_decode():
+            return None
+        return self.kv_pool.store_target(layer.layer_id, forward_batch.out_cache_loc)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: "RadixAttention", forward_batch: ForwardBatch,
-                rope: "RopeInput | None" = None) -> torch.Tensor:
+                rope: "RopeInput | None" = None, kv_stored: bool = False) -> torch.Tensor:
         """As the base, but rope and the K/V store run as one fused kernel. Our kernels run on
-        whatever device triton does (CUDA, or the CPU interpreter in tests), so does this one."""
+        whatever device triton does (CUDA, or the CPU interpreter in tests), so does this one.
+        kv_stored (decode only, after `kv_store_target`): q is rotated and K/V are stored."""
+        if kv_stored:
+            assert rope is None and forward_batch.forward_mode.is_decode()
+            return self.forward_decode(q, k, v, layer, forward_batch, store_kv=False)
         store_kv = rope is None
         if rope is not None:
             rotary = rope.rotary

@@ -26,6 +26,7 @@ from radixserve.layers.quantization.fp8_linear import (add_fp8_params, finish_fp
                                                        takes_fp8_rows)
 
 if TYPE_CHECKING:
+    from radixserve.layers.kernels.gemv_rope import RopeStore
     from radixserve.layers.norm import RMSNorm
 
 # RADIXSERVE_GEMV=0 sends one-token and decode-sized products to cuBLAS too (for A/B timing)
@@ -221,18 +222,51 @@ class LinearBase(nn.Module):
         variant = gemv.fusion_variant(norm, gated, residual)
         return fused_rows.rows_config(n, k, rows, variant) is not None
 
+    def _one_row_gemv_config(self, fusion):  # -> gemv.GemvConfig | None
+        """The configuration of the GEMV that a one-row `fused_row_product` with `fusion` runs,
+        or None where another kernel runs it (FP8: the tensor-core rows kernel's sweep won)."""
+        gemv = _triton_kernels()[1]
+        n, k = self.weight.shape
+        if self.fp8 is None:
+            return gemv.row_config("bf16", n, k, fusion)
+        from radixserve.layers.kernels import fp8_mma_rows
+        if fp8_mma_rows.tuned_config(n, k, 1, fusion.variant) is not None:
+            return None
+        return gemv.fp8_gemv_config(self.weight, self.weight_scale, self.fp8.block,
+                                    fusion=fusion)
+
+    def carries_rope_store(self, dtype: torch.dtype, head_dim: int, norm: "RMSNorm") -> bool:
+        """Whether this q|k|v layer's one-row product with `norm` fused can also carry rope
+        and the K/V store (kernels/gemv_rope.py): its GEMV's programs hold whole rope pairs
+        (RADIXSERVE_GEMV_ROPE=0: never)."""
+        if not self.fuses_one_row(dtype):
+            return False
+        from radixserve.layers.kernels import gemv_rope
+        gemv = _triton_kernels()[1]
+        config = self._one_row_gemv_config(gemv.RowFusion(norm.weight, norm.variance_epsilon))
+        return gemv_rope.ENABLED and config is not None and \
+            gemv_rope.rope_rows_fit(config.block_n, head_dim)
+
     def fused_row_product(self, x: torch.Tensor, *, norm: "RMSNorm | None" = None,
-                          gated: bool = False, residual: torch.Tensor | None = None
-                          ) -> torch.Tensor:
+                          gated: bool = False, residual: torch.Tensor | None = None,
+                          rope: "RopeStore | None" = None) -> torch.Tensor:
         """Rows x [M, K] through this layer with its neighbours fused into the product (see
         kernels/gemv.py RowFusion): norm: x is the residual stream and the input is norm(x);
         gated: the output is silu(gate) * up of a gate|up weight; residual: the output is
         residual + x @ W.T. One row runs the GEMV, 2-8 rows kernels/fused_rows.py. Only where
-        `fuses_rows` (`fuses_one_row` for one row) said so."""
+        `fuses_rows` (`fuses_one_row` for one row) said so. rope (one row, where
+        `carries_rope_store` said so): the q|k|v output comes rotated and K/V are stored."""
         _, gemv, _, fused_rows = _triton_kernels()
         fusion = gemv.RowFusion(None if norm is None else norm.weight,
                                 0.0 if norm is None else norm.variance_epsilon, gated, residual)
         x = x.contiguous()
+        if rope is not None:
+            assert x.shape[0] == 1, "rope rides on the one-row GEMV"
+            config = self._one_row_gemv_config(fusion)
+            if self.fp8 is None:
+                return gemv.gemv(x, self.weight, self.bias, config, fusion, rope)
+            return gemv.fp8_gemv(x, self.weight, self.weight_scale, self.fp8.block, self.bias,
+                                 config, fusion, rope)
         if x.dim() == 2 and x.shape[0] > 1:
             n, k = self.weight.shape
             config = fused_rows.rows_config(n, k, x.shape[0], fusion.variant)

@@ -15,6 +15,7 @@ from torch import nn
 
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.layers.rotary import RopeInput
+from radixserve.mem.kv_pool import KVStoreTarget
 
 __all__ = ["RadixAttention", "RopeInput"]
 
@@ -36,9 +37,16 @@ class RadixAttention(nn.Module):
         self.logit_cap = logit_cap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                forward_batch: ForwardBatch, rope: RopeInput | None = None) -> torch.Tensor:
-        """q: [T, Hq*D], k/v: [T, Hkv*D], unrotated when `rope` is given. Returns [T, Hq*D]."""
-        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, rope)
+                forward_batch: ForwardBatch, rope: RopeInput | None = None,
+                kv_stored: bool = False) -> torch.Tensor:
+        """q: [T, Hq*D], k/v: [T, Hkv*D], unrotated when `rope` is given. Returns [T, Hq*D].
+        kv_stored: q is rotated and K/V were stored at `kv_store_target` by their producer."""
+        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, rope, kv_stored)
+
+    def kv_store_target(self, forward_batch: ForwardBatch) -> "KVStoreTarget | None":
+        """Where this pass's producer of q|k|v may rotate and store K/V itself (None: the
+        backend does it in `forward`)."""
+        return forward_batch.attn_backend.kv_store_target(self, forward_batch)
 
     def forward_mla_extend(self, q: torch.Tensor, entries: torch.Tensor,
                            decompress: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],

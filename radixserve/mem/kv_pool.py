@@ -22,6 +22,9 @@ What an attention backend needs of a pool:
     has a kernel for it (the MHA pool on a Triton device); the default rotates, then stores;
   * `kv_buffers(layer_id)`: the tensors to read (for MHA: (k_buffer, v_buffer), each
     [size + 1, num_kv_heads, head_dim]);
+  * `store_target(layer_id, loc)`: the buffers a producer may write this pass's K/V into
+    itself (one-row decode: the q|k|v product's epilogue rotates and stores them), or None
+    where the pool must store them (the default);
   * `kv_scales(layer_id)`: (k_scale, v_scale) of quantised storage (None when not quantised):
     FP8 pools (`storage_dtype` float8_e4m3fn / float8_e5m2, --kv-cache-dtype) store
     value / scale saturated to the FP8 range, and readers multiply back;
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -66,6 +69,17 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
 def dequantize(codes: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """Stored FP8 codes -> values in `dtype` (code x scale, computed in float32)."""
     return (codes.float() * scale).to(dtype)
+
+
+class KVStoreTarget(NamedTuple):
+    """Where a pass's new K/V rows of one layer go when a kernel other than the pool's writes
+    them: k_cache / v_cache [slots, num_kv_heads, head_dim] at slots `loc`, each value stored
+    as `KVPool.quantize` stores it (value / scale saturated for FP8, else cast)."""
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    loc: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 RotateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -194,6 +208,12 @@ class KVPool(ABC):
             return x.to(self.dtype)
         limit = torch.finfo(self.dtype).max
         return (x.float() * (1.0 / scale)).clamp_(-limit, limit).to(self.dtype)
+
+    def store_target(self, layer_id: int, loc: torch.Tensor) -> KVStoreTarget | None:
+        """The buffers another kernel may write this pass's K/V of `layer_id` into (at `loc`),
+        or None: this pool stores them itself (the default; also while observing, which
+        needs the values)."""
+        return None
 
     def rotate_and_store_kv(self, layer_id: int, loc: torch.Tensor, q: torch.Tensor,
                             k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.mem.kv_pool import KVCacheSpec, KVPool, RotateFn
+from radixserve.mem.kv_pool import KVCacheSpec, KVPool, KVStoreTarget, RotateFn
 
 
 class MHATokenToKVPool(KVPool):
@@ -39,6 +39,15 @@ class MHATokenToKVPool(KVPool):
         k_scale, v_scale = self._scales[layer_id]
         self.k_buffer[layer_id][loc] = self.quantize(k.view(shape), k_scale)
         self.v_buffer[layer_id][loc] = self.quantize(v.view(shape), v_scale)
+
+    def store_target(self, layer_id: int, loc: torch.Tensor) -> KVStoreTarget | None:
+        """The layer's buffers, on a Triton device (the producers that write them are Triton
+        kernels) and while not observing."""
+        if self._fused_rope_store is None or self.observing:
+            return None
+        k_scale, v_scale = self._scales[layer_id]
+        return KVStoreTarget(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, k_scale,
+                             v_scale)
 
     def rotate_and_store_kv(self, layer_id: int, loc: torch.Tensor, q: torch.Tensor,
                             k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -14,7 +14,7 @@ tensor parallelism shards them without the model files changing.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary import RopeInput, RotaryEmbedding
 from radixserve.mem.kv_pool import KVCacheSpec
 
+if TYPE_CHECKING:
+    from radixserve.layers.kernels.gemv_rope import RopeStore  # needs triton
+
 
 class DecoderAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
@@ -49,6 +52,7 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
+        self._carries_rope: dict[torch.dtype, bool] = {}
         self.attn = RadixAttention(self.qkv_proj.num_heads, head_dim,
                                    scaling if scaling is not None else head_dim ** -0.5,
                                    self.qkv_proj.num_kv_heads, layer_id,
@@ -62,10 +66,32 @@ class DecoderAttention(nn.Module):
                 forward_batch: ForwardBatch) -> torch.Tensor:
         return self.o_proj(self.attend(positions, self.qkv_proj(hidden), forward_batch))
 
+    def rope_store(self, positions: torch.Tensor, norm: RMSNorm, dtype: torch.dtype,
+                   forward_batch: ForwardBatch) -> "RopeStore | None":
+        """Rope and the K/V store for a one-row q|k|v product normed by `norm` to carry
+        (kernels/gemv_rope.py), where the backend takes K/V stored by it this pass; None
+        otherwise (per-head q/k norms sit between product and rope; partial rope; a product
+        whose programs do not hold whole rope pairs)."""
+        if dtype not in self._carries_rope:
+            self._carries_rope[dtype] = (
+                self.q_norm is None and self.rotary.rotary_dim == self.head_dim
+                and self.qkv_proj.carries_rope_store(dtype, self.head_dim, norm))
+        if not self._carries_rope[dtype]:
+            return None
+        target = self.attn.kv_store_target(forward_batch)
+        if target is None:
+            return None
+        from radixserve.layers.kernels.gemv_rope import RopeStore
+        return RopeStore(positions, self.rotary.cos_cache, self.rotary.sin_cache, target,
+                         self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim)
+
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
-               forward_batch: ForwardBatch) -> torch.Tensor:
-        """Attention over the projected q|k|v, before the output projection."""
+               forward_batch: ForwardBatch, kv_stored: bool = False) -> torch.Tensor:
+        """Attention over the projected q|k|v, before the output projection. kv_stored: the
+        product rotated q and k and stored K/V (`rope_store`)."""
         q, k, v = self.qkv_proj.split(qkv)
+        if kv_stored:
+            return self.attn(q, k, v, forward_batch, kv_stored=True)
         if self.q_norm is not None and self.k_norm is not None:
             q = self._per_head_norm(self.q_norm, q)
             k = self._per_head_norm(self.k_norm, k)
@@ -201,13 +227,16 @@ class DecoderLayer(nn.Module):
         """A decode batch of 1-8 rows where `fuses_rows` said so: four products (one row:
         GEMVs; more: kernels/fused_rows.py) carry the two RMSNorms (into the q|k|v and gate|up
         products), SiLU-mul (gate|up's output) and both residual adds (o and down's outputs),
-        so seven kernels become four. Returns the residual stream after the layer (nothing
-        left to add)."""
+        so seven kernels become four; at one row the q|k|v GEMV also carries rope and the K/V
+        store where it can (`DecoderAttention.rope_store`), one kernel fewer. Returns the
+        residual stream after the layer (nothing left to add)."""
         stream = hidden if residual is None else hidden + residual
         attn, mlp = self.self_attn, self.mlp
-        qkv = attn.qkv_proj.fused_row_product(stream, norm=self.input_layernorm)
-        stream = attn.o_proj.fused_row_product(attn.attend(positions, qkv, forward_batch),
-                                               residual=stream)
+        rope = None if stream.shape[0] > 1 else \
+            attn.rope_store(positions, self.input_layernorm, stream.dtype, forward_batch)
+        qkv = attn.qkv_proj.fused_row_product(stream, norm=self.input_layernorm, rope=rope)
+        attended = attn.attend(positions, qkv, forward_batch, kv_stored=rope is not None)
+        stream = attn.o_proj.fused_row_product(attended, residual=stream)
         act = mlp.gate_up_proj.fused_row_product(stream, norm=self.post_attention_layernorm,
                                                  gated=True)
         return mlp.down_proj.fused_row_product(act, residual=stream)

@@ -117,16 +117,20 @@ def checkpoint(tmp_path_factory):
     return str(folder)
 
 
-def _greedy(checkpoint: str, **args) -> list[int]:
+def _greedy(checkpoint: str, with_logprobs: bool = False, **args):
+    """The greedy tokens of one request (and, with_logprobs, their log-probabilities)."""
     engine = radixserve.Engine(checkpoint, dtype="float16", skip_tokenizer_init=True,
                                max_total_tokens=2000, **args)
     prompt = torch.randint(0, 160, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     # one request: every decode step is one row (few steps: the interpreter is slow)
     out = engine.generate(input_ids=[prompt], sampling_params={
-        "max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+        "max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+        return_logprob=with_logprobs)
     state = engine.get_internal_state()
     assert state["memory_check_ok"] and state["leaked_tokens"] == 0
     engine.shutdown()
+    if with_logprobs:
+        return out[0]["output_ids"], [lp for lp, _ in out[0]["meta_info"]["output_token_logprobs"]]
     return out[0]["output_ids"]
 
 
@@ -197,3 +201,30 @@ def test_a_swept_variant_configuration_is_used(tmp_path, monkeypatch) -> None:
             plain._replace(block_n=plain.block_n // 2)  # no table: half rows per half
     finally:
         gemm_tables.clear_cache()
+
+
+def test_engine_greedy_outputs_with_rope_and_store_in_the_qkv_gemv(checkpoint,
+                                                                   monkeypatch) -> None:
+    """Decode on the Triton backend (the interpreter on CPU; prefill on torch's, through the
+    hybrid backend): the one-row q|k|v GEMV rotates q and k and stores K/V itself
+    (kernels/gemv_rope.py), bitwise as the rope + store kernel it replaces, so the greedy
+    tokens and their log-probabilities are those without it, and the pool's accounting is
+    unchanged."""
+    from radixserve.layers.kernels import gemv_rope
+    monkeypatch.setattr(blocks, "one_row_kernels_apply", lambda hidden: hidden.dim() == 2)
+    args = dict(prefill_attention_backend="torch_native", decode_attention_backend="triton",
+                disable_cuda_graph=True, with_logprobs=True)
+    monkeypatch.setattr(gemv_rope, "ENABLED", False)
+    reference = _greedy(checkpoint, **args)
+    monkeypatch.setattr(gemv_rope, "ENABLED", True)
+    carried = []
+    store = blocks.DecoderAttention.rope_store
+
+    def recording(self, *rest):  # type: ignore[no-untyped-def]
+        rope = store(self, *rest)
+        carried.append(rope is not None)
+        return rope
+
+    monkeypatch.setattr(blocks.DecoderAttention, "rope_store", recording)
+    assert _greedy(checkpoint, **args) == reference
+    assert carried == [True] * (2 * 3)  # 2 layers x the decode steps after the first token

@@ -26,6 +26,8 @@ import triton.language as tl
 
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 from radixserve.layers.kernels.gemm_tables import tuned_entry
+from radixserve.layers.kernels.gemv_rope import (RopeStore, check_rope_store, rope_kernel_args,
+                                                 rope_pair_rows, rope_store_epilogue)
 
 # the first weight tile loaded before the PDL wait (_gemv_kernel): H200 batch-1 decode, Llama-3.1-8B
 # shapes, bf16 4.20 -> 4.14 ms, FP8 2.81 -> 2.79 ms; RADIXSERVE_GEMV_EARLY_WEIGHTS=0 loads it after
@@ -77,11 +79,19 @@ def _gemv_step(acc, acc_up, squares, w, w_up, X, NormW, Scale, offs_n, n_mask, o
 
 @triton.jit
 def _gemv_kernel(X, W, Scale, B, Y, NormW, Residual, N, K, stride_wn, stride_sn, eps,
+                 Positions, Cos, Sin, KCache, VCache, Loc, stride_cos, stride_sin,
+                 stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h, num_q_heads,
+                 num_kv_heads, k_scale_inv, v_scale_inv,
                  HAS_SCALE: tl.constexpr, GROUPED: tl.constexpr, GROUP_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
                  RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EARLY_W: tl.constexpr, USE_PDL: tl.constexpr):
+                 EARLY_W: tl.constexpr, USE_PDL: tl.constexpr, ROPE: tl.constexpr,
+                 HALF: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
     """N: the output rows; GATED reads gate rows [0, N) and up rows [N, 2N) of W.
+
+    ROPE (a q|k|v product, kernels/gemv_rope.py): each program owns rope pairs of one head
+    instead of consecutive rows, and its epilogue rotates q and k and stores K/V into the pool
+    (Positions .. v_scale_inv; HALF = head_dim / 2).
 
     EARLY_W: the first weight tile is loaded before the PDL wait, so a program that starts
     while its predecessor still runs already has HBM busy with its first tile. Safe because no
@@ -90,7 +100,10 @@ def _gemv_kernel(X, W, Scale, B, Y, NormW, Residual, N, K, stride_wn, stride_sn,
     triton_pdl.pdl_launch_then_wait); x, the norm's input and the residual are read after the
     wait."""
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE:
+        offs_n = rope_pair_rows(pid, BLOCK_N, HALF)
+    else:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
@@ -128,7 +141,13 @@ def _gemv_kernel(X, W, Scale, B, Y, NormW, Residual, N, K, stride_wn, stride_sn,
                              HAS_BIAS)
     else:
         up = y  # unused
-    store_row_epilogue(y, up, Y, Residual, offs_n, n_mask, GATED, RESIDUAL)
+    if ROPE:
+        rope_store_epilogue(y, offs_n, Y, Positions, Cos, Sin, KCache, VCache, Loc, stride_cos,
+                            stride_sin, stride_kc_slot, stride_kc_h, stride_vc_slot,
+                            stride_vc_h, num_q_heads, num_kv_heads, k_scale_inv, v_scale_inv,
+                            BLOCK_N, HALF, QUANT, FP8_MAX)
+    else:
+        store_row_epilogue(y, up, Y, Residual, offs_n, n_mask, GATED, RESIDUAL)
 
 
 @triton.jit
@@ -242,8 +261,11 @@ def row_config(kind: str, n: int, k: int, fusion: RowFusion) -> GemvConfig | Non
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
             group_k: int | None, bias: torch.Tensor | None, config: GemvConfig,
-            fusion: RowFusion = NO_FUSION) -> torch.Tensor:
+            fusion: RowFusion = NO_FUSION, rope: RopeStore | None = None) -> torch.Tensor:
     n, k = weight.shape
+    if rope is not None:
+        assert not fusion.gated and fusion.residual is None, "rope takes a q|k|v product"
+        check_rope_store(rope, n, config.block_n)
     if fusion.gated:
         assert n % 2 == 0, "a gated weight stacks gate and up halves"
         n //= 2
@@ -259,7 +281,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
         x, weight, scale if has_scale else weight, bias if bias is not None else weight, y,
         norm_weight if norm_weight is not None else weight,
         residual if residual is not None else weight, n, k, weight.stride(0),
-        scale.stride(0) if has_scale else 0, float(fusion.eps), HAS_SCALE=has_scale,
+        scale.stride(0) if has_scale else 0, float(fusion.eps),
+        **rope_kernel_args(rope, weight), HAS_SCALE=has_scale,
         GROUPED=grouped, GROUP_K=group_k or k, HAS_BIAS=bias is not None,
         NORM=norm_weight is not None, GATED=fusion.gated, RESIDUAL=residual is not None,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EARLY_W=EARLY_WEIGHTS,
@@ -268,28 +291,29 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, fusion: RowFusion = NO_FUSION) -> torch.Tensor:
+         config: GemvConfig | None = None, fusion: RowFusion = NO_FUSION,
+         rope: RopeStore | None = None) -> torch.Tensor:
     """x [1, K] or [K] (contiguous), weight [N, K] (rows contiguous) -> [1, N] or [N]
-    (N / 2 when gated)."""
+    (N / 2 when gated). rope: a q|k|v product's rope and K/V store (kernels/gemv_rope.py)."""
     n, k = weight.shape
     assert x.shape[-1] == k and x.numel() == k and x.is_contiguous()
     assert weight.stride(1) == 1
     config = config or row_config("bf16", n, k, fusion)
     if config is None or k % config.block_k:
         raise ValueError(f"no GEMV block size divides K={k}")
-    return _launch(x, weight, None, None, bias, config, fusion)
+    return _launch(x, weight, None, None, bias, config, fusion, rope)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
              group_k: int | None, bias: torch.Tensor | None = None,
-             config: GemvConfig | None = None,
-             fusion: RowFusion = NO_FUSION) -> torch.Tensor | None:
+             config: GemvConfig | None = None, fusion: RowFusion = NO_FUSION,
+             rope: RopeStore | None = None) -> torch.Tensor | None:
     """One row x [1, K] against FP8 codes [N, K] x scales [N, G]; None when no block size
     divides K (the caller falls back)."""
     config = fp8_gemv_config(weight, scale, group_k, config, fusion)
     if config is None:
         return None
-    return _launch(x, weight, scale, group_k, bias, config, fusion)
+    return _launch(x, weight, scale, group_k, bias, config, fusion, rope)
 
 
 def fp8_gemv_config(weight: torch.Tensor, scale: torch.Tensor, group_k: int | None,

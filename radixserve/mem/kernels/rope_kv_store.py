@@ -35,22 +35,27 @@ def _rotate_heads(X, row_offset, stride_h, cos, sin, num_heads,
     ptr1 = X + row_offset + offs_h[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(ptr1, mask=mask, other=0.0)
     x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0)
-    dtype = x1.dtype
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    x1_cos = (x1 * cos[None, :]).to(dtype).to(tl.float32)
-    x2_sin = (x2 * sin[None, :]).to(dtype).to(tl.float32)
-    x2_cos = (x2 * cos[None, :]).to(dtype).to(tl.float32)
-    x1_sin = (x1 * sin[None, :]).to(dtype).to(tl.float32)
-    out1 = (x1_cos - x2_sin).to(dtype)
-    out2 = (x2_cos + x1_sin).to(dtype)
+    out1, out2 = rotate_halves(x1.to(tl.float32), x2.to(tl.float32), cos[None, :],
+                               sin[None, :], x1.dtype)
     tl.store(ptr1, out1, mask=mask)
     tl.store(ptr1 + HALF, out2, mask=mask)
     return out1, out2
 
 
 @triton.jit
-def _to_cache(x, scale_inv, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, Cache):
+def rotate_halves(x1, x2, cos, sin, dtype: tl.constexpr):
+    """The rotated halves (x1 cos - x2 sin, x2 cos + x1 sin) in `dtype`, each product and the
+    sum rounded to it as HF's `q * cos + rotate_half(q) * sin` rounds them; x1, x2 are float32
+    values of `dtype`, cos and sin float32 values already rounded to it."""
+    x1_cos = (x1 * cos).to(dtype).to(tl.float32)
+    x2_sin = (x2 * sin).to(dtype).to(tl.float32)
+    x2_cos = (x2 * cos).to(dtype).to(tl.float32)
+    x1_sin = (x1 * sin).to(dtype).to(tl.float32)
+    return (x1_cos - x2_sin).to(dtype), (x2_cos + x1_sin).to(dtype)
+
+
+@triton.jit
+def cache_value(x, scale_inv, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, Cache):
     """A value as the cache holds it: cast, or (FP8) divided by the scale and saturated."""
     if QUANT:
         x = tl.minimum(tl.maximum(x.to(tl.float32) * scale_inv, -FP8_MAX), FP8_MAX)
@@ -92,8 +97,8 @@ def _rotary_kernel(Positions, Q, K, Cos, Sin, stride_qt, stride_qh, stride_kt, s
         # rotated halves of k, cast to the cache dtype as set_kv_buffer's `.to` does
         kc_ptr = KCache + slot * stride_kc_slot + offs_h[:, None] * stride_kc_h + offs_d[None, :]
         rot_mask = h_mask & d_mask[None, :]
-        tl.store(kc_ptr, _to_cache(k1, k_scale_inv, QUANT, FP8_MAX, KCache), mask=rot_mask)
-        tl.store(kc_ptr + HALF, _to_cache(k2, k_scale_inv, QUANT, FP8_MAX, KCache),
+        tl.store(kc_ptr, cache_value(k1, k_scale_inv, QUANT, FP8_MAX, KCache), mask=rot_mask)
+        tl.store(kc_ptr + HALF, cache_value(k2, k_scale_inv, QUANT, FP8_MAX, KCache),
                  mask=rot_mask)
         if TAIL > 0:  # partial rotary: the unrotated dims of k, as they are
             offs_t = tl.arange(0, BLOCK_TAIL)
@@ -101,14 +106,15 @@ def _rotary_kernel(Positions, Q, K, Cos, Sin, stride_qt, stride_qh, stride_kt, s
             k_tail = tl.load(K + token * stride_kt + offs_h[:, None] * stride_kh + 2 * HALF
                              + offs_t[None, :], mask=tail_mask, other=0.0)
             tl.store(KCache + slot * stride_kc_slot + offs_h[:, None] * stride_kc_h + 2 * HALF
-                     + offs_t[None, :], _to_cache(k_tail, k_scale_inv, QUANT, FP8_MAX, KCache),
+                     + offs_t[None, :], cache_value(k_tail, k_scale_inv, QUANT, FP8_MAX, KCache),
                      mask=tail_mask)
         offs_v = tl.arange(0, BLOCK_D)
         v_mask = h_mask & (offs_v[None, :] < HEAD_DIM)
         v = tl.load(V + token * stride_vt + offs_h[:, None] * stride_vh + offs_v[None, :],
                     mask=v_mask, other=0.0)
         tl.store(VCache + slot * stride_vc_slot + offs_h[:, None] * stride_vc_h
-                 + offs_v[None, :], _to_cache(v, v_scale_inv, QUANT, FP8_MAX, VCache), mask=v_mask)
+                 + offs_v[None, :], cache_value(v, v_scale_inv, QUANT, FP8_MAX, VCache),
+                 mask=v_mask)
 
 
 def _check_qk(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -1,0 +1,123 @@
+"""Rope and the KV-cache store as the epilogue of a one-row q|k|v GEMV (kernels/gemv.py).
+
+A batch-1 decode layer otherwise runs a kernel of its own between the q|k|v product and
+attention: rope on q and k, and K/V written into the pool (mem/kernels/rope_kv_store.py). That
+kernel's work is a few kilobytes; its cost is one more launch and wait in the chain of a step
+that is latency-bound between its weight reads. Here the product's programs do it themselves.
+
+Rope (neox layout, full width: rotary_dim == head_dim) pairs dim d of a head with dim d + D/2.
+A program normally owns BLOCK_N consecutive output rows; with rope it owns BLOCK_N / 2 such
+pairs of one head, interleaved (row d, row d + D/2, row d + 1, ...), so both halves of each
+pair end in the same program. Each row is still one weight row read whole, so the reads are as
+before, and each row's sum is computed exactly as without rope (bitwise: the same tile, the
+same reduction). The epilogue then rounds the rows to the activations' dtype (what the q|k|v
+output holds), rotates q and k heads as HF rounds `q * cos + rotate_half(q) * sin`, stores all
+rows to the output (q rotated, which attention reads), and writes k (rotated) and v heads into
+the pool's slot, cast or quantised as the pool stores them (`rope_kv_store.cache_value`).
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from radixserve.mem.kernels.rope_kv_store import cache_value, rotate_halves
+from radixserve.mem.kv_pool import KVStoreTarget
+
+# RADIXSERVE_GEMV_ROPE=0 keeps rope + the K/V store as a kernel of their own (for A/B timing)
+ENABLED = os.environ.get("RADIXSERVE_GEMV_ROPE", "1") != "0"
+
+class RopeStore(NamedTuple):
+    """What a one-row q|k|v product carries: rope at positions[0] from the cos/sin caches
+    ([max_position, head_dim], both halves equal), and this token's K/V stored at the target's
+    slot loc[0]. The product's rows are num_q_heads q heads, then num_kv_heads k heads, then
+    num_kv_heads v heads of head_dim each."""
+    positions: torch.Tensor
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+    target: KVStoreTarget
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def rope_rows_fit(block_n: int, head_dim: int) -> bool:
+    """Whether programs of block_n rows can own whole rope pairs of one head each."""
+    pairs, half = block_n // 2, head_dim // 2
+    return block_n % 2 == 0 and head_dim % 2 == 0 and pairs > 0 and half % pairs == 0
+
+
+def check_rope_store(rope: RopeStore, n: int, block_n: int) -> None:
+    """Asserts the product's shape and configuration match `rope`."""
+    heads = rope.num_q_heads + 2 * rope.num_kv_heads
+    assert n == heads * rope.head_dim, "rows must be the q, k and v heads"
+    assert rope_rows_fit(block_n, rope.head_dim), f"block_n {block_n} splits a rope pair"
+    assert rope.cos_cache.shape[1] == rope.head_dim, "rope must span the whole head"
+    assert rope.cos_cache.stride(1) == 1 and rope.sin_cache.stride(1) == 1
+    for cache in (rope.target.k_cache, rope.target.v_cache):
+        assert cache.shape[1:] == (rope.num_kv_heads, rope.head_dim) and cache.stride(2) == 1
+
+
+def rope_kernel_args(rope: RopeStore | None, placeholder: torch.Tensor) -> dict:
+    """The GEMV kernel's rope arguments (placeholders when there is no rope)."""
+    if rope is None:
+        return dict(Positions=placeholder, Cos=placeholder, Sin=placeholder,
+                    KCache=placeholder, VCache=placeholder, Loc=placeholder, stride_cos=0,
+                    stride_sin=0, stride_kc_slot=0, stride_kc_h=0, stride_vc_slot=0,
+                    stride_vc_h=0, num_q_heads=0, num_kv_heads=0, k_scale_inv=1.0,
+                    v_scale_inv=1.0, ROPE=False, HALF=1, QUANT=False, FP8_MAX=448.0)
+    target = rope.target
+    k_cache, v_cache = target.k_cache, target.v_cache
+    quant = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return dict(Positions=rope.positions, Cos=rope.cos_cache, Sin=rope.sin_cache,
+                KCache=k_cache, VCache=v_cache, Loc=target.loc,
+                stride_cos=rope.cos_cache.stride(0), stride_sin=rope.sin_cache.stride(0),
+                stride_kc_slot=k_cache.stride(0), stride_kc_h=k_cache.stride(1),
+                stride_vc_slot=v_cache.stride(0), stride_vc_h=v_cache.stride(1),
+                num_q_heads=rope.num_q_heads, num_kv_heads=rope.num_kv_heads,
+                k_scale_inv=1.0 / target.k_scale, v_scale_inv=1.0 / target.v_scale, ROPE=True,
+                HALF=rope.head_dim // 2, QUANT=quant,
+                FP8_MAX=float(torch.finfo(k_cache.dtype).max) if quant else 448.0)
+
+
+@triton.jit
+def rope_pair_rows(pid, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """Output rows of program pid: BLOCK_N // 2 rope pairs (d, d + HALF) of one head,
+    interleaved."""
+    i = tl.arange(0, BLOCK_N)
+    pair = pid * (BLOCK_N // 2) + i // 2
+    return (pair // HALF) * (2 * HALF) + pair % HALF + (i % 2) * HALF
+
+
+@triton.jit
+def rope_store_epilogue(y, offs_n, Y, Positions, Cos, Sin, KCache, VCache, Loc, stride_cos,
+                        stride_sin, stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
+                        num_q_heads, num_kv_heads, k_scale_inv, v_scale_inv,
+                        BLOCK_N: tl.constexpr, HALF: tl.constexpr, QUANT: tl.constexpr,
+                        FP8_MAX: tl.constexpr):
+    """Rows y (float32 sums, rows offs_n from `rope_pair_rows`) rounded to Y's dtype, q and k
+    heads rotated, stored to Y; k and v heads also to the caches' slot Loc[0]."""
+    dtype = Y.dtype.element_ty
+    x1, x2 = tl.split(tl.reshape(y.to(dtype).to(tl.float32), [BLOCK_N // 2, 2]))
+    dims = offs_n % (2 * HALF)
+    heads = offs_n // (2 * HALF)
+    pos = tl.load(Positions).to(tl.int64)
+    first_dims, _ = tl.split(tl.reshape(dims, [BLOCK_N // 2, 2]))  # each pair's d < HALF
+    cos = tl.load(Cos + pos * stride_cos + first_dims).to(dtype).to(tl.float32)
+    sin = tl.load(Sin + pos * stride_sin + first_dims).to(dtype).to(tl.float32)
+    out1, out2 = rotate_halves(x1, x2, cos, sin, dtype)
+    rotated = tl.reshape(tl.join(out1, out2), [BLOCK_N])
+    # v heads (past the q and k heads) pass unrotated
+    out = tl.where(heads < num_q_heads + num_kv_heads, rotated, y.to(dtype))
+    tl.store(Y + offs_n, out)
+    slot = tl.load(Loc).to(tl.int64)
+    kv_heads = heads - num_q_heads  # k heads 0..Hkv-1, then v heads Hkv..2Hkv-1
+    is_k = (kv_heads >= 0) & (kv_heads < num_kv_heads)
+    is_v = kv_heads >= num_kv_heads
+    tl.store(KCache + slot * stride_kc_slot + kv_heads * stride_kc_h + dims,
+             cache_value(out, k_scale_inv, QUANT, FP8_MAX, KCache), mask=is_k)
+    tl.store(VCache + slot * stride_vc_slot + (kv_heads - num_kv_heads) * stride_vc_h + dims,
+             cache_value(out, v_scale_inv, QUANT, FP8_MAX, VCache), mask=is_v)
