@@ -93,27 +93,37 @@ def rope_pair_rows(pid, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def rope_store_epilogue(y, offs_n, Y, Positions, Cos, Sin, KCache, VCache, Loc, stride_cos,
-                        stride_sin, stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
-                        num_q_heads, num_kv_heads, k_scale_inv, v_scale_inv,
-                        BLOCK_N: tl.constexpr, HALF: tl.constexpr, QUANT: tl.constexpr,
-                        FP8_MAX: tl.constexpr):
-    """Rows y (float32 sums, rows offs_n from `rope_pair_rows`) rounded to Y's dtype, q and k
-    heads rotated, stored to Y; k and v heads also to the caches' slot Loc[0]."""
+def rope_prologue(offs_n, Positions, Cos, Sin, Loc, Y, stride_cos, stride_sin,
+                  BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """What the epilogue needs that no kernel of the pass writes (the position's cos and sin,
+    rounded to Y's dtype as HF rounds them, and the token's slot), loaded at the program's start
+    so the loads' latency hides under the weight reads (before the PDL wait, as the weights)."""
     dtype = Y.dtype.element_ty
-    x1, x2 = tl.split(tl.reshape(y.to(dtype).to(tl.float32), [BLOCK_N // 2, 2]))
-    dims = offs_n % (2 * HALF)
-    heads = offs_n // (2 * HALF)
+    first_dims, _ = tl.split(tl.reshape(offs_n % (2 * HALF), [BLOCK_N // 2, 2]))  # d < HALF
     pos = tl.load(Positions).to(tl.int64)
-    first_dims, _ = tl.split(tl.reshape(dims, [BLOCK_N // 2, 2]))  # each pair's d < HALF
     cos = tl.load(Cos + pos * stride_cos + first_dims).to(dtype).to(tl.float32)
     sin = tl.load(Sin + pos * stride_sin + first_dims).to(dtype).to(tl.float32)
+    return cos, sin, tl.load(Loc).to(tl.int64)
+
+
+@triton.jit
+def rope_store_epilogue(y, offs_n, Y, cos, sin, slot, KCache, VCache, stride_kc_slot,
+                        stride_kc_h, stride_vc_slot, stride_vc_h, num_q_heads, num_kv_heads,
+                        k_scale_inv, v_scale_inv, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
+                        QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Rows y (float32 sums, rows offs_n from `rope_pair_rows`) rounded to Y's dtype, q and k
+    heads rotated (cos, sin, slot from `rope_prologue`), stored to Y; k and v heads also to
+    the caches' slot."""
+    dtype = Y.dtype.element_ty
+    rounded = y.to(dtype)
+    x1, x2 = tl.split(tl.reshape(rounded.to(tl.float32), [BLOCK_N // 2, 2]))
     out1, out2 = rotate_halves(x1, x2, cos, sin, dtype)
-    rotated = tl.reshape(tl.join(out1, out2), [BLOCK_N])
+    heads = offs_n // (2 * HALF)
     # v heads (past the q and k heads) pass unrotated
-    out = tl.where(heads < num_q_heads + num_kv_heads, rotated, y.to(dtype))
+    out = tl.where(heads < num_q_heads + num_kv_heads,
+                   tl.reshape(tl.join(out1, out2), [BLOCK_N]), rounded)
     tl.store(Y + offs_n, out)
-    slot = tl.load(Loc).to(tl.int64)
+    dims = offs_n % (2 * HALF)
     kv_heads = heads - num_q_heads  # k heads 0..Hkv-1, then v heads Hkv..2Hkv-1
     is_k = (kv_heads >= 0) & (kv_heads < num_kv_heads)
     is_v = kv_heads >= num_kv_heads
