@@ -1,6 +1,8 @@
 """The one-row q|k|v GEMV with rope and the KV store in its epilogue (kernels/gemv_rope.py)
-against the GEMV followed by the fused rope + store kernel it replaces: the same output rows,
-the same pool rows, bitwise."""
+against the GEMV followed by the fused rope + store kernel it replaces: the same output rows
+and pool rows, bitwise in the interpreter. On the GPU the rows' sums may round differently in
+the last place (the compiler lays out the reordered rows' reduction its own way: 10-19% of
+the elements one unit apart on the H200), and an FP8 code may then land one step over."""
 from __future__ import annotations
 
 import os
@@ -23,6 +25,15 @@ pytestmark = pytest.mark.kernel
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HQ, HKV, D, K = 4, 2, 16, 64
 N = (HQ + 2 * HKV) * D
+
+
+def _assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bitwise in the interpreter; within a unit in the last place (an FP8 step) on the GPU."""
+    if DEVICE.type != "cuda":
+        torch.testing.assert_close(got, want, atol=0.0, rtol=0.0)
+        return
+    rtol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}.get(got.dtype, 0.07)
+    torch.testing.assert_close(got.float(), want.float(), atol=rtol, rtol=rtol)
 
 
 def _randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -70,10 +81,9 @@ def test_gemv_rope_store_matches_gemv_then_rope_store(dtype: torch.dtype,
     rope = RopeStore(positions, rotary.cos_cache, rotary.sin_cache,
                      KVStoreTarget(k_cache, v_cache, loc, k_scale, v_scale), HQ, HKV, D)
     out = gemv(x, w, b, config, fusion, rope=rope)
-    exact = dict(atol=0.0, rtol=0.0)
-    torch.testing.assert_close(out, qkv, **exact)  # q, k rotated in place by the reference
-    torch.testing.assert_close(k_cache.float(), ref_k.float(), **exact)
-    torch.testing.assert_close(v_cache.float(), ref_v.float(), **exact)
+    _assert_same(out, qkv)  # q and k rotated in place by the reference, v as is
+    _assert_same(k_cache, ref_k)
+    _assert_same(v_cache, ref_v)
     assert k_cache[loc].float().abs().sum() > 0 and k_cache[:5].float().abs().sum() == 0
 
 
@@ -94,10 +104,9 @@ def test_fp8_gemv_rope_store_matches_fp8_gemv_then_rope_store() -> None:
     rope = RopeStore(positions, rotary.cos_cache, rotary.sin_cache,
                      KVStoreTarget(k_cache, v_cache, loc), HQ, HKV, D)
     out = fp8_gemv(x, codes, scale, None, config=config, rope=rope)
-    exact = dict(atol=0.0, rtol=0.0)
-    torch.testing.assert_close(out, qkv, **exact)
-    torch.testing.assert_close(k_cache, ref_k, **exact)
-    torch.testing.assert_close(v_cache, ref_v, **exact)
+    _assert_same(out, qkv)
+    _assert_same(k_cache, ref_k)
+    _assert_same(v_cache, ref_v)
 
 
 def test_gemv_rope_refuses_a_block_that_splits_pairs() -> None:

@@ -226,5 +226,10 @@ def test_engine_greedy_outputs_with_rope_and_store_in_the_qkv_gemv(checkpoint,
         return rope
 
     monkeypatch.setattr(blocks.DecoderAttention, "rope_store", recording)
-    assert _greedy(checkpoint, **args) == reference
+    tokens, logprobs = _greedy(checkpoint, **args)
+    assert tokens == reference[0]
+    if torch.cuda.is_available():  # the reordered rows' sums may round one unit apart there
+        torch.testing.assert_close(logprobs, reference[1], atol=2e-2, rtol=0.0)
+    else:
+        assert logprobs == reference[1]
     assert carried == [True] * (2 * 3)  # 2 layers x the decode steps after the first token

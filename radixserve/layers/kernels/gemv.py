@@ -27,12 +27,13 @@ import triton.language as tl
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 from radixserve.layers.kernels.gemm_tables import tuned_entry
 from radixserve.layers.kernels.gemv_rope import (RopeStore, check_rope_store, rope_kernel_args,
-                                                 rope_pair_rows, rope_prologue,
+                                                 rope_launch_options, rope_pair_rows,
                                                  rope_store_epilogue)
 
 # the first weight tile loaded before the PDL wait (_gemv_kernel): H200 batch-1 decode, Llama-3.1-8B
 # shapes, bf16 4.20 -> 4.14 ms, FP8 2.81 -> 2.79 ms; RADIXSERVE_GEMV_EARLY_WEIGHTS=0 loads it after
 EARLY_WEIGHTS = os.environ.get("RADIXSERVE_GEMV_EARLY_WEIGHTS", "1") != "0"
+
 
 
 class GemvConfig(NamedTuple):
@@ -111,10 +112,9 @@ def _gemv_kernel(X, W, Scale, B, Y, NormW, Residual, N, K, stride_wn, stride_sn,
     up_rows = N * stride_wn  # GATED: the up half starts N rows down
     if EARLY_W:
         w_first, w_first_up = load_weight_tiles(w_ptrs, up_rows, n_mask, GATED)
-    if ROPE:
-        cos, sin, slot = rope_prologue(offs_n, Positions, Cos, Sin, Loc, Y, stride_cos,
-                                       stride_sin, BLOCK_N, HALF)
     pdl_prologue(USE_PDL)
+    if ROPE:  # the position now, its cos and sin in the epilogue (nothing waits on it sooner)
+        pos = tl.load(Positions).to(tl.int64)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -146,10 +146,10 @@ def _gemv_kernel(X, W, Scale, B, Y, NormW, Residual, N, K, stride_wn, stride_sn,
     else:
         up = y  # unused
     if ROPE:
-        rope_store_epilogue(y, offs_n, Y, cos, sin, slot, KCache, VCache, stride_kc_slot,
-                            stride_kc_h, stride_vc_slot, stride_vc_h, num_q_heads,
-                            num_kv_heads, k_scale_inv, v_scale_inv, BLOCK_N, HALF, QUANT,
-                            FP8_MAX)
+        rope_store_epilogue(y, offs_n, Y, pos, Cos, Sin, Loc, stride_cos, stride_sin, KCache,
+                            VCache, stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
+                            num_q_heads, num_kv_heads, k_scale_inv, v_scale_inv, BLOCK_N, HALF,
+                            QUANT, FP8_MAX)
     else:
         store_row_epilogue(y, up, Y, Residual, offs_n, n_mask, GATED, RESIDUAL)
 
@@ -290,7 +290,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
         GROUPED=grouped, GROUP_K=group_k or k, HAS_BIAS=bias is not None,
         NORM=norm_weight is not None, GATED=fusion.gated, RESIDUAL=residual is not None,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EARLY_W=EARLY_WEIGHTS,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(x))
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(x),
+        **({} if rope is None else rope_launch_options(config.num_warps)))
     return y
 
 
