@@ -46,6 +46,25 @@ def test_pool_quantises_with_its_scale_and_saturates(fp8) -> None:
     assert pool.kv_scales(1) == (0.01, 2.0) and pool.kv_scales(0) == (1.0, 1.0)
 
 
+def test_store_target_names_the_layer_buffers_and_scales_unless_observing() -> None:
+    """Where a producer may write K/V itself (kernels/gemv_rope.py): the layer's buffers at
+    the pass's slots with the layer's scales; none while calibrating (store_kv observes)."""
+    pytest.importorskip("triton")  # the MHA pool offers its buffers to Triton producers only
+    spec = KVCacheSpec("mha", 2, 2, 8, torch.float32, storage_dtype=torch.float8_e4m3fn)
+    pool = make_kv_pool(16, spec, "cpu")
+    pool.set_kv_scales(1, 0.5, 0.25)
+    loc = torch.tensor([3])
+    target = pool.store_target(1, loc)
+    k_buf, v_buf = pool.kv_buffers(1)
+    assert target is not None and target.k_cache is k_buf and target.v_cache is v_buf
+    assert target.loc is loc and (target.k_scale, target.v_scale) == (0.5, 0.25)
+    pool.start_observing()
+    assert pool.store_target(1, loc) is None
+    pool.stop_observing()
+    mla = make_kv_pool(16, KVCacheSpec("mla", 2, 1, 24, torch.float32, v_head_dim=16), "cpu")
+    assert mla.store_target(0, loc) is None  # a latent entry is no rope + store pair
+
+
 def _runner(folder, device: str = "cpu", **kwargs) -> ModelRunner:
     return ModelRunner(ServerArgs(model_path=str(folder), dtype="float32", device=device,
                                   max_total_tokens=1024, max_running_requests=4,

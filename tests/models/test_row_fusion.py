@@ -233,3 +233,38 @@ def test_engine_greedy_outputs_with_rope_and_store_in_the_qkv_gemv(checkpoint,
     else:
         assert logprobs == reference[1]
     assert carried == [True] * (2 * 3)  # 2 layers x the decode steps after the first token
+
+
+@pytest.mark.parametrize("qk_norm,partial_rope,carries", [
+    (False, False, True), (True, False, False), (False, True, False)])
+def test_which_attention_layers_carry_rope_in_the_qkv_gemv(qk_norm: bool, partial_rope: bool,
+                                                           carries: bool) -> None:
+    """Per-head q/k norms (Qwen3) sit between the product and rope, and a partial rope pairs
+    dims the GEMV's programs do not: both keep the rope + store kernel. Otherwise the layer
+    hands the product the backend's target, or nothing when the backend stores K/V itself."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from radixserve.config import ModelConfig
+    from radixserve.layers.rotary import RotaryEmbedding
+    from radixserve.mem.kv_pool import KVStoreTarget
+    config = ModelConfig(transformers.LlamaConfig(
+        vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2,
+        partial_rotary_factor=0.5 if partial_rope else 1.0))
+    attn = _fill(blocks.DecoderAttention(config, 0, RotaryEmbedding.from_config(config),
+                                         qk_norm=qk_norm), 1)
+    target = KVStoreTarget(torch.zeros(4, 2, 16), torch.zeros(4, 2, 16), torch.tensor([1]))
+    positions = torch.tensor([5])
+
+    def batch(offered: "KVStoreTarget | None") -> SimpleNamespace:
+        return SimpleNamespace(attn_backend=SimpleNamespace(
+            kv_store_target=lambda layer, forward_batch: offered))
+
+    rope = attn.rope_store(positions, _norm(64, 2), DTYPE, batch(target))
+    assert (rope is not None) == carries
+    if carries:
+        assert rope.target is target and rope.positions is positions
+        assert (rope.num_q_heads, rope.num_kv_heads, rope.head_dim) == (4, 2, 16)
+        assert attn.rope_store(positions, _norm(64, 2), DTYPE, batch(None)) is None
