@@ -44,7 +44,6 @@ def _sync(device: torch.device) -> None:
 
 def ours_batch1_decode(engine: Engine, prompt_ids: list[int], n: int) -> float:
     engine.generate(input_ids=prompt_ids, sampling_params=_greedy(4))  # warm-up
-    start = time.perf_counter()
     first = None
     for chunk in engine.generate_stream(input_ids=prompt_ids, sampling_params=_greedy(n)):
         if first is None:

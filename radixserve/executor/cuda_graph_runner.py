@@ -145,7 +145,7 @@ class CudaGraphRunner:
 
     # ---- capture ----
     def _forward_batch(self, bs: int) -> ForwardBatch:
-        runner, rows = self.model_runner, self.inputs
+        rows = self.inputs
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE, batch_size=bs,
             input_ids=rows[INPUT_IDS, :bs], positions=rows[POSITIONS, :bs],
