@@ -14,7 +14,8 @@ one of --tp-size ranks (benchmarks/model_shapes.py), and row count M:
   M = 2, 4, 16, 64: the five best configurations of the nearest full sweep, and the baseline.
 Each candidate is timed as the caller runs it (allocation, zeroing and the cast back of split K
 included) in a CUDA graph over rotating weight copies, so every read comes from HBM. An entry
-records the winner, its time ("us") and the baseline's ("base_us").
+records the winner, its time ("us") and the baseline's ("base_us"); where the vendor kernel
+won, the best tile as well ("triton", "triton_us": see skinny_gemm.VENDOR_GAP_US).
 """
 from __future__ import annotations
 
@@ -139,7 +140,7 @@ def tune_shape(shape: Shape, deadline: float, gemv: bool) -> dict[str, dict]:
         base_name = "cublas" if shape.kind == "bf16" else "scaled_mm"
         if seconds * MARGIN > base:  # the vendor kernel unless ours is 2% faster or more
             entry = {"kernel": base_name, "us": round(base * 1e6, 2),
-                     "triton_us": round(seconds * 1e6, 2)}
+                     "triton_us": round(seconds * 1e6, 2), "triton": cfg}
         else:
             entry = dict(cfg, us=round(seconds * 1e6, 2), base_us=round(base * 1e6, 2))
         table[str(m)] = entry
@@ -149,8 +150,9 @@ def tune_shape(shape: Shape, deadline: float, gemv: bool) -> dict[str, dict]:
 
 
 # what other sweeps store inside an entry: the one-row fusions' configurations
-# (gpu_row_fusion.py) and the FP8 tensor-core kernel's (gpu_fp8_mma.py)
-OTHER_SWEEPS_KEYS = ("norm", "norm+gated", "residual", "mma")
+# (gpu_row_fusion.py), the rows GEMV's plain and fused ones at 2-8 rows (gpu_rows_fusion.py)
+# and the FP8 tensor-core kernel's (gpu_fp8_mma.py)
+OTHER_SWEEPS_KEYS = ("norm", "norm+gated", "residual", "plain", "mma")
 
 
 def merged(old: dict[str, dict], new: dict[str, dict]) -> dict[str, dict]:

@@ -38,6 +38,12 @@
 #          store in the q|k|v GEMV's epilogue (RADIXSERVE_GEMV_ROPE=1, the default) and as their
 #          own kernel (0), alternated twice (FP8 weights + KV once); the GEMV, rope and row-fusion
 #          GPU tests first (~5 min)
+# vendor_gap: the bf16 decode products' tiles re-swept at 2-64 rows (benchmarks/gpu_gemm_tune.py
+#          --no-gemv; entries where cuBLAS won now keep the best tile), the tables packed into
+#          $OUT/gemm_configs.tgz to bring back, then decode batch 4 / 8 / 16 with
+#          RADIXSERVE_VENDOR_GAP_US=0 (the sweep's pick) and =${ROOF_GAP_US:-3} (the tile where
+#          cuBLAS won by 3 us or less: the kernel after it then launches early), alternated twice
+#          (~7 min; the sweep's budget ROOF_GAP_BUDGET, default 240 s)
 # rows_fusion: small-batch decode's fused products (kernels/fused_rows.py): their GPU tests, then
 #          benchmarks/gpu_rows_fusion.py --write (each product swept at 2 rows; ROOF_ROWS_ARGS=
 #          "--rows 2 4 8" for more; the fused layer against the unfused one; the winners go into
@@ -95,7 +101,7 @@ env_ab() {  # VAR "values" "batches" kind: decode steps (context 1024, graphs + 
         env "$var=$value" timeout -k 10 100 python3 -m radixserve.bench.one_batch \
             "${COMMON[@]}" ${flags[@]+"${flags[@]}"} --batch-size $batches --input-len 1024 \
             --output-len 64 --overlap --cuda-graph-max-bs "$max_bs" --max-total-tokens 100000 \
-            --log-level warning 2>&1 | grep -E '^ +[0-9]+ ' | tail -2 \
+            --log-level warning 2>&1 | grep -E '^ +[0-9]+ ' | tail -n "$(wc -w <<< "$batches")" \
             | awk -v k="$kind" -v v="$var=$value" -F'|' '{print "   " k, v, $1, $3}'
     done
 }
@@ -181,6 +187,16 @@ if step rope_ab; then
     env_ab RADIXSERVE_GEMV_ROPE "1 0 1 0" "1 1" bf16
     env_ab RADIXSERVE_GEMV_ROPE "1 0 1 0" "1 1" fp8
     env_ab RADIXSERVE_GEMV_ROPE "1 0" "1 1" fp8kv
+fi
+if step vendor_gap; then
+    echo "== vendor gap: the tiles re-swept (kept where cuBLAS won), then decode A/B"
+    timeout -k 10 $(( ${ROOF_GAP_BUDGET:-240} + 60 )) python3 benchmarks/gpu_gemm_tune.py \
+        --kinds bf16 --no-gemv --budget "${ROOF_GAP_BUDGET:-240}" > "$OUT/vendor_gap_tune.log" 2>&1
+    echo "   tune rc $?"
+    grep -E '^==|M=(2|4|8|16) ' "$OUT/vendor_gap_tune.log" | cut -c1-160
+    tar czf "$OUT/gemm_configs.tgz" -C radixserve/layers/kernels gemm_configs
+    gap=${ROOF_GAP_US:-3}
+    env_ab RADIXSERVE_VENDOR_GAP_US "0 $gap 0 $gap" "4 8 16" bf16
 fi
 if step rows_fusion; then
     echo "== rows fusion: GPU tests, the 2-8-row sweep (written into the tables), decode A/B"

@@ -99,3 +99,21 @@ def test_linear_dispatch_follows_the_table(table_dir) -> None:
                                    atol=2e-2, rtol=2e-2)
     finally:
         linear_module._small_m_kernel.cache_clear()
+
+
+def test_a_vendor_entry_yields_its_triton_tile_only_within_the_gap(monkeypatch) -> None:
+    from radixserve.layers.kernels import fp8_gemm, skinny_gemm
+    tile = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "SWAP_AB": 1,
+            "num_warps": 4, "num_stages": 3}
+    entry = {"kernel": "cublas", "us": 15.0, "triton_us": 16.5, "triton": tile}
+    assert skinny_gemm.config_from_entry(entry, vendor_gap_us=0.0) is None  # the sweep's pick
+    assert skinny_gemm.config_from_entry(entry, vendor_gap_us=1.0) is None  # 1.5 us slower
+    assert skinny_gemm.config_from_entry(entry, vendor_gap_us=2.0) == tile
+    assert skinny_gemm.config_from_entry({"kernel": "cublas", "us": 15.0, "triton_us": 15.0},
+                                         vendor_gap_us=2.0) is None  # no tile kept
+    fp8_entry = dict(entry, kernel="scaled_mm")
+    monkeypatch.setattr(skinny_gemm, "VENDOR_GAP_US", 0.0)
+    assert fp8_gemm._wants_scaled_mm(fp8_entry, 40)
+    monkeypatch.setattr(skinny_gemm, "VENDOR_GAP_US", 2.0)  # the tile runs instead
+    assert not fp8_gemm._wants_scaled_mm(fp8_entry, 40)
+    assert skinny_gemm.config_from_entry(fp8_entry) == tile
