@@ -41,9 +41,10 @@
 # vendor_gap: the bf16 decode products' tiles re-swept at 2-64 rows (benchmarks/gpu_gemm_tune.py
 #          --no-gemv; entries where cuBLAS won now keep the best tile), the tables packed into
 #          $OUT/gemm_configs.tgz to bring back, then decode batch 4 / 8 / 16 with
-#          RADIXSERVE_VENDOR_GAP_US=0 (the sweep's pick) and =${ROOF_GAP_US:-3} (the tile where
-#          cuBLAS won by 3 us or less: the kernel after it then launches early), alternated twice
-#          (~7 min; the sweep's budget ROOF_GAP_BUDGET, default 240 s)
+#          RADIXSERVE_VENDOR_GAP_US=0 (the isolated sweep's pick) and =${ROOF_GAP_US:-3} (the
+#          default: the tile where cuBLAS won by 3 us or less, so the kernel after it launches
+#          early), alternated twice (~7 min; the sweep's budget ROOF_GAP_BUDGET, default 240 s).
+#          The sweep replaces session 25's step-chosen tiles with its own entries
 # rows_fusion: small-batch decode's fused products (kernels/fused_rows.py): their GPU tests, then
 #          benchmarks/gpu_rows_fusion.py --write (each product swept at 2 rows; ROOF_ROWS_ARGS=
 #          "--rows 2 4 8" for more; the fused layer against the unfused one; the winners go into

@@ -117,3 +117,28 @@ def test_a_vendor_entry_yields_its_triton_tile_only_within_the_gap(monkeypatch) 
     monkeypatch.setattr(skinny_gemm, "VENDOR_GAP_US", 2.0)  # the tile runs instead
     assert not fp8_gemm._wants_scaled_mm(fp8_entry, 40)
     assert skinny_gemm.config_from_entry(fp8_entry) == tile
+
+
+def _shipped_bf16_tiles() -> list[dict[str, int]]:
+    from radixserve.layers.kernels.skinny_gemm import CONFIG_KEYS, config_from_entry
+    tiles = set()
+    for path in sorted(gemm_tables.CONFIG_DIR.glob("bf16_*.json")):
+        for entry in json.loads(path.read_text()).values():
+            cfg = config_from_entry(entry, vendor_gap_us=0.0)
+            if cfg is not None:
+                tiles.add(tuple(cfg[key] for key in CONFIG_KEYS))
+    return [dict(zip(CONFIG_KEYS, tile)) for tile in sorted(tiles)]
+
+
+@pytest.mark.parametrize("cfg", _shipped_bf16_tiles(), ids=lambda cfg: "-".join(
+    str(value) for value in cfg.values()))
+def test_every_shipped_bf16_tile_computes_the_product(cfg: dict[str, int]) -> None:
+    """Each distinct tile the package's tables name (session 25 added tiles chosen by a decode
+    step A/B rather than a sweep) at a small shape that takes its K split and two N tiles."""
+    m, n, k = cfg["BLOCK_M"] // 2 + 1, 2 * cfg["BLOCK_N"], 2 * cfg["BLOCK_K"] * cfg["SPLIT_K"]
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(m, k, generator=gen).to(DTYPE)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DTYPE)
+    got = skinny_gemm(x.to(DEVICE), w.to(DEVICE), cfg)
+    torch.testing.assert_close(got.float().cpu(), x.float() @ w.float().t(), atol=2e-2,
+                               rtol=2e-2)
