@@ -40,7 +40,7 @@
 #          GPU tests first (~5 min)
 # vendor_gap: the bf16 decode products' tiles re-swept at 2-64 rows (benchmarks/gpu_gemm_tune.py
 #          --no-gemv; entries where cuBLAS won now keep the best tile), the tables packed into
-#          $OUT/gemm_configs.tgz to bring back, then decode batch 4 / 8 / 16 with
+#          $OUT/gemm_configs.tgz to bring back, then decode batch 2 / 4 / 8 / 16 with
 #          RADIXSERVE_VENDOR_GAP_US=0 (the isolated sweep's pick) and =${ROOF_GAP_US:-3} (the
 #          default: the tile where cuBLAS won by 3 us or less, so the kernel after it launches
 #          early), alternated twice (~7 min; the sweep's budget ROOF_GAP_BUDGET, default 240 s).
@@ -197,7 +197,7 @@ if step vendor_gap; then
     grep -E '^==|M=(2|4|8|16) ' "$OUT/vendor_gap_tune.log" | cut -c1-160
     tar czf "$OUT/gemm_configs.tgz" -C radixserve/layers/kernels gemm_configs
     gap=${ROOF_GAP_US:-3}
-    env_ab RADIXSERVE_VENDOR_GAP_US "0 $gap 0 $gap" "4 8 16" bf16
+    env_ab RADIXSERVE_VENDOR_GAP_US "0 $gap 0 $gap" "2 4 8 16" bf16
 fi
 if step rows_fusion; then
     echo "== rows fusion: GPU tests, the 2-8-row sweep (written into the tables), decode A/B"

@@ -8,12 +8,14 @@ that is latency-bound between its weight reads. Here the product's programs do i
 Rope (neox layout, full width: rotary_dim == head_dim) pairs dim d of a head with dim d + D/2.
 A program normally owns BLOCK_N consecutive output rows; with rope it owns BLOCK_N / 2 such
 pairs of one head (rows d .. d + P - 1, then d + D/2 .. d + D/2 + P - 1), so both halves of
-each pair end in the same program. Each row is still one weight row read whole, so the reads are as
-before, and each row's sum is computed exactly as without rope (bitwise: the same tile, the
-same reduction). The epilogue then rounds the rows to the activations' dtype (what the q|k|v
-output holds), rotates q and k heads as HF rounds `q * cos + rotate_half(q) * sin`, stores all
-rows to the output (q rotated, which attention reads), and writes k (rotated) and v heads into
-the pool's slot, cast or quantised as the pool stores them (`rope_kv_store.cache_value`).
+each pair end in the same program. Each row is still one weight row read whole, so the reads
+are as before. Each row's sum is the same one (bitwise in the Triton interpreter; on the GPU the
+compiler may lay out the reduction of the reordered rows differently, one unit in the last
+place on 10-19% of the rows on the H200). The epilogue then rounds the rows to the activations'
+dtype (what the q|k|v output holds), rotates q and k heads as HF rounds
+`q * cos + rotate_half(q) * sin`, stores all rows to the output (q rotated, which attention
+reads), and writes k (rotated) and v heads into the pool's slot, cast or quantised as the pool
+stores them (`rope_kv_store.cache_value`).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from radixserve.mem.kv_pool import KVStoreTarget
 
 # RADIXSERVE_GEMV_ROPE=0 keeps rope + the K/V store as a kernel of their own (for A/B timing)
 ENABLED = os.environ.get("RADIXSERVE_GEMV_ROPE", "1") != "0"
+
 
 class RopeStore(NamedTuple):
     """What a one-row q|k|v product carries: rope at positions[0] from the cos/sin caches
@@ -116,9 +119,11 @@ def rope_store_epilogue(y, offs_n, Y, pos, Cos, Sin, Loc, stride_cos, stride_sin
                         BLOCK_N: tl.constexpr, HALF: tl.constexpr, QUANT: tl.constexpr,
                         FP8_MAX: tl.constexpr):
     """Rows y (float32 sums, rows offs_n from `rope_pair_rows`) rounded to Y's dtype, q and k
-    heads rotated at position pos (loaded by the caller before its K loop, so only the cos and
-    sin rows' load waits here: loaded at the program's start, the compiler let the first weight
-    tile wait for both), stored to Y; k and v heads also to the caches' slot Loc[0]."""
+    heads rotated at position pos, stored to Y; k and v heads also to the caches' slot Loc[0].
+
+    pos comes from the caller, loaded after its PDL wait; the cos/sin rows and the slot are
+    loaded here. Loaded at the program's start, they held back the first weight tile: the
+    compiler issued them, and the loads waiting on pos, before it."""
     dtype = Y.dtype.element_ty
     first_dims, _ = _halves(offs_n % (2 * HALF), BLOCK_N)  # each pair's d < HALF
     # rounded to the activations' dtype, as HF casts the cache before use
