@@ -45,6 +45,10 @@
 #          default: the tile where cuBLAS won by 3 us or less, so the kernel after it launches
 #          early), alternated twice (~7 min; the sweep's budget ROOF_GAP_BUDGET, default 240 s).
 #          The sweep replaces session 25's step-chosen tiles with its own entries
+# split_reduce_ab: the skinny GEMM's GPU tests, then decode batch 4 / 8 / 16 with split K summed
+#          by atomics into a zeroed float32 buffer and a cast back (RADIXSERVE_SKINNY_SPLIT_REDUCE=
+#          atomic, the default) and by each tile's last program (=last: one launch, with PDL),
+#          alternated twice (~4 min; session 25's down tiles at 4-16 rows split K in 4)
 # rows_fusion: small-batch decode's fused products (kernels/fused_rows.py): their GPU tests, then
 #          benchmarks/gpu_rows_fusion.py --write (each product swept at 2 rows; ROOF_ROWS_ARGS=
 #          "--rows 2 4 8" for more; the fused layer against the unfused one; the winners go into
@@ -198,6 +202,13 @@ if step vendor_gap; then
     tar czf "$OUT/gemm_configs.tgz" -C radixserve/layers/kernels gemm_configs
     gap=${ROOF_GAP_US:-3}
     env_ab RADIXSERVE_VENDOR_GAP_US "0 $gap 0 $gap" "2 4 8 16" bf16
+fi
+if step split_reduce_ab; then
+    echo "== split K: atomics + cast (atomic) against the last program's sum (last)"
+    timeout -k 10 120 python3 -m pytest -q -p no:cacheprovider tests/layers/test_skinny_gemm.py \
+        > "$OUT/split_reduce_tests.log" 2>&1
+    echo "   tests rc $?: $(tail -1 "$OUT/split_reduce_tests.log")"
+    env_ab RADIXSERVE_SKINNY_SPLIT_REDUCE "atomic last atomic last" "4 8 16" bf16
 fi
 if step rows_fusion; then
     echo "== rows fusion: GPU tests, the 2-8-row sweep (written into the tables), decode A/B"

@@ -142,3 +142,45 @@ def test_every_shipped_bf16_tile_computes_the_product(cfg: dict[str, int]) -> No
     got = skinny_gemm(x.to(DEVICE), w.to(DEVICE), cfg)
     torch.testing.assert_close(got.float().cpu(), x.float() @ w.float().t(), atol=2e-2,
                                rtol=2e-2)
+
+
+@pytest.mark.parametrize("m,n,k,split,with_bias,swap_ab", [
+    (3, 48, 512, 4, True, 1), (20, 64, 384, 3, False, 0), (8, 40, 256, 2, True, 0)])
+def test_split_k_summed_by_the_last_program(monkeypatch, m, n, k, split, with_bias,
+                                            swap_ab) -> None:
+    """RADIXSERVE_SKINNY_SPLIT_REDUCE=last: the tile's last program adds the partials (one
+    launch, no zeroed buffer, no cast back); the counters are left at zero for the next launch,
+    so a second product over the same counters is right too."""
+    from radixserve.core import tile_counters as counters_module
+    from radixserve.layers.kernels import skinny_gemm as module
+    monkeypatch.setattr(module, "SPLIT_LAST_REDUCES", True)
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=gen).to(DTYPE)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DTYPE)
+    bias = torch.randn(n, generator=gen).to(DTYPE) if with_bias else None
+    cfg = dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=16, BLOCK_K=64, SPLIT_K=split,
+               SWAP_AB=swap_ab, num_warps=4, num_stages=2)
+    want = x.float() @ w.float().t() + (0 if bias is None else bias.float())
+    for _ in range(2):
+        got = skinny_gemm(x.to(DEVICE), w.to(DEVICE), cfg,
+                          bias=None if bias is None else bias.to(DEVICE))
+        assert got.dtype == DTYPE and got.shape == (m, n)
+        torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
+    assert all(int(c.count_nonzero()) == 0 for c in counters_module._COUNTERS.values())
+
+
+def test_split_k_summed_by_the_last_program_over_fp8_codes(monkeypatch) -> None:
+    from radixserve.layers.kernels import skinny_gemm as module
+    from radixserve.layers.kernels.fp8_gemm import fp8_weight_gemm_reference
+    monkeypatch.setattr(module, "SPLIT_LAST_REDUCES", True)
+    gen = torch.Generator().manual_seed(9)
+    n, k, m, block = 48, 256, 5, 64
+    scale = torch.rand(n, k // block, generator=gen) * 0.01 + 0.001
+    codes = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    x = torch.randn(m, k, generator=gen).to(DTYPE)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2, SWAP_AB=1, num_warps=4,
+               num_stages=2)
+    got = skinny_gemm(x.to(DEVICE), codes.to(DEVICE), cfg, scale.to(DEVICE), block)
+    torch.testing.assert_close(got.float().cpu(), fp8_weight_gemm_reference(x, codes, scale,
+                                                                             block),
+                               atol=2e-2, rtol=2e-2)

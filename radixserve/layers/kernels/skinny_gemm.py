@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.core.tile_counters import tile_counters
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 
 TARGET_PROGRAMS = 264  # ~2 per SM on an H200 (132 SMs)
@@ -32,20 +33,29 @@ TARGET_PROGRAMS = 264  # ~2 per SM on an H200 (132 SMs)
 # vendor kernel runs where an entry keeps one ("triton", gpu_gemm_tune.py);
 # RADIXSERVE_VENDOR_GAP_US=0 keeps the isolated sweep's pick (A/B: gpu_roofline.sh vendor_gap).
 VENDOR_GAP_US = float(os.environ.get("RADIXSERVE_VENDOR_GAP_US", "3"))
+# Split K summed by the last program of each tile to arrive (one kernel, launched with PDL,
+# the splits added in a fixed order) instead of float32 atomics into a zeroed buffer and a cast
+# back (two more launches that take no part in PDL). RADIXSERVE_SKINNY_SPLIT_REDUCE=last turns
+# it on; off until a decode A/B on the GPU decides (gpu_roofline.sh step split_reduce_ab).
+SPLIT_LAST_REDUCES = os.environ.get("RADIXSERVE_SKINNY_SPLIT_REDUCE", "atomic") == "last"
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "SWAP_AB", "num_warps",
                "num_stages")
 
 
 @triton.jit
-def _skinny_gemm_kernel(X, W, Scale, B, Y, M, N, K, k_per_split, stride_xm, stride_wn,
-                        stride_sn, stride_ym, HAS_SCALE: tl.constexpr, GROUPED: tl.constexpr,
-                        GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
+def _skinny_gemm_kernel(X, W, Scale, B, Y, Work, Counters, M, N, K, k_per_split, stride_xm,
+                        stride_wn, stride_sn, stride_ym, HAS_SCALE: tl.constexpr,
+                        GROUPED: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        ATOMIC: tl.constexpr, LAST_REDUCES: tl.constexpr,
                         SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """ATOMIC: program_id(2) takes K columns [s * k_per_split, (s + 1) * k_per_split) and adds
-    its partial product into the float32 Y (bias added by the caller). SWAP_AB computes the
-    transposed tile W_tile @ x_tile.T: the weight rows are the MMA's first operand, loaded as
-    they lie in memory (K contiguous), and the few x rows its second."""
+    """Split K (grid dimension 2): program_id(2) takes K columns [s * k_per_split, (s + 1) *
+    k_per_split). ATOMIC: it adds its partial product into the float32 Y (bias added by the
+    caller). LAST_REDUCES: it leaves the partial in Work, and the last of the tile's programs
+    to arrive (Counters, core/tile_counters.py) adds the partials in split order and writes Y
+    in its dtype, bias included. SWAP_AB computes the transposed tile W_tile @ x_tile.T: the
+    weight rows are the MMA's first operand, loaded as they lie in memory (K contiguous), and
+    the few x rows its second."""
     pdl_prologue(USE_PDL)
     pid_m = tl.program_id(1)
     pid_n = tl.program_id(0)
@@ -93,6 +103,24 @@ def _skinny_gemm_kernel(X, W, Scale, B, Y, M, N, K, k_per_split, stride_xm, stri
     y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     if ATOMIC:
         tl.atomic_add(y_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+    elif LAST_REDUCES:
+        tiles = tl.num_programs(0) * tl.num_programs(1)
+        tile = pid_m * tl.num_programs(0) + pid_n
+        offs_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tile_ptrs = Work + tile.to(tl.int64) * (BLOCK_M * BLOCK_N) + offs_tile
+        split_elems = tiles.to(tl.int64) * (BLOCK_M * BLOCK_N)  # one split's partials
+        tl.store(tile_ptrs + tl.program_id(2) * split_elems, acc)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(Counters + tile, 1, sem="acq_rel")
+        if arrived == tl.num_programs(2) - 1:  # the last of the tile's programs: sum, write
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for split in range(0, tl.num_programs(2)):
+                acc += tl.load(tile_ptrs + split * split_elems, cache_modifier=".cg")
+            tl.atomic_xchg(Counters + tile, 0)  # ready for the next launch
+            if HAS_BIAS:
+                acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, acc.to(Y.dtype.element_ty),
+                     mask=m_mask[:, None] & n_mask[None, :])
     else:
         if HAS_BIAS:
             acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -152,20 +180,28 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: dict[str, int],
     if grouped and group_k:
         block_k = min(block_k, group_k)
     split = cfg["SPLIT_K"]
-    # split K: float32 partial sums added with atomics, so the buffer starts at zero
-    y = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1 else \
+    atomic = split > 1 and not SPLIT_LAST_REDUCES
+    # atomic split K: float32 partial sums added with atomics, so the buffer starts at zero
+    y = torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic else \
         torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
+    work = counters = y
+    if split > 1 and not atomic:
+        tiles = grid[0] * grid[1]
+        work = torch.empty(split * tiles * cfg["BLOCK_M"] * cfg["BLOCK_N"],
+                           dtype=torch.float32, device=x.device)
+        counters = tile_counters(x.device, tiles)
     if m:
         k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-        grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
         _skinny_gemm_kernel[grid](
             x2, weight, scale if has_scale else weight, bias if bias is not None else weight,
-            y, m, n, k, k_per_split, x2.stride(0), weight.stride(0),
+            y, work, counters, m, n, k, k_per_split, x2.stride(0), weight.stride(0),
             scale.stride(0) if has_scale else 0, y.stride(0), HAS_SCALE=has_scale,
             GROUPED=grouped, GROUP_K=group_k or k, HAS_BIAS=bias is not None,
-            ATOMIC=split > 1, SWAP_AB=bool(cfg.get("SWAP_AB", 0)), BLOCK_M=cfg["BLOCK_M"],
+            ATOMIC=atomic, LAST_REDUCES=split > 1 and not atomic,
+            SWAP_AB=bool(cfg.get("SWAP_AB", 0)), BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_args(x2))
-    if split > 1:
+    if atomic:
         y = (y + bias.float()).to(x.dtype) if bias is not None else y.to(x.dtype)
     return y.view(*x.shape[:-1], n)
