@@ -16,6 +16,9 @@ Each candidate is timed as the caller runs it (allocation, zeroing and the cast 
 included) in a CUDA graph over rotating weight copies, so every read comes from HBM. An entry
 records the winner, its time ("us") and the baseline's ("base_us"); where the vendor kernel
 won, the best tile as well ("triton", "triton_us": see skinny_gemm.VENDOR_GAP_US).
+--in-chain times each candidate between two short PDL kernels instead of alone, so a vendor
+kernel pays the launch it delays (session 25: at batch 8 a tile 0.5 us faster alone took the
+decode step 0.12 ms lower).
 """
 from __future__ import annotations
 
@@ -45,8 +48,21 @@ def time_graph(fn: Callable[[], object]) -> float:
     return do_bench_cudagraph(fn, rep=10) * 1e-3
 
 
+def pdl_neighbour(rows: int = 8, hidden: int = 4096) -> Callable[[], object]:
+    """A short Triton kernel launched with programmatic dependent launch (RMSNorm over a few
+    rows), as the kernels around a decode product are: timed around a product, it shows what
+    the product costs its neighbours (a vendor kernel lets the next one launch only once it has
+    finished), which a product timed alone does not."""
+    from radixserve.layers.kernels.rmsnorm import fused_rmsnorm
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    weight = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+    return lambda: fused_rmsnorm(x, weight, 1e-5)
+
+
 class Shape:
-    def __init__(self, kind: str, n: int, k: int) -> None:
+    def __init__(self, kind: str, n: int, k: int, in_chain: bool = False) -> None:
+        """in_chain: time each product between two PDL neighbours (`pdl_neighbour`), less the
+        neighbours' own time back to back."""
         self.kind, self.n, self.k = kind, n, k
         nbytes = n * k * (1 if kind == "fp8" else 2)
         self.copies = max(2, -(-COPY_BYTES // nbytes))
@@ -59,10 +75,21 @@ class Shape:
             self.weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                             for _ in range(self.copies)]
             self.scale = None
+        self.neighbour = pdl_neighbour() if in_chain else None
+        self.neighbours_alone = 0.0
+        if self.neighbour is not None:
+            pair = self.neighbour
+            self.neighbours_alone = time_graph(
+                lambda: [(pair(), pair()) for _ in self.weights]) / self.copies
 
     def timed(self, product: Callable[[torch.Tensor], object]) -> float:
+        pair = self.neighbour
+        if pair is None:
+            body = lambda: [product(w) for w in self.weights]  # noqa: E731
+        else:
+            body = lambda: [(pair(), product(w), pair()) for w in self.weights]  # noqa: E731
         try:
-            return time_graph(lambda: [product(w) for w in self.weights]) / self.copies
+            return time_graph(body) / self.copies - self.neighbours_alone
         except Exception:  # out of shared memory / registers for this configuration
             return float("inf")
 
@@ -181,6 +208,9 @@ def main() -> int:
     parser.add_argument("--write-dir", default=None, help="default: the package's gemm_configs")
     parser.add_argument("--no-gemv", action="store_true",
                         help="keep the tables' M = 1 entries (sweep the tiles only)")
+    parser.add_argument("--in-chain", action="store_true",
+                        help="time each product between two PDL kernels (what it costs its "
+                             "neighbours too; entries are marked \"timed\": \"in chain\")")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_gemm_tune: no CUDA device")
@@ -197,9 +227,12 @@ def main() -> int:
                 return 0
             n, k = shapes[name]
             print(f"== {kind} {name} N={n} K={k}", flush=True)
-            shape = Shape(kind, n, k)
+            shape = Shape(kind, n, k, in_chain=args.in_chain)
             table = tune_shape(shape, deadline, gemv=not args.no_gemv
                                and (kind == "fp8" or args.gemv_bf16))
+            if args.in_chain:
+                for entry in table.values():
+                    entry["timed"] = "in chain"
             del shape
             torch.cuda.empty_cache()
             path = out_dir / f"{kind}_N{n}_K{k}.json"

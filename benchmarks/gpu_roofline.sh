@@ -44,7 +44,8 @@
 #          RADIXSERVE_VENDOR_GAP_US=0 (the isolated sweep's pick) and =${ROOF_GAP_US:-3} (the
 #          default: the tile where cuBLAS won by 3 us or less, so the kernel after it launches
 #          early), alternated twice (~7 min; the sweep's budget ROOF_GAP_BUDGET, default 240 s).
-#          The sweep replaces session 25's step-chosen tiles with its own entries
+#          The sweep replaces session 25's step-chosen tiles with its own entries;
+#          ROOF_GAP_TUNE_ARGS=--in-chain times every candidate between two PDL kernels instead
 # split_reduce_ab: the skinny GEMM's GPU tests, then decode batch 4 / 8 / 16 with split K summed
 #          by atomics into a zeroed float32 buffer and a cast back (RADIXSERVE_SKINNY_SPLIT_REDUCE=
 #          atomic, the default) and by each tile's last program (=last: one launch, with PDL),
@@ -196,7 +197,8 @@ fi
 if step vendor_gap; then
     echo "== vendor gap: the tiles re-swept (kept where cuBLAS won), then decode A/B"
     timeout -k 10 $(( ${ROOF_GAP_BUDGET:-240} + 60 )) python3 benchmarks/gpu_gemm_tune.py \
-        --kinds bf16 --no-gemv --budget "${ROOF_GAP_BUDGET:-240}" > "$OUT/vendor_gap_tune.log" 2>&1
+        --kinds bf16 --no-gemv --budget "${ROOF_GAP_BUDGET:-240}" ${ROOF_GAP_TUNE_ARGS:-} \
+        > "$OUT/vendor_gap_tune.log" 2>&1
     echo "   tune rc $?"
     grep -E '^==|M=(2|4|8|16) ' "$OUT/vendor_gap_tune.log" | cut -c1-160
     tar czf "$OUT/gemm_configs.tgz" -C radixserve/layers/kernels gemm_configs
