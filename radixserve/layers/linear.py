@@ -260,13 +260,12 @@ class LinearBase(nn.Module):
         fusion = gemv.RowFusion(None if norm is None else norm.weight,
                                 0.0 if norm is None else norm.variance_epsilon, gated, residual)
         x = x.contiguous()
-        if rope is not None:
+        if rope is not None:  # the GEMV, never the FP8 tensor-core kernel (carries_rope_store)
             assert x.shape[0] == 1, "rope rides on the one-row GEMV"
-            config = self._one_row_gemv_config(fusion)
             if self.fp8 is None:
-                return gemv.gemv(x, self.weight, self.bias, config, fusion, rope)
+                return gemv.gemv(x, self.weight, self.bias, fusion=fusion, rope=rope)
             return gemv.fp8_gemv(x, self.weight, self.weight_scale, self.fp8.block, self.bias,
-                                 config, fusion, rope)
+                                 fusion=fusion, rope=rope)
         if x.dim() == 2 and x.shape[0] > 1:
             n, k = self.weight.shape
             config = fused_rows.rows_config(n, k, x.shape[0], fusion.variant)

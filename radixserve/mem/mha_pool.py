@@ -56,11 +56,11 @@ class MHATokenToKVPool(KVPool):
         """One Triton kernel rotates q and k in place and writes rotated k and v into the
         layer's buffers (instead of a rotary kernel plus two index_put launches). Without
         Triton, the default (rotate, then store)."""
-        if self._fused_rope_store is None or self.observing:
+        target = self.store_target(layer_id, loc)
+        if target is None:
             return super().rotate_and_store_kv(layer_id, loc, q, k, v, positions, cos_cache,
                                                sin_cache, rotate)
-        k_scale, v_scale = self._scales[layer_id]
         self._fused_rope_store(positions, q, k, v, cos_cache, sin_cache, self.head_dim,
-                               self.k_buffer[layer_id], self.v_buffer[layer_id], loc,
-                               k_scale=k_scale, v_scale=v_scale)
+                               target.k_cache, target.v_cache, target.loc,
+                               k_scale=target.k_scale, v_scale=target.v_scale)
         return q, k

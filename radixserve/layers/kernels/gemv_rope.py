@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.mem.kernels.rope_kv_store import cache_value, rotate_halves
+from radixserve.mem.kernels.rope_kv_store import cache_value, kv_store_args, rotate_halves
 from radixserve.mem.kv_pool import KVStoreTarget
 
 # RADIXSERVE_GEMV_ROPE=0 keeps rope + the K/V store as a kernel of their own (for A/B timing)
@@ -60,8 +60,6 @@ def check_rope_store(rope: RopeStore, n: int, block_n: int) -> None:
     assert rope_rows_fit(block_n, rope.head_dim), f"block_n {block_n} splits a rope pair"
     assert rope.cos_cache.shape[1] == rope.head_dim, "rope must span the whole head"
     assert rope.cos_cache.stride(1) == 1 and rope.sin_cache.stride(1) == 1
-    for cache in (rope.target.k_cache, rope.target.v_cache):
-        assert cache.shape[1:] == (rope.num_kv_heads, rope.head_dim) and cache.stride(2) == 1
 
 
 def rope_launch_options(num_warps: int) -> dict:
@@ -84,16 +82,15 @@ def rope_kernel_args(rope: RopeStore | None, placeholder: torch.Tensor) -> dict:
                     v_scale_inv=1.0, ROPE=False, HALF=1, QUANT=False, FP8_MAX=448.0)
     target = rope.target
     k_cache, v_cache = target.k_cache, target.v_cache
-    quant = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     return dict(Positions=rope.positions, Cos=rope.cos_cache, Sin=rope.sin_cache,
                 KCache=k_cache, VCache=v_cache, Loc=target.loc,
                 stride_cos=rope.cos_cache.stride(0), stride_sin=rope.sin_cache.stride(0),
                 stride_kc_slot=k_cache.stride(0), stride_kc_h=k_cache.stride(1),
                 stride_vc_slot=v_cache.stride(0), stride_vc_h=v_cache.stride(1),
-                num_q_heads=rope.num_q_heads, num_kv_heads=rope.num_kv_heads,
-                k_scale_inv=1.0 / target.k_scale, v_scale_inv=1.0 / target.v_scale, ROPE=True,
-                HALF=rope.head_dim // 2, QUANT=quant,
-                FP8_MAX=float(torch.finfo(k_cache.dtype).max) if quant else 448.0)
+                num_q_heads=rope.num_q_heads, num_kv_heads=rope.num_kv_heads, ROPE=True,
+                HALF=rope.head_dim // 2,
+                **kv_store_args(k_cache, v_cache, rope.num_kv_heads, rope.head_dim,
+                                target.k_scale, target.v_scale))
 
 
 @triton.jit
@@ -125,7 +122,8 @@ def rope_store_epilogue(y, offs_n, Y, pos, Cos, Sin, Loc, stride_cos, stride_sin
     loaded here. Loaded at the program's start, they held back the first weight tile: the
     compiler issued them, and the loads waiting on pos, before it."""
     dtype = Y.dtype.element_ty
-    first_dims, _ = _halves(offs_n % (2 * HALF), BLOCK_N)  # each pair's d < HALF
+    dims = offs_n % (2 * HALF)
+    first_dims, _ = _halves(dims, BLOCK_N)  # each pair's d < HALF
     # rounded to the activations' dtype, as HF casts the cache before use
     cos = tl.load(Cos + pos * stride_cos + first_dims).to(dtype).to(tl.float32)
     sin = tl.load(Sin + pos * stride_sin + first_dims).to(dtype).to(tl.float32)
@@ -138,7 +136,6 @@ def rope_store_epilogue(y, offs_n, Y, pos, Cos, Sin, Loc, stride_cos, stride_sin
     out = tl.where(heads < num_q_heads + num_kv_heads,
                    tl.reshape(tl.trans(tl.join(out1, out2)), [BLOCK_N]), rounded)
     tl.store(Y + offs_n, out)
-    dims = offs_n % (2 * HALF)
     kv_heads = heads - num_q_heads  # k heads 0..Hkv-1, then v heads Hkv..2Hkv-1
     is_k = (kv_heads >= 0) & (kv_heads < num_kv_heads)
     is_v = kv_heads >= num_kv_heads

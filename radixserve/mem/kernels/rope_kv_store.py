@@ -171,14 +171,11 @@ def apply_rotary_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch
     assert v3.shape == k3.shape, "v must have k's heads"
     assert v3.stride(2) == 1, "head_dim of v must be contiguous"
     assert loc.shape == (num_tokens,) and loc.dtype in (torch.int32, torch.int64)
-    for cache in (k_cache, v_cache):
-        assert cache.shape[1:] == (num_kv_heads, head_dim), "cache must be [slots, Hk, head_dim]"
-        assert cache.stride(2) == 1, "head_dim of the cache must be contiguous"
-        assert cache.device == k3.device
+    store_args = kv_store_args(k_cache, v_cache, num_kv_heads, head_dim, k_scale, v_scale)
+    assert k_cache.device == v_cache.device == k3.device
     if num_tokens == 0:
         return
     half, tail = rot_dim // 2, head_dim - rot_dim
-    quant = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     _rotary_kernel[(num_tokens,)](
         positions, q3, k3, cos_cache, sin_cache, q3.stride(0), q3.stride(1), k3.stride(0),
         k3.stride(1), cos_cache.stride(0), sin_cache.stride(0), q3.shape[1], num_kv_heads,
@@ -189,9 +186,20 @@ def apply_rotary_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         STORE_KV=True, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         TAIL=tail, BLOCK_TAIL=triton.next_power_of_2(max(tail, 1)), num_warps=4,
-        k_scale_inv=1.0 / k_scale, v_scale_inv=1.0 / v_scale, QUANT=quant,
-        FP8_MAX=float(torch.finfo(k_cache.dtype).max) if quant else 448.0,
-        **pdl_launch_args(q3))
+        **store_args, **pdl_launch_args(q3))
+
+
+def kv_store_args(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int,
+                  head_dim: int, k_scale: float, v_scale: float) -> dict:
+    """The arguments a kernel storing K/V through `cache_value` takes (k_scale_inv,
+    v_scale_inv, QUANT, FP8_MAX), after checking that the caches are one layer's [slots, Hk,
+    head_dim] pool buffers with head_dim contiguous."""
+    for cache in (k_cache, v_cache):
+        assert cache.shape[1:] == (num_kv_heads, head_dim), "cache must be [slots, Hk, head_dim]"
+        assert cache.stride(2) == 1, "head_dim of the cache must be contiguous"
+    quant = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return dict(k_scale_inv=1.0 / k_scale, v_scale_inv=1.0 / v_scale, QUANT=quant,
+                FP8_MAX=float(torch.finfo(k_cache.dtype).max) if quant else 448.0)
 
 
 def rotary_reference(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
