@@ -144,16 +144,17 @@ def test_every_shipped_bf16_tile_computes_the_product(cfg: dict[str, int]) -> No
                                rtol=2e-2)
 
 
+@pytest.mark.parametrize("last_reduces", [True, False], ids=["last", "atomic"])
 @pytest.mark.parametrize("m,n,k,split,with_bias,swap_ab", [
     (3, 48, 512, 4, True, 1), (20, 64, 384, 3, False, 0), (8, 40, 256, 2, True, 0)])
-def test_split_k_summed_by_the_last_program(monkeypatch, m, n, k, split, with_bias,
-                                            swap_ab) -> None:
-    """RADIXSERVE_SKINNY_SPLIT_REDUCE=last: the tile's last program adds the partials (one
-    launch, no zeroed buffer, no cast back); the counters are left at zero for the next launch,
-    so a second product over the same counters is right too."""
+def test_split_k_sums(monkeypatch, m, n, k, split, with_bias, swap_ab, last_reduces) -> None:
+    """Split K, both ways: the tile's last program adds the partials (the default: one launch,
+    no zeroed buffer, no cast back; the counters are left at zero for the next launch, so a
+    second product over the same counters is right too), or float32 atomics into a zeroed
+    buffer cast back (RADIXSERVE_SKINNY_SPLIT_REDUCE=atomic)."""
     from radixserve.core import tile_counters as counters_module
     from radixserve.layers.kernels import skinny_gemm as module
-    monkeypatch.setattr(module, "SPLIT_LAST_REDUCES", True)
+    monkeypatch.setattr(module, "SPLIT_LAST_REDUCES", last_reduces)
     gen = torch.Generator().manual_seed(m + n + k)
     x = torch.randn(m, k, generator=gen).to(DTYPE)
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DTYPE)

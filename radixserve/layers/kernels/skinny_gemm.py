@@ -35,9 +35,10 @@ TARGET_PROGRAMS = 264  # ~2 per SM on an H200 (132 SMs)
 VENDOR_GAP_US = float(os.environ.get("RADIXSERVE_VENDOR_GAP_US", "3"))
 # Split K summed by the last program of each tile to arrive (one kernel, launched with PDL,
 # the splits added in a fixed order) instead of float32 atomics into a zeroed buffer and a cast
-# back (two more launches that take no part in PDL). RADIXSERVE_SKINNY_SPLIT_REDUCE=last turns
-# it on; off until a decode A/B on the GPU decides (gpu_roofline.sh step split_reduce_ab).
-SPLIT_LAST_REDUCES = os.environ.get("RADIXSERVE_SKINNY_SPLIT_REDUCE", "atomic") == "last"
+# back (two more launches that take no part in PDL). H200, Llama-3.1-8B decode with session 25's
+# tiles (down's K split in 4), one board, twice each (session 26): batch 4 4.84 -> 4.77, batch 8
+# 4.90 -> 4.82, batch 16 5.20 -> 5.09 ms. RADIXSERVE_SKINNY_SPLIT_REDUCE=atomic for the old way.
+SPLIT_LAST_REDUCES = os.environ.get("RADIXSERVE_SKINNY_SPLIT_REDUCE", "last") != "atomic"
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "SWAP_AB", "num_warps",
                "num_stages")
 
