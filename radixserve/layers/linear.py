@@ -35,12 +35,11 @@ _GEMV_ENABLED = os.environ.get("RADIXSERVE_GEMV", "1") != "0"
 # RADIXSERVE_ROW_FUSION=0 keeps a decode layer's norms, SiLU-mul and residual adds as their own
 # kernels at 1-8 rows (for A/B timing of `LinearBase.fused_row_product`)
 ROW_FUSION_ENABLED = os.environ.get("RADIXSERVE_ROW_FUSION", "1") != "0"
-MAX_FUSED_ROWS = 16  # the most rows a fused decode product takes (fused_rows.py: 8)
-# RADIXSERVE_SKINNY_FUSION_MIN_ROWS: from this many rows (up to MAX_FUSED_ROWS) a decode layer's
-# products fuse their neighbours on the skinny GEMM's tiles (kernels/skinny_gemm.py) where the
-# tables name a tile and no rows-GEMV fusion; 0 never (off until a decode A/B decides:
-# gpu_roofline.sh step skinny_fusion_ab)
-SKINNY_FUSION_MIN_ROWS = int(os.environ.get("RADIXSERVE_SKINNY_FUSION_MIN_ROWS", "0"))
+MAX_FUSED_ROWS = 8  # the most rows a fused decode product takes (kernels/fused_rows.py)
+# RADIXSERVE_SKINNY_GATED_MIN_ROWS: from this many rows (up to SMALL_M_MAX) a gate|up product
+# whose table entry names a skinny GEMM tile writes silu(gate) * up itself (`gated_rows_product`);
+# 0 never (off until a decode A/B decides: gpu_roofline.sh step skinny_gated_ab)
+SKINNY_GATED_MIN_ROWS = int(os.environ.get("RADIXSERVE_SKINNY_GATED_MIN_ROWS", "0"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,11 +72,18 @@ def _small_m_kernel(n: int, k: int, m: int):  # -> a callable(x, weight, bias) o
     return lambda x, weight, bias: skinny_gemm.skinny_gemm(x, weight, cfg, bias=bias)
 
 
+def _triton_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Rows that the GPU's Triton products take: 1-SMALL_M_MAX contiguous-K rows of fp16/bf16
+    on CUDA against a weight of their dtype with contiguous rows (tests point this at the
+    interpreter)."""
+    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SMALL_M_MAX
+            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and weight.stride(1) == 1)
+
+
 def _small_m_product(x: torch.Tensor, weight: torch.Tensor):  # -> a callable or None
     """The Triton GEMV / rows GEMV / skinny GEMM that `linear` runs this product on, if any."""
-    if (_GEMV_ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] <= SMALL_M_MAX
-            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and weight.stride(1) == 1 and x.shape[0] > 0):
+    if _GEMV_ENABLED and _triton_rows(x, weight):
         return _small_m_kernel(weight.shape[0], weight.shape[1], x.shape[0])
     return None
 
@@ -216,20 +222,34 @@ class LinearBase(nn.Module):
         """Whether `fused_row_product` has a kernel for `rows` rows of `dtype` with these
         fusions: one row as `fuses_one_row`; 2-8 rows over a weight of that dtype where the
         H200 sweep wrote this fusion's configuration at that row count (kernels/fused_rows.py;
-        benchmarks/gpu_rows_fusion.py writes it only where the fused layer was faster); else,
-        from SKINNY_FUSION_MIN_ROWS rows, where the table names a skinny GEMM tile."""
+        benchmarks/gpu_rows_fusion.py writes it only where the fused layer was faster)."""
         if rows == 1:
             return self.fuses_one_row(dtype, residual=residual)
         kernels = self._row_fusion_kernels(dtype, residual)
         if kernels is None or self.fp8 is not None or self.weight.dtype != dtype:
             return False
-        _, gemv, skinny_gemm, fused_rows = kernels
+        gemv, fused_rows = kernels[1], kernels[3]
         n, k = self.weight.shape
         variant = gemv.fusion_variant(norm, gated, residual)
-        if fused_rows.rows_config(n, k, rows, variant) is not None:
-            return True
-        return 0 < SKINNY_FUSION_MIN_ROWS <= rows <= MAX_FUSED_ROWS and \
-            skinny_gemm.fused_tile_config(n, k, rows, variant) is not None
+        return fused_rows.rows_config(n, k, rows, variant) is not None
+
+    def gated_rows_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this gate|up layer for decode rows x [M, K], written by the
+        skinny GEMM's tile itself (kernels/skinny_gemm.py GATED: SiLU-mul's kernel and launch
+        saved), from SKINNY_GATED_MIN_ROWS rows where the table names a tile for the product;
+        None elsewhere (the caller runs the product and SiLU-mul)."""
+        if not (_GEMV_ENABLED and 0 < SKINNY_GATED_MIN_ROWS <= x.shape[0]
+                and self.fp8 is None and _triton_rows(x, self.weight)):
+            return None
+        kernels = _triton_kernels()
+        if kernels is None:
+            return None
+        skinny_gemm = kernels[2]
+        n, k = self.weight.shape
+        cfg = skinny_gemm.gated_tile_config(n, k, x.shape[0])
+        if cfg is None:
+            return None
+        return skinny_gemm.skinny_gemm(x, self.weight, cfg, bias=self.bias, gated=True)
 
     def _one_row_gemv_config(self, fusion):  # -> gemv.GemvConfig | None
         """The configuration of the GEMV that a one-row `fused_row_product` with `fusion` runs,
@@ -262,10 +282,10 @@ class LinearBase(nn.Module):
         """Rows x [M, K] through this layer with its neighbours fused into the product (see
         kernels/gemv.py RowFusion): norm: x is the residual stream and the input is norm(x);
         gated: the output is silu(gate) * up of a gate|up weight; residual: the output is
-        residual + x @ W.T. One row runs the GEMV, 2-8 rows kernels/fused_rows.py where swept,
-        else (up to 16 rows) the skinny GEMM's tile. Only where `fuses_rows` (`fuses_one_row`
-        for one row) said so. rope (one row, where `carries_rope_store` said so): the q|k|v output comes rotated and K/V are stored."""
-        _, gemv, skinny_gemm, fused_rows = _triton_kernels()
+        residual + x @ W.T. One row runs the GEMV, 2-8 rows kernels/fused_rows.py. Only where
+        `fuses_rows` (`fuses_one_row` for one row) said so. rope (one row, where
+        `carries_rope_store` said so): the q|k|v output comes rotated and K/V are stored."""
+        _, gemv, _, fused_rows = _triton_kernels()
         fusion = gemv.RowFusion(None if norm is None else norm.weight,
                                 0.0 if norm is None else norm.variance_epsilon, gated, residual)
         x = x.contiguous()
@@ -278,11 +298,8 @@ class LinearBase(nn.Module):
         if x.dim() == 2 and x.shape[0] > 1:
             n, k = self.weight.shape
             config = fused_rows.rows_config(n, k, x.shape[0], fusion.variant)
-            if config is not None:
-                return fused_rows.fused_rows(x, self.weight, config, fusion, self.bias)
-            tile = skinny_gemm.fused_tile_config(n, k, x.shape[0], fusion.variant)
-            assert tile is not None, "fuses_rows promised a swept configuration"
-            return skinny_gemm.skinny_gemm(x, self.weight, tile, bias=self.bias, fusion=fusion)
+            assert config is not None, "fuses_rows promised a swept configuration"
+            return fused_rows.fused_rows(x, self.weight, config, fusion, self.bias)
         if self.fp8 is None:
             return gemv.gemv(x, self.weight, self.bias, fusion=fusion)
         from radixserve.layers.kernels.fp8_gemm import fp8_rows_product

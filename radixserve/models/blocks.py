@@ -112,6 +112,10 @@ class GatedMLP(nn.Module):
         self.act = gated_activation(activation)
 
     def forward(self, x: "torch.Tensor | Fp8Rows") -> torch.Tensor:
+        if isinstance(x, torch.Tensor) and isinstance(self.act, SiluAndMul):
+            act = self.gate_up_proj.gated_rows_product(x)  # decode rows, SiLU-mul on the tile
+            if act is not None:
+                return self.down_proj(act)
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
     def forward_fp8_rows(self, x: Fp8Rows) -> torch.Tensor:
@@ -174,9 +178,8 @@ class DecoderLayer(nn.Module):
 
     def fuses_rows(self, rows: int, dtype: torch.dtype) -> bool:
         """A dense SwiGLU layer whose four linears all have fused kernels for `rows` rows of
-        `dtype` (one row: the GEMVs; 2-8: kernels/fused_rows.py where swept; else from
-        linear.SKINNY_FUSION_MIN_ROWS rows the skinny GEMM's tiles), decided once per row count
-        and dtype."""
+        `dtype` (one row: the GEMVs; 2-8: kernels/fused_rows.py where swept), decided once
+        per row count and dtype."""
         if not 1 <= rows <= MAX_FUSED_ROWS:
             return False
         key = (rows, dtype)
@@ -225,8 +228,8 @@ class DecoderLayer(nn.Module):
     def forward_fused(self, positions: torch.Tensor, hidden: torch.Tensor,
                       residual: torch.Tensor | None, forward_batch: ForwardBatch
                       ) -> torch.Tensor:
-        """A decode batch of 1-16 rows where `fuses_rows` said so: four products (one row:
-        GEMVs; more: kernels/fused_rows.py or the skinny GEMM's tiles) carry the two RMSNorms (into the q|k|v and gate|up
+        """A decode batch of 1-8 rows where `fuses_rows` said so: four products (one row:
+        GEMVs; more: kernels/fused_rows.py) carry the two RMSNorms (into the q|k|v and gate|up
         products), SiLU-mul (gate|up's output) and both residual adds (o and down's outputs),
         so seven kernels become four; at one row the q|k|v GEMV also carries rope and the K/V
         store where it can (`DecoderAttention.rope_store`), one kernel fewer. Returns the

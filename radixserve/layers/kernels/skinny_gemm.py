@@ -13,13 +13,12 @@ FP8 weights (HAS_SCALE) are loaded as codes (half the bytes of bf16), converted 
 output row once at the end, or (GROUPED) per K group of GROUP_K columns: each BLOCK_K step lies
 in one group, so its partial product is scaled before it is added.
 
-A small-batch decode layer's neighbours ride in the product as in gemv.py's RowFusion
-(`skinny_gemm(..., fusion=)`, bf16/fp16 weights, K not split): NORM takes the residual stream as
-x, multiplies each K step's x tile by the norm's weight (rounded to the operand dtype for the
-MMA) while each row's squares are summed, and scales the finished rows by their 1/rms; GATED
-reads gate rows [0, N) and up rows [N, 2N), one accumulator each, and writes silu(gate) * up;
-RESIDUAL adds the residual stream's rows to the output. Each removes a kernel launch between
-two products (session 26: at 4-16 rows those launches cost more than the products' rates).
+GATED (`skinny_gemm(..., gated=True)`, bf16/fp16 weights, K not split) reads the gate rows
+[0, N) and the up rows [N, 2N) of a gate|up weight, one accumulator each, and writes
+silu(gate) * up: SiLU-mul's kernel and its launch gone from a small-batch MLP. The RMSNorm in
+front did not ride as cheaply (session 26, benchmarks/gpu_skinny_fusion.py at 95a3ea6): x
+multiplied by the norm's weight before the MMA goes through registers every K step instead of
+the pipelined copy into shared memory, +16-19 us per product against the norm kernel's 1.5 us.
 """
 from __future__ import annotations
 
@@ -32,7 +31,6 @@ import triton.language as tl
 from radixserve.core.tile_counters import tile_counters
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 from radixserve.layers.kernels.gemm_tables import tuned_entry
-from radixserve.layers.kernels.gemv import NO_FUSION, RowFusion
 
 TARGET_PROGRAMS = 264  # ~2 per SM on an H200 (132 SMs)
 # A vendor kernel (cuBLAS, _scaled_mm) does not take part in programmatic dependent launch: the
@@ -54,21 +52,20 @@ CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "SWAP_AB", "num_warps
 
 
 @triton.jit
-def _skinny_gemm_kernel(X, W, Scale, B, Y, Work, Counters, NormW, Residual, M, N, K,
-                        k_per_split, stride_xm, stride_wn, stride_sn, stride_ym, stride_rm, eps,
-                        HAS_SCALE: tl.constexpr, GROUPED: tl.constexpr, GROUP_K: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
-                        LAST_REDUCES: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
-                        RESIDUAL: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+def _skinny_gemm_kernel(X, W, Scale, B, Y, Work, Counters, M, N, K, k_per_split, stride_xm,
+                        stride_wn, stride_sn, stride_ym, HAS_SCALE: tl.constexpr,
+                        GROUPED: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        ATOMIC: tl.constexpr, LAST_REDUCES: tl.constexpr, GATED: tl.constexpr,
+                        SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """Split K (grid dimension 2): program_id(2) takes K columns [s * k_per_split, (s + 1) *
     k_per_split). ATOMIC: it adds its partial product into the float32 Y (bias added by the
     caller). LAST_REDUCES: it leaves the partial in Work, and the last of the tile's programs
     to arrive (Counters, core/tile_counters.py) adds the partials in split order and writes Y
     in its dtype, bias included. SWAP_AB computes the transposed tile W_tile @ x_tile.T: the
     weight rows are the MMA's first operand, loaded as they lie in memory (K contiguous), and
-    the few x rows its second. NORM, GATED, RESIDUAL (one split only): the module docstring's
-    fusions; GATED's N counts the gate half's rows."""
+    the few x rows its second. GATED (one split only): silu(gate) * up of N gate rows and the
+    N up rows below them."""
     pdl_prologue(USE_PDL)
     pid_m = tl.program_id(1)
     pid_n = tl.program_id(0)
@@ -85,25 +82,17 @@ def _skinny_gemm_kernel(X, W, Scale, B, Y, Work, Counters, NormW, Residual, M, N
         w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + k_begin + offs_k[None, :]
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_up_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
     else:
         x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + k_begin + offs_k[None, :]
         w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_wn + k_begin + offs_k[:, None]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k_start in range(k_begin, k_end, BLOCK_K):
         k_mask = offs_k < k_end - k_start
         if HAS_SCALE and GROUPED:
             s = tl.load(Scale + offs_n * stride_sn + k_start // GROUP_K, mask=n_mask, other=0.0)
-        if NORM:
-            gamma = tl.load(NormW + k_start + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         if SWAP_AB:
             x = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
-            if NORM:  # the norm's weight per column now, 1/rms per row at the end
-                xf = x.to(tl.float32)
-                squares += tl.sum(xf * xf, axis=0)
-                x = (xf * gamma[:, None]).to(X.dtype.element_ty)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                         eviction_policy="evict_first")
             part_t = tl.dot(w.to(x.dtype), x)
@@ -116,10 +105,6 @@ def _skinny_gemm_kernel(X, W, Scale, B, Y, Work, Counters, NormW, Residual, M, N
                 acc_up_t += tl.dot(w_up.to(x.dtype), x)
         else:
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            if NORM:
-                xf = x.to(tl.float32)
-                squares += tl.sum(xf * xf, axis=1)
-                x = (xf * gamma[None, :]).to(X.dtype.element_ty)
             w = tl.load(w_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0,
                         eviction_policy="evict_first")
             part = tl.dot(x, w.to(x.dtype))
@@ -159,11 +144,6 @@ def _skinny_gemm_kernel(X, W, Scale, B, Y, Work, Counters, NormW, Residual, M, N
             tl.store(y_ptrs, acc.to(Y.dtype.element_ty),
                      mask=m_mask[:, None] & n_mask[None, :])
     else:
-        out_mask = m_mask[:, None] & n_mask[None, :]
-        if NORM:
-            inv_rms = tl.rsqrt(squares / K + eps)
-            acc = acc * inv_rms[:, None]
-            acc_up = acc_up * inv_rms[:, None]
         if HAS_BIAS:
             acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             if GATED:
@@ -172,11 +152,7 @@ def _skinny_gemm_kernel(X, W, Scale, B, Y, Work, Counters, NormW, Residual, M, N
             gate = acc.to(Y.dtype.element_ty).to(tl.float32)
             up = acc_up.to(Y.dtype.element_ty).to(tl.float32)
             acc = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty).to(tl.float32) * up
-        if RESIDUAL:  # rounded as torch's add of two rounded tensors
-            r = tl.load(Residual + offs_m[:, None].to(tl.int64) * stride_rm + offs_n[None, :],
-                        mask=out_mask, other=0.0).to(tl.float32)
-            acc = acc.to(Y.dtype.element_ty).to(tl.float32) + r
-        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=out_mask)
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def config_from_entry(entry: dict | None,
@@ -216,19 +192,17 @@ def default_config(m: int, n: int, k: int, group_k: int | None) -> dict[str, int
     return cfg
 
 
-def fused_tile_config(n: int, k: int, m: int, variant: str) -> dict[str, int] | None:
-    """The tile a product of an [n, k] weight (bf16 table) at M rows runs with the fusion
-    `variant` (RowFusion.variant): the variant's own swept tile in the M entry where one was
-    written, else the plain product's tile (an entry's tile, or the kept one within the vendor
-    gap) with K not split; None where the plain product runs on neither."""
+def gated_tile_config(n: int, k: int, m: int) -> dict[str, int] | None:
+    """The tile a gate|up product of an [n, k] weight (bf16 table) at M rows runs with SiLU-mul
+    behind it: the entry's own "gated" tile where a sweep wrote one, else the plain product's
+    tile (an entry's tile, or the kept one within the vendor gap) with K unsplit, fitted to
+    shared memory; None where the plain product runs on neither."""
     entry = tuned_entry("bf16", n, k, m)
-    swept = (entry or {}).get(variant)
+    swept = (entry or {}).get("gated")
     if swept and "BLOCK_N" in swept:
         return config_from_entry(swept)
     cfg = config_from_entry(entry)
-    if cfg is None:
-        return None
-    return fit_shared_memory(dict(cfg, SPLIT_K=1), gated="gated" in variant.split("+"))
+    return None if cfg is None else fit_shared_memory(dict(cfg, SPLIT_K=1), gated=True)
 
 
 SHARED_BYTES = 227 * 1024  # an H100/H200 block's shared memory
@@ -249,12 +223,11 @@ def fit_shared_memory(cfg: dict[str, int], gated: bool) -> dict[str, int]:
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: dict[str, int],
                 scale: torch.Tensor | None = None, group_k: int | None = None,
-                bias: torch.Tensor | None = None,
-                fusion: RowFusion = NO_FUSION) -> torch.Tensor:
+                bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """x [..., K] @ weight.T (+ bias) -> [..., N] in x's dtype; weight [N, K] in x's dtype, or
-    FP8 codes with scale [N, G] (G > 1: group_k columns per scale group). fusion (weights in
-    x's dtype, x [M, K]; K then runs unsplit whatever cfg says): the norm in front, SiLU-mul of
-    a gate|up weight ([2N, K] -> N outputs) or the residual add ([M, N]) behind."""
+    FP8 codes with scale [N, G] (G > 1: group_k columns per scale group). gated (weights in
+    x's dtype; K then runs unsplit whatever cfg says): weight stacks gate and up halves
+    ([2N, K]) and the output is silu(gate) * up [..., N]."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
@@ -265,18 +238,11 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: dict[str, int],
     block_k = cfg["BLOCK_K"]
     if grouped and group_k:
         block_k = min(block_k, group_k)
-    norm_weight, residual = fusion.norm_weight, fusion.residual
-    fused = bool(fusion.variant)
-    split = 1 if fused else cfg["SPLIT_K"]
-    if fused:
-        assert not has_scale and weight.dtype == x.dtype, "fusions take half-precision weights"
-    if fusion.gated:
+    split = 1 if gated else cfg["SPLIT_K"]
+    if gated:
+        assert not has_scale and weight.dtype == x.dtype, "gated takes half-precision weights"
         assert n % 2 == 0, "a gated weight stacks gate and up halves"
         n //= 2
-    if norm_weight is not None:
-        assert norm_weight.shape == (k,) and norm_weight.is_contiguous()
-    if residual is not None:
-        assert residual.shape == (m, n) and residual.stride(1) == 1
     atomic = split > 1 and not SPLIT_LAST_REDUCES
     # atomic split K: float32 partial sums added with atomics, so the buffer starts at zero
     y = torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic else \
@@ -292,13 +258,10 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: dict[str, int],
         k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
         _skinny_gemm_kernel[grid](
             x2, weight, scale if has_scale else weight, bias if bias is not None else weight,
-            y, work, counters, norm_weight if norm_weight is not None else weight,
-            residual if residual is not None else weight, m, n, k, k_per_split, x2.stride(0),
-            weight.stride(0), scale.stride(0) if has_scale else 0, y.stride(0),
-            residual.stride(0) if residual is not None else 0, float(fusion.eps),
-            HAS_SCALE=has_scale, GROUPED=grouped, GROUP_K=group_k or k,
-            HAS_BIAS=bias is not None, ATOMIC=atomic, LAST_REDUCES=split > 1 and not atomic,
-            NORM=norm_weight is not None, GATED=fusion.gated, RESIDUAL=residual is not None,
+            y, work, counters, m, n, k, k_per_split, x2.stride(0), weight.stride(0),
+            scale.stride(0) if has_scale else 0, y.stride(0), HAS_SCALE=has_scale,
+            GROUPED=grouped, GROUP_K=group_k or k, HAS_BIAS=bias is not None,
+            ATOMIC=atomic, LAST_REDUCES=split > 1 and not atomic, GATED=gated,
             SWAP_AB=bool(cfg.get("SWAP_AB", 0)), BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_args(x2))
