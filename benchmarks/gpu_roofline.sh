@@ -50,9 +50,6 @@
 #          by atomics into a zeroed float32 buffer and a cast back (RADIXSERVE_SKINNY_SPLIT_REDUCE=
 #          atomic, the default) and by each tile's last program (=last: one launch, with PDL),
 #          alternated twice (~4 min; session 25's down tiles at 4-16 rows split K in 4)
-# skinny_gated_ab: the skinny GEMM's GPU tests, then decode batch 2 / 4 / 8 / 16 with gate|up's
-#          tile writing silu(gate) * up itself (RADIXSERVE_SKINNY_GATED_MIN_ROWS=2) and with
-#          SiLU-mul as its own kernel (=0), alternated twice (~4 min)
 # rows_fusion: small-batch decode's fused products (kernels/fused_rows.py): their GPU tests, then
 #          benchmarks/gpu_rows_fusion.py --write (each product swept at 2 rows; ROOF_ROWS_ARGS=
 #          "--rows 2 4 8" for more; the fused layer against the unfused one; the winners go into
@@ -207,13 +204,6 @@ if step vendor_gap; then
     tar czf "$OUT/gemm_configs.tgz" -C radixserve/layers/kernels gemm_configs
     gap=${ROOF_GAP_US:-3}
     env_ab RADIXSERVE_VENDOR_GAP_US "0 $gap 0 $gap" "2 4 8 16" bf16
-fi
-if step skinny_gated_ab; then
-    echo "== gate|up's tile with SiLU-mul behind it (2) or SiLU-mul's own kernel (0)"
-    timeout -k 10 240 python3 -m pytest -q -p no:cacheprovider tests/layers/test_skinny_gemm.py \
-        tests/models/test_skinny_gated.py > "$OUT/skinny_gated_tests.log" 2>&1
-    echo "   tests rc $?: $(tail -1 "$OUT/skinny_gated_tests.log")"
-    env_ab RADIXSERVE_SKINNY_GATED_MIN_ROWS "0 2 0 2" "2 4 8 16" bf16
 fi
 if step split_reduce_ab; then
     echo "== split K: atomics + cast (atomic) against the last program's sum (last)"

@@ -36,10 +36,6 @@ _GEMV_ENABLED = os.environ.get("RADIXSERVE_GEMV", "1") != "0"
 # kernels at 1-8 rows (for A/B timing of `LinearBase.fused_row_product`)
 ROW_FUSION_ENABLED = os.environ.get("RADIXSERVE_ROW_FUSION", "1") != "0"
 MAX_FUSED_ROWS = 8  # the most rows a fused decode product takes (kernels/fused_rows.py)
-# RADIXSERVE_SKINNY_GATED_MIN_ROWS: from this many rows (up to SMALL_M_MAX) a gate|up product
-# whose table entry names a skinny GEMM tile writes silu(gate) * up itself (`gated_rows_product`);
-# 0 never (off until a decode A/B decides: gpu_roofline.sh step skinny_gated_ab)
-SKINNY_GATED_MIN_ROWS = int(os.environ.get("RADIXSERVE_SKINNY_GATED_MIN_ROWS", "0"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,18 +68,11 @@ def _small_m_kernel(n: int, k: int, m: int):  # -> a callable(x, weight, bias) o
     return lambda x, weight, bias: skinny_gemm.skinny_gemm(x, weight, cfg, bias=bias)
 
 
-def _triton_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Rows that the GPU's Triton products take: 1-SMALL_M_MAX contiguous-K rows of fp16/bf16
-    on CUDA against a weight of their dtype with contiguous rows (tests point this at the
-    interpreter)."""
-    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SMALL_M_MAX
-            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and weight.stride(1) == 1)
-
-
 def _small_m_product(x: torch.Tensor, weight: torch.Tensor):  # -> a callable or None
     """The Triton GEMV / rows GEMV / skinny GEMM that `linear` runs this product on, if any."""
-    if _GEMV_ENABLED and _triton_rows(x, weight):
+    if (_GEMV_ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] <= SMALL_M_MAX
+            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and weight.stride(1) == 1 and x.shape[0] > 0):
         return _small_m_kernel(weight.shape[0], weight.shape[1], x.shape[0])
     return None
 
@@ -232,24 +221,6 @@ class LinearBase(nn.Module):
         n, k = self.weight.shape
         variant = gemv.fusion_variant(norm, gated, residual)
         return fused_rows.rows_config(n, k, rows, variant) is not None
-
-    def gated_rows_product(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up of this gate|up layer for decode rows x [M, K], written by the
-        skinny GEMM's tile itself (kernels/skinny_gemm.py GATED: SiLU-mul's kernel and launch
-        saved), from SKINNY_GATED_MIN_ROWS rows where the table names a tile for the product;
-        None elsewhere (the caller runs the product and SiLU-mul)."""
-        if not (_GEMV_ENABLED and 0 < SKINNY_GATED_MIN_ROWS <= x.shape[0]
-                and self.fp8 is None and _triton_rows(x, self.weight)):
-            return None
-        kernels = _triton_kernels()
-        if kernels is None:
-            return None
-        skinny_gemm = kernels[2]
-        n, k = self.weight.shape
-        cfg = skinny_gemm.gated_tile_config(n, k, x.shape[0])
-        if cfg is None:
-            return None
-        return skinny_gemm.skinny_gemm(x, self.weight, cfg, bias=self.bias, gated=True)
 
     def _one_row_gemv_config(self, fusion):  # -> gemv.GemvConfig | None
         """The configuration of the GEMV that a one-row `fused_row_product` with `fusion` runs,

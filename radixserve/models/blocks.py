@@ -112,10 +112,6 @@ class GatedMLP(nn.Module):
         self.act = gated_activation(activation)
 
     def forward(self, x: "torch.Tensor | Fp8Rows") -> torch.Tensor:
-        if isinstance(x, torch.Tensor) and isinstance(self.act, SiluAndMul):
-            act = self.gate_up_proj.gated_rows_product(x)  # decode rows, SiLU-mul on the tile
-            if act is not None:
-                return self.down_proj(act)
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
     def forward_fp8_rows(self, x: Fp8Rows) -> torch.Tensor:

@@ -12,13 +12,6 @@ FP8 weights (HAS_SCALE) are loaded as codes (half the bytes of bf16), converted 
 (every FP8 value is exact in bf16) and multiplied on the bf16 tensor cores; scales apply per
 output row once at the end, or (GROUPED) per K group of GROUP_K columns: each BLOCK_K step lies
 in one group, so its partial product is scaled before it is added.
-
-GATED (`skinny_gemm(..., gated=True)`, bf16/fp16 weights, K not split) reads the gate rows
-[0, N) and the up rows [N, 2N) of a gate|up weight, one accumulator each, and writes
-silu(gate) * up: SiLU-mul's kernel and its launch gone from a small-batch MLP. The RMSNorm in
-front did not ride as cheaply (session 26, benchmarks/gpu_skinny_fusion.py at 95a3ea6): x
-multiplied by the norm's weight before the MMA goes through registers every K step instead of
-the pipelined copy into shared memory, +16-19 us per product against the norm kernel's 1.5 us.
 """
 from __future__ import annotations
 
@@ -30,7 +23,6 @@ import triton.language as tl
 
 from radixserve.core.tile_counters import tile_counters
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
-from radixserve.layers.kernels.gemm_tables import tuned_entry
 
 TARGET_PROGRAMS = 264  # ~2 per SM on an H200 (132 SMs)
 # A vendor kernel (cuBLAS, _scaled_mm) does not take part in programmatic dependent launch: the
@@ -55,7 +47,7 @@ CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "SWAP_AB", "num_warps
 def _skinny_gemm_kernel(X, W, Scale, B, Y, Work, Counters, M, N, K, k_per_split, stride_xm,
                         stride_wn, stride_sn, stride_ym, HAS_SCALE: tl.constexpr,
                         GROUPED: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        ATOMIC: tl.constexpr, LAST_REDUCES: tl.constexpr, GATED: tl.constexpr,
+                        ATOMIC: tl.constexpr, LAST_REDUCES: tl.constexpr,
                         SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """Split K (grid dimension 2): program_id(2) takes K columns [s * k_per_split, (s + 1) *
@@ -64,8 +56,7 @@ def _skinny_gemm_kernel(X, W, Scale, B, Y, Work, Counters, M, N, K, k_per_split,
     to arrive (Counters, core/tile_counters.py) adds the partials in split order and writes Y
     in its dtype, bias included. SWAP_AB computes the transposed tile W_tile @ x_tile.T: the
     weight rows are the MMA's first operand, loaded as they lie in memory (K contiguous), and
-    the few x rows its second. GATED (one split only): silu(gate) * up of N gate rows and the
-    N up rows below them."""
+    the few x rows its second."""
     pdl_prologue(USE_PDL)
     pid_m = tl.program_id(1)
     pid_n = tl.program_id(0)
@@ -76,17 +67,14 @@ def _skinny_gemm_kernel(X, W, Scale, B, Y, Work, Counters, M, N, K, k_per_split,
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    up_rows = N * stride_wn  # GATED: the up half starts N rows down
     if SWAP_AB:
         x_ptrs = X + offs_m[None, :].to(tl.int64) * stride_xm + k_begin + offs_k[:, None]
         w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + k_begin + offs_k[None, :]
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc_up_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + k_begin + offs_k[None, :]
         w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_wn + k_begin + offs_k[:, None]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k_start in range(k_begin, k_end, BLOCK_K):
         k_mask = offs_k < k_end - k_start
         if HAS_SCALE and GROUPED:
@@ -99,10 +87,6 @@ def _skinny_gemm_kernel(X, W, Scale, B, Y, Work, Counters, M, N, K, k_per_split,
             if HAS_SCALE and GROUPED:
                 part_t = part_t * s[:, None]
             acc_t += part_t
-            if GATED:
-                w_up = tl.load(w_ptrs + up_rows, mask=n_mask[:, None] & k_mask[None, :],
-                               other=0.0, eviction_policy="evict_first")
-                acc_up_t += tl.dot(w_up.to(x.dtype), x)
         else:
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0,
@@ -111,15 +95,10 @@ def _skinny_gemm_kernel(X, W, Scale, B, Y, Work, Counters, M, N, K, k_per_split,
             if HAS_SCALE and GROUPED:
                 part = part * s[None, :]
             acc += part
-            if GATED:
-                w_up = tl.load(w_ptrs + up_rows, mask=n_mask[None, :] & k_mask[:, None],
-                               other=0.0, eviction_policy="evict_first")
-                acc_up += tl.dot(x, w_up.to(x.dtype))
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if SWAP_AB:
         acc = tl.trans(acc_t)
-        acc_up = tl.trans(acc_up_t)
     if HAS_SCALE and not GROUPED:
         acc = acc * tl.load(Scale + offs_n * stride_sn, mask=n_mask, other=0.0)[None, :]
     y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
@@ -146,12 +125,6 @@ def _skinny_gemm_kernel(X, W, Scale, B, Y, Work, Counters, M, N, K, k_per_split,
     else:
         if HAS_BIAS:
             acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            if GATED:
-                acc_up += tl.load(B + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if GATED:  # silu(gate) * up, each rounded as the unfused kernels round them
-            gate = acc.to(Y.dtype.element_ty).to(tl.float32)
-            up = acc_up.to(Y.dtype.element_ty).to(tl.float32)
-            acc = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty).to(tl.float32) * up
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -192,42 +165,11 @@ def default_config(m: int, n: int, k: int, group_k: int | None) -> dict[str, int
     return cfg
 
 
-def gated_tile_config(n: int, k: int, m: int) -> dict[str, int] | None:
-    """The tile a gate|up product of an [n, k] weight (bf16 table) at M rows runs with SiLU-mul
-    behind it: the entry's own "gated" tile where a sweep wrote one, else the plain product's
-    tile (an entry's tile, or the kept one within the vendor gap) with K unsplit, fitted to
-    shared memory; None where the plain product runs on neither."""
-    entry = tuned_entry("bf16", n, k, m)
-    swept = (entry or {}).get("gated")
-    if swept and "BLOCK_N" in swept:
-        return config_from_entry(swept)
-    cfg = config_from_entry(entry)
-    return None if cfg is None else fit_shared_memory(dict(cfg, SPLIT_K=1), gated=True)
-
-
-SHARED_BYTES = 227 * 1024  # an H100/H200 block's shared memory
-
-
-def fit_shared_memory(cfg: dict[str, int], gated: bool) -> dict[str, int]:
-    """A plain product's tile adapted to a gated one, which loads a gate and an up tile per
-    step: BLOCK_N past 64 halved (the weight bytes per step stay those of the plain tile),
-    and stages dropped until the pipeline's half-precision operand tiles fit in shared memory
-    (sm_90 code compiled on the CPU: shared = stages x that, 16 x 128 x 128 gated at 4 stages
-    is 272 KiB)."""
-    if gated and cfg["BLOCK_N"] > 64:
-        cfg = dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2)
-    weight_tiles = 2 if gated else 1
-    per_stage = 2 * cfg["BLOCK_K"] * (cfg["BLOCK_N"] * weight_tiles + cfg["BLOCK_M"])
-    return dict(cfg, num_stages=max(1, min(cfg["num_stages"], SHARED_BYTES // per_stage)))
-
-
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: dict[str, int],
                 scale: torch.Tensor | None = None, group_k: int | None = None,
-                bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight.T (+ bias) -> [..., N] in x's dtype; weight [N, K] in x's dtype, or
-    FP8 codes with scale [N, G] (G > 1: group_k columns per scale group). gated (weights in
-    x's dtype; K then runs unsplit whatever cfg says): weight stacks gate and up halves
-    ([2N, K]) and the output is silu(gate) * up [..., N]."""
+    FP8 codes with scale [N, G] (G > 1: group_k columns per scale group)."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
@@ -238,11 +180,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: dict[str, int],
     block_k = cfg["BLOCK_K"]
     if grouped and group_k:
         block_k = min(block_k, group_k)
-    split = 1 if gated else cfg["SPLIT_K"]
-    if gated:
-        assert not has_scale and weight.dtype == x.dtype, "gated takes half-precision weights"
-        assert n % 2 == 0, "a gated weight stacks gate and up halves"
-        n //= 2
+    split = cfg["SPLIT_K"]
     atomic = split > 1 and not SPLIT_LAST_REDUCES
     # atomic split K: float32 partial sums added with atomics, so the buffer starts at zero
     y = torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic else \
@@ -261,7 +199,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: dict[str, int],
             y, work, counters, m, n, k, k_per_split, x2.stride(0), weight.stride(0),
             scale.stride(0) if has_scale else 0, y.stride(0), HAS_SCALE=has_scale,
             GROUPED=grouped, GROUP_K=group_k or k, HAS_BIAS=bias is not None,
-            ATOMIC=atomic, LAST_REDUCES=split > 1 and not atomic, GATED=gated,
+            ATOMIC=atomic, LAST_REDUCES=split > 1 and not atomic,
             SWAP_AB=bool(cfg.get("SWAP_AB", 0)), BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_args(x2))
