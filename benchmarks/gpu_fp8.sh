@@ -61,7 +61,7 @@ MODEL=benchmarks/configs/llama-3.1-8b
 
 if step tests; then
     echo "== tests"
-    timeout -k 10 "${FP8_TEST_SECONDS:-150}" python3 -m pytest -q -x tests/layers/test_fp8_gemm.py \
+    timeout -k 10 "${FP8_TEST_SECONDS:-300}" python3 -m pytest -q -x tests/layers/test_fp8_gemm.py \
         tests/layers/test_skinny_gemm.py tests/layers/test_gemv.py tests/mem/test_fp8_kv.py \
         tests/attention/test_fp8_kv_kernels.py tests/layers/test_fp8_mma_rows.py \
         tests/models/test_fp8_rows.py > "$OUT/tests.log" 2>&1
