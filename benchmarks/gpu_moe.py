@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from radixserve.layers.kernels import fused_moe as fm  # noqa: E402
 from radixserve.layers.moe.experts import FusedMoE  # noqa: E402
-from radixserve.layers.moe.router import RoutingConfig, TopK, select_experts  # noqa: E402
+from radixserve.layers.moe.router import RoutingConfig, select_experts  # noqa: E402
 
 # name -> (experts, top_k, hidden, expert intermediate)
 SHAPES = {"mixtral-8x7b": (8, 2, 4096, 14336), "qwen3-30b-a3b": (128, 8, 2048, 768),

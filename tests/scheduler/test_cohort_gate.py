@@ -6,7 +6,7 @@ import random
 
 from radixserve.scheduler.cohort_gate import CohortGate, full_cohort
 from tests.scheduler.fake_runner import (assert_memory_clean, expected_output, make_req,
-                                         make_scheduler, run_all)
+                                         make_scheduler)
 
 PROMPT, MAX_NEW = 16, 17
 # each request ends holding 16 + 17 tokens, plus the peak check's reserve of one: 8 fit at once
