@@ -119,7 +119,8 @@ one_batch() {  # label, extra flags...
         --log-level warning "$@" \
         --output-file "$OUT/one_batch_$label.jsonl" > "$OUT/one_batch_$label.log" 2>&1
     echo "   $label rc $?"
-    quiet < "$OUT/one_batch_$label.log" | tail -4
+    # the final table: its header and one row per batch
+    quiet < "$OUT/one_batch_$label.log" | tail -n $(( $(echo $batches | wc -w) + 1 ))
 }
 if step decode; then
     echo "== decode"
