@@ -50,6 +50,13 @@
 #          by atomics into a zeroed float32 buffer and a cast back (RADIXSERVE_SKINNY_SPLIT_REDUCE=
 #          atomic, the default) and by each tile's last program (=last: one launch, with PDL),
 #          alternated twice (~4 min; session 25's down tiles at 4-16 rows split K in 4)
+# dataflow: the one-launch decode MLP (kernels/dataflow_mlp.py): its GPU tests, then its
+#          configuration sweep against the three kernels (benchmarks/gpu_dataflow_mlp.py,
+#          Llama-3.1-8B's MLP at 8 rows, the five best at 2 / 4 / 16; ROOF_DATAFLOW_ARGS for
+#          more; ~4 min)
+# dataflow_ab: decode batch ROOF_AB_BATCHES (default "2 4 8 16") with RADIXSERVE_DATAFLOW_MLP=0
+#          and =ROOF_DATAFLOW_CONFIG (default: the sweep's best at 8 rows when dataflow ran in
+#          the same call), alternated twice (~5 min)
 # rows_fusion: small-batch decode's fused products (kernels/fused_rows.py): their GPU tests, then
 #          benchmarks/gpu_rows_fusion.py --write (each product swept at 2 rows; ROOF_ROWS_ARGS=
 #          "--rows 2 4 8" for more; the fused layer against the unfused one; the winners go into
@@ -211,6 +218,21 @@ if step split_reduce_ab; then
         > "$OUT/split_reduce_tests.log" 2>&1
     echo "   tests rc $?: $(tail -1 "$OUT/split_reduce_tests.log")"
     env_ab RADIXSERVE_SKINNY_SPLIT_REDUCE "atomic last atomic last" "4 8 16" bf16
+fi
+if step dataflow; then
+    echo "== the decode MLP in one launch (kernels/dataflow_mlp.py) against three kernels"
+    timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider tests/layers/test_dataflow_mlp.py \
+        > "$OUT/dataflow_tests.log" 2>&1
+    rc=$?
+    echo "   tests rc $rc: $(tail -1 "$OUT/dataflow_tests.log")"
+    [ $rc = 0 ] && timeout -k 10 "${ROOF_DATAFLOW_SWEEP_S:-300}" python3 benchmarks/gpu_dataflow_mlp.py \
+        --best-out "$OUT/dataflow_best.txt" ${ROOF_DATAFLOW_ARGS:-} 2>&1 | tee "$OUT/dataflow.log" \
+        | grep -E "^H|M="
+fi
+if step dataflow_ab; then
+    best=${ROOF_DATAFLOW_CONFIG:-$(cat "$OUT/dataflow_best.txt" 2>/dev/null || echo 1)}
+    echo "== decode, the MLP in one launch (RADIXSERVE_DATAFLOW_MLP=$best) against three kernels (0)"
+    env_ab RADIXSERVE_DATAFLOW_MLP "0 $best 0 $best" "${ROOF_AB_BATCHES:-2 4 8 16}" bf16
 fi
 if step rows_fusion; then
     echo "== rows fusion: GPU tests, the 2-8-row sweep (written into the tables), decode A/B"

@@ -340,7 +340,14 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1 or not self.reduce_results:
             return self.product(x, self.bias)
-        out = get_tp_group().all_reduce(self.product(x, None))
+        return self.reduce_partial(self.product(x, None))
+
+    def reduce_partial(self, partial: torch.Tensor) -> torch.Tensor:
+        """This layer's output from this rank's product without its bias, computed elsewhere
+        (a kernel that fuses the layer with its predecessor): the ranks' sum, plus the bias."""
+        out = partial
+        if self.tp_size > 1 and self.reduce_results:
+            out = get_tp_group().all_reduce(partial)
         return out if self.bias is None else out + self.bias
 
 

@@ -99,6 +99,9 @@ class DecoderAttention(nn.Module):
         return self.attn(q, k, v, forward_batch, RopeInput(positions, self.rotary))
 
 
+_UNSET = object()
+
+
 class GatedMLP(nn.Module):
     """`reduce_results=False`: the output is this rank's partial sum (see RowParallelLinear)."""
 
@@ -110,9 +113,32 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias,
                                            reduce_results=reduce_results)
         self.act = gated_activation(activation)
+        self._dataflow_cfg: object = _UNSET
 
     def forward(self, x: "torch.Tensor | Fp8Rows") -> torch.Tensor:
+        if isinstance(x, torch.Tensor) and self._takes_dataflow(x):
+            from radixserve.layers.kernels.dataflow_mlp import dataflow_mlp
+            return self.down_proj.reduce_partial(dataflow_mlp(
+                x, self.gate_up_proj.weight, self.down_proj.weight, self._dataflow_cfg))
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    def _takes_dataflow(self, x: torch.Tensor) -> bool:
+        """Whether this decode batch runs the whole MLP in one launch
+        (kernels/dataflow_mlp.py, 1-16 rows, half-precision weights, SiLU, no biases), which
+        RADIXSERVE_DATAFLOW_MLP turns on (read once per layer)."""
+        if not (one_row_kernels_apply(x) and 1 <= x.shape[0] <= 16):
+            return False
+        if self._dataflow_cfg is _UNSET:
+            self._dataflow_cfg = None
+            if isinstance(self.act, SiluAndMul) and self.gate_up_proj.bias is None and \
+                    self.down_proj.bias is None and self.gate_up_proj.fp8 is None and \
+                    self.down_proj.fp8 is None:
+                from radixserve.layers.kernels.dataflow_mlp import env_config
+                self._dataflow_cfg = env_config()
+        if self._dataflow_cfg is None:
+            return False
+        from radixserve.layers.kernels.dataflow_mlp import supports
+        return supports(x, self.gate_up_proj.weight, self.down_proj.weight, self._dataflow_cfg)
 
     def forward_fp8_rows(self, x: Fp8Rows) -> torch.Tensor:
         """Rows quantised beforehand: SiLU-mul quantises its output for the down projection."""

@@ -1,0 +1,151 @@
+"""The one-launch decode MLP (kernels/dataflow_mlp.py; interpreter on CPU at small shapes) against
+the three-kernel MLP's arithmetic, over repeated launches (the counters must come back to zero)
+and shapes whose last tiles and K slices are partial."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from radixserve.layers.kernels.dataflow_mlp import (DataflowMlpConfig, dataflow_mlp,  # noqa: E402
+                                                    env_config, supports)
+
+pytestmark = pytest.mark.kernel
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16  # interpreter: fp16
+
+
+def _reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The unfused MLP rounded as the GPU kernels round it: gate|up's output in x's dtype,
+    silu in float32 rounded, the product rounded, down in float32."""
+    inter = down.shape[1]
+    gu = (x.float() @ gate_up.float().t()).to(x.dtype).float()
+    silu = F.silu(gu[:, :inter]).to(x.dtype).float()
+    act = (silu * gu[:, inter:]).to(x.dtype).float()
+    return act @ down.float().t()
+
+
+def _operands(rows: int, hidden: int, inter: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, hidden, generator=gen).to(DTYPE)
+    gate_up = (torch.randn(2 * inter, hidden, generator=gen) / hidden ** 0.5).to(DTYPE)
+    down = (torch.randn(hidden, inter, generator=gen) / inter ** 0.5).to(DTYPE)
+    return x, gate_up, down
+
+
+@pytest.mark.parametrize("rows,hidden,inter,cfg", [
+    (1, 64, 128, DataflowMlpConfig(block_h=16, block_n=16, block_k=32, splits=2,
+                                   num_warps=4, num_stages=2)),
+    (8, 96, 160, DataflowMlpConfig(block_h=16, block_n=32, block_k=32, splits=3,
+                                   num_warps=4, num_stages=2)),
+    (16, 64, 200, DataflowMlpConfig(block_h=32, block_n=16, block_k=64, splits=4,
+                                    num_warps=4, num_stages=3)),
+    (5, 80, 96, DataflowMlpConfig(block_h=16, block_n=32, block_k=32, splits=1,
+                                  num_warps=4, num_stages=2)),
+])
+def test_dataflow_mlp_matches_the_unfused_mlp(rows, hidden, inter, cfg) -> None:
+    x, gate_up, down = _operands(rows, hidden, inter, rows * 1000 + inter)
+    want = _reference(x, gate_up, down)
+    xd, gud, dd = x.to(DEVICE), gate_up.to(DEVICE), down.to(DEVICE)
+    assert supports(xd, gud, dd, cfg)
+    for _ in range(3):  # every launch leaves the ticket and slice counters at zero
+        got = dataflow_mlp(xd, gud, dd, cfg)
+        assert got.shape == (rows, hidden) and got.dtype == DTYPE
+        torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_dataflow_mlp_counters_return_to_zero() -> None:
+    from radixserve.layers.kernels.dataflow_mlp import _sync_words
+    cfg = DataflowMlpConfig(block_h=16, block_n=16, block_k=32, splits=2, num_warps=4,
+                            num_stages=2)
+    x, gate_up, down = _operands(3, 32, 64, 5)
+    dataflow_mlp(x.to(DEVICE), gate_up.to(DEVICE), down.to(DEVICE), cfg)
+    assert int(_sync_words(torch.device(DEVICE)).abs().sum()) == 0
+
+
+def test_supports_rejects_what_the_kernel_cannot_take() -> None:
+    cfg = DataflowMlpConfig()
+    x, gate_up, down = _operands(4, 64, 128, 1)
+    assert supports(x, gate_up, down, cfg)
+    assert not supports(torch.cat([x] * 5), gate_up, down, cfg)  # 20 rows
+    assert not supports(x, gate_up[:100], down, cfg)  # gate|up not 2 x intermediate
+    assert not supports(x.float(), gate_up, down, cfg)  # dtypes differ
+    assert not supports(x, gate_up, down.t().contiguous().t(), cfg)  # columns not contiguous
+
+
+def test_env_config(monkeypatch) -> None:
+    monkeypatch.delenv("RADIXSERVE_DATAFLOW_MLP", raising=False)
+    assert env_config() is None
+    monkeypatch.setenv("RADIXSERVE_DATAFLOW_MLP", "1")
+    assert env_config() == DataflowMlpConfig()
+    monkeypatch.setenv("RADIXSERVE_DATAFLOW_MLP", "64,128,64,7,8,3")
+    assert env_config() == DataflowMlpConfig(64, 128, 64, 7, 8, 3)
+    monkeypatch.setenv("RADIXSERVE_DATAFLOW_MLP", "64,128")
+    with pytest.raises(ValueError, match="six integers"):
+        env_config()
+
+
+def _gated_mlp(hidden: int, inter: int):
+    from radixserve.models.blocks import GatedMLP
+    mlp = GatedMLP(hidden, inter)
+    gen = torch.Generator().manual_seed(11)
+    for param in mlp.parameters():
+        param.data.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    return mlp.to(DEVICE, DTYPE)
+
+
+def test_gated_mlp_runs_in_one_launch_when_asked(monkeypatch) -> None:
+    from radixserve.layers.kernels import dataflow_mlp as kernel_module
+    from radixserve.models import blocks
+    monkeypatch.setattr(blocks, "one_row_kernels_apply", lambda hidden: hidden.dim() == 2)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(2)).to(DEVICE, DTYPE)
+    want = _gated_mlp(64, 96)(x)  # RADIXSERVE_DATAFLOW_MLP unset: three kernels
+    launches = []
+    real = kernel_module.dataflow_mlp
+    monkeypatch.setattr(kernel_module, "dataflow_mlp",
+                        lambda *args: launches.append(1) or real(*args))
+    monkeypatch.setenv("RADIXSERVE_DATAFLOW_MLP", "16,32,32,2,4,2")
+    mlp = _gated_mlp(64, 96)
+    got = mlp(x)
+    assert launches == [1]
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert mlp(torch.cat([x] * 3)).shape == (18, 64) and launches == [1]  # 18 rows: unfused
+
+
+# the Engine in the interpreter takes ~20 s: CI skips it, the GPU runs it (a no-op mark there)
+@(pytest.mark.usefixtures() if torch.cuda.is_available() else pytest.mark.slow)
+def test_engine_greedy_outputs_unchanged_by_the_one_launch_mlp(tmp_path, monkeypatch) -> None:
+    import radixserve
+    from radixserve.layers.kernels import dataflow_mlp as kernel_module
+    from radixserve.models import blocks
+    from tests.models.tiny_checkpoints import make_checkpoint
+    make_checkpoint("llama_gqa_llama3_rope", tmp_path)
+    monkeypatch.setattr(blocks, "one_row_kernels_apply", lambda hidden: hidden.dim() == 2)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 160, (n,), generator=gen).tolist() for n in (30, 41, 17)]
+
+    def greedy() -> list[list[int]]:
+        engine = radixserve.Engine(str(tmp_path), dtype="float16", skip_tokenizer_init=True,
+                                   max_total_tokens=2000)
+        out = engine.generate(input_ids=prompts, sampling_params={
+            "max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
+        state = engine.get_internal_state()
+        assert state["memory_check_ok"] and state["leaked_tokens"] == 0
+        engine.shutdown()
+        return [o["output_ids"] for o in out]
+
+    reference = greedy()
+    launches = []
+    real = kernel_module.dataflow_mlp
+    monkeypatch.setattr(kernel_module, "dataflow_mlp",
+                        lambda *args: launches.append(1) or real(*args))
+    monkeypatch.setenv("RADIXSERVE_DATAFLOW_MLP", "1")
+    assert greedy() == reference
+    assert launches  # decode steps of 3 rows ran the MLP in one launch
