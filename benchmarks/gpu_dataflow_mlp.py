@@ -31,7 +31,7 @@ L2_OVERFLOW_BYTES = 512 << 20
 def candidates():
     from radixserve.layers.kernels.dataflow_mlp import DataflowMlpConfig
     for block_h, block_n, block_k, splits, stages in itertools.product(
-            (16, 32, 64), (32, 64, 128), (128, 256), (2, 4, 8), (3, 4)):
+            (16, 32, 64), (32, 64, 128), (128, 256), (2, 4, 8, 16), (3, 4)):
         if block_h == 64 and block_k == 256:
             continue  # two 64 x 256 weight tiles per stage: out of shared memory
         yield DataflowMlpConfig(block_h, block_n, block_k, splits, 4, stages)

@@ -57,6 +57,8 @@
 # dataflow_ab: decode batch ROOF_AB_BATCHES (default "2 4 8 16") with RADIXSERVE_DATAFLOW_MLP=0
 #          and =ROOF_DATAFLOW_CONFIG (default: the sweep's best at 8 rows when dataflow ran in
 #          the same call), alternated twice (~5 min)
+# dataflow_profile: where a batch-8 decode step goes (benchmarks/gpu_profile_decode.py --graph)
+#          with RADIXSERVE_DATAFLOW_MLP=0 and =ROOF_DATAFLOW_CONFIG (~3 min)
 # rows_fusion: small-batch decode's fused products (kernels/fused_rows.py): their GPU tests, then
 #          benchmarks/gpu_rows_fusion.py --write (each product swept at 2 rows; ROOF_ROWS_ARGS=
 #          "--rows 2 4 8" for more; the fused layer against the unfused one; the winners go into
@@ -233,6 +235,16 @@ if step dataflow_ab; then
     best=${ROOF_DATAFLOW_CONFIG:-$(cat "$OUT/dataflow_best.txt" 2>/dev/null || echo 1)}
     echo "== decode, the MLP in one launch (RADIXSERVE_DATAFLOW_MLP=$best) against three kernels (0)"
     env_ab RADIXSERVE_DATAFLOW_MLP "0 $best 0 $best" "${ROOF_AB_BATCHES:-2 4 8 16}" bf16
+fi
+if step dataflow_profile; then
+    best=${ROOF_DATAFLOW_CONFIG:-$(cat "$OUT/dataflow_best.txt" 2>/dev/null || echo 1)}
+    for value in 0 "$best"; do
+        echo "== where a batch-8 decode step goes, RADIXSERVE_DATAFLOW_MLP=$value"
+        RADIXSERVE_DATAFLOW_MLP=$value timeout -k 10 150 python3 benchmarks/gpu_profile_decode.py \
+            --batch 8 --graph > "$OUT/dataflow_profile_$value.log" 2>&1
+        echo "   rc $?"
+        grep -v -E "Warning|warn" "$OUT/dataflow_profile_$value.log" | tail -25
+    done
 fi
 if step rows_fusion; then
     echo "== rows fusion: GPU tests, the 2-8-row sweep (written into the tables), decode A/B"
