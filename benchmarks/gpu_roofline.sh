@@ -53,10 +53,12 @@
 # dataflow: the one-launch decode MLP (kernels/dataflow_mlp.py): its GPU tests, then its
 #          configuration sweep against the three kernels (benchmarks/gpu_dataflow_mlp.py,
 #          Llama-3.1-8B's MLP at 8 rows, the five best at 2 / 4 / 16; ROOF_DATAFLOW_ARGS for
-#          more; ~4 min)
+#          more; ~4 min per kind), for each of ROOF_DATAFLOW_KINDS (default bf16; "fp8": FP8
+#          weights and activation codes, as --quantization fp8 runs decode rows)
 # dataflow_ab: decode batch ROOF_AB_BATCHES (default "2 4 8 16") with RADIXSERVE_DATAFLOW_MLP=0
-#          and =ROOF_DATAFLOW_CONFIG (default: the sweep's best at 8 rows when dataflow ran in
-#          the same call), alternated twice (~5 min)
+#          (RADIXSERVE_DATAFLOW_MLP_FP8 for fp8) and =ROOF_DATAFLOW_CONFIG (default: the sweep's
+#          best at 8 rows when dataflow ran in the same call), alternated twice, for each of
+#          ROOF_DATAFLOW_KINDS (~5 min per kind)
 # dataflow_profile: where a batch-8 decode step goes (benchmarks/gpu_profile_decode.py --graph)
 #          with RADIXSERVE_DATAFLOW_MLP=0 and =ROOF_DATAFLOW_CONFIG (~3 min)
 # rows_fusion: small-batch decode's fused products (kernels/fused_rows.py): their GPU tests, then
@@ -227,17 +229,24 @@ if step dataflow; then
         > "$OUT/dataflow_tests.log" 2>&1
     rc=$?
     echo "   tests rc $rc: $(tail -1 "$OUT/dataflow_tests.log")"
-    [ $rc = 0 ] && timeout -k 10 "${ROOF_DATAFLOW_SWEEP_S:-300}" python3 benchmarks/gpu_dataflow_mlp.py \
-        --best-out "$OUT/dataflow_best.txt" ${ROOF_DATAFLOW_ARGS:-} 2>&1 | tee "$OUT/dataflow.log" \
-        | grep -E "^H|M="
+    for kind in ${ROOF_DATAFLOW_KINDS:-bf16}; do
+        [ $rc = 0 ] || break
+        flag=() && [ "$kind" = fp8 ] && flag=(--fp8)
+        timeout -k 10 "${ROOF_DATAFLOW_SWEEP_S:-300}" python3 benchmarks/gpu_dataflow_mlp.py \
+            ${flag[@]+"${flag[@]}"} --best-out "$OUT/dataflow_best_$kind.txt" \
+            ${ROOF_DATAFLOW_ARGS:-} 2>&1 | tee "$OUT/dataflow_$kind.log" | grep -E "^H|M="
+    done
 fi
 if step dataflow_ab; then
-    best=${ROOF_DATAFLOW_CONFIG:-$(cat "$OUT/dataflow_best.txt" 2>/dev/null || echo 1)}
-    echo "== decode, the MLP in one launch (RADIXSERVE_DATAFLOW_MLP=$best) against three kernels (0)"
-    env_ab RADIXSERVE_DATAFLOW_MLP "0 $best 0 $best" "${ROOF_AB_BATCHES:-2 4 8 16}" bf16
+    for kind in ${ROOF_DATAFLOW_KINDS:-bf16}; do
+        var=RADIXSERVE_DATAFLOW_MLP && [ "$kind" = fp8 ] && var=RADIXSERVE_DATAFLOW_MLP_FP8
+        best=${ROOF_DATAFLOW_CONFIG:-$(cat "$OUT/dataflow_best_$kind.txt" 2>/dev/null || echo 1)}
+        echo "== decode ($kind), the MLP in one launch ($var=$best) against three kernels (0)"
+        env_ab "$var" "0 $best 0 $best" "${ROOF_AB_BATCHES:-2 4 8 16}" "$kind"
+    done
 fi
 if step dataflow_profile; then
-    best=${ROOF_DATAFLOW_CONFIG:-$(cat "$OUT/dataflow_best.txt" 2>/dev/null || echo 1)}
+    best=${ROOF_DATAFLOW_CONFIG:-$(cat "$OUT/dataflow_best_bf16.txt" 2>/dev/null || echo 1)}
     for value in 0 "$best"; do
         echo "== where a batch-8 decode step goes, RADIXSERVE_DATAFLOW_MLP=$value"
         RADIXSERVE_DATAFLOW_MLP=$value timeout -k 10 150 python3 benchmarks/gpu_profile_decode.py \

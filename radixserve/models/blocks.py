@@ -114,6 +114,7 @@ class GatedMLP(nn.Module):
                                            reduce_results=reduce_results)
         self.act = gated_activation(activation)
         self._dataflow_cfg: object = _UNSET
+        self._fp8_dataflow_cfg: object = _UNSET
 
     def forward(self, x: "torch.Tensor | Fp8Rows") -> torch.Tensor:
         if isinstance(x, torch.Tensor) and self._takes_dataflow(x):
@@ -141,8 +142,34 @@ class GatedMLP(nn.Module):
         return supports(x, self.gate_up_proj.weight, self.down_proj.weight, self._dataflow_cfg)
 
     def forward_fp8_rows(self, x: Fp8Rows) -> torch.Tensor:
-        """Rows quantised beforehand: SiLU-mul quantises its output for the down projection."""
+        """Rows quantised beforehand: SiLU-mul quantises its output for the down projection
+        (or, where RADIXSERVE_DATAFLOW_MLP_FP8 asks, the whole MLP runs in one launch)."""
+        if self._takes_fp8_dataflow(x):
+            from radixserve.layers.kernels.dataflow_mlp import dataflow_mlp
+            gate_up, down = self.gate_up_proj, self.down_proj
+            return down.reduce_partial(dataflow_mlp(
+                x.codes, gate_up.weight, down.weight, self._fp8_dataflow_cfg,
+                scales=(x.scales, gate_up.weight_scale, down.weight_scale), out_dtype=x.dtype))
         return self.down_proj(self.act.forward_quantized(self.gate_up_proj(x)))
+
+    def _takes_fp8_dataflow(self, x: Fp8Rows) -> bool:
+        """`_takes_dataflow` for activation codes: per-channel FP8 weights (no blocks)."""
+        if not (one_row_kernels_apply(x.codes) and 1 <= x.codes.shape[0] <= 16):
+            return False
+        if self._fp8_dataflow_cfg is _UNSET:
+            gate_up, down = self.gate_up_proj, self.down_proj
+            self._fp8_dataflow_cfg = None
+            if isinstance(self.act, SiluAndMul) and gate_up.bias is None and \
+                    down.bias is None and gate_up.fp8 is not None and down.fp8 is not None \
+                    and gate_up.fp8.block is None and down.fp8.block is None and \
+                    gate_up.weight_scale.shape[1] == 1 and down.weight_scale.shape[1] == 1:
+                from radixserve.layers.kernels.dataflow_mlp import env_config
+                self._fp8_dataflow_cfg = env_config(fp8=True)
+        if self._fp8_dataflow_cfg is None:
+            return False
+        from radixserve.layers.kernels.dataflow_mlp import supports
+        return supports(x.codes, self.gate_up_proj.weight, self.down_proj.weight,
+                        self._fp8_dataflow_cfg, fp8=True)
 
 
 def dense_mlp(config: ModelConfig, intermediate_size: int | None = None,

@@ -58,10 +58,12 @@ class DataflowMlpConfig:
         return cls(*values)
 
 
-def env_config() -> DataflowMlpConfig | None:
-    """The configuration RADIXSERVE_DATAFLOW_MLP asks for: '1' the default, six integers one
-    of their own, unset or '0' none (the three-kernel MLP)."""
-    text = os.environ.get("RADIXSERVE_DATAFLOW_MLP", "0")
+def env_config(fp8: bool = False) -> DataflowMlpConfig | None:
+    """The configuration RADIXSERVE_DATAFLOW_MLP (half-precision weights) or
+    RADIXSERVE_DATAFLOW_MLP_FP8 (FP8 weights and activation codes) asks for: '1' the default,
+    six integers one of their own, unset or '0' none (the three-kernel MLP)."""
+    text = os.environ.get("RADIXSERVE_DATAFLOW_MLP_FP8" if fp8 else "RADIXSERVE_DATAFLOW_MLP",
+                          "0")
     if text in ("", "0"):
         return None
     return DataflowMlpConfig() if text == "1" else DataflowMlpConfig.parse(text)
@@ -76,8 +78,9 @@ def _sync_words(device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def _gate_up_tile(X, WGU, Hbuf, Sync, tile, M, HID, INTER, k_per_split, stride_x, stride_w,
-                  BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gate_up_tile(X, XScale, WGU, WGUScale, Hbuf, Sync, tile, M, HID, INTER, k_per_split,
+                  stride_x, stride_w, FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_h = tile * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -95,11 +98,16 @@ def _gate_up_tile(X, WGU, Hbuf, Sync, tile, M, HID, INTER, k_per_split, stride_x
                      eviction_policy="evict_first")
         wu = tl.load(wu_ptrs, mask=h_mask[:, None] & k_mask[None, :], other=0.0,
                      eviction_policy="evict_first")
-        acc_g += tl.dot(wg, x)
-        acc_u += tl.dot(wu, x)
+        acc_g = tl.dot(wg, x, acc_g)  # FP8: e4m3 codes on both sides, as they lie in memory
+        acc_u = tl.dot(wu, x, acc_u)
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
+    if FP8:  # per-token activation scales, per-channel weight scales
+        x_scale = tl.load(XScale + offs_m, mask=m_mask, other=0.0)[None, :]
+        acc_g = acc_g * x_scale * tl.load(WGUScale + offs_h, mask=h_mask, other=0.0)[:, None]
+        acc_u = acc_u * x_scale * \
+            tl.load(WGUScale + INTER + offs_h, mask=h_mask, other=0.0)[:, None]
     dtype = Hbuf.dtype.element_ty
     # rounded as gate|up's output, then SiLU-mul (kernels/silu_and_mul.py), would round it
     gate = acc_g.to(dtype).to(tl.float32)
@@ -112,9 +120,10 @@ def _gate_up_tile(X, WGU, Hbuf, Sync, tile, M, HID, INTER, k_per_split, stride_x
 
 
 @triton.jit
-def _down_tile(Hbuf, WD, Y, Work, Sync, item, n_tiles, splits, M, HID, INTER, k_per_split,
-               stride_wd, stride_y, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAX_SPLITS: tl.constexpr):
+def _down_tile(Hbuf, WD, WDScale, Y, Work, Sync, item, n_tiles, splits, M, HID, INTER,
+               k_per_split, stride_wd, stride_y, FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               MAX_SPLITS: tl.constexpr):
     split = item // n_tiles
     tile_n = item % n_tiles
     k_begin = split * k_per_split
@@ -140,7 +149,13 @@ def _down_tile(Hbuf, WD, Y, Work, Sync, item, n_tiles, splits, M, HID, INTER, k_
                     cache_modifier=".cg")
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                     eviction_policy="evict_first")
-        acc_t += tl.dot(w, h)
+        if FP8:  # this step's slice of each row as e4m3 codes with a scale of its own
+            hf = h.to(tl.float32)
+            h_scale = tl.maximum(tl.max(tl.abs(hf), axis=0), 1e-30) / 448.0
+            codes = (hf / h_scale[None, :]).to(tl.float8e4nv)
+            acc_t += tl.dot(w, codes) * h_scale[None, :]
+        else:
+            acc_t = tl.dot(w, h, acc_t)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
@@ -156,25 +171,28 @@ def _down_tile(Hbuf, WD, Y, Work, Sync, item, n_tiles, splits, M, HID, INTER, k_
         for s in range(0, splits):
             acc_t += tl.load(tile_ptrs + s * split_elems, cache_modifier=".cg")
         tl.atomic_xchg(reduce_count, 0)
+        if FP8:
+            acc_t = acc_t * tl.load(WDScale + offs_n, mask=n_mask, other=0.0)[:, None]
         y_ptrs = Y + offs_m[None, :].to(tl.int64) * stride_y + offs_n[:, None]
         tl.store(y_ptrs, acc_t.to(Y.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
 @triton.jit
-def _dataflow_mlp_kernel(X, WGU, WD, Y, Hbuf, Work, Sync, M, HID, INTER, k_per_split,
-                         gate_up_tiles, n_tiles, splits, stride_x, stride_wgu, stride_wd,
-                         stride_y, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         MAX_SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
+def _dataflow_mlp_kernel(X, XScale, WGU, WGUScale, WD, WDScale, Y, Hbuf, Work, Sync, M, HID,
+                         INTER, k_per_split, gate_up_tiles, n_tiles, splits, stride_x,
+                         stride_wgu, stride_wd, stride_y, FP8: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     ticket = tl.atomic_add(Sync, 1, sem="relaxed")
     if ticket < gate_up_tiles:
-        _gate_up_tile(X, WGU, Hbuf, Sync, ticket, M, HID, INTER, k_per_split, stride_x,
-                      stride_wgu, BLOCK_M, BLOCK_H, BLOCK_K)
+        _gate_up_tile(X, XScale, WGU, WGUScale, Hbuf, Sync, ticket, M, HID, INTER,
+                      k_per_split, stride_x, stride_wgu, FP8, BLOCK_M, BLOCK_H, BLOCK_K)
     else:
-        _down_tile(Hbuf, WD, Y, Work, Sync, ticket - gate_up_tiles, n_tiles, splits, M, HID,
-                   INTER, k_per_split, stride_wd, stride_y, BLOCK_M, BLOCK_H, BLOCK_N,
-                   BLOCK_K, MAX_SPLITS)
+        _down_tile(Hbuf, WD, WDScale, Y, Work, Sync, ticket - gate_up_tiles, n_tiles, splits,
+                   M, HID, INTER, k_per_split, stride_wd, stride_y, FP8, BLOCK_M, BLOCK_H,
+                   BLOCK_N, BLOCK_K, MAX_SPLITS)
         down_items = n_tiles * splits
         if tl.atomic_add(Sync + 1, 1, sem="acq_rel") == down_items - 1:
             # every ticket is taken and every slice counted: zero the counters for next time
@@ -185,13 +203,18 @@ def _dataflow_mlp_kernel(X, WGU, WD, Y, Hbuf, Work, Sync, M, HID, INTER, k_per_s
 
 
 def supports(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-             cfg: DataflowMlpConfig) -> bool:
-    """Whether `dataflow_mlp` takes these operands: 1-16 rows, half-precision x and weights of
-    its dtype with contiguous rows, and a K slicing that the counters cover."""
+             cfg: DataflowMlpConfig, fp8: bool = False) -> bool:
+    """Whether `dataflow_mlp` takes these operands: 1-16 rows with contiguous columns, weights
+    with contiguous rows (gate|up [2I, H], down [H, I]) and a K slicing the counters cover;
+    half-precision x and weights of its dtype, or (fp8) e4m3 codes for all three."""
     rows = x.shape[0] if x.dim() == 2 else 0
     inter = down.shape[1]
-    if not (1 <= rows <= MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and gate_up.dtype == down.dtype == x.dtype and x.stride(-1) == 1
+    if fp8:
+        dtypes_fit = x.dtype == gate_up.dtype == down.dtype == torch.float8_e4m3fn
+    else:
+        dtypes_fit = x.dtype in (torch.float16, torch.bfloat16, torch.float32) and \
+            gate_up.dtype == down.dtype == x.dtype
+    if not (1 <= rows <= MAX_ROWS and dtypes_fit and x.stride(-1) == 1
             and gate_up.stride(1) == 1 and down.stride(1) == 1):
         return False
     if gate_up.shape != (2 * inter, x.shape[1]) or down.shape[0] != x.shape[1]:
@@ -214,25 +237,42 @@ def _gcd(a: int, b: int) -> int:
 
 
 def dataflow_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                 cfg: DataflowMlpConfig) -> torch.Tensor:
+                 cfg: DataflowMlpConfig, scales: "tuple[torch.Tensor, torch.Tensor, "
+                 "torch.Tensor] | None" = None, out_dtype: torch.dtype | None = None
+                 ) -> torch.Tensor:
     """down @ (silu(x @ gate.T) * (x @ up.T)) for x [M, H] (M <= 16), gate_up [2I, H] (gate
-    rows, then up rows), down [H, I] -> [M, H] in x's dtype."""
-    assert supports(x, gate_up, down, cfg)
+    rows, then up rows), down [H, I] -> [M, H] in x's dtype.
+
+    With `scales` = (x's per-row scales [M, 1], gate|up's per-row [2I, 1], down's per-row
+    [H, 1]; float32) x and both weights are e4m3 codes (per-token W8A8, as `--quantization
+    fp8` runs decode rows) and the result is out_dtype: gate|up multiplies codes by codes, the
+    intermediate activation is kept in out_dtype, and down quantises each K step's slice of
+    it per row in registers (one scale per row and BLOCK_K columns: finer than the per-token
+    scale SiLU-mul would give it) for e4m3 products again."""
+    fp8 = scales is not None
+    assert supports(x, gate_up, down, cfg, fp8)
+    dtype = out_dtype if fp8 else x.dtype
+    assert dtype is not None
     rows, hidden = x.shape
     inter = down.shape[1]
     k_per_split = _k_per_split(inter, cfg)
     splits = triton.cdiv(inter, k_per_split)
     n_tiles = triton.cdiv(hidden, cfg.block_n)
     gate_up_tiles = triton.cdiv(inter, cfg.block_h)
-    y = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(rows, hidden, dtype=dtype, device=x.device)
+    h = torch.empty(rows, inter, dtype=dtype, device=x.device)
     work = torch.empty(splits * n_tiles * cfg.block_n * MAX_ROWS, dtype=torch.float32,
                        device=x.device)
+    x_scale, gate_up_scale, down_scale = scales if fp8 else (y, y, y)
+    if fp8:
+        assert x_scale.numel() == rows and gate_up_scale.numel() == 2 * inter and \
+            down_scale.numel() == hidden, "per-row scales only (no block-scaled weights)"
     grid = (gate_up_tiles + n_tiles * splits,)
     _dataflow_mlp_kernel[grid](
-        x, gate_up, down, y, h, work, _sync_words(x.device), rows, hidden, inter, k_per_split,
-        gate_up_tiles, n_tiles, splits, x.stride(0), gate_up.stride(0), down.stride(0),
-        y.stride(0), BLOCK_M=MAX_ROWS, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, MAX_SPLITS=MAX_SPLITS, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_launch_args(x))
+        x, x_scale, gate_up, gate_up_scale, down, down_scale, y, h, work,
+        _sync_words(x.device), rows, hidden, inter, k_per_split, gate_up_tiles, n_tiles, splits,
+        x.stride(0), gate_up.stride(0), down.stride(0), y.stride(0), FP8=fp8,
+        BLOCK_M=MAX_ROWS, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        MAX_SPLITS=MAX_SPLITS, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch_args(h))
     return y
