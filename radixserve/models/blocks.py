@@ -153,7 +153,8 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act.forward_quantized(self.gate_up_proj(x)))
 
     def _takes_fp8_dataflow(self, x: Fp8Rows) -> bool:
-        """`_takes_dataflow` for activation codes: per-channel FP8 weights (no blocks)."""
+        """`_takes_dataflow` for activation codes: FP8 weights with one scale per row (per
+        channel, or a per-tensor scale stored per row; no blocks)."""
         if not (one_row_kernels_apply(x.codes) and 1 <= x.codes.shape[0] <= 16):
             return False
         if self._fp8_dataflow_cfg is _UNSET:
@@ -162,7 +163,8 @@ class GatedMLP(nn.Module):
             if isinstance(self.act, SiluAndMul) and gate_up.bias is None and \
                     down.bias is None and gate_up.fp8 is not None and down.fp8 is not None \
                     and gate_up.fp8.block is None and down.fp8.block is None and \
-                    gate_up.weight_scale.shape[1] == 1 and down.weight_scale.shape[1] == 1:
+                    gate_up.weight_scale.shape == (gate_up.weight.shape[0], 1) and \
+                    down.weight_scale.shape == (down.weight.shape[0], 1):
                 from radixserve.layers.kernels.dataflow_mlp import env_config
                 self._fp8_dataflow_cfg = env_config(fp8=True)
         if self._fp8_dataflow_cfg is None:
