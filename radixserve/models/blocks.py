@@ -99,9 +99,6 @@ class DecoderAttention(nn.Module):
         return self.attn(q, k, v, forward_batch, RopeInput(positions, self.rotary))
 
 
-_UNSET = object()
-
-
 class GatedMLP(nn.Module):
     """`reduce_results=False`: the output is this rank's partial sum (see RowParallelLinear)."""
 
@@ -113,65 +110,57 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias,
                                            reduce_results=reduce_results)
         self.act = gated_activation(activation)
-        self._dataflow_cfg: object = _UNSET
-        self._fp8_dataflow_cfg: object = _UNSET
+        # kernels/dataflow_mlp.py's configuration per kind (fp8 or not), resolved at first use
+        self._dataflow_cfgs: dict[bool, object] = {}
 
     def forward(self, x: "torch.Tensor | Fp8Rows") -> torch.Tensor:
-        if isinstance(x, torch.Tensor) and self._takes_dataflow(x):
+        cfg = self._dataflow_config(x, fp8=False) if isinstance(x, torch.Tensor) else None
+        if cfg is not None:
             from radixserve.layers.kernels.dataflow_mlp import dataflow_mlp
             return self.down_proj.reduce_partial(dataflow_mlp(
-                x, self.gate_up_proj.weight, self.down_proj.weight, self._dataflow_cfg))
+                x, self.gate_up_proj.weight, self.down_proj.weight, cfg))
         return self.down_proj(self.act(self.gate_up_proj(x)))
-
-    def _takes_dataflow(self, x: torch.Tensor) -> bool:
-        """Whether this decode batch runs the whole MLP in one launch
-        (kernels/dataflow_mlp.py, 1-16 rows, half-precision weights, SiLU, no biases), which
-        RADIXSERVE_DATAFLOW_MLP turns on (read once per layer)."""
-        if not (one_row_kernels_apply(x) and 1 <= x.shape[0] <= 16):
-            return False
-        if self._dataflow_cfg is _UNSET:
-            self._dataflow_cfg = None
-            if isinstance(self.act, SiluAndMul) and self.gate_up_proj.bias is None and \
-                    self.down_proj.bias is None and self.gate_up_proj.fp8 is None and \
-                    self.down_proj.fp8 is None:
-                from radixserve.layers.kernels.dataflow_mlp import env_config
-                self._dataflow_cfg = env_config()
-        if self._dataflow_cfg is None:
-            return False
-        from radixserve.layers.kernels.dataflow_mlp import supports
-        return supports(x, self.gate_up_proj.weight, self.down_proj.weight, self._dataflow_cfg)
 
     def forward_fp8_rows(self, x: Fp8Rows) -> torch.Tensor:
         """Rows quantised beforehand: SiLU-mul quantises its output for the down projection
         (or, where RADIXSERVE_DATAFLOW_MLP_FP8 asks, the whole MLP runs in one launch)."""
-        if self._takes_fp8_dataflow(x):
+        cfg = self._dataflow_config(x.codes, fp8=True)
+        if cfg is not None:
             from radixserve.layers.kernels.dataflow_mlp import dataflow_mlp
             gate_up, down = self.gate_up_proj, self.down_proj
             return down.reduce_partial(dataflow_mlp(
-                x.codes, gate_up.weight, down.weight, self._fp8_dataflow_cfg,
+                x.codes, gate_up.weight, down.weight, cfg,
                 scales=(x.scales, gate_up.weight_scale, down.weight_scale), out_dtype=x.dtype))
         return self.down_proj(self.act.forward_quantized(self.gate_up_proj(x)))
 
-    def _takes_fp8_dataflow(self, x: Fp8Rows) -> bool:
-        """`_takes_dataflow` for activation codes: FP8 weights with one scale per row (per
-        channel, or a per-tensor scale stored per row; no blocks)."""
-        if not (one_row_kernels_apply(x.codes) and 1 <= x.codes.shape[0] <= 16):
-            return False
-        if self._fp8_dataflow_cfg is _UNSET:
-            gate_up, down = self.gate_up_proj, self.down_proj
-            self._fp8_dataflow_cfg = None
-            if isinstance(self.act, SiluAndMul) and gate_up.bias is None and \
-                    down.bias is None and gate_up.fp8 is not None and down.fp8 is not None \
-                    and gate_up.fp8.block is None and down.fp8.block is None and \
-                    gate_up.weight_scale.shape == (gate_up.weight.shape[0], 1) and \
-                    down.weight_scale.shape == (down.weight.shape[0], 1):
+    def _dataflow_config(self, rows: torch.Tensor, fp8: bool):  # -> DataflowMlpConfig | None
+        """The configuration to run this decode batch's whole MLP in one launch with
+        (kernels/dataflow_mlp.py: 1-16 rows of half-precision activations, or of FP8 codes
+        with fp8), where RADIXSERVE_DATAFLOW_MLP(_FP8) turns it on (read once per layer and
+        kind) and the layer fits; else None."""
+        if fp8 not in self._dataflow_cfgs:
+            self._dataflow_cfgs[fp8] = None
+            if self._fits_dataflow(fp8):
                 from radixserve.layers.kernels.dataflow_mlp import env_config
-                self._fp8_dataflow_cfg = env_config(fp8=True)
-        if self._fp8_dataflow_cfg is None:
-            return False
+                self._dataflow_cfgs[fp8] = env_config(fp8)
+        cfg = self._dataflow_cfgs[fp8]
+        if cfg is None or not one_row_kernels_apply(rows):
+            return None
         from radixserve.layers.kernels.dataflow_mlp import supports
-        return supports(x.codes, self.gate_up_proj.weight, self.down_proj.weight,
-                        self._fp8_dataflow_cfg, fp8=True)
+        return cfg if supports(rows, self.gate_up_proj.weight, self.down_proj.weight, cfg,
+                               fp8) else None
+
+    def _fits_dataflow(self, fp8: bool) -> bool:
+        """SiLU, no biases, and half-precision weights or (fp8) FP8 weights with one scale per
+        row (per channel, or a per-tensor scale stored per row; no blocks)."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if not (isinstance(self.act, SiluAndMul) and gate_up.bias is None and down.bias is None):
+            return False
+        if not fp8:
+            return gate_up.fp8 is None and down.fp8 is None
+        return all(layer.fp8 is not None and layer.fp8.block is None
+                   and layer.weight_scale.shape == (layer.weight.shape[0], 1)
+                   for layer in (gate_up, down))
 
 
 def dense_mlp(config: ModelConfig, intermediate_size: int | None = None,

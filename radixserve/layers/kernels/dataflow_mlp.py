@@ -18,12 +18,13 @@ Tickets, not program ids, order the work, so a down item only ever waits on item
 program already holds: no deadlock however the hardware schedules the grid, and down items
 start while the last gate|up tiles still stream, which hides the boundary between the products.
 In the Triton interpreter the programs run one after another in ticket order, so every wait is
-already satisfied and the kernel is testable on the CPU. The counters live in one int32 array
-per device and stream (kept for the life of the process: CUDA graphs hold its address); the
-last down item to finish sets them back to zero for the next launch.
+already satisfied and the kernel is testable on the CPU. The counters are the per-device,
+per-stream array the split-K kernels share (core/tile_counters.py: launches on one stream run
+one after another, and each leaves it at zero); here the last down item to finish zeroes them.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -31,13 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.core.tile_counters import tile_counters
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 
 MAX_ROWS = 16  # one BLOCK_M tile of rows
 MAX_SPLITS = 64  # K slices of the down product
 MAX_DOWN_TILES = 4096  # output tiles of the down product
-_SYNC_WORDS = 2 + MAX_SPLITS + MAX_DOWN_TILES
-_SYNC: dict[tuple[str, int], torch.Tensor] = {}
+# the ticket, the finished down items, a counter per K slice, one per down tile (reduction)
+SYNC_WORDS = 2 + MAX_SPLITS + MAX_DOWN_TILES
 
 
 @dataclass(frozen=True)
@@ -67,14 +69,6 @@ def env_config(fp8: bool = False) -> DataflowMlpConfig | None:
     if text in ("", "0"):
         return None
     return DataflowMlpConfig() if text == "1" else DataflowMlpConfig.parse(text)
-
-
-def _sync_words(device: torch.device) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    if key not in _SYNC:
-        _SYNC[key] = torch.zeros(_SYNC_WORDS, dtype=torch.int32, device=device)
-    return _SYNC[key]
 
 
 @triton.jit
@@ -226,14 +220,8 @@ def supports(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 
 def _k_per_split(inter: int, cfg: DataflowMlpConfig) -> int:
     """Columns of the intermediate activation per down slice: whole gate|up tiles and K steps."""
-    step = cfg.block_h * cfg.block_k // _gcd(cfg.block_h, cfg.block_k)
+    step = math.lcm(cfg.block_h, cfg.block_k)
     return triton.cdiv(triton.cdiv(inter, cfg.splits), step) * step
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 def dataflow_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -241,7 +229,8 @@ def dataflow_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                  "torch.Tensor] | None" = None, out_dtype: torch.dtype | None = None
                  ) -> torch.Tensor:
     """down @ (silu(x @ gate.T) * (x @ up.T)) for x [M, H] (M <= 16), gate_up [2I, H] (gate
-    rows, then up rows), down [H, I] -> [M, H] in x's dtype.
+    rows, then up rows), down [H, I] -> [M, H] in x's dtype; the caller has checked
+    `supports` (GatedMLP does).
 
     With `scales` = (x's per-row scales [M, 1], gate|up's per-row [2I, 1], down's per-row
     [H, 1]; float32) x and both weights are e4m3 codes (per-token W8A8, as `--quantization
@@ -250,7 +239,6 @@ def dataflow_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     it per row in registers (one scale per row and BLOCK_K columns: finer than the per-token
     scale SiLU-mul would give it) for e4m3 products again."""
     fp8 = scales is not None
-    assert supports(x, gate_up, down, cfg, fp8)
     dtype = out_dtype if fp8 else x.dtype
     assert dtype is not None
     rows, hidden = x.shape
@@ -270,7 +258,7 @@ def dataflow_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     grid = (gate_up_tiles + n_tiles * splits,)
     _dataflow_mlp_kernel[grid](
         x, x_scale, gate_up, gate_up_scale, down, down_scale, y, h, work,
-        _sync_words(x.device), rows, hidden, inter, k_per_split, gate_up_tiles, n_tiles, splits,
+        tile_counters(x.device, SYNC_WORDS), rows, hidden, inter, k_per_split, gate_up_tiles, n_tiles, splits,
         x.stride(0), gate_up.stride(0), down.stride(0), y.stride(0), FP8=fp8,
         BLOCK_M=MAX_ROWS, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         MAX_SPLITS=MAX_SPLITS, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
