@@ -113,12 +113,13 @@ def test_fp8_dataflow_mlp_matches_the_w8a8_arithmetic(rows, hidden, inter, cfg) 
 
 
 def test_dataflow_mlp_counters_return_to_zero() -> None:
-    from radixserve.layers.kernels.dataflow_mlp import _sync_words
+    from radixserve.core.tile_counters import tile_counters
+    from radixserve.layers.kernels.dataflow_mlp import SYNC_WORDS
     cfg = DataflowMlpConfig(block_h=16, block_n=16, block_k=32, splits=2, num_warps=4,
                             num_stages=2)
     x, gate_up, down = _operands(3, 32, 64, 5)
     dataflow_mlp(x.to(DEVICE), gate_up.to(DEVICE), down.to(DEVICE), cfg)
-    assert int(_sync_words(torch.device(DEVICE)).abs().sum()) == 0
+    assert int(tile_counters(torch.device(DEVICE), SYNC_WORDS).abs().sum()) == 0
 
 
 def test_supports_rejects_what_the_kernel_cannot_take() -> None:
@@ -173,24 +174,15 @@ def test_gated_mlp_runs_in_one_launch_when_asked(monkeypatch) -> None:
 # the Engine in the interpreter takes ~20 s: CI skips it, the GPU runs it (a no-op mark there)
 @(pytest.mark.usefixtures() if torch.cuda.is_available() else pytest.mark.slow)
 def test_engine_greedy_outputs_unchanged_by_the_one_launch_mlp(tmp_path, monkeypatch) -> None:
-    import radixserve
     from radixserve.layers.kernels import dataflow_mlp as kernel_module
     from radixserve.models import blocks
+    from tests.models.engine_greedy import engine_greedy_tokens
     from tests.models.tiny_checkpoints import make_checkpoint
     make_checkpoint("llama_gqa_llama3_rope", tmp_path)
     monkeypatch.setattr(blocks, "one_row_kernels_apply", lambda hidden: hidden.dim() == 2)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 160, (n,), generator=gen).tolist() for n in (30, 41, 17)]
 
     def greedy() -> list[list[int]]:
-        engine = radixserve.Engine(str(tmp_path), dtype="float16", skip_tokenizer_init=True,
-                                   max_total_tokens=2000)
-        out = engine.generate(input_ids=prompts, sampling_params={
-            "max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
-        state = engine.get_internal_state()
-        assert state["memory_check_ok"] and state["leaked_tokens"] == 0
-        engine.shutdown()
-        return [o["output_ids"] for o in out]
+        return engine_greedy_tokens(str(tmp_path), (30, 41, 17), 5, dtype="float16")
 
     reference = greedy()
     launches = []

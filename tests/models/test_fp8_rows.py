@@ -12,7 +12,6 @@ if not torch.cuda.is_available():  # read when a kernel is decorated: before the
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-import radixserve  # noqa: E402
 from radixserve.layers import linear as linear_module  # noqa: E402
 from radixserve.layers.kernels import fp8_gemm, fp8_mma_rows  # noqa: E402
 from radixserve.layers.kernels.per_token_quant import per_token_quant_reference  # noqa: E402
@@ -21,6 +20,7 @@ from radixserve.layers.kernels.silu_and_mul import (silu_and_mul_quant,  # noqa:
                                                     silu_and_mul_reference)
 from radixserve.layers.quantization.fp8 import FP8_DTYPE, quantize_rows  # noqa: E402
 from radixserve.models import blocks  # noqa: E402
+from tests.models.engine_greedy import engine_greedy_tokens  # noqa: E402
 from tests.models.tiny_checkpoints import make_checkpoint  # noqa: E402
 from tests.triton_interpreter import fix_fp8_rounding  # noqa: E402
 
@@ -91,17 +91,8 @@ def checkpoint(tmp_path_factory):
 
 def _greedy(checkpoint: str, lengths: tuple[int, ...] = (12, 20, 7),
             dtype: str = "float16") -> list[list[int]]:
-    engine = radixserve.Engine(checkpoint, dtype=dtype, skip_tokenizer_init=True,
-                               max_total_tokens=2000, quantization="fp8")
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 160, (n,), generator=gen).tolist() for n in lengths]
     # three requests: every decode step is three rows (few steps: the interpreter is slow)
-    outs = engine.generate(input_ids=prompts, sampling_params={
-        "max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
-    state = engine.get_internal_state()
-    assert state["memory_check_ok"] and state["leaked_tokens"] == 0
-    engine.shutdown()
-    return [out["output_ids"] for out in outs]
+    return engine_greedy_tokens(checkpoint, lengths, 3, dtype=dtype, quantization="fp8")
 
 
 def test_engine_decode_rows_take_activation_codes(checkpoint, monkeypatch) -> None:

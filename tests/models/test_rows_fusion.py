@@ -15,7 +15,6 @@ if not torch.cuda.is_available():  # read when a kernel is decorated: before the
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-import radixserve  # noqa: E402
 from radixserve.layers import linear as linear_module  # noqa: E402
 from radixserve.layers.activation import SiluAndMul  # noqa: E402
 from radixserve.layers.kernels import gemm_tables  # noqa: E402
@@ -25,6 +24,7 @@ from radixserve.layers.linear import QKVParallelLinear, RowParallelLinear  # noq
 from radixserve.layers.norm import RMSNorm  # noqa: E402
 from radixserve.layers.quantization.fp8 import Fp8Config, fp8_linears  # noqa: E402
 from radixserve.models import blocks  # noqa: E402
+from tests.models.engine_greedy import engine_greedy_tokens  # noqa: E402
 from tests.models.tiny_checkpoints import make_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.kernel
@@ -181,16 +181,8 @@ def checkpoint(tmp_path_factory):
 
 
 def _greedy(checkpoint: str) -> list[list[int]]:
-    engine = radixserve.Engine(checkpoint, dtype="float16" if DEVICE == "cpu" else "bfloat16",
-                               skip_tokenizer_init=True, max_total_tokens=2000)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 160, (30 + 7 * i,), generator=gen).tolist() for i in range(3)]
-    out = engine.generate(input_ids=prompts, sampling_params={
-        "max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
-    state = engine.get_internal_state()
-    assert state["memory_check_ok"] and state["leaked_tokens"] == 0
-    engine.shutdown()
-    return [o["output_ids"] for o in out]
+    return engine_greedy_tokens(checkpoint, (30, 37, 44), 4,
+                                dtype="float16" if DEVICE == "cpu" else "bfloat16")
 
 
 def test_engine_greedy_outputs_unchanged_by_the_fused_rows(checkpoint, table_dir,
