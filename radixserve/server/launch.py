@@ -133,18 +133,23 @@ def launch_server(server_args: ServerArgs,
         if code:
             raise SystemExit(code)
         return
+    port_args = PortArgs.create(server_args.dp_size)
+    group = ProcessGroup(server_args, port_args, scheduler_factory)
+    group.spawn()  # the children import their modules while this process checks
     # fail fast, before any process loads anything: the model must resolve, the split must be
     # possible, the port must be free (it stays bound, and uvicorn serves on this socket)
-    listen_socket, source = _check_before_loading(server_args)
+    try:
+        listen_socket, source = _check_before_loading(server_args)
+    except BaseException:
+        group.shutdown()
+        raise
     previous = {}
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, _raise_shutdown)
                     for sig in (signal.SIGINT, signal.SIGTERM)}
-    port_args = PortArgs.create(server_args.dp_size)
-    group = ProcessGroup(server_args, port_args, scheduler_factory)
     state = ServerState()
     try:
-        group.start()
+        group.release()
         yield_to_compute(server_args, "HTTP")  # after the children started (cpu_priority.py)
         logger.info("loading the model in the scheduler process (pid %s)",
                     group.pid_of("scheduler"))

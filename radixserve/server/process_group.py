@@ -1,16 +1,24 @@
 """Start, watch and stop the server's child processes (scheduler, detokenizer).
 
-Children are started with the "spawn" method. Each reports through its own pipe: ready (the
-scheduler adds the model info) or the traceback of what failed. After start-up a watchdog thread
+Children are started with the "spawn" method, in two steps: `spawn()` starts them, and each
+imports the modules its start-up needs (torch, transformers, the scheduler: ~4 s on a 2-core
+CPU) and then waits on its release pipe; `release()` lets them run, `shutdown()` ends them before
+they load anything. So the server checks the model and the port (launch.py) while the children
+import, and a failed check still stops every process before a model is loaded. Each child then
+reports through its own status pipe: ready (the scheduler adds the model info) or the traceback
+of what failed. After start-up a watchdog thread
 waits on the children's sentinels; if any child dies while the server is not stopping, the
 watchdog reports it (with the child's traceback when it sent one), and the server exits non-zero.
 Children end themselves if the parent dies (process_utils.exit_when_parent_dies).
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +35,35 @@ logger = logging.getLogger(__name__)
 
 _STATUS_PIPE = object()  # where a child's arguments take the write end of its status pipe
 
+# what each kind of child imports while it waits for its release (import errors are left to
+# the child's own start-up, which reports them)
+_MODEL_MODULES = ("torch", "transformers.models.auto.configuration_auto",
+                  "radixserve.scheduler.scheduler", "radixserve.executor.model_runner")
+_TOKENIZER_MODULES = ("transformers.models.auto.configuration_auto",
+                      "transformers.tokenization_utils_base", "radixserve.loader.tokenizer")
+
+
+def _run_when_released(release_conn: multiprocessing.connection.Connection,
+                       preload: tuple[str, ...], target: Callable[..., None],
+                       args: tuple[Any, ...]) -> None:
+    """A child's first steps: import `preload`, then run `target(*args)` once the server
+    releases it, or exit quietly if the server closes the pipe instead (a failed check, a
+    stop, or the server's death)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's (prepare_child_process)
+    for module in preload:
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001 - the target imports it again and reports the error
+            break
+    try:
+        released = release_conn.recv() is True
+    except (EOFError, OSError):
+        released = False
+    release_conn.close()
+    if not released:
+        os._exit(0)
+    target(*args)
+
 
 class ChildFailedError(RuntimeError):
     """A child process failed or died; the message holds its traceback when it sent one."""
@@ -37,6 +74,7 @@ class ChildProcess:
     name: str
     process: multiprocessing.process.BaseProcess
     status_conn: multiprocessing.connection.Connection
+    release_conn: multiprocessing.connection.Connection | None = None
     ready_message: dict[str, Any] | None = None
 
     def read_status(self) -> dict[str, Any] | None:
@@ -66,6 +104,12 @@ class ProcessGroup:
         self.stopping = False
 
     def start(self) -> None:
+        """Start the children and let them load at once."""
+        self.spawn()
+        self.release()
+
+    def spawn(self) -> None:
+        """Start the children; each imports what it needs and waits for `release()`."""
         ctx = multiprocessing.get_context("spawn")
         targets: list[tuple[str, Callable[..., None], tuple[Any, ...]]] = [
             ("detokenizer", run_detokenizer_process,
@@ -83,11 +127,26 @@ class ProcessGroup:
                          (args, rank, _STATUS_PIPE)) for rank in follower_ranks(args)]
         for name, target, args in targets:
             recv_conn, send_conn = ctx.Pipe(duplex=False)
+            release_recv, release_send = ctx.Pipe(duplex=False)
             args = tuple(send_conn if a is _STATUS_PIPE else a for a in args)
-            process = ctx.Process(target=target, name=f"radixserve-{name}", args=args)
+            preload = _TOKENIZER_MODULES if name == "detokenizer" else _MODEL_MODULES
+            process = ctx.Process(target=_run_when_released, name=f"radixserve-{name}",
+                                  args=(release_recv, preload, target, args))
             process.start()
             send_conn.close()  # the child holds the only write end: EOF means it is gone
-            self.children.append(ChildProcess(name, process, recv_conn))
+            release_recv.close()
+            self.children.append(ChildProcess(name, process, recv_conn, release_send))
+
+    def release(self) -> None:
+        """Let every spawned child run its start-up (load the model, the tokenizer)."""
+        for child in self.children:
+            if child.release_conn is not None:
+                try:
+                    child.release_conn.send(True)
+                except (OSError, ValueError):  # it died: wait_ready reports it
+                    pass
+                child.release_conn.close()
+                child.release_conn = None
 
     def pid_of(self, name: str) -> int | None:
         for child in self.children:
@@ -140,6 +199,10 @@ class ProcessGroup:
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop every child (SIGTERM, then SIGKILL after `timeout_s`) and remove the sockets."""
         self.stopping = True
+        for child in self.children:
+            if child.release_conn is not None:  # never released: it exits on the closed pipe
+                child.release_conn.close()
+                child.release_conn = None
         for child in self.children:
             if child.process.is_alive():
                 child.process.terminate()
