@@ -24,6 +24,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from radixserve.loader import gguf_dequant
 from radixserve.loader.cache_dir import file_cache_folder, read_cached_json, write_json_atomically
 from radixserve.loader.gguf_file import GGUFFile, GGUFTensorInfo, read_gguf
 
@@ -158,6 +159,8 @@ def dequantize_tensor(gguf: GGUFFile, info: GGUFTensorInfo) -> torch.Tensor:
     elif info.ggml_type == GGMLQuantizationType.BF16:
         # widen bf16 to fp32 by shifting its bits into the high half
         array = (np.asarray(raw).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    elif gguf_dequant.supports(info.ggml_type):  # whole-tensor torch path, same floats
+        return gguf_dequant.dequantize_plain(raw, info.ggml_type).reshape(info.shape)
     else:
         array = dequantize(np.asarray(raw), info.ggml_type)
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(info.shape))

@@ -19,6 +19,13 @@ pytestmark = pytest.mark.kernel
 SMALL = DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1)
 
 
+# the kernel variants' dtypes: the GPU runs each; the interpreter (CPU CI) runs fp16 only, the
+# activations' dtype on GPUs (its float32 arithmetic is the same for both; the plain kernel's
+# tests below still run both)
+VARIANT_DTYPES = [torch.float16, torch.float32, torch.bfloat16] if torch.cuda.is_available() \
+    else [torch.float16]
+
+
 def run_decode(seq_lens: list[int], num_kv_heads: int, group: int, head_dim: int,
                dtype: torch.dtype, num_kv_splits: int, config: DecodeKernelConfig,
                seed: int = 0, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,8 +80,7 @@ def test_decode_early_v_load_matches_reference(num_kv_splits: int) -> None:
 
 @pytest.mark.parametrize("q_scale", [1.0, 8.0])
 @pytest.mark.parametrize("num_kv_splits", [1, 3])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32]
-                         + ([torch.bfloat16] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("dtype", VARIANT_DTYPES)
 def test_decode_lazy_rescale_matches_reference(q_scale: float, num_kv_splits: int,
                                                dtype: torch.dtype) -> None:
     """A stale running max: with q x 8 (scores spread over tens of powers of two) later blocks
@@ -90,8 +96,7 @@ def test_decode_lazy_rescale_matches_reference(q_scale: float, num_kv_splits: in
 
 
 @pytest.mark.parametrize("num_kv_splits", [1, 3, 8])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32]
-                         + ([torch.bfloat16] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("dtype", VARIANT_DTYPES)
 def test_decode_early_kv_matches_reference(num_kv_splits: int, dtype: torch.dtype) -> None:
     """The first block of each split gathered before the PDL wait, this step's own position
     read after it: the own position falls in a first block (short requests, the last split's

@@ -26,8 +26,14 @@ def hf_smol(smol_source):
     return model.float().eval()
 
 
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+def hf_greedy_batch(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' greedy continuations of several prompts in one `generate` (left-padded,
+    masked): one pass per token for all of them, ~2x faster on CPU than one call per prompt,
+    with the same tokens (fp32)."""
+    width = max(len(ids) for ids in prompts)
+    padded = torch.tensor([[0] * (width - len(ids)) + ids for ids in prompts])
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0, attention_mask=None)
-    return out[0, len(ids):].tolist()
+        out = model.generate(padded, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[:, width:].tolist()

@@ -6,7 +6,7 @@ import torch
 
 import radixserve
 from radixserve.core.sampling_params import InvalidRequestError
-from tests.e2e.conftest import hf_greedy
+from tests.e2e.conftest import hf_greedy_batch
 
 PROMPTS = [
     "The capital of France is",
@@ -24,9 +24,9 @@ def engine():
 
 def test_greedy_matches_transformers_for_64_tokens(engine, hf_smol):
     outs = engine.generate(PROMPTS, GREEDY)
-    for prompt, out in zip(PROMPTS, outs):
-        ids = engine.tokenizer.encode(prompt)
-        assert out["output_ids"] == hf_greedy(hf_smol, ids, 64), prompt
+    expected = hf_greedy_batch(hf_smol, [engine.tokenizer.encode(p) for p in PROMPTS], 64)
+    for prompt, out, want in zip(PROMPTS, outs, expected):
+        assert out["output_ids"] == want, prompt
         assert out["meta_info"]["completion_tokens"] == 64
         assert out["text"] == engine.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
     engine_state = engine.get_internal_state()

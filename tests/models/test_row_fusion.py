@@ -203,6 +203,7 @@ def test_a_swept_variant_configuration_is_used(tmp_path, monkeypatch) -> None:
         gemm_tables.clear_cache()
 
 
+@SLOW_ON_CPU  # ~30 s in the interpreter; test_gemv_rope.py checks the product bitwise in CI
 def test_engine_greedy_outputs_with_rope_and_store_in_the_qkv_gemv(checkpoint,
                                                                    monkeypatch) -> None:
     """Decode on the Triton backend (the interpreter on CPU; prefill on torch's, through the
