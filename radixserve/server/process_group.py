@@ -6,9 +6,9 @@ CPU) and then waits on its release pipe; `release()` lets them run, `shutdown()`
 they load anything. So the server checks the model and the port (launch.py) while the children
 import, and a failed check still stops every process before a model is loaded. Each child then
 reports through its own status pipe: ready (the scheduler adds the model info) or the traceback
-of what failed. After start-up a watchdog thread
-waits on the children's sentinels; if any child dies while the server is not stopping, the
-watchdog reports it (with the child's traceback when it sent one), and the server exits non-zero.
+of what failed. After start-up a watchdog thread waits on the children's sentinels; if any
+child dies while the server is not stopping, the watchdog reports it (with the child's
+traceback when it sent one), and the server exits non-zero.
 Children end themselves if the parent dies (process_utils.exit_when_parent_dies).
 """
 from __future__ import annotations
@@ -102,11 +102,6 @@ class ProcessGroup:
         self.scheduler_factory = scheduler_factory
         self.children: list[ChildProcess] = []
         self.stopping = False
-
-    def start(self) -> None:
-        """Start the children and let them load at once."""
-        self.spawn()
-        self.release()
 
     def spawn(self) -> None:
         """Start the children; each imports what it needs and waits for `release()`."""
