@@ -97,3 +97,16 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
         os.utime(lock, (time.time() - age, time.time() - age))
         cpu_kernels._drop_stale_lock(name)
         assert lock.exists() == kept
+
+
+def test_each_checkout_names_its_own_build(tmp_path) -> None:
+    """The same source in two places gets two build names (torch would otherwise rebuild one
+    module back and forth between them); the same file keeps its name."""
+    from radixserve.core.cpu_kernels import _SOURCE, module_name
+    first, second = tmp_path / "a" / "cpu_ops.cpp", tmp_path / "b" / "cpu_ops.cpp"
+    for copy in (first, second):
+        copy.parent.mkdir()
+        copy.write_bytes(_SOURCE.read_bytes())
+    assert module_name(first) != module_name(second)
+    assert module_name(first) == module_name(tmp_path / "a" / ".." / "a" / "cpu_ops.cpp")
+    assert module_name() == module_name(_SOURCE) != module_name(first)

@@ -43,8 +43,13 @@ def _cpu_flags() -> str:
 _CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]  # -fopenmp: at::parallel_for uses OpenMP
 
 
-def module_name() -> str:
-    key = _SOURCE.read_bytes() + " ".join(_CFLAGS + _capability_flags()).encode()
+def module_name(source: Path = _SOURCE) -> str:
+    """The build's name: a hash of the source, the flags and the source's path. torch keys its
+    build directory by name and rebuilds when the source path in its build file changes, so two
+    checkouts sharing one name rebuilt each other's module at every alternation (~70 s each on
+    2 cores); with the path in the name each checkout keeps its own build."""
+    key = source.read_bytes() + str(source.resolve()).encode() + \
+        " ".join(_CFLAGS + _capability_flags()).encode()
     digest = hashlib.sha1(key).hexdigest()[:12]
     return f"radixserve_cpu_ops_{digest}"
 
