@@ -87,12 +87,7 @@ class _Cursor:
         return value
 
     def string(self) -> str:
-        length = self.scalar("<Q")
-        if self.pos + length > len(self.buf):
-            raise ValueError("GGUF header is truncated")
-        raw = bytes(self.buf[self.pos: self.pos + length])
-        self.pos += length
-        return raw.decode("utf-8", errors="replace")
+        return self.strings(1)[0]
 
     def strings(self, count: int) -> list[str]:
         """`count` strings in a row (a vocabulary: ~100K in a tokenizer), in one tight loop."""
