@@ -221,7 +221,8 @@ def test_fp8_gated_mlp_runs_in_one_launch_when_asked(monkeypatch) -> None:
     exact = _reference(rows.dequantize(),
                        (three.gate_up_proj.weight.float()
                         * three.gate_up_proj.weight_scale).to(DTYPE),
-                       (three.down_proj.weight.float() * three.down_proj.weight_scale).to(DTYPE))
+                       (three.down_proj.weight.float() * three.down_proj.weight_scale).to(DTYPE)
+                       ).cpu()
     launches = []
     real = kernel_module.dataflow_mlp
     monkeypatch.setattr(kernel_module, "dataflow_mlp",

@@ -171,7 +171,9 @@ def _down_tile(Hbuf, WD, WDScale, Y, Work, Sync, item, n_tiles, splits, M, HID, 
         tl.store(y_ptrs, acc_t.to(Y.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
-@triton.jit
+# counts that can be 1 stay runtime integers (Triton would make a 1 a compile-time constant,
+# without the tensor methods the kernel calls on them, and compile once more for it)
+@triton.jit(do_not_specialize=["gate_up_tiles", "n_tiles", "splits"])
 def _dataflow_mlp_kernel(X, XScale, WGU, WGUScale, WD, WDScale, Y, Hbuf, Work, Sync, M, HID,
                          INTER, k_per_split, gate_up_tiles, n_tiles, splits, stride_x,
                          stride_wgu, stride_wd, stride_y, FP8: tl.constexpr,
@@ -258,7 +260,8 @@ def dataflow_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     grid = (gate_up_tiles + n_tiles * splits,)
     _dataflow_mlp_kernel[grid](
         x, x_scale, gate_up, gate_up_scale, down, down_scale, y, h, work,
-        tile_counters(x.device, SYNC_WORDS), rows, hidden, inter, k_per_split, gate_up_tiles, n_tiles, splits,
+        tile_counters(x.device, SYNC_WORDS), rows, hidden, inter, k_per_split, gate_up_tiles,
+        n_tiles, splits,
         x.stride(0), gate_up.stride(0), down.stride(0), y.stride(0), FP8=fp8,
         BLOCK_M=MAX_ROWS, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         MAX_SPLITS=MAX_SPLITS, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
