@@ -8,7 +8,7 @@ Per row count: gate|up as linear() runs it (the swept tables), SiLU-mul, down as
 it, back to back; then the dataflow kernel at each candidate configuration (swept in full at
 the first row count, its five best at the others). Each is timed over copies of the weights
 that together overflow L2 (CUDA graph replay), in us per MLP and the weight bytes' rate. The
-fastest configuration at 8 rows (or the first row count) goes to --best-out, as
+fastest configuration at the first row count goes to --best-out, as
 RADIXSERVE_DATAFLOW_MLP spells it, for the decode-step A/B (gpu_roofline.sh dataflow_ab).
 With --fp8 both sides take per-token activation codes and per-channel FP8 weights (the three
 kernels: gate|up on the codes, SiLU-mul quantising per row, down on the codes); rel err is
