@@ -112,6 +112,32 @@ def test_fp8_dataflow_mlp_matches_the_w8a8_arithmetic(rows, hidden, inter, cfg) 
     assert (got.float().cpu() - exact).norm() / exact.norm() < 0.05
 
 
+_COMPILE_ONE_TILE = """
+from radixserve.layers.kernels import dataflow_mlp as m
+from tests.hopper_compile import compile_for_hopper
+for fp8 in (False, True):
+    codes = "*fp8e4nv" if fp8 else "*bf16"
+    scales = "*fp32" if fp8 else "*bf16"
+    compile_for_hopper(m._dataflow_mlp_kernel, dict(
+        X=codes, XScale=scales, WGU=codes, WGUScale=scales, WD=codes, WDScale=scales,
+        Y="*bf16", Hbuf="*bf16", Work="*fp32", Sync="*i32", M=1, HID=64, INTER=32,
+        k_per_split=32, gate_up_tiles=1, n_tiles=1, splits=1, stride_x=64, stride_wgu=64,
+        stride_wd=32, stride_y=64, FP8=fp8, BLOCK_M=m.MAX_ROWS, BLOCK_H=32, BLOCK_N=64,
+        BLOCK_K=32, MAX_SPLITS=m.MAX_SPLITS, USE_PDL=True), num_warps=4, num_stages=2)
+    print("compiled", "fp8" if fp8 else "bf16")
+"""
+
+
+def test_kernel_compiles_for_hopper_with_counts_of_one() -> None:
+    """One row, one gate|up tile, one down tile, one K slice: the GPU launcher makes each of
+    those 1s a compile-time constant (the interpreter never does; on the H100 a one-tile launch
+    once failed to compile for that), so the kernel is compiled for sm_90 here, both kinds."""
+    from tests.hopper_compile import compile_in_fresh_process
+    result = compile_in_fresh_process(_COMPILE_ONE_TILE)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["compiled", "bf16", "compiled", "fp8"]
+
+
 def test_dataflow_mlp_counters_return_to_zero() -> None:
     from radixserve.core.tile_counters import tile_counters
     from radixserve.layers.kernels.dataflow_mlp import SYNC_WORDS
