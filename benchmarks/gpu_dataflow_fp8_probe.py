@@ -5,13 +5,18 @@ it when the FP8 tests fail).
     python3 benchmarks/gpu_dataflow_fp8_probe.py
 
 On the H100 on 2026-12-05 the 16-row, 96-wide case (block 64, 3 K slices, 3 stages) had 11.7%
-of its outputs outside the test's tolerance (largest error 0.175 on outputs of ~25) while the
-3-row case passed; a CPU emulation of the kernel's order of operations stays within 0.06. Each
-line here changes one thing from the failing case (rows, width, slices, stages, K step,
-tiles) and lists the rows and columns that depart, to tell a rounding tolerance from a kernel
-fault (a synchronisation or layout fault shows as whole rows or tiles); the last line runs the
-failing configuration with bf16 operands. On the CPU it runs in the interpreter (fp16), where
-every line passes.
+of its outputs outside the test's elementwise tolerance (largest error 0.175 on outputs of ~25)
+while the 3-row case passed. Compiled for sm_90 on the CPU (tests/hopper_compile.py), the
+failing configuration's MMAs are wgmma m64n16k32 on e4m3, which accumulate with ~14 bits,
+unpromoted; the passing one's are mma.sync on fp16 after a conversion, which is exact. An
+emulation of 13-14-bit accumulation (benchmarks/cpu_fp8_accumulation.py) puts 9-10% of the
+outputs past that tolerance, with 0.5% relative error in all and 1.05% in the worst row. So the
+test now bounds relative errors on the GPU (8e-3 in all, 2e-2 per row), and this probe prints
+them beside the elementwise count. Each line changes one thing from the failing case (rows,
+width, slices, stages, K step, tiles) and lists the rows and columns that depart, to tell
+rounding from a kernel fault (a synchronisation or layout fault shows as whole rows or tiles);
+the last line runs the failing configuration with half-precision operands. On the CPU it runs
+in the interpreter (fp16), where every line passes.
 """
 from __future__ import annotations
 
@@ -38,14 +43,17 @@ def case(rows: int, hidden: int, inter: int, cfg: DataflowMlpConfig) -> None:
                        out_dtype=t.DTYPE).float().cpu()
     diff = (got - want).abs()
     bad = diff > 2e-2 + 4e-3 * want.abs()
+    rows_error = (got - want).norm(dim=1) / want.norm(dim=1)
     print(rows, hidden, inter, cfg, f"bad {bad.float().mean():.3f} max {diff.max():.3f}",
+          f"rel {((got - want).norm() / want.norm()).item():.4f}",
+          f"worst row {rows_error.max().item():.4f}",
           "rows", bad.any(1).nonzero().flatten().tolist()[:16],
           "cols", bad.any(0).nonzero().flatten().tolist()[:12], flush=True)
 
 
 def case_bf16(rows: int, hidden: int, inter: int, cfg: DataflowMlpConfig) -> None:
-    """The same shape and configuration with half-precision operands (bf16 on the GPU), against the unfused MLP: whether
-    the configuration's synchronisation holds without FP8."""
+    """The same shape and configuration with half-precision operands (bf16 on the GPU),
+    against the unfused MLP: whether the configuration's synchronisation holds without FP8."""
     x, gate_up, down = t._operands(rows, hidden, inter, 7)
     want = t._reference(x, gate_up, down)
     got = dataflow_mlp(*(v.to(t.DEVICE) for v in (x, gate_up, down)), cfg).float().cpu()

@@ -85,6 +85,23 @@ def _fp8_reference(x, xs, gu, gus, d, ds, block_k: int) -> torch.Tensor:
     return act_q @ (d.float() * ds).t()
 
 
+def _check_w8a8(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The interpreter accumulates e4m3 products exactly: outputs of ~25 within half a unit of
+    the output dtype, and a scale off by 1% fails. On Hopper an e4m3 MMA that Triton emits as
+    wgmma accumulates with ~14 bits, unpromoted (as the repository's other FP8 kernels and
+    _scaled_mm's fast accumulation do), and the gate|up sums' rounding to bf16 and the
+    activation's requantisation carry that into the output: a 13-14-bit emulation
+    (benchmarks/cpu_fp8_accumulation.py) puts 9-10% of the outputs past the elementwise bound,
+    with 0.5% relative error in all and 1.05% in the worst row. So the GPU bounds the whole
+    (8e-3: a 1% scale error still fails) and every row (2e-2: a wrong row or tile fails)."""
+    if not torch.cuda.is_available():
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=4e-3)
+        return
+    assert ((got - want).norm() / want.norm()).item() < 8e-3
+    rows_error = (got - want).norm(dim=1) / want.norm(dim=1)
+    assert rows_error.max().item() < 2e-2, rows_error.tolist()
+
+
 @pytest.mark.parametrize("rows,hidden,inter,cfg", [
     (3, 64, 128, DataflowMlpConfig(block_h=32, block_n=32, block_k=32, splits=2,
                                    num_warps=4, num_stages=2)),
@@ -104,8 +121,7 @@ def test_fp8_dataflow_mlp_matches_the_w8a8_arithmetic(rows, hidden, inter, cfg) 
         got = dataflow_mlp(on[0], on[1], on[2], cfg, scales=(on[3], on[4], on[5]),
                            out_dtype=DTYPE)
         assert got.dtype == DTYPE and got.shape == (rows, hidden)
-        # outputs of ~25: within half a bf16 unit, and a scale off by 1% fails
-        torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=4e-3)
+        _check_w8a8(got.float().cpu(), want)
     # and the quantisation stays close to the unquantised MLP over the dequantised weights
     exact = _reference((x.float() * xs).to(DTYPE), (gu.float() * gus).to(DTYPE),
                        (d.float() * ds).to(DTYPE))
