@@ -24,8 +24,6 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
@@ -33,10 +31,14 @@ from benchmarks.decode_config_pick import config_label  # noqa: E402
 from radixserve.attention.kernels import decode_attention  # noqa: E402
 from radixserve.attention.kernels.decode_attention import (  # noqa: E402
     DecodeKernelConfig, default_decode_config)
+from tests.hopper_compile import compile_for_hopper  # noqa: E402
 
 POINTERS = {"Q": "*bf16", "Req_to_token": "*i32", "Req_pool_indices": "*i64", "Seq_lens": "*i64",
             "Mid_out": "*fp32", "Mid_lse": "*fp32", "O": "*bf16"}
-SCALARS = {"sm_scale_log2e": "fp32", "num_kv_splits": "i32", "v_scale": "fp32"}
+# values of the launch's scalars: their types as the launcher infers them (a float is fp32; a
+# split count that is neither 1 nor a multiple of 16 stays a plain i32)
+SCALAR_VALUES = {"sm_scale_log2e": 0.125, "num_kv_splits": 3, "v_scale": 1.0}
+STRIDE = 128  # any multiple of 16: the launcher marks it divisible by 16
 # Llama-3.1-8B's attention: 32 query heads over 8 KV heads of 128
 SHAPE = {"GROUP_SIZE": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16}
 
@@ -53,38 +55,31 @@ def compile_kernel(config: DecodeKernelConfig, kv_fp8: bool,
     """The kernel's sm_90 PTX, cubin and shared memory in bytes, as the GPU's launcher compiles it
     for a bf16 query (the half-precision path of FP8 pools)."""
     kernel = decode_attention._decode_split_kernel
-    kv_type = "*fp8e4nv" if kv_fp8 else "*bf16"
-    signature: dict[str, str] = {}
-    attrs: dict[tuple[int, ...], list[list]] = {}
     constants = dict(SHAPE, BLOCK_N=config.block_n, DOT_PRECISION="tf32",
                      SINGLE_SPLIT=single_split, SLIDING_WINDOW=-1, LOGIT_CAP=0.0, USE_PDL=True,
                      KV_FP8=kv_fp8, FP8_AS_FP16=True, EARLY_V=config.early_v,
                      LAZY_RESCALE=config.lazy_rescale, LAZY_BITS=decode_attention.LAZY_MAX_BITS,
                      EARLY_KV=config.early_kv)
-    for index, name in enumerate(kernel.arg_names):
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name in ("K_Buffer", "V_Buffer"):
-            signature[name] = kv_type
-        elif name in POINTERS or name in SCALARS:
-            signature[name] = POINTERS.get(name) or SCALARS[name]
-        elif name.startswith("stride_"):
-            signature[name] = "i32"
-        else:
-            sys.exit(f"cpu_ptx_decode.py does not know the kernel argument {name!r}: update it")
-        if signature[name].startswith("*") or name.startswith("stride_"):
-            # Llama-3.1-8B with the backend's 16-split workspaces: every stride is a multiple of
-            # 16 (the smallest, stride_lse_h, is the 16 splits)
-            attrs[(index,)] = [["tt.divisibility", 16]]
     missing = set(constants) - set(kernel.arg_names)
     if missing:
         sys.exit(f"the kernel no longer takes {sorted(missing)}: update cpu_ptx_decode.py")
-    source = ASTSource(fn=kernel, signature=signature, attrs=attrs, constexprs={
-        (kernel.arg_names.index(name),): value for name, value in constants.items()})
-    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    if config.max_registers:
-        options["maxnreg"] = config.max_registers
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    args: dict[str, object] = dict(constants)
+    for name in kernel.arg_names:
+        if name in constants:
+            continue
+        if name in ("K_Buffer", "V_Buffer"):
+            args[name] = "*fp8e4nv" if kv_fp8 else "*bf16"
+        elif name in POINTERS or name in SCALAR_VALUES:
+            args[name] = POINTERS.get(name) or SCALAR_VALUES[name]
+        elif name.startswith("stride_"):
+            # Llama-3.1-8B with the backend's 16-split workspaces: every stride is a multiple of
+            # 16 (the smallest, stride_lse_h, is the 16 splits)
+            args[name] = STRIDE
+        else:
+            sys.exit(f"cpu_ptx_decode.py does not know the kernel argument {name!r}: update it")
+    options = {"maxnreg": config.max_registers} if config.max_registers else {}
+    compiled = compile_for_hopper(kernel, args, num_warps=config.num_warps,
+                                  num_stages=config.num_stages, **options)
     return compiled.asm["ptx"], compiled.asm["cubin"], compiled.metadata.shared
 
 

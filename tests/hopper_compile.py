@@ -6,7 +6,8 @@ never type-checks the kernel for the GPU.
 
 Kernels decorated while TRITON_INTERPRET=1 is set (the CPU test modules set it) are interpreted
 functions, which cannot be compiled: `compile_in_fresh_process` runs a snippet calling
-`compile_for_hopper` in a child Python without that variable.
+`compile_for_hopper` in a child Python without that variable. benchmarks/cpu_ptx_decode.py
+compiles the decode-attention kernel through it too.
 """
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def compile_for_hopper(kernel: Any, args: dict[str, Any], num_warps: int = 4,
-                       num_stages: int = 3) -> Any:
+                       num_stages: int = 3, **options: Any) -> Any:
     """`kernel` (a triton.jit function) compiled for sm_90, PTX and cubin. `args` gives every
     argument: a pointer as its Triton type ("*bf16"), an int or a float as the value the launch
     passes, a tl.constexpr parameter as its value. As the launcher does, an int equal to 1
     becomes a constant and a multiple of 16 is marked divisible by 16, unless the kernel lists it
-    in do_not_specialize; pointers are taken as 16-byte aligned."""
+    in do_not_specialize; pointers are taken as 16-byte aligned. `options` go to the compiler
+    with the warps and stages (e.g. maxnreg)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -57,7 +59,7 @@ def compile_for_hopper(kernel: Any, args: dict[str, Any], num_warps: int = 4,
                 attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages, **options})
 
 
 def compile_in_fresh_process(snippet: str, timeout: float = 300) -> subprocess.CompletedProcess:
