@@ -25,7 +25,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
 from radixserve.layers.kernels.dataflow_mlp import DataflowMlpConfig, dataflow_mlp  # noqa: E402
 from tests.layers import test_dataflow_mlp as t  # noqa: E402
 
@@ -33,10 +32,7 @@ from tests.layers import test_dataflow_mlp as t  # noqa: E402
 def case(rows: int, hidden: int, inter: int, cfg: DataflowMlpConfig) -> None:
     """One shape and configuration against the reference: the share of outputs outside the
     test's tolerance, the largest error, and which rows and columns depart."""
-    gen = torch.Generator().manual_seed(16 + 192)
-    x, xs = t._codes(torch.randn(rows, hidden, generator=gen) * 3)
-    gu, gus = t._codes(torch.randn(2 * inter, hidden, generator=gen) / hidden ** 0.5)
-    d, ds = t._codes(torch.randn(hidden, inter, generator=gen) / inter ** 0.5)
+    x, xs, gu, gus, d, ds = t._fp8_operands(rows, hidden, inter, seed=16 + 192)
     want = t._fp8_reference(x, xs, gu, gus, d, ds, cfg.block_k)
     on = [v.to(t.DEVICE) for v in (x, gu, d, xs, gus, ds)]
     got = dataflow_mlp(on[0], on[1], on[2], cfg, scales=(on[3], on[4], on[5]),

@@ -72,6 +72,15 @@ def _codes(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (t.float() / scale).to(FP8), scale
 
 
+def _fp8_operands(rows: int, hidden: int, inter: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Activation, gate|up and down codes with their per-row scales: x, xs, gu, gus, d, ds."""
+    gen = torch.Generator().manual_seed(seed)
+    x, xs = _codes(torch.randn(rows, hidden, generator=gen) * 3)
+    gu, gus = _codes(torch.randn(2 * inter, hidden, generator=gen) / hidden ** 0.5)
+    d, ds = _codes(torch.randn(hidden, inter, generator=gen) / inter ** 0.5)
+    return x, xs, gu, gus, d, ds
+
+
 def _fp8_reference(x, xs, gu, gus, d, ds, block_k: int) -> torch.Tensor:
     """The W8A8 MLP as the kernel computes it: codes times codes with per-row scales, the
     intermediate activation rounded as the unfused kernels round it, then quantised per row
@@ -109,10 +118,7 @@ def _check_w8a8(got: torch.Tensor, want: torch.Tensor) -> None:
                                     num_warps=4, num_stages=3)),
 ])
 def test_fp8_dataflow_mlp_matches_the_w8a8_arithmetic(rows, hidden, inter, cfg) -> None:
-    gen = torch.Generator().manual_seed(rows + inter)
-    x, xs = _codes(torch.randn(rows, hidden, generator=gen) * 3)
-    gu, gus = _codes(torch.randn(2 * inter, hidden, generator=gen) / hidden ** 0.5)
-    d, ds = _codes(torch.randn(hidden, inter, generator=gen) / inter ** 0.5)
+    x, xs, gu, gus, d, ds = _fp8_operands(rows, hidden, inter, seed=rows + inter)
     want = _fp8_reference(x, xs, gu, gus, d, ds, cfg.block_k)
     on = [t.to(DEVICE) for t in (x, gu, d, xs, gus, ds)]
     assert supports(on[0], on[1], on[2], cfg, fp8=True)
