@@ -67,6 +67,5 @@ def compile_in_fresh_process(snippet: str, timeout: float = 300) -> subprocess.C
     without TRITON_INTERPRET, from the repository root; its output is captured."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when it is unset
     return subprocess.run([sys.executable, "-c", snippet], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout, check=False)
