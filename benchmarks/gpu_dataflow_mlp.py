@@ -2,17 +2,15 @@
 the H200.
 
     python3 benchmarks/gpu_dataflow_mlp.py [--rows 8 2 4 16] [--hidden 4096 --inter 14336]
-        [--fp8] [--best-out FILE]
+        [--best-out FILE]
 
 Per row count: gate|up as linear() runs it (the swept tables), SiLU-mul, down as linear() runs
 it, back to back; then the dataflow kernel at each candidate configuration (swept in full at
 the first row count, its five best at the others). Each is timed over copies of the weights
 that together overflow L2 (CUDA graph replay), in us per MLP and the weight bytes' rate. The
 fastest configuration at the first row count goes to --best-out, as
-RADIXSERVE_DATAFLOW_MLP spells it, for the decode-step A/B (gpu_roofline.sh dataflow_ab).
-With --fp8 both sides take per-token activation codes and per-channel FP8 weights (the three
-kernels: gate|up on the codes, SiLU-mul quantising per row, down on the codes); rel err is
-the one-launch result's distance to the three kernels' (norm of the difference / norm).
+RADIXSERVE_DATAFLOW_MLP spells it, for the decode-step A/B (gpu_roofline.sh dataflow_ab); rel
+err is the one-launch result's distance to the three kernels' (norm of the difference / norm).
 """
 from __future__ import annotations
 
@@ -51,26 +49,17 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--inter", type=int, default=14336)
     parser.add_argument("--best-out", default=None)
-    parser.add_argument("--fp8", action="store_true",
-                        help="per-channel FP8 weights and per-token activation codes (the "
-                             "three kernels: gate|up on codes, SiLU-mul quantising, down)")
     args = parser.parse_args()
 
     from radixserve.layers.kernels.dataflow_mlp import dataflow_mlp
-    from radixserve.layers.kernels.silu_and_mul import silu_and_mul, silu_and_mul_quant
+    from radixserve.layers.kernels.silu_and_mul import silu_and_mul
     from radixserve.layers.linear import linear
-    from radixserve.layers.quantization.fp8 import FP8_DTYPE, Fp8Rows, quantize_rows
-    from radixserve.layers.quantization.fp8_linear import fp8_rows_linear
     hidden, inter = args.hidden, args.inter
-    nbytes = 3 * hidden * inter * (1 if args.fp8 else 2)
+    nbytes = 3 * hidden * inter * 2
     copies = max(2, -(-L2_OVERFLOW_BYTES // nbytes))
 
-    def weight(n: int, k: int):
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        if not args.fp8:
-            return w, None
-        rows = quantize_rows(w)  # per output channel, as --quantization fp8 does at load
-        return rows.codes, rows.scales
+    def weight(n: int, k: int) -> torch.Tensor:
+        return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
 
     weights = [(weight(2 * inter, hidden), weight(hidden, inter)) for _ in range(copies)]
     print(f"H {hidden}, I {inter}: {nbytes / 1e6:.0f} MB of weights per MLP, {copies} copies",
@@ -87,20 +76,12 @@ def main() -> None:
     best_at_first = None
     for index, rows in enumerate(args.rows):
         x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-        x_rows = quantize_rows(x)
 
         def three(gu, d):
-            if not args.fp8:
-                return linear(silu_and_mul(linear(x, gu[0])), d[0])
-            act = fp8_rows_linear(x_rows, gu[0], gu[1], None, None)
-            codes, scales = silu_and_mul_quant(act, FP8_DTYPE)
-            return fp8_rows_linear(Fp8Rows(codes, scales, x.dtype), d[0], d[1], None, None)
+            return linear(silu_and_mul(linear(x, gu)), d)
 
         def one(gu, d, cfg):
-            if not args.fp8:
-                return dataflow_mlp(x, gu[0], d[0], cfg)
-            return dataflow_mlp(x_rows.codes, gu[0], d[0], cfg,
-                                scales=(x_rows.scales, gu[1], d[1]), out_dtype=x.dtype)
+            return dataflow_mlp(x, gu, d, cfg)
 
         gu0, d0 = weights[0]
         want = three(gu0, d0).float()

@@ -110,11 +110,12 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias,
                                            reduce_results=reduce_results)
         self.act = gated_activation(activation)
-        # kernels/dataflow_mlp.py's configuration per kind (fp8 or not), resolved at first use
-        self._dataflow_cfgs: dict[bool, object] = {}
+        # kernels/dataflow_mlp.py's (configuration, fewest rows), resolved at first use
+        self._dataflow: "tuple[object, int] | None" = None
+        self._dataflow_resolved = False
 
     def forward(self, x: "torch.Tensor | Fp8Rows") -> torch.Tensor:
-        cfg = self._dataflow_config(x, fp8=False) if isinstance(x, torch.Tensor) else None
+        cfg = self._dataflow_config(x) if isinstance(x, torch.Tensor) else None
         if cfg is not None:
             from radixserve.layers.kernels.dataflow_mlp import dataflow_mlp
             return self.down_proj.reduce_partial(dataflow_mlp(
@@ -122,45 +123,27 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
     def forward_fp8_rows(self, x: Fp8Rows) -> torch.Tensor:
-        """Rows quantised beforehand: SiLU-mul quantises its output for the down projection
-        (or, where RADIXSERVE_DATAFLOW_MLP_FP8 asks, the whole MLP runs in one launch)."""
-        cfg = self._dataflow_config(x.codes, fp8=True)
-        if cfg is not None:
-            from radixserve.layers.kernels.dataflow_mlp import dataflow_mlp
-            gate_up, down = self.gate_up_proj, self.down_proj
-            return down.reduce_partial(dataflow_mlp(
-                x.codes, gate_up.weight, down.weight, cfg,
-                scales=(x.scales, gate_up.weight_scale, down.weight_scale), out_dtype=x.dtype))
+        """Rows quantised beforehand: SiLU-mul quantises its output for the down projection."""
         return self.down_proj(self.act.forward_quantized(self.gate_up_proj(x)))
 
-    def _dataflow_config(self, rows: torch.Tensor, fp8: bool):  # -> DataflowMlpConfig | None
+    def _dataflow_config(self, rows: torch.Tensor):  # -> DataflowMlpConfig | None
         """The configuration to run this decode batch's whole MLP in one launch with
-        (kernels/dataflow_mlp.py: 1-16 rows of half-precision activations, or of FP8 codes
-        with fp8), where RADIXSERVE_DATAFLOW_MLP(_FP8) turns it on (read once per layer and
-        kind) and the layer fits; else None."""
-        if fp8 not in self._dataflow_cfgs:
-            self._dataflow_cfgs[fp8] = None
-            if self._fits_dataflow(fp8):
-                from radixserve.layers.kernels.dataflow_mlp import env_config
-                self._dataflow_cfgs[fp8] = env_config(fp8)
-        cfg = self._dataflow_cfgs[fp8]
-        if cfg is None or not one_row_kernels_apply(rows):
+        (kernels/dataflow_mlp.py), where RADIXSERVE_DATAFLOW_MLP (read once per layer) lets it
+        run at this many rows and the layer fits: SiLU, no biases, half-precision weights;
+        else None."""
+        if not self._dataflow_resolved:
+            self._dataflow_resolved = True
+            gate_up, down = self.gate_up_proj, self.down_proj
+            if isinstance(self.act, SiluAndMul) and gate_up.bias is None and \
+                    down.bias is None and gate_up.fp8 is None and down.fp8 is None:
+                from radixserve.layers.kernels.dataflow_mlp import env_choice
+                self._dataflow = env_choice()
+        if self._dataflow is None or not one_row_kernels_apply(rows):
             return None
+        cfg, min_rows = self._dataflow
         from radixserve.layers.kernels.dataflow_mlp import supports
-        return cfg if supports(rows, self.gate_up_proj.weight, self.down_proj.weight, cfg,
-                               fp8) else None
-
-    def _fits_dataflow(self, fp8: bool) -> bool:
-        """SiLU, no biases, and half-precision weights or (fp8) FP8 weights with one scale per
-        row (per channel, or a per-tensor scale stored per row; no blocks)."""
-        gate_up, down = self.gate_up_proj, self.down_proj
-        if not (isinstance(self.act, SiluAndMul) and gate_up.bias is None and down.bias is None):
-            return False
-        if not fp8:
-            return gate_up.fp8 is None and down.fp8 is None
-        return all(layer.fp8 is not None and layer.fp8.block is None
-                   and layer.weight_scale.shape == (layer.weight.shape[0], 1)
-                   for layer in (gate_up, down))
+        return cfg if rows.shape[0] >= min_rows and supports(
+            rows, self.gate_up_proj.weight, self.down_proj.weight, cfg) else None
 
 
 def dense_mlp(config: ModelConfig, intermediate_size: int | None = None,

@@ -1,4 +1,5 @@
-"""A decode batch's whole SwiGLU MLP, down(silu(gate(x)) * up(x)), in one launch (2-16 rows).
+"""A decode batch's whole SwiGLU MLP, down(silu(gate(x)) * up(x)), in one launch (1-16 rows of
+half-precision activations; GatedMLP runs it by default at DEFAULT_MIN_ROWS-16).
 
 At a few rows the three kernels of the MLP (gate|up, SiLU-mul, down) each stream their weights
 at well under the HBM rate for their first and last microseconds: programs start, wait for the
@@ -21,6 +22,11 @@ In the Triton interpreter the programs run one after another in ticket order, so
 already satisfied and the kernel is testable on the CPU. The counters are the per-device,
 per-stream array the split-K kernels share (core/tile_counters.py: launches on one stream run
 one after another, and each leaves it at zero); here the last down item to finish zeroes them.
+
+What it gains is small: ~1% of the MLP's time at 12-16 rows (the three kernels already stream
+at ~94% of the board's copy rate there), nothing at 8, a little less than nothing at 2. A form
+on FP8 weights and activation codes lost 1-4.5% to the three FP8 kernels at 2-16 rows on the
+same board and was removed (docs/PERFORMANCE.md, session 31).
 """
 from __future__ import annotations
 
@@ -60,20 +66,27 @@ class DataflowMlpConfig:
         return cls(*values)
 
 
-def env_config(fp8: bool = False) -> DataflowMlpConfig | None:
-    """The configuration RADIXSERVE_DATAFLOW_MLP (half-precision weights) or
-    RADIXSERVE_DATAFLOW_MLP_FP8 (FP8 weights and activation codes) asks for: '1' the default,
-    six integers one of their own, unset or '0' none (the three-kernel MLP)."""
-    text = os.environ.get("RADIXSERVE_DATAFLOW_MLP_FP8" if fp8 else "RADIXSERVE_DATAFLOW_MLP",
-                          "0")
-    if text in ("", "0"):
+# Where the one launch runs by default: measured on an H100 (session 31, Llama-3.1-8B's MLP,
+# bf16, this configuration): 123.7 against 125.3 us at 16 rows, 123.6 against 124.0 at 12, and
+# whole decode steps 0.01-0.02 ms faster at 12 and 16 rows, level at 8, 0.03 ms slower at 2
+DEFAULT_MIN_ROWS = 12
+
+
+def env_choice() -> tuple[DataflowMlpConfig, int] | None:
+    """(configuration, fewest rows it runs at) as RADIXSERVE_DATAFLOW_MLP asks: unset or '1'
+    the default configuration at DEFAULT_MIN_ROWS-16 rows, '0' never (the three-kernel MLP),
+    six integers that configuration at 1-16 rows (A/B runs and sweeps)."""
+    text = os.environ.get("RADIXSERVE_DATAFLOW_MLP", "1")
+    if text == "0":
         return None
-    return DataflowMlpConfig() if text == "1" else DataflowMlpConfig.parse(text)
+    if text in ("", "1"):
+        return DataflowMlpConfig(), DEFAULT_MIN_ROWS
+    return DataflowMlpConfig.parse(text), 1
 
 
 @triton.jit
-def _gate_up_tile(X, XScale, WGU, WGUScale, Hbuf, Sync, tile, M, HID, INTER, k_per_split,
-                  stride_x, stride_w, FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+def _gate_up_tile(X, WGU, Hbuf, Sync, tile, M, HID, INTER, k_per_split, stride_x, stride_w,
+                  BLOCK_M: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_h = tile * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_m = tl.arange(0, BLOCK_M)
@@ -92,16 +105,11 @@ def _gate_up_tile(X, XScale, WGU, WGUScale, Hbuf, Sync, tile, M, HID, INTER, k_p
                      eviction_policy="evict_first")
         wu = tl.load(wu_ptrs, mask=h_mask[:, None] & k_mask[None, :], other=0.0,
                      eviction_policy="evict_first")
-        acc_g = tl.dot(wg, x, acc_g)  # FP8: e4m3 codes on both sides, as they lie in memory
+        acc_g = tl.dot(wg, x, acc_g)
         acc_u = tl.dot(wu, x, acc_u)
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
-    if FP8:  # per-token activation scales, per-channel weight scales
-        x_scale = tl.load(XScale + offs_m, mask=m_mask, other=0.0)[None, :]
-        acc_g = acc_g * x_scale * tl.load(WGUScale + offs_h, mask=h_mask, other=0.0)[:, None]
-        acc_u = acc_u * x_scale * \
-            tl.load(WGUScale + INTER + offs_h, mask=h_mask, other=0.0)[:, None]
     dtype = Hbuf.dtype.element_ty
     # rounded as gate|up's output, then SiLU-mul (kernels/silu_and_mul.py), would round it
     gate = acc_g.to(dtype).to(tl.float32)
@@ -114,8 +122,8 @@ def _gate_up_tile(X, XScale, WGU, WGUScale, Hbuf, Sync, tile, M, HID, INTER, k_p
 
 
 @triton.jit
-def _down_tile(Hbuf, WD, WDScale, Y, Work, Sync, item, n_tiles, splits, M, HID, INTER,
-               k_per_split, stride_wd, stride_y, FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+def _down_tile(Hbuf, WD, Y, Work, Sync, item, n_tiles, splits, M, HID, INTER, k_per_split,
+               stride_wd, stride_y, BLOCK_M: tl.constexpr,
                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                MAX_SPLITS: tl.constexpr):
     split = item // n_tiles
@@ -143,13 +151,7 @@ def _down_tile(Hbuf, WD, WDScale, Y, Work, Sync, item, n_tiles, splits, M, HID, 
                     cache_modifier=".cg")
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                     eviction_policy="evict_first")
-        if FP8:  # this step's slice of each row as e4m3 codes with a scale of its own
-            hf = h.to(tl.float32)
-            h_scale = tl.maximum(tl.max(tl.abs(hf), axis=0), 1e-30) / 448.0
-            codes = (hf / h_scale[None, :]).to(tl.float8e4nv)
-            acc_t += tl.dot(w, codes) * h_scale[None, :]
-        else:
-            acc_t = tl.dot(w, h, acc_t)
+        acc_t = tl.dot(w, h, acc_t)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
@@ -165,8 +167,6 @@ def _down_tile(Hbuf, WD, WDScale, Y, Work, Sync, item, n_tiles, splits, M, HID, 
         for s in range(0, splits):
             acc_t += tl.load(tile_ptrs + s * split_elems, cache_modifier=".cg")
         tl.atomic_xchg(reduce_count, 0)
-        if FP8:
-            acc_t = acc_t * tl.load(WDScale + offs_n, mask=n_mask, other=0.0)[:, None]
         y_ptrs = Y + offs_m[None, :].to(tl.int64) * stride_y + offs_n[:, None]
         tl.store(y_ptrs, acc_t.to(Y.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
@@ -174,20 +174,19 @@ def _down_tile(Hbuf, WD, WDScale, Y, Work, Sync, item, n_tiles, splits, M, HID, 
 # counts that can be 1 stay runtime integers (Triton would make a 1 a compile-time constant,
 # without the tensor methods the kernel calls on them, and compile once more for it)
 @triton.jit(do_not_specialize=["gate_up_tiles", "n_tiles", "splits"])
-def _dataflow_mlp_kernel(X, XScale, WGU, WGUScale, WD, WDScale, Y, Hbuf, Work, Sync, M, HID,
-                         INTER, k_per_split, gate_up_tiles, n_tiles, splits, stride_x,
-                         stride_wgu, stride_wd, stride_y, FP8: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+def _dataflow_mlp_kernel(X, WGU, WD, Y, Hbuf, Work, Sync, M, HID, INTER, k_per_split,
+                         gate_up_tiles, n_tiles, splits, stride_x, stride_wgu, stride_wd,
+                         stride_y, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, MAX_SPLITS: tl.constexpr,
                          USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     ticket = tl.atomic_add(Sync, 1, sem="relaxed")
     if ticket < gate_up_tiles:
-        _gate_up_tile(X, XScale, WGU, WGUScale, Hbuf, Sync, ticket, M, HID, INTER,
-                      k_per_split, stride_x, stride_wgu, FP8, BLOCK_M, BLOCK_H, BLOCK_K)
+        _gate_up_tile(X, WGU, Hbuf, Sync, ticket, M, HID, INTER, k_per_split, stride_x,
+                      stride_wgu, BLOCK_M, BLOCK_H, BLOCK_K)
     else:
-        _down_tile(Hbuf, WD, WDScale, Y, Work, Sync, ticket - gate_up_tiles, n_tiles, splits,
-                   M, HID, INTER, k_per_split, stride_wd, stride_y, FP8, BLOCK_M, BLOCK_H,
+        _down_tile(Hbuf, WD, Y, Work, Sync, ticket - gate_up_tiles, n_tiles, splits, M, HID,
+                   INTER, k_per_split, stride_wd, stride_y, BLOCK_M, BLOCK_H,
                    BLOCK_N, BLOCK_K, MAX_SPLITS)
         down_items = n_tiles * splits
         if tl.atomic_add(Sync + 1, 1, sem="acq_rel") == down_items - 1:
@@ -199,17 +198,14 @@ def _dataflow_mlp_kernel(X, XScale, WGU, WGUScale, WD, WDScale, Y, Hbuf, Work, S
 
 
 def supports(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-             cfg: DataflowMlpConfig, fp8: bool = False) -> bool:
-    """Whether `dataflow_mlp` takes these operands: 1-16 rows with contiguous columns, weights
-    with contiguous rows (gate|up [2I, H], down [H, I]) and a K slicing the counters cover;
-    half-precision x and weights of its dtype, or (fp8) e4m3 codes for all three."""
+             cfg: DataflowMlpConfig) -> bool:
+    """Whether `dataflow_mlp` takes these operands: 1-16 rows of half-precision (or float32)
+    activations with contiguous columns, weights of their dtype with contiguous rows (gate|up
+    [2I, H], down [H, I]) and a K slicing the counters cover."""
     rows = x.shape[0] if x.dim() == 2 else 0
     inter = down.shape[1]
-    if fp8:
-        dtypes_fit = x.dtype == gate_up.dtype == down.dtype == torch.float8_e4m3fn
-    else:
-        dtypes_fit = x.dtype in (torch.float16, torch.bfloat16, torch.float32) and \
-            gate_up.dtype == down.dtype == x.dtype
+    dtypes_fit = x.dtype in (torch.float16, torch.bfloat16, torch.float32) and \
+        gate_up.dtype == down.dtype == x.dtype
     if not (1 <= rows <= MAX_ROWS and dtypes_fit and x.stride(-1) == 1
             and gate_up.stride(1) == 1 and down.stride(1) == 1):
         return False
@@ -227,42 +223,25 @@ def _k_per_split(inter: int, cfg: DataflowMlpConfig) -> int:
 
 
 def dataflow_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                 cfg: DataflowMlpConfig, scales: "tuple[torch.Tensor, torch.Tensor, "
-                 "torch.Tensor] | None" = None, out_dtype: torch.dtype | None = None
-                 ) -> torch.Tensor:
+                 cfg: DataflowMlpConfig) -> torch.Tensor:
     """down @ (silu(x @ gate.T) * (x @ up.T)) for x [M, H] (M <= 16), gate_up [2I, H] (gate
     rows, then up rows), down [H, I] -> [M, H] in x's dtype; the caller has checked
-    `supports` (GatedMLP does).
-
-    With `scales` = (x's per-row scales [M, 1], gate|up's per-row [2I, 1], down's per-row
-    [H, 1]; float32) x and both weights are e4m3 codes (per-token W8A8, as `--quantization
-    fp8` runs decode rows) and the result is out_dtype: gate|up multiplies codes by codes, the
-    intermediate activation is kept in out_dtype, and down quantises each K step's slice of
-    it per row in registers (one scale per row and BLOCK_K columns: finer than the per-token
-    scale SiLU-mul would give it) for e4m3 products again."""
-    fp8 = scales is not None
-    dtype = out_dtype if fp8 else x.dtype
-    assert dtype is not None
+    `supports` (GatedMLP does)."""
     rows, hidden = x.shape
     inter = down.shape[1]
     k_per_split = _k_per_split(inter, cfg)
     splits = triton.cdiv(inter, k_per_split)
     n_tiles = triton.cdiv(hidden, cfg.block_n)
     gate_up_tiles = triton.cdiv(inter, cfg.block_h)
-    y = torch.empty(rows, hidden, dtype=dtype, device=x.device)
-    h = torch.empty(rows, inter, dtype=dtype, device=x.device)
+    y = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     work = torch.empty(splits * n_tiles * cfg.block_n * MAX_ROWS, dtype=torch.float32,
                        device=x.device)
-    x_scale, gate_up_scale, down_scale = scales if fp8 else (y, y, y)
-    if fp8:
-        assert x_scale.numel() == rows and gate_up_scale.numel() == 2 * inter and \
-            down_scale.numel() == hidden, "per-row scales only (no block-scaled weights)"
     grid = (gate_up_tiles + n_tiles * splits,)
     _dataflow_mlp_kernel[grid](
-        x, x_scale, gate_up, gate_up_scale, down, down_scale, y, h, work,
-        tile_counters(x.device, SYNC_WORDS), rows, hidden, inter, k_per_split, gate_up_tiles,
-        n_tiles, splits,
-        x.stride(0), gate_up.stride(0), down.stride(0), y.stride(0), FP8=fp8,
+        x, gate_up, down, y, h, work, tile_counters(x.device, SYNC_WORDS), rows, hidden, inter,
+        k_per_split, gate_up_tiles, n_tiles, splits,
+        x.stride(0), gate_up.stride(0), down.stride(0), y.stride(0),
         BLOCK_M=MAX_ROWS, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         MAX_SPLITS=MAX_SPLITS, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch_args(h))
