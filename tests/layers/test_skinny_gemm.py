@@ -185,3 +185,70 @@ def test_split_k_summed_by_the_last_program_over_fp8_codes(monkeypatch) -> None:
     torch.testing.assert_close(got.float().cpu(), fp8_weight_gemm_reference(x, codes, scale,
                                                                              block),
                                atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("m,n,k,split,fp8", [
+    (2, 48, 256, 1, False), (8, 64, 512, 4, False), (5, 32, 200, 2, False),
+    (3, 16, 40, 1, False), (6, 48, 256, 2, True)])
+def test_first_weight_tile_loaded_before_the_wait(monkeypatch, m, n, k, split, fp8) -> None:
+    """EARLY_WEIGHTS (swapped tiles without K groups): the first K step is taken outside the
+    loop from a tile loaded before the PDL wait; a K shorter than one step, a last step
+    partial, a split past K's end, FP8 codes with per-row scales all still sum right."""
+    from radixserve.layers.kernels import skinny_gemm as module
+    from radixserve.layers.kernels.fp8_gemm import fp8_weight_gemm_reference
+    monkeypatch.setattr(module, "EARLY_WEIGHTS", True)
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=gen).to(DTYPE)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=split, SWAP_AB=1, num_warps=4,
+               num_stages=2)
+    if fp8:
+        scale = torch.rand(n, 1, generator=gen) * 0.01 + 0.001
+        codes = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        got = skinny_gemm(x.to(DEVICE), codes.to(DEVICE), cfg, scale.to(DEVICE))
+        want = fp8_weight_gemm_reference(x, codes, scale, None)
+    else:
+        w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DTYPE)
+        got = skinny_gemm(x.to(DEVICE), w.to(DEVICE), cfg)
+        want = x.float() @ w.float().t()
+    torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+_COMPILE_EARLY = """
+from radixserve.layers.kernels import skinny_gemm as m
+from tests.hopper_compile import compile_for_hopper
+for early in (False, True):
+    kernel = compile_for_hopper(m._skinny_gemm_kernel, dict(
+        X="*bf16", W="*bf16", Scale="*bf16", B="*bf16", Y="*bf16", Work="*fp32",
+        Counters="*i32", M=8, N=4096, K=14336, k_per_split=3584, stride_xm=14336,
+        stride_wn=14336, stride_sn=0, stride_ym=4096, HAS_SCALE=False, GROUPED=False,
+        GROUP_K=14336, HAS_BIAS=False, ATOMIC=False, LAST_REDUCES=True, SWAP_AB=True,
+        EARLY_W=early, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, USE_PDL=True),
+        num_warps=4, num_stages=4)
+    lines = kernel.asm["ptx"].splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    print(sum("ld.global" in line for line in lines[:wait]))
+"""
+
+
+def test_early_weights_load_before_the_wait_in_the_hopper_code() -> None:
+    """Compiled for sm_90 (down's tile at 8 rows, Llama-3.1-8B): without EARLY_W no global
+    load precedes griddepcontrol.wait; with it, the weight tile's eight 16-byte loads per
+    thread (64 x 128 bf16 over 128 threads) do."""
+    from tests.hopper_compile import compile_in_fresh_process
+    result = compile_in_fresh_process(_COMPILE_EARLY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["0", "8"]
+
+
+def test_a_peeled_step_only_where_the_programs_per_sm_stay() -> None:
+    """The shared-memory sizes Triton gave the sm_90 code (one stage more with EARLY_W) on an
+    H200's 132 SMs: the skinny down tile (16 x 64 x 128 bf16, 4 stages, 256 programs) keeps
+    two programs per SM; FP8 codes gate|up at 8 rows (128 x 256, 3 stages, 224 programs)
+    would drop from two to one; FP8 codes o (64 x 128, 4 stages, 256 programs) drops from
+    five to four, more than the two its grid needs."""
+    from radixserve.core.triton_pdl import early_tile_keeps_occupancy, peeled_step_keeps_occupancy
+    assert peeled_step_keeps_occupancy(128 * (64 * 2 + 16 * 2), 4, 256, 132)
+    assert not peeled_step_keeps_occupancy(256 * (128 + 16), 3, 224, 132)
+    assert peeled_step_keeps_occupancy(128 * (64 + 16), 4, 256, 132)
+    assert not peeled_step_keeps_occupancy(128 * (64 + 16), 4, 5 * 132, 132)
+    assert early_tile_keeps_occupancy(torch.zeros(1), 10**6, 4, 10**6)  # off CUDA: always
