@@ -64,35 +64,3 @@ def pdl_launch_args(t: torch.Tensor) -> dict[str, Any]:
                                     else torch.cuda.current_device()):
         return {"USE_PDL": True, "launch_pdl": True}
     return {"USE_PDL": False}
-
-
-SMEM_PER_SM = 228 * 1024  # Hopper; each resident program also takes 1 KiB of it
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def early_tile_keeps_occupancy(t: torch.Tensor, stage_bytes: int, num_stages: int,
-                               programs: int) -> bool:
-    """Whether a grid of `programs` whose pipeline holds `num_stages` async-copied stages of
-    `stage_bytes` keeps the programs per SM it needs on t's device when a step's tiles are
-    loaded before the PDL wait: Triton gives that peeled step shared memory of its own, one
-    stage more (sm_90 code compiled on the CPU: the skinny down tile 80 -> 100 KiB, FP8 codes
-    gate|up at 8 rows 108 -> 144 KiB, which halves its programs per SM where its 224 programs
-    needed two per SM). True off CUDA (the interpreter)."""
-    if not t.is_cuda:
-        return True
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    return peeled_step_keeps_occupancy(stage_bytes, num_stages, programs, _sm_count(index))
-
-
-def peeled_step_keeps_occupancy(stage_bytes: int, num_stages: int, programs: int,
-                                sms: int) -> bool:
-    """`early_tile_keeps_occupancy` on `sms` SMs: one stage more still fits as many programs
-    per SM as the grid needs (at most as many as fitted without it)."""
-    def resident(stages: int) -> int:
-        return SMEM_PER_SM // (stages * stage_bytes + 1024)
-    needed = -(-programs // sms)
-    return resident(num_stages + 1) >= min(resident(num_stages), needed)

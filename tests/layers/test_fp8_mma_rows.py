@@ -30,13 +30,6 @@ DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16  # interp
 SMALL = MmaRowsConfig(block_n=64, block_k=64, num_warps=4, num_stages=2)
 
 
-@pytest.fixture(params=[False, True], ids=["weights_after_wait", "early_weights"])
-def early_weights(request, monkeypatch) -> None:
-    """The kernel both ways: every weight tile loaded after the PDL wait, and the first K
-    step's loaded before it (EARLY_WEIGHTS: that step's MMAs peeled off the loop)."""
-    monkeypatch.setattr(mma_rows, "EARLY_WEIGHTS", request.param)
-
-
 def _weights(n: int, k: int, block: int | None, seed: int):
     gen = torch.Generator().manual_seed(seed)
     codes = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -55,7 +48,6 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float().cpu() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
-@pytest.mark.usefixtures("early_weights")
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("block", [None, 64])
 def test_rows_match_the_dequantised_product(m: int, block: int | None) -> None:
@@ -69,7 +61,6 @@ def test_rows_match_the_dequantised_product(m: int, block: int | None) -> None:
     assert _relative_error(got, want) < 8e-3
 
 
-@pytest.mark.usefixtures("early_weights")
 @pytest.mark.parametrize("m,split", [(1, 4), (5, 3)])
 def test_split_k_programs_add_up_in_the_last_to_arrive(m: int, split: int) -> None:
     codes, scale = _weights(96, 512, 64, seed=20 + m)
@@ -83,7 +74,6 @@ def test_split_k_programs_add_up_in_the_last_to_arrive(m: int, split: int) -> No
     assert not tile_counters(got.device, 2).any()
 
 
-@pytest.mark.usefixtures("early_weights")
 @pytest.mark.parametrize("m,split", [(1, 1), (6, 2)])
 def test_rows_already_quantised(m: int, split: int) -> None:
     from radixserve.layers.kernels.per_token_quant import per_token_quant_reference
@@ -99,7 +89,6 @@ def test_rows_already_quantised(m: int, split: int) -> None:
     assert got.dtype == DTYPE and _relative_error(got, want) < 8e-3
 
 
-@pytest.mark.usefixtures("early_weights")
 @pytest.mark.parametrize("m,split", [(17, 1), (40, 2), (128, 1)])
 def test_more_rows_of_codes_take_a_larger_row_tile(m: int, split: int) -> None:
     """Past 16 rows of activation codes the MMA's row tile grows to the next power of two
@@ -123,7 +112,6 @@ def test_rows_quantised_in_registers_stop_at_sixteen() -> None:
     with pytest.raises(AssertionError):
         fp8_mma_rows(_rows(17, 256, seed=51).to(DEVICE), codes.to(DEVICE), scale.to(DEVICE),
                      None, config=SMALL)
-@pytest.mark.usefixtures("early_weights")
 
 
 def test_the_second_activation_term_restores_bf16_precision() -> None:
@@ -147,7 +135,6 @@ def _rms_normed(stream: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)).to(DTYPE) * weight
 
 
-@pytest.mark.usefixtures("early_weights")
 @pytest.mark.parametrize("m,split", [(1, 1), (3, 1), (1, 2)])
 def test_norm_fused_in_the_prologue(m: int, split: int) -> None:
     codes, scale = _weights(128, 256, None, seed=5)
@@ -159,7 +146,6 @@ def test_norm_fused_in_the_prologue(m: int, split: int) -> None:
     assert _relative_error(got, want) < 1e-2
 
 
-@pytest.mark.usefixtures("early_weights")
 @pytest.mark.parametrize("m,block,split", [(2, None, 1), (2, 64, 1), (1, 64, 2)])
 def test_norm_and_silu_of_gate_up(m: int, block: int | None, split: int) -> None:
     codes, scale = _weights(256, 256, block, seed=8)  # gate rows 0-127, up rows 128-255
@@ -173,7 +159,6 @@ def test_norm_and_silu_of_gate_up(m: int, block: int | None, split: int) -> None
     assert _relative_error(got, want) < 2e-2
 
 
-@pytest.mark.usefixtures("early_weights")
 @pytest.mark.parametrize("m,split", [(3, 1), (1, 3)])
 def test_residual_add_in_the_epilogue(m: int, split: int) -> None:
     codes, scale = _weights(64, 512, None, seed=11)

@@ -38,8 +38,7 @@ import triton
 import triton.language as tl
 
 from radixserve.core.tile_counters import tile_counters
-from radixserve.core.triton_pdl import (early_tile_keeps_occupancy, pdl_launch_args,
-                                        pdl_prologue)
+from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 from radixserve.layers.kernels.gemm_tables import tuned_entry
 from radixserve.layers.kernels.gemv import NO_FUSION, RowFusion
 
@@ -49,11 +48,6 @@ MAX_ROWS = 16  # the rows of x one launch quantises in registers (the MMA's seco
 MAX_CODE_ROWS = 128
 # RADIXSERVE_FP8_MMA=0 keeps FP8 decode products on the converting kernels (for A/B timing)
 ENABLED = os.environ.get("RADIXSERVE_FP8_MMA", "1") != "0"
-# The first K step's weight tile(s) loaded before the PDL wait, as the one-row GEMV does
-# (gemv.EARLY_WEIGHTS): a program made resident while its predecessor runs has HBM busy, and
-# its activation prologue overlaps that load. RADIXSERVE_FP8_ROWS_EARLY_WEIGHTS=1 turns it on
-# (off until measured in whole decode steps).
-EARLY_WEIGHTS = os.environ.get("RADIXSERVE_FP8_ROWS_EARLY_WEIGHTS", "0") != "0"
 
 
 class MmaRowsConfig(NamedTuple):
@@ -66,78 +60,20 @@ class MmaRowsConfig(NamedTuple):
 
 
 @triton.jit
-def _x_step(X, x_ptrs, NormW, k_start, offs_k, m_mask, col0, one_inv, inv, NORM: tl.constexpr,
-            X_TERMS: tl.constexpr, ONE_ROW: tl.constexpr, X_CODES: tl.constexpr):
-    """One K step's activation operand as e4m3 codes: hi, and lo (X_TERMS 2; else hi again)."""
-    if X_CODES:
-        hi = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
-        lo = hi
-    elif ONE_ROW:  # the row's step as a vector; the MMA operand is it in column 0, else 0
-        xv = tl.load(X + k_start + offs_k).to(tl.float32)
-        if NORM:
-            xv = xv * tl.load(NormW + k_start + offs_k).to(tl.float32)
-        scaled_v = xv * one_inv  # within +-448, e4m3's range
-        hi_v = scaled_v.to(tl.float8e4nv).to(tl.float32)
-        hi = tl.where(col0, hi_v[:, None], 0.0).to(tl.float8e4nv)
-        lo = hi
-        if X_TERMS == 2:  # the remainder, at most half a step of hi: x 16 stays in range
-            lo = tl.where(col0, ((scaled_v - hi_v) * 16.0)[:, None], 0.0).to(tl.float8e4nv)
-    else:
-        x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(tl.float32)
-        if NORM:
-            x = x * tl.load(NormW + k_start + offs_k).to(tl.float32)[:, None]
-        scaled = x * inv[None, :]
-        hi = scaled.to(tl.float8e4nv)
-        lo = hi
-        if X_TERMS == 2:
-            lo = ((scaled - hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
-    return hi, lo
-
-
-@triton.jit
-def _mma_step(w, w_up, hi, lo, acc, acc_lo, acc_up, acc_up_lo, Scale, offs_n, n_mask, k_start,
-              N, stride_sn, GROUPED: tl.constexpr, GROUP_K: tl.constexpr, GATED: tl.constexpr,
-              X_TERMS: tl.constexpr):
-    """One K step's MMAs into the accumulators (gate and up halves; hi and lo terms)."""
-    if GROUPED:  # each step's weight scales, per row: the products are scaled first
-        s_ptrs = Scale + offs_n * stride_sn + k_start // GROUP_K
-        s = tl.load(s_ptrs, mask=n_mask, other=0.0)[:, None]
-        acc += tl.dot(w, hi) * s
-        if X_TERMS == 2:
-            acc_lo += tl.dot(w, lo) * s
-        if GATED:
-            s_up = tl.load(s_ptrs + N * stride_sn, mask=n_mask, other=0.0)[:, None]
-            acc_up += tl.dot(w_up, hi) * s_up
-            if X_TERMS == 2:
-                acc_up_lo += tl.dot(w_up, lo) * s_up
-    else:  # the MMAs accumulate in place
-        acc = tl.dot(w, hi, acc)
-        if X_TERMS == 2:
-            acc_lo = tl.dot(w, lo, acc_lo)
-        if GATED:
-            acc_up = tl.dot(w_up, hi, acc_up)
-            if X_TERMS == 2:
-                acc_up_lo = tl.dot(w_up, lo, acc_up_lo)
-    return acc, acc_lo, acc_up, acc_up_lo
-
-
-@triton.jit
 def _fp8_mma_rows_kernel(X, XScale, W, Scale, B, Y, NormW, Residual, Work, Counters, M, N, K,
                          k_per_split, stride_xm, stride_wn, stride_sn, stride_ym, stride_rm,
                          eps, GROUPED: tl.constexpr, GROUP_K: tl.constexpr,
                          HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
                          RESIDUAL: tl.constexpr, X_TERMS: tl.constexpr, ONE_ROW: tl.constexpr,
-                         X_CODES: tl.constexpr, SPLIT_K: tl.constexpr, EARLY_W: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         X_CODES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """N: the output columns; GATED reads gate rows [0, N) and up rows [N, 2N) of W.
     X_CODES: X holds e4m3 codes already, with one scale per row in XScale (no NORM, one term):
     both operands go from memory to the MMA.
     program_id(1) takes K columns [s * k_per_split, (s + 1) * k_per_split); with SPLIT_K > 1
     each program leaves its partial tile in Work and the last of a tile's programs to arrive
-    (Counters, one per tile, left at zero) adds them up and runs the epilogue.
-    EARLY_W: the first K step's weight tile(s) load before the PDL wait (no kernel of a forward
-    pass writes weights), that step's MMAs taken after the prologue."""
+    (Counters, one per tile, left at zero) adds them up and runs the epilogue."""
+    pdl_prologue(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_begin = pid_k * k_per_split
@@ -150,20 +86,9 @@ def _fp8_mma_rows_kernel(X, XScale, W, Scale, B, Y, NormW, Residual, Work, Count
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + k_begin + offs_k[None, :]
     x_ptrs = X + offs_m[None, :] * stride_xm + k_begin + offs_k[:, None]
     up_rows = N.to(tl.int64) * stride_wn  # GATED: the up half starts N rows down
-    w_first = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float8e4nv)
-    w_up_first = w_first
-    if EARLY_W:
-        w_first = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0,
-                          eviction_policy="evict_first")
-        if GATED:
-            w_up_first = tl.load(w_ptrs + up_rows, mask=n_mask[:, None], other=0.0,
-                                 eviction_policy="evict_first")
-    pdl_prologue(USE_PDL)
     # the prologue: each row's amax over this program's columns (after the norm's weight),
     # which scales its codes, and the row's sum of squares for RMSNorm's 1/rms
     squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    one_inv = 1.0
-    inv = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     if X_CODES:
         row_scale = tl.load(XScale + offs_m, mask=m_mask, other=1.0)
     elif ONE_ROW:
@@ -196,27 +121,50 @@ def _fp8_mma_rows_kernel(X, XScale, W, Scale, B, Y, NormW, Residual, Work, Count
     acc_lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up_lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    loop_begin = k_begin
-    if EARLY_W:  # K is a whole number of steps, and every program has at least one
-        hi, lo = _x_step(X, x_ptrs, NormW, k_begin, offs_k, m_mask, col0, one_inv, inv, NORM,
-                         X_TERMS, ONE_ROW, X_CODES)
-        acc, acc_lo, acc_up, acc_up_lo = _mma_step(
-            w_first, w_up_first, hi, lo, acc, acc_lo, acc_up, acc_up_lo, Scale, offs_n,
-            n_mask, k_begin, N, stride_sn, GROUPED, GROUP_K, GATED, X_TERMS)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        loop_begin += BLOCK_K
-    for k_start in range(loop_begin, k_end, BLOCK_K):
-        hi, lo = _x_step(X, x_ptrs, NormW, k_start, offs_k, m_mask, col0, one_inv, inv, NORM,
-                         X_TERMS, ONE_ROW, X_CODES)
+    for k_start in range(k_begin, k_end, BLOCK_K):
+        if X_CODES:
+            hi = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+        elif ONE_ROW:  # the row's step as a vector; the MMA operand is it in column 0, else 0
+            xv = tl.load(X + k_start + offs_k).to(tl.float32)
+            if NORM:
+                xv = xv * tl.load(NormW + k_start + offs_k).to(tl.float32)
+            scaled_v = xv * one_inv  # within +-448, e4m3's range
+            hi_v = scaled_v.to(tl.float8e4nv).to(tl.float32)
+            hi = tl.where(col0, hi_v[:, None], 0.0).to(tl.float8e4nv)
+            if X_TERMS == 2:  # the remainder, at most half a step of hi: x 16 stays in range
+                lo = tl.where(col0, ((scaled_v - hi_v) * 16.0)[:, None],
+                              0.0).to(tl.float8e4nv)
+        else:
+            x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(tl.float32)
+            if NORM:
+                x = x * tl.load(NormW + k_start + offs_k).to(tl.float32)[:, None]
+            scaled = x * inv[None, :]
+            hi = scaled.to(tl.float8e4nv)
+            if X_TERMS == 2:
+                lo = ((scaled - hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
         w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
-        w_up = w
         if GATED:
             w_up = tl.load(w_ptrs + up_rows, mask=n_mask[:, None], other=0.0,
                            eviction_policy="evict_first")
-        acc, acc_lo, acc_up, acc_up_lo = _mma_step(
-            w, w_up, hi, lo, acc, acc_lo, acc_up, acc_up_lo, Scale, offs_n, n_mask, k_start,
-            N, stride_sn, GROUPED, GROUP_K, GATED, X_TERMS)
+        if GROUPED:  # each step's weight scales, per row: the products are scaled first
+            s_ptrs = Scale + offs_n * stride_sn + k_start // GROUP_K
+            s = tl.load(s_ptrs, mask=n_mask, other=0.0)[:, None]
+            acc += tl.dot(w, hi) * s
+            if X_TERMS == 2:
+                acc_lo += tl.dot(w, lo) * s
+            if GATED:
+                s_up = tl.load(s_ptrs + N * stride_sn, mask=n_mask, other=0.0)[:, None]
+                acc_up += tl.dot(w_up, hi) * s_up
+                if X_TERMS == 2:
+                    acc_up_lo += tl.dot(w_up, lo) * s_up
+        else:  # the MMAs accumulate in place
+            acc = tl.dot(w, hi, acc)
+            if X_TERMS == 2:
+                acc_lo = tl.dot(w, lo, acc_lo)
+            if GATED:
+                acc_up = tl.dot(w_up, hi, acc_up)
+                if X_TERMS == 2:
+                    acc_up_lo = tl.dot(w_up, lo, acc_up_lo)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if X_TERMS == 2:
@@ -339,19 +287,6 @@ def available(x: torch.Tensor) -> bool:
                         else torch.cuda.current_device())
 
 
-def _early_fits(x: torch.Tensor, config: MmaRowsConfig, rows: int, x_codes: bool,
-                gated: bool, programs: int) -> bool:
-    """Whether loading the first step's weights before the PDL wait keeps the programs per SM
-    the grid needs: only codes (X_CODES) go to the MMA through async-copied stages, so only
-    there does the peeled step take shared memory of its own (sm_90 code compiled on the
-    CPU)."""
-    if not x_codes:
-        return True
-    weight_rows = config.block_n * (2 if gated else 1)
-    return early_tile_keeps_occupancy(x, config.block_k * (weight_rows + rows),
-                                      config.num_stages, programs)
-
-
 def block_rows(m: int) -> int:
     """The MMA's row tile for m rows: 16 (its smallest), else the next power of two."""
     return max(16, triton.next_power_of_2(m))
@@ -410,8 +345,6 @@ def fp8_mma_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         NORM=norm_weight is not None, GATED=fusion.gated, RESIDUAL=residual is not None,
         X_TERMS=1 if x_scale is not None else config.x_terms,
         ONE_ROW=m == 1 and x_scale is None, X_CODES=x_scale is not None, SPLIT_K=split,
-        EARLY_W=EARLY_WEIGHTS and _early_fits(x, config, rows, x_scale is not None,
-                                              fusion.gated, tiles * split),
         BLOCK_M=rows, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(x))
     return y

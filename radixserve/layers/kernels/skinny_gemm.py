@@ -22,8 +22,7 @@ import triton
 import triton.language as tl
 
 from radixserve.core.tile_counters import tile_counters
-from radixserve.core.triton_pdl import (early_tile_keeps_occupancy, pdl_launch_args,
-                                        pdl_prologue)
+from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 
 TARGET_PROGRAMS = 264  # ~2 per SM on an H200 (132 SMs)
 # A vendor kernel (cuBLAS, _scaled_mm) does not take part in programmatic dependent launch: the
@@ -40,12 +39,6 @@ VENDOR_GAP_US = float(os.environ.get("RADIXSERVE_VENDOR_GAP_US", "3"))
 # tiles (down's K split in 4), one board, twice each (session 26): batch 4 4.84 -> 4.77, batch 8
 # 4.90 -> 4.82, batch 16 5.20 -> 5.09 ms. RADIXSERVE_SKINNY_SPLIT_REDUCE=atomic for the old way.
 SPLIT_LAST_REDUCES = os.environ.get("RADIXSERVE_SKINNY_SPLIT_REDUCE", "last") != "atomic"
-# The first weight tile loaded before the PDL wait (no kernel of a forward pass writes weights),
-# so a program made resident while its predecessor still runs has HBM busy already, as the
-# one-row GEMV does (gemv.EARLY_WEIGHTS); swapped tiles without K groups only, where the peeled
-# step's shared memory leaves the programs per SM as they were.
-# RADIXSERVE_SKINNY_EARLY_WEIGHTS=1 turns it on (off until measured in whole decode steps).
-EARLY_WEIGHTS = os.environ.get("RADIXSERVE_SKINNY_EARLY_WEIGHTS", "0") != "0"
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "SWAP_AB", "num_warps",
                "num_stages")
 
@@ -55,16 +48,16 @@ def _skinny_gemm_kernel(X, W, Scale, B, Y, Work, Counters, M, N, K, k_per_split,
                         stride_wn, stride_sn, stride_ym, HAS_SCALE: tl.constexpr,
                         GROUPED: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                         ATOMIC: tl.constexpr, LAST_REDUCES: tl.constexpr,
-                        SWAP_AB: tl.constexpr, EARLY_W: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                        SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """Split K (grid dimension 2): program_id(2) takes K columns [s * k_per_split, (s + 1) *
     k_per_split). ATOMIC: it adds its partial product into the float32 Y (bias added by the
     caller). LAST_REDUCES: it leaves the partial in Work, and the last of the tile's programs
     to arrive (Counters, core/tile_counters.py) adds the partials in split order and writes Y
     in its dtype, bias included. SWAP_AB computes the transposed tile W_tile @ x_tile.T: the
     weight rows are the MMA's first operand, loaded as they lie in memory (K contiguous), and
-    the few x rows its second. EARLY_W (SWAP_AB, no K groups): the first K step's weight tile
-    is loaded before the PDL wait, the step's product taken after it."""
+    the few x rows its second."""
+    pdl_prologue(USE_PDL)
     pid_m = tl.program_id(1)
     pid_n = tl.program_id(0)
     k_begin = tl.program_id(2) * k_per_split
@@ -82,19 +75,7 @@ def _skinny_gemm_kernel(X, W, Scale, B, Y, Work, Counters, M, N, K, k_per_split,
         x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + k_begin + offs_k[None, :]
         w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_wn + k_begin + offs_k[:, None]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if EARLY_W:
-        first_mask = offs_k < k_end - k_begin
-        w_first = tl.load(w_ptrs, mask=n_mask[:, None] & first_mask[None, :], other=0.0,
-                          eviction_policy="evict_first")
-    pdl_prologue(USE_PDL)
-    loop_begin = k_begin
-    if EARLY_W:
-        x = tl.load(x_ptrs, mask=m_mask[None, :] & first_mask[:, None], other=0.0)
-        acc_t += tl.dot(w_first.to(x.dtype), x)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        loop_begin += BLOCK_K
-    for k_start in range(loop_begin, k_end, BLOCK_K):
+    for k_start in range(k_begin, k_end, BLOCK_K):
         k_mask = offs_k < k_end - k_start
         if HAS_SCALE and GROUPED:
             s = tl.load(Scale + offs_n * stride_sn + k_start // GROUP_K, mask=n_mask, other=0.0)
@@ -219,13 +200,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: dict[str, int],
             scale.stride(0) if has_scale else 0, y.stride(0), HAS_SCALE=has_scale,
             GROUPED=grouped, GROUP_K=group_k or k, HAS_BIAS=bias is not None,
             ATOMIC=atomic, LAST_REDUCES=split > 1 and not atomic,
-            SWAP_AB=bool(cfg.get("SWAP_AB", 0)),
-            EARLY_W=EARLY_WEIGHTS and bool(cfg.get("SWAP_AB", 0)) and not grouped
-            and early_tile_keeps_occupancy(
-                x2, cfg["BLOCK_K"] * (cfg["BLOCK_N"] * weight.element_size()
-                                      + cfg["BLOCK_M"] * x2.element_size()),
-                cfg["num_stages"], grid[0] * grid[1] * grid[2]),
-            BLOCK_M=cfg["BLOCK_M"],
+            SWAP_AB=bool(cfg.get("SWAP_AB", 0)), BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_args(x2))
     if atomic:
