@@ -50,23 +50,15 @@
 #          by atomics into a zeroed float32 buffer and a cast back (RADIXSERVE_SKINNY_SPLIT_REDUCE=
 #          atomic, the default) and by each tile's last program (=last: one launch, with PDL),
 #          alternated twice (~4 min; session 25's down tiles at 4-16 rows split K in 4)
-# dataflow: the one-launch decode MLP (kernels/dataflow_mlp.py): its GPU tests of each kind,
-#          then that kind's configuration sweep against the three kernels
+# dataflow: the one-launch decode MLP (kernels/dataflow_mlp.py, on by default at 12-16 rows):
+#          its GPU tests, then its configuration sweep against the three kernels
 #          (benchmarks/gpu_dataflow_mlp.py, Llama-3.1-8B's MLP; ROOF_DATAFLOW_ARGS, default
-#          "--rows 16 12" for bf16 and "--rows 8 2 16" for fp8: the first row count swept in
-#          full, the five best at the others; ~4 min per kind), for each of
-#          ROOF_DATAFLOW_KINDS (default bf16; "fp8": FP8 weights and activation codes, as
-#          --quantization fp8 runs decode rows). bf16 decode at 1-8 rows takes the fused-rows
-#          layer (kernels/fused_rows.py) before the MLP module, so the one-launch MLP only
-#          meets bf16 batches of 9-16 rows; FP8 rows reach it at 1-16. A failing FP8 test also
-#          runs benchmarks/gpu_dataflow_fp8_probe.py (which rows and columns depart, by shape
-#          and configuration).
-# dataflow_ab: decode batches ROOF_AB_BATCHES (default "12 16" for bf16, "2 8 16" for fp8) with
-#          RADIXSERVE_DATAFLOW_MLP=0 (RADIXSERVE_DATAFLOW_MLP_FP8 for fp8) and
-#          =ROOF_DATAFLOW_CONFIG (default: the sweep's best at its first row count when dataflow
-#          ran in the same call), alternated twice, for each of ROOF_DATAFLOW_KINDS (~3 min
-#          per kind)
-# dataflow_profile: where a batch-8 decode step goes (benchmarks/gpu_profile_decode.py --graph)
+#          "--rows 16 12": the first row count swept in full, the five best at the others;
+#          ~4 min)
+# dataflow_ab: decode batches ROOF_AB_BATCHES (default "12 16") with RADIXSERVE_DATAFLOW_MLP=0
+#          and =ROOF_DATAFLOW_CONFIG (default: the sweep's best at its first row count when
+#          dataflow ran in the same call, else 1, the default), alternated twice (~3 min)
+# dataflow_profile: where a batch-16 decode step goes (benchmarks/gpu_profile_decode.py --graph)
 #          with RADIXSERVE_DATAFLOW_MLP=0 and =ROOF_DATAFLOW_CONFIG (~3 min)
 # rows_fusion: small-batch decode's fused products (kernels/fused_rows.py): their GPU tests, then
 #          benchmarks/gpu_rows_fusion.py --write (each product swept at 2 rows; ROOF_ROWS_ARGS=
@@ -232,38 +224,25 @@ if step split_reduce_ab; then
 fi
 if step dataflow; then
     echo "== the decode MLP in one launch (kernels/dataflow_mlp.py) against three kernels"
-    for kind in ${ROOF_DATAFLOW_KINDS:-bf16}; do
-        flag=() rows="--rows 16 12" select="not fp8"
-        [ "$kind" = fp8 ] && flag=(--fp8) rows="--rows 8 2 16" select="fp8"
-        timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider -k "$select" \
-            tests/layers/test_dataflow_mlp.py > "$OUT/dataflow_tests_$kind.log" 2>&1
-        rc=$?
-        echo "   $kind tests rc $rc: $(tail -1 "$OUT/dataflow_tests_$kind.log")"
-        if [ $rc != 0 ]; then
-            [ "$kind" = fp8 ] && timeout -k 10 90 python3 benchmarks/gpu_dataflow_fp8_probe.py \
-                2>&1 | quiet | tail -10
-            continue
-        fi
-        timeout -k 10 "${ROOF_DATAFLOW_SWEEP_S:-300}" python3 benchmarks/gpu_dataflow_mlp.py \
-            ${flag[@]+"${flag[@]}"} --best-out "$OUT/dataflow_best_$kind.txt" \
-            ${ROOF_DATAFLOW_ARGS:-$rows} 2>&1 | tee "$OUT/dataflow_$kind.log" | grep -E "^H|M="
-    done
+    timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider tests/layers/test_dataflow_mlp.py \
+        > "$OUT/dataflow_tests.log" 2>&1
+    rc=$?
+    echo "   tests rc $rc: $(tail -1 "$OUT/dataflow_tests.log")"
+    [ $rc = 0 ] && timeout -k 10 "${ROOF_DATAFLOW_SWEEP_S:-300}" python3 \
+        benchmarks/gpu_dataflow_mlp.py --best-out "$OUT/dataflow_best.txt" \
+        ${ROOF_DATAFLOW_ARGS:---rows 16 12} 2>&1 | tee "$OUT/dataflow.log" | grep -E "^H|M="
 fi
 if step dataflow_ab; then
-    for kind in ${ROOF_DATAFLOW_KINDS:-bf16}; do
-        var=RADIXSERVE_DATAFLOW_MLP && [ "$kind" = fp8 ] && var=RADIXSERVE_DATAFLOW_MLP_FP8
-        best=${ROOF_DATAFLOW_CONFIG:-$(cat "$OUT/dataflow_best_$kind.txt" 2>/dev/null || echo 1)}
-        echo "== decode ($kind), the MLP in one launch ($var=$best) against three kernels (0)"
-        batches="12 16" && [ "$kind" = fp8 ] && batches="2 8 16"
-        env_ab "$var" "0 $best 0 $best" "${ROOF_AB_BATCHES:-$batches}" "$kind"
-    done
+    best=${ROOF_DATAFLOW_CONFIG:-$(cat "$OUT/dataflow_best.txt" 2>/dev/null || echo 1)}
+    echo "== decode, the MLP in one launch (RADIXSERVE_DATAFLOW_MLP=$best) against three kernels (0)"
+    env_ab RADIXSERVE_DATAFLOW_MLP "0 $best 0 $best" "${ROOF_AB_BATCHES:-12 16}" bf16
 fi
 if step dataflow_profile; then
-    best=${ROOF_DATAFLOW_CONFIG:-$(cat "$OUT/dataflow_best_bf16.txt" 2>/dev/null || echo 1)}
+    best=${ROOF_DATAFLOW_CONFIG:-$(cat "$OUT/dataflow_best.txt" 2>/dev/null || echo 1)}
     for value in 0 "$best"; do
-        echo "== where a batch-8 decode step goes, RADIXSERVE_DATAFLOW_MLP=$value"
+        echo "== where a batch-16 decode step goes, RADIXSERVE_DATAFLOW_MLP=$value"
         RADIXSERVE_DATAFLOW_MLP=$value timeout -k 10 150 python3 benchmarks/gpu_profile_decode.py \
-            --batch 8 --graph > "$OUT/dataflow_profile_$value.log" 2>&1
+            --batch 16 --graph > "$OUT/dataflow_profile_$value.log" 2>&1
         echo "   rc $?"
         grep -v -E "Warning|warn" "$OUT/dataflow_profile_$value.log" | tail -25
     done
