@@ -86,8 +86,7 @@ def env_choice() -> tuple[DataflowMlpConfig, int] | None:
 
 @triton.jit
 def _gate_up_tile(X, WGU, Hbuf, Sync, tile, M, HID, INTER, k_per_split, stride_x, stride_w,
-                  BLOCK_M: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_h = tile * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -123,9 +122,8 @@ def _gate_up_tile(X, WGU, Hbuf, Sync, tile, M, HID, INTER, k_per_split, stride_x
 
 @triton.jit
 def _down_tile(Hbuf, WD, Y, Work, Sync, item, n_tiles, splits, M, HID, INTER, k_per_split,
-               stride_wd, stride_y, BLOCK_M: tl.constexpr,
-               BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               MAX_SPLITS: tl.constexpr):
+               stride_wd, stride_y, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAX_SPLITS: tl.constexpr):
     split = item // n_tiles
     tile_n = item % n_tiles
     k_begin = split * k_per_split
@@ -176,9 +174,9 @@ def _down_tile(Hbuf, WD, Y, Work, Sync, item, n_tiles, splits, M, HID, INTER, k_
 @triton.jit(do_not_specialize=["gate_up_tiles", "n_tiles", "splits"])
 def _dataflow_mlp_kernel(X, WGU, WD, Y, Hbuf, Work, Sync, M, HID, INTER, k_per_split,
                          gate_up_tiles, n_tiles, splits, stride_x, stride_wgu, stride_wd,
-                         stride_y, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, MAX_SPLITS: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         stride_y, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         MAX_SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     ticket = tl.atomic_add(Sync, 1, sem="relaxed")
     if ticket < gate_up_tiles:
@@ -186,8 +184,8 @@ def _dataflow_mlp_kernel(X, WGU, WD, Y, Hbuf, Work, Sync, M, HID, INTER, k_per_s
                       stride_wgu, BLOCK_M, BLOCK_H, BLOCK_K)
     else:
         _down_tile(Hbuf, WD, Y, Work, Sync, ticket - gate_up_tiles, n_tiles, splits, M, HID,
-                   INTER, k_per_split, stride_wd, stride_y, BLOCK_M, BLOCK_H,
-                   BLOCK_N, BLOCK_K, MAX_SPLITS)
+                   INTER, k_per_split, stride_wd, stride_y, BLOCK_M, BLOCK_H, BLOCK_N, BLOCK_K,
+                   MAX_SPLITS)
         down_items = n_tiles * splits
         if tl.atomic_add(Sync + 1, 1, sem="acq_rel") == down_items - 1:
             # every ticket is taken and every slice counted: zero the counters for next time
