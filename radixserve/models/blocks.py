@@ -128,16 +128,16 @@ class GatedMLP(nn.Module):
 
     def _dataflow_config(self, rows: torch.Tensor):  # -> DataflowMlpConfig | None
         """The configuration to run this decode batch's whole MLP in one launch with
-        (kernels/dataflow_mlp.py), where RADIXSERVE_DATAFLOW_MLP (read once per layer) lets it
-        run at this many rows and the layer fits: SiLU, no biases, half-precision weights;
-        else None."""
+        (kernels/dataflow_mlp.py), where RADIXSERVE_DATAFLOW_MLP and this MLP's shape (read
+        once per layer) let it run at this many rows and the layer fits: SiLU, no biases,
+        half-precision weights; else None."""
         if not self._dataflow_resolved:
             self._dataflow_resolved = True
             gate_up, down = self.gate_up_proj, self.down_proj
             if isinstance(self.act, SiluAndMul) and gate_up.bias is None and \
                     down.bias is None and gate_up.fp8 is None and down.fp8 is None:
                 from radixserve.layers.kernels.dataflow_mlp import env_choice
-                self._dataflow = env_choice()
+                self._dataflow = env_choice(down.weight.shape[0], down.weight.shape[1])
         if self._dataflow is None or not one_row_kernels_apply(rows):
             return None
         cfg, min_rows = self._dataflow

@@ -104,18 +104,27 @@ def test_supports_rejects_what_the_kernel_cannot_take() -> None:
 
 
 def test_env_choice(monkeypatch) -> None:
-    from radixserve.layers.kernels.dataflow_mlp import DEFAULT_MIN_ROWS
+    from radixserve.layers.kernels.dataflow_mlp import MEASURED_SHAPES
     monkeypatch.delenv("RADIXSERVE_DATAFLOW_MLP", raising=False)
-    assert env_choice() == (DataflowMlpConfig(), DEFAULT_MIN_ROWS)
+    assert env_choice(4096, 14336) == MEASURED_SHAPES[(4096, 14336)] == (DataflowMlpConfig(), 12)
+    assert env_choice(8192, 3584) is None  # a shape not measured keeps the three kernels
     monkeypatch.setenv("RADIXSERVE_DATAFLOW_MLP", "1")
-    assert env_choice() == (DataflowMlpConfig(), DEFAULT_MIN_ROWS)
+    assert env_choice(4096, 14336) == (DataflowMlpConfig(), 12)
     monkeypatch.setenv("RADIXSERVE_DATAFLOW_MLP", "0")
-    assert env_choice() is None
+    assert env_choice(4096, 14336) is None
     monkeypatch.setenv("RADIXSERVE_DATAFLOW_MLP", "64,128,64,7,8,3")
-    assert env_choice() == (DataflowMlpConfig(64, 128, 64, 7, 8, 3), 1)
+    assert env_choice(8192, 3584) == (DataflowMlpConfig(64, 128, 64, 7, 8, 3), 1)
     monkeypatch.setenv("RADIXSERVE_DATAFLOW_MLP", "64,128")
     with pytest.raises(ValueError, match="six integers"):
-        env_choice()
+        env_choice(4096, 14336)
+
+
+def _measure_shape(monkeypatch, hidden: int, inter: int, min_rows: int = 12) -> int:
+    """Pretend the default configuration was measured ahead at this shape from min_rows."""
+    from radixserve.layers.kernels import dataflow_mlp as kernel_module
+    monkeypatch.setitem(kernel_module.MEASURED_SHAPES, (hidden, inter),
+                        (DataflowMlpConfig(), min_rows))
+    return min_rows
 
 
 def _gated_mlp(hidden: int, inter: int):
@@ -139,12 +148,15 @@ def _count_launches(monkeypatch) -> list[int]:
 
 
 def test_gated_mlp_runs_in_one_launch_at_the_default_rows(monkeypatch) -> None:
-    """Unset, the one launch takes DEFAULT_MIN_ROWS-16 rows and leaves fewer (and more) to
-    the three kernels, with the three kernels' result."""
-    from radixserve.layers.kernels.dataflow_mlp import DEFAULT_MIN_ROWS
+    """Unset, the one launch takes a measured shape's rows (its fewest to 16) and leaves fewer
+    (and more) to the three kernels, with the three kernels' result; a shape not measured
+    keeps the three kernels."""
     launches = _count_launches(monkeypatch)
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(2)).to(DEVICE, DTYPE)
-    counts = (DEFAULT_MIN_ROWS - 1, DEFAULT_MIN_ROWS, 16)
+    monkeypatch.delenv("RADIXSERVE_DATAFLOW_MLP", raising=False)
+    assert _gated_mlp(64, 96)(x).shape == (16, 64) and launches == []  # not measured
+    min_rows = _measure_shape(monkeypatch, 64, 96)
+    counts = (min_rows - 1, min_rows, 16)
     monkeypatch.setenv("RADIXSERVE_DATAFLOW_MLP", "0")
     three = _gated_mlp(64, 96)
     wanted = [three(x[:rows]).float() for rows in counts]
@@ -153,7 +165,7 @@ def test_gated_mlp_runs_in_one_launch_at_the_default_rows(monkeypatch) -> None:
     for rows, want in zip(counts, wanted):
         torch.testing.assert_close(mlp(x[:rows]).float(), want, atol=2e-2, rtol=2e-2)
     assert mlp(torch.cat([x, x[:2]])).shape == (18, 64)  # past 16 rows: three kernels
-    assert launches == [DEFAULT_MIN_ROWS, 16]
+    assert launches == [min_rows, 16]
 
 
 def test_gated_mlp_runs_in_one_launch_when_asked(monkeypatch) -> None:
@@ -187,17 +199,20 @@ def test_fp8_gated_mlp_keeps_the_three_kernels(monkeypatch) -> None:
 
 
 # the Engine in the interpreter takes ~20 s a case: CI skips it, the GPU runs it (a no-op mark
-# there). Three rows under a configuration of the test's own; thirteen under the default,
-# which takes 12-16 rows (the decode graph pads 13 to 16)
+# there). Three rows under a configuration of the test's own; thirteen under the default, with
+# the tiny model's shape entered as measured from 12 rows (the decode graph pads 13 to 16)
 @(pytest.mark.usefixtures() if torch.cuda.is_available() else pytest.mark.slow)
 @pytest.mark.parametrize("setting,lengths", [
     ("16,32,32,2,4,2", (30, 41, 17)),
     ("1", (30, 41, 17, 5, 9, 12, 20, 3, 33, 8, 14, 26, 11))], ids=["asked", "default"])
 def test_engine_greedy_outputs_unchanged_by_the_one_launch_mlp(tmp_path, monkeypatch, setting,
                                                                lengths) -> None:
+    import json
     from tests.models.engine_greedy import engine_greedy_tokens
     from tests.models.tiny_checkpoints import make_checkpoint
     make_checkpoint("llama_gqa_llama3_rope", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    min_rows = _measure_shape(monkeypatch, config["hidden_size"], config["intermediate_size"])
 
     def greedy() -> list[list[int]]:
         return engine_greedy_tokens(str(tmp_path), lengths, 5, dtype="float16")
@@ -209,6 +224,5 @@ def test_engine_greedy_outputs_unchanged_by_the_one_launch_mlp(tmp_path, monkeyp
     monkeypatch.setenv("RADIXSERVE_DATAFLOW_MLP", setting)
     assert greedy() == reference
     # decode steps ran the MLP in one launch (on the GPU, at the graphs' padded batch sizes
-    # when they were captured), the default only at 12 rows or more
-    from radixserve.layers.kernels.dataflow_mlp import DEFAULT_MIN_ROWS
-    assert launches and (setting != "1" or min(launches) >= DEFAULT_MIN_ROWS), launches
+    # when they were captured), the default only at its fewest rows or more
+    assert launches and (setting != "1" or min(launches) >= min_rows), launches

@@ -1,5 +1,5 @@
 """A decode batch's whole SwiGLU MLP, down(silu(gate(x)) * up(x)), in one launch (1-16 rows of
-half-precision activations; GatedMLP runs it by default at DEFAULT_MIN_ROWS-16).
+half-precision activations; GatedMLP runs it by default where MEASURED_SHAPES says).
 
 At a few rows the three kernels of the MLP (gate|up, SiLU-mul, down) each stream their weights
 at well under the HBM rate for their first and last microseconds: programs start, wait for the
@@ -66,21 +66,27 @@ class DataflowMlpConfig:
         return cls(*values)
 
 
-# Where the one launch runs by default: measured on an H100 (session 31, Llama-3.1-8B's MLP,
-# bf16, this configuration): 123.7 against 125.3 us at 16 rows, 123.6 against 124.0 at 12, and
-# whole decode steps 0.01-0.02 ms faster at 12 and 16 rows, level at 8, 0.03 ms slower at 2
-DEFAULT_MIN_ROWS = 12
+# Where the one launch runs by default: the MLP shapes (hidden, intermediate on one rank) it was
+# measured ahead of the three kernels at, with its configuration and the fewest rows it won at.
+# Llama-3.1-8B, bf16, on an H100 (session 31): 123.7 against 125.3 us at 16 rows, 123.6
+# against 124.0 at 12, whole decode steps 0.01-0.02 ms faster at 12 and 16 rows, level at 8,
+# 0.03 ms slower at 2. Other shapes (70B's ranks, other models) keep the three kernels until
+# measured (benchmarks/gpu_dataflow_mlp.py --hidden --inter, gpu_roofline.sh dataflow_ab).
+MEASURED_SHAPES: dict[tuple[int, int], tuple[DataflowMlpConfig, int]] = {
+    (4096, 14336): (DataflowMlpConfig(), 12),
+}
 
 
-def env_choice() -> tuple[DataflowMlpConfig, int] | None:
-    """(configuration, fewest rows it runs at) as RADIXSERVE_DATAFLOW_MLP asks: unset or '1'
-    the default configuration at DEFAULT_MIN_ROWS-16 rows, '0' never (the three-kernel MLP),
-    six integers that configuration at 1-16 rows (A/B runs and sweeps)."""
+def env_choice(hidden: int, inter: int) -> tuple[DataflowMlpConfig, int] | None:
+    """(configuration, fewest rows it runs at) for an MLP of this shape, as
+    RADIXSERVE_DATAFLOW_MLP asks: unset or '1' the MEASURED_SHAPES entry (None for a shape
+    not measured), '0' never (the three-kernel MLP), six integers that configuration at 1-16
+    rows (A/B runs and sweeps, any shape)."""
     text = os.environ.get("RADIXSERVE_DATAFLOW_MLP", "1")
     if text == "0":
         return None
     if text in ("", "1"):
-        return DataflowMlpConfig(), DEFAULT_MIN_ROWS
+        return MEASURED_SHAPES.get((hidden, inter))
     return DataflowMlpConfig.parse(text), 1
 
 
