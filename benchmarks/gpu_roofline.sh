@@ -50,14 +50,16 @@
 #          by atomics into a zeroed float32 buffer and a cast back (RADIXSERVE_SKINNY_SPLIT_REDUCE=
 #          atomic, the default) and by each tile's last program (=last: one launch, with PDL),
 #          alternated twice (~4 min; session 25's down tiles at 4-16 rows split K in 4)
-# dataflow: the one-launch decode MLP (kernels/dataflow_mlp.py, on by default at 12-16 rows):
+# dataflow: the one-launch decode MLP (kernels/dataflow_mlp.py; on by default at 12-16 rows of
+#          Llama-3.1-8B's MLP, its MEASURED_SHAPES entry):
 #          its GPU tests, then its configuration sweep against the three kernels
 #          (benchmarks/gpu_dataflow_mlp.py, Llama-3.1-8B's MLP; ROOF_DATAFLOW_ARGS, default
 #          "--rows 16 12": the first row count swept in full, the five best at the others;
 #          ~4 min)
 # dataflow_ab: decode batches ROOF_AB_BATCHES (default "12 16") with RADIXSERVE_DATAFLOW_MLP=0
 #          and =ROOF_DATAFLOW_CONFIG (default: the sweep's best at its first row count when
-#          dataflow ran in the same call, else 1, the default), alternated twice (~3 min)
+#          dataflow ran in the same call, else 1: the default, which runs only at a measured
+#          shape's rows), alternated twice (~3 min)
 # dataflow_profile: where a batch-16 decode step goes (benchmarks/gpu_profile_decode.py --graph)
 #          with RADIXSERVE_DATAFLOW_MLP=0 and =ROOF_DATAFLOW_CONFIG (~3 min)
 # rows_fusion: small-batch decode's fused products (kernels/fused_rows.py): their GPU tests, then
