@@ -131,6 +131,8 @@ class GatedMLP(nn.Module):
         (kernels/dataflow_mlp.py), where RADIXSERVE_DATAFLOW_MLP and this MLP's shape (read
         once per layer) let it run at this many rows and the layer fits: SiLU, no biases,
         half-precision weights; else None."""
+        if not one_row_kernels_apply(rows):
+            return None
         if not self._dataflow_resolved:
             self._dataflow_resolved = True
             gate_up, down = self.gate_up_proj, self.down_proj
@@ -138,7 +140,7 @@ class GatedMLP(nn.Module):
                     down.bias is None and gate_up.fp8 is None and down.fp8 is None:
                 from radixserve.layers.kernels.dataflow_mlp import env_choice
                 self._dataflow = env_choice(down.weight.shape[0], down.weight.shape[1])
-        if self._dataflow is None or not one_row_kernels_apply(rows):
+        if self._dataflow is None:
             return None
         cfg, min_rows = self._dataflow
         from radixserve.layers.kernels.dataflow_mlp import supports
