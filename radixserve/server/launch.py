@@ -1,8 +1,9 @@
 """launch_server: start the child processes, the HTTP server, warm up, and shut down cleanly.
 
-Start-up order: scheduler + detokenizer children (spawned) -> wait until the model is loaded ->
-tokenizer and TokenizerManager -> uvicorn -> a warm-up /generate through HTTP -> /health turns
-200 and "ready" is logged. If any child dies, or the warm-up fails, the server exits non-zero;
+Start-up order: the port bound and the model path resolved (fail fast) -> scheduler +
+detokenizer children (spawned; they import while the config is checked) -> wait until the
+model is loaded -> tokenizer and TokenizerManager -> uvicorn -> a warm-up /generate through
+HTTP -> /health turns 200 and "ready" is logged. If any child dies, or the warm-up fails, the server exits non-zero;
 SIGINT/SIGTERM stop it cleanly (exit 0). Children never outlive the server.
 """
 from __future__ import annotations
@@ -133,15 +134,23 @@ def launch_server(server_args: ServerArgs,
         if code:
             raise SystemExit(code)
         return
-    port_args = PortArgs.create(server_args.dp_size)
-    group = ProcessGroup(server_args, port_args, scheduler_factory)
-    group.spawn()  # the children import their modules while this process checks
-    # fail fast, before any process loads anything: the model must resolve, the split must be
-    # possible, the port must be free (it stays bound, and uvicorn serves on this socket)
+    # fail fast, before any process loads anything: the port must be free (it stays bound, and
+    # uvicorn serves on this socket) and the model path must resolve, both before any child
+    # starts; the config and the split are checked while the children import their modules
+    listen_socket = _bind_listen_socket(server_args)
     try:
-        listen_socket, source = _check_before_loading(server_args)
+        _resolve_or_exit(server_args)
+        port_args = PortArgs.create(server_args.dp_size)
+        group = ProcessGroup(server_args, port_args, scheduler_factory)
+    except BaseException:
+        listen_socket.close()
+        raise
+    group.spawn()
+    try:
+        source = _check_model(server_args)
     except BaseException:
         group.shutdown()
+        listen_socket.close()
         raise
     previous = {}
     if threading.current_thread() is threading.main_thread():
@@ -171,16 +180,8 @@ def launch_server(server_args: ServerArgs,
         raise SystemExit(state.exit_code)
 
 
-def _check_before_loading(server_args: ServerArgs) -> tuple[socket.socket, Any]:
-    """One clear error line and exit code 1 for what would otherwise fail after loading."""
-    from radixserve.executor.model_runner import check_tensor_parallel
-    from radixserve.loader import load_model_source
-    try:
-        source = load_model_source(server_args.model_path, server_args.load_format)
-        check_tensor_parallel(source.model_config, server_args.tp_size)
-    except (OSError, ValueError) as exc:
-        logger.error("cannot serve the model: %s", exc)
-        raise SystemExit(1) from None
+def _bind_listen_socket(server_args: ServerArgs) -> socket.socket:
+    """The HTTP socket, bound; one error line and exit code 1 when the port is taken."""
     family = socket.AF_INET6 if ":" in server_args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -191,7 +192,33 @@ def _check_before_loading(server_args: ServerArgs) -> tuple[socket.socket, Any]:
         logger.error("cannot listen on %s:%d: %s (another server there? pick --port)",
                      server_args.host, server_args.port, exc.strerror or exc)
         raise SystemExit(1) from None
-    return sock, source
+    return sock
+
+
+def _resolve_or_exit(server_args: ServerArgs) -> None:
+    """--model-path names a local model, the bundled one or a hub repo (fetched into the hub
+    cache if needed); else one error line and exit code 1. Needs neither torch nor
+    transformers, so a wrong path fails in about a second."""
+    from radixserve.loader.model_resolution import resolve_model_path
+    try:
+        resolve_model_path(server_args.model_path)
+    except (OSError, ValueError) as exc:
+        logger.error("cannot serve the model: %s", exc)
+        raise SystemExit(1) from None
+
+
+def _check_model(server_args: ServerArgs) -> Any:
+    """The model's config loads and the tensor-parallel split is possible (one error line and
+    exit code 1 otherwise): what would otherwise fail after loading. Returns its ModelSource."""
+    from radixserve.executor.model_runner import check_tensor_parallel
+    from radixserve.loader import load_model_source
+    try:
+        source = load_model_source(server_args.model_path, server_args.load_format)
+        check_tensor_parallel(source.model_config, server_args.tp_size)
+    except (OSError, ValueError) as exc:
+        logger.error("cannot serve the model: %s", exc)
+        raise SystemExit(1) from None
+    return source
 
 
 def _serve(server_args: ServerArgs, port_args: PortArgs, group: ProcessGroup,
