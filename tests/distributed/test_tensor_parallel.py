@@ -45,7 +45,9 @@ def _run(folder: str, tp_size: int, prompts: list[list[int]]) -> dict:
         engine.shutdown()
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "mistral_gqa", "qwen2_bias",
+# qwen2_moe_shared carries q/k/v bias too, so qwen2_bias runs with --run-slow
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "mistral_gqa",
+                                  pytest.param("qwen2_bias", marks=pytest.mark.slow),
                                   "gemma2_softcap_window", "qwen2_moe_shared",
                                   "deepseek_v2_lite_mla"])
 def test_tp2_matches_tp1_and_transformers(name: str, tmp_path) -> None:

@@ -165,33 +165,52 @@ def test_radix_cache_off_gives_identical_outputs(reference_outputs):
 @pytest.mark.parametrize("chunk, mixed", [pytest.param(16, False, marks=pytest.mark.slow),
                                           (16, True),
                                           pytest.param(64, False, marks=pytest.mark.slow),
-                                          (1024, True)])
+                                          pytest.param(1024, True, marks=pytest.mark.slow)])
 def test_chunked_prefill_gives_identical_outputs(reference_outputs, chunk, mixed):
     outs, _ = _greedy_outputs(chunked_prefill_size=chunk, enable_mixed_chunk=mixed)
     assert outs == reference_outputs
 
 
-def test_overlap_on_and_off_give_identical_outputs_and_stops():
+@pytest.fixture(scope="module")
+def overlap_pair():
+    """Two engines, decode overlap on (the default) and off, both admitting prompts in 8-token
+    chunks, so prefills are read back over several turns while other requests decode."""
+    engines = {overlap: radixserve.Engine(dtype="float32", chunked_prefill_size=8,
+                                          disable_overlap_schedule=not overlap)
+               for overlap in (True, False)}
+    yield engines
+    for eng in engines.values():
+        eng.shutdown()
+
+
+def _on_and_off(overlap_pair, run) -> list:
+    """run(engine) on the overlap engine and then the synchronous one; each must end with its
+    memory all free."""
+    results = []
+    for overlap in (True, False):
+        eng = overlap_pair[overlap]
+        results.append(run(eng))
+        state = eng.get_internal_state()
+        assert state["memory_check_ok"] and state["leaked_tokens"] == 0
+    return results
+
+
+def test_overlap_on_and_off_give_identical_outputs_and_stops(overlap_pair):
     """Decode overlap (the default) against synchronous steps on the real model: requests that
     stop on EOS, on a stop string (both found a step late under overlap) or by length at
     different steps give the same tokens and finish reasons, and free all their memory."""
     prompts = PROMPTS + ["Count: one, two, three,", "The capital of France is"]
     params = [{"max_new_tokens": 5 + 7 * i, "temperature": 0,
                "stop": ["."] if i % 2 else None} for i in range(len(prompts))]
-    results = []
-    for overlap in (True, False):
-        eng = radixserve.Engine(dtype="float32", disable_overlap_schedule=not overlap)
-        outs = eng.generate(prompts, params)
-        state = eng.get_internal_state()
-        assert state["memory_check_ok"] and state["leaked_tokens"] == 0
-        results.append([(o["output_ids"], o["meta_info"]["finish_reason"]) for o in outs])
-        eng.shutdown()
+    results = _on_and_off(overlap_pair, lambda eng: [
+        (o["output_ids"], o["meta_info"]["finish_reason"])
+        for o in eng.generate(prompts, params)])
     assert results[0] == results[1]
     reasons = {str(r[1]) for r in results[0]}
     assert len(reasons) > 1  # more than one way of finishing was exercised
 
 
-def test_overlap_carries_penalties_and_seeds_exactly():
+def test_overlap_carries_penalties_and_seeds_exactly(overlap_pair):
     """Seeded sampling and penalties under overlap read the sampling state carried on the device
     (rows kept, advanced by the token in flight, and joined by the rows of requests whose
     prefill is read back meanwhile: 8-token chunks admit the prompts over several turns); it
@@ -206,29 +225,20 @@ def test_overlap_carries_penalties_and_seeds_exactly():
         {"max_new_tokens": 16, "temperature": 1.0, "seed": 5, "top_k": 20, "top_p": 0.9},
     ][:len(prompts)]
     prompts = prompts[:len(params)]
-    results = []
-    for overlap in (True, False):
-        eng = radixserve.Engine(dtype="float32", disable_overlap_schedule=not overlap,
-                                chunked_prefill_size=8)
-        results.append([o["output_ids"] for o in eng.generate(prompts, params)])
-        state = eng.get_internal_state()
-        assert state["memory_check_ok"] and state["leaked_tokens"] == 0
-        eng.shutdown()
+    results = _on_and_off(overlap_pair, lambda eng: [
+        o["output_ids"] for o in eng.generate(prompts, params)])
     assert results[0] == results[1]
     assert [len(ids) for ids in results[0]][1] == 9
 
 
-def test_overlap_returns_the_same_logprobs():
+def test_overlap_returns_the_same_logprobs(overlap_pair):
     """Logprobs under overlap are computed with the step and copied back with its ids."""
     prompts = PROMPTS[:3]
     params = [{"max_new_tokens": 6 + 5 * i, "temperature": 0} for i in range(len(prompts))]
-    results = []
-    for overlap in (True, False):
-        eng = radixserve.Engine(dtype="float32", disable_overlap_schedule=not overlap)
-        outs = eng.generate(prompts, params, return_logprob=True, top_logprobs_num=3)
-        results.append([(o["output_ids"], o["meta_info"]["output_token_logprobs"],
-                         o["meta_info"]["output_top_logprobs"]) for o in outs])
-        eng.shutdown()
+    results = _on_and_off(overlap_pair, lambda eng: [
+        (o["output_ids"], o["meta_info"]["output_token_logprobs"],
+         o["meta_info"]["output_top_logprobs"])
+        for o in eng.generate(prompts, params, return_logprob=True, top_logprobs_num=3)])
     for (ids_a, lps_a, tops_a), (ids_b, lps_b, tops_b) in zip(*results):
         assert ids_a == ids_b and len(lps_a) == len(ids_a) and len(tops_a) == len(ids_a)
         assert [t for _, t in lps_a] == ids_a

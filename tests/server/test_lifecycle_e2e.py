@@ -1,5 +1,7 @@
 """Process lifecycle of the real server: the bounded queue answers 429, a dead scheduler takes
-the whole server down (non-zero, no orphans), a failing start-up reports the child's traceback."""
+the whole server down (non-zero, no orphans), a failing start-up reports the child's traceback,
+shutdown ends open streams; and what the server's non-default flags change (one server carries
+them all, since each start costs ~15 s on a 2-core CI machine)."""
 from __future__ import annotations
 
 import asyncio
@@ -7,11 +9,13 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Iterator
 
 import aiohttp
 import pytest
 import requests
 
+from tests.server.native_client import PROMPT, greedy, post, sse_events
 from tests.server.server_process import (REPO_ROOT, ServerProcess, free_port, pid_alive,
                                          wait_gone)
 
@@ -123,8 +127,32 @@ def _open_streams(server: ServerProcess, count: int) -> tuple[list, list[list[st
     return threads, events
 
 
-def test_shutdown_ends_open_streams_with_an_error_event() -> None:
-    server = ServerProcess("--shutdown-timeout", "1")
+@pytest.fixture(scope="module")
+def flagged_server() -> Iterator[ServerProcess]:
+    """A server started with non-default flags; the shutdown test below ends it (last)."""
+    server = ServerProcess("--shutdown-timeout", "1", "--incremental-streaming-output")
+    yield server
+    server.stop()
+
+
+def test_incremental_streaming_output_sends_only_new_pieces(
+        flagged_server: ServerProcess) -> None:
+    """--incremental-streaming-output: the chunks' texts and ids join into the whole output."""
+    body = {"text": PROMPT, "sampling_params": greedy(12)}
+    full = post(flagged_server, "/generate", body).json()
+    events = sse_events(post(flagged_server, "/generate", {**body, "stream": True}, stream=True))
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) > 1
+    assert "".join(c["text"] for c in chunks) == full["text"]
+    assert [i for c in chunks for i in c["output_ids"]] == full["output_ids"]
+    counts = [c["meta_info"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == len(full["output_ids"])
+
+
+def test_shutdown_ends_open_streams_with_an_error_event(flagged_server: ServerProcess) -> None:
+    """SIGTERM with --shutdown-timeout 1: open streams end with an error event and [DONE]."""
+    server = flagged_server
     try:
         threads, events = _open_streams(server, 3)
         server.proc.send_signal(signal.SIGTERM)

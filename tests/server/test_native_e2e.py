@@ -1,32 +1,13 @@
 """The native API (/generate and the control routes) against the real server."""
 from __future__ import annotations
 
-import json
 import threading
 import time
 from typing import Any
 
 import requests
 
-PROMPT = "Once upon a time"
-
-
-def post(server: Any, path: str, body: Any, **kwargs: Any) -> requests.Response:
-    return requests.post(server.url(path), json=body, headers=server.headers, timeout=300,
-                         **kwargs)
-
-
-def greedy(max_new_tokens: int) -> dict:
-    return {"max_new_tokens": max_new_tokens, "temperature": 0}
-
-
-def sse_events(response: requests.Response) -> list[Any]:
-    events = []
-    for line in response.iter_lines(decode_unicode=True):
-        if line and line.startswith("data: "):
-            payload = line[len("data: "):]
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
+from tests.server.native_client import PROMPT, greedy, post, sse_events
 
 
 def test_generate_text_and_input_ids_agree(server: Any, smollm_tokenizer: Any) -> None:
@@ -131,22 +112,3 @@ def test_control_routes(server: Any) -> None:
     finished = [line for line in metrics.splitlines()
                 if line.startswith("radixserve:request_success_total")]
     assert sum(float(line.split()[-1]) for line in finished) >= 1
-
-
-def test_incremental_streaming_output_sends_only_new_pieces() -> None:
-    """--incremental-streaming-output: the chunks' texts and ids join into the whole output."""
-    from tests.server.server_process import ServerProcess
-    proc = ServerProcess("--incremental-streaming-output")
-    try:
-        body = {"text": PROMPT, "sampling_params": greedy(12)}
-        full = post(proc, "/generate", body).json()
-        events = sse_events(post(proc, "/generate", {**body, "stream": True}, stream=True))
-        assert events[-1] == "[DONE]"
-        chunks = events[:-1]
-        assert len(chunks) > 1
-        assert "".join(c["text"] for c in chunks) == full["text"]
-        assert [i for c in chunks for i in c["output_ids"]] == full["output_ids"]
-        counts = [c["meta_info"]["completion_tokens"] for c in chunks]
-        assert counts == sorted(counts) and counts[-1] == len(full["output_ids"])
-    finally:
-        assert proc.stop() == 0
