@@ -10,7 +10,8 @@ if not torch.cuda.is_available():  # read when a kernel is decorated: before the
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from radixserve.layers.kernels.gemv import GemvConfig, gemv, gemv_config  # noqa: E402
+from radixserve.layers.kernels.gemv import (GemvConfig, RowFusion, fp8_gemv,  # noqa: E402
+                                            gemv, gemv_config)
 from radixserve.layers.linear import ReplicatedLinear, linear  # noqa: E402
 
 # Triton kernels: native on a GPU, in the interpreter on CPU (see pyproject's markers)
@@ -91,3 +92,33 @@ def test_pdl_is_off_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RADIXSERVE_PDL", "1")
     pdl.disable_pdl()
     assert pdl.pdl_launch_args(torch.zeros(1)) == {"USE_PDL": False}
+
+
+@pytest.mark.parametrize("fusion_kind", ["plain", "norm", "norm+gated", "residual"])
+@pytest.mark.parametrize("weights", ["fp16", "fp8 per row", "fp8 per 64-column group"])
+def test_vec_accumulation_matches_the_plain_tile(fusion_kind: str, weights: str) -> None:
+    """GemvConfig.vec: each thread's contiguous columns summed before they are accumulated
+    (a [BLOCK_N, BLOCK_K / vec, vec] tile) gives the plain tile's product, with every fusion
+    and FP8 scale kind (masked rows included: N is not a multiple of BLOCK_N)."""
+    n, k = 44, 256
+    x = randn(1, k, dtype=torch.float16, seed=21) * 2
+    rows = 2 * n if fusion_kind == "norm+gated" else n
+    fusion = RowFusion(
+        norm_weight=randn(k, dtype=torch.float16, seed=22) if "norm" in fusion_kind else None,
+        eps=1e-5, gated=fusion_kind == "norm+gated",
+        residual=randn(n, dtype=torch.float16, seed=23) if fusion_kind == "residual" else None)
+    if weights == "fp16":
+        w = randn(rows, k, dtype=torch.float16, seed=24) * 0.1
+        product = lambda config: gemv(x, w, config=config, fusion=fusion)  # noqa: E731
+    else:
+        group = 64 if "group" in weights else None
+        scale = randn(rows, 1 if group is None else k // group, dtype=torch.float32,
+                      seed=25).abs() * 0.01 + 0.001
+        codes = (randn(rows, k, dtype=torch.float32, seed=26) * 100).clamp(-448, 448).to(
+            torch.float8_e4m3fn)
+        product = lambda config: fp8_gemv(x, codes, scale, group, config=config,  # noqa: E731
+                                          fusion=fusion)
+    plain, vec = (product(GemvConfig(8, 128, 4, 2, vec=vec)) for vec in (1, 16))
+    assert vec.shape == plain.shape == (1, n)
+    torch.testing.assert_close(vec.float(), plain.float(), atol=2e-3, rtol=2e-3)
+    assert plain.float().abs().sum() > 0

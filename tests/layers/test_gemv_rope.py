@@ -87,12 +87,13 @@ def test_gemv_rope_store_matches_gemv_then_rope_store(dtype: torch.dtype,
     assert k_cache[loc].float().abs().sum() > 0 and k_cache[:5].float().abs().sum() == 0
 
 
-def test_fp8_gemv_rope_store_matches_fp8_gemv_then_rope_store() -> None:
+@pytest.mark.parametrize("vec", [1, 16])
+def test_fp8_gemv_rope_store_matches_fp8_gemv_then_rope_store(vec: int) -> None:
     dtype = torch.float16
     x = _randn(1, K, dtype=dtype, seed=4)
     codes = (_randn(N, K, dtype=torch.float32, seed=5) * 40).to(torch.float8_e4m3fn)
     scale = (torch.rand(N, 1, generator=torch.Generator().manual_seed(6)) * 0.01).to(DEVICE)
-    config = GemvConfig(8, 64, 4, 1)
+    config = GemvConfig(8, 64, 4, 1, vec=vec)
     rotary = RotaryEmbedding(D, 64, default_inv_freq(D, 500000.0)).to(DEVICE)
     positions, loc = torch.tensor([3], device=DEVICE), torch.tensor([8], device=DEVICE)
     qkv = fp8_gemv(x, codes, scale, None, config=config)

@@ -41,32 +41,51 @@ class GemvConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    # vec > 1: each BLOCK_K step's tile is [block_n, block_k / vec, vec] and its products are
+    # summed over the last axis (vec contiguous weights of one thread) before they are
+    # accumulated, so the float32 accumulator holds block_n x block_k / vec values instead of
+    # block_n x block_k: fewer registers, more programs per SM (FP8 codes, 16 to a 16-byte load)
+    vec: int = 1
 
 
 @triton.jit
-def load_weight_tiles(w_ptrs, up_rows, n_mask, GATED: tl.constexpr):
+def load_weight_tiles(w_ptrs, up_rows, n_mask, GATED: tl.constexpr, VEC: tl.constexpr = 1):
     """One BLOCK_K step's weight tile, and (GATED) the up half's tile N rows down (else the
-    same tile again, unused)."""
-    w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
+    same tile again, unused); VEC > 1: the tile is [BLOCK_N, BLOCK_K / VEC, VEC]."""
+    if VEC > 1:
+        mask = n_mask[:, None, None]
+    else:
+        mask = n_mask[:, None]
+    w = tl.load(w_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
     w_up = w
     if GATED:
-        w_up = tl.load(w_ptrs + up_rows, mask=n_mask[:, None], other=0.0,
-                       eviction_policy="evict_first")
+        w_up = tl.load(w_ptrs + up_rows, mask=mask, other=0.0, eviction_policy="evict_first")
     return w, w_up
+
+
+@triton.jit
+def _vec_sum(prod, VEC: tl.constexpr):
+    """A step's products as accumulated: VEC > 1 sums each thread's VEC contiguous ones."""
+    if VEC > 1:
+        summed = tl.sum(prod, axis=2)
+    else:
+        summed = prod
+    return summed
 
 
 @triton.jit
 def _gemv_step(acc, acc_up, squares, w, w_up, X, NormW, Scale, offs_n, n_mask, offs_k, k_start,
                N, stride_sn, NORM: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
-               GROUPED: tl.constexpr, GROUP_K: tl.constexpr):
-    """One BLOCK_K step: the weight tile(s) w (and w_up) times x[k_start:], accumulated."""
+               GROUPED: tl.constexpr, GROUP_K: tl.constexpr, VEC: tl.constexpr):
+    """One BLOCK_K step: the weight tile(s) w (and w_up) times x[k_start:], accumulated
+    (offs_k: [BLOCK_K], or [BLOCK_K / VEC, VEC] when VEC > 1)."""
     x = tl.load(X + k_start + offs_k).to(tl.float32)
     if NORM:  # RMSNorm's weight now, its 1/rms once the row's squares are summed
         squares += x * x
         x = x * tl.load(NormW + k_start + offs_k).to(tl.float32)
-    prod = w.to(tl.float32) * x[None, :]
+    prod = _vec_sum(w.to(tl.float32) * x[None, :], VEC)
     if GATED:
-        prod_up = w_up.to(tl.float32) * x[None, :]
+        prod_up = _vec_sum(w_up.to(tl.float32) * x[None, :], VEC)
     if HAS_SCALE and GROUPED:
         s_ptrs = Scale + offs_n * stride_sn + k_start // GROUP_K
         prod = prod * tl.load(s_ptrs, mask=n_mask, other=0.0)[:, None]
@@ -88,7 +107,8 @@ def _gemv_kernel(X, W, Scale, B, Y, NormW, Residual, N, K, stride_wn, stride_sn,
                  HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
                  RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EARLY_W: tl.constexpr, USE_PDL: tl.constexpr, ROPE: tl.constexpr,
-                 HALF: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
+                 HALF: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+                 VEC: tl.constexpr):
     """N: the output rows; GATED reads gate rows [0, N) and up rows [N, 2N) of W.
 
     ROPE (a q|k|v product, kernels/gemv_rope.py): each program owns rope pairs of one head
@@ -106,34 +126,45 @@ def _gemv_kernel(X, W, Scale, B, Y, NormW, Residual, N, K, stride_wn, stride_sn,
         offs_n = rope_pair_rows(pid, BLOCK_N, HALF)
     else:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    rows = offs_n.to(tl.int64) * stride_wn
+    if VEC > 1:  # [BLOCK_K / VEC, VEC]: each thread's VEC contiguous columns summed first
+        offs_k = tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+        w_ptrs = W + rows[:, None, None] + offs_k[None, :, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+        squares = tl.zeros([BLOCK_K // VEC, VEC], dtype=tl.float32)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = W + rows[:, None] + offs_k[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    acc_up = acc
     up_rows = N * stride_wn  # GATED: the up half starts N rows down
     if EARLY_W:
-        w_first, w_first_up = load_weight_tiles(w_ptrs, up_rows, n_mask, GATED)
+        w_first, w_first_up = load_weight_tiles(w_ptrs, up_rows, n_mask, GATED, VEC)
     pdl_prologue(USE_PDL)
     if ROPE:  # the position now, its cos and sin in the epilogue (nothing waits on it sooner)
         pos = tl.load(Positions).to(tl.int64)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
     k_begin = 0
     if EARLY_W:
         acc, acc_up, squares = _gemv_step(
             acc, acc_up, squares, w_first, w_first_up, X, NormW, Scale, offs_n, n_mask, offs_k,
-            0, N, stride_sn, NORM, GATED, HAS_SCALE, GROUPED, GROUP_K)
+            0, N, stride_sn, NORM, GATED, HAS_SCALE, GROUPED, GROUP_K, VEC)
         w_ptrs += BLOCK_K
         k_begin = BLOCK_K
     for k_start in range(k_begin, K, BLOCK_K):
-        w, w_up = load_weight_tiles(w_ptrs, up_rows, n_mask, GATED)
+        w, w_up = load_weight_tiles(w_ptrs, up_rows, n_mask, GATED, VEC)
         acc, acc_up, squares = _gemv_step(
             acc, acc_up, squares, w, w_up, X, NormW, Scale, offs_n, n_mask, offs_k, k_start, N,
-            stride_sn, NORM, GATED, HAS_SCALE, GROUPED, GROUP_K)
+            stride_sn, NORM, GATED, HAS_SCALE, GROUPED, GROUP_K, VEC)
         w_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
     if NORM:
-        inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        if VEC > 1:
+            squares_sum = tl.sum(tl.sum(squares, axis=1), axis=0)
+        else:
+            squares_sum = tl.sum(squares, axis=0)
+        inv_rms = tl.rsqrt(squares_sum / K + eps)
         y = y * inv_rms
     y = _scale_and_bias(y, offs_n, n_mask, 0, Scale, B, stride_sn, HAS_SCALE, GROUPED,
                         HAS_BIAS)
@@ -199,13 +230,18 @@ def gemv_config(n: int, k: int) -> GemvConfig | None:
     return GemvConfig(block_n, block_k, warps, stages)
 
 
+def _from_entry(entry: dict) -> GemvConfig:
+    """A table entry's GEMV configuration (entries written before `vec` existed have 1)."""
+    return GemvConfig(entry["block_n"], entry["block_k"], entry["num_warps"],
+                      entry["num_stages"], entry.get("vec", 1))
+
+
 def tuned_gemv_config(kind: str, n: int, k: int) -> GemvConfig | None:
     """The swept GEMV configuration for a [n, k] weight of this kind ("bf16" or "fp8"), else
     the shape-class default."""
     entry = tuned_entry(kind, n, k, 1)
     if entry is not None and "block_n" in entry and k % entry["block_k"] == 0:
-        return GemvConfig(entry["block_n"], entry["block_k"], entry["num_warps"],
-                          entry["num_stages"])
+        return _from_entry(entry)
     if kind == "bf16":
         return gemv_config(n, k)
     # FP8 rows are half as many bytes as bf16 ones: twice the columns per step (where K
@@ -257,8 +293,7 @@ def row_config(kind: str, n: int, k: int, fusion: RowFusion) -> GemvConfig | Non
     entry = tuned_entry(kind, n, k, 1)
     swept = (entry or {}).get(fusion.variant) if fusion.variant else None
     if swept is not None and k % swept["block_k"] == 0:
-        return GemvConfig(swept["block_n"], swept["block_k"], swept["num_warps"],
-                          swept["num_stages"])
+        return _from_entry(swept)
     plain = tuned_gemv_config(kind, n, k)
     return None if plain is None else fused_config(plain, fusion)
 
@@ -289,7 +324,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
         **rope_kernel_args(rope, weight), HAS_SCALE=has_scale,
         GROUPED=grouped, GROUP_K=group_k or k, HAS_BIAS=bias is not None,
         NORM=norm_weight is not None, GATED=fusion.gated, RESIDUAL=residual is not None,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, EARLY_W=EARLY_WEIGHTS,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, EARLY_W=EARLY_WEIGHTS, VEC=config.vec,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(x),
         **({} if rope is None else rope_launch_options(config.num_warps)))
     return y
