@@ -94,11 +94,14 @@ class Shape:
             return float("inf")
 
 
-def gemv_candidates():
+def gemv_candidates(kind: str):
+    """The one-row GEMV grid; FP8 also with each thread's 16 codes summed before they are
+    accumulated (GemvConfig.vec 16: fewer registers, more programs per SM; session 32)."""
     from radixserve.layers.kernels.gemv import GemvConfig
-    for bn, bk, warps, stages in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8),
-                                                   (2, 3, 4)):
-        yield GemvConfig(bn, bk, warps, stages)
+    vecs = (16, 1) if kind == "fp8" else (1,)
+    for vec, bn, bk, warps, stages in itertools.product(vecs, (2, 4, 8, 16), (512, 1024, 2048),
+                                                        (4, 8), (2, 3, 4)):
+        yield GemvConfig(bn, bk, warps, stages, vec)
 
 
 def tile_candidates(m: int, k: int):
@@ -114,7 +117,7 @@ def sweep_gemv(shape: Shape) -> dict:
     from radixserve.layers.kernels.gemv import fp8_gemv, gemv
     x = torch.randn(1, shape.k, device="cuda", dtype=torch.bfloat16)
     best = (float("inf"), None)
-    for cfg in gemv_candidates():
+    for cfg in gemv_candidates(shape.kind):
         if shape.k % cfg.block_k:
             continue
         if shape.kind == "fp8":
