@@ -1,6 +1,7 @@
 """The batch-1 decode layer's linears with and without the one-row fusions, on the H200.
 
-    python3 benchmarks/gpu_row_fusion.py [--kinds bf16 fp8] [--sweep] [--budget 120]
+    python3 benchmarks/gpu_row_fusion.py [--kinds bf16 fp8] [--sweep] [--budget 120] [--write]
+        [--bf16-vecs 8 1]
 
 Per Llama-3.1-8B layer (or --model-path's, at tp 1: the only size that fuses; attention left
 out): the unfused chain of seven kernels (RMSNorm with
@@ -124,7 +125,7 @@ def check(layer: Layer, x: torch.Tensor) -> float:
 VARIANTS = {"qkv": "norm", "o": "residual", "gate_up": "norm+gated", "down": "residual"}
 
 
-def sweep(kind: str, budget: float, write: bool) -> None:
+def sweep(kind: str, budget: float, write: bool, bf16_vecs: tuple[int, ...] = (1,)) -> None:
     """Each fused product over a grid of GEMV configurations, weights rotated through >= 600 MB
     (gpu_gemm_tune.Shape); with `write`, a winner 2% or more ahead of the configuration the
     product runs with now goes into its table's M = 1 entry under the variant's name."""
@@ -151,8 +152,9 @@ def sweep(kind: str, budget: float, write: bool) -> None:
         # FP8 also with each thread's 16 codes (one 16-byte load) summed before they are
         # accumulated (GemvConfig.vec: fewer registers, so more programs per SM), and then with
         # longer steps too. bf16 with vec 8 won 0.5-1 us on q|k|v and o in isolation but left
-        # the batch-1 step level on an H100 (session 32), so bf16 sweeps the plain tiles only
-        vecs = (16, 1) if kind == "fp8" else (1,)
+        # the batch-1 step level on an H100 (session 32): bf16 sweeps the plain tiles unless
+        # --bf16-vecs asks (e.g. "8 1" on an H200, whose batch-1 step is further from its limit)
+        vecs = (16, 1) if kind == "fp8" else bf16_vecs
         for vec, bn, bk, warps, stages in itertools.product(vecs, (4, 8, 16, 32),
                                                             (512, 1024, 2048), (4, 8), (3, 4)):
             if time.monotonic() > deadline or k % bk or (bk == 2048 and vec == 1):
@@ -201,6 +203,8 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--budget", type=float, default=120.0, help="seconds per kind's sweep")
     parser.add_argument("--write", action="store_true", help="store the sweep's winners")
+    parser.add_argument("--bf16-vecs", type=int, nargs="+", default=[1],
+                        help="GemvConfig.vec values in bf16's sweep grid (e.g. 8 1)")
     parser.add_argument("--model-path", default=str(DEFAULT_MODEL))
     args = parser.parse_args()
     # one rank only: at tp > 1 the residual adds wait for the all-reduce, and the decode
@@ -209,7 +213,7 @@ def main() -> int:
     for kind in args.kinds:
         chain(kind)
         if args.sweep:
-            sweep(kind, args.budget, args.write)
+            sweep(kind, args.budget, args.write, tuple(args.bf16_vecs))
             chain(kind)
     return 0
 
