@@ -197,8 +197,8 @@ def _bind_listen_socket(server_args: ServerArgs) -> socket.socket:
 
 def _resolve_or_exit(server_args: ServerArgs) -> None:
     """--model-path names a local model, the bundled one or a hub repo (fetched into the hub
-    cache if needed); else one error line and exit code 1. Needs neither torch nor
-    transformers, so a wrong path fails in about a second."""
+    cache if needed); else one error line and exit code 1. Imports neither transformers'
+    config classes nor the model code, so a wrong path fails before any child starts."""
     from radixserve.loader.model_resolution import resolve_model_path
     try:
         resolve_model_path(server_args.model_path)
