@@ -189,12 +189,19 @@ def test_a_swept_variant_configuration_is_used(tmp_path, monkeypatch) -> None:
                                                 row_config)
     (tmp_path / "bf16_N128_K256.json").write_text(json.dumps({"1": {"norm+gated": dict(
         block_n=2, block_k=128, num_warps=2, num_stages=1)}}))
+    (tmp_path / "fp8_N128_K256.json").write_text(json.dumps({"1": {
+        "block_n": 4, "block_k": 256, "num_warps": 4, "num_stages": 2, "vec": 16,
+        "residual": dict(block_n=8, block_k=128, num_warps=4, num_stages=3, vec=16)}}))
     monkeypatch.setattr(gemm_tables, "CONFIG_DIR", tmp_path)
     gemm_tables.clear_cache()
     try:
         norm = torch.ones(256)
         assert row_config("bf16", 128, 256, RowFusion(norm, 1e-5, gated=True)) == \
-            GemvConfig(2, 128, 2, 1)
+            GemvConfig(2, 128, 2, 1)  # an entry without "vec" (written before it) has 1
+        # entries with "vec" (the FP8 sweeps since session 32) keep it, plain and fused
+        assert row_config("fp8", 128, 256, RowFusion()) == GemvConfig(4, 256, 4, 2, vec=16)
+        assert row_config("fp8", 128, 256, RowFusion(residual=torch.ones(128))) == \
+            GemvConfig(8, 128, 4, 3, vec=16)
         plain = gemv_config(128, 256)
         assert row_config("bf16", 128, 256, RowFusion(norm, 1e-5)) == plain  # not swept
         assert row_config("bf16", 64, 256, RowFusion(norm, 1e-5, gated=True)) == \
