@@ -3,13 +3,15 @@
 Start-up order: the port bound and the model path resolved (fail fast) -> scheduler +
 detokenizer children (spawned; they import while the config is checked) -> wait until the
 model is loaded -> tokenizer and TokenizerManager -> uvicorn -> a warm-up /generate through
-HTTP -> /health turns 200 and "ready" is logged. If any child dies, or the warm-up fails, the server exits non-zero;
-SIGINT/SIGTERM stop it cleanly (exit 0). Children never outlive the server.
+HTTP -> /health turns 200 and "ready" is logged. If any child dies, or the warm-up fails, the
+server exits non-zero; SIGINT/SIGTERM stop it cleanly (exit 0). Children never outlive the
+server.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -20,7 +22,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Iterator
 
 import uvicorn
 
@@ -195,29 +197,33 @@ def _bind_listen_socket(server_args: ServerArgs) -> socket.socket:
     return sock
 
 
-def _resolve_or_exit(server_args: ServerArgs) -> None:
-    """--model-path names a local model, the bundled one or a hub repo (fetched into the hub
-    cache if needed); else one error line and exit code 1. Imports neither transformers'
-    config classes nor the model code, so a wrong path fails before any child starts."""
-    from radixserve.loader.model_resolution import resolve_model_path
+@contextlib.contextmanager
+def _model_errors_exit() -> Iterator[None]:
+    """A model that cannot be served: one error line and exit code 1, no traceback."""
     try:
-        resolve_model_path(server_args.model_path)
+        yield
     except (OSError, ValueError) as exc:
         logger.error("cannot serve the model: %s", exc)
         raise SystemExit(1) from None
+
+
+def _resolve_or_exit(server_args: ServerArgs) -> None:
+    """--model-path names a local model, the bundled one or a hub repo (fetched into the hub
+    cache if needed). Imports neither transformers' config classes nor the model code, so a
+    wrong path fails before any child starts."""
+    from radixserve.loader.model_resolution import resolve_model_path
+    with _model_errors_exit():
+        resolve_model_path(server_args.model_path)
 
 
 def _check_model(server_args: ServerArgs) -> Any:
-    """The model's config loads and the tensor-parallel split is possible (one error line and
-    exit code 1 otherwise): what would otherwise fail after loading. Returns its ModelSource."""
+    """The model's config loads and the tensor-parallel split is possible: what would
+    otherwise fail after loading. Returns its ModelSource."""
     from radixserve.executor.model_runner import check_tensor_parallel
     from radixserve.loader import load_model_source
-    try:
+    with _model_errors_exit():
         source = load_model_source(server_args.model_path, server_args.load_format)
         check_tensor_parallel(source.model_config, server_args.tp_size)
-    except (OSError, ValueError) as exc:
-        logger.error("cannot serve the model: %s", exc)
-        raise SystemExit(1) from None
     return source
 
 

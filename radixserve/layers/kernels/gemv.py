@@ -9,8 +9,8 @@ configurations below are the best of a sweep per shape class).
 Each program owns BLOCK_N output rows and walks K in BLOCK_K steps, accumulating elementwise
 products in fp32 registers ([BLOCK_N, BLOCK_K], or [BLOCK_N, BLOCK_K / vec] when each thread's
 vec contiguous products are summed first: GemvConfig.vec) and reducing once at the end; weights
-are loaded with evict_first since each byte is read exactly once per step. K must be a multiple of BLOCK_K
-(`gemv_config` picks one or returns None, and callers fall back to cuBLAS).
+are loaded with evict_first since each byte is read exactly once per step. K must be a multiple
+of BLOCK_K (`gemv_config` picks one or returns None, and callers fall back to cuBLAS).
 
 The same kernel reads FP8 weight codes (HAS_SCALE): per-row scales applied once at the end, or
 (GROUPED) per K group of GROUP_K columns as each BLOCK_K step, inside one group, is added.
