@@ -2,6 +2,7 @@
 layer's fusions, on the H200.
 
     python3 benchmarks/gpu_rows_fusion.py [--rows 2 [4 8]] [--write] [--model-path DIR]
+        [--vecs 1 8]
 
 First each product without fusions: the GEMV widened to M rows (kernels/fused_rows.py) against
 what linear() runs there (cuBLAS or the skinny GEMM); --write stores a winner 2% or more ahead
@@ -35,19 +36,25 @@ from gpu_gemm_tune import MARGIN, Shape, time_graph  # noqa: E402
 import gpu_row_fusion as one_row  # noqa: E402  (its SHAPES / HIDDEN / O_IN / INTER)
 
 COPIES = 3
+VECS = [1, 8]  # RowsConfig.vec values swept (--vecs)
 VARIANTS = one_row.VARIANTS  # qkv: norm, o: residual, gate_up: norm+gated, down: residual
 
 
 def candidates(rows: int, columns: int, k: int, gated: bool) -> list:
     """The grid swept per product and row count (columns: each half's when gated): tiles whose
-    float32 accumulators take at most 64 registers per thread (more spill at 8 rows) and give
-    at least one program per SM (session 24's winners at 2 rows: 4 x 1024 and 8 x 512 tiles,
-    4 warps)."""
+    float32 accumulators take at most 64 registers per thread (more spill at 8 rows), that give
+    each thread at least one vec of the tile and at least one program per SM (session 24's
+    winners at 2 rows: 4 x 1024 and 8 x 512 tiles, 4 warps). With vec 8 (VECS) each row's
+    accumulator is [block_n, block_k / 8], so wider tiles fit."""
     from radixserve.layers.kernels.fused_rows import RowsConfig
-    return [RowsConfig(bn, bk, warps, 3)
-            for bn, bk, warps in itertools.product((2, 4, 8), (512, 1024), (4, 8))
-            if k % bk == 0 and rows * bn * bk * (2 if gated else 1) <= 64 * 32 * warps
-            and columns // bn >= 132]
+    grid = []
+    for vec, bn, bk, warps in itertools.product(VECS, (2, 4, 8, 16), (512, 1024, 2048), (4, 8)):
+        threads = 32 * warps
+        accumulators = rows * bn * bk // vec * (2 if gated else 1)
+        if (k % bk == 0 and accumulators <= 64 * threads and bn * bk >= vec * threads
+                and columns // bn >= 132 and (vec > 1 or (bn <= 8 and bk <= 1024))):
+            grid.append(RowsConfig(bn, bk, warps, 3, vec))
+    return grid
 
 
 def fusion_for(name: str, rows: int, norm: torch.Tensor, stream: torch.Tensor):
@@ -55,6 +62,55 @@ def fusion_for(name: str, rows: int, norm: torch.Tensor, stream: torch.Tensor):
     if VARIANTS[name] == "residual":
         return RowFusion(residual=stream[:rows])
     return RowFusion(norm, 1e-5, gated=name == "gate_up")
+
+
+def _compile_jobs(jobs: list[tuple]) -> int:
+    """In a worker process: launch each (n, k, rows, variant, config) once, so that its
+    binary lands in Triton's on-disk cache; configurations the GPU cannot run are skipped.
+    Returns how many compiled."""
+    from radixserve.layers.kernels.fused_rows import fused_rows
+    from radixserve.layers.kernels.gemv import NO_FUSION, RowFusion
+    hidden = torch.ones(max(k for _, k, *_ in jobs), device="cuda", dtype=torch.bfloat16)
+    done = 0
+    for n, k, rows, variant, config in jobs:
+        w = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.zeros(rows, k, device="cuda", dtype=torch.bfloat16)
+        out_n = n // 2 if variant == "norm+gated" else n
+        fusion = {"": NO_FUSION, "norm": RowFusion(hidden[:k], 1e-5),
+                  "norm+gated": RowFusion(hidden[:k], 1e-5, gated=True),
+                  "residual": RowFusion(residual=torch.zeros(rows, out_n, device="cuda",
+                                                             dtype=torch.bfloat16))}[variant]
+        try:
+            fused_rows(x, w, config, fusion)
+            done += 1
+        except Exception:  # out of registers / shared memory: the sweep times it as inf
+            pass
+    torch.cuda.synchronize()
+    return done
+
+
+def precompile(rows_list: list[int], workers: int = 12) -> None:
+    """Every configuration the sweeps will time, compiled first by `workers` processes in
+    parallel (one at a time, the 2-8-row kernels' compiles take longer than their timing)."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+    import time
+    jobs = []
+    for name, (n, k) in one_row.SHAPES.items():
+        gated = name == "gate_up"
+        for rows in rows_list:
+            for cfg in candidates(rows, n, k, False):
+                jobs.append((n, k, rows, "", cfg))
+            for cfg in candidates(rows, n // 2 if gated else n, k, gated):
+                jobs.append((n, k, rows, VARIANTS[name], cfg))
+    workers = max(1, min(workers, (os.cpu_count() or 2) - 2, len(jobs)))
+    start = time.monotonic()
+    with concurrent.futures.ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        compiled = sum(pool.map(_compile_jobs, [jobs[i::workers] for i in range(workers)]))
+    print(f"   precompiled {compiled} of {len(jobs)} configurations in {workers} processes, "
+          f"{time.monotonic() - start:.0f} s", flush=True)
 
 
 def sweep(rows_list: list[int]) -> dict[int, dict[str, tuple[float, object]]]:
@@ -82,11 +138,22 @@ def sweep(rows_list: list[int]) -> dict[int, dict[str, tuple[float, object]]]:
     return best
 
 
+def unrowed_product(n: int, k: int, rows: int, x: torch.Tensor):
+    """What `linear()` runs at M rows without a rows-GEMV entry: the skinny GEMM where the
+    table's entry names a tile, else cuBLAS (the kernel a "plain" entry replaces)."""
+    from radixserve.layers.kernels import gemm_tables, skinny_gemm
+    cfg = skinny_gemm.config_from_entry(gemm_tables.tuned_entry("bf16", n, k, rows))
+    if cfg is None:
+        return lambda w: torch.nn.functional.linear(x, w)
+    return lambda w: skinny_gemm.skinny_gemm(x, w, cfg)
+
+
 def sweep_plain(rows_list: list[int], write: bool) -> None:
-    """Each product without fusions through the GEMV widened to M rows against what `linear()`
-    runs there now (cuBLAS or the skinny GEMM, per the tables); with `write`, a winner 2% or
-    more ahead goes into the M entry under "plain" (linear() then runs it), a stale one is
-    removed."""
+    """Each product without fusions through the GEMV widened to M rows against the kernel
+    `linear()` runs there without it (cuBLAS or the skinny GEMM, per the tables; not against
+    an earlier "plain" entry, which would then have to beat itself by the margin); with
+    `write`, a winner 2% or more ahead goes into the M entry under "plain" (linear() then runs
+    it), a stale one is removed."""
     from radixserve.layers import linear as linear_module
     from radixserve.layers.kernels import gemm_tables
     from radixserve.layers.kernels.fused_rows import PLAIN, fused_rows
@@ -95,13 +162,13 @@ def sweep_plain(rows_list: list[int], write: bool) -> None:
         shape = Shape("bf16", n, k)
         for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            current = shape.timed(lambda w: linear_module.linear(x, w))
+            current = shape.timed(unrowed_product(n, k, rows, x))
             timed = sorted(((shape.timed(lambda w, c=cfg: fused_rows(x, w, c, NO_FUSION)), cfg)
                             for cfg in candidates(rows, n, k, False)),
                            key=lambda pair: pair[0])
             t_best, best = timed[0]
             wins = t_best * MARGIN < current
-            print(f"   M={rows:<2} {name:8s} plain: linear() now {current * 1e6:6.1f} us; rows "
+            print(f"   M={rows:<2} {name:8s} plain: skinny / cuBLAS {current * 1e6:6.1f} us; rows "
                   f"GEMV " + "; ".join(f"{tuple(c)} {t * 1e6:.1f}" for t, c in timed[:3])
                   + ("; written" if write and wins else ""), flush=True)
             if write:
@@ -159,7 +226,7 @@ def store(n: int, k: int, rows: int, key: str, value: dict | None) -> None:
     """Set (None: remove) `key` in the M = rows entry of the bf16 table of [n, k]; an entry
     left empty is removed, so that it does not shadow larger row counts."""
     from radixserve.layers.kernels import gemm_tables
-    path = gemm_tables.CONFIG_DIR / f"bf16_N{n}_K{k}.json"
+    path = gemm_tables.writable_table("bf16", n, k)
     table = json.loads(path.read_text()) if path.is_file() else {}
     entry = table.setdefault(str(rows), {})
     entry.pop(key, None)
@@ -188,11 +255,15 @@ def main() -> int:
     parser.add_argument("--rows", nargs="+", type=int, default=[2])
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--model-path", default=str(DEFAULT_MODEL))
+    parser.add_argument("--vecs", nargs="+", type=int, default=VECS,
+                        help="per-thread sums swept (1: the plain tile; 8: one 16-byte load)")
     args = parser.parse_args()
+    VECS[:] = args.vecs
     if not torch.cuda.is_available():
         print("gpu_rows_fusion: no CUDA device")
         return 0
     one_row.use_model(args.model_path)
+    precompile(args.rows)
     sweep_plain(args.rows, args.write)  # first: the unfused layer below runs its winners
     best = sweep(args.rows)
     layers = [Layer("bf16") for _ in range(COPIES)]

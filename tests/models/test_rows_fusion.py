@@ -33,6 +33,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16  # interpreter: fp16
 TOL = dict(atol=3e-2, rtol=3e-2)
 CONFIG = RowsConfig(block_n=16, block_k=32, num_warps=4, num_stages=2)
+VEC_CONFIG = RowsConfig(block_n=16, block_k=32, num_warps=4, num_stages=2, vec=8)
+CONFIGS = pytest.mark.parametrize("config", [CONFIG, VEC_CONFIG], ids=["plain_tile", "vec8"])
 ENTRY = dict(CONFIG._asdict(), us=1.0)
 
 
@@ -55,33 +57,35 @@ def _norm(size: int, seed: int) -> RMSNorm:
     return norm.to(DEVICE, DTYPE)
 
 
-@pytest.mark.parametrize("rows", [2, 5, 8])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_norm_fused_into_the_product(rows: int, with_bias: bool) -> None:
+@CONFIGS
+@pytest.mark.parametrize("rows,with_bias", [(2, False), (5, True), (8, False), (8, True)])
+def test_norm_fused_into_the_product(rows: int, with_bias: bool, config: RowsConfig) -> None:
     w, norm = _rand(96, 128, seed=1, scale=0.1), _norm(128, 2)
     bias = _rand(96, seed=3) if with_bias else None
     stream = _rand(rows, 128, seed=4, scale=3.0)
-    got = fused_rows(stream, w, CONFIG, RowFusion(norm.weight, 1e-5), bias)
+    got = fused_rows(stream, w, config, RowFusion(norm.weight, 1e-5), bias)
     want = F.linear(norm(stream), w, bias)
     assert got.shape == (rows, 96) and got.dtype == DTYPE
     torch.testing.assert_close(got.float(), want.float(), **TOL)
 
 
+@CONFIGS
 @pytest.mark.parametrize("rows", [3, 8])
-def test_norm_and_silu_fused_into_the_gate_up_product(rows: int) -> None:
+def test_norm_and_silu_fused_into_the_gate_up_product(rows: int, config: RowsConfig) -> None:
     w, norm, bias = _rand(2 * 48, 128, seed=5, scale=0.1), _norm(128, 6), _rand(96, seed=7)
     stream = _rand(rows, 128, seed=8)
-    got = fused_rows(stream, w, CONFIG, RowFusion(norm.weight, 1e-5, gated=True), bias)
+    got = fused_rows(stream, w, config, RowFusion(norm.weight, 1e-5, gated=True), bias)
     want = SiluAndMul()(F.linear(norm(stream), w, bias))
     assert got.shape == (rows, 48)  # 48 is not a multiple of block_n: the last tile is masked
     torch.testing.assert_close(got.float(), want.float(), **TOL)
 
 
+@CONFIGS
 @pytest.mark.parametrize("rows", [2, 7])
-def test_residual_add_fused_into_the_product(rows: int) -> None:
+def test_residual_add_fused_into_the_product(rows: int, config: RowsConfig) -> None:
     w, x = _rand(64, 96, seed=9, scale=0.1), _rand(rows, 96, seed=10)
     stream = _rand(rows, 64, seed=11, scale=4.0)
-    got = fused_rows(x, w, CONFIG, RowFusion(residual=stream))
+    got = fused_rows(x, w, config, RowFusion(residual=stream))
     torch.testing.assert_close(got.float(), (F.linear(x, w) + stream).float(), **TOL)
 
 
@@ -92,6 +96,13 @@ def test_the_table_decides_per_row_count_and_fusion(table_dir) -> None:
     assert rows_config(96, 128, 5, "norm") is None  # past the sweep
     assert rows_config(96, 128, 1, "norm") is None  # one row is the GEMV's
     assert rows_config(96, 128, 9, "norm") is None  # past the kernel's rows
+
+
+def test_a_table_entry_s_vec_reaches_the_configuration(table_dir) -> None:
+    path = table_dir / "bf16_N96_K128.json"
+    path.write_text(json.dumps({"8": {"kernel": "cublas", "residual": dict(ENTRY, vec=8)}}))
+    gemm_tables.clear_cache()
+    assert rows_config(96, 128, 6, "residual") == VEC_CONFIG
 
 
 def test_linear_runs_the_rows_gemv_where_the_plain_product_won(table_dir) -> None:
@@ -111,15 +122,18 @@ def test_linear_runs_the_rows_gemv_where_the_plain_product_won(table_dir) -> Non
         linear_module._small_m_kernel.cache_clear()
 
 
-def test_the_shipped_rows_entries_are_launchable() -> None:
-    """Every rows-GEMV entry in the package's bf16 tables (at 2+ rows: "plain", or a fusion's
-    name; written by benchmarks/gpu_rows_fusion.py on the H200) reads back at its row count as a
-    configuration whose block_k divides K, in an entry that is not empty (an empty one would
+def test_the_shipped_rows_entries_are_launchable(as_board) -> None:
+    """Every rows-GEMV entry in each board's bf16 tables (at 2+ rows: "plain", or a fusion's
+    name; written by benchmarks/gpu_rows_fusion.py) reads back on that board at its row count as
+    a configuration whose block_k divides K, in an entry that is not empty (an empty one would
     shadow larger row counts)."""
     from radixserve.layers.kernels.fused_rows import MAX_ROWS, PLAIN
-    gemm_tables.clear_cache()
     seen = 0
-    for path in sorted(gemm_tables.CONFIG_DIR.glob("bf16_N*_K*.json")):
+    paths = []
+    for board in gemm_tables.shipped_boards():
+        paths += [(board, path) for path in gemm_tables.board_dir(board).glob("bf16_N*_K*.json")]
+    for board, path in sorted(paths):
+        as_board(board)
         n, k = (int(part[1:]) for part in path.stem.split("_")[1:])
         for m, entry in json.loads(path.read_text()).items():
             assert entry, (path.name, m)

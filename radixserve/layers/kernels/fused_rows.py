@@ -37,8 +37,9 @@ import triton.language as tl
 
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 from radixserve.layers.kernels.gemm_tables import tuned_entry
-from radixserve.layers.kernels.gemv import (EARLY_WEIGHTS, RowFusion, load_weight_tiles,
-                                            store_row_epilogue)
+from radixserve.layers.kernels.gemv import (EARLY_WEIGHTS, RowFusion, first_weight_step,
+                                            load_weight_tiles, squares_total,
+                                            store_row_epilogue, vec_sum)
 
 MAX_ROWS = 8  # one FMA per weight element and row (linear.MAX_FUSED_ROWS)
 
@@ -48,27 +49,32 @@ class RowsConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    # vec > 1: each thread's vec contiguous products of a row are summed in registers before
+    # they are accumulated (gemv.GemvConfig.vec), so each row's accumulator is
+    # [block_n, block_k / vec]: at 8 rows the difference between spilling and not
+    vec: int = 1
 
 
 @triton.jit
 def _row_step(acc, acc_up, squares, w, w_up, x_row, k_start, offs_k, gamma, NORM: tl.constexpr,
-              GATED: tl.constexpr):
+              GATED: tl.constexpr, VEC: tl.constexpr):
     """One K step of one row: its x tile (normed: times the norm's weight) times the float32
-    weight tile(s), elementwise into the row's accumulators."""
+    weight tile(s), elementwise into the row's accumulators (VEC > 1: each thread's VEC
+    products summed first)."""
     x = tl.load(x_row + k_start + offs_k).to(tl.float32)
     if NORM:
         squares += x * x
         x = x * gamma
-    acc += w * x[None, :]
+    acc += vec_sum(w * x[None, :], VEC)
     if GATED:
-        acc_up += w_up * x[None, :]
+        acc_up += vec_sum(w_up * x[None, :], VEC)
     return acc, acc_up, squares
 
 
 @triton.jit
 def _rows_step(a0, a1, a2, a3, a4, a5, a6, a7, u0, u1, u2, u3, u4, u5, u6, u7, s0, s1, s2, s3,
                s4, s5, s6, s7, w, w_up, X, stride_xm, NormW, k_start, offs_k,
-               ROWS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr):
+               ROWS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, VEC: tl.constexpr):
     """One K step of every row. The rows are unrolled (ROWS is M itself) so that each row's
     accumulator keeps the weight tile's register layout: a [M, BLOCK_N, BLOCK_K] product has
     Triton move the weight tile between layouts through shared memory every step (sm_90 code
@@ -79,27 +85,27 @@ def _rows_step(a0, a1, a2, a3, a4, a5, a6, a7, u0, u1, u2, u3, u4, u5, u6, u7, s
     gamma = w  # unused without NORM
     if NORM:
         gamma = tl.load(NormW + k_start + offs_k).to(tl.float32)
-    a0, u0, s0 = _row_step(a0, u0, s0, w, w_up, X, k_start, offs_k, gamma, NORM, GATED)
+    a0, u0, s0 = _row_step(a0, u0, s0, w, w_up, X, k_start, offs_k, gamma, NORM, GATED, VEC)
     a1, u1, s1 = _row_step(a1, u1, s1, w, w_up, X + stride_xm, k_start, offs_k, gamma, NORM,
-                           GATED)
+                           GATED, VEC)
     if ROWS > 2:
         a2, u2, s2 = _row_step(a2, u2, s2, w, w_up, X + 2 * stride_xm, k_start, offs_k, gamma,
-                               NORM, GATED)
+                               NORM, GATED, VEC)
     if ROWS > 3:
         a3, u3, s3 = _row_step(a3, u3, s3, w, w_up, X + 3 * stride_xm, k_start, offs_k, gamma,
-                               NORM, GATED)
+                               NORM, GATED, VEC)
     if ROWS > 4:
         a4, u4, s4 = _row_step(a4, u4, s4, w, w_up, X + 4 * stride_xm, k_start, offs_k, gamma,
-                               NORM, GATED)
+                               NORM, GATED, VEC)
     if ROWS > 5:
         a5, u5, s5 = _row_step(a5, u5, s5, w, w_up, X + 5 * stride_xm, k_start, offs_k, gamma,
-                               NORM, GATED)
+                               NORM, GATED, VEC)
     if ROWS > 6:
         a6, u6, s6 = _row_step(a6, u6, s6, w, w_up, X + 6 * stride_xm, k_start, offs_k, gamma,
-                               NORM, GATED)
+                               NORM, GATED, VEC)
     if ROWS > 7:
         a7, u7, s7 = _row_step(a7, u7, s7, w, w_up, X + 7 * stride_xm, k_start, offs_k, gamma,
-                               NORM, GATED)
+                               NORM, GATED, VEC)
     return a0, a1, a2, a3, a4, a5, a6, a7, u0, u1, u2, u3, u4, u5, u6, u7, s0, s1, s2, s3, s4, \
         s5, s6, s7
 
@@ -107,12 +113,12 @@ def _rows_step(a0, a1, a2, a3, a4, a5, a6, a7, u0, u1, u2, u3, u4, u5, u6, u7, s
 @triton.jit
 def _row_out(acc, acc_up, squares, Y, B, Residual, offs_n, n_mask, N, K, eps,
              HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
-             RESIDUAL: tl.constexpr):
+             RESIDUAL: tl.constexpr, VEC: tl.constexpr):
     """One row's output: its sums, the norm's 1/rms, bias, silu(gate) * up and the residual
     add, stored at Y (the row's start; Residual likewise)."""
     y = tl.sum(acc, axis=1)
     if NORM:
-        inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        inv_rms = tl.rsqrt(squares_total(squares, VEC) / K + eps)
         y = y * inv_rms
     if HAS_BIAS:
         y += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -131,24 +137,22 @@ def _fused_rows_kernel(X, W, B, Y, NormW, Residual, N, K, stride_xm, stride_wn, 
                        stride_rm, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                        GATED: tl.constexpr, RESIDUAL: tl.constexpr, ROWS: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY_W: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+                       USE_PDL: tl.constexpr, VEC: tl.constexpr):
     """Y[ROWS, N] = epilogue(prologue(X[ROWS, K]) @ W[:N].T) for 2 <= ROWS <= 8; GATED reads
     gate rows [0, N) and up rows [N, 2N) of W. K is a multiple of BLOCK_K. EARLY_W: the
     first weight tile before the PDL wait, as gemv.py's (no kernel of a forward pass writes
     weights)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    offs_k, w_ptrs, a0, s0 = first_weight_step(W, offs_n.to(tl.int64) * stride_wn, BLOCK_N,
+                                               BLOCK_K, VEC)
     up_rows = N * stride_wn
     if EARLY_W:
-        w_first, w_first_up = load_weight_tiles(w_ptrs, up_rows, n_mask, GATED)
+        w_first, w_first_up = load_weight_tiles(w_ptrs, up_rows, n_mask, GATED, VEC)
     pdl_prologue(USE_PDL)
-    a0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
     u0, u1, u2, u3, u4, u5, u6, u7 = a0, a0, a0, a0, a0, a0, a0, a0
-    s0 = tl.zeros([BLOCK_K], dtype=tl.float32)
     s1, s2, s3, s4, s5, s6, s7 = s0, s0, s0, s0, s0, s0, s0
     k_begin = 0
     if EARLY_W:
@@ -156,39 +160,39 @@ def _fused_rows_kernel(X, W, B, Y, NormW, Residual, N, K, stride_xm, stride_wn, 
             s5, s6, s7 = _rows_step(
                 a0, a1, a2, a3, a4, a5, a6, a7, u0, u1, u2, u3, u4, u5, u6, u7, s0, s1, s2, s3,
                 s4, s5, s6, s7, w_first, w_first_up, X, stride_xm, NormW, 0, offs_k, ROWS,
-                NORM, GATED)
+                NORM, GATED, VEC)
         w_ptrs += BLOCK_K
         k_begin = BLOCK_K
     for k_start in range(k_begin, K, BLOCK_K):
-        w, w_up = load_weight_tiles(w_ptrs, up_rows, n_mask, GATED)
+        w, w_up = load_weight_tiles(w_ptrs, up_rows, n_mask, GATED, VEC)
         a0, a1, a2, a3, a4, a5, a6, a7, u0, u1, u2, u3, u4, u5, u6, u7, s0, s1, s2, s3, s4, \
             s5, s6, s7 = _rows_step(
                 a0, a1, a2, a3, a4, a5, a6, a7, u0, u1, u2, u3, u4, u5, u6, u7, s0, s1, s2, s3,
                 s4, s5, s6, s7, w, w_up, X, stride_xm, NormW, k_start, offs_k, ROWS, NORM,
-                GATED)
+                GATED, VEC)
         w_ptrs += BLOCK_K
     _row_out(a0, u0, s0, Y, B, Residual, offs_n, n_mask, N, K, eps, HAS_BIAS, NORM, GATED,
-             RESIDUAL)
+             RESIDUAL, VEC)
     _row_out(a1, u1, s1, Y + stride_ym, B, Residual + stride_rm, offs_n, n_mask, N, K, eps,
-             HAS_BIAS, NORM, GATED, RESIDUAL)
+             HAS_BIAS, NORM, GATED, RESIDUAL, VEC)
     if ROWS > 2:
         _row_out(a2, u2, s2, Y + 2 * stride_ym, B, Residual + 2 * stride_rm, offs_n, n_mask, N,
-                 K, eps, HAS_BIAS, NORM, GATED, RESIDUAL)
+                 K, eps, HAS_BIAS, NORM, GATED, RESIDUAL, VEC)
     if ROWS > 3:
         _row_out(a3, u3, s3, Y + 3 * stride_ym, B, Residual + 3 * stride_rm, offs_n, n_mask, N,
-                 K, eps, HAS_BIAS, NORM, GATED, RESIDUAL)
+                 K, eps, HAS_BIAS, NORM, GATED, RESIDUAL, VEC)
     if ROWS > 4:
         _row_out(a4, u4, s4, Y + 4 * stride_ym, B, Residual + 4 * stride_rm, offs_n, n_mask, N,
-                 K, eps, HAS_BIAS, NORM, GATED, RESIDUAL)
+                 K, eps, HAS_BIAS, NORM, GATED, RESIDUAL, VEC)
     if ROWS > 5:
         _row_out(a5, u5, s5, Y + 5 * stride_ym, B, Residual + 5 * stride_rm, offs_n, n_mask, N,
-                 K, eps, HAS_BIAS, NORM, GATED, RESIDUAL)
+                 K, eps, HAS_BIAS, NORM, GATED, RESIDUAL, VEC)
     if ROWS > 6:
         _row_out(a6, u6, s6, Y + 6 * stride_ym, B, Residual + 6 * stride_rm, offs_n, n_mask, N,
-                 K, eps, HAS_BIAS, NORM, GATED, RESIDUAL)
+                 K, eps, HAS_BIAS, NORM, GATED, RESIDUAL, VEC)
     if ROWS > 7:
         _row_out(a7, u7, s7, Y + 7 * stride_ym, B, Residual + 7 * stride_rm, offs_n, n_mask, N,
-                 K, eps, HAS_BIAS, NORM, GATED, RESIDUAL)
+                 K, eps, HAS_BIAS, NORM, GATED, RESIDUAL, VEC)
 
 
 PLAIN = "plain"  # the table key of the product without fusions (linear()'s 2-8-row kernel)
@@ -205,7 +209,7 @@ def rows_config(n: int, k: int, m: int, variant: str) -> RowsConfig | None:
     if not swept or "block_n" not in swept or k % swept["block_k"]:
         return None
     return RowsConfig(swept["block_n"], swept["block_k"], swept["num_warps"],
-                      swept["num_stages"])
+                      swept["num_stages"], swept.get("vec", 1))
 
 
 def fused_rows(x: torch.Tensor, weight: torch.Tensor, config: RowsConfig,
@@ -216,6 +220,7 @@ def fused_rows(x: torch.Tensor, weight: torch.Tensor, config: RowsConfig,
     n = weight.shape[0] // 2 if fusion.gated else weight.shape[0]
     assert 2 <= m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1
     assert weight.dtype == x.dtype and k % config.block_k == 0
+    assert config.block_k % config.vec == 0
     if x.stride(1) != 1:
         x = x.contiguous()
     norm_weight, residual = fusion.norm_weight, fusion.residual
@@ -232,5 +237,5 @@ def fused_rows(x: torch.Tensor, weight: torch.Tensor, config: RowsConfig,
         HAS_BIAS=bias is not None, NORM=norm_weight is not None, GATED=fusion.gated,
         RESIDUAL=residual is not None, ROWS=m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, EARLY_W=EARLY_WEIGHTS, num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl_launch_args(x))
+        VEC=config.vec, num_stages=config.num_stages, **pdl_launch_args(x))
     return y

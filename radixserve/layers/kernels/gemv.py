@@ -65,7 +65,37 @@ def load_weight_tiles(w_ptrs, up_rows, n_mask, GATED: tl.constexpr, VEC: tl.cons
 
 
 @triton.jit
-def _vec_sum(prod, VEC: tl.constexpr):
+def first_weight_step(W, rows, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      VEC: tl.constexpr):
+    """A K step's column offsets, the first step's weight pointers (rows: each output row's
+    offset into W, int64) and a zeroed float32 accumulator and sum of squares, laid out for
+    VEC: > 1, [BLOCK_K / VEC, VEC] per row, each thread's VEC contiguous columns summed
+    before they are accumulated."""
+    if VEC > 1:
+        offs_k = tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+        w_ptrs = W + rows[:, None, None] + offs_k[None, :, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+        squares = tl.zeros([BLOCK_K // VEC, VEC], dtype=tl.float32)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = W + rows[:, None] + offs_k[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    return offs_k, w_ptrs, acc, squares
+
+
+@triton.jit
+def squares_total(squares, VEC: tl.constexpr):
+    """A row's sum of squares (first_weight_step's layout) as one number."""
+    if VEC > 1:
+        total = tl.sum(tl.sum(squares, axis=1), axis=0)
+    else:
+        total = tl.sum(squares, axis=0)
+    return total
+
+
+@triton.jit
+def vec_sum(prod, VEC: tl.constexpr):
     """A step's products as accumulated: VEC > 1 sums each thread's VEC contiguous ones."""
     if VEC > 1:
         summed = tl.sum(prod, axis=2)
@@ -84,9 +114,9 @@ def _gemv_step(acc, acc_up, squares, w, w_up, X, NormW, Scale, offs_n, n_mask, o
     if NORM:  # RMSNorm's weight now, its 1/rms once the row's squares are summed
         squares += x * x
         x = x * tl.load(NormW + k_start + offs_k).to(tl.float32)
-    prod = _vec_sum(w.to(tl.float32) * x[None, :], VEC)
+    prod = vec_sum(w.to(tl.float32) * x[None, :], VEC)
     if GATED:
-        prod_up = _vec_sum(w_up.to(tl.float32) * x[None, :], VEC)
+        prod_up = vec_sum(w_up.to(tl.float32) * x[None, :], VEC)
     if HAS_SCALE and GROUPED:
         s_ptrs = Scale + offs_n * stride_sn + k_start // GROUP_K
         prod = prod * tl.load(s_ptrs, mask=n_mask, other=0.0)[:, None]
@@ -128,17 +158,8 @@ def _gemv_kernel(X, W, Scale, B, Y, NormW, Residual, N, K, stride_wn, stride_sn,
     else:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    rows = offs_n.to(tl.int64) * stride_wn
-    if VEC > 1:  # [BLOCK_K / VEC, VEC]: each thread's VEC contiguous columns summed first
-        offs_k = tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-        w_ptrs = W + rows[:, None, None] + offs_k[None, :, :]
-        acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
-        squares = tl.zeros([BLOCK_K // VEC, VEC], dtype=tl.float32)
-    else:
-        offs_k = tl.arange(0, BLOCK_K)
-        w_ptrs = W + rows[:, None] + offs_k[None, :]
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    offs_k, w_ptrs, acc, squares = first_weight_step(
+        W, offs_n.to(tl.int64) * stride_wn, BLOCK_N, BLOCK_K, VEC)
     acc_up = acc
     up_rows = N * stride_wn  # GATED: the up half starts N rows down
     if EARLY_W:
@@ -161,11 +182,7 @@ def _gemv_kernel(X, W, Scale, B, Y, NormW, Residual, N, K, stride_wn, stride_sn,
         w_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
     if NORM:
-        if VEC > 1:
-            squares_sum = tl.sum(tl.sum(squares, axis=1), axis=0)
-        else:
-            squares_sum = tl.sum(squares, axis=0)
-        inv_rms = tl.rsqrt(squares_sum / K + eps)
+        inv_rms = tl.rsqrt(squares_total(squares, VEC) / K + eps)
         y = y * inv_rms
     y = _scale_and_bias(y, offs_n, n_mask, 0, Scale, B, stride_sn, HAS_SCALE, GROUPED,
                         HAS_BIAS)
