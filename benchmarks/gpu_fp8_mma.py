@@ -105,7 +105,7 @@ def errors(x, w, scale, fusion, config) -> str:
 
 def store(name: str, n: int, k: int, m: int, variant: str, entry: dict | None) -> None:
     from radixserve.layers.kernels import gemm_tables
-    path = gemm_tables.CONFIG_DIR / f"fp8_N{n}_K{k}.json"
+    path = gemm_tables.writable_table("fp8", n, k)
     table = json.loads(path.read_text()) if path.is_file() else {}
     mma = table.setdefault(str(m), {}).setdefault("mma", {})
     if entry is None:

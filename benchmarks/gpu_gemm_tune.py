@@ -208,7 +208,10 @@ def main() -> int:
                         help="sweep the bf16 GEMV at M = 1 too (shapes other than "
                              "Llama-3.1-8B's tp 1 have no swept bf16 GEMV configuration)")
     parser.add_argument("--budget", type=float, default=300.0)
-    parser.add_argument("--write-dir", default=None, help="default: the package's gemm_configs")
+    parser.add_argument("--write-dir", default=None,
+                        help="default: this board's tables in the package's gemm_configs "
+                             "(kernels/gemm_tables.py: the H200's own files, boards/NAME/ "
+                             "for others)")
     parser.add_argument("--no-gemv", action="store_true",
                         help="keep the tables' M = 1 entries (sweep the tiles only)")
     parser.add_argument("--in-chain", action="store_true",
@@ -219,8 +222,9 @@ def main() -> int:
         print("gpu_gemm_tune: no CUDA device")
         return 0
     from radixserve.layers.kernels import gemm_tables
-    out_dir = Path(args.write_dir) if args.write_dir else gemm_tables.CONFIG_DIR
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(args.write_dir) if args.write_dir else None  # None: this board's tables
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
     shapes = decode_product_shapes(args.model_path or DEFAULT_MODEL, args.tp_size)
     deadline = time.time() + args.budget
     for kind in args.kinds:
@@ -238,7 +242,8 @@ def main() -> int:
                     entry["timed"] = "in chain"
             del shape
             torch.cuda.empty_cache()
-            path = out_dir / f"{kind}_N{n}_K{k}.json"
+            path = (out_dir / f"{kind}_N{n}_K{k}.json" if out_dir is not None
+                    else gemm_tables.writable_table(kind, n, k))
             old = json.loads(path.read_text()) if path.is_file() else {}
             path.write_text(json.dumps(merged(old, table), indent=1, sort_keys=True) + "\n")
     gemm_tables.clear_cache()

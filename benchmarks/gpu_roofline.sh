@@ -65,7 +65,7 @@
 # rows_fusion: small-batch decode's fused products (kernels/fused_rows.py): their GPU tests, then
 #          benchmarks/gpu_rows_fusion.py --write (each product swept at 2 rows; ROOF_ROWS_ARGS=
 #          "--rows 2 4 8" for more; the fused layer against the unfused one; the winners go into
-#          the tables, copied to $OUT/gemm_configs to bring back, the tables before it kept in
+#          the board's tables, packed into $OUT/gemm_configs.tgz, the tables before it kept in
 #          /tmp/tables_before; ~4 min)
 # rows_ab: the decode step with the tables rows_fusion wrote against those before it,
 #          alternated (ROOF_AB_ROUNDS, default "1 2"; batches ROOF_AB_BATCHES, default
@@ -259,8 +259,7 @@ if step rows_fusion; then
         > "$OUT/rows_fusion.log" 2>&1
     echo "   sweep rc $?"
     grep -E "^==|M=" "$OUT/rows_fusion.log"
-    mkdir -p "$OUT/gemm_configs" && cp radixserve/layers/kernels/gemm_configs/bf16_*K4096.json \
-        radixserve/layers/kernels/gemm_configs/bf16_*K14336.json "$OUT/gemm_configs/"
+    tar czf "$OUT/gemm_configs.tgz" -C radixserve/layers/kernels gemm_configs
 fi
 if step rows_ab; then
     echo "== decode, the tables rows_fusion wrote vs those before it"

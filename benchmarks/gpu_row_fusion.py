@@ -167,7 +167,7 @@ def sweep(kind: str, budget: float, write: bool, bf16_vecs: tuple[int, ...] = (1
               + "; ".join(f"{tuple(c)} {t * 1e6:.1f}" for t, c in results[:3]), flush=True)
         if write and results and results[0][0] * MARGIN < t_current:
             t_best, best = results[0]
-            path = gemm_tables.CONFIG_DIR / f"{kind}_N{n}_K{k}.json"
+            path = gemm_tables.writable_table(kind, n, k)
             table = json.loads(path.read_text()) if path.is_file() else {}
             entry = table.setdefault("1", {})
             entry[VARIANTS[name]] = dict(

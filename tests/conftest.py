@@ -43,3 +43,15 @@ def table_dir(tmp_path, monkeypatch):
     gemm_tables.clear_cache()
     yield tmp_path
     gemm_tables.clear_cache()
+
+
+@pytest.fixture
+def as_board(monkeypatch):
+    """Call with a board's name to have the tables read as on that board (gemm_tables.board)."""
+    from radixserve.layers.kernels import gemm_tables
+
+    def use(name: str | None) -> None:
+        monkeypatch.setattr(gemm_tables, "board", lambda: name)
+        gemm_tables.clear_cache()
+    yield use
+    gemm_tables.clear_cache()

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from radixserve.layers.kernels import fp8_mma_rows as mma_rows  # noqa: E402
+from radixserve.layers.kernels import fp8_mma_rows as mma_rows, gemm_tables  # noqa: E402
 from radixserve.layers.kernels.fp8_gemm import (fp8_rows_product,  # noqa: E402
                                                 fp8_weight_gemm_reference)
 from radixserve.layers.kernels.fp8_mma_rows import MmaRowsConfig, fp8_mma_rows  # noqa: E402
@@ -271,12 +271,13 @@ def test_a_sweep_leaves_no_empty_entry(table_dir) -> None:
     assert json.loads((table_dir / "fp8_N64_K256.json").read_text()) == {}
 
 
-def test_the_shipped_tables_entries_are_launchable() -> None:
-    """Every "mma" entry in the package's fp8 tables reads back as a configuration that divides
-    its K (benchmarks/gpu_fp8_mma.py wrote them on the H200)."""
-    from radixserve.layers.kernels.gemm_tables import CONFIG_DIR
+@pytest.mark.parametrize("board", gemm_tables.shipped_boards())
+def test_the_shipped_tables_entries_are_launchable(board: str, as_board) -> None:
+    """Every "mma" entry in each board's fp8 tables reads back on that board as a configuration
+    that divides its K (benchmarks/gpu_fp8_mma.py wrote them)."""
+    as_board(board)
     seen = 0
-    for path in sorted(CONFIG_DIR.glob("fp8_N*_K*.json")):
+    for path in sorted(gemm_tables.board_dir(board).glob("fp8_N*_K*.json")):
         n, k = (int(part[1:]) for part in path.stem.split("_")[1:])
         for m, entry in json.loads(path.read_text()).items():
             assert entry, (path.name, m)  # an empty entry shadows larger row counts

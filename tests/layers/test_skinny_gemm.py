@@ -122,7 +122,9 @@ def test_a_vendor_entry_yields_its_triton_tile_only_within_the_gap(monkeypatch) 
 def _shipped_bf16_tiles() -> list[dict[str, int]]:
     from radixserve.layers.kernels.skinny_gemm import CONFIG_KEYS, config_from_entry
     tiles = set()
-    for path in sorted(gemm_tables.CONFIG_DIR.glob("bf16_*.json")):
+    paths = [path for board in gemm_tables.shipped_boards()
+             for path in sorted(gemm_tables.board_dir(board).glob("bf16_*.json"))]
+    for path in paths:
         for entry in json.loads(path.read_text()).values():
             cfg = config_from_entry(entry, vendor_gap_us=0.0)
             if cfg is not None:

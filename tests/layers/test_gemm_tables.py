@@ -1,0 +1,67 @@
+"""Per-board decode tables (kernels/gemm_tables.py): a board reads its own file where it has one,
+else the reference board's; a sweep on another board writes only that board's files."""
+from __future__ import annotations
+
+import json
+
+from radixserve.layers.kernels import gemm_tables
+
+H100 = "NVIDIA_H100_80GB_HBM3"
+
+
+def _write(path, table: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table))
+
+
+def test_the_reference_board_and_no_device_read_the_folder_itself(table_dir, as_board) -> None:
+    _write(table_dir / "fp8_N64_K256.json", {"1": {"block_n": 4}})
+    _write(table_dir / "boards" / H100 / "fp8_N64_K256.json", {"1": {"block_n": 8}})
+    for board in (None, gemm_tables.REFERENCE_BOARD):
+        as_board(board)
+        assert gemm_tables.board_dir() == table_dir
+        assert gemm_tables.tuned_entry("fp8", 64, 256, 1) == {"block_n": 4}
+
+
+def test_another_board_reads_its_own_file_first(table_dir, as_board) -> None:
+    _write(table_dir / "fp8_N64_K256.json", {"1": {"block_n": 4}})
+    _write(table_dir / "fp8_N32_K256.json", {"1": {"block_n": 2}})
+    _write(table_dir / "boards" / H100 / "fp8_N64_K256.json", {"1": {"block_n": 8}})
+    as_board(H100)
+    assert gemm_tables.tuned_entry("fp8", 64, 256, 1) == {"block_n": 8}
+    assert gemm_tables.tuned_entry("fp8", 32, 256, 1) == {"block_n": 2}  # the reference's
+    assert gemm_tables.tuned_entry("fp8", 16, 256, 1) is None  # nobody swept it
+    as_board("NVIDIA_A100_SXM4_80GB")  # no tables of its own: the reference's
+    assert gemm_tables.tuned_entry("fp8", 64, 256, 1) == {"block_n": 4}
+
+
+def test_a_sweep_on_another_board_leaves_the_reference_alone(table_dir, as_board) -> None:
+    reference = {"1": {"block_n": 4}, "8": {"kernel": "cublas"}}
+    _write(table_dir / "bf16_N64_K256.json", reference)
+    as_board(H100)
+    path = gemm_tables.writable_table("bf16", 64, 256)
+    assert path == table_dir / "boards" / H100 / "bf16_N64_K256.json"
+    assert json.loads(path.read_text()) == reference  # seeded: the unswept entries stay
+    _write(path, {"1": {"block_n": 16}, "8": {"kernel": "cublas"}})
+    assert json.loads((table_dir / "bf16_N64_K256.json").read_text()) == reference
+    fresh = gemm_tables.writable_table("bf16", 32, 256)  # no reference file: nothing to seed
+    assert not fresh.exists() and fresh.parent == path.parent
+    assert gemm_tables.shipped_boards() == [gemm_tables.REFERENCE_BOARD, H100]
+    as_board(gemm_tables.REFERENCE_BOARD)
+    assert gemm_tables.writable_table("bf16", 64, 256) == table_dir / "bf16_N64_K256.json"
+
+
+def test_board_names_are_the_device_name_made_path_safe(monkeypatch) -> None:
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H100 80GB HBM3")
+    gemm_tables.board.cache_clear()
+    try:
+        assert gemm_tables.board() == H100
+    finally:
+        gemm_tables.board.cache_clear()
+
+
+def test_the_shipped_boards_have_folders_of_tables() -> None:
+    for board in gemm_tables.shipped_boards()[1:]:
+        assert sorted(gemm_tables.board_dir(board).glob("*_N*_K*.json")), board
