@@ -37,9 +37,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture
 def table_dir(tmp_path, monkeypatch):
-    """An empty folder of swept-configuration tables (kernels/gemm_tables.py) for one test."""
+    """An empty folder of swept-configuration tables (kernels/gemm_tables.py) for one test,
+    read and written as the reference board's on any machine (`as_board` changes that)."""
     from radixserve.layers.kernels import gemm_tables
     monkeypatch.setattr(gemm_tables, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(gemm_tables, "board", lambda: None)
     gemm_tables.clear_cache()
     yield tmp_path
     gemm_tables.clear_cache()

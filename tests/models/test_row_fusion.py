@@ -181,33 +181,27 @@ def test_block_scaled_fp8_gate_up_with_norm_matches_the_dequantised_product() ->
     torch.testing.assert_close(got.float().cpu(), want.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_a_swept_variant_configuration_is_used(tmp_path, monkeypatch) -> None:
+def test_a_swept_variant_configuration_is_used(table_dir) -> None:
     import json
 
-    from radixserve.layers.kernels import gemm_tables
     from radixserve.layers.kernels.gemv import (GemvConfig, RowFusion, gemv_config,
                                                 row_config)
-    (tmp_path / "bf16_N128_K256.json").write_text(json.dumps({"1": {"norm+gated": dict(
+    (table_dir / "bf16_N128_K256.json").write_text(json.dumps({"1": {"norm+gated": dict(
         block_n=2, block_k=128, num_warps=2, num_stages=1)}}))
-    (tmp_path / "fp8_N128_K256.json").write_text(json.dumps({"1": {
+    (table_dir / "fp8_N128_K256.json").write_text(json.dumps({"1": {
         "block_n": 4, "block_k": 256, "num_warps": 4, "num_stages": 2, "vec": 16,
         "residual": dict(block_n=8, block_k=128, num_warps=4, num_stages=3, vec=16)}}))
-    monkeypatch.setattr(gemm_tables, "CONFIG_DIR", tmp_path)
-    gemm_tables.clear_cache()
-    try:
-        norm = torch.ones(256)
-        assert row_config("bf16", 128, 256, RowFusion(norm, 1e-5, gated=True)) == \
-            GemvConfig(2, 128, 2, 1)  # an entry without "vec" (written before it) has 1
-        # entries with "vec" (the FP8 sweeps since session 32) keep it, plain and fused
-        assert row_config("fp8", 128, 256, RowFusion()) == GemvConfig(4, 256, 4, 2, vec=16)
-        assert row_config("fp8", 128, 256, RowFusion(residual=torch.ones(128))) == \
-            GemvConfig(8, 128, 4, 3, vec=16)
-        plain = gemv_config(128, 256)
-        assert row_config("bf16", 128, 256, RowFusion(norm, 1e-5)) == plain  # not swept
-        assert row_config("bf16", 64, 256, RowFusion(norm, 1e-5, gated=True)) == \
-            plain._replace(block_n=plain.block_n // 2)  # no table: half rows per half
-    finally:
-        gemm_tables.clear_cache()
+    norm = torch.ones(256)
+    assert row_config("bf16", 128, 256, RowFusion(norm, 1e-5, gated=True)) == \
+        GemvConfig(2, 128, 2, 1)  # an entry without "vec" (written before it) has 1
+    # entries with "vec" (the FP8 sweeps since session 32) keep it, plain and fused
+    assert row_config("fp8", 128, 256, RowFusion()) == GemvConfig(4, 256, 4, 2, vec=16)
+    assert row_config("fp8", 128, 256, RowFusion(residual=torch.ones(128))) == \
+        GemvConfig(8, 128, 4, 3, vec=16)
+    plain = gemv_config(128, 256)
+    assert row_config("bf16", 128, 256, RowFusion(norm, 1e-5)) == plain  # not swept
+    assert row_config("bf16", 64, 256, RowFusion(norm, 1e-5, gated=True)) == \
+        plain._replace(block_n=plain.block_n // 2)  # no table: half rows per half
 
 
 @SLOW_ON_CPU  # ~30 s in the interpreter; test_gemv_rope.py checks the product bitwise in CI
