@@ -8,7 +8,8 @@
    hit) and TFLOP/s.
 2. --sweep: for each shape and token bucket, the best of a candidate list of block configs; the
    tables go to DIR/moe_configs/E{experts}_N{n}_K{k}.json (copy them to
-   radixserve/layers/kernels/moe_configs/ to use them).
+   radixserve/layers/kernels/moe_configs/ to use them: the H200's into the folder itself,
+   another board's into its boards/NAME/, kernels/board_tables.py).
 3. MLA decode kernel (attention/kernels/mla_decode.py) against the reference on V2-Lite shapes
    (16 heads, latent 512 + rope 64) at batch 1 / 64 / 256 and context 1024 / 4096, with the
    KV TB/s it reaches.

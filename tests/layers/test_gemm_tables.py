@@ -1,10 +1,13 @@
-"""Per-board decode tables (kernels/gemm_tables.py): a board reads its own file where it has one,
-else the reference board's; a sweep on another board writes only that board's files."""
+"""Per-board kernel tables (kernels/board_tables.py, through gemm_tables.py and fused_moe.py): a
+board reads its own file where it has one, else the reference board's; a sweep on another board
+writes only that board's files."""
 from __future__ import annotations
 
 import json
 
-from radixserve.layers.kernels import gemm_tables
+import pytest
+
+from radixserve.layers.kernels import board_tables, gemm_tables
 
 H100 = "NVIDIA_H100_80GB_HBM3"
 
@@ -55,11 +58,27 @@ def test_board_names_are_the_device_name_made_path_safe(monkeypatch) -> None:
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H100 80GB HBM3")
-    gemm_tables.board.cache_clear()
+    board_tables.current_board.cache_clear()
     try:
         assert gemm_tables.board() == H100
     finally:
-        gemm_tables.board.cache_clear()
+        board_tables.current_board.cache_clear()
+
+
+def test_the_moe_tables_are_per_board_too(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("triton")
+    from radixserve.layers.kernels import fused_moe
+    reference = {"16": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4,
+                            num_stages=4)}
+    _write(tmp_path / "E8_N64_K32.json", reference)
+    _write(tmp_path / "boards" / H100 / "E8_N64_K32.json",
+           {"16": dict(reference["16"], BLOCK_N=128)})
+    monkeypatch.setattr(fused_moe, "CONFIG_DIR", tmp_path)
+    for board, block_n in ((None, 64), (H100, 128), ("NVIDIA_A100_SXM4_80GB", 64)):
+        monkeypatch.setattr(board_tables, "current_board", lambda board=board: board)
+        fused_moe._tuned_table.cache_clear()
+        assert fused_moe.moe_kernel_config(16, 8, 64, 32)["BLOCK_N"] == block_n, board
+    fused_moe._tuned_table.cache_clear()
 
 
 def test_the_shipped_boards_have_folders_of_tables() -> None:

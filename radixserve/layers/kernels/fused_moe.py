@@ -28,11 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.kernels import board_tables
 from radixserve.layers.kernels.moe_align import (ALIGN_KERNEL_MAX_PAIRS,
                                                  moe_align_block_size_triton)
 from radixserve.layers.kernels.silu_and_mul import silu_and_mul
 
-CONFIG_DIR = Path(__file__).parent / "moe_configs"
+CONFIG_DIR = Path(__file__).parent / "moe_configs"  # per board: kernels/board_tables.py
 
 
 @triton.jit
@@ -116,7 +117,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
 
 @functools.lru_cache(maxsize=None)
 def _tuned_table(num_experts: int, n: int, k: int) -> dict[int, dict[str, int]] | None:
-    path = CONFIG_DIR / f"E{num_experts}_N{n}_K{k}.json"
+    path = board_tables.read_path(CONFIG_DIR, f"E{num_experts}_N{n}_K{k}.json",
+                                  board_tables.current_board())
     if not path.exists():
         return None
     return {int(m): cfg for m, cfg in json.loads(path.read_text()).items()}
