@@ -1,12 +1,13 @@
 """Small-batch decode's products through the GEMV widened to 2-8 rows, plain and with the
-layer's fusions, on the H200.
+layer's fusions, on one GPU (written into that board's tables: kernels/board_tables.py).
 
     python3 benchmarks/gpu_rows_fusion.py [--rows 2 [4 8]] [--write] [--model-path DIR]
         [--vecs 1 8]
 
-First each product without fusions: the GEMV widened to M rows (kernels/fused_rows.py) against
-what linear() runs there (cuBLAS or the skinny GEMM); --write stores a winner 2% or more ahead
-under the M entry's "plain" key, which linear() then runs. Then, per Llama-3.1-8B layer (bf16,
+First each product without fusions: the GEMV widened to M rows (kernels/fused_rows.py; vec 1
+and 8, --vecs) against what linear() would run there without it (cuBLAS or the skinny GEMM);
+--write stores a winner 2% or more ahead under the M entry's "plain" key, which linear() then
+runs. Then, per Llama-3.1-8B layer (bf16,
 tp 1; attention left out) and row count M: the chain the model runs without fusions (RMSNorm
 with the residual add, q|k|v, o, RMSNorm with the residual add, gate|up, SiLU-mul, down: seven
 kernels, the products on what linear() runs, the "plain" winners included) against the fused
