@@ -4,20 +4,19 @@ layer's fusions, on one GPU (written into that board's tables: kernels/board_tab
     python3 benchmarks/gpu_rows_fusion.py [--rows 2 [4 8]] [--write] [--model-path DIR]
         [--vecs 1 8]
 
-First each product without fusions: the GEMV widened to M rows (kernels/fused_rows.py; vec 1
-and 8, --vecs) against what linear() would run there without it (cuBLAS or the skinny GEMM);
---write stores a winner 2% or more ahead under the M entry's "plain" key, which linear() then
-runs. Then, per Llama-3.1-8B layer (bf16,
-tp 1; attention left out) and row count M: the chain the model runs without fusions (RMSNorm
-with the residual add, q|k|v, o, RMSNorm with the residual add, gate|up, SiLU-mul, down: seven
-kernels, the products on what linear() runs, the "plain" winners included) against the fused
-chain of four (the norms in q|k|v and gate|up, SiLU-mul in gate|up, the residual adds in o and
-down). Each fused product is first swept over a grid of configurations (weights rotated through
->= 600 MB), then both chains are captured in CUDA graphs over rotating layer copies (every
-weight byte from HBM) and timed. --write stores the fused winners in the kernels' tables (the M
-entry's "norm" / "norm+gated" / "residual" keys) where the fused chain is 2% or more faster,
-and removes them where it is not: the model fuses a layer's rows only where all four are
-written.
+First each product without fusions: the GEMV widened to M rows (kernels/fused_rows.py; vec 1 and
+8, --vecs) against what linear() would run there without it (cuBLAS or the skinny GEMM); --write
+stores a winner 2% or more ahead under the M entry's "plain" key, which linear() then runs.
+Then, per Llama-3.1-8B layer (bf16, tp 1; attention left out) and row count M: the chain the
+model runs without fusions (RMSNorm with the residual add, q|k|v, o, RMSNorm with the residual
+add, gate|up, SiLU-mul, down: seven kernels, the products on what linear() runs, the "plain"
+winners included) against the fused chain of four (the norms in q|k|v and gate|up, SiLU-mul in
+gate|up, the residual adds in o and down). Each fused product is first swept over a grid of
+configurations (weights rotated through >= 600 MB), then both chains are captured in CUDA graphs
+over rotating layer copies (every weight byte from HBM) and timed. --write stores the fused
+winners in the kernels' tables (the M entry's "norm" / "norm+gated" / "residual" keys) where the
+fused chain is 2% or more faster, and removes them where it is not: the model fuses a layer's
+rows only where all four are written.
 """
 from __future__ import annotations
 
