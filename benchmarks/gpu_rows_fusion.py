@@ -21,9 +21,13 @@ rows only where all four are written.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
 import json
+import multiprocessing
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -75,11 +79,12 @@ def _compile_jobs(jobs: list[tuple]) -> int:
     for n, k, rows, variant, config in jobs:
         w = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
         x = torch.zeros(rows, k, device="cuda", dtype=torch.bfloat16)
-        out_n = n // 2 if variant == "norm+gated" else n
-        fusion = {"": NO_FUSION, "norm": RowFusion(hidden[:k], 1e-5),
-                  "norm+gated": RowFusion(hidden[:k], 1e-5, gated=True),
-                  "residual": RowFusion(residual=torch.zeros(rows, out_n, device="cuda",
-                                                             dtype=torch.bfloat16))}[variant]
+        if not variant:
+            fusion = NO_FUSION
+        elif variant == "residual":  # never gated: the output has the weight's n columns
+            fusion = RowFusion(residual=torch.zeros(rows, n, device="cuda", dtype=torch.bfloat16))
+        else:
+            fusion = RowFusion(hidden[:k], 1e-5, gated=variant == "norm+gated")
         try:
             fused_rows(x, w, config, fusion)
             done += 1
@@ -92,10 +97,6 @@ def _compile_jobs(jobs: list[tuple]) -> int:
 def precompile(rows_list: list[int], workers: int = 12) -> None:
     """Every configuration the sweeps will time, compiled first by `workers` processes in
     parallel (one at a time, the 2-8-row kernels' compiles take longer than their timing)."""
-    import concurrent.futures
-    import multiprocessing
-    import os
-    import time
     jobs = []
     for name, (n, k) in one_row.SHAPES.items():
         gated = name == "gate_up"

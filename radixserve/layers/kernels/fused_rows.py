@@ -29,30 +29,25 @@ found it faster than cuBLAS or the skinny GEMM.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 from radixserve.layers.kernels.gemm_tables import tuned_entry
-from radixserve.layers.kernels.gemv import (EARLY_WEIGHTS, RowFusion, first_weight_step,
+from radixserve.layers.kernels.gemv import (EARLY_WEIGHTS, GemvConfig, RowFusion,
+                                            config_from_entry, first_weight_step,
                                             load_weight_tiles, squares_total,
                                             store_row_epilogue, vec_sum)
 
 MAX_ROWS = 8  # one FMA per weight element and row (linear.MAX_FUSED_ROWS)
 
 
-class RowsConfig(NamedTuple):
-    block_n: int  # output columns per program (of each half when gated)
-    block_k: int
-    num_warps: int
-    num_stages: int
-    # vec > 1: each thread's vec contiguous products of a row are summed in registers before
-    # they are accumulated (gemv.GemvConfig.vec), so each row's accumulator is
-    # [block_n, block_k / vec]: at 8 rows the difference between spilling and not
-    vec: int = 1
+# The GEMV's configuration, widened: block_n output columns per program (of each half when
+# gated), and with vec > 1 each thread's vec products of a row summed before they are
+# accumulated, so each row's accumulator is [block_n, block_k / vec] (at 8 rows the difference
+# between spilling and not)
+RowsConfig = GemvConfig
 
 
 @triton.jit
@@ -208,8 +203,7 @@ def rows_config(n: int, k: int, m: int, variant: str) -> RowsConfig | None:
     swept = (tuned_entry("bf16", n, k, m) or {}).get(variant or PLAIN)
     if not swept or "block_n" not in swept or k % swept["block_k"]:
         return None
-    return RowsConfig(swept["block_n"], swept["block_k"], swept["num_warps"],
-                      swept["num_stages"], swept.get("vec", 1))
+    return config_from_entry(swept)
 
 
 def fused_rows(x: torch.Tensor, weight: torch.Tensor, config: RowsConfig,

@@ -248,8 +248,9 @@ def gemv_config(n: int, k: int) -> GemvConfig | None:
     return GemvConfig(block_n, block_k, warps, stages)
 
 
-def _from_entry(entry: dict) -> GemvConfig:
-    """A table entry's GEMV configuration (entries written before `vec` existed have 1)."""
+def config_from_entry(entry: dict) -> GemvConfig:
+    """A table entry's GEMV configuration, one row or (fused_rows.py) 2-8 (entries written
+    before `vec` existed have 1)."""
     return GemvConfig(entry["block_n"], entry["block_k"], entry["num_warps"],
                       entry["num_stages"], entry.get("vec", 1))
 
@@ -259,7 +260,7 @@ def tuned_gemv_config(kind: str, n: int, k: int) -> GemvConfig | None:
     the shape-class default."""
     entry = tuned_entry(kind, n, k, 1)
     if entry is not None and "block_n" in entry and k % entry["block_k"] == 0:
-        return _from_entry(entry)
+        return config_from_entry(entry)
     if kind == "bf16":
         return gemv_config(n, k)
     # FP8 rows are half as many bytes as bf16 ones: twice the columns per step (where K
@@ -311,7 +312,7 @@ def row_config(kind: str, n: int, k: int, fusion: RowFusion) -> GemvConfig | Non
     entry = tuned_entry(kind, n, k, 1)
     swept = (entry or {}).get(fusion.variant) if fusion.variant else None
     if swept is not None and k % swept["block_k"] == 0:
-        return _from_entry(swept)
+        return config_from_entry(swept)
     plain = tuned_gemv_config(kind, n, k)
     return None if plain is None else fused_config(plain, fusion)
 
