@@ -67,6 +67,14 @@ class TensorParallelGroup:
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
+    def max_floats(self, values: list[float]) -> list[float]:
+        """Each position's largest value over the ranks (the control channel)."""
+        if self.size == 1 or not values:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        return t.tolist()
+
     def min_int(self, value: int) -> int:
         """The smallest of every rank's value."""
         if self.size == 1:

@@ -8,6 +8,8 @@ scales, the runner prefills a calibration text once (the tokenizer's encoding of
 or seeded random ids for a model without one) with the pool recording each layer's K and V
 absolute maximum, and sets scale = HEADROOM x amax / FP8 max: the largest value seen lands at
 1 / HEADROOM of the FP8 range, so values a little larger than the calibration's still fit.
+Under tensor parallelism each rank's pool holds its own KV heads; the ranks take the largest
+of their maxima, so every rank and every --tp-size gets the scales of one rank's run.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.core.forward_batch import ForwardMode, ModelWorkerBatch
+from radixserve.distributed.parallel_state import get_tp_group
 
 if TYPE_CHECKING:
     from radixserve.executor.model_runner import ModelRunner
@@ -73,8 +76,9 @@ def calibrate_kv_scales(runner: "ModelRunner") -> list[tuple[float, float]]:
         pool.free(slots)
         runner.req_to_token_pool.free(row[0])
     fp8_max = float(torch.finfo(pool.dtype).max)
+    flat = get_tp_group().max_floats([value for pair in amax for value in pair])
     scales = []
-    for layer, (k_max, v_max) in enumerate(amax):
+    for layer, (k_max, v_max) in enumerate(zip(flat[0::2], flat[1::2])):
         k_scale = max(HEADROOM * k_max / fp8_max, 1e-8)
         v_scale = max(HEADROOM * v_max / fp8_max, 1e-8)
         pool.set_kv_scales(layer, k_scale, v_scale)

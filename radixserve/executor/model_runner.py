@@ -197,8 +197,8 @@ class ModelRunner:
             logger.info("FP8 KV cache (%s): the checkpoint's scales for %d layers", pool.dtype,
                         len(found))
             return
-        # every rank calibrates on the same ids; ranks agree on the result by construction
-        # (the reduced activations are the same on every rank)
+        # every rank calibrates on the same ids, over its own KV heads; the ranks agree on
+        # the largest maximum per layer (kv_calibration.py)
         scales = calibrate_kv_scales(self)
         logger.info("FP8 KV cache (%s): no scales in the checkpoint; calibrated per layer "
                     "(k %.3g..%.3g, v %.3g..%.3g)", pool.dtype, min(s[0] for s in scales),

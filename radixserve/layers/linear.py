@@ -20,7 +20,7 @@ from torch import nn
 from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.cpu_linear import packed_linear
 from radixserve.layers.quantization.fp8 import (FP8_DTYPE, Fp8Config, Fp8Rows,
-                                                current_fp8_config)
+                                                current_fp8_config, row_amax)
 from radixserve.layers.quantization.fp8_linear import (add_fp8_params, finish_fp8_loading,
                                                        fp8_linear, fp8_rows_linear,
                                                        takes_fp8_rows)
@@ -127,6 +127,9 @@ def _shard(loaded: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.
 class LinearBase(nn.Module):
     """y = x @ W.T (+ b), W of [output_size, input_size] on this rank."""
 
+    input_is_split = False  # the checkpoint's input columns are split over the ranks
+    group_k: int | None = None  # FP8 block scales: input columns per scale group on this rank
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  tp_rank: int | None = None, tp_size: int | None = None,
                  quantize: bool = True) -> None:
@@ -165,9 +168,9 @@ class LinearBase(nn.Module):
         beforehand (`Fp8Rows`, for FP8 layers only: see `takes_fp8_rows`)."""
         if isinstance(x, Fp8Rows):
             assert self.fp8 is not None, "quantised rows need an FP8 weight"
-            return fp8_rows_linear(x, self.weight, self.weight_scale, self.fp8.block, bias)
+            return fp8_rows_linear(x, self.weight, self.weight_scale, self.group_k, bias)
         if self.fp8 is not None:
-            return fp8_linear(x, self.weight, self.weight_scale, self.fp8.block, bias)
+            return fp8_linear(x, self.weight, self.weight_scale, self.group_k, bias)
         return linear(x, self.weight, bias)
 
     def forward(self, x: "torch.Tensor | Fp8Rows") -> torch.Tensor:
@@ -178,7 +181,7 @@ class LinearBase(nn.Module):
         the tensor cores as they are here: an FP8 weight with a swept configuration for that
         many rows, or a batch _scaled_mm takes."""
         return self.fp8 is not None and self.weight.stride(1) == 1 and \
-            takes_fp8_rows(self.weight, self.weight_scale, self.fp8.block, rows, dtype)
+            takes_fp8_rows(self.weight, self.weight_scale, self.group_k, rows, dtype)
 
     def _row_fusion_kernels(self, dtype: torch.dtype, residual: bool):
         """The Triton kernels (`_triton_kernels()`) when rows of `dtype` through this layer may
@@ -202,7 +205,7 @@ class LinearBase(nn.Module):
         gemv = kernels[1]
         if self.fp8 is not None:
             return self.weight.dtype == FP8_DTYPE and gemv.fp8_gemv_config(
-                self.weight, self.weight_scale, self.fp8.block) is not None
+                self.weight, self.weight_scale, self.group_k) is not None
         n, k = self.weight.shape
         return self.weight.dtype == dtype and gemv.tuned_gemv_config("bf16", n, k) is not None
 
@@ -232,7 +235,7 @@ class LinearBase(nn.Module):
         from radixserve.layers.kernels import fp8_mma_rows
         if fp8_mma_rows.tuned_config(n, k, 1, fusion.variant) is not None:
             return None
-        return gemv.fp8_gemv_config(self.weight, self.weight_scale, self.fp8.block,
+        return gemv.fp8_gemv_config(self.weight, self.weight_scale, self.group_k,
                                     fusion=fusion)
 
     def carries_rope_store(self, dtype: torch.dtype, head_dim: int, norm: "RMSNorm") -> bool:
@@ -264,7 +267,7 @@ class LinearBase(nn.Module):
             assert x.shape[0] == 1, "rope rides on the one-row GEMV"
             if self.fp8 is None:
                 return gemv.gemv(x, self.weight, self.bias, fusion=fusion, rope=rope)
-            return gemv.fp8_gemv(x, self.weight, self.weight_scale, self.fp8.block, self.bias,
+            return gemv.fp8_gemv(x, self.weight, self.weight_scale, self.group_k, self.bias,
                                  fusion=fusion, rope=rope)
         if x.dim() == 2 and x.shape[0] > 1:
             n, k = self.weight.shape
@@ -274,7 +277,7 @@ class LinearBase(nn.Module):
         if self.fp8 is None:
             return gemv.gemv(x, self.weight, self.bias, fusion=fusion)
         from radixserve.layers.kernels.fp8_gemm import fp8_rows_product
-        y = fp8_rows_product(x.view(1, -1), self.weight, self.weight_scale, self.fp8.block,
+        y = fp8_rows_product(x.view(1, -1), self.weight, self.weight_scale, self.group_k,
                              self.bias, fusion)
         assert y is not None, "fuses_one_row promised an FP8 GEMV configuration"
         y = y.view(*x.shape[:-1], y.shape[-1])
@@ -319,6 +322,8 @@ class RowParallelLinear(LinearBase):
     `reduce_results=False` leaves the partial product unreduced (no bias allowed), for a caller
     that adds several partial products and reduces once (an MoE block's shared expert)."""
 
+    input_is_split = True
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  tp_rank: int | None = None, tp_size: int | None = None,
                  reduce_results: bool = True) -> None:
@@ -332,8 +337,11 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: object = None) -> None:
-        # 2-D: the weight, or an FP8 scale; a scale of one group (per row) stays whole
-        if param.dim() == 2 and not (loaded.shape[1] == 1 == param.shape[1]):
+        # 2-D: the weight's columns split; an FP8 scale arrives cut to this rank's groups
+        # already (fp8_linear.load_scale), and a scale of one group (per row) stays whole
+        if param.dim() == 2 and param is not getattr(self, "weight_scale", None):
+            if param is self.weight and self.fp8 is not None and self.fp8.online:
+                self.checkpoint_row_amax = row_amax(loaded)  # --quantization fp8's scales
             loaded = _shard(loaded, 1, self.tp_rank, self.tp_size)
         default_weight_loader(param, loaded)
 

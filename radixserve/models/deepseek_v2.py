@@ -99,7 +99,7 @@ class MLAAttention(nn.Module):
             if getattr(self, "_kv_b_dequantized", None) is None:
                 from radixserve.layers.quantization.fp8 import dequantize_weight
                 self._kv_b_dequantized = dequantize_weight(
-                    w, self.kv_b_proj.weight_scale, self.kv_b_proj.fp8.block,
+                    w, self.kv_b_proj.weight_scale, self.kv_b_proj.group_k,
                     self.kv_a_layernorm.weight.dtype)
             w = self._kv_b_dequantized
         w = w.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)

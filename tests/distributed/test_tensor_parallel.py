@@ -1,8 +1,10 @@
 """Tensor parallelism on CPU (gloo, one process per rank): --tp-size 2 gives transformers'
 greedy outputs and tp 1's tokens, logprobs and seeded samples, on tiny random checkpoints
 covering GQA split, KV-head replication (1 KV head, 2 ranks), q/k/v bias, q/k norms, tied
-embeddings with soft-capping and sliding windows; the real server runs with --tp-size 2 and a
-dying rank takes it down; splits the layers cannot make are refused before loading."""
+embeddings with soft-capping and sliding windows; FP8 at tp 2 (block-scaled checkpoints whose
+input columns split inside a block, a dense and an MoE model; --quantization fp8 with an FP8
+KV cache) gives tp 1's outputs; the real server runs with --tp-size 2 and a dying rank takes it
+down; splits the layers cannot make are refused before loading."""
 from __future__ import annotations
 
 import os
@@ -13,6 +15,7 @@ import requests
 import torch
 
 import radixserve
+from tests.loader.test_fp8_checkpoints import _write_pair
 from tests.models.test_greedy_vs_hf import hf_greedy
 from tests.models.tiny_checkpoints import make_checkpoint
 from tests.server.server_process import ServerProcess, wait_gone
@@ -25,9 +28,10 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 40, 90)]
 
 
-def _run(folder: str, tp_size: int, prompts: list[list[int]]) -> dict:
+def _run(folder: str, tp_size: int, prompts: list[list[int]], **engine_args: object) -> dict:
     engine = radixserve.Engine(folder, dtype="float32", skip_tokenizer_init=True,
-                               max_total_tokens=2048, tp_size=tp_size, chunked_prefill_size=32)
+                               max_total_tokens=2048, tp_size=tp_size, chunked_prefill_size=32,
+                               **engine_args)
     try:
         greedy = engine.generate(input_ids=prompts, sampling_params={
             "max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
@@ -58,6 +62,35 @@ def test_tp2_matches_tp1_and_transformers(name: str, tmp_path) -> None:
     torch.testing.assert_close(torch.tensor(two["logprobs"]), torch.tensor(one["logprobs"]),
                                atol=1e-4, rtol=1e-4)
     assert two["sampled"] == one["sampled"]
+
+
+def _assert_same_outputs(two: dict, one: dict) -> None:
+    assert two["ids"] == one["ids"]
+    torch.testing.assert_close(torch.tensor(two["logprobs"]), torch.tensor(one["logprobs"]),
+                               atol=1e-4, rtol=1e-4)
+    assert two["sampled"] == one["sampled"]
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "qwen3_moe"])
+def test_fp8_blocks_split_inside_a_block_at_tp2(name: str, tmp_path) -> None:
+    """Blocks of 32 columns: at tp 2 each rank holds 48 of the dense down projection's 96
+    input columns, or 16 of an expert's 32, so ranks keep groups of 16 columns."""
+    fp8_folder, twin_folder = _write_pair(tmp_path, "block", name)
+    prompts = _prompts(160)
+    one, two = _run(str(fp8_folder), 1, prompts), _run(str(fp8_folder), 2, prompts)
+    _assert_same_outputs(two, one)
+    assert one["ids"] == _run(str(twin_folder), 1, prompts)["ids"]
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "qwen3_moe"])
+def test_online_fp8_with_an_fp8_kv_cache_at_tp2(name: str, tmp_path) -> None:
+    """Each rank's KV heads calibrate the FP8 pool, and --quantization fp8 scales the rows of
+    the down projections that a rank holds a part of: both as at tp 1."""
+    make_checkpoint(name, tmp_path)
+    prompts = _prompts(160)
+    fp8 = dict(quantization="fp8", kv_cache_dtype="fp8_e4m3")
+    _assert_same_outputs(_run(str(tmp_path), 2, prompts, **fp8),
+                         _run(str(tmp_path), 1, prompts, **fp8))
 
 
 def test_splits_the_layers_cannot_make_are_refused(tmp_path) -> None:

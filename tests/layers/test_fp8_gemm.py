@@ -23,9 +23,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.mark.parametrize("m,n,k,block", [(1, 48, 256, None), (5, 40, 200, None),
                                          (3, 64, 256, 128), (70, 96, 384, 128),
-                                         (8, 64, 2048, None), (20, 32, 1536, 128)])
+                                         (8, 64, 2048, None), (20, 32, 1536, 128),
+                                         (4, 32, 192, 64), (2, 48, 96, 16)])
 def test_fp8_weight_gemm_matches_dequantised_product(m, n, k, block) -> None:
-    """The last two shapes split K (small M, few output tiles, long K)."""
+    """(8, 64, 2048) and (20, 32, 1536) split K (small M, few output tiles, long K); groups of
+    64 and 16 columns are a tensor-parallel rank's finer groups (fp8.rank_group_k)."""
     gen = torch.Generator().manual_seed(m + n)
     w = torch.randn(n, k, generator=gen)
     if block is None:
@@ -43,7 +45,8 @@ def test_fp8_weight_gemm_matches_dequantised_product(m, n, k, block) -> None:
     torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("n,k,block", [(40, 512, None), (24, 1024, 128)])
+@pytest.mark.parametrize("n,k,block", [(40, 512, None), (24, 1024, 128), (24, 192, 64),
+                                       (16, 256, 16)])
 def test_fp8_gemv_matches_dequantised_product(n, k, block) -> None:
     from radixserve.layers.kernels.gemv import fp8_gemv
     gen = torch.Generator().manual_seed(n)

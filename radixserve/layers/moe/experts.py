@@ -26,7 +26,8 @@ from radixserve.layers.activation import gated_activation
 from radixserve.layers.moe.router import TopK
 from radixserve.layers.quantization.fp8 import (FP8_DTYPE, current_fp8_config,
                                                 dequantize_weight, expand_scale,
-                                                quantize_per_channel)
+                                                quantize_per_channel, rank_block_columns,
+                                                rank_group_k, row_amax)
 
 # checkpoint piece names -> our piece ids (gate = w1, up = w3, down = w2, as Mixtral names them)
 _PIECES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2",
@@ -47,6 +48,8 @@ def expert_weight_target(name: str) -> tuple[str, tuple[int, str]] | None:
 
 
 class FusedMoE(nn.Module):
+    group_k: int | None = None  # FP8 block scales: input columns per scale group (both GEMMs)
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  activation: str = "silu") -> None:
         super().__init__()
@@ -59,6 +62,7 @@ class FusedMoE(nn.Module):
         self.intermediate_size = intermediate_size // self.tp_size  # this rank's
         size = self.intermediate_size
         self.fp8 = current_fp8_config()
+        self._w2_row_amax: dict[int, torch.Tensor] = {}  # --quantization fp8 at tp > 1
         dtype = FP8_DTYPE if self.fp8 is not None and not self.fp8.online else None
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size,
                                                    dtype=dtype), requires_grad=False)
@@ -76,12 +80,15 @@ class FusedMoE(nn.Module):
 
     # ---- FP8 experts: scales [E, rows, K groups], loaded like the weights' rows ----
     def _add_fp8_scales(self, size: int) -> None:
+        """One group width for both projections (the fused kernel takes one): the checkpoint's
+        block, or, where the down projection's columns split inside blocks over the ranks,
+        the finer groups of fp8.rank_group_k."""
         assert self.fp8 is not None
-        block = self.fp8.block
+        self.group_k = rank_group_k(self.fp8.block, size, self.tp_size > 1)
         for name, rows, k, pieces in (("w13_weight_scale", 2 * size, self.hidden_size,
                                        ("w1", "w3")),
                                       ("w2_weight_scale", self.hidden_size, size, ("w2",))):
-            groups = 1 if block is None else -(-k // block)
+            groups = 1 if self.group_k is None else -(-k // self.group_k)
             param = nn.Parameter(torch.ones(self.num_experts, rows, groups), requires_grad=False)
             param.weight_loader = self.scale_loader  # type: ignore[attr-defined]
             param.expected_shards = {(e, p) for e in range(self.num_experts)  # type: ignore
@@ -98,11 +105,13 @@ class FusedMoE(nn.Module):
         expert, piece = shard_id
         size, rank = self.intermediate_size, self.tp_rank
         rows = self.hidden_size if piece == "w2" else size * self.tp_size
-        expanded = expand_scale(loaded, rows, self.fp8.block)
+        block = self.fp8.block
+        expanded = expand_scale(loaded, rows, block)
+        if block is not None:  # the columns: this rank's groups (w2's split, w13's whole)
+            k_offset, k_rank = (rank * size, size) if piece == "w2" else (0, self.hidden_size)
+            expanded = rank_block_columns(expanded, block, self.group_k, k_offset, k_rank)
         if piece == "w2":
-            part = expanded if expanded.shape[1] == 1 else \
-                expanded.narrow(1, rank * param.shape[2], param.shape[2])
-            param.data[expert].copy_(part)
+            param.data[expert].copy_(expanded)
         else:
             target = param.data[expert].narrow(0, 0 if piece == "w1" else size, size)
             target.copy_(expanded.narrow(0, rank * size, size))
@@ -113,17 +122,20 @@ class FusedMoE(nn.Module):
             return
         for name in ("w13_weight", "w2_weight"):
             weight = getattr(self, name)
-            codes, scales = zip(*(quantize_per_channel(w) for w in weight.data))
+            amax = self._w2_row_amax if name == "w2_weight" else {}
+            codes, scales = zip(*(quantize_per_channel(w, amax.get(expert))
+                                  for expert, w in enumerate(weight.data)))
             param = nn.Parameter(torch.stack(codes), requires_grad=False)
             param.keep_dtype = True  # type: ignore[attr-defined]
             setattr(self, name, param)
             getattr(self, f"{name}_scale").data = torch.stack(scales)
+        self._w2_row_amax.clear()
 
     def _expert_weights(self, expert: int, dtype: torch.dtype
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fp8 is None:
             return self.w13_weight[expert], self.w2_weight[expert]
-        block = self.fp8.block
+        block = self.group_k
         return (dequantize_weight(self.w13_weight[expert], self.w13_weight_scale[expert], block,
                                   dtype),
                 dequantize_weight(self.w2_weight[expert], self.w2_weight_scale[expert], block,
@@ -146,6 +158,9 @@ class FusedMoE(nn.Module):
         if part is None:
             raise ValueError(f"expert {expert} {piece} of shape {tuple(loaded.shape)}, "
                              f"expected {want}")
+        if piece == "w2" and self.fp8 is not None and self.fp8.online and self.tp_size > 1:
+            # --quantization fp8 scales the down projection's whole rows, as at tp 1
+            self._w2_row_amax[expert] = row_amax(loaded)
         target.copy_(part)
 
     def forward(self, hidden: torch.Tensor, topk: TopK) -> torch.Tensor:
@@ -155,7 +170,7 @@ class FusedMoE(nn.Module):
             except ImportError:
                 pass
             else:
-                scales = (self.w13_weight_scale, self.w2_weight_scale, self.fp8.block) \
+                scales = (self.w13_weight_scale, self.w2_weight_scale, self.group_k) \
                     if self.fp8 is not None else None
                 return fused_experts(hidden, self.w13_weight, self.w2_weight, topk.weights,
                                      topk.ids, scales)

@@ -10,7 +10,11 @@ Formats read:
     output channel.
 Internally every FP8 linear keeps `weight_scale` as [out rows, K groups] float32: one group
 (per-tensor and per-channel scales, a per-tensor scale copied to its shard's rows) or one per
-128 input columns (block scales, expanded to rows); the matmul reads that one layout.
+128 input columns (block scales, expanded to rows); the matmul reads that one layout. A layer
+whose input columns are split over tensor-parallel ranks at a point inside a block (Qwen3-30B-A3B's
+768 expert columns over 4 ranks: 192 each, against blocks of 128) keeps finer groups on every
+rank (`rank_group_k`: 64 there), each inside one checkpoint block and holding that block's
+scale (`rank_block_columns`), so any split the layer's shapes allow loads exactly.
 Activations on the GPU: decode rows (1-16) go to the e4m3 tensor cores, quantised per token in
 registers or beforehand by the kernel that made them (`Fp8Rows`: RMSNorm and SiLU-mul emit
 codes and row scales at 2-128 rows where a swept configuration exists); where no swept configuration says so, the GEMV and the
@@ -21,6 +25,7 @@ but not used.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple
 
@@ -125,9 +130,18 @@ def current_fp8_config() -> Fp8Config | None:
     return _CURRENT[-1]
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16/fp32 [N, K] -> (FP8 codes [N, K], scales [N, 1] float32), amax per row -> FP8 max."""
-    amax = weight.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+def row_amax(weight: torch.Tensor) -> torch.Tensor:
+    """Each row's largest magnitude, [N, 1] float32 (no float32 copy of the weight)."""
+    return torch.linalg.vector_norm(weight, float("inf"), dim=1, keepdim=True).float()
+
+
+def quantize_per_channel(weight: torch.Tensor, amax: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16/fp32 [N, K] -> (FP8 codes [N, K], scales [N, 1] float32), amax per row -> FP8 max.
+    amax: the rows' maxima when the weight is a rank's columns of whole rows (the whole rows'
+    scales, so that the codes do not depend on the tensor-parallel split)."""
+    amax = (row_amax(weight) if amax is None else amax.to(weight.device, torch.float32)
+            ).clamp(min=1e-12)
     scale = amax / FP8_MAX
     codes = (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return codes, scale
@@ -143,6 +157,35 @@ def expand_scale(loaded: torch.Tensor, rows: int, block: int | None) -> torch.Te
     if block is not None:
         return loaded.repeat_interleave(block, dim=0)[:rows]
     return loaded.reshape(rows, 1)
+
+
+MIN_GROUP_K = 16  # the narrowest K group the GPU kernels step through (a 16-deep bf16 MMA)
+
+
+def rank_group_k(block: int | None, k_rank: int, k_split: bool) -> int | None:
+    """The input columns per scale group of a layer holding k_rank input columns on each
+    rank (k_split: the checkpoint's columns are split over several ranks): the checkpoint's
+    block, unless the split falls inside blocks; then the largest width that divides both the
+    block and k_rank, so that every group of every rank lies inside one checkpoint block."""
+    if block is None or not k_split or k_rank % block == 0:
+        return block
+    group = math.gcd(k_rank, block)
+    if group < MIN_GROUP_K:
+        raise ValueError(
+            f"FP8 block scales of {block} columns: each tensor-parallel rank holds {k_rank} "
+            f"input columns of this layer, which cut the blocks into groups of {group} (the "
+            f"kernels need at least {MIN_GROUP_K}); choose a --tp-size that splits the "
+            f"layer's input at block boundaries or at multiples of {MIN_GROUP_K}")
+    return group
+
+
+def rank_block_columns(scale: torch.Tensor, block: int, group_k: int, k_offset: int,
+                       k_rank: int) -> torch.Tensor:
+    """Block scales already expanded to rows ([rows, cdiv(K, block)]) -> this rank's groups
+    [rows, cdiv(k_rank, group_k)]: its group j holds the scale of the checkpoint block that
+    contains column k_offset + j * group_k."""
+    starts = k_offset + torch.arange(0, k_rank, group_k)
+    return scale[:, starts // block]
 
 
 def dequantize_weight(codes: torch.Tensor, scale: torch.Tensor, block: int | None,

@@ -3,10 +3,13 @@ the product.
 
 A quantised LinearBase holds `weight` (float8_e4m3fn [N, K] on this rank; bf16 until
 `finish_loading` for --quantization fp8) and `weight_scale` ([N, G] float32, G = 1 or
-cdiv(K, block); see fp8.py), plus `input_scale` ([1]) when the checkpoint has static ones.
-Scale tensors load through the layer's own weight loader after being expanded to the rows of
-their piece (a per-tensor scale to [rows, 1], a block scale to one row per weight row), so the
-tensor-parallel and merged-piece placement of the weights applies to them unchanged.
+cdiv(K, group_k); see fp8.py), plus `input_scale` ([1]) when the checkpoint has static ones.
+`layer.group_k` is the checkpoint's block, or the finer groups of a rank whose input columns
+start inside a block (fp8.rank_group_k); the products take it as their group width. Scale
+tensors load through the layer's own weight loader after being expanded to the rows of their
+piece (a per-tensor scale to [rows, 1], a block scale to one row per weight row) and, for
+block scales, cut to this rank's column groups, so the tensor-parallel and merged-piece
+placement of the weights applies to their rows unchanged.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from torch import nn
 
 from radixserve.layers.quantization.fp8 import (FP8_DTYPE, Fp8Config, Fp8Rows,
                                                 dequantize_weight, expand_scale,
-                                                quantize_per_channel)
+                                                quantize_per_channel, rank_block_columns,
+                                                rank_group_k)
 
 if TYPE_CHECKING:
     from radixserve.layers.linear import LinearBase
@@ -26,7 +30,9 @@ if TYPE_CHECKING:
 
 def add_fp8_params(layer: "LinearBase", config: Fp8Config) -> None:
     """Called by LinearBase.__init__ after `weight` (already FP8 unless online) exists."""
-    groups = 1 if config.block is None else -(-layer.input_size // config.block)
+    layer.group_k = rank_group_k(config.block, layer.input_size,
+                                 layer.input_is_split and layer.tp_size > 1)
+    groups = 1 if layer.group_k is None else -(-layer.input_size // layer.group_k)
     scale = nn.Parameter(torch.ones(layer.output_size, groups, dtype=torch.float32),
                          requires_grad=False)
     scale.weight_loader = functools.partial(load_scale, layer)  # type: ignore[attr-defined]
@@ -43,9 +49,15 @@ def add_fp8_params(layer: "LinearBase", config: Fp8Config) -> None:
 
 def load_scale(layer: "LinearBase", param: nn.Parameter, loaded: torch.Tensor,
                shard_id: object = None) -> None:
-    """Expand a checkpoint scale to the rows of its piece, then place it as the weights are."""
+    """Expand a checkpoint scale to the rows of its piece (and a block scale's columns to this
+    rank's groups), then place its rows as the weights' are."""
     assert layer.fp8 is not None
-    expanded = expand_scale(loaded, layer.full_rows(shard_id), layer.fp8.block)
+    block = layer.fp8.block
+    expanded = expand_scale(loaded, layer.full_rows(shard_id), block)
+    if block is not None:
+        k_offset = layer.tp_rank * layer.input_size if layer.input_is_split else 0
+        expanded = rank_block_columns(expanded, block, layer.group_k, k_offset,
+                                      layer.input_size)
     layer.weight_loader(param, expanded.contiguous(), shard_id)
 
 
@@ -55,11 +67,13 @@ def load_input_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id: object
 
 
 def finish_fp8_loading(layer: "LinearBase") -> None:
-    """--quantization fp8: the loaded bf16 weight becomes FP8 codes and per-channel scales."""
+    """--quantization fp8: the loaded bf16 weight becomes FP8 codes and per-channel scales (of
+    the checkpoint's whole rows where the layer holds a rank's columns of them)."""
     config = layer.fp8
     if config is None or not config.online:
         return
-    codes, scale = quantize_per_channel(layer.weight.data)
+    codes, scale = quantize_per_channel(layer.weight.data,
+                                        layer.__dict__.pop("checkpoint_row_amax", None))
     layer.weight = nn.Parameter(codes, requires_grad=False)
     layer.weight.keep_dtype = True  # type: ignore[attr-defined]
     layer.weight_scale.data = scale
