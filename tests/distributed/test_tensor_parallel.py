@@ -71,7 +71,9 @@ def _assert_same_outputs(two: dict, one: dict) -> None:
     assert two["sampled"] == one["sampled"]
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "qwen3_moe"])
+# the MoE cases run with --run-slow: tests/layers/test_fp8_tp_scales.py checks the experts' loading
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope",
+                                  pytest.param("qwen3_moe", marks=pytest.mark.slow)])
 def test_fp8_blocks_split_inside_a_block_at_tp2(name: str, tmp_path) -> None:
     """Blocks of 32 columns: at tp 2 each rank holds 48 of the dense down projection's 96
     input columns, or 16 of an expert's 32, so ranks keep groups of 16 columns."""
@@ -82,7 +84,8 @@ def test_fp8_blocks_split_inside_a_block_at_tp2(name: str, tmp_path) -> None:
     assert one["ids"] == _run(str(twin_folder), 1, prompts)["ids"]
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope",
+                                  pytest.param("qwen3_moe", marks=pytest.mark.slow)])
 def test_online_fp8_with_an_fp8_kv_cache_at_tp2(name: str, tmp_path) -> None:
     """Each rank's KV heads calibrate the FP8 pool, and --quantization fp8 scales the rows of
     the down projections that a rank holds a part of: both as at tp 1."""

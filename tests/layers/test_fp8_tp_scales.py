@@ -119,6 +119,30 @@ def test_online_quantization_scales_whole_rows_on_every_rank() -> None:
                                        rtol=0, atol=0)
 
 
+def test_online_expert_down_projections_scale_whole_rows(monkeypatch) -> None:
+    experts, hidden, inter = 2, 32, 64
+    gen = torch.Generator().manual_seed(4)
+    gate, up, down = (torch.randn(experts, *shape, generator=gen)
+                      for shape in ((inter, hidden), (inter, hidden), (hidden, inter)))
+    down[:, :, 0] *= 40  # each row's largest value sits in rank 0's columns
+
+    def build(rank: int, size: int):
+        monkeypatch.setattr(experts_module, "get_tp_group", lambda: _Group(rank, size))
+        with fp8_linears(Fp8Config(online=True)):
+            moe = experts_module.FusedMoE(experts, hidden, inter)
+        for expert in range(experts):
+            for piece, weight in (("w1", gate), ("w3", up), ("w2", down)):
+                param = moe.w2_weight if piece == "w2" else moe.w13_weight
+                param.weight_loader(param, weight[expert], (expert, piece))
+        moe.finish_loading()
+        return [moe._expert_weights(e, torch.float32)[1] for e in range(experts)]
+
+    whole = build(0, 1)
+    for rank in range(2):
+        for got, want in zip(build(rank, 2), whole):
+            torch.testing.assert_close(got, want[:, rank * 32:(rank + 1) * 32], rtol=0, atol=0)
+
+
 def test_splits_finer_than_the_kernels_take_are_refused() -> None:
     with pytest.raises(ValueError, match="choose a --tp-size"):
         rank_group_k(128, 200, k_split=True)  # groups of 8
