@@ -3,6 +3,7 @@
 #
 #   MOE_STEPS="tests correctness kernels" bash benchmarks/gpu_moe.sh      # one call
 #   MOE_STEPS="decode offline" bash benchmarks/gpu_moe.sh                 # another
+#   MOE_STEPS="kernels board_ab" bash benchmarks/gpu_moe.sh               # a board's own tables
 #
 # tests:       pytest of the fused-MoE and MLA kernel tests on the GPU
 # correctness: tiny Mixtral / Qwen3-MoE / DeepSeek-V2 (MLA) checkpoints, torch_native, triton,
@@ -11,6 +12,12 @@
 # decode:      one static batch at context 1024, dummy bf16 weights, graphs + overlap:
 #              Mixtral-8x7B 1/32/128, Qwen3-30B-A3B 1/32/128, DeepSeek-V2-Lite 1/64/256
 # offline:     random 1024/1024 x MOE_OFFLINE_PROMPTS (default 500), Mixtral and V2-Lite
+# board_ab:    after `kernels` in the same call: decode one static batch of Qwen3-30B-A3B
+#              (1 / 32 / 128) and DeepSeek-V2-Lite (1 / 64 / 256) with the block sizes this
+#              board reads now and with the sweep's (copied into moe_configs/boards/BOARD/, or
+#              the folder itself on the reference board; kernels/board_tables.py), alternated
+#              per model; the sweep's tables stay in place, to copy back from $OUT/moe_board
+#              (on an H100 80GB Mixtral's 93 GB of bf16 weights do not fit, so it is left out)
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/gpu_common.sh gpu_moe "${MOE_STEPS:-tests correctness kernels decode offline}"
@@ -70,4 +77,24 @@ if step offline; then
     echo "== offline"
     offline mixtral-8x7b
     offline deepseek-v2-lite
+fi
+if step board_ab; then
+    echo "== decode with this board's fused-MoE block sizes: before and after the sweep"
+    BOARD=$(python3 -c "from radixserve.layers.kernels.board_tables import current_board as c
+print(c())")
+    DEST=$(python3 -c "from pathlib import Path
+from radixserve.layers.kernels import board_tables as b, fused_moe as f
+print(b.board_dir(f.CONFIG_DIR, b.current_board()))")
+    rm -rf "$OUT/moe_board" /tmp/moe_before && mkdir -p "$OUT/moe_board" "$DEST"
+    cp "$OUT"/moe_configs/*.json "$OUT/moe_board"/ && cp -r "$DEST" /tmp/moe_before
+    echo "   board $BOARD, tables into $DEST: $(ls "$OUT/moe_board" | wc -l) files"
+    for name in qwen3-30b-a3b deepseek-v2-lite; do
+        batches="1 32 128"; [ "$name" = deepseek-v2-lite ] && batches="1 64 256"
+        for tables in before sweep; do
+            rm -rf "$DEST" && cp -r /tmp/moe_before "$DEST"
+            [ "$tables" = sweep ] && cp "$OUT"/moe_board/*.json "$DEST"/
+            decode "$name" $batches > "$OUT/board_ab_${tables}_$name.txt"
+            echo "   $tables:"; cat "$OUT/board_ab_${tables}_$name.txt"
+        done
+    done
 fi
