@@ -84,6 +84,14 @@ def test_fp8_blocks_split_inside_a_block_at_tp2(name: str, tmp_path) -> None:
     assert one["ids"] == _run(str(twin_folder), 1, prompts)["ids"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["channel", "tensor"])
+def test_compressed_tensors_fp8_at_tp2(fmt: str, tmp_path) -> None:
+    fp8_folder, _ = _write_pair(tmp_path, fmt, "llama_gqa_llama3_rope")
+    prompts = _prompts(160)
+    _assert_same_outputs(_run(str(fp8_folder), 2, prompts), _run(str(fp8_folder), 1, prompts))
+
+
 @pytest.mark.parametrize("name", ["llama_gqa_llama3_rope",
                                   pytest.param("qwen3_moe", marks=pytest.mark.slow)])
 def test_online_fp8_with_an_fp8_kv_cache_at_tp2(name: str, tmp_path) -> None:

@@ -184,7 +184,7 @@ def rank_block_columns(scale: torch.Tensor, block: int, group_k: int, k_offset: 
     """Block scales already expanded to rows ([rows, cdiv(K, block)]) -> this rank's groups
     [rows, cdiv(k_rank, group_k)]: its group j holds the scale of the checkpoint block that
     contains column k_offset + j * group_k."""
-    starts = k_offset + torch.arange(0, k_rank, group_k)
+    starts = k_offset + torch.arange(0, k_rank, group_k, device=scale.device)
     return scale[:, starts // block]
 
 
