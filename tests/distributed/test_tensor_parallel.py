@@ -3,8 +3,9 @@ greedy outputs and tp 1's tokens, logprobs and seeded samples, on tiny random ch
 covering GQA split, KV-head replication (1 KV head, 2 ranks), q/k/v bias, q/k norms, tied
 embeddings with soft-capping and sliding windows; FP8 at tp 2 (block-scaled checkpoints whose
 input columns split inside a block, a dense and an MoE model; --quantization fp8 with an FP8
-KV cache) gives tp 1's outputs; the real server runs with --tp-size 2 and a dying rank takes it
-down; splits the layers cannot make are refused before loading."""
+KV cache) gives tp 1's outputs, and so does tp 4 (--run-slow); the real server runs with
+--tp-size 2 and a dying rank takes it down; splits the layers cannot make are refused before
+loading."""
 from __future__ import annotations
 
 import os
