@@ -340,8 +340,9 @@ class RowParallelLinear(LinearBase):
         # 2-D: the weight's columns split; an FP8 scale arrives cut to this rank's groups
         # already (fp8_linear.load_scale), and a scale of one group (per row) stays whole
         if param.dim() == 2 and param is not getattr(self, "weight_scale", None):
-            if param is self.weight and self.fp8 is not None and self.fp8.online:
-                self.checkpoint_row_amax = row_amax(loaded)  # --quantization fp8's scales
+            if param is self.weight and self.fp8 is not None and self.fp8.online \
+                    and self.tp_size > 1:  # --quantization fp8 scales whole rows, as at tp 1
+                self.checkpoint_row_amax = row_amax(loaded)
             loaded = _shard(loaded, 1, self.tp_rank, self.tp_size)
         default_weight_loader(param, loaded)
 
