@@ -129,6 +129,8 @@ class LinearBase(nn.Module):
 
     input_is_split = False  # the checkpoint's input columns are split over the ranks
     group_k: int | None = None  # FP8 block scales: input columns per scale group on this rank
+    # --quantization fp8 at tp > 1: the checkpoint's whole rows' maxima, until finish_loading
+    checkpoint_row_amax: torch.Tensor | None = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  tp_rank: int | None = None, tp_size: int | None = None,

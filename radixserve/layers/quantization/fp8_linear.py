@@ -72,8 +72,8 @@ def finish_fp8_loading(layer: "LinearBase") -> None:
     config = layer.fp8
     if config is None or not config.online:
         return
-    codes, scale = quantize_per_channel(layer.weight.data,
-                                        layer.__dict__.pop("checkpoint_row_amax", None))
+    codes, scale = quantize_per_channel(layer.weight.data, layer.checkpoint_row_amax)
+    layer.checkpoint_row_amax = None
     layer.weight = nn.Parameter(codes, requires_grad=False)
     layer.weight.keep_dtype = True  # type: ignore[attr-defined]
     layer.weight_scale.data = scale
