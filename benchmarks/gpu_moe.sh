@@ -80,11 +80,9 @@ if step offline; then
 fi
 if step board_ab; then
     echo "== decode with this board's fused-MoE block sizes: before and after the sweep"
-    BOARD=$(python3 -c "from radixserve.layers.kernels.board_tables import current_board as c
-print(c())")
-    DEST=$(python3 -c "from pathlib import Path
-from radixserve.layers.kernels import board_tables as b, fused_moe as f
-print(b.board_dir(f.CONFIG_DIR, b.current_board()))")
+    read -r BOARD DEST < <(python3 -c "from radixserve.layers.kernels import board_tables as b
+from radixserve.layers.kernels import fused_moe as f
+print(b.current_board(), b.board_dir(f.CONFIG_DIR, b.current_board()))")
     rm -rf "$OUT/moe_board" /tmp/moe_before && mkdir -p "$OUT/moe_board" "$DEST"
     cp "$OUT"/moe_configs/*.json "$OUT/moe_board"/ && cp -r "$DEST" /tmp/moe_before
     echo "   board $BOARD, tables into $DEST: $(ls "$OUT/moe_board" | wc -l) files"
