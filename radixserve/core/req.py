@@ -98,14 +98,10 @@ class Req:
         if self.finished:
             return
         params = self.sampling_params
-        if len(self.output_ids) >= params.max_new_tokens:
-            self.finished_reason = FinishReason.max_length(params.max_new_tokens)
-            return
-        if self.seqlen >= context_len:
-            self.finished_reason = FinishReason.max_length(len(self.output_ids))
-            return
-        last = self.output_ids[-1]
-        if len(self.output_ids) >= params.min_new_tokens:
+        # a stop met by the last token the length allows is still a stop (its string is cut
+        # from the text, finish_reason "stop"), as in OpenAI's API and vLLM
+        if self.output_ids and len(self.output_ids) >= params.min_new_tokens:
+            last = self.output_ids[-1]
             if (not params.ignore_eos and last in eos_token_ids) or \
                     (params.stop_token_ids and last in params.stop_token_ids):
                 self.finished_reason = FinishReason.stop_token(last)
@@ -114,6 +110,11 @@ class Req:
                 matched = self._match_stop_str(tokenizer)
                 if matched is not None:
                     self.finished_reason = FinishReason.stop_str(matched)
+                    return
+        if len(self.output_ids) >= params.max_new_tokens:
+            self.finished_reason = FinishReason.max_length(params.max_new_tokens)
+        elif self.seqlen >= context_len:
+            self.finished_reason = FinishReason.max_length(len(self.output_ids))
 
     def _match_stop_str(self, tokenizer: Detokenizer) -> str | None:
         # a stop string of L chars spans at most L tokens; decode a small tail window

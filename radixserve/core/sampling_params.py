@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 _MAX_TOP_LOGPROBS = 20
+MAX_N = 128  # samples per prompt (n)
 GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
 _INTERNAL_FIELDS = ("stop_strs", "stop_str_max_len", "keep_special_tokens")  # not request fields
 
@@ -16,7 +18,7 @@ def _as_token_id(token: Any) -> int | None:
         return None
     if isinstance(token, int):
         return token if token >= 0 else None
-    if isinstance(token, str) and token.isdigit():
+    if isinstance(token, str) and token.isascii() and token.isdigit():  # not "²" or "١٢"
         return int(token)
     return None
 
@@ -95,57 +97,70 @@ class SamplingParams:
 
     def verify(self) -> None:
         """Raise InvalidRequestError with a clear message for any out-of-range value."""
-        def check(ok: bool, msg: str) -> None:
+        def check(ok: bool, msg: str, param: str) -> None:
             if not ok:
-                raise InvalidRequestError(msg)
+                raise InvalidRequestError(msg, param=param)
 
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
             value = getattr(self, name)
             check(isinstance(value, int) and not isinstance(value, bool),
-                  f"{name} must be an integer, got {value!r}")
+                  f"{name} must be an integer, got {value!r}", name)
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)
-            check(isinstance(value, (int, float)) and not isinstance(value, bool),
-                  f"{name} must be a number, got {value!r}")
-        check(self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+            check(isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and math.isfinite(value), f"{name} must be a finite number, got {value!r}", name)
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+            value = getattr(self, name)  # the detokenizer and the stop checks take real bools
+            check(isinstance(value, bool), f"{name} must be true or false, got {value!r}", name)
+        check(self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}",
+              "max_new_tokens")
         check(0 <= self.min_new_tokens <= self.max_new_tokens,
-              f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
-        check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+              f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}",
+              "min_new_tokens")
+        check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}",
+              "temperature")
+        check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         check(self.top_k == -1 or self.top_k >= 1,
-              f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
-        check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+              f"top_k must be -1 (disabled) or >= 1, got {self.top_k}", "top_k")
+        check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         check(-2.0 <= self.frequency_penalty <= 2.0,
-              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+              "frequency_penalty")
         check(-2.0 <= self.presence_penalty <= 2.0,
-              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+              "presence_penalty")
         check(0.0 < self.repetition_penalty <= 2.0,
-              f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        check(1 <= self.n <= 128, f"n must be in [1, 128], got {self.n}")
+              f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+              "repetition_penalty")
+        check(1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}", "n")
         check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-              f"seed must be an integer, got {self.seed!r}")
+              f"seed must be an integer, got {self.seed!r}", "seed")
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             check(isinstance(stops, list) and all(isinstance(s, str) for s in stops),
-                  f"stop must be a string or a list of strings, got {self.stop!r}")
-            check(all(len(s) > 0 for s in stops), "stop strings must not be empty")
-            check(len(stops) <= 16, f"at most 16 stop strings are allowed, got {len(stops)}")
+                  f"stop must be a string or a list of strings, got {self.stop!r}", "stop")
+            check(all(len(s) > 0 for s in stops), "stop strings must not be empty", "stop")
+            check(len(stops) <= 16, f"at most 16 stop strings are allowed, got {len(stops)}",
+                  "stop")
         if self.stop_token_ids is not None:
             check(isinstance(self.stop_token_ids, list)
                   and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                           for t in self.stop_token_ids),
-                  f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+                  "stop_token_ids must be a list of non-negative integers, got "
+                  f"{self.stop_token_ids!r}", "stop_token_ids")
         self._verify_grammar()
         if self.logit_bias is not None:
             check(isinstance(self.logit_bias, dict),
-                  f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+                  f"logit_bias must map token ids to numbers, got {self.logit_bias!r}",
+                  "logit_bias")
             for token, bias in self.logit_bias.items():
                 check(_as_token_id(token) is not None,
-                      f"logit_bias keys must be token ids, got {token!r}")
+                      f"logit_bias keys must be token ids, got {token!r}", "logit_bias")
                 check(isinstance(bias, (int, float)) and not isinstance(bias, bool)
                       and -100.0 <= bias <= 100.0,
-                      f"logit_bias values must be numbers in [-100, 100], got {bias!r}")
+                      f"logit_bias values must be numbers in [-100, 100], got {bias!r}",
+                      "logit_bias")
 
     def _verify_grammar(self) -> None:
         given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]

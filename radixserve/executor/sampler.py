@@ -1,7 +1,8 @@
 """Sampler: batched next-token sampling, and the logprob helpers the ModelRunner returns.
 
 Sampling order, per row: penalties and the min_new_tokens mask (on raw logits), then a
-grammar's token mask (constrained decoding) -> greedy rows take
+grammar's token mask (constrained decoding; where it allows only the stop tokens that
+min_new_tokens masks, the grammar wins) -> greedy rows take
 the argmax -> temperature -> softmax -> top-k, then top-p on the renormalised top-k mass, then
 min-p (relative to the most likely token) -> sample.
 
@@ -35,11 +36,12 @@ class Sampler:
         """logits [bs, vocab] (any float dtype; not modified) -> next token ids [bs] int64."""
         if logits.shape[0] != info.batch_size:
             raise ValueError(f"logits have {logits.shape[0]} rows, batch has {info.batch_size}")
-        logits = logits.float()
-        if info.penalties is not None:
-            logits = info.penalties.apply(logits)
+        raw = logits.float()
+        logits = raw if info.penalties is None else info.penalties.apply(raw)
         if info.vocab_mask is not None:
             logits = apply_vocab_mask(logits, info.vocab_mask)
+            if info.penalties is not None and info.penalties.stop_token_mask is not None:
+                logits = _grammar_end_wins(logits, raw, info.vocab_mask)
         if info.is_all_greedy:
             return logits.argmax(dim=-1)
 
@@ -52,6 +54,15 @@ class Sampler:
         return sampled
 
     __call__ = forward
+
+
+def _grammar_end_wins(logits: torch.Tensor, raw: torch.Tensor,
+                      vocab_mask: torch.Tensor) -> torch.Tensor:
+    """A row whose grammar allows only stop tokens while min_new_tokens masks them has no token
+    left: the grammar's end wins (its stop tokens from the unpenalised logits), so the output
+    still matches the grammar and the request ends there. No host sync."""
+    dead = torch.isneginf(logits).all(dim=-1, keepdim=True)
+    return torch.where(dead, apply_vocab_mask(raw, vocab_mask), logits)
 
 
 def filter_top_k_top_p_min_p(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

@@ -403,6 +403,10 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
         jumped = self.grammars.after_token(req)
         if jumped:
             req.check_finished(self.eos_token_ids, self.context_len, self.tokenizer)
+        elif not req.finished and req.grammar.terminated:
+            # the grammar took its stop token: it ends the request even where min_new_tokens
+            # or ignore_eos would go on (every later token would break the grammar)
+            req.finished_reason = FinishReason.stop_token(req.output_ids[-1])
         return jumped
 
     def _requeue_for_extend(self, req: Req) -> None:

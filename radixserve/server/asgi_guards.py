@@ -4,12 +4,14 @@ BodyLimitMiddleware (--max-request-bytes): a request whose Content-Length is ove
 answered 413 before its body is read; a chunked body is cut off with a 413 as soon as it passes
 the limit. CatchAllMiddleware: an exception no handler turned into a response becomes one log
 line with its traceback and a 500 that says an internal error happened (Starlette's own
-fallback logs it twice and re-raises); a stream that already started is just ended.
+fallback logs it twice and re-raises); a stream that already started is just ended. A client
+that disconnects while sending its body is one info line, not an error.
 """
 from __future__ import annotations
 
 import logging
 
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixserve.server.errors import APIError
@@ -80,6 +82,9 @@ class CatchAllMiddleware:
         tracker = _StartTracker(send)
         try:
             await self.app(scope, receive, tracker)
+        except ClientDisconnect:  # the client left while sending its body: no one to answer
+            logger.info("client disconnected while sending %s %s", scope.get("method"),
+                        scope.get("path"))
         except Exception:  # noqa: BLE001 - the last line of defence: log once, answer 500
             logger.exception("internal error serving %s %s", scope.get("method"),
                              scope.get("path"))

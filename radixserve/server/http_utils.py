@@ -29,6 +29,8 @@ def parse_json(raw: bytes) -> Any:
         raise APIError(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise APIError("the request body is nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more than 4,300 digits
+        raise APIError(f"the request body is not valid JSON: {exc}") from None
     _check_strings(value)
     return value
 

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import StrictBool, StrictInt, StrictStr
 from starlette.requests import Request
 
-from radixserve.core.sampling_params import InvalidRequestError, SamplingParams
+from radixserve.core.sampling_params import MAX_N, InvalidRequestError, SamplingParams
 from radixserve.server.errors import APIError
 from radixserve.server.http_utils import read_json
 from radixserve.server.metrics import CONTENT_TYPE
@@ -118,8 +118,8 @@ def build_requests(tm: TokenizerManager, obj: GenerateReqInput) -> tuple[list[Ge
             raise APIError(str(exc), param="sampling_params") from exc
         n = params.n
         params = dataclasses.replace(params, n=1) if isinstance(n, int) else params
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
-            raise APIError(f"n must be an integer in [1, 128], got {n!r}", param="n")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+            raise APIError(f"n must be an integer in [1, {MAX_N}], got {n!r}", param="n")
         req = tm.make_request(
             text=obj.item("text", i, size or 1), input_ids=obj.item("input_ids", i, size or 1),
             sampling_params=params, rid=obj.item("rid", i, size or 1),
@@ -221,8 +221,12 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
         rid = body.get("rid") if isinstance(body, dict) else None
         if not isinstance(rid, str) or not rid:
             raise APIError("give the request id to abort as {\"rid\": \"...\"}", param="rid")
-        known = rid in tm.rid_to_state
-        tm.send_abort(rid)
+        # a request sent with n > 1 runs as its copies "<rid>-0" ... "<rid>-<n-1>"
+        copies = [f"{rid}-{j}" for j in range(MAX_N) if f"{rid}-{j}" in tm.rid_to_state]
+        targets = [rid] if rid in tm.rid_to_state or not copies else copies
+        known = any(target in tm.rid_to_state for target in targets)
+        for target in targets:
+            tm.send_abort(target)
         return JSONResponse({"success": True, "rid": rid, "was_in_flight": known})
 
     @router.get("/metrics")

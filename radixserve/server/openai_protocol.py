@@ -23,7 +23,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from pydantic import ValidationError
 
-from radixserve.core.sampling_params import SamplingParams
+from radixserve.core.sampling_params import MAX_N, SamplingParams
 from radixserve.server.errors import APIError
 
 Number = Union[StrictFloat, StrictInt]
@@ -91,8 +91,8 @@ class SamplingFields(StrictModel):
         ignored = [n for n in IGNORED_OPENAI_FIELDS if getattr(self, n) is not None]
         if ignored:
             _log_ignored_once(ignored)
-        if not 1 <= self.n <= 128:
-            raise APIError(f"n must be in [1, 128], got {self.n}", param="n")
+        if not 1 <= self.n <= MAX_N:
+            raise APIError(f"n must be in [1, {MAX_N}], got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true",
                            param="stream_options")
@@ -101,7 +101,8 @@ class SamplingFields(StrictModel):
     def grammar(self) -> dict[str, str]:
         """The constrained-decoding sampling parameter this request asks for ({} if none):
         response_format json_object / json_schema, or the regex / ebnf extensions."""
-        given = {k: v for k, v in (("regex", self.regex), ("ebnf", self.ebnf)) if v}
+        given = {k: v for k, v in (("regex", self.regex), ("ebnf", self.ebnf))
+                 if v is not None}  # "" is given too: SamplingParams refuses it, as /generate
         schema = response_format_schema(self.response_format)
         if schema is not None:
             given["json_schema"] = schema
@@ -187,9 +188,11 @@ class ChatMessage(StrictModel):
             return self.content
         parts = []
         for part in self.content:
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise APIError(f"content parts of type {part.type!r} are not supported; "
                                "only text", param="messages")
+            if part.text is None:
+                raise APIError("a content part of type 'text' needs its text", param="messages")
             parts.append(part.text)
         return "".join(parts)
 

@@ -35,6 +35,14 @@ def test_jump_forward_outputs_match_and_skip_passes() -> None:
         date = engine.generate("Today's date:", {"max_new_tokens": 16, "temperature": 0,
                                                  "regex": DATE})
         assert re.fullmatch(DATE, date["text"])
+        # min_new_tokens beyond the grammar's end: the grammar wins (its stop token ends the
+        # request), rather than tokens the grammar refuses
+        for temperature in (0, 0.9):
+            short = engine.generate("hi", {"max_new_tokens": 6, "min_new_tokens": 4,
+                                           "temperature": temperature, "regex": "a"})
+            assert short["text"] == "a"
+            assert short["meta_info"]["finish_reason"]["type"] == "stop"
+            assert short["meta_info"]["completion_tokens"] == 2  # "a", then the stop token
         _assert_memory_ok(engine)
 
 

@@ -38,12 +38,15 @@ def test_bias_moves_greedy_and_sampled_choices() -> None:
 @pytest.mark.parametrize("bias, message", [
     ({"x": 1}, "keys must be token ids"),
     ({"-1": 1}, "keys must be token ids"),
+    ({"\u00b2": 1}, "keys must be token ids"),  # "²": str.isdigit() but not a decimal
+    ({"\u0661\u0662": 1}, "keys must be token ids"),  # Arabic-Indic "12"
     ({"3": 101}, "in \\[-100, 100\\]"),
     ({"3": "high"}, "in \\[-100, 100\\]"),
     ([1, 2], "must map token ids"),
     ({str(VOCAB): 1}, "token ids in \\[0, 32\\)"),
 ])
 def test_bad_bias_is_refused(bias, message: str) -> None:
-    with pytest.raises(InvalidRequestError, match=message):
+    with pytest.raises(InvalidRequestError, match=message) as refused:
         validate_request([1, 2], SamplingParams(max_new_tokens=2, logit_bias=bias),
                          RequestLimits(context_len=64, vocab_size=VOCAB))
+    assert refused.value.param == "logit_bias"

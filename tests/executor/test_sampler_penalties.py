@@ -233,3 +233,19 @@ def test_concat_of_greedy_batches_stays_greedy() -> None:
     joined, fresh = _joined_and_fresh(kept, joining)
     assert joined.is_all_greedy and joined.penalties is None
     assert _info_state(joined) == _info_state(fresh)
+
+
+def test_a_grammar_that_must_end_wins_over_min_new_tokens() -> None:
+    # the grammar allows only EOS (its match is complete) while min_new_tokens still masks
+    # EOS: no token would be left, and argmax over -inf picks token 0, which the grammar
+    # refuses. The grammar's end wins; other rows keep both masks.
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 5] = 9.0
+    mask = torch.zeros(2, 1, dtype=torch.int32)
+    mask[0, 0] = 1 << 2  # row 0: only EOS 2
+    mask[1, 0] = (1 << 2) | (1 << 5)  # row 1: EOS 2 or token 5
+    for sampled_params in (dict(temperature=0.0), dict(temperature=1.0, seed=3)):
+        reqs = [make_req([1], [4], min_new_tokens=4, **sampled_params) for _ in range(2)]
+        info = SamplingBatchInfo.from_reqs(reqs, VOCAB, "cpu", EOS)
+        info.vocab_mask = mask
+        assert Sampler().forward(logits, info).tolist() == [2, 5]

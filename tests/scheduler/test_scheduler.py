@@ -198,6 +198,23 @@ def test_eos_and_ignore_eos(monkeypatch):
     assert len(results["min"]["ids"]) == 10  # EOS at 5 tokens is below min_new_tokens
 
 
+def test_a_stop_on_the_last_allowed_token_is_a_stop(monkeypatch):
+    # the token that reaches max_new_tokens (or the context length) is also a stop token, or
+    # completes a stop string: the finish is "stop" (OpenAI and vLLM), not "length"
+    import tests.scheduler.fake_runner as fake
+    # the 5th output of a 3-token prompt sits at position 6; a 35-token prompt's 5th at 38
+    monkeypatch.setattr(fake, "next_token",
+                        lambda last, pos: EOS if pos == 6 else 8 if pos == 38 else 9)
+    scheduler, _ = make_scheduler(context_len=40)
+    scheduler.add_request(make_req("eos", [1, 2, 3], max_new=5))
+    scheduler.add_request(make_req("ctx", [5] * 35, max_new=100, stop_token_ids=[8]))
+    results = run_all(scheduler)
+    assert results["eos"]["ids"] == [9, 9, 9, 9, EOS]
+    assert results["eos"]["finish"] == {"type": "stop", "matched": EOS}
+    assert results["ctx"]["ids"] == [9, 9, 9, 9, 8]  # 35 + 5 == context length
+    assert results["ctx"]["finish"] == {"type": "stop", "matched": 8}
+
+
 def test_stop_strings_use_the_tokenizer():
     class CharTokenizer:
         def decode(self, ids, skip_special_tokens=True):
@@ -210,9 +227,12 @@ def test_stop_strings_use_the_tokenizer():
     stop = CharTokenizer().decode(exp[6:8])
     first = CharTokenizer().decode(exp).find(stop)
     scheduler.add_request(make_req("s", p, max_new=20, stop=[stop]))
+    # the token that completes the stop string is also the last max_new_tokens allows
+    scheduler.add_request(make_req("last", p, max_new=first + len(stop), stop=[stop]))
     results = run_all(scheduler)
-    assert results["s"]["finish"] == {"type": "stop", "matched": stop}
-    assert len(results["s"]["ids"]) == first + len(stop)
+    for rid in ("s", "last"):
+        assert results[rid]["finish"] == {"type": "stop", "matched": stop}
+        assert len(results[rid]["ids"]) == first + len(stop)
 
 
 @pytest.mark.parametrize("stage", ["waiting", "running", "chunked"])

@@ -2,12 +2,13 @@
 chunked body passes the limit); an unexpected error is logged once and answered 500."""
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from radixserve.server.asgi_guards import BodyLimitMiddleware, CatchAllMiddleware
 
@@ -49,3 +50,23 @@ def test_unexpected_error_is_one_log_line_and_a_500(caplog: pytest.LogCaptureFix
     assert response.json()["error"]["message"].startswith("internal error")
     records = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(records) == 1 and records[0].exc_info is not None
+
+
+def test_a_client_gone_mid_body_is_no_error(caplog: pytest.LogCaptureFixture) -> None:
+    async def reads_a_body(scope, receive, send) -> None:
+        raise ClientDisconnect()  # what Request.body() raises when the client left
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(CatchAllMiddleware(reads_a_body)(
+            {"type": "http", "method": "POST", "path": "/v1/completions"}, receive, send))
+    assert sent == []  # no 500 to a client that is gone
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("disconnected" in r.getMessage() for r in caplog.records)

@@ -88,6 +88,30 @@ def test_abort_request_route(server: Any) -> None:
     assert last["meta_info"]["completion_tokens"] < 2000
 
 
+def test_abort_request_route_aborts_every_sample_of_n(server: Any) -> None:
+    # n > 1 runs as "<rid>-0" ... "<rid>-<n-1>": aborting "<rid>" aborts them all
+    rid = "abort-both-samples"
+    answers: list[Any] = []
+
+    def consume() -> None:
+        answers.append(post(server, "/generate", {
+            "text": PROMPT, "rid": rid, "sampling_params": {
+                "n": 2, "max_new_tokens": 2000, "ignore_eos": True}}).json())
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    for _ in range(600):
+        if server.server_info()["num_in_flight_requests"] >= 2:
+            break
+        time.sleep(0.05)
+    answer = post(server, "/abort_request", {"rid": rid}).json()
+    assert answer["success"] and answer["was_in_flight"]
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    finishes = [out["meta_info"]["finish_reason"]["type"] for out in answers[0]]
+    assert finishes == ["abort", "abort"]
+
+
 def test_control_routes(server: Any) -> None:
     info = requests.get(server.url("/get_model_info"), headers=server.headers, timeout=30).json()
     assert info["context_len"] > 0 and info["vocab_size"] == 49152
