@@ -93,10 +93,13 @@ class InternalState:
 
 @dataclass
 class ReqError:
-    """The scheduler refused a request (e.g. queue full). http_status picks the response code."""
+    """The scheduler refused a request (e.g. queue full), or the detokenizer failed on it
+    (still_scheduled: the scheduler runs it on, so its consumer aborts it there).
+    http_status picks the response code."""
     rid: str
     message: str
     http_status: int = 400
+    still_scheduled: bool = False
 
 
 @dataclass

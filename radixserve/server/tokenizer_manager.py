@@ -173,7 +173,7 @@ class TokenizerManager:
         finally:
             if watcher is not None:
                 watcher.cancel()
-            if not state.finished and state.error is None:
+            if not state.finished and (state.error is None or state.error.still_scheduled):
                 self.abort(req.rid)
             self.rid_to_state.pop(req.rid, None)
             self.router.finished(req.rid)

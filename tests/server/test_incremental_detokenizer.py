@@ -121,3 +121,41 @@ def test_manager_frees_state_and_passes_other_messages(smollm_tokenizer: Any) ->
     assert manager.states == {}
     sentinel = object()
     assert manager.handle(sentinel) is sentinel
+
+
+def test_a_request_that_fails_to_convert_ends_alone(smollm_tokenizer: Any) -> None:
+    # a conversion error (here: a poisoned id) ends only its request: a 500 for its consumer,
+    # marked still scheduled (the consumer aborts it there), its later messages dropped until
+    # its finishing one; the process and the other requests go on
+    poison = 7
+
+    class Poisoned:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(smollm_tokenizer, name)
+
+        def decode(self, ids: list[int], **kwargs: Any) -> str:
+            if poison in ids:
+                raise TypeError("bad state")
+            return smollm_tokenizer.decode(ids, **kwargs)
+
+    manager = DetokenizerManager(Poisoned())
+    ids = smollm_tokenizer.encode("Hello there, friend", add_special_tokens=False)
+    assert poison not in ids
+
+    def batch(new: list[list[int]], finished: list[Any]) -> BatchTokenIDOut:
+        return BatchTokenIDOut(rids=["ok", "bad"], new_output_ids=new,
+                               finished_reasons=finished, meta_infos=[{}, {}],
+                               skip_special_tokens=[True] * 2,
+                               spaces_between_special_tokens=[True] * 2, stop_strs=[[], []])
+
+    out1 = manager.handle(batch([ids[:2], [poison]], [None, None]))
+    assert out1.rids == ["ok"]
+    [error] = manager.take_errors()
+    assert (error.rid, error.http_status, error.still_scheduled) == ("bad", 500, True)
+    out2 = manager.handle(batch([ids[2:3], ids[:1]], [None, None]))
+    assert out2.rids == ["ok"] and manager.take_errors() == []
+    out3 = manager.handle(batch([ids[3:], []], [{"type": "length", "length": 9},
+                                                {"type": "abort", "message": "aborted"}]))
+    assert out3.rids == ["ok"]
+    assert "".join(o.text_deltas[0] for o in (out1, out2, out3)) == smollm_tokenizer.decode(ids)
+    assert manager.states == {} and manager.failed == set()
