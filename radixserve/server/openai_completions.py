@@ -49,7 +49,10 @@ class LogprobBuilder:
             out["tokens"].append(text)
             out["token_logprobs"].append(logprob)
             top = top_entries[i] if i < len(top_entries) else None
-            out["top_logprobs"].append(None if top is None else {t or "": lp for lp, _, t in top})
+            tops = None if top is None else {t or "": lp for lp, _, t in top}
+            if tops is not None and logprob is not None:
+                tops.setdefault(text, logprob)  # the chosen token is always listed (up to n + 1)
+            out["top_logprobs"].append(tops)
             out["text_offset"].append(self.offset)
             self.offset += len(text)
         return out

@@ -105,7 +105,9 @@ def test_completion_logprobs_and_echo(openai_client: Any, model_name: str,
     assert "".join(lp.tokens) == choice.text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     for i in range(1, len(lp.tokens)):
-        assert lp.token_logprobs[i] <= 0.0 and len(lp.top_logprobs[i]) <= 3
+        # the top 3, and the chosen token when it is not among them
+        assert lp.token_logprobs[i] <= 0.0 and len(lp.top_logprobs[i]) <= 4
+        assert lp.tokens[i] in lp.top_logprobs[i]
         assert max(lp.top_logprobs[i].values()) >= lp.token_logprobs[i] - 1e-4
     # greedy: every generated token is the most likely one
     for i in range(n_prompt, len(lp.tokens)):

@@ -102,3 +102,15 @@ def test_chat_content_parts_and_developer_role() -> None:
                                                           "image_url": {"url": "x"}}]}])
     with pytest.raises(APIError):
         image.conversation()
+
+
+def test_completion_top_logprobs_always_list_the_chosen_token() -> None:
+    # OpenAI's legacy logprobs: up to logprobs + 1 entries, the sampled token always among them
+    from radixserve.server.openai_completions import LogprobBuilder
+
+    tokens = [(-2.5, 7, " sampled"), (-0.1, 3, " top"), (None, 1, "first")]
+    tops = [[(-0.2, 3, " top")], [(-0.1, 3, " top")], None]
+    built = LogprobBuilder(start_offset=4).build(tokens, tops)
+    assert built["top_logprobs"] == [{" top": -0.2, " sampled": -2.5}, {" top": -0.1}, None]
+    assert built["tokens"] == [" sampled", " top", "first"]
+    assert built["text_offset"] == [4, 12, 16]

@@ -33,6 +33,12 @@ CASES = [
                '\n</tool_call>',
      "", [("get_weather", {"city": "a}b", "unit": "f"}), ("get_time", {"zone": "UTC"})]),
     ("qwen25", "No tools needed: 4.", "No tools needed: 4.", []),
+    # the marker without a call after it: all of it is content
+    ("hermes", "Hi <tool_call> not json at all", "Hi <tool_call> not json at all", []),
+    # the arguments before the name, with a "name" of their own
+    ("hermes", '<tool_call>\n{"arguments": {"name": "Bob", "city": "Rome"}, "name": '
+               '"get_weather"}\n</tool_call>', "",
+     [("get_weather", {"name": "Bob", "city": "Rome"})]),
     ("llama3", '{"name": "get_time", "parameters": {"zone": "CET"}}', "",
      [("get_time", {"zone": "CET"})]),
     ("llama3", '<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}; '
@@ -73,12 +79,20 @@ def test_streaming_chunks_add_up(name: str, text: str, content: str, calls: list
                 assert d["function"]["arguments"] == ""
                 ids[index], names[index] = d["id"], d["function"]["name"]
             arguments[index] = arguments.get(index, "") + d["function"]["arguments"]
-    if calls:
-        assert streamed_content.strip() == content
-    else:
-        assert streamed_content == text
+    assert streamed_content == content  # what parse() gives, trailing whitespace included
     assert [(names[i], json.loads(arguments[i])) for i in sorted(names)] == calls
     assert stream.has_calls == bool(calls)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1000])
+def test_a_call_cut_off_does_not_finish_as_tool_calls(chunk: int) -> None:
+    # max_tokens cut the call: parse() finds no call, so the finish stays "length"
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    assert get_parser("hermes").parse(text) == (text, [])
+    stream = ToolCallStream(get_parser("hermes"))
+    for end in list(range(chunk, len(text), chunk)) + [len(text)]:
+        stream.update(text[:end], final=end == len(text))
+    assert not stream.has_calls
 
 
 def test_detect_parser_from_template() -> None:

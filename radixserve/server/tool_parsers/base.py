@@ -148,8 +148,18 @@ def _partial_call(call_text: str) -> PartialCall:
     it when the arguments value is itself complete, else up to trailing whitespace; a string
     value is held until complete)."""
     name_match = _NAME.search(call_text)
-    name = json.loads(f'"{name_match.group(1)}"') if name_match else None
     args_match = _ARGS.search(call_text)
+    if name_match is not None and args_match is not None and \
+            name_match.start() > args_match.start():
+        # the arguments come first: a "name" inside them is not the call's; the call's
+        # follows the arguments' complete value
+        try:
+            _, end = _DECODER.raw_decode(call_text, args_match.end())
+        except json.JSONDecodeError:
+            name_match = None
+        else:
+            name_match = _NAME.search(call_text, end)
+    name = json.loads(f'"{name_match.group(1)}"') if name_match else None
     arguments = ""
     if args_match is not None and name is not None and args_match.start() > name_match.end():
         rest = call_text[args_match.end():]

@@ -18,25 +18,42 @@ class _SentCall:
 
 
 class ToolCallStream:
+    """Sends what `ToolCallParser.parse` would return for the finished text: content before
+    a call without its trailing whitespace, every content character when no call completes
+    (an unfinished or malformed call section is content), and "tool_calls" as the finish
+    only for complete calls (a call cut off by max_tokens finishes as "length"). A call's
+    name and arguments go out as they are certain, so a call that never completes may have
+    sent deltas already: a stream cannot take them back."""
+
     def __init__(self, parser: ToolCallParser, max_calls: int | None = None) -> None:
         self.parser = parser
         self.max_calls = max_calls  # calls past it are not sent (parallel_tool_calls false)
         self.content_sent = 0
         self.calls: list[_SentCall] = []
+        self.completed = False  # a call completed: the finish is "tool_calls"
 
     @property
     def has_calls(self) -> bool:
-        return bool(self.calls)
+        return self.completed
 
     def update(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """(content delta, tool-call deltas) for the output text so far."""
         scan = self.parser.scan(text, final)
+        calls = scan.calls[:self.max_calls]
+        self.completed = self.completed or any(c.complete and c.name is not None
+                                               for c in calls)
+        if final and not self.calls and not self.completed:
+            content = text[self.content_sent:]  # no call after all: the rest is content
+            self.content_sent = len(text)
+            return content, []
         content = ""
-        if scan.content_end > self.content_sent and not self.calls:
-            content = text[self.content_sent:scan.content_end]
-            self.content_sent = scan.content_end
+        # whitespace before a call is not content (parse() strips it): held until text follows
+        content_end = len(text[:scan.content_end].rstrip())
+        if content_end > self.content_sent and not self.calls:
+            content = text[self.content_sent:content_end]
+            self.content_sent = content_end
         deltas: list[dict[str, Any]] = []
-        for index, call in enumerate(scan.calls[:self.max_calls]):
+        for index, call in enumerate(calls):
             if call.name is None:
                 break
             if index == len(self.calls):
