@@ -16,6 +16,7 @@ from radixserve.server.openai_common import (OpenAIContext, finish_reason_of, ne
 from radixserve.server.openai_protocol import ChatCompletionRequest, parse_model
 from radixserve.server.openai_tools import (ToolPlan, kept_special_tokens, plan_tools,
                                             render_conversation, tool_message)
+from radixserve.server.tokenizer_utils import token_bytes
 from radixserve.server.tool_parsers.streaming import ToolCallStream
 from radixserve.server.request_state import GenerateRequest, ReqOutput
 
@@ -62,23 +63,34 @@ def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest
     return sample_copies(req, body.n), plan
 
 
-def logprob_content(entries: list[Any], tops: list[Any]) -> list[dict[str, Any]]:
+def logprob_content(tokenizer: Any | None, entries: list[Any],
+                    tops: list[Any]) -> list[dict[str, Any]]:
+    """OpenAI's chat logprobs; `bytes` are each token's own UTF-8 bytes (`token_bytes`), so
+    a token holding part of a character does not report U+FFFD's."""
+    tops = [tops[i] if i < len(tops) and tops[i] is not None else [] for i in range(len(entries))]
+    ids = [tid for _, tid, _ in entries] + [tid for top in tops for _, tid, _ in top]
+    raw = iter(token_bytes(tokenizer, ids))
+    entry_bytes = [next(raw) for _ in entries]
     content = []
-    for i, (logprob, _tid, text) in enumerate(entries):
+    for (logprob, _tid, text), own, top in zip(entries, entry_bytes, tops):
         text = text or ""
-        top = tops[i] if i < len(tops) and tops[i] is not None else []
         content.append({
-            "token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")),
-            "top_logprobs": [{"token": t or "", "logprob": lp,
-                              "bytes": list((t or "").encode("utf-8"))} for lp, _, t in top]})
+            "token": text, "logprob": logprob, "bytes": _bytes_of(own, text),
+            "top_logprobs": [{"token": t or "", "logprob": lp, "bytes": _bytes_of(next(raw), t)}
+                             for lp, _, t in top]})
     return content
 
 
+def _bytes_of(token: bytes | None, text: str | None) -> list[int]:
+    return list(token if token is not None else (text or "").encode("utf-8"))
+
+
 def choice_of(body: ChatCompletionRequest, plan: ToolPlan, index: int,
-              out: ReqOutput) -> dict[str, Any]:
+              out: ReqOutput, tokenizer: Any | None) -> dict[str, Any]:
     logprobs = None
     if body.logprobs:
-        logprobs = {"content": logprob_content(out.meta_info.get("output_token_logprobs") or [],
+        logprobs = {"content": logprob_content(tokenizer,
+                                               out.meta_info.get("output_token_logprobs") or [],
                                                out.meta_info.get("output_top_logprobs") or [])}
     message, called = tool_message(plan, out.text)
     return {"index": index, "message": message, "logprobs": logprobs,
@@ -97,7 +109,8 @@ async def create_chat_completion(ctx: OpenAIContext, request: Request, raw: Any)
     outs = await ctx.tokenizer_manager.generate_all(reqs, request)
     return JSONResponse({
         "id": new_id("chatcmpl"), "object": "chat.completion", "created": now_s(),
-        "model": model, "choices": [choice_of(body, plan, i, o) for i, o in enumerate(outs)],
+        "model": model, "choices": [choice_of(body, plan, i, o, tm.tokenizer)
+                                      for i, o in enumerate(outs)],
         "usage": usage_of(outs, body.n)})
 
 
@@ -138,7 +151,8 @@ async def stream_events(ctx: OpenAIContext, body: ChatCompletionRequest, plan: T
                 tops = out.meta_info.get("output_top_logprobs") or []
                 start = sent_logprobs[index]
                 sent_logprobs[index] = len(tokens)
-                logprobs = {"content": logprob_content(tokens[start:], tops[start:])}
+                logprobs = {"content": logprob_content(ctx.tokenizer_manager.tokenizer,
+                                                       tokens[start:], tops[start:])}
             if text or (logprobs and logprobs["content"]):
                 yield chunk(index, {"content": text}, None, logprobs)
             if tool_deltas:

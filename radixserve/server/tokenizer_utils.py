@@ -1,6 +1,8 @@
 """Loading the tokenizer for the server processes, and small decoding helpers."""
 from __future__ import annotations
 
+import functools
+import re
 from typing import Any
 
 from radixserve.config import ServerArgs
@@ -21,6 +23,52 @@ def token_texts(tokenizer: Any | None, token_ids: list[int]) -> list[str | None]
     if tokenizer is None:
         return [None] * len(token_ids)
     return [tokenizer.decode([tid], skip_special_tokens=False) for tid in token_ids]
+
+
+def token_bytes(tokenizer: Any | None, token_ids: list[int]) -> list[bytes | None]:
+    """Each token's own UTF-8 bytes (OpenAI's logprob `bytes`: a token holding part of a
+    character has that part, so the bytes of consecutive tokens join into the text); None
+    without tokenizer. Byte-level BPE pieces map back through GPT-2's byte alphabet,
+    SentencePiece byte pieces (<0xE6>) are their byte, other pieces their text with the
+    word-boundary mark as a space; added tokens are their text."""
+    if tokenizer is None:
+        return [None] * len(token_ids)
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    byte_level = _is_byte_level(tokenizer)
+    alphabet = _byte_alphabet()
+    out: list[bytes | None] = []
+    for tid, piece in zip(token_ids, tokenizer.convert_ids_to_tokens(list(token_ids))):
+        if tid in added:
+            out.append(str(added[tid]).encode("utf-8"))
+        elif piece is None:
+            out.append(b"")
+        elif byte_level and all(c in alphabet for c in piece):
+            out.append(bytes(alphabet[c] for c in piece))
+        elif (match := _BYTE_PIECE.fullmatch(piece)) is not None:
+            out.append(bytes([int(match.group(1), 16)]))
+        else:
+            out.append(piece.replace("\u2581", " ").encode("utf-8"))
+    return out
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and "ByteLevel" in repr(backend.decoder)
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves,
+    the others (controls, space, ...) for 256 + their rank among them."""
+    printable = [b for b in range(256)
+                 if ord("!") <= b <= ord("~") or 0xA1 <= b <= 0xAC or 0xAE <= b <= 0xFF]
+    others = [b for b in range(256) if b not in printable]
+    alphabet = {chr(b): b for b in printable}
+    alphabet.update({chr(256 + rank): b for rank, b in enumerate(others)})
+    return alphabet
 
 
 def special_token_ids(tokenizer: Any) -> dict[str, int]:

@@ -159,3 +159,20 @@ def test_a_request_that_fails_to_convert_ends_alone(smollm_tokenizer: Any) -> No
     assert out3.rids == ["ok"]
     assert "".join(o.text_deltas[0] for o in (out1, out2, out3)) == smollm_tokenizer.decode(ids)
     assert manager.states == {} and manager.failed == set()
+
+
+@pytest.mark.parametrize("text", TEXTS + ["<|im_start|>user\nhi café<|im_end|>"])
+def test_token_bytes_join_into_the_text(smollm_tokenizer: Any, text: str) -> None:
+    # OpenAI's logprob `bytes`: each token's own bytes, so the parts of a character split
+    # over tokens (emoji, CJK) join into it, where decoding each token alone gives U+FFFD
+    from radixserve.server.openai_chat import logprob_content
+    from radixserve.server.tokenizer_utils import token_bytes
+
+    ids = smollm_tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(token_bytes(smollm_tokenizer, ids)) == text.encode("utf-8")
+    entries = [(-0.5, tid, smollm_tokenizer.decode([tid])) for tid in ids]
+    tops = [[(-0.5, tid, smollm_tokenizer.decode([tid]))] for tid in ids]
+    content = logprob_content(smollm_tokenizer, entries, tops)
+    assert bytes(b for item in content for b in item["bytes"]) == text.encode("utf-8")
+    assert [item["top_logprobs"][0]["bytes"] for item in content] == \
+        [item["bytes"] for item in content]
