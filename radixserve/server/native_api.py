@@ -221,9 +221,10 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
         rid = body.get("rid") if isinstance(body, dict) else None
         if not isinstance(rid, str) or not rid:
             raise APIError("give the request id to abort as {\"rid\": \"...\"}", param="rid")
-        # a request sent with n > 1 runs as its copies "<rid>-0" ... "<rid>-<n-1>"
-        copies = [f"{rid}-{j}" for j in range(MAX_N) if f"{rid}-{j}" in tm.rid_to_state]
-        targets = [rid] if rid in tm.rid_to_state or not copies else copies
+        targets = [rid]
+        if rid not in tm.rid_to_state:  # sent with n > 1: its copies "<rid>-0" ... "<rid>-<n-1>"
+            targets = [f"{rid}-{j}" for j in range(MAX_N) if f"{rid}-{j}" in tm.rid_to_state] \
+                or targets
         known = any(target in tm.rid_to_state for target in targets)
         for target in targets:
             tm.send_abort(target)

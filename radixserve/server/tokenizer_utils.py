@@ -33,13 +33,12 @@ def token_bytes(tokenizer: Any | None, token_ids: list[int]) -> list[bytes | Non
     word-boundary mark as a space; added tokens are their text."""
     if tokenizer is None:
         return [None] * len(token_ids)
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    byte_level = _is_byte_level(tokenizer)
+    added, byte_level = _byte_decoding(tokenizer)
     alphabet = _byte_alphabet()
     out: list[bytes | None] = []
     for tid, piece in zip(token_ids, tokenizer.convert_ids_to_tokens(list(token_ids))):
         if tid in added:
-            out.append(str(added[tid]).encode("utf-8"))
+            out.append(added[tid])
         elif piece is None:
             out.append(b"")
         elif byte_level and all(c in alphabet for c in piece):
@@ -54,9 +53,15 @@ def token_bytes(tokenizer: Any | None, token_ids: list[int]) -> list[bytes | Non
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def _is_byte_level(tokenizer: Any) -> bool:
+@functools.lru_cache(maxsize=8)
+def _byte_decoding(tokenizer: Any) -> tuple[dict[int, bytes], bool]:
+    """What token_bytes needs of a tokenizer, read once per tokenizer (transformers rebuilds
+    `added_tokens_decoder` on every access): the added tokens' bytes, and whether the
+    vocabulary is byte-level BPE."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    return backend is not None and "ByteLevel" in repr(backend.decoder)
+    return ({int(tid): str(token).encode("utf-8") for tid, token in added.items()},
+            backend is not None and "ByteLevel" in repr(backend.decoder))
 
 
 @functools.lru_cache(maxsize=1)
