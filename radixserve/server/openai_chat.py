@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: the tokenizer's chat template, n, stop, logprobs/top_logprobs,
+"""POST /v1/chat/completions: the tokenizer's chat template (add_generation_prompt,
+continue_final_message, chat_template_kwargs), n, stop, logprobs/top_logprobs,
 max_tokens / max_completion_tokens, seed, response_format, tools (openai_tools.py), streaming
 with stream_options.include_usage and tool-call deltas."""
 from __future__ import annotations
@@ -35,7 +36,7 @@ def render_prompt(ctx: OpenAIContext, body: ChatCompletionRequest) -> tuple[str,
     tools = plan.tools if plan.tools and "tools" in template else None
     try:
         prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                               add_generation_prompt=True)
+                                               **body.template_kwargs())
     except Exception as exc:  # noqa: BLE001 - template errors are the caller's input errors
         raise APIError(f"the chat template rejected the messages: {exc}",
                        param="messages") from exc

@@ -10,9 +10,11 @@ Policy for fields (never silently wrong):
   prediction, modalities, reasoning_effort): accepted and ignored (logged once at DEBUG).
 - Extensions (vLLM/SGLang style, send them with the SDK's extra_body): top_k, min_p,
   repetition_penalty, min_tokens, ignore_eos, skip_special_tokens,
-  spaces_between_special_tokens, stop_token_ids, regex, ebnf (constrained decoding).
-- OpenAI fields we do not implement (suffix, functions, function_call, ...) are rejected with 400 when given a non-empty value; any other unknown
-  field is rejected with 400 naming it. Types are strict: "5" is not an integer.
+  spaces_between_special_tokens, stop_token_ids, regex, ebnf (constrained decoding); on chat
+  also add_generation_prompt, continue_final_message and chat_template_kwargs (variables for
+  the chat template, e.g. Qwen3's enable_thinking).
+- OpenAI fields we do not implement (suffix, functions, function_call, ...) are rejected with
+  400 when given a non-empty value; any other unknown field is rejected with 400 naming it. Types are strict: "5" is not an integer.
 """
 from __future__ import annotations
 
@@ -41,6 +43,13 @@ def _log_ignored_once(names: list[str]) -> None:
         _logged_ignored.update(new)
         logger.debug("accepted and ignored request field(s) %s (they do not change the output)",
                      ", ".join(new))
+
+
+# apply_chat_template's own arguments: chat_template_kwargs reach the template's variables only
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class StrictModel(BaseModel):
@@ -207,9 +216,13 @@ class ChatCompletionRequest(SamplingFields):
     functions: list[Any] | None = None
     function_call: Any = None
     parallel_tool_calls: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        self.check_template_fields()
         for name in ("functions", "function_call"):
             if getattr(self, name):
                 raise APIError(f"{name} is not supported; use tools", param=name)
@@ -230,6 +243,29 @@ class ChatCompletionRequest(SamplingFields):
                 and self.max_tokens != self.max_completion_tokens):
             raise APIError("max_tokens and max_completion_tokens differ; give one",
                            param="max_completion_tokens")
+
+    def check_template_fields(self) -> None:
+        """continue_final_message extends the last assistant turn instead of opening a new
+        one, so it excludes the generation prompt; chat_template_kwargs may not set what the
+        server passes itself."""
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise APIError("continue_final_message needs add_generation_prompt to be false",
+                               param="continue_final_message")
+            if self.messages[-1].role != "assistant":
+                raise APIError("continue_final_message needs the last message to be the "
+                               "assistant's", param="messages")
+        clash = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+        if clash:
+            raise APIError(f"chat_template_kwargs may not set {', '.join(clash)}; the server "
+                           "sets them (use the request's own fields)",
+                           param="chat_template_kwargs")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for tokenizer.apply_chat_template beyond messages and tools."""
+        return {**(self.chat_template_kwargs or {}),
+                "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
     @property
     def requested_max_tokens(self) -> int | None:

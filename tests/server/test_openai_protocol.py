@@ -83,6 +83,11 @@ def test_completion_rejections(fields: dict[str, Any], param: str) -> None:
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"continue_final_message": True, "add_generation_prompt": False}, "messages"),
+    ({"add_generation_prompt": "yes"}, "add_generation_prompt"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
 ])
 def test_chat_rejections(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(APIError) as info:
