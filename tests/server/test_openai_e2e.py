@@ -92,6 +92,26 @@ def test_chat_uses_the_tokenizer_chat_template(server: Any, openai_client: Any,
     assert chat.choices[0].message.content == native["text"]
 
 
+def test_chat_continues_a_partial_assistant_turn(server: Any, openai_client: Any,
+                                                 model_name: str, smollm_tokenizer: Any) -> None:
+    """vLLM's continue_final_message through the SDK's extra_body: the answer extends the
+    last assistant turn, whose end-of-turn the template leaves out."""
+    turns = [{"role": "user", "content": "What is the capital of France?"},
+             {"role": "assistant", "content": "The capital of France is"}]
+    chat = openai_client.chat.completions.create(
+        model=model_name, messages=turns, max_tokens=6, temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    prompt = smollm_tokenizer.apply_chat_template(turns, tokenize=False,
+                                                  add_generation_prompt=False,
+                                                  continue_final_message=True)
+    ids = smollm_tokenizer.encode(prompt, add_special_tokens=False)
+    native = requests.post(server.url("/generate"), headers=server.headers, timeout=300, json={
+        "input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
+    assert prompt.endswith("The capital of France is")
+    assert chat.usage.prompt_tokens == len(ids)
+    assert chat.choices[0].message.content == native["text"]
+
+
 def test_completion_logprobs_and_echo(openai_client: Any, model_name: str,
                                       smollm_tokenizer: Any) -> None:
     out = openai_client.completions.create(model=model_name, prompt=PROMPT, max_tokens=6,
