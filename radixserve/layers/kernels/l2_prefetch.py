@@ -3,16 +3,17 @@
 A small decode batch reads its weights once per step at HBM bandwidth, but between the products
 run kernels that read almost nothing and are bound by latency: at batch 1 on an H200 the
 decode attention and its merge take ~9 us per layer for ~4 MB of K/V, during which HBM idles.
-This kernel issues Hopper's bulk L2 prefetch (`cp.async.bulk.prefetch.L2.global`, a hint with
-no completion to wait for) over a prefix of a weight, so the next product reads that prefix
-from L2 while the bytes were fetched under the latency-bound kernels.
+Hopper's bulk L2 prefetch (`cp.async.bulk.prefetch.L2.global`, a hint with no completion to
+wait for) over a prefix of a weight lets the next product read that prefix from L2, the bytes
+having been fetched under the latency-bound kernels.
 
-One program of one warp per LANES chunks; each lane prefetches one chunk (the last one shorter,
-a multiple of 16: the instruction's unit). The decode attention kernel can issue the same
-prefetches itself (`prefetch_chunks`, spread over its programs), which saves this launch. The kernel takes part in the PDL
-chain like every other kernel here (triton_pdl.py): it lets its successor launch at once and
-finishes only after its predecessor did, so it never reorders the step. BEFORE_WAIT issues the
-prefetches before that wait (they then overlap the predecessor's own reads), otherwise after.
+`prefetch_chunks` issues it, one chunk per lane (the last one shorter, a multiple of 16: the
+instruction's unit); the decode attention kernel calls it from its programs, which costs no
+launch. `prefetch_to_l2` launches a kernel of its own instead (one warp per LANES chunks). That
+kernel takes part in the PDL chain like every other kernel here (triton_pdl.py): it lets its
+successor launch at once and finishes only after its predecessor did, so it never reorders the
+step. BEFORE_WAIT issues the prefetches before that wait (they then overlap the predecessor's
+own reads), otherwise after.
 """
 from __future__ import annotations
 
