@@ -14,7 +14,8 @@ from starlette.requests import Request
 from radixserve.server.errors import APIError
 from radixserve.server.openai_common import (OpenAIContext, finish_reason_of, new_id, now_s,
                                              sample_copies, sse, sse_response, usage_of)
-from radixserve.server.openai_protocol import ChatCompletionRequest, parse_model
+from radixserve.server.openai_protocol import (OPENAI_FIELD_NAMES, ChatCompletionRequest,
+                                               parse_model)
 from radixserve.server.openai_tools import (ToolPlan, kept_special_tokens, plan_tools,
                                             render_conversation, tool_message)
 from radixserve.server.tokenizer_utils import token_bytes
@@ -60,7 +61,8 @@ def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest
         return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
         return_text_in_logprobs=True, stream=body.stream, param="messages",
         grammar_param="tool_choice" if plan.forced_ebnf else
-        "response_format" if body.response_format else None)
+        "response_format" if body.response_format else None,
+        field_names=OPENAI_FIELD_NAMES)
     return sample_copies(req, body.n), plan
 
 

@@ -10,7 +10,8 @@ from starlette.requests import Request
 
 from radixserve.server.openai_common import (OpenAIContext, finish_reason_of, new_id, now_s,
                                              sample_copies, sse, sse_response, usage_of)
-from radixserve.server.openai_protocol import CompletionRequest, parse_model
+from radixserve.server.openai_protocol import (OPENAI_FIELD_NAMES, CompletionRequest,
+                                               parse_model)
 from radixserve.server.request_state import GenerateRequest, ReqOutput
 from radixserve.server.tokenizer_utils import token_texts
 
@@ -30,7 +31,8 @@ def build_requests(ctx: OpenAIContext, body: CompletionRequest) -> list[Generate
             logprob_start_len=0 if (body.echo and body.logprobs is not None) else -1,
             top_logprobs_num=body.logprobs or 0, return_text_in_logprobs=True,
             stream=body.stream, param="prompt",
-            grammar_param="response_format" if body.response_format else None)
+            grammar_param="response_format" if body.response_format else None,
+            field_names=OPENAI_FIELD_NAMES)
         reqs.extend(sample_copies(req, body.n))
     return reqs
 

@@ -45,6 +45,8 @@ def _log_ignored_once(names: list[str]) -> None:
                      ", ".join(new))
 
 
+# sampling parameters by the names the OpenAI routes take them under, for error messages
+OPENAI_FIELD_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 # apply_chat_template's own arguments: chat_template_kwargs reach the template's variables only
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",

@@ -151,6 +151,8 @@ def _history_call(call: Any, param: str) -> ToolCall:
             json.loads(arguments)
         except json.JSONDecodeError:
             raise APIError("function.arguments must be a JSON text", param=param) from None
+        except RecursionError:  # as the body itself (http_utils.parse_json)
+            raise APIError("function.arguments is nested too deeply", param=param) from None
     else:
         arguments = json.dumps(arguments)
     return ToolCall(function["name"], arguments)

@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 from collections import deque
 from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable, Mapping, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -125,10 +126,13 @@ class TokenizerManager:
                      return_logprob: bool = False, logprob_start_len: int = -1,
                      top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
                      stream: bool = False, param: str = "prompt",
-                     grammar_param: str | None = None) -> GenerateRequest:
+                     grammar_param: str | None = None,
+                     field_names: Mapping[str, str] | None = None) -> GenerateRequest:
         """Validate everything (core/request_validation.py, as the Engine does; a grammar's
         syntax too) and tokenize; raises APIError(400) for bad input (`grammar_param` names
-        the field a bad grammar came from, when not the sampling parameter's own name)."""
+        the field a bad grammar came from, when not the sampling parameter's own name;
+        `field_names` maps sampling parameters to the API's names for them, in the error's
+        param and message: max_new_tokens is OpenAI's max_tokens)."""
         if input_ids is None:
             if text is None:
                 raise APIError("either text or input_ids must be given", param=param)
@@ -140,10 +144,13 @@ class TokenizerManager:
                              top_logprobs_num)
             check_grammar(sampling_params, has_tokenizer=self.tokenizer is not None)
         except InvalidRequestError as exc:
-            field = param if exc.param == "prompt" else exc.param
+            field, message = param if exc.param == "prompt" else exc.param, str(exc)
             if grammar_param is not None and exc.param in GRAMMAR_KINDS:
                 field = grammar_param  # e.g. response_format, which the grammar came from
-            raise APIError(str(exc), param=field) from exc
+            for ours, theirs in (field_names or {}).items():
+                message = re.sub(rf"\b{ours}\b", theirs, message)
+                field = theirs if field == ours else field
+            raise APIError(message, param=field) from exc
         if rid is not None and rid in self.rid_to_state:
             raise APIError(f"request id {rid!r} is already in use", param="rid")
         return GenerateRequest(

@@ -88,6 +88,11 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int]] = [
     ("deep nesting", "POST", "/v1/completions", b"[" * 100_000, AUTH, 400),
     ("deep nesting generate", "POST", "/generate",
      b'{"input_ids": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", AUTH, 400),
+    ("deeply nested tool call arguments in the history", "POST", "/v1/chat/completions",
+     {"messages": [CHAT_MSG[0], {"role": "assistant", "tool_calls": [
+         {"id": "c1", "type": "function",
+          "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]},
+         {"role": "tool", "content": "ok", "tool_call_id": "c1"}], "max_tokens": 2}, AUTH, 400),
     ("unknown route", "GET", "/v2/nothing", None, AUTH, 404),
     ("wrong method", "GET", "/v1/completions", None, AUTH, 405),
 ]
@@ -163,3 +168,21 @@ def test_health_answers_while_a_huge_prompt_is_tokenised(server: Any) -> None:
         thread.join()
     assert result["response"].status_code == 400  # far past the context length
     assert "context length" in result["response"].json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "a", "max_tokens": -5}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT_MSG, "max_tokens": 3, "min_tokens": 5},
+     "min_tokens"),
+    ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": -5}}, "max_new_tokens"),
+])
+def test_errors_name_the_routes_own_fields(server: Any, path: str, body: dict,
+                                           param: str) -> None:
+    """OpenAI's routes take max_tokens / min_tokens, /generate max_new_tokens: each error
+    names the field as that route spells it, in param and in the message."""
+    response = send(server, "POST", path, body, AUTH)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and param in error["message"]
+    other = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}.get(param)
+    assert other is None or other not in error["message"]
