@@ -14,7 +14,8 @@ Policy for fields (never silently wrong):
   also add_generation_prompt, continue_final_message and chat_template_kwargs (variables for
   the chat template, e.g. Qwen3's enable_thinking).
 - OpenAI fields we do not implement (suffix, functions, function_call, ...) are rejected with
-  400 when given a non-empty value; any other unknown field is rejected with 400 naming it. Types are strict: "5" is not an integer.
+  400 when given a non-empty value; any other unknown field is rejected with 400 naming it.
+  Types are strict: "5" is not an integer.
 """
 from __future__ import annotations
 
