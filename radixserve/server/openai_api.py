@@ -1,14 +1,17 @@
-"""Routes of the OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions."""
+"""Routes of the OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions, and
+vLLM's /tokenize, /detokenize and /version."""
 from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
+import radixserve
 from radixserve.server.http_utils import read_json
 from radixserve.server.openai_chat import create_chat_completion
 from radixserve.server.openai_common import OpenAIContext, now_s
 from radixserve.server.openai_completions import create_completion
+from radixserve.server.openai_tokenize import detokenize, tokenize
 
 
 def openai_router(ctx: OpenAIContext, context_len: int) -> APIRouter:
@@ -34,5 +37,19 @@ def openai_router(ctx: OpenAIContext, context_len: int) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(ctx, request, await read_json(request))
+
+    @router.post("/tokenize")
+    async def tokenize_route(request: Request) -> JSONResponse:
+        raw = await read_json(request)
+        return JSONResponse(await ctx.tokenizer_manager.offload(tokenize, ctx, raw))
+
+    @router.post("/detokenize")
+    async def detokenize_route(request: Request) -> JSONResponse:
+        raw = await read_json(request)
+        return JSONResponse(await ctx.tokenizer_manager.offload(detokenize, ctx, raw))
+
+    @router.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": radixserve.__version__})
 
     return router

@@ -252,3 +252,54 @@ def test_logit_bias_forces_and_bans_tokens(server: Any, openai_client: Any, mode
                                "max_new_tokens": 4, "temperature": 0,
                                "logit_bias": {str(token): -100}}}).json()
     assert token not in native["output_ids"]
+
+
+def _post(server: Any, path: str, body: dict) -> requests.Response:
+    return requests.post(server.url(path), headers=server.headers, timeout=120, json=body)
+
+
+def test_tokenize_and_detokenize_as_vllm(server: Any, openai_client: Any, model_name: str,
+                                         smollm_tokenizer: Any) -> None:
+    """vLLM's /tokenize (a prompt, or chat messages through the template exactly as the chat
+    route renders them) and /detokenize round trip."""
+    plain = _post(server, "/tokenize", {"model": model_name, "prompt": PROMPT,
+                                         "return_token_strs": True}).json()
+    ids = smollm_tokenizer.encode(PROMPT)
+    max_len = requests.get(server.url("/v1/models"), headers=server.headers,
+                           timeout=30).json()["data"][0]["max_model_len"]
+    assert plain == {"count": len(ids), "max_model_len": max_len, "tokens": ids,
+                     "token_strs": smollm_tokenizer.convert_ids_to_tokens(ids)}
+    assert _post(server, "/detokenize", {"tokens": ids}).json() == {
+        "prompt": smollm_tokenizer.decode(ids)}
+
+    chat_ids = _post(server, "/tokenize", {"messages": CHAT}).json()["tokens"]
+    usage = openai_client.chat.completions.create(model=model_name, messages=CHAT,
+                                                  max_tokens=1).usage
+    assert chat_ids == smollm_tokenizer.encode(smollm_tokenizer.apply_chat_template(
+        CHAT, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    assert usage.prompt_tokens == len(chat_ids)
+    closed = _post(server, "/tokenize", {"messages": CHAT, "add_generation_prompt": False})
+    assert chat_ids[:closed.json()["count"]] == closed.json()["tokens"]
+    assert closed.json()["count"] < len(chat_ids)
+    assert requests.get(server.url("/version"), headers=server.headers,
+                        timeout=30).json()["version"]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}],
+                   "continue_final_message": True}, "continue_final_message"),
+    ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+    ("/detokenize", {"tokens": [10**9]}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+])
+def test_tokenize_refuses_bad_bodies(server: Any, path: str, body: dict, param: str) -> None:
+    response = _post(server, path, body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_tokenize_names_the_served_model(server: Any) -> None:
+    assert _post(server, "/tokenize", {"model": "gpt-17", "prompt": "a"}).status_code == 404
+    assert _post(server, "/detokenize", {"model": "gpt-17", "tokens": [1]}).status_code == 404
