@@ -84,6 +84,9 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
     "tool_call_parser": (SERVING, "format of the model's tool calls (default: from the chat "
                                   "template, else hermes)",
                          ("hermes", "qwen25", "qwen3", "llama3", "mistral")),
+    "reasoning_parser": (SERVING, "a thinking model's format: its <think> block goes to the "
+                                  "chat response's reasoning_content (default: none, all "
+                                  "of it is content)", ("deepseek-r1", "deepseek_r1", "qwen3")),
     "attention_backend": (KERNELS, "attention kernels (default: triton on GPU, cpu on CPU: "
                                    "torch_native with compiled CPU kernels)",
                           ("cpu", "torch_native", "triton")),

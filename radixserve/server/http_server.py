@@ -23,6 +23,7 @@ from radixserve.server.http_utils import check_api_key
 from radixserve.server.native_api import native_router
 from radixserve.server.openai_api import openai_router
 from radixserve.server.openai_common import OpenAIContext
+from radixserve.server.reasoning import get_format
 from radixserve.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ def build_app(tm: TokenizerManager, api_key: str | None, model_name: str,
               model_aliases: frozenset[str], server_info: Callable[[], dict[str, Any]],
               is_ready: Callable[[], bool], max_request_bytes: int = 64 << 20,
               tool_call_parser: str | None = None,
-              incremental_streaming_output: bool = False) -> FastAPI:
+              incremental_streaming_output: bool = False,
+              reasoning_parser: str | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await tm.start()
@@ -62,7 +64,8 @@ def build_app(tm: TokenizerManager, api_key: str | None, model_name: str,
                   openapi_url=None)
     app.include_router(native_router(tm, server_info, is_ready, incremental_streaming_output))
     ctx = OpenAIContext(tokenizer_manager=tm, model_name=model_name, model_aliases=model_aliases,
-                        tool_call_parser=tool_call_parser)
+                        tool_call_parser=tool_call_parser,
+                        reasoning=get_format(reasoning_parser) if reasoning_parser else None)
     app.include_router(openai_router(ctx, tm.limits.context_len))
     app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)

@@ -18,7 +18,8 @@ from radixserve.server.openai_protocol import (OPENAI_FIELD_NAMES, ChatCompletio
                                                parse_model)
 from radixserve.server.openai_tools import (ToolPlan, kept_special_tokens, plan_tools,
                                             render_conversation, tool_message)
-from radixserve.server.tokenizer_utils import token_bytes
+from radixserve.server.reasoning import ReasoningFormat, ReasoningStream, split_reasoning
+from radixserve.server.tokenizer_utils import special_token_ids, token_bytes
 from radixserve.server.tool_parsers.streaming import ToolCallStream
 from radixserve.server.request_state import GenerateRequest, ReqOutput
 
@@ -55,7 +56,8 @@ def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest
     params = body.sampling_params(max_tokens, tm.generation_defaults)
     if plan.forced_ebnf is not None:
         params.ebnf = plan.forced_ebnf
-    params.keep_special_tokens = kept_special_tokens(plan, tm.tokenizer)
+    params.keep_special_tokens = kept_special_tokens(plan, tm.tokenizer) + \
+        kept_reasoning_tags(reasoning_of(ctx, body), tm.tokenizer)
     req = tm.make_request(
         text=prompt, input_ids=input_ids, sampling_params=params,
         return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
@@ -88,14 +90,33 @@ def _bytes_of(token: bytes | None, text: str | None) -> list[int]:
     return list(token if token is not None else (text or "").encode("utf-8"))
 
 
+def reasoning_of(ctx: OpenAIContext, body: ChatCompletionRequest) -> ReasoningFormat | None:
+    """The reasoning format this request's output is split by (--reasoning-parser, unless
+    the request asks for no separate reasoning)."""
+    return ctx.reasoning if body.separate_reasoning else None
+
+
+def kept_reasoning_tags(fmt: ReasoningFormat | None, tokenizer: Any | None) -> tuple[str, ...]:
+    """The think tags that are special tokens of the tokenizer: the output text must keep
+    them to be split (decoding with skip_special_tokens would drop them)."""
+    if fmt is None or tokenizer is None:
+        return ()
+    special = special_token_ids(tokenizer)
+    return tuple(tag for tag in (fmt.start, fmt.end) if tag in special)
+
+
 def choice_of(body: ChatCompletionRequest, plan: ToolPlan, index: int,
-              out: ReqOutput, tokenizer: Any | None) -> dict[str, Any]:
+              out: ReqOutput, tokenizer: Any | None,
+              reasoning: ReasoningFormat | None = None) -> dict[str, Any]:
     logprobs = None
     if body.logprobs:
         logprobs = {"content": logprob_content(tokenizer,
                                                out.meta_info.get("output_token_logprobs") or [],
                                                out.meta_info.get("output_top_logprobs") or [])}
-    message, called = tool_message(plan, out.text)
+    thought, answer = split_reasoning(reasoning, out.text) if reasoning else (None, out.text)
+    message, called = tool_message(plan, answer)
+    if thought is not None:
+        message["reasoning_content"] = thought
     return {"index": index, "message": message, "logprobs": logprobs,
             "finish_reason": "tool_calls" if called else finish_reason_of(out)}
 
@@ -112,8 +133,9 @@ async def create_chat_completion(ctx: OpenAIContext, request: Request, raw: Any)
     outs = await ctx.tokenizer_manager.generate_all(reqs, request)
     return JSONResponse({
         "id": new_id("chatcmpl"), "object": "chat.completion", "created": now_s(),
-        "model": model, "choices": [choice_of(body, plan, i, o, tm.tokenizer)
-                                      for i, o in enumerate(outs)],
+        "model": model,
+        "choices": [choice_of(body, plan, i, o, tm.tokenizer, reasoning_of(ctx, body))
+                    for i, o in enumerate(outs)],
         "usage": usage_of(outs, body.n)})
 
 
@@ -135,19 +157,24 @@ async def stream_events(ctx: OpenAIContext, body: ChatCompletionRequest, plan: T
     finals: list[ReqOutput | None] = [None] * len(reqs)
     tool_streams = [ToolCallStream(plan.parser, plan.max_calls) if plan.parse_output else None
                     for _ in reqs]
+    reasoning = reasoning_of(ctx, body)
+    thought_streams = [ReasoningStream(reasoning) if reasoning else None for _ in reqs]
     merged = ctx.tokenizer_manager.generate_merged(reqs, request)
     async with contextlib.aclosing(merged) as outputs:
         async for index, out in outputs:
             if not started[index]:
                 started[index] = True
                 yield chunk(index, {"role": "assistant", "content": ""})
-            tool_stream = tool_streams[index]
+            tool_stream, thought_stream = tool_streams[index], thought_streams[index]
             tool_deltas: list[dict[str, Any]] = []
+            thought, answer = "", out.text
+            if thought_stream is not None:  # the answer so far, and the reasoning's delta
+                thought, answer = thought_stream.update(out.text, out.finished)
             if tool_stream is None:
-                text = out.text[sent_text[index]:]
-                sent_text[index] = len(out.text)
+                text = answer[sent_text[index]:]
+                sent_text[index] = len(answer)
             else:
-                text, tool_deltas = tool_stream.update(out.text, out.finished)
+                text, tool_deltas = tool_stream.update(answer, out.finished)
             logprobs = None
             if body.logprobs:
                 tokens = out.meta_info.get("output_token_logprobs") or []
@@ -156,8 +183,11 @@ async def stream_events(ctx: OpenAIContext, body: ChatCompletionRequest, plan: T
                 sent_logprobs[index] = len(tokens)
                 logprobs = {"content": logprob_content(ctx.tokenizer_manager.tokenizer,
                                                        tokens[start:], tops[start:])}
-            if text or (logprobs and logprobs["content"]):
-                yield chunk(index, {"content": text}, None, logprobs)
+            delta: dict[str, Any] = {"reasoning_content": thought} if thought else {}
+            if text or (not thought and logprobs and logprobs["content"]):
+                delta["content"] = text
+            if delta:
+                yield chunk(index, delta, None, logprobs)
             if tool_deltas:
                 yield chunk(index, {"tool_calls": tool_deltas})
             if out.finished:

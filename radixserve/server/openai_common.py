@@ -12,6 +12,7 @@ import orjson
 from fastapi.responses import StreamingResponse
 
 from radixserve.server.errors import APIError, ClientDisconnected
+from radixserve.server.reasoning import ReasoningFormat
 from radixserve.server.request_state import GenerateRequest, ReqOutput
 from radixserve.server.tokenizer_manager import TokenizerManager
 
@@ -24,6 +25,7 @@ class OpenAIContext:
     model_name: str
     model_aliases: frozenset[str]
     tool_call_parser: str | None = None  # --tool-call-parser; None: from the chat template
+    reasoning: ReasoningFormat | None = None  # --reasoning-parser
 
     def check_model(self, requested: str | None) -> str:
         if requested is None or requested in self.model_aliases:

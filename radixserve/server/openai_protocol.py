@@ -12,7 +12,7 @@ Policy for fields (never silently wrong):
   repetition_penalty, min_tokens, ignore_eos, skip_special_tokens,
   spaces_between_special_tokens, stop_token_ids, regex, ebnf (constrained decoding); on chat
   also add_generation_prompt, continue_final_message and chat_template_kwargs (variables for
-  the chat template, e.g. Qwen3's enable_thinking).
+  the chat template, e.g. Qwen3's enable_thinking), and SGLang's separate_reasoning.
 - OpenAI fields we do not implement (suffix, functions, function_call, ...) are rejected with
   400 when given a non-empty value; any other unknown field is rejected with 400 naming it.
   Types are strict: "5" is not an integer.
@@ -222,6 +222,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # SGLang's: with --reasoning-parser, false returns the reasoning inside content
+    separate_reasoning: StrictBool = True
 
     def check_unsupported(self) -> None:
         super().check_unsupported()

@@ -20,8 +20,10 @@ def smollm_tokenizer() -> Any:
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[ServerProcess]:
-    """One real server (bundled model, CPU, --api-key) shared by the e2e test files."""
-    proc = ServerProcess(api_key=API_KEY)
+    """One real server (bundled model, CPU, --api-key) shared by the e2e test files. Its
+    --reasoning-parser qwen3 changes only outputs that open with <think> (which the bundled
+    model writes only when a grammar makes it)."""
+    proc = ServerProcess("--reasoning-parser", "qwen3", api_key=API_KEY)
     yield proc
     info = proc.server_info() if proc.proc.poll() is None else {}
     code = proc.stop()

@@ -303,3 +303,31 @@ def test_tokenize_refuses_bad_bodies(server: Any, path: str, body: dict, param: 
 def test_tokenize_names_the_served_model(server: Any) -> None:
     assert _post(server, "/tokenize", {"model": "gpt-17", "prompt": "a"}).status_code == 404
     assert _post(server, "/detokenize", {"model": "gpt-17", "tokens": [1]}).status_code == 404
+
+
+# a grammar that makes the bundled (non-thinking) model write a Qwen3-style thinking block
+THINKING = {"regex": "<think>[a-z ]{2,12}</think>\n?[A-Z][a-z ]{2,12}"}
+
+
+def test_reasoning_is_split_from_the_answer(openai_client: Any, model_name: str) -> None:
+    """--reasoning-parser qwen3: the block's text is reasoning_content, the rest content,
+    streamed or not; separate_reasoning false gives the raw text as content."""
+    args = {"model": model_name, "messages": CHAT, "max_tokens": 60, "temperature": 0}
+    raw = openai_client.chat.completions.create(
+        **args, extra_body={**THINKING, "separate_reasoning": False}).choices[0].message
+    assert raw.content.startswith("<think>") and getattr(raw, "reasoning_content", None) is None
+    end = raw.content.index("</think>")
+    reasoning = raw.content[len("<think>"):end].strip()
+    answer = raw.content[end + len("</think>"):].lstrip()
+
+    split = openai_client.chat.completions.create(**args, extra_body=THINKING).choices[0]
+    assert split.message.reasoning_content == reasoning and split.message.content == answer
+
+    thought, content = "", ""
+    for chunk in openai_client.chat.completions.create(**args, extra_body=THINKING,
+                                                       stream=True):
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            thought += getattr(delta, "reasoning_content", None) or ""
+            content += delta.content or ""
+    assert (thought, content) == (reasoning, answer)

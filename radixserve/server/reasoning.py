@@ -1,0 +1,91 @@
+"""The reasoning of thinking models, split from the answer (`--reasoning-parser`).
+
+DeepSeek-R1 and Qwen3 write their reasoning between `<think>` and `</think>` before the answer.
+With a parser the chat route returns it as `message.reasoning_content` (streamed as
+`delta.reasoning_content`), as vLLM and SGLang do, and the answer alone as `content`, which
+is also what tool calls are parsed from. Formats:
+
+- deepseek-r1: the output is reasoning until `</think>` (its chat template opens the block in
+  the prompt, so the output may lack `<think>`); with no `</think>` at all, all of it is
+  reasoning.
+- qwen3: the same where the output opens with `<think>`; otherwise all of it is the answer
+  (thinking switched off, e.g. chat_template_kwargs {"enable_thinking": false}). A stream
+  cannot take back an answer it sent, so this is decided by the output's opening; models whose
+  template opens the block in the prompt (Qwen3's 2507 thinking models) take deepseek-r1.
+
+The reasoning is stripped of surrounding whitespace and the answer of leading whitespace. A
+stream holds back what may still turn out to be a tag or such whitespace, so the deltas joined
+equal the finished split.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    name: str
+    # the output thinks unless it says otherwise: no </think> means all of it is reasoning
+    thinks_by_default: bool
+    start: str = THINK_START
+    end: str = THINK_END
+
+
+FORMATS = {"deepseek-r1": ReasoningFormat("deepseek-r1", thinks_by_default=True),
+           "qwen3": ReasoningFormat("qwen3", thinks_by_default=False)}
+# vLLM spells them with underscores
+ALIASES = {"deepseek_r1": "deepseek-r1"}
+
+
+def get_format(name: str) -> ReasoningFormat:
+    name = ALIASES.get(name, name)
+    if name not in FORMATS:
+        raise ValueError(f"unknown reasoning parser {name!r} (known: {', '.join(FORMATS)})")
+    return FORMATS[name]
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of text that begins the tag (held back while streaming)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def split_reasoning(fmt: ReasoningFormat, text: str, final: bool = True
+                    ) -> tuple[str | None, str]:
+    """(reasoning or None, answer) of an output so far. Not final: only what can no longer
+    change (a stream's deltas are the growth of both between calls)."""
+    body = text.lstrip()
+    opened = body.startswith(fmt.start)
+    if opened:
+        body = body[len(fmt.start):]
+    elif not final and fmt.start.startswith(body):
+        return None, ""  # nothing yet, or what may still become the opening tag
+    if not (opened or fmt.thinks_by_default):
+        return None, text  # no reasoning block: all of it is the answer
+    end = body.find(fmt.end)
+    if end >= 0:
+        return body[:end].strip(), body[end + len(fmt.end):].lstrip()
+    if final:
+        return body.strip(), ""
+    held = _partial_suffix(body, fmt.end)
+    return body[:len(body) - held].strip(), ""
+
+
+class ReasoningStream:
+    """Deltas of one streamed output: `update(text, final)` -> (reasoning delta, the answer
+    so far), the answer whole so that a tool-call stream can take it as it takes text."""
+
+    def __init__(self, fmt: ReasoningFormat) -> None:
+        self.fmt = fmt
+        self.reasoning_sent = 0
+
+    def update(self, text: str, final: bool = False) -> tuple[str, str]:
+        reasoning, answer = split_reasoning(self.fmt, text, final)
+        reasoning = reasoning or ""
+        delta = reasoning[self.reasoning_sent:]
+        self.reasoning_sent = max(self.reasoning_sent, len(reasoning))
+        return delta, answer

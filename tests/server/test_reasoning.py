@@ -1,0 +1,81 @@
+"""The reasoning split (server/reasoning.py): finished outputs of both formats, and streams
+whose deltas, cut anywhere (inside a tag too), join to the finished split."""
+from __future__ import annotations
+
+import pytest
+
+from radixserve.server.reasoning import ReasoningStream, get_format, split_reasoning
+
+R1, QWEN3 = get_format("deepseek-r1"), get_format("qwen3")
+
+
+@pytest.mark.parametrize("fmt,text,expected", [
+    (QWEN3, "<think>\nLet me add.\n</think>\n\n4", ("Let me add.", "4")),
+    (QWEN3, "4", (None, "4")),  # thinking switched off
+    (QWEN3, "\n4 </think> x", (None, "\n4 </think> x")),  # decided by the opening
+    (QWEN3, "<think>\n\n</think>\n\nHi", ("", "Hi")),  # an empty block
+    (QWEN3, "<think>cut off by max_tokens", ("cut off by max_tokens", "")),
+    (R1, "Let me add.\n</think>\n\n4", ("Let me add.", "4")),  # the prompt opened it
+    (R1, "<think>a</think>b", ("a", "b")),
+    (R1, "still thinking", ("still thinking", "")),
+    (R1, "a</think>", ("a", "")),
+])
+def test_finished_outputs(fmt, text: str, expected: tuple) -> None:
+    assert split_reasoning(fmt, text) == expected
+
+
+@pytest.mark.parametrize("fmt", [R1, QWEN3])
+@pytest.mark.parametrize("text", [
+    "<think>\nStep one.\nStep </thin two.\n</think>\n\nThe answer is <b>4</b>.",
+    "<think></think>Hi",
+    "<thinking is not the tag",
+    "  \n<think> x </think>",
+    "<think>never closed </thi",
+    "plain answer, < and </ and </think",
+])
+def test_stream_deltas_join_to_the_finished_split(fmt, text: str) -> None:
+    final_reasoning, final_answer = split_reasoning(fmt, text)
+    for step in (1, 2, 3, 7):
+        stream = ReasoningStream(fmt)
+        reasoning, answers = "", [""]
+        for end in list(range(step, len(text), step)) + [len(text)]:
+            delta, answer = stream.update(text[:end], final=end == len(text))
+            reasoning += delta
+            assert answer.startswith(answers[-1])  # the answer only grows
+            answers.append(answer)
+        assert reasoning == (final_reasoning or "")
+        assert answers[-1] == final_answer
+
+
+def test_unknown_format_names_the_known_ones() -> None:
+    assert get_format("deepseek_r1") is R1  # vLLM's spelling
+    with pytest.raises(ValueError, match="qwen3"):
+        get_format("o1")
+
+
+def test_think_tags_that_are_special_tokens_stay_in_the_text() -> None:
+    """A tokenizer where <think> / </think> are special tokens: with a reasoning parser the
+    chat request keeps them in its output text (else decoding drops them and nothing splits);
+    without one, or with separate_reasoning false, nothing changes."""
+    from types import SimpleNamespace
+
+    from radixserve.loader.tokenizer import get_tokenizer
+    from radixserve.server.openai_chat import build_requests
+    from radixserve.server.openai_common import OpenAIContext
+    from radixserve.server.openai_protocol import ChatCompletionRequest
+
+    tokenizer = get_tokenizer("SmolLM2-135M-Instruct")
+    tokenizer.add_tokens(["<think>", "</think>"], special_tokens=True)
+    manager = SimpleNamespace(tokenizer=tokenizer, limits=SimpleNamespace(context_len=8192),
+                              generation_defaults={},
+                              make_request=lambda **kw: SimpleNamespace(**kw))
+
+    def kept(reasoning, **fields) -> tuple[str, ...]:
+        ctx = OpenAIContext(manager, "m", frozenset(), reasoning=reasoning)  # type: ignore
+        body = ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "2 + 2?"}], **fields})
+        reqs, _ = build_requests(ctx, body)
+        return reqs[0].sampling_params.keep_special_tokens
+
+    assert kept(QWEN3) == ("<think>", "</think>")
+    assert kept(None) == () and kept(QWEN3, separate_reasoning=False) == ()
