@@ -9,7 +9,8 @@ from typing import Any
 _MAX_TOP_LOGPROBS = 20
 MAX_N = 128  # samples per prompt (n)
 GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
-_INTERNAL_FIELDS = ("stop_strs", "stop_str_max_len", "keep_special_tokens")  # not request fields
+# set by the server, not request fields
+_INTERNAL_FIELDS = ("stop_strs", "stop_str_max_len", "keep_special_tokens", "reasoning_gate")
 
 
 def _as_token_id(token: Any) -> int | None:
@@ -52,6 +53,10 @@ class SamplingParams:
     # others: the chat handler's tool-call marker when it is a special token ([TOOL_CALLS],
     # <|python_tag|>); set by the server, not a request field
     keep_special_tokens: tuple[str, ...] = ()
+    # a thinking model's grammar starts after its reasoning (scheduler/grammar/matcher.py
+    # `ReasoningGate`): (start tag's token id, end tag's, initial state); set by the chat
+    # handler with --reasoning-parser, not a request field
+    reasoning_gate: tuple[int, int, str] | None = None
     n: int = 1
     seed: int | None = None
     # token id -> bias added to its logit before sampling (OpenAI's logit_bias, in [-100, 100];

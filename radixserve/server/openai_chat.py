@@ -18,7 +18,8 @@ from radixserve.server.openai_protocol import (OPENAI_FIELD_NAMES, ChatCompletio
                                                parse_model)
 from radixserve.server.openai_tools import (ToolPlan, kept_special_tokens, plan_tools,
                                             render_conversation, tool_message)
-from radixserve.server.reasoning import ReasoningFormat, ReasoningStream, split_reasoning
+from radixserve.server.reasoning import (ReasoningFormat, ReasoningStream, reasoning_gate,
+                                        split_reasoning)
 from radixserve.server.tokenizer_utils import special_token_ids, token_bytes
 from radixserve.server.tool_parsers.streaming import ToolCallStream
 from radixserve.server.request_state import GenerateRequest, ReqOutput
@@ -56,8 +57,11 @@ def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest
     params = body.sampling_params(max_tokens, tm.generation_defaults)
     if plan.forced_ebnf is not None:
         params.ebnf = plan.forced_ebnf
+    reasoning = reasoning_of(ctx, body)
     params.keep_special_tokens = kept_special_tokens(plan, tm.tokenizer) + \
-        kept_reasoning_tags(reasoning_of(ctx, body), tm.tokenizer)
+        kept_reasoning_tags(reasoning, tm.tokenizer)
+    if reasoning is not None and params.grammar_key is not None:  # it constrains the answer
+        params.reasoning_gate = reasoning_gate(reasoning, tm.tokenizer, input_ids)
     req = tm.make_request(
         text=prompt, input_ids=input_ids, sampling_params=params,
         return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,

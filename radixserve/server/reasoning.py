@@ -16,10 +16,16 @@ is also what tool calls are parsed from. Formats:
 The reasoning is stripped of surrounding whitespace and the answer of leading whitespace. A
 stream holds back what may still turn out to be a tag or such whitespace, so the deltas joined
 equal the finished split.
+
+A grammar (response_format, a forced tool call) constrains the answer only: `reasoning_gate`
+gives the scheduler's matcher the tags' token ids and whether the output starts inside a
+block (scheduler/grammar/matcher.py). That needs each tag to be one token (it is for Qwen3 and
+DeepSeek-R1); otherwise the grammar constrains the output from its first token.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -89,3 +95,27 @@ class ReasoningStream:
         delta = reasoning[self.reasoning_sent:]
         self.reasoning_sent = max(self.reasoning_sent, len(reasoning))
         return delta, answer
+
+
+def _single_token(tokenizer: Any, tag: str) -> int | None:
+    ids = tokenizer.encode(tag, add_special_tokens=False)
+    return int(ids[0]) if len(ids) == 1 else None
+
+
+def reasoning_gate(fmt: ReasoningFormat, tokenizer: Any,
+                   prompt_ids: list[int]) -> tuple[int, int, str] | None:
+    """(start tag's id, end tag's id, initial state) for a constrained request's matcher, or
+    None when the grammar applies from the first token: a tag is not one token, or the prompt
+    closed the last block it opened (thinking switched off in the template). A prompt that
+    opened a block starts the output in it; with neither, the format decides (deepseek-r1
+    thinks, qwen3's first token decides)."""
+    start_id, end_id = _single_token(tokenizer, fmt.start), _single_token(tokenizer, fmt.end)
+    if start_id is None or end_id is None:
+        return None
+    last_start = max((i for i, t in enumerate(prompt_ids) if t == start_id), default=-1)
+    last_end = max((i for i, t in enumerate(prompt_ids) if t == end_id), default=-1)
+    if last_end > last_start:
+        return None
+    if last_start > last_end or fmt.thinks_by_default:
+        return start_id, end_id, "thinking"
+    return start_id, end_id, "undecided"

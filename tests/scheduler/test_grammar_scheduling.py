@@ -38,11 +38,13 @@ class StubGrammar:
 class StubBackend:
     def __init__(self) -> None:
         self.futures: dict[tuple[str, str], Future[Any]] = {}
+        self.gates: list[Any] = []  # the reasoning gate each matcher was given
 
     def request(self, key: tuple[str, str]) -> Future[Any]:
         return self.futures.setdefault(key, Future())
 
-    def new_matcher(self, compiled: Any) -> StubGrammar:
+    def new_matcher(self, compiled: Any, gate: Any = None) -> StubGrammar:
+        self.gates.append(gate)
         return StubGrammar()
 
 
@@ -101,3 +103,15 @@ def test_vocab_mask_matches_xgrammar() -> None:
         got = apply_vocab_mask(logits, mask)
         assert torch.equal(got, expected)
         assert not torch.isinf(logits).any()  # the input is left as it was
+
+
+def test_a_thinking_requests_matcher_gets_its_reasoning_gate() -> None:
+    from radixserve.scheduler.grammar.matcher import ReasoningGate
+    scheduler, backend = _scheduler_with_stub()
+    req = make_req("thinks", [5, 6, 7], regex="a+")
+    req.sampling_params.reasoning_gate = (11, 12, "thinking")
+    scheduler.add_request(req)
+    scheduler.add_request(make_req("plain", [5, 6], regex="a+"))
+    backend.futures[("regex", "a+")].set_result("compiled")
+    run_all(scheduler)
+    assert backend.gates == [ReasoningGate(11, 12, "thinking"), None]

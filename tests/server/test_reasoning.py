@@ -53,10 +53,11 @@ def test_unknown_format_names_the_known_ones() -> None:
         get_format("o1")
 
 
-def test_think_tags_that_are_special_tokens_stay_in_the_text() -> None:
+def test_chat_requests_keep_the_tags_and_gate_their_grammar() -> None:
     """A tokenizer where <think> / </think> are special tokens: with a reasoning parser the
-    chat request keeps them in its output text (else decoding drops them and nothing splits);
-    without one, or with separate_reasoning false, nothing changes."""
+    chat request keeps them in its output text (else decoding drops them and nothing splits),
+    and a grammar constrains only the answer; without a parser, or with separate_reasoning
+    false, nothing changes."""
     from types import SimpleNamespace
 
     from radixserve.loader.tokenizer import get_tokenizer
@@ -66,16 +67,24 @@ def test_think_tags_that_are_special_tokens_stay_in_the_text() -> None:
 
     tokenizer = get_tokenizer("SmolLM2-135M-Instruct")
     tokenizer.add_tokens(["<think>", "</think>"], special_tokens=True)
+    start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
     manager = SimpleNamespace(tokenizer=tokenizer, limits=SimpleNamespace(context_len=8192),
                               generation_defaults={},
                               make_request=lambda **kw: SimpleNamespace(**kw))
 
-    def kept(reasoning, **fields) -> tuple[str, ...]:
+    def params(reasoning, **fields):
         ctx = OpenAIContext(manager, "m", frozenset(), reasoning=reasoning)  # type: ignore
         body = ChatCompletionRequest.model_validate(
             {"messages": [{"role": "user", "content": "2 + 2?"}], **fields})
         reqs, _ = build_requests(ctx, body)
-        return reqs[0].sampling_params.keep_special_tokens
+        return reqs[0].sampling_params
 
-    assert kept(QWEN3) == ("<think>", "</think>")
-    assert kept(None) == () and kept(QWEN3, separate_reasoning=False) == ()
+    assert params(QWEN3).keep_special_tokens == ("<think>", "</think>")
+    assert params(None).keep_special_tokens == ()
+    assert params(QWEN3, separate_reasoning=False).keep_special_tokens == ()
+    # a grammar waits for the reasoning: the matcher gets the tags' ids
+    json_mode = {"response_format": {"type": "json_object"}}
+    assert params(QWEN3, **json_mode).reasoning_gate == (start, end, "undecided")
+    assert params(R1, **json_mode).reasoning_gate == (start, end, "thinking")
+    assert params(QWEN3).reasoning_gate is None and params(None, **json_mode).reasoning_gate \
+        is None

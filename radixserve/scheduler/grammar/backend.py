@@ -17,7 +17,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from radixserve.scheduler.grammar.matcher import RequestGrammar
+from radixserve.scheduler.grammar.matcher import ReasoningGate, RequestGrammar
 from radixserve.scheduler.grammar.validation import JSON_SCHEMA_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -52,8 +52,8 @@ class GrammarBackend:
             self._cache.popitem(last=False)
         return future
 
-    def new_matcher(self, compiled: Any) -> RequestGrammar:
-        return RequestGrammar(compiled)
+    def new_matcher(self, compiled: Any, gate: ReasoningGate | None = None) -> RequestGrammar:
+        return RequestGrammar(compiled, gate)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

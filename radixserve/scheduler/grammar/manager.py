@@ -19,6 +19,7 @@ from typing import Any
 
 from radixserve.core.req import Req
 from radixserve.scheduler.grammar.jump_forward import apply_jump, plan_jump
+from radixserve.scheduler.grammar.matcher import ReasoningGate
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,9 @@ class GrammarManager:
             return False
         req.grammar_future = None
         try:
-            req.grammar = self.backend.new_matcher(future.result())
+            gate = req.sampling_params.reasoning_gate
+            req.grammar = self.backend.new_matcher(
+                future.result(), ReasoningGate(*gate) if gate is not None else None)
         except Exception as exc:  # noqa: BLE001 - the grammar's own error, for the client
             kind = req.sampling_params.grammar_key[0]  # type: ignore[index]
             self.failed.append((req, f"invalid {kind}: {exc}"))
@@ -93,8 +96,8 @@ class GrammarManager:
                          req.output_ids[-1])
             return 0
         if (req.finished or not self.jump_forward or req.return_logprob
-                or grammar.terminated):
-            return 0
+                or not grammar.fed_last or grammar.terminated):
+            return 0  # (not fed_last: reasoning, or its end tag just now)
         budget = min(req.sampling_params.max_new_tokens - len(req.output_ids),
                      self.context_len - 1 - req.seqlen)
         if budget <= 0:
