@@ -18,8 +18,8 @@ from radixserve.server.openai_protocol import (OPENAI_FIELD_NAMES, ChatCompletio
                                                parse_model)
 from radixserve.server.openai_tools import (ToolPlan, kept_special_tokens, plan_tools,
                                             render_conversation, tool_message)
-from radixserve.server.reasoning import (ReasoningFormat, ReasoningStream, reasoning_gate,
-                                        split_reasoning)
+from radixserve.server.reasoning import (ReasoningFormat, ReasoningSplit, ReasoningStream,
+                                        plan_split, reasoning_gate, split_reasoning)
 from radixserve.server.tokenizer_utils import special_token_ids, token_bytes
 from radixserve.server.tool_parsers.streaming import ToolCallStream
 from radixserve.server.request_state import GenerateRequest, ReqOutput
@@ -48,7 +48,8 @@ def render_prompt(ctx: OpenAIContext, body: ChatCompletionRequest) -> tuple[str,
 
 
 def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest
-                   ) -> tuple[list[GenerateRequest], ToolPlan]:
+                   ) -> tuple[list[GenerateRequest], ToolPlan, ReasoningSplit | None]:
+    """The request's samples, its tool plan and how its output splits into reasoning."""
     tm = ctx.tokenizer_manager
     prompt, input_ids, plan = render_prompt(ctx, body)
     max_tokens = body.requested_max_tokens
@@ -60,8 +61,10 @@ def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest
     reasoning = reasoning_of(ctx, body)
     params.keep_special_tokens = kept_special_tokens(plan, tm.tokenizer) + \
         kept_reasoning_tags(reasoning, tm.tokenizer)
-    if reasoning is not None and params.grammar_key is not None:  # it constrains the answer
+    constrained = params.grammar_key is not None
+    if reasoning is not None and constrained:  # it constrains the answer
         params.reasoning_gate = reasoning_gate(reasoning, tm.tokenizer, input_ids)
+    split = plan_split(reasoning, prompt, constrained, params.reasoning_gate)
     req = tm.make_request(
         text=prompt, input_ids=input_ids, sampling_params=params,
         return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
@@ -69,7 +72,7 @@ def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest
         grammar_param="tool_choice" if plan.forced_ebnf else
         "response_format" if body.response_format else None,
         field_names=OPENAI_FIELD_NAMES)
-    return sample_copies(req, body.n), plan
+    return sample_copies(req, body.n), plan, split
 
 
 def logprob_content(tokenizer: Any | None, entries: list[Any],
@@ -111,16 +114,19 @@ def kept_reasoning_tags(fmt: ReasoningFormat | None, tokenizer: Any | None) -> t
 
 def choice_of(body: ChatCompletionRequest, plan: ToolPlan, index: int,
               out: ReqOutput, tokenizer: Any | None,
-              reasoning: ReasoningFormat | None = None) -> dict[str, Any]:
+              split: ReasoningSplit | None = None) -> dict[str, Any]:
     logprobs = None
     if body.logprobs:
         logprobs = {"content": logprob_content(tokenizer,
                                                out.meta_info.get("output_token_logprobs") or [],
                                                out.meta_info.get("output_top_logprobs") or [])}
-    thought, answer = split_reasoning(reasoning, out.text) if reasoning else (None, out.text)
+    thought, answer = (split_reasoning(split.fmt, out.text, True, split.inside) if split
+                       else (None, out.text))
     message, called = tool_message(plan, answer)
-    if thought is not None:
+    if split is not None:  # null where the output had no reasoning, as vLLM
         message["reasoning_content"] = thought
+        if thought is not None and not answer and not called:
+            message["content"] = None
     return {"index": index, "message": message, "logprobs": logprobs,
             "finish_reason": "tool_calls" if called else finish_reason_of(out)}
 
@@ -131,20 +137,21 @@ async def create_chat_completion(ctx: OpenAIContext, request: Request, raw: Any)
     body.check_unsupported()
     model = ctx.check_model(body.model)
     # template + tokenizer off the loop
-    reqs, plan = await tm.offload(build_requests, ctx, body)
+    reqs, plan, split = await tm.offload(build_requests, ctx, body)
     if body.stream:
-        return await sse_response(stream_events(ctx, body, plan, model, reqs, request))
+        return await sse_response(stream_events(ctx, body, plan, split, model, reqs,
+                                                request))
     outs = await ctx.tokenizer_manager.generate_all(reqs, request)
     return JSONResponse({
         "id": new_id("chatcmpl"), "object": "chat.completion", "created": now_s(),
         "model": model,
-        "choices": [choice_of(body, plan, i, o, tm.tokenizer, reasoning_of(ctx, body))
+        "choices": [choice_of(body, plan, i, o, tm.tokenizer, split)
                     for i, o in enumerate(outs)],
         "usage": usage_of(outs, body.n)})
 
 
 async def stream_events(ctx: OpenAIContext, body: ChatCompletionRequest, plan: ToolPlan,
-                        model: str, reqs: list[GenerateRequest],
+                        split: ReasoningSplit | None, model: str, reqs: list[GenerateRequest],
                         request: Request) -> AsyncIterator[bytes]:
     response_id, created = new_id("chatcmpl"), now_s()
 
@@ -161,8 +168,7 @@ async def stream_events(ctx: OpenAIContext, body: ChatCompletionRequest, plan: T
     finals: list[ReqOutput | None] = [None] * len(reqs)
     tool_streams = [ToolCallStream(plan.parser, plan.max_calls) if plan.parse_output else None
                     for _ in reqs]
-    reasoning = reasoning_of(ctx, body)
-    thought_streams = [ReasoningStream(reasoning) if reasoning else None for _ in reqs]
+    thought_streams = [ReasoningStream(split) if split else None for _ in reqs]
     merged = ctx.tokenizer_manager.generate_merged(reqs, request)
     async with contextlib.aclosing(merged) as outputs:
         async for index, out in outputs:

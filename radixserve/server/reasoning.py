@@ -8,10 +8,15 @@ is also what tool calls are parsed from. Formats:
 - deepseek-r1: the output is reasoning until `</think>` (its chat template opens the block in
   the prompt, so the output may lack `<think>`); with no `</think>` at all, all of it is
   reasoning.
-- qwen3: the same where the output opens with `<think>`; otherwise all of it is the answer
-  (thinking switched off, e.g. chat_template_kwargs {"enable_thinking": false}). A stream
-  cannot take back an answer it sent, so this is decided by the output's opening; models whose
-  template opens the block in the prompt (Qwen3's 2507 thinking models) take deepseek-r1.
+- qwen3: the same where the output opens with `<think>` or the prompt left a block open (the
+  template of Qwen3's 2507 thinking models, or continue_final_message after "<think>");
+  otherwise all of it is the answer (thinking switched off, e.g. chat_template_kwargs
+  {"enable_thinking": false}). A stream cannot take back an answer it sent, so this is decided
+  by the prompt and the output's opening, never by a later tag.
+
+Per request (`plan_split`): an output that starts inside a block the prompt opened is reasoning
+until `</think>` for both formats; a constrained output whose grammar applies from its first
+token (no gate, below) is all answer.
 
 The reasoning is stripped of surrounding whitespace and the answer of leading whitespace. A
 stream holds back what may still turn out to be a tag or such whitespace, so the deltas joined
@@ -60,13 +65,37 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def split_reasoning(fmt: ReasoningFormat, text: str, final: bool = True
-                    ) -> tuple[str | None, str]:
-    """(reasoning or None, answer) of an output so far. Not final: only what can no longer
-    change (a stream's deltas are the growth of both between calls)."""
+@dataclass(frozen=True)
+class ReasoningSplit:
+    """How one request's output is split: its format, and whether the prompt left a block
+    open (the output then starts inside it)."""
+    fmt: ReasoningFormat
+    inside: bool = False
+
+
+def prompt_opens_block(fmt: ReasoningFormat, prompt: str) -> bool:
+    """The prompt's last tag is an opening one."""
+    return prompt.rfind(fmt.start) > prompt.rfind(fmt.end)
+
+
+def plan_split(fmt: ReasoningFormat | None, prompt: str, constrained: bool,
+               gate: tuple[int, int, str] | None) -> ReasoningSplit | None:
+    """The split of a chat request's output: None without a parser, and for a constrained
+    request whose grammar has no gate (it applies from the first token, so nothing of the
+    output is reasoning)."""
+    if fmt is None or (constrained and gate is None):
+        return None
+    return ReasoningSplit(fmt, prompt_opens_block(fmt, prompt))
+
+
+def split_reasoning(fmt: ReasoningFormat, text: str, final: bool = True,
+                    inside: bool = False) -> tuple[str | None, str]:
+    """(reasoning or None, answer) of an output so far; `inside`: the prompt opened the block.
+    Not final: only what can no longer change (a stream's deltas are the growth of both
+    between calls)."""
     body = text.lstrip()
-    opened = body.startswith(fmt.start)
-    if opened:
+    opened = inside or body.startswith(fmt.start)
+    if body.startswith(fmt.start):
         body = body[len(fmt.start):]
     elif not final and fmt.start.startswith(body):
         return None, ""  # nothing yet, or what may still become the opening tag
@@ -85,12 +114,12 @@ class ReasoningStream:
     """Deltas of one streamed output: `update(text, final)` -> (reasoning delta, the answer
     so far), the answer whole so that a tool-call stream can take it as it takes text."""
 
-    def __init__(self, fmt: ReasoningFormat) -> None:
-        self.fmt = fmt
+    def __init__(self, split: ReasoningSplit) -> None:
+        self.split = split
         self.reasoning_sent = 0
 
     def update(self, text: str, final: bool = False) -> tuple[str, str]:
-        reasoning, answer = split_reasoning(self.fmt, text, final)
+        reasoning, answer = split_reasoning(self.split.fmt, text, final, self.split.inside)
         reasoning = reasoning or ""
         delta = reasoning[self.reasoning_sent:]
         self.reasoning_sent = max(self.reasoning_sent, len(reasoning))

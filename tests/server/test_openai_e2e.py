@@ -283,6 +283,11 @@ def test_tokenize_and_detokenize_as_vllm(server: Any, openai_client: Any, model_
     assert closed.json()["count"] < len(chat_ids)
     assert requests.get(server.url("/version"), headers=server.headers,
                         timeout=30).json()["version"]
+    # tool_choice "none" renders the conversation without its tools, as the chat route does
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with_none = _post(server, "/tokenize", {"messages": CHAT, "tools": tools,
+                                            "tool_choice": "none"}).json()["tokens"]
+    assert with_none == chat_ids
 
 
 @pytest.mark.parametrize("path,body,param", [
@@ -310,24 +315,34 @@ THINKING = {"regex": "<think>[a-z ]{2,12}</think>\n?[A-Z][a-z ]{2,12}"}
 
 
 def test_reasoning_is_split_from_the_answer(openai_client: Any, model_name: str) -> None:
-    """--reasoning-parser qwen3: the block's text is reasoning_content, the rest content,
-    streamed or not; separate_reasoning false gives the raw text as content."""
-    args = {"model": model_name, "messages": CHAT, "max_tokens": 60, "temperature": 0}
+    """--reasoning-parser qwen3 on the shared server: an assistant turn continued after
+    "<think>" leaves the block open, so the output is reasoning_content (content null),
+    streamed or not; separate_reasoning false gives it as content. A grammar whose tags are
+    not single tokens (the bundled tokenizer's) constrains from the first token, so such an
+    output is all answer even where it writes a block."""
+    turns = CHAT + [{"role": "assistant", "content": "<think>\nThe user asks about"}]
+    args = {"model": model_name, "messages": turns, "max_tokens": 8, "temperature": 0}
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    # once first, so each request below takes its prompt from the radix cache alike (a cold
+    # prefill's rounding can differ from a cached prefix's and flip a greedy token)
+    openai_client.chat.completions.create(**args, extra_body=cont)
     raw = openai_client.chat.completions.create(
-        **args, extra_body={**THINKING, "separate_reasoning": False}).choices[0].message
-    assert raw.content.startswith("<think>") and getattr(raw, "reasoning_content", None) is None
-    end = raw.content.index("</think>")
-    reasoning = raw.content[len("<think>"):end].strip()
-    answer = raw.content[end + len("</think>"):].lstrip()
+        **args, extra_body={**cont, "separate_reasoning": False}).choices[0].message
+    assert raw.content and getattr(raw, "reasoning_content", None) is None
 
-    split = openai_client.chat.completions.create(**args, extra_body=THINKING).choices[0]
-    assert split.message.reasoning_content == reasoning and split.message.content == answer
+    split = openai_client.chat.completions.create(**args, extra_body=cont).choices[0].message
+    assert split.reasoning_content == raw.content.strip() and split.content is None
 
     thought, content = "", ""
-    for chunk in openai_client.chat.completions.create(**args, extra_body=THINKING,
-                                                       stream=True):
+    for chunk in openai_client.chat.completions.create(**args, extra_body=cont, stream=True):
         if chunk.choices:
             delta = chunk.choices[0].delta
             thought += getattr(delta, "reasoning_content", None) or ""
             content += delta.content or ""
-    assert (thought, content) == (reasoning, answer)
+    assert (thought, content) == (split.reasoning_content, "")
+
+    constrained = openai_client.chat.completions.create(
+        model=model_name, messages=CHAT, max_tokens=60, temperature=0,
+        extra_body=THINKING).choices[0].message
+    assert constrained.content.startswith("<think>")
+    assert getattr(constrained, "reasoning_content", None) is None

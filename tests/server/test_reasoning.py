@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.server.reasoning import ReasoningStream, get_format, split_reasoning
+from radixserve.server.reasoning import (ReasoningSplit, ReasoningStream, get_format,
+                                        plan_split, split_reasoning)
 
 R1, QWEN3 = get_format("deepseek-r1"), get_format("qwen3")
 
@@ -25,6 +26,7 @@ def test_finished_outputs(fmt, text: str, expected: tuple) -> None:
 
 
 @pytest.mark.parametrize("fmt", [R1, QWEN3])
+@pytest.mark.parametrize("inside", [False, True])
 @pytest.mark.parametrize("text", [
     "<think>\nStep one.\nStep </thin two.\n</think>\n\nThe answer is <b>4</b>.",
     "<think></think>Hi",
@@ -33,10 +35,10 @@ def test_finished_outputs(fmt, text: str, expected: tuple) -> None:
     "<think>never closed </thi",
     "plain answer, < and </ and </think",
 ])
-def test_stream_deltas_join_to_the_finished_split(fmt, text: str) -> None:
-    final_reasoning, final_answer = split_reasoning(fmt, text)
+def test_stream_deltas_join_to_the_finished_split(fmt, inside: bool, text: str) -> None:
+    final_reasoning, final_answer = split_reasoning(fmt, text, inside=inside)
     for step in (1, 2, 3, 7):
-        stream = ReasoningStream(fmt)
+        stream = ReasoningStream(ReasoningSplit(fmt, inside))
         reasoning, answers = "", [""]
         for end in list(range(step, len(text), step)) + [len(text)]:
             delta, answer = stream.update(text[:end], final=end == len(text))
@@ -45,6 +47,26 @@ def test_stream_deltas_join_to_the_finished_split(fmt, text: str) -> None:
             answers.append(answer)
         assert reasoning == (final_reasoning or "")
         assert answers[-1] == final_answer
+
+
+@pytest.mark.parametrize("fmt", [R1, QWEN3])
+def test_a_block_the_prompt_opened(fmt) -> None:
+    """continue_final_message after "<think>", or a template that opens the block: the output
+    is reasoning until </think>, whatever the format."""
+    assert split_reasoning(fmt, "  so 2 + 2 </think>\n4", inside=True) == ("so 2 + 2", "4")
+    assert split_reasoning(fmt, "still going", inside=True) == ("still going", "")
+    split = plan_split(fmt, "<|user|>2+2?<|assistant|><think>", False, None)
+    assert split == ReasoningSplit(fmt, inside=True)
+    closed = "<|assistant|><think>\n\n</think>\n\n"  # thinking switched off
+    assert plan_split(fmt, closed, False, None) == ReasoningSplit(fmt, inside=False)
+
+
+def test_a_grammar_from_the_first_token_leaves_no_reasoning() -> None:
+    """Without a gate (tags of several tokens, or a block the prompt closed) a constrained
+    output is all answer: a forced tool call or JSON never lands in reasoning_content."""
+    assert plan_split(R1, "prompt", constrained=True, gate=None) is None
+    assert plan_split(R1, "prompt", True, (5, 6, "thinking")) == ReasoningSplit(R1)
+    assert plan_split(None, "prompt", False, None) is None
 
 
 def test_unknown_format_names_the_known_ones() -> None:
@@ -76,7 +98,7 @@ def test_chat_requests_keep_the_tags_and_gate_their_grammar() -> None:
         ctx = OpenAIContext(manager, "m", frozenset(), reasoning=reasoning)  # type: ignore
         body = ChatCompletionRequest.model_validate(
             {"messages": [{"role": "user", "content": "2 + 2?"}], **fields})
-        reqs, _ = build_requests(ctx, body)
+        reqs, _, _ = build_requests(ctx, body)
         return reqs[0].sampling_params
 
     assert params(QWEN3).keep_special_tokens == ("<think>", "</think>")

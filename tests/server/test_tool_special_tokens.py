@@ -62,7 +62,7 @@ def _chat_params(tokenizer: Any, parser: str, **fields: Any) -> tuple[SamplingPa
     body = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "max_tokens": 64,
          **fields})
-    reqs, plan = build_requests(_context(tokenizer, parser), body)
+    reqs, plan, _ = build_requests(_context(tokenizer, parser), body)
     return reqs[0].sampling_params, plan
 
 
