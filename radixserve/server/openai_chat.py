@@ -69,8 +69,7 @@ def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest
         text=prompt, input_ids=input_ids, sampling_params=params,
         return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
         return_text_in_logprobs=True, stream=body.stream, param="messages",
-        grammar_param="tool_choice" if plan.forced_ebnf else
-        "response_format" if body.response_format else None,
+        grammar_param="tool_choice" if plan.forced_ebnf else body.grammar_field(),
         field_names=OPENAI_FIELD_NAMES)
     return sample_copies(req, body.n), plan, split
 

@@ -31,7 +31,7 @@ def build_requests(ctx: OpenAIContext, body: CompletionRequest) -> list[Generate
             logprob_start_len=0 if (body.echo and body.logprobs is not None) else -1,
             top_logprobs_num=body.logprobs or 0, return_text_in_logprobs=True,
             stream=body.stream, param="prompt",
-            grammar_param="response_format" if body.response_format else None,
+            grammar_param=body.grammar_field(),
             field_names=OPENAI_FIELD_NAMES)
         reqs.extend(sample_copies(req, body.n))
     return reqs

@@ -10,7 +10,8 @@ Policy for fields (never silently wrong):
   prediction, modalities, reasoning_effort): accepted and ignored (logged once at DEBUG).
 - Extensions (vLLM/SGLang style, send them with the SDK's extra_body): top_k, min_p,
   repetition_penalty, min_tokens, ignore_eos, skip_special_tokens,
-  spaces_between_special_tokens, stop_token_ids, regex, ebnf (constrained decoding); on chat
+  spaces_between_special_tokens, stop_token_ids, regex, ebnf (constrained decoding; also by
+  vLLM's names guided_json, guided_regex, guided_choice, guided_grammar); on chat
   also add_generation_prompt, continue_final_message and chat_template_kwargs (variables for
   the chat template, e.g. Qwen3's enable_thinking), and SGLang's separate_reasoning.
 - OpenAI fields we do not implement (suffix, functions, function_call, ...) are rejected with
@@ -90,6 +91,11 @@ class SamplingFields(StrictModel):
     regex: StrictStr | None = None
     ebnf: StrictStr | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's guided decoding fields (extra_body), the same grammars by other names
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
     # fields current clients send that do not change the output: accepted and ignored
     store: Any = None
     metadata: Any = None
@@ -110,18 +116,39 @@ class SamplingFields(StrictModel):
                            param="stream_options")
         self.grammar()  # a bad response_format is refused before anything else is done
 
-    def grammar(self) -> dict[str, str]:
-        """The constrained-decoding sampling parameter this request asks for ({} if none):
-        response_format json_object / json_schema, or the regex / ebnf extensions."""
-        given = {k: v for k, v in (("regex", self.regex), ("ebnf", self.ebnf))
-                 if v is not None}  # "" is given too: SamplingParams refuses it, as /generate
+    def grammar_sources(self) -> list[tuple[str, str, str]]:
+        """(request field, sampling parameter, grammar) for each constrained-decoding field
+        given: response_format json_object / json_schema, the regex / ebnf extensions and
+        vLLM's guided_json / guided_regex / guided_choice (an EBNF of the choices) /
+        guided_grammar (EBNF). "" is given too: SamplingParams refuses it, as /generate."""
+        sources = [(name, kind, value) for name, kind, value in (
+            ("regex", "regex", self.regex), ("ebnf", "ebnf", self.ebnf),
+            ("guided_regex", "regex", self.guided_regex),
+            ("guided_grammar", "ebnf", self.guided_grammar)) if value is not None]
         schema = response_format_schema(self.response_format)
         if schema is not None:
-            given["json_schema"] = schema
-        if len(given) > 1:
-            raise APIError(f"give at most one of response_format, regex and ebnf, got "
-                           f"{', '.join(sorted(given))}", param="response_format")
-        return given
+            sources.append(("response_format", "json_schema", schema))
+        if self.guided_json is not None:
+            sources.append(("guided_json", "json_schema", self.guided_json
+                            if isinstance(self.guided_json, str) else json.dumps(self.guided_json)))
+        if self.guided_choice is not None:
+            sources.append(("guided_choice", "ebnf", choice_ebnf(self.guided_choice)))
+        return sources
+
+    def grammar(self) -> dict[str, str]:
+        """The constrained-decoding sampling parameter this request asks for ({} if none);
+        at most one field may give one."""
+        sources = self.grammar_sources()
+        if len(sources) > 1:
+            raise APIError(f"give at most one of response_format, regex, ebnf and the guided_* "
+                           f"fields, got {', '.join(name for name, _, _ in sources)}",
+                           param=sources[1][0])
+        return {kind: text for _, kind, text in sources}
+
+    def grammar_field(self) -> str | None:
+        """The request field the grammar came from (errors about it name this field)."""
+        sources = self.grammar_sources()
+        return sources[0][0] if sources else None
 
     @property
     def include_usage(self) -> bool:
@@ -290,6 +317,13 @@ class ChatCompletionRequest(SamplingFields):
                 message["tool_calls"] = m.tool_calls
             out.append(message)
         return out
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """An EBNF whose only sentences are the choices (vLLM's guided_choice)."""
+    if not choices:
+        raise APIError("guided_choice needs at least one choice", param="guided_choice")
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
 def response_format_schema(response_format: dict[str, Any] | None) -> str | None:

@@ -96,7 +96,7 @@ def plan_tools(body: ChatCompletionRequest, parser_name: str | None,
                        "\"function\", \"function\": {\"name\": ...}}", param="tool_choice")
     if body.grammar():
         raise APIError("a required or named tool_choice cannot be combined with "
-                       "response_format, regex or ebnf", param="tool_choice")
+                       "response_format, regex, ebnf or a guided_* field", param="tool_choice")
     try:
         ebnf = forced_call_ebnf(parser, forced, parallel)
     except Exception as exc:  # noqa: BLE001 - xgrammar's error about the tool's schema

@@ -1,6 +1,8 @@
 """Request validation of the OpenAI protocol models (no server needed)."""
 from __future__ import annotations
 
+import json
+
 from typing import Any
 
 import pytest
@@ -87,6 +89,9 @@ def test_completion_rejections(fields: dict[str, Any], param: str) -> None:
     ({"continue_final_message": True, "add_generation_prompt": False}, "messages"),
     ({"add_generation_prompt": "yes"}, "add_generation_prompt"),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "a+", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"guided_json": {"type": "object"}, "regex": "a"}, "guided_json"),
     ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
 ])
 def test_chat_rejections(fields: dict[str, Any], param: str) -> None:
@@ -119,3 +124,18 @@ def test_completion_top_logprobs_always_list_the_chosen_token() -> None:
     assert built["top_logprobs"] == [{" top": -0.2, " sampled": -2.5}, {" top": -0.1}, None]
     assert built["tokens"] == [" sampled", " top", "first"]
     assert built["text_offset"] == [4, 12, 16]
+
+
+def test_vllm_guided_fields_are_the_same_grammars() -> None:
+    """guided_json (a schema object or its text), guided_regex, guided_grammar (EBNF) and
+    guided_choice (an EBNF whose sentences are the choices, quotes escaped) become the
+    sampling parameters /generate takes, and errors about them name the guided field."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert chat(guided_json=schema).grammar() == {"json_schema": json.dumps(schema)}
+    assert chat(guided_json='{"type": "string"}').grammar() == {
+        "json_schema": '{"type": "string"}'}
+    assert completion(guided_regex="[0-9]+").grammar() == {"regex": "[0-9]+"}
+    assert completion(guided_grammar='root ::= "x"').grammar() == {"ebnf": 'root ::= "x"'}
+    body = chat(guided_choice=["yes", 'say "no"'])
+    assert body.grammar() == {"ebnf": 'root ::= "yes" | "say \\"no\\""'}
+    assert body.grammar_field() == "guided_choice" and chat().grammar_field() is None

@@ -88,6 +88,28 @@ def test_json_object_on_completions(openai_client: Any, model_name: str) -> None
         assert choice.text.lstrip().startswith("{")
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_vllm_guided_fields(openai_client: Any, model_name: str, stream: bool) -> None:
+    """vLLM's guided_choice / guided_json / guided_regex through the SDK's extra_body."""
+    choices = ["sunny", "rainy", "a \"grey\" day"]
+    schema = SCHEMAS["nested"]
+    asks = [({"guided_choice": choices}, lambda text: text in choices),
+            ({"guided_json": schema}, lambda text: jsonschema.validate(json.loads(text), schema)
+             is None),
+            ({"guided_regex": r"[A-Z][a-z]{2,8}"},
+             lambda text: re.fullmatch(r"[A-Z][a-z]{2,8}", text) is not None)]
+    for extra, valid in asks:
+        kwargs = {"model": model_name, "messages": ASK_WEATHER, "max_tokens": 80,
+                  "temperature": 0, "extra_body": extra}
+        if stream:
+            text = "".join(chunk.choices[0].delta.content or "" for chunk in
+                           openai_client.chat.completions.create(stream=True, **kwargs)
+                           if chunk.choices)
+        else:
+            text = openai_client.chat.completions.create(**kwargs).choices[0].message.content
+        assert valid(text), (extra, text)
+
+
 def test_regex_and_ebnf_native(server: Any) -> None:
     phone = r"\(\d{3}\) \d{3}-\d{4}"
     out = post(server, "/generate", {"text": "Call me at", "sampling_params": {
@@ -216,11 +238,14 @@ def test_multi_turn_tool_conversation(openai_client: Any, model_name: str) -> No
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"extra_body": {"regex": "[a-"}}, "regex"),
     ({"extra_body": {"ebnf": "root ::= "}}, "ebnf"),
+    ({"extra_body": {"guided_regex": "[a-"}}, "guided_regex"),
+    ({"extra_body": {"guided_json": {"type": "objec"}}}, "guided_json"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
      "tools.0.function.name"),
-], ids=["schema", "format-type", "regex", "ebnf", "unknown-tool", "tool-name"])
+], ids=["schema", "format-type", "regex", "ebnf", "guided-regex", "guided-json", "unknown-tool",
+        "tool-name"])
 def test_bad_grammar_is_400_naming_it(openai_client: Any, model_name: str,
                                       kwargs: dict[str, Any], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
