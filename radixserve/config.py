@@ -121,6 +121,7 @@ class ServerArgs:
             big = on_gpu and torch.cuda.is_available() and \
                 torch.cuda.get_device_properties(torch.device(self.device)).total_memory > 100e9
             self.cuda_graph_max_bs = 512 if big else 256
+        self._check_sizes()
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.dp_size < 1:
@@ -156,6 +157,21 @@ class ServerArgs:
             self.schedule_policy = "fcfs"  # cache-aware policies need the cache
         self.resolved = True
         return self
+
+    def _check_sizes(self) -> None:
+        """Sizes that must be positive when given (None: the default), and the memory
+        fraction, refused before anything is built (0 running requests would hang)."""
+        for name in ("context_length", "max_total_tokens", "max_running_requests",
+                     "max_prefill_tokens", "stream_interval", "num_continuous_decode_steps",
+                     "cuda_graph_max_bs"):
+            value = getattr(self, name, None)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, "
+                                 f"got {value!r}")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1], got "
+                             f"{self.mem_fraction_static!r}")
 
     def for_replica(self, dp_rank: int) -> "ServerArgs":
         """This replica's args: its own GPUs and its own tensor-parallel meeting point."""

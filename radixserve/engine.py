@@ -7,17 +7,24 @@
 
 Every request goes through the same Scheduler (admission, radix cache, retraction, chunked
 prefill) that the server runs, so an Engine test is a test of the server's scheduling.
+
+Whichever call drives the scheduler (a `generate`, a stream being iterated, another thread),
+each turn's outputs go to the requests they belong to (`_states`), so streams left suspended,
+interleaved or read from other threads each get all of their own tokens. One lock serialises
+the scheduler's turns; a call returns once its own requests finish, and runs the scheduler
+dry only when no other request is waiting for its caller.
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import uuid
 from dataclasses import replace
 from typing import Any, Iterator
 
 from radixserve.config import ServerArgs
-from radixserve.core.io_struct import BatchTokenIDOut, TokenizedGenerateReq
+from radixserve.core.io_struct import TokenizedGenerateReq
 from radixserve.core.request_validation import RequestLimits, validate_request
 from radixserve.core.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.distributed.parallel_state import get_tp_group
@@ -51,6 +58,8 @@ class _Pending:
         self.output_ids: list[int] = []
         self.meta: dict[str, Any] = {"id": rid}
         self.finished = False
+        # a stream's chunks not yet read: (text delta, output ids so far, finished)
+        self.chunks: list[tuple[str, int, bool]] = []
 
     def absorb(self, new_ids: list[int], finish: dict[str, Any] | None,
                meta: dict[str, Any]) -> str:
@@ -68,6 +77,7 @@ class _Pending:
                 delta = self.detok.finish(new_ids, matched)
         self.text += delta
         self.finished = finish is not None
+        self.chunks.append((delta, len(self.output_ids), self.finished))
         return delta
 
     def result(self) -> dict[str, Any]:
@@ -108,6 +118,8 @@ class Engine:
         self.generation_defaults = dict(self._runner.source.generation_defaults)
         self._ids = itertools.count()
         self._closed = False
+        self._lock = threading.RLock()  # one scheduler turn at a time, from any thread
+        self._states: dict[str, _Pending] = {}  # every request whose caller still waits
 
     # ---- inputs ----
     def _make_reqs(self, prompt: str | list[str] | None, input_ids: Any, sampling_params: Any,
@@ -115,15 +127,22 @@ class Engine:
                    stream: bool) -> list[TokenizedGenerateReq]:
         if (prompt is None) == (input_ids is None):
             raise InvalidRequestError("give exactly one of prompt and input_ids")
-        single = isinstance(prompt, str) or (input_ids is not None and input_ids
-                                             and isinstance(input_ids[0], int))
+        single = _is_single(prompt, input_ids)
         prompts = [prompt] if isinstance(prompt, str) else prompt
         ids_list = [input_ids] if single and input_ids is not None else input_ids
+        if prompts is not None and (not isinstance(prompts, (list, tuple)) or not all(
+                isinstance(p, str) for p in prompts)):
+            raise InvalidRequestError("prompt must be a string or a list of strings")
+        if ids_list is not None:
+            ids_list = [_token_ids(ids) for ids in _id_lists(ids_list)]
         n_items = len(prompts) if prompts is not None else len(ids_list)
         if n_items == 0:
             raise InvalidRequestError("empty batch")
         params_list = sampling_params if isinstance(sampling_params, list) \
             else [sampling_params] * n_items
+        if not all(p is None or isinstance(p, (dict, SamplingParams)) for p in params_list):
+            raise InvalidRequestError("sampling_params must be a dict, a SamplingParams or a "
+                                      "list of them (one per prompt)")
         if len(params_list) != n_items:
             raise InvalidRequestError("sampling_params list must match the number of prompts")
         limits = RequestLimits.from_model_info(self.scheduler.model_info)
@@ -152,82 +171,136 @@ class Engine:
 
     def _submit(self, reqs: list[TokenizedGenerateReq]) -> dict[str, _Pending]:
         pending: dict[str, _Pending] = {}
-        for req in reqs:
-            error = self.scheduler.add_request(req)
-            if error is not None:
-                for rid in pending:
-                    self.scheduler.abort_request(rid)
-                self._drain()
-                raise InvalidRequestError(error.message)
-            params = req.sampling_params
-            detok = None if self.tokenizer is None else IncrementalDetokenizer(
-                self.tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens,
-                params.stop_strs, params.keep_special_tokens)
-            pending[req.rid] = _Pending(req.rid, detok)
+        with self._lock:
+            for req in reqs:
+                error = self.scheduler.add_request(req)
+                if error is not None:
+                    for rid in pending:
+                        self.scheduler.abort_request(rid)
+                    self._release(pending)
+                    raise InvalidRequestError(error.message)
+                params = req.sampling_params
+                detok = None if self.tokenizer is None else IncrementalDetokenizer(
+                    self.tokenizer, params.skip_special_tokens,
+                    params.spaces_between_special_tokens, params.stop_strs,
+                    params.keep_special_tokens)
+                pending[req.rid] = self._states[req.rid] = _Pending(req.rid, detok)
         return pending
+
+    def _turn(self) -> None:
+        """One scheduler turn; its outputs go to the requests they belong to (called with
+        the lock held)."""
+        for out in self.scheduler.run_turn():
+            for i, rid in enumerate(out.rids):
+                state = self._states.get(rid)
+                if state is not None:
+                    state.absorb(out.new_output_ids[i], out.finished_reasons[i],
+                                 out.meta_infos[i])
+
+    def _advance(self, pending: dict[str, _Pending]) -> None:
+        """One turn unless another thread's turn already moved these requests on."""
+        with self._lock:
+            self._check_open()
+            if all(state.finished or state.chunks for state in pending.values()):
+                return
+            if not self.scheduler.has_work():
+                lost = [rid for rid, state in pending.items() if not state.finished]
+                raise RuntimeError(f"requests {lost} are no longer scheduled")
+            self._turn()
+
+    def _release(self, pending: dict[str, _Pending]) -> None:
+        """The caller has what it waited for: forget its requests, and run the scheduler dry
+        (a decode step launched past the last stop token is still in flight) unless other
+        requests are waiting for their callers (they are not run to completion here)."""
+        with self._lock:
+            for rid in pending:
+                self._states.pop(rid, None)
+            if not self._states:
+                self._drain()
 
     def _drain(self) -> None:
         while self.scheduler.has_work():
-            self.scheduler.run_turn()
+            self._turn()
 
-    def _apply(self, outs: list[BatchTokenIDOut], pending: dict[str, _Pending]
-               ) -> Iterator[tuple[str, str]]:
-        for out in outs:
-            for i, rid in enumerate(out.rids):
-                if rid in pending:
-                    delta = pending[rid].absorb(out.new_output_ids[i], out.finished_reasons[i],
-                                                out.meta_infos[i])
-                    yield rid, delta
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the Engine is shut down")
 
     # ---- public API ----
     def generate(self, prompt: str | list[str] | None = None, sampling_params: Any = None,
                  input_ids: list[int] | list[list[int]] | None = None,
                  return_logprob: bool = False, logprob_start_len: int = -1,
                  top_logprobs_num: int = 0) -> dict[str, Any] | list[dict[str, Any]]:
-        """Run to completion. One prompt -> one dict (a list when n > 1); a list -> a list."""
+        """Run to completion. One prompt -> one dict (a list when n > 1); a list -> a list.
+        Safe from several threads (their requests share the batch)."""
+        self._check_open()
         reqs = self._make_reqs(prompt, input_ids, sampling_params, return_logprob,
                                logprob_start_len, top_logprobs_num, stream=False)
         pending = self._submit(reqs)
-        while not all(p.finished for p in pending.values()):
-            for _ in self._apply(self.scheduler.run_turn(), pending):
-                pass
-        self._drain()  # a decode step launched past the last stop token is still in flight
+        try:
+            while not all(p.finished for p in pending.values()):
+                for state in pending.values():
+                    state.chunks.clear()  # not streamed: only the totals are read
+                self._advance(pending)
+        finally:
+            if not all(p.finished for p in pending.values()):
+                with self._lock:
+                    for rid, state in pending.items():
+                        if not state.finished:
+                            self.scheduler.abort_request(rid)
+            self._release(pending)
         results = [pending[r.rid].result() for r in reqs]
-        single = isinstance(prompt, str) or (input_ids is not None and input_ids
-                                             and isinstance(input_ids[0], int))
-        return results[0] if single and len(results) == 1 else results
+        return results[0] if _is_single(prompt, input_ids) and len(results) == 1 else results
 
     def generate_stream(self, prompt: str | None = None, sampling_params: Any = None,
                         input_ids: list[int] | None = None) -> Iterator[dict[str, Any]]:
-        """Yield {"text": delta, "output_ids": new ids so far, "meta_info", "finished"}."""
+        """Yield {"text": delta, "output_ids": ids so far, "meta_info", "finished"}. The
+        request runs while anything drives the scheduler (this iterator, `generate`, another
+        stream), and its chunks wait here until read; closing the iterator early aborts it."""
+        self._check_open()
         reqs = self._make_reqs(prompt, input_ids, sampling_params, False, -1, 0, stream=True)
         if len(reqs) != 1:
             raise InvalidRequestError("generate_stream takes one prompt with n = 1")
-        pending = self._submit(reqs)
-        state = pending[reqs[0].rid]
+        return self._stream(self._submit(reqs), reqs[0].rid)
+
+    def _stream(self, pending: dict[str, _Pending], rid: str) -> Iterator[dict[str, Any]]:
+        state = pending[rid]
+        done = False
         try:
-            while not state.finished:
-                for _, delta in self._apply(self.scheduler.run_turn(), pending):
-                    yield {"text": delta, "output_ids": list(state.output_ids),
-                           "meta_info": dict(state.meta), "finished": state.finished}
+            while not done:
+                self._advance(pending)
+                with self._lock:
+                    chunks, state.chunks = state.chunks, []
+                for delta, num_ids, finished in chunks:
+                    done = done or finished
+                    yield {"text": delta, "output_ids": state.output_ids[:num_ids],
+                           "meta_info": dict(state.meta), "finished": finished}
         finally:
-            if not state.finished:  # the caller stopped iterating: free its memory
-                self.scheduler.abort_request(state.rid)
-            self._drain()
+            if not state.finished and not self._closed:  # stopped early: free its memory
+                with self._lock:
+                    self.scheduler.abort_request(rid)
+            if not self._closed:
+                self._release(pending)
 
     def abort(self, rid: str) -> None:
-        self.scheduler.abort_request(rid)
+        self._check_open()
+        with self._lock:
+            self.scheduler.abort_request(rid)
 
     def get_internal_state(self) -> dict[str, Any]:
-        return vars(self.scheduler.get_internal_state())
+        self._check_open()
+        with self._lock:
+            return vars(self.scheduler.get_internal_state())
 
     def shutdown(self) -> None:
         """Finish what is in flight; with tensor parallelism, stop the other ranks and leave
         the group (another Engine may then be built in this process)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._drain()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._states.clear()  # streams still open end with "the Engine is shut down"
+            self._drain()
         if self._followers:
             self._follower_watch.stop()
             self.scheduler.stop_followers()
@@ -242,3 +315,42 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _is_single(prompt: Any, input_ids: Any) -> bool:
+    """One prompt (a string, or one list of token ids) rather than a batch."""
+    if prompt is not None:
+        return isinstance(prompt, str)
+    return input_ids is not None and _id_lists(input_ids) is None
+
+
+def _id_lists(input_ids: Any) -> list[Any] | None:
+    """input_ids as a batch of id sequences, or None where it is one sequence (ints, a 1-D
+    array or tensor)."""
+    if hasattr(input_ids, "ndim") and hasattr(input_ids, "tolist"):  # numpy / torch
+        return list(input_ids) if input_ids.ndim > 1 else None
+    if not isinstance(input_ids, (list, tuple)):
+        raise InvalidRequestError("input_ids must be a list of token ids or a list of such "
+                                  "lists")
+    if input_ids and isinstance(input_ids[0], (list, tuple)) or (
+            input_ids and hasattr(input_ids[0], "tolist") and getattr(input_ids[0], "ndim", 0)):
+        return list(input_ids)
+    return None
+
+
+def _token_ids(ids: Any) -> list[int]:
+    """One sequence of token ids as Python ints (numpy / torch integers accepted; floats,
+    bools and strings refused)."""
+    values = ids.tolist() if hasattr(ids, "tolist") else ids
+    if not isinstance(values, (list, tuple)):
+        raise InvalidRequestError("input_ids must be a list of token ids or a list of such "
+                                  "lists")
+    out = []
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if hasattr(value, "item") and not isinstance(value, bool):
+                value = value.item()
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidRequestError(f"token ids must be integers, got {value!r}")
+        out.append(int(value))
+    return out
