@@ -2,6 +2,7 @@
 
     engine = radixserve.Engine()            # the bundled SmolLM2-135M-Instruct
     engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+    engine.chat([{"role": "user", "content": "Hi!"}], {"max_new_tokens": 16})
     for chunk in engine.generate_stream("Tell me a story", {"max_new_tokens": 64}):
         print(chunk["text"], end="")
 
@@ -251,6 +252,38 @@ class Engine:
             self._release(pending)
         results = [pending[r.rid].result() for r in reqs]
         return results[0] if _is_single(prompt, input_ids) and len(results) == 1 else results
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: Any = None, *, tools: list[dict[str, Any]] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             **generate_kwargs: Any) -> dict[str, Any] | list[dict[str, Any]]:
+        """`generate` over conversations rendered by the model's chat template, as vLLM's
+        `LLM.chat` and the server's chat route render them (the template writes the special
+        tokens). One conversation (a list of messages) -> as one prompt; a list of them -> a
+        list. The output is the raw text: no tool-call or reasoning parsing."""
+        self._check_open()
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("chat needs a tokenizer with a chat template")
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if single else messages
+        if not conversations or not all(isinstance(c, list) and c for c in conversations):
+            raise InvalidRequestError("messages must be a list of message dicts, or a list of "
+                                      "such lists")
+        ids = []
+        for conversation in conversations:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    conversation, tools=tools, tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    **(chat_template_kwargs or {}))
+            except Exception as exc:  # noqa: BLE001 - the template's verdict on the input
+                raise InvalidRequestError(f"the chat template rejected the messages: {exc}") \
+                    from exc
+            ids.append(list(self.tokenizer.encode(text, add_special_tokens=False)))
+        return self.generate(input_ids=ids[0] if single else ids,
+                             sampling_params=sampling_params, **generate_kwargs)
 
     def generate_stream(self, prompt: str | None = None, sampling_params: Any = None,
                         input_ids: list[int] | None = None) -> Iterator[dict[str, Any]]:

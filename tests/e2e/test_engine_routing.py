@@ -141,3 +141,28 @@ def test_use_after_shutdown_is_a_clear_error() -> None:
 def test_bad_sizes_are_refused_before_anything_is_built(args: dict, flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
         radixserve.Engine(**args)
+
+
+def test_chat_renders_the_template_as_the_server_does(engine) -> None:
+    """Engine.chat = generate over the template's ids (no special tokens added: the template
+    writes them), one conversation or several, with the template's own options."""
+    turns = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
+        turns, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    expected = engine.generate(input_ids=ids, sampling_params=GREEDY)
+    assert engine.chat(turns, GREEDY)["output_ids"] == expected["output_ids"]
+    both = engine.chat([turns, turns], GREEDY)
+    assert [out["output_ids"] for out in both] == [expected["output_ids"]] * 2
+    partial = turns + [{"role": "assistant", "content": "The capital is"}]
+    cont = engine.chat(partial, GREEDY, add_generation_prompt=False,
+                       continue_final_message=True)
+    assert cont["meta_info"]["prompt_tokens"] == len(engine.tokenizer.encode(
+        engine.tokenizer.apply_chat_template(partial, tokenize=False,
+                                             continue_final_message=True),
+        add_special_tokens=False))
+    for bad in ([], [[]], "hi"):
+        with pytest.raises(InvalidRequestError, match="messages must be"):
+            engine.chat(bad, GREEDY)
+    with pytest.raises(InvalidRequestError, match="chat template rejected"):
+        engine.chat(turns, GREEDY, add_generation_prompt=True, continue_final_message=True)
+    _clean(engine)
