@@ -17,6 +17,7 @@ dry only when no other request is waiting for its caller.
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import threading
@@ -121,6 +122,11 @@ class Engine:
         self._closed = False
         self._lock = threading.RLock()  # one scheduler turn at a time, from any thread
         self._states: dict[str, _Pending] = {}  # every request whose caller still waits
+        if self._followers:
+            # an Engine never shut down: at interpreter exit the handlers registered while it
+            # was built (the process group's) and then multiprocessing end the followers first;
+            # that is no death to report (this one runs before them)
+            atexit.register(self._follower_watch.stop)
 
     # ---- inputs ----
     def _make_reqs(self, prompt: str | list[str] | None, input_ids: Any, sampling_params: Any,

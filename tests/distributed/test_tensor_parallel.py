@@ -190,3 +190,28 @@ def test_two_node_launch_on_one_host(tmp_path) -> None:
             node1.kill()
         log.close()
     assert "ranks [1] following node 0" in (tmp_path / "node1.log").read_text()
+
+
+def test_an_engine_never_shut_down_exits_cleanly(tmp_path) -> None:
+    """A script that leaves a tp 2 Engine to the interpreter's exit: multiprocessing ends the
+    followers then, which the follower watch must not take for a rank's death (it logged
+    "rank died" and made the script exit 1)."""
+    import subprocess
+    import sys
+    folder = tmp_path / "model"
+    make_checkpoint("llama_gqa_llama3_rope", folder)
+    script = tmp_path / "left_open.py"
+    script.write_text(
+        "import radixserve\n"
+        "if __name__ == '__main__':\n"
+        f"    e = radixserve.Engine({str(folder)!r}, dtype='float32', skip_tokenizer_init=True,\n"
+        "                          max_total_tokens=512, tp_size=2)\n"
+        "    print(e.generate(input_ids=[1, 2, 3], sampling_params={'max_new_tokens': 2})\n"
+        "          ['output_ids'])\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(os.path.dirname(os.path.dirname(radixserve.__file__))),
+         os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "died" not in done.stderr
