@@ -19,28 +19,49 @@ def _generate(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="radixserve generate",
                                      description="Generate text offline and print it.")
     parser.add_argument("prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--max-new-tokens", type=int, default=128,
+                        help="tokens to generate at most (default 128)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 is greedy (the default)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="nucleus sampling's probability mass (default 1.0)")
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt as a user message with the chat template")
     ServerArgs.add_cli_args(parser, OFFLINE_GROUPS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="[%(asctime)s] %(message)s")
-    from radixserve.engine import Engine
-    server_args = ServerArgs.from_cli_args(args)
-    engine = Engine(**{k: v for k, v in vars(server_args).items() if k != "resolved"})
-    prompt = args.prompt
-    if args.chat:
-        assert engine.tokenizer is not None
-        prompt = engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    from radixserve.core.sampling_params import InvalidRequestError, SamplingParams
     params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
               "top_p": args.top_p}
-    for chunk in engine.generate_stream(prompt, params):
-        print(chunk["text"], end="", flush=True)
-    print()
+    try:  # the user's mistakes as one line each, the sampling ones before the model loads
+        SamplingParams.from_dict(params).verify()
+        if not args.prompt:
+            raise InvalidRequestError("the prompt must not be empty")
+        server_args = ServerArgs.from_cli_args(args)
+        from radixserve.engine import Engine
+        engine = Engine(**{k: v for k, v in vars(server_args).items() if k != "resolved"})
+    except (InvalidRequestError, ValueError, FileNotFoundError) as exc:
+        print(f"radixserve generate: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if args.chat:  # the template writes the special tokens, as the chat route's prompt
+            if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
+                raise InvalidRequestError("--chat needs a tokenizer with a chat template")
+            ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": args.prompt}], tokenize=False,
+                add_generation_prompt=True), add_special_tokens=False)
+            chunks = engine.generate_stream(input_ids=ids, sampling_params=params)
+        else:
+            chunks = engine.generate_stream(args.prompt, params)
+        for chunk in chunks:
+            print(chunk["text"], end="", flush=True)
+        print()
+    except InvalidRequestError as exc:
+        print(f"radixserve generate: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        engine.shutdown()
     return 0
 
 

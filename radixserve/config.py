@@ -169,6 +169,8 @@ class ServerArgs:
                                       or value < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, "
                                  f"got {value!r}")
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port!r}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1], got "
                              f"{self.mem_fraction_static!r}")

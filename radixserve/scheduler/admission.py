@@ -220,7 +220,8 @@ class PrefillAdder:
             req.is_being_chunked = False
         self.can_run.append(req)
         self.new_input_tokens += take
-        self.new_cached_tokens += len(req.prefix_indices)
+        if newly_locked:  # a chunk's own earlier chunks are no cache hit
+            self.new_cached_tokens += len(req.prefix_indices)
         self.rem_input_tokens -= take
         if newly_locked:
             self.rem_total_tokens -= take

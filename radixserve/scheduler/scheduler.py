@@ -450,6 +450,7 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
 
     def _on_idle(self) -> None:
         self.ratio.reset()
+        self.stats.on_idle()
         self.last_memory_check = self.check_memory()
 
     def get_internal_state(self) -> InternalState:

@@ -35,6 +35,11 @@ class SchedulerStats:
                     num_reqs, new_tokens, cached_tokens, 100 * self.cache_hit_rate, token_usage,
                     num_running, num_queued, ", chunked" if chunked else "")
 
+    def on_idle(self) -> None:
+        """Nothing runs: the next decode log's throughput counts from when work resumes."""
+        self.generated_since_log = 0
+        self.last_log_time = time.perf_counter()
+
     def on_decode_step(self, batch_size: int, num_tokens: int, token_usage: float,
                        num_queued: int) -> None:
         self.num_decode_steps += 1

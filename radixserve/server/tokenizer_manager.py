@@ -257,6 +257,7 @@ class TokenizerManager:
         if not repeated:
             return
         warmups = [replace(r, rid=uuid.uuid4().hex, stream=False, return_logprob=False,
+                           internal=True,
                            sampling_params=replace(r.sampling_params, max_new_tokens=0))
                    for r in repeated.values()]
         await asyncio.gather(*(self.generate_final(w, http_request) for w in warmups))
@@ -266,7 +267,7 @@ class TokenizerManager:
         self.send_abort(rid)
         self.router.finished(rid)
         state = self.rid_to_state.pop(rid, None)
-        if state is not None and not state.finished:
+        if state is not None and not state.finished and not state.req.internal:
             self.metrics.observe_finish("abort", len(state.req.input_ids), len(state.output_ids),
                                         0, time.perf_counter() - state.created_time)
 
@@ -392,13 +393,14 @@ class TokenizerManager:
             text_fn = self._token_text_fn(state)
             state.add_piece(batch.text_deltas[i], new_ids, batch.meta_infos[i],
                             batch.finished_reasons[i], text_fn)
-            if new_ids:
+            if new_ids and not state.req.internal:
                 self.metrics.observe_tokens(now, state.created_time, state.first_token_time,
                                             state.last_token_time, len(new_ids))
                 state.first_token_time = state.first_token_time or now
                 state.last_token_time = now
             if state.finished:
                 self.router.finished(rid)
+            if state.finished and not state.req.internal:
                 meta = state.meta_info
                 self.metrics.observe_finish(
                     str((meta.get("finish_reason") or {}).get("type", "unknown")),

@@ -4,6 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def test_generate_prints_the_answer():
     result = subprocess.run(
@@ -12,6 +14,22 @@ def test_generate_prints_the_answer():
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["hi", "--max-new-tokens", "-1"], "max_new_tokens"),
+    (["hi", "--top-p", "2"], "top_p"),
+    (["", "--max-new-tokens", "2"], "prompt must not be empty"),
+    (["hi", "--model-path", "/nonexistent/model"], "does not exist"),
+    (["hi", "--tp-size", "0"], "tp-size"),
+])
+def test_generate_user_errors_are_one_line(args: list[str], message: str) -> None:
+    """Mistakes in the command line are one line on stderr and exit 2, no traceback (the
+    sampling ones before the model loads)."""
+    result = subprocess.run([sys.executable, "-m", "radixserve", "generate", *args],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
 
 
 def test_unknown_command_is_a_usage_error():

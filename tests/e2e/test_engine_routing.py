@@ -137,6 +137,7 @@ def test_use_after_shutdown_is_a_clear_error() -> None:
     ({"max_running_requests": 0}, "max-running-requests"),
     ({"context_length": -1}, "context-length"),
     ({"mem_fraction_static": 5.0}, "mem-fraction-static"),
+    ({"port": 70000}, "port"),
 ])
 def test_bad_sizes_are_refused_before_anything_is_built(args: dict, flag: str) -> None:
     with pytest.raises(ValueError, match=flag):

@@ -450,3 +450,28 @@ def test_a_long_queue_loses_exactly_what_a_turn_admits(policy):
     results = run_all(scheduler)
     assert all(results[f"q{i}"]["ids"] == expected_output(p, 2) for i, p in enumerate(ps))
     assert_memory_clean(scheduler)
+
+
+def test_a_chunked_prompts_own_chunks_are_no_cache_hits() -> None:
+    """A unique prompt prefilled in chunks: its later chunks extend its own earlier ones,
+    which the hit rate must not count (it read 0.65 on a cold prompt); the same prompt again
+    is a real hit."""
+    scheduler, _ = make_scheduler(chunked_prefill_size=16, num_continuous_decode_steps=1)
+    prompt = [1 + (7 * i) % 48 for i in range(60)]
+    assert scheduler.add_request(make_req("cold", prompt, max_new=2)) is None
+    run_all(scheduler)
+    assert scheduler.stats.total_cached_tokens == 0 and scheduler.stats.cache_hit_rate == 0
+    assert scheduler.add_request(make_req("warm", prompt, max_new=2)) is None
+    run_all(scheduler)
+    assert scheduler.stats.total_cached_tokens > 0
+
+
+def test_the_decode_logs_throughput_restarts_after_idle() -> None:
+    """An idle scheduler restarts the decode log's clock and count, so the first line after a
+    pause reports the throughput of the work, not diluted by the idle time."""
+    scheduler, _ = make_scheduler()
+    scheduler.stats.last_log_time, scheduler.stats.generated_since_log = 0.0, 99
+    assert scheduler.add_request(make_req("a", [1, 2, 3], max_new=2)) is None
+    run_all(scheduler)
+    scheduler.run_turn()  # idle
+    assert scheduler.stats.last_log_time > 0.0 and scheduler.stats.generated_since_log == 0

@@ -136,3 +136,28 @@ def test_control_routes(server: Any) -> None:
     finished = [line for line in metrics.splitlines()
                 if line.startswith("radixserve:request_success_total")]
     assert sum(float(line.split()[-1]) for line in finished) >= 1
+
+
+def _metric_sum(server: Any, name: str) -> float:
+    text = requests.get(server.url("/metrics"), headers=server.headers, timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_parallel_samples_count_as_n_requests(server: Any) -> None:
+    """n = 3 is three requests and three prompts in the metrics: the server's own prefill of
+    the shared prompt (max_new_tokens 0, for the radix cache) is not one of them."""
+    ids = list(range(100, 140))
+    before = {name: _metric_sum(server, name) for name in (
+        "radixserve:request_success_total", "radixserve:prompt_tokens_total",
+        "radixserve:e2e_request_latency_seconds_count")}
+    response = post(server, "/generate", {"input_ids": ids, "sampling_params": {
+        "n": 3, "max_new_tokens": 2, "temperature": 0.7, "seed": 1}})
+    assert response.status_code == 200 and len(response.json()) == 3
+    after = {name: _metric_sum(server, name) for name in before}
+    assert after["radixserve:request_success_total"] - \
+        before["radixserve:request_success_total"] == 3
+    assert after["radixserve:prompt_tokens_total"] - \
+        before["radixserve:prompt_tokens_total"] == 3 * len(ids)
+    assert after["radixserve:e2e_request_latency_seconds_count"] - \
+        before["radixserve:e2e_request_latency_seconds_count"] == 3
