@@ -35,10 +35,12 @@ class ServerMetrics:
         self.cached_tokens = Counter(PREFIX + "cached_prompt_tokens",
                                      "Prompt tokens served from the radix cache", labels,
                                      registry=reg)
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token",
+        # streamed requests only: a non-streamed one's tokens reach this process at its end
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Time to first token (streamed requests)",
                               labels, buckets=_LATENCY_BUCKETS, registry=reg)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
-                             "Time between two output tokens", labels, buckets=_ITL_BUCKETS,
+                             "Time between two output tokens (streamed requests)", labels, buckets=_ITL_BUCKETS,
                              registry=reg)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency",
                              labels, buckets=_LATENCY_BUCKETS, registry=reg)

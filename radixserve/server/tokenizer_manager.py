@@ -393,7 +393,9 @@ class TokenizerManager:
             text_fn = self._token_text_fn(state)
             state.add_piece(batch.text_deltas[i], new_ids, batch.meta_infos[i],
                             batch.finished_reasons[i], text_fn)
-            if new_ids and not state.req.internal:
+            # a non-streamed request's tokens all arrive at its end: no first-token or
+            # inter-token time to observe (its end-to-end latency is)
+            if new_ids and state.req.stream and not state.req.internal:
                 self.metrics.observe_tokens(now, state.created_time, state.first_token_time,
                                             state.last_token_time, len(new_ids))
                 state.first_token_time = state.first_token_time or now

@@ -161,3 +161,17 @@ def test_parallel_samples_count_as_n_requests(server: Any) -> None:
         before["radixserve:prompt_tokens_total"] == 3 * len(ids)
     assert after["radixserve:e2e_request_latency_seconds_count"] - \
         before["radixserve:e2e_request_latency_seconds_count"] == 3
+
+
+def test_first_token_times_come_from_streamed_requests_only(server: Any) -> None:
+    """A non-streamed request's tokens reach the HTTP process at its end, so it adds no
+    time-to-first-token sample (it used to add its end-to-end latency); a streamed one adds
+    one."""
+    name = "radixserve:time_to_first_token_seconds_count"
+    body = {"text": "Count to five:", "sampling_params": {"max_new_tokens": 4}}
+    before = _metric_sum(server, name)
+    assert post(server, "/generate", body).status_code == 200
+    assert _metric_sum(server, name) == before
+    streamed = post(server, "/generate", {**body, "stream": True})
+    assert streamed.status_code == 200 and "[DONE]" in streamed.text
+    assert _metric_sum(server, name) == before + 1
