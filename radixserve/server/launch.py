@@ -69,14 +69,16 @@ class GracefulServer(uvicorn.Server):
         tm = self.tm
         if tm.refusing is None:
             tm.refusing = "the server is shutting down"
-        deadline = time.monotonic() + self.drain_s
+        started = time.monotonic()
+        deadline = started + self.drain_s
         while tm.rid_to_state and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        drained = time.monotonic() - started
         ended = tm.fail_all(tm.refusing)
         if ended:
             await asyncio.sleep(0.2)  # let the handlers write their final events
-        logger.info("shutting down: %d request(s) ended with an error after %.1f s of drain",
-                    ended, self.drain_s)
+        logger.info("shutting down: %d request(s) ended with an error after %.1f s of drain "
+                    "(at most %.1f s)", ended, drained, self.drain_s)
         await super().shutdown(sockets)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -163,6 +164,9 @@ def test_shutdown_ends_open_streams_with_an_error_event(flagged_server: ServerPr
             assert stream[-1] == "[DONE]" and "shutting down" in stream[-2]
         log = server.log_text()
         assert "3 request(s) ended with an error" in log and "CancelledError" not in log
+        # the drain actually waited for the timeout (the streams were long), and says so
+        drained = re.search(r"after ([0-9.]+) s of drain \(at most 1\.0 s\)", log)
+        assert drained is not None and 0.9 <= float(drained.group(1)) <= 2.0
     finally:
         server.stop()
 
