@@ -53,14 +53,16 @@ def _to_params(params: Params, defaults: dict[str, Any]) -> SamplingParams:
 class _Pending:
     """One request's accumulated output on the engine side."""
 
-    def __init__(self, rid: str, detok: IncrementalDetokenizer | None) -> None:
+    def __init__(self, rid: str, detok: IncrementalDetokenizer | None, stream: bool) -> None:
         self.rid = rid
         self.detok = detok
+        self.stream = stream
         self.text = ""
         self.output_ids: list[int] = []
         self.meta: dict[str, Any] = {"id": rid}
         self.finished = False
-        # a stream's chunks not yet read: (text delta, output ids so far, finished)
+        # a stream's chunks not yet read (none kept otherwise): (text delta, output ids so
+        # far, finished)
         self.chunks: list[tuple[str, int, bool]] = []
 
     def absorb(self, new_ids: list[int], finish: dict[str, Any] | None,
@@ -79,7 +81,8 @@ class _Pending:
                 delta = self.detok.finish(new_ids, matched)
         self.text += delta
         self.finished = finish is not None
-        self.chunks.append((delta, len(self.output_ids), self.finished))
+        if self.stream:
+            self.chunks.append((delta, len(self.output_ids), self.finished))
         return delta
 
     def result(self) -> dict[str, Any]:
@@ -136,12 +139,11 @@ class Engine:
             raise InvalidRequestError("give exactly one of prompt and input_ids")
         single = _is_single(prompt, input_ids)
         prompts = [prompt] if isinstance(prompt, str) else prompt
-        ids_list = [input_ids] if single and input_ids is not None else input_ids
         if prompts is not None and (not isinstance(prompts, (list, tuple)) or not all(
                 isinstance(p, str) for p in prompts)):
             raise InvalidRequestError("prompt must be a string or a list of strings")
-        if ids_list is not None:
-            ids_list = [_token_ids(ids) for ids in _id_lists(ids_list)]
+        ids_list = None if input_ids is None else [
+            _token_ids(ids) for ids in ([input_ids] if single else _id_lists(input_ids))]
         n_items = len(prompts) if prompts is not None else len(ids_list)
         if n_items == 0:
             raise InvalidRequestError("empty batch")
@@ -162,7 +164,7 @@ class Engine:
                     raise InvalidRequestError("text prompts need a tokenizer; pass input_ids")
                 ids = self.tokenizer.encode(text)
             else:
-                ids = list(ids_list[i])
+                ids = ids_list[i]
             # the server's rules (core/request_validation.py): the same request is refused or
             # accepted alike by both
             validate_request(ids, params, limits, logprob_start_len, top_logprobs_num)
@@ -191,7 +193,8 @@ class Engine:
                     self.tokenizer, params.skip_special_tokens,
                     params.spaces_between_special_tokens, params.stop_strs,
                     params.keep_special_tokens)
-                pending[req.rid] = self._states[req.rid] = _Pending(req.rid, detok)
+                pending[req.rid] = self._states[req.rid] = _Pending(req.rid, detok,
+                                                                    req.stream)
         return pending
 
     def _turn(self) -> None:
@@ -246,8 +249,6 @@ class Engine:
         pending = self._submit(reqs)
         try:
             while not all(p.finished for p in pending.values()):
-                for state in pending.values():
-                    state.chunks.clear()  # not streamed: only the totals are read
                 self._advance(pending)
         finally:
             if not all(p.finished for p in pending.values()):

@@ -63,7 +63,7 @@ def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest
         kept_reasoning_tags(reasoning, tm.tokenizer)
     constrained = params.grammar_key is not None
     if reasoning is not None and constrained:  # it constrains the answer
-        params.reasoning_gate = reasoning_gate(reasoning, tm.tokenizer, input_ids)
+        params.reasoning_gate = reasoning_gate(reasoning, tm.tokenizer, prompt)
     split = plan_split(reasoning, prompt, constrained, params.reasoning_gate)
     req = tm.make_request(
         text=prompt, input_ids=input_ids, sampling_params=params,

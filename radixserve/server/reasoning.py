@@ -73,9 +73,12 @@ class ReasoningSplit:
     inside: bool = False
 
 
-def prompt_opens_block(fmt: ReasoningFormat, prompt: str) -> bool:
-    """The prompt's last tag is an opening one."""
-    return prompt.rfind(fmt.start) > prompt.rfind(fmt.end)
+def prompt_block(fmt: ReasoningFormat, prompt: str) -> str | None:
+    """What the prompt's last tag did: "opened" or "closed" a block, None without tags."""
+    last_start, last_end = prompt.rfind(fmt.start), prompt.rfind(fmt.end)
+    if last_start == last_end:  # both -1
+        return None
+    return "opened" if last_start > last_end else "closed"
 
 
 def plan_split(fmt: ReasoningFormat | None, prompt: str, constrained: bool,
@@ -85,7 +88,7 @@ def plan_split(fmt: ReasoningFormat | None, prompt: str, constrained: bool,
     output is reasoning)."""
     if fmt is None or (constrained and gate is None):
         return None
-    return ReasoningSplit(fmt, prompt_opens_block(fmt, prompt))
+    return ReasoningSplit(fmt, prompt_block(fmt, prompt) == "opened")
 
 
 def split_reasoning(fmt: ReasoningFormat, text: str, final: bool = True,
@@ -132,19 +135,19 @@ def _single_token(tokenizer: Any, tag: str) -> int | None:
 
 
 def reasoning_gate(fmt: ReasoningFormat, tokenizer: Any,
-                   prompt_ids: list[int]) -> tuple[int, int, str] | None:
+                   prompt: str) -> tuple[int, int, str] | None:
     """(start tag's id, end tag's id, initial state) for a constrained request's matcher, or
     None when the grammar applies from the first token: a tag is not one token, or the prompt
     closed the last block it opened (thinking switched off in the template). A prompt that
     opened a block starts the output in it; with neither, the format decides (deepseek-r1
-    thinks, qwen3's first token decides)."""
+    thinks, qwen3's first token decides). The prompt is read as text, as `plan_split` reads
+    it: a tag of one token is in the text where its token is in the ids."""
     start_id, end_id = _single_token(tokenizer, fmt.start), _single_token(tokenizer, fmt.end)
     if start_id is None or end_id is None:
         return None
-    last_start = max((i for i, t in enumerate(prompt_ids) if t == start_id), default=-1)
-    last_end = max((i for i, t in enumerate(prompt_ids) if t == end_id), default=-1)
-    if last_end > last_start:
+    block = prompt_block(fmt, prompt)
+    if block == "closed":
         return None
-    if last_start > last_end or fmt.thinks_by_default:
+    if block == "opened" or fmt.thinks_by_default:
         return start_id, end_id, "thinking"
     return start_id, end_id, "undecided"

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_launch_then_wait, pdl_prologue
-from radixserve.layers.kernels.l2_prefetch import chunk_for, prefetch_chunks
+from radixserve.layers.kernels.l2_prefetch import PREFETCH_ALIGN, chunk_for, prefetch_chunks
 
 
 @dataclass(frozen=True)
@@ -416,10 +416,11 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     single_split = num_kv_splits == 1
     assert len(prefetch) <= 2, "the kernel prefetches at most two weights"
     targets = [(t.data_ptr(), nbytes) for t, nbytes in prefetch if nbytes > 0]
-    targets += [(0, 0)] * (2 - len(targets))
     prefetch_lanes = 32 * config.num_warps  # one chunk per thread
-    pf_chunk = chunk_for(targets[0][1] + targets[1][1],
-                         batch_size * num_kv_heads * num_kv_splits * config.num_warps)
+    pf_chunk = chunk_for(sum(nbytes for _, nbytes in targets),
+                         batch_size * num_kv_heads * num_kv_splits * config.num_warps) \
+        if targets else PREFETCH_ALIGN  # (unused without targets)
+    targets += [(0, 0)] * (2 - len(targets))
     _decode_split_kernel[(batch_size, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, out,
         sm_scale_log2e, num_kv_splits, float(v_scale),
