@@ -11,6 +11,9 @@ MAX_N = 128  # samples per prompt (n)
 GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
 # set by the server, not request fields
 _INTERNAL_FIELDS = ("stop_strs", "stop_str_max_len", "keep_special_tokens", "reasoning_gate")
+# a reasoning gate's states (scheduler/grammar/matcher.py): inside the think block, before the
+# output's first token says whether it opens one, in the answer the grammar constrains
+GATE_THINKING, GATE_UNDECIDED, GATE_ANSWER = "thinking", "undecided", "answer"
 
 
 def _as_token_id(token: Any) -> int | None:

@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.core.sampling_params import GATE_THINKING, GATE_UNDECIDED
+
 THINK_START, THINK_END = "<think>", "</think>"
 
 
@@ -149,5 +151,5 @@ def reasoning_gate(fmt: ReasoningFormat, tokenizer: Any,
     if block == "closed":
         return None
     if block == "opened" or fmt.thinks_by_default:
-        return start_id, end_id, "thinking"
-    return start_id, end_id, "undecided"
+        return start_id, end_id, GATE_THINKING
+    return start_id, end_id, GATE_UNDECIDED

@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
+from radixserve.core.sampling_params import GATE_ANSWER, GATE_THINKING, GATE_UNDECIDED
 
-THINKING, UNDECIDED, ANSWER = "thinking", "undecided", "answer"
+
+THINKING, UNDECIDED, ANSWER = GATE_THINKING, GATE_UNDECIDED, GATE_ANSWER
 
 
 @dataclass(frozen=True)
