@@ -40,8 +40,8 @@ class ServerMetrics:
                               "Time to first token (streamed requests)",
                               labels, buckets=_LATENCY_BUCKETS, registry=reg)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
-                             "Time between two output tokens (streamed requests)", labels, buckets=_ITL_BUCKETS,
-                             registry=reg)
+                             "Time between two output tokens (streamed requests)", labels,
+                             buckets=_ITL_BUCKETS, registry=reg)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency",
                              labels, buckets=_LATENCY_BUCKETS, registry=reg)
         self.num_running = Gauge(PREFIX + "num_running_reqs", "Requests in the running batch",

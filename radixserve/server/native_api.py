@@ -23,7 +23,7 @@ from starlette.requests import Request
 
 from radixserve.core.sampling_params import MAX_N, InvalidRequestError, SamplingParams
 from radixserve.server.errors import APIError
-from radixserve.server.http_utils import read_json
+from radixserve.server.http_utils import body_bytes, read_json
 from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.openai_common import sample_copies, sse, sse_response
 from radixserve.server.openai_protocol import StrictModel, parse_model
@@ -164,8 +164,10 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
     async def generate(request: Request) -> Response:
         raw = await read_json(request)
         # validation and tokenisation off the event loop: a huge prompt must not stall /health
-        obj: GenerateReqInput = await tm.offload(parse_model, GenerateReqInput, raw)
-        reqs, is_batch = await tm.offload(build_requests, tm, obj)
+        size = await body_bytes(request)
+        obj: GenerateReqInput = await tm.offload(parse_model, GenerateReqInput, raw,
+                                                 body_bytes=size)
+        reqs, is_batch = await tm.offload(build_requests, tm, obj, body_bytes=size)
         if obj.stream:
             return await sse_response(_stream_chunks(tm, reqs, is_batch, request,
                                                      incremental_streaming_output))

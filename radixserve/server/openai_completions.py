@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
+from radixserve.server.http_utils import body_bytes
 from radixserve.server.openai_common import (OpenAIContext, finish_reason_of, new_id, now_s,
                                              sample_copies, sse, sse_response, usage_of)
 from radixserve.server.openai_protocol import (OPENAI_FIELD_NAMES, CompletionRequest,
@@ -105,10 +106,13 @@ def choice_of(ctx: OpenAIContext, body: CompletionRequest, index: int, req: Gene
 
 async def create_completion(ctx: OpenAIContext, request: Request, raw: Any) -> Response:
     tm = ctx.tokenizer_manager
-    body: CompletionRequest = await tm.offload(parse_model, CompletionRequest, raw)
+    size = await body_bytes(request)
+    body: CompletionRequest = await tm.offload(parse_model, CompletionRequest, raw,
+                                               body_bytes=size)
     body.check_unsupported()
     model = ctx.check_model(body.model)
-    reqs = await tm.offload(build_requests, ctx, body)  # tokenisation off the event loop
+    # tokenisation off the event loop
+    reqs = await tm.offload(build_requests, ctx, body, body_bytes=size)
     if body.stream:
         return await sse_response(stream_events(ctx, body, model, reqs, request))
     outs = await tm.generate_all(reqs, request)

@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 REPLY_TIMEOUT_S = 60.0
+# request bodies from this size on are built in the bulk lane: tokenising 256 KB of text takes
+# ~0.15 s on one core (10 MB: ~5 s), which must not delay the small requests queued behind it
+BULK_BODY_BYTES = 256 * 1024
 
 
 class TokenizerManager:
@@ -69,9 +72,16 @@ class TokenizerManager:
         self.loop: asyncio.AbstractEventLoop | None = None
         # set on shutdown or when a child process died: new requests are refused (503)
         self.refusing: str | None = None
-        # one thread: tokenizers are not all safe to share across threads; the point is the
-        # event loop, which stays free
+        # Two lanes of one thread each, so the event loop stays free and a huge prompt delays
+        # only other huge ones: bodies of BULK_BODY_BYTES and more go to the bulk lane. The
+        # lanes share the tokenizer: encode and decode only read it (the Rust side is borrowed
+        # shared); the one write, dropping a truncation or padding setting that tokenizer.json
+        # shipped, is done here once, before either lane runs.
+        if tokenizer is not None:
+            tokenizer.encode("warm-up")
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="request-build")
+        self.bulk_executor = ThreadPoolExecutor(max_workers=1,
+                                                thread_name_prefix="request-build-bulk")
         self.recv_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle (called inside the server's event loop) ----
@@ -95,11 +105,13 @@ class TokenizerManager:
         self.async_context.term()
         self.sync_context.term()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.bulk_executor.shutdown(wait=False, cancel_futures=True)
 
-    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(*args)` in the request-building threads (parsing, chat templates,
+    async def offload(self, fn: Callable[..., T], *args: Any, body_bytes: int = 0) -> T:
+        """Run `fn(*args)` in a request-building thread (parsing, chat templates,
         tokenisation) so the event loop keeps serving other requests and /health meanwhile;
-        its exceptions (APIError for bad input) reach the caller as they are."""
+        `body_bytes`, the request body's size, picks the lane (BULK_BODY_BYTES). Its
+        exceptions (APIError for bad input) reach the caller as they are."""
         def call() -> tuple[Any, APIError | None]:
             try:
                 return fn(*args), None
@@ -110,7 +122,8 @@ class TokenizerManager:
                 return None, APIError(exc.message, exc.status_code, exc.param, exc.code,
                                       exc.error_type)
 
-        result, error = await asyncio.get_running_loop().run_in_executor(self.executor, call)
+        lane = self.bulk_executor if body_bytes >= BULK_BODY_BYTES else self.executor
+        result, error = await asyncio.get_running_loop().run_in_executor(lane, call)
         if error is not None:
             raise error
         return result
