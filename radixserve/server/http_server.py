@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.server.asgi_guards import BodyLimitMiddleware, CatchAllMiddleware
 from radixserve.server.errors import APIError, ClientDisconnected, status_phrase
+from radixserve.server.http_metrics import HTTPMetricsMiddleware
 from radixserve.server.http_utils import check_api_key
 from radixserve.server.native_api import native_router
 from radixserve.server.openai_api import openai_router
@@ -62,14 +63,19 @@ def build_app(tm: TokenizerManager, api_key: str | None, model_name: str,
 
     app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    app.include_router(native_router(tm, server_info, is_ready, incremental_streaming_output))
     ctx = OpenAIContext(tokenizer_manager=tm, model_name=model_name, model_aliases=model_aliases,
                         tool_call_parser=tool_call_parser,
                         reasoning=get_format(reasoning_parser) if reasoning_parser else None)
-    app.include_router(openai_router(ctx, tm.limits.context_len))
+    routers = [native_router(tm, server_info, is_ready, incremental_streaming_output),
+               openai_router(ctx, tm.limits.context_len)]
+    for router in routers:
+        app.include_router(router)
     app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
-    app.add_middleware(CatchAllMiddleware)  # outermost of ours: whatever escapes the rest
+    app.add_middleware(CatchAllMiddleware)  # whatever escapes the rest
+    # outermost of ours: counts every answer, the middlewares' own included
+    app.add_middleware(HTTPMetricsMiddleware, metrics=tm.metrics,
+                       routes=[route for router in routers for route in router.routes])
 
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, exc: APIError) -> Response:

@@ -55,6 +55,10 @@ class ServerMetrics:
         self.retractions = Gauge(PREFIX + "num_retractions",
                                  "Requests retracted to the queue since start", labels,
                                  registry=reg)
+        # every HTTP answer (server/http_metrics.py), by method, route template and status
+        self.http_responses = Counter(PREFIX + "http_responses",
+                                      "HTTP responses by method, route and status code",
+                                      ["method", "route", "status"], registry=reg)
         # the per-token histograms' children, looked up once (labels() costs a lock and a
         # dict lookup, and these are observed for every streamed token)
         self._ttft_child = self.ttft.labels(model_name)

@@ -2,6 +2,7 @@
 never a 5xx; the server stays healthy."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -193,3 +194,40 @@ def test_errors_name_the_routes_own_fields(server: Any, path: str, body: dict,
     assert error["param"] == param and param in error["message"]
     other = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}.get(param)
     assert other is None or other not in error["message"]
+
+
+def _http_responses(server: Any) -> dict[tuple[str, str, str], float]:
+    text = requests.get(server.url("/metrics"), headers=AUTH, timeout=30).text
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("radixserve:http_responses_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            key = tuple(labels[k] for k in ("method", "route", "status"))
+            counts[key] = float(line.split()[-1])
+    return counts
+
+
+def test_http_responses_are_counted_by_route_and_status(server: Any) -> None:
+    """/metrics counts every answer by method, route template and status: the routes' own
+    (200, 400, 404 for an unknown model, 405), the middlewares' (401 without the key) and
+    paths no route serves (one "unmatched" label, whatever the path)."""
+    expected = {
+        ("POST", "/v1/completions", "200"): ("/v1/completions",
+                                             {"prompt": "a", "max_tokens": 1}, AUTH),
+        ("POST", "/v1/completions", "400"): ("/v1/completions", {"prompt": ""}, AUTH),
+        ("POST", "/v1/chat/completions", "404"): (
+            "/v1/chat/completions", {"model": "no-such-model", "messages": CHAT_MSG}, AUTH),
+        ("POST", "/generate", "401"): ("/generate", {"text": "a"}, {}),
+        ("GET", "/v1/completions", "405"): ("/v1/completions", None, AUTH),
+        ("GET", "unmatched", "404"): ("/v2/nothing-here", None, AUTH),
+        ("GET", "/v1/models/{model_id:path}", "404"): ("/v1/models/a/b", None, AUTH),
+    }
+    before = _http_responses(server)
+    for (method, _, status), (path, body, headers) in expected.items():
+        assert send(server, method, path, body, headers).status_code == int(status)
+    send(server, "GET", "/v2/another/path", None, AUTH)
+    after = _http_responses(server)
+    for key in expected:
+        extra = 1 if key == ("GET", "unmatched", "404") else 0
+        assert after.get(key, 0) - before.get(key, 0) == 1 + extra, key
+    assert not any("nothing-here" in route or "another" in route for _, route, _ in after)
