@@ -24,7 +24,8 @@ import json
 import logging
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      model_validator)
 from pydantic import ValidationError
 
 from radixserve.core.sampling_params import MAX_N, SamplingParams
@@ -58,6 +59,18 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """A field sent as null takes its default, as OpenAI's API documents ("n": integer
+        or null, default 1) and vLLM accepts: the openai client sends null for an option the
+        caller passed as None."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or key not in fields or fields[key].is_required()}
 
 
 class StreamOptions(StrictModel):

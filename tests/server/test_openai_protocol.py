@@ -46,6 +46,24 @@ def test_unset_fields_keep_sampling_defaults() -> None:
                                                                 default.top_p, default.top_k)
 
 
+def test_null_fields_take_their_defaults() -> None:
+    """OpenAI documents n, stream, echo, logprobs, ... as "or null" and the openai client
+    sends null for an option passed as None: null is the field's default, not a 400."""
+    nulls = dict.fromkeys(("n", "stream", "echo", "ignore_eos", "skip_special_tokens",
+                           "logprobs", "max_tokens", "stream_options"))
+    body = completion(**nulls)
+    assert (body.n, body.stream, body.echo, body.ignore_eos, body.skip_special_tokens) == \
+        (1, False, False, False, True)
+    body = chat(**dict.fromkeys(("n", "stream", "logprobs", "max_completion_tokens",
+                                 "add_generation_prompt", "parallel_tool_calls")))
+    assert (body.n, body.stream, body.logprobs, body.add_generation_prompt) == \
+        (1, False, False, True)
+    assert chat(stream=True, stream_options={"include_usage": None}).stream_options \
+        .include_usage is False
+    with pytest.raises(APIError):  # a required field stays required
+        parse_model(CompletionRequest, {"prompt": None})
+
+
 @pytest.mark.parametrize("prompt,expected", [
     ("a", ["a"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]), ([[1], [2, 3]], [[1], [2, 3]]),
 ])
