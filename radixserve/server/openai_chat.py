@@ -112,6 +112,13 @@ def kept_reasoning_tags(fmt: ReasoningFormat | None, tokenizer: Any | None) -> t
     return tuple(tag for tag in (fmt.start, fmt.end) if tag in special)
 
 
+def chat_finish_reason(out: ReqOutput, called: bool) -> str | None:
+    """"tool_calls" when the answer called tools, unless max_tokens cut it off: "length"
+    then, as OpenAI answers, so a client knows the calls or the text after them may be cut."""
+    reason = finish_reason_of(out)
+    return "tool_calls" if called and reason != "length" else reason
+
+
 def choice_of(body: ChatCompletionRequest, plan: ToolPlan, index: int,
               out: ReqOutput, tokenizer: Any | None,
               split: ReasoningSplit | None = None) -> dict[str, Any]:
@@ -128,7 +135,7 @@ def choice_of(body: ChatCompletionRequest, plan: ToolPlan, index: int,
         if thought is not None and not answer and not called:
             message["content"] = None
     return {"index": index, "message": message, "logprobs": logprobs,
-            "finish_reason": "tool_calls" if called else finish_reason_of(out)}
+            "finish_reason": chat_finish_reason(out, called)}
 
 
 async def create_chat_completion(ctx: OpenAIContext, request: Request, raw: Any) -> Response:
@@ -205,7 +212,7 @@ async def stream_events(ctx: OpenAIContext, body: ChatCompletionRequest, plan: T
             if out.finished:
                 finals[index] = out
                 called = tool_stream is not None and tool_stream.has_calls
-                yield chunk(index, {}, "tool_calls" if called else finish_reason_of(out))
+                yield chunk(index, {}, chat_finish_reason(out, called))
     if body.include_usage:
         done = [o for o in finals if o is not None]
         yield sse({"id": response_id, "object": "chat.completion.chunk", "created": created,

@@ -194,6 +194,22 @@ def test_forced_parallel_tool_calls(openai_client: Any, model_name: str, stream:
         jsonschema.validate(json.loads(call["arguments"]), WEATHER["function"]["parameters"])
 
 
+def test_tool_calls_cut_by_max_tokens_finish_with_length(openai_client: Any,
+                                                         model_name: str) -> None:
+    """The forced parallel answer of the test above, cut after its first call: the call is
+    there, but finish_reason is "length" (as OpenAI answers), whole and streamed."""
+    kwargs = dict(model=model_name, messages=[{"role": "user", "content": (
+        "What is the weather like in Paris and in Rome today?")}], tools=[WEATHER],
+        tool_choice="required", max_tokens=50, temperature=0, extra_body={"min_tokens": 40})
+    choice = openai_client.chat.completions.create(**kwargs).choices[0]
+    assert choice.message.tool_calls, "the first call fits in 50 tokens"
+    _check_call(choice.message.tool_calls[0])
+    assert choice.finish_reason == "length"
+    reasons = [chunk.choices[0].finish_reason for chunk in
+               openai_client.chat.completions.create(stream=True, **kwargs)]
+    assert reasons[-1] == "length"
+
+
 def _parses(text: str) -> bool:
     try:
         json.loads(text)
