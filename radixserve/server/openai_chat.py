@@ -121,7 +121,11 @@ def chat_finish_reason(out: ReqOutput, called: bool) -> str | None:
 
 def choice_of(body: ChatCompletionRequest, plan: ToolPlan, index: int,
               out: ReqOutput, tokenizer: Any | None,
-              split: ReasoningSplit | None = None) -> dict[str, Any]:
+              split: ReasoningSplit | None = None,
+              reasoning_field: bool = False) -> dict[str, Any]:
+    """One choice of a whole answer; `reasoning_field`: the message carries
+    reasoning_content (null where nothing of it was reasoning), as every answer of a server
+    that separates reasoning does, constrained ones included."""
     logprobs = None
     if body.logprobs:
         logprobs = {"content": logprob_content(tokenizer,
@@ -130,7 +134,7 @@ def choice_of(body: ChatCompletionRequest, plan: ToolPlan, index: int,
     thought, answer = (split_reasoning(split.fmt, out.text, True, split.inside) if split
                        else (None, out.text))
     message, called = tool_message(plan, answer)
-    if split is not None:  # null where the output had no reasoning, as vLLM
+    if split is not None or reasoning_field:  # null where there was no reasoning, as vLLM
         message["reasoning_content"] = thought
         if thought is not None and not answer and not called:
             message["content"] = None
@@ -154,7 +158,8 @@ async def create_chat_completion(ctx: OpenAIContext, request: Request, raw: Any)
     return JSONResponse({
         "id": new_id("chatcmpl"), "object": "chat.completion", "created": now_s(),
         "model": model,
-        "choices": [choice_of(body, plan, i, o, tm.tokenizer, split)
+        "choices": [choice_of(body, plan, i, o, tm.tokenizer, split,
+                              reasoning_of(ctx, body) is not None)
                     for i, o in enumerate(outs)],
         "usage": usage_of(outs, body.n)})
 
