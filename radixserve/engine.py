@@ -27,6 +27,7 @@ from typing import Any, Iterator
 
 from radixserve.config import ServerArgs
 from radixserve.core.io_struct import TokenizedGenerateReq
+from radixserve.core.req import FIRST_TOKEN_TIME_KEY
 from radixserve.core.request_validation import RequestLimits, validate_request
 from radixserve.core.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.distributed.parallel_state import get_tp_group
@@ -71,6 +72,7 @@ class _Pending:
         for key in ("output_token_logprobs", "output_top_logprobs"):
             if key in meta:
                 self.meta.setdefault(key, []).extend(meta.pop(key))
+        meta.pop(FIRST_TOKEN_TIME_KEY, None)  # the server's metrics' field, as there
         self.meta.update(meta)
         delta = ""
         if self.detok is not None:

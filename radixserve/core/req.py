@@ -19,6 +19,10 @@ import torch
 from radixserve.core.finish_reason import FinishReason
 from radixserve.core.sampling_params import SamplingParams
 
+# meta_info's key for the wall-clock time (time.time()) the request's first output token was
+# sampled, set on its last output only
+FIRST_TOKEN_TIME_KEY = "first_token_time"
+
 
 class Detokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
@@ -127,12 +131,17 @@ class Req:
         return None
 
     def meta_info(self) -> dict[str, Any]:
-        return {
+        meta = {
             "prompt_tokens": len(self.origin_input_ids),
             "completion_tokens": len(self.output_ids),
             "cached_tokens": self.cached_tokens,
             "finish_reason": self.finished_reason.to_json() if self.finished_reason else None,
         }
+        if self.finished_reason is not None and self.first_token_time is not None:
+            # for the HTTP process's time-to-first-token of requests it saw no tokens of
+            # before their end (not streamed); it takes the key out of what users see
+            meta[FIRST_TOKEN_TIME_KEY] = self.first_token_time
+        return meta
 
     def __repr__(self) -> str:
         return (f"Req(rid={self.rid!r}, input_len={len(self.origin_input_ids)}, "

@@ -15,6 +15,7 @@ read back, one step after the pass that follows them.
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from radixserve.config import ServerArgs
@@ -393,6 +394,8 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
     def _append_token(self, req: Req, i: int, out: Any) -> int:
         """Append a sampled token; returns how many jump-forward added (`_requeue_for_extend`)."""
         req.output_ids.append(out.next_token_ids[i])
+        if req.first_token_time is None:
+            req.first_token_time = time.time()
         if req.return_logprob and out.next_token_logprobs is not None:
             req.output_token_logprobs.append((out.next_token_logprobs[i], out.next_token_ids[i]))
             if req.top_logprobs_num and out.next_top_logprobs is not None:

@@ -35,9 +35,10 @@ class ServerMetrics:
         self.cached_tokens = Counter(PREFIX + "cached_prompt_tokens",
                                      "Prompt tokens served from the radix cache", labels,
                                      registry=reg)
-        # streamed requests only: a non-streamed one's tokens reach this process at its end
+        # streamed requests as their tokens arrive; non-streamed ones (whose tokens reach this
+        # process at their end) from the scheduler's time of their first token
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
-                              "Time to first token (streamed requests)",
+                              "Time to first token",
                               labels, buckets=_LATENCY_BUCKETS, registry=reg)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
                              "Time between two output tokens (streamed requests)", labels,
@@ -75,6 +76,11 @@ class ServerMetrics:
             child = self._itl_child
             for _ in range(num_new_tokens):
                 child.observe(per_token)
+
+    def observe_first_token(self, latency: float) -> None:
+        """A time to first token measured apart from the tokens' arrival (non-streamed
+        requests: the scheduler's time of the first sample)."""
+        self._ttft_child.observe(latency)
 
     def observe_finish(self, finish_type: str, prompt_tokens: int, completion_tokens: int,
                        cached_tokens: int, e2e_latency: float) -> None:

@@ -72,6 +72,7 @@ class ReqState:
     error: ReqError | None = None
     disconnected: bool = False  # its HTTP client went away (set by the disconnect watcher)
     created_time: float = field(default_factory=time.perf_counter)
+    created_wall: float = field(default_factory=time.time)  # against the scheduler's clock
     first_token_time: float | None = None
     last_token_time: float | None = None
 

@@ -27,6 +27,7 @@ from starlette.requests import Request
 from radixserve.core.io_struct import (AbortReq, BatchStrOut, FlushCacheReply, FlushCacheReq,
                                        GetInternalStateReq, InternalState, ReqError,
                                        TokenizedGenerateReq)
+from radixserve.core.req import FIRST_TOKEN_TIME_KEY
 from radixserve.core.request_validation import RequestLimits, validate_request
 from radixserve.core.sampling_params import GRAMMAR_KINDS, InvalidRequestError, SamplingParams
 from radixserve.scheduler.grammar.validation import check_grammar
@@ -404,15 +405,19 @@ class TokenizerManager:
                 continue
             new_ids = batch.new_output_ids[i]
             text_fn = self._token_text_fn(state)
+            first_token_wall = batch.meta_infos[i].pop(FIRST_TOKEN_TIME_KEY, None)
             state.add_piece(batch.text_deltas[i], new_ids, batch.meta_infos[i],
                             batch.finished_reasons[i], text_fn)
-            # a non-streamed request's tokens all arrive at its end: no first-token or
-            # inter-token time to observe (its end-to-end latency is)
             if new_ids and state.req.stream and not state.req.internal:
                 self.metrics.observe_tokens(now, state.created_time, state.first_token_time,
                                             state.last_token_time, len(new_ids))
                 state.first_token_time = state.first_token_time or now
                 state.last_token_time = now
+            elif state.finished and first_token_wall is not None and \
+                    not state.req.stream and not state.req.internal:
+                # a non-streamed request's tokens all arrive at its end: its first-token
+                # time is the scheduler's (no inter-token times: its tokens were not spaced)
+                self.metrics.observe_first_token(max(0.0, first_token_wall - state.created_wall))
             if state.finished:
                 self.router.finished(rid)
             if state.finished and not state.req.internal:

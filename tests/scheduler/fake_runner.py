@@ -11,6 +11,7 @@ import torch
 
 from radixserve.config import ServerArgs
 from radixserve.core.io_struct import TokenizedGenerateReq
+from radixserve.core.req import FIRST_TOKEN_TIME_KEY
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.core.forward_batch import ModelWorkerBatch
 from radixserve.executor.model_runner import ForwardOutput, ModelRunner
@@ -131,7 +132,11 @@ def run_all(scheduler: Scheduler, max_turns: int = 10000) -> dict[str, dict]:
                 entry["messages"] += 1
                 if out.finished_reasons[i] is not None:
                     entry["finish"] = out.finished_reasons[i]
-                    entry["meta"] = out.meta_infos[i]
+                    meta = dict(out.meta_infos[i])
+                    # a wall-clock time: set once a token was sampled, never the same twice
+                    first_token_time = meta.pop(FIRST_TOKEN_TIME_KEY, None)
+                    assert (first_token_time is not None) == bool(entry["ids"])
+                    entry["meta"] = meta
     assert not scheduler.has_work(), "scheduler did not go idle"
     return results
 

@@ -163,15 +163,24 @@ def test_parallel_samples_count_as_n_requests(server: Any) -> None:
         before["radixserve:e2e_request_latency_seconds_count"] == 3
 
 
-def test_first_token_times_come_from_streamed_requests_only(server: Any) -> None:
-    """A non-streamed request's tokens reach the HTTP process at its end, so it adds no
-    time-to-first-token sample (it used to add its end-to-end latency); a streamed one adds
-    one."""
-    name = "radixserve:time_to_first_token_seconds_count"
-    body = {"text": "Count to five:", "sampling_params": {"max_new_tokens": 4}}
-    before = _metric_sum(server, name)
-    assert post(server, "/generate", body).status_code == 200
-    assert _metric_sum(server, name) == before
+def test_every_request_adds_one_first_token_time(server: Any) -> None:
+    """A streamed request's first-token time is taken as its first token arrives; a
+    non-streamed one's tokens reach the HTTP process at its end, so its time is the
+    scheduler's first sample (it used to add its end-to-end latency, then nothing). Each adds
+    one sample, no longer than the request took; the field stays out of meta_info."""
+    count = "radixserve:time_to_first_token_seconds_count"
+    total = "radixserve:time_to_first_token_seconds_sum"
+    body = {"text": "Count to five:", "sampling_params": {"max_new_tokens": 24,
+                                                          "ignore_eos": True}}
+    before = (_metric_sum(server, count), _metric_sum(server, total))
+    started = time.perf_counter()
+    whole = post(server, "/generate", body)
+    took = time.perf_counter() - started
+    assert whole.status_code == 200 and "first_token_time" not in whole.json()["meta_info"]
+    after = (_metric_sum(server, count), _metric_sum(server, total))
+    assert after[0] == before[0] + 1
+    assert 0 < after[1] - before[1] < took
     streamed = post(server, "/generate", {**body, "stream": True})
     assert streamed.status_code == 200 and "[DONE]" in streamed.text
-    assert _metric_sum(server, name) == before + 1
+    assert "first_token_time" not in streamed.text
+    assert _metric_sum(server, count) == after[0] + 1
