@@ -29,6 +29,7 @@ from radixserve.server.scheduler_process import SchedulerFactory, run_scheduler_
 from radixserve.server.tp_follower_process import follower_ranks, run_tp_follower_process
 from radixserve.server.detokenizer_manager import run_detokenizer_process
 from radixserve.server.ipc import PortArgs
+from radixserve.server.process_utils import terminate_only_from_parent
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ def _run_when_released(release_conn: multiprocessing.connection.Connection,
     releases it, or exit quietly if the server closes the pipe instead (a failed check, a
     stop, or the server's death)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's (prepare_child_process)
+    terminate_only_from_parent()  # before the imports below start threads
     for module in preload:
         try:
             importlib.import_module(module)

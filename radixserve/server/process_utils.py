@@ -16,6 +16,7 @@ import traceback
 from typing import Any
 
 logger = logging.getLogger(__name__)
+_sigterm_watched = False  # terminate_only_from_parent ran in this process
 
 
 def configure_logging(log_level: str, process_name: str) -> None:
@@ -43,13 +44,44 @@ def prepare_child_process(process_name: str, log_level: str) -> None:
     """Common set-up at the top of every child's entry function.
 
     Ctrl-C in a terminal reaches the whole process group; only the parent acts on it and then
-    terminates the children, so children ignore SIGINT. SIGTERM is the parent's "stop now" and
-    keeps the default action: a Python-level handler would only run once the main thread comes
-    back from a blocking ZMQ call, which a signal delivered to another thread does not cause."""
+    terminates the children, so children ignore SIGINT. SIGTERM is the parent's "stop now"
+    (`terminate_only_from_parent`); a SIGTERM to the whole group (systemd's stop, `kill --
+    -PGID`) reaches the parent too, which drains the requests in flight and then stops the
+    children itself."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    terminate_only_from_parent()
     configure_logging(log_level, process_name)
     exit_when_parent_dies()
+
+
+def terminate_only_from_parent() -> None:
+    """A SIGTERM the parent sent ends this process at once, as the default action does; one
+    from anyone else is logged and ignored. SIGTERM is blocked in this thread (before any other
+    starts, so in all of them) and taken by a thread of its own with sigwaitinfo, which names
+    the sender: a Python handler could not (and would run only once the main thread came back
+    from a blocking ZMQ call). Where sigwaitinfo is missing, SIGTERM keeps its default. Called
+    first thing in a child, before its imports start threads of their own."""
+    global _sigterm_watched
+    if _sigterm_watched:  # once per process: a child released by the server calls it twice
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    parent = os.getppid()
+    if not hasattr(signal, "sigwaitinfo") or parent <= 1:
+        return
+    _sigterm_watched = True
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def wait() -> None:
+        while True:
+            info = signal.sigwaitinfo({signal.SIGTERM})
+            if info.si_pid == parent:
+                # unblocked in this thread only, and raised here: the default action
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+                signal.raise_signal(signal.SIGTERM)
+            logger.info("ignoring SIGTERM from pid %d: the server's main process stops this "
+                        "one after draining its requests", info.si_pid)
+
+    threading.Thread(target=wait, name="sigterm-from-parent", daemon=True).start()
 
 
 def report_failure(conn: multiprocessing.connection.Connection, process_name: str) -> None:

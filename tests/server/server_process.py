@@ -45,7 +45,10 @@ def wait_gone(pid: int, attempts: int = 100) -> bool:
 
 
 class ServerProcess:
-    def __init__(self, *extra_args: str, api_key: str | None = None) -> None:
+    def __init__(self, *extra_args: str, api_key: str | None = None,
+                 own_process_group: bool = False) -> None:
+        """`own_process_group`: the server leads a process group of its own (its pid is the
+        group's id), so a test can signal the whole group without reaching pytest."""
         self.port = free_port()
         self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -60,7 +63,8 @@ class ServerProcess:
         # kept while the tests run (they read it after the server stops), removed at exit
         atexit.register(Path(self.log.name).unlink, missing_ok=True)
         self.proc = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=self.log,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT,
+                                     start_new_session=own_process_group)
         self._wait_ready()
 
     @property

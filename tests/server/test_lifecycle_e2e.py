@@ -5,11 +5,13 @@ them all, since each start costs ~15 s on a 2-core CI machine)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 from typing import Iterator
 
 import aiohttp
@@ -62,6 +64,41 @@ def test_clean_sigint_shutdown() -> None:
         assert requests.get(server.url("/health"), timeout=30).status_code == 200
         code = server.stop(signal.SIGINT)
         assert code == 0, server.log_text()[-3000:]
+        assert wait_gone(info["scheduler_pid"]) and wait_gone(info["detokenizer_pid"])
+    finally:
+        server.stop()
+
+
+def test_sigterm_to_the_whole_process_group_drains_the_requests() -> None:
+    """systemd's stop (and `kill -- -PGID`) sends SIGTERM to every process of the server at
+    once. The children ignore a SIGTERM that is not their parent's, so the server drains:
+    a stream in flight runs to its end, the server exits 0 and stops its children itself (they
+    used to die at once, and the request failed with "the detokenizer process died")."""
+    server = ServerProcess("--shutdown-timeout", "120", own_process_group=True)
+    try:
+        info = server.server_info()
+        events: list[str] = []
+        started = threading.Event()
+
+        def read() -> None:
+            with requests.post(server.url("/v1/completions"), stream=True, timeout=120, json={
+                    "prompt": "Story:", "max_tokens": 24, "stream": True, "ignore_eos": True,
+                    "stream_options": {"include_usage": True}}) as response:
+                for line in response.iter_lines(decode_unicode=True):
+                    if line.startswith("data: "):
+                        events.append(line[len("data: "):])
+                        started.set()
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        assert started.wait(120)
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        thread.join(timeout=120)
+        assert server.proc.wait(timeout=120) == 0
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 24
+        log = server.log_text()
+        assert "ignoring SIGTERM from pid" in log and "died" not in log
         assert wait_gone(info["scheduler_pid"]) and wait_gone(info["detokenizer_pid"])
     finally:
         server.stop()
