@@ -6,8 +6,8 @@ from its InternalState each time /metrics is scraped.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
 
 from radixserve.core.io_struct import InternalState
 
@@ -18,6 +18,11 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.0
                 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# no `<name>_created` series beside every counter and histogram (a timestamp per label set that
+# doubles what a scrape reads and nobody charts; vLLM turns them off too). Process-wide: this
+# module lives in the HTTP process, whose only metrics are these.
+disable_created_metrics()
 
 
 class ServerMetrics:

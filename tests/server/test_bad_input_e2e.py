@@ -198,6 +198,7 @@ def test_errors_name_the_routes_own_fields(server: Any, path: str, body: dict,
 
 def _http_responses(server: Any) -> dict[tuple[str, str, str], float]:
     text = requests.get(server.url("/metrics"), headers=AUTH, timeout=30).text
+    assert "_created" not in text  # no creation-time series beside the counters
     counts = {}
     for line in text.splitlines():
         if line.startswith("radixserve:http_responses_total{"):
