@@ -58,9 +58,12 @@ class ServerMetrics:
                                  labels, registry=reg)
         self.cache_hit_rate = Gauge(PREFIX + "cache_hit_rate", "Radix cache hit rate (tokens)",
                                     labels, registry=reg)
-        self.retractions = Gauge(PREFIX + "num_retractions",
-                                 "Requests retracted to the queue since start", labels,
-                                 registry=reg)
+        # a counter (as vLLM's num_preemptions), fed with the growth of the schedulers' total
+        self.retractions = Counter(PREFIX + "num_retractions",
+                                   "Requests retracted to the queue (their KV freed)", labels,
+                                   registry=reg)
+        self.retractions.labels(model_name)  # the series exists from the start, at 0
+        self._retractions_seen = 0
         # every HTTP answer (server/http_metrics.py), by method, route template and status
         self.http_responses = Counter(PREFIX + "http_responses",
                                       "HTTP responses by method, route and status code",
@@ -102,7 +105,9 @@ class ServerMetrics:
         self.num_queued.labels(name).set(state.num_queued_reqs)
         self.token_usage.labels(name).set(state.token_usage)
         self.cache_hit_rate.labels(name).set(state.cache_hit_rate)
-        self.retractions.labels(name).set(state.num_retractions)
+        if state.num_retractions > self._retractions_seen:
+            self.retractions.labels(name).inc(state.num_retractions - self._retractions_seen)
+            self._retractions_seen = state.num_retractions
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

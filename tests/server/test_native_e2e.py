@@ -131,7 +131,7 @@ def test_control_routes(server: Any) -> None:
                  "radixserve:e2e_request_latency_seconds_bucket",
                  "radixserve:num_running_reqs", "radixserve:num_queued_reqs",
                  "radixserve:token_usage", "radixserve:cache_hit_rate",
-                 "radixserve:num_retractions"):
+                 "radixserve:num_retractions_total", "radixserve:http_responses_total"):
         assert name in metrics, name
     finished = [line for line in metrics.splitlines()
                 if line.startswith("radixserve:request_success_total")]
