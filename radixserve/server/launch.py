@@ -32,6 +32,7 @@ from radixserve.server.dp_router import DataParallelRouter
 from radixserve.server.http_server import build_app
 from radixserve.server.ipc import PortArgs
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.native_api import WARM_UP_HEADER
 from radixserve.server.process_group import ChildFailedError, ProcessGroup
 from radixserve.server.process_utils import configure_logging
 from radixserve.server.tokenizer_manager import TokenizerManager
@@ -281,7 +282,7 @@ def _warm_up(server_args: ServerArgs, state: ServerState, ids_only: bool) -> Non
         payload["text"] = "The capital city of France is"
     request = urllib.request.Request(
         f"http://{host}:{server_args.port}/generate", data=json.dumps(payload).encode(),
-        headers={"Content-Type": "application/json",
+        headers={"Content-Type": "application/json", WARM_UP_HEADER: "1",
                  **({"Authorization": f"Bearer {server_args.api_key}"}
                     if server_args.api_key else {})})
     try:

@@ -31,6 +31,8 @@ from radixserve.server.request_state import GenerateRequest
 from radixserve.server.tokenizer_manager import TokenizerManager
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
+# the header of the server's own warm-up /generate (launch.py), heeded only before it is ready
+WARM_UP_HEADER = "x-radixserve-warm-up"
 
 
 UNSUPPORTED_NATIVE_FIELDS = (
@@ -168,6 +170,9 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
         obj: GenerateReqInput = await tm.offload(parse_model, GenerateReqInput, raw,
                                                  body_bytes=size)
         reqs, is_batch = await tm.offload(build_requests, tm, obj, body_bytes=size)
+        if not is_ready() and request.headers.get(WARM_UP_HEADER) == "1":
+            # the server's own warm-up (launch.py): not a request the metrics count
+            reqs = [dataclasses.replace(r, internal=True) for r in reqs]
         if obj.stream:
             return await sse_response(_stream_chunks(tm, reqs, is_batch, request,
                                                      incremental_streaming_output))
@@ -184,8 +189,9 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
     @router.get("/health_generate")
     async def health_generate(request: Request) -> Response:
         ids = [tm.limits.vocab_size // 2 if tm.limits.vocab_size else 1] * 4
-        req = tm.make_request(input_ids=ids, sampling_params=SamplingParams(
-            max_new_tokens=1, temperature=0.0))
+        # internal: a probe that polls this route does not count as requests in the metrics
+        req = dataclasses.replace(tm.make_request(input_ids=ids, sampling_params=SamplingParams(
+            max_new_tokens=1, temperature=0.0)), internal=True)
         try:
             await asyncio.wait_for(tm.generate_final(req, request), HEALTH_GENERATE_TIMEOUT_S)
         except asyncio.TimeoutError:

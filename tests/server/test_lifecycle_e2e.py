@@ -73,10 +73,18 @@ def test_sigterm_to_the_whole_process_group_drains_the_requests() -> None:
     """systemd's stop (and `kill -- -PGID`) sends SIGTERM to every process of the server at
     once. The children ignore a SIGTERM that is not their parent's, so the server drains:
     a stream in flight runs to its end, the server exits 0 and stops its children itself (they
-    used to die at once, and the request failed with "the detokenizer process died")."""
+    used to die at once, and the request failed with "the detokenizer process died"). First,
+    on the fresh server: its warm-up and /health_generate are not counted as requests."""
     server = ServerProcess("--shutdown-timeout", "120", own_process_group=True)
     try:
         info = server.server_info()
+        # the server's warm-up /generate and /health_generate are no requests of the metrics
+        assert requests.get(server.url("/health_generate"), timeout=60).status_code == 200
+        metrics = requests.get(server.url("/metrics"), timeout=30).text
+        assert not [line for line in metrics.splitlines()
+                    if line.startswith(("radixserve:request_success_total{",
+                                        "radixserve:prompt_tokens_total{"))
+                    and float(line.split()[-1]) != 0]
         events: list[str] = []
         started = threading.Event()
 
