@@ -80,6 +80,7 @@
 #          shapes on one rank of tp ROOF_TUNE_TP (default "2 4 8"; bf16), written into the
 #          kernels' tables and packed into $OUT/gemm_configs.tgz to bring back (~ROOF_TUNE_BUDGET
 #          seconds per tp size, default 150; issue 17 asks for every 8B/70B shape swept)
+# l2_prefetch_ab: only the decode steps of l2_prefetch (same knobs)
 # l2_prefetch: weights prefetched into L2 during decode attention (layers/weight_prefetch.py): the
 #          GPU tests, each product alone after a flush with and without the prefetch
 #          (benchmarks/gpu_l2_prefetch.py $ROOF_PREFETCH_ARGS), then decode batches
@@ -140,6 +141,8 @@ if step l2_prefetch; then
         tests/attention/test_triton_decode_attention.py -k prefetch 2>&1 | tail -2
     echo "== L2 prefetch: each product after a flush"
     timeout -k 10 150 python3 benchmarks/gpu_l2_prefetch.py ${ROOF_PREFETCH_ARGS:-} 2>&1 | quiet
+fi
+if step l2_prefetch || step l2_prefetch_ab; then
     echo "== L2 prefetch: decode steps (RADIXSERVE_L2_PREFETCH_IN=attention, then =kernel)"
     for round in 1 2; do
         env_ab RADIXSERVE_L2_PREFETCH "${ROOF_PREFETCH_PLANS:-0 o=1 o=1,gu=0.1}" \
