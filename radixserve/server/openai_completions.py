@@ -2,6 +2,7 @@
 echo, logprobs, n, stop, streaming with usage. Choice i*n + j is sample j of prompt i."""
 from __future__ import annotations
 
+import codecs
 import contextlib
 from typing import Any, AsyncIterator
 
@@ -14,7 +15,7 @@ from radixserve.server.openai_common import (OpenAIContext, finish_reason_of, ne
 from radixserve.server.openai_protocol import (OPENAI_FIELD_NAMES, CompletionRequest,
                                                parse_model)
 from radixserve.server.request_state import GenerateRequest, ReqOutput
-from radixserve.server.tokenizer_utils import token_texts
+from radixserve.server.tokenizer_utils import token_bytes, token_texts
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -39,26 +40,56 @@ def build_requests(ctx: OpenAIContext, body: CompletionRequest) -> list[Generate
 
 
 class LogprobBuilder:
-    """OpenAI's completion logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    """OpenAI's completion logprobs: tokens, token_logprobs, top_logprobs, text_offset.
 
-    def __init__(self, start_offset: int = 0) -> None:
+    With the tokenizer, a token is its own UTF-8 bytes: its text where they are whole
+    characters, else OpenAI's "bytes:\\xe2\\x80" form (a character split over tokens; its
+    text would be U+FFFD). text_offset counts the characters of the text before the token,
+    decoded incrementally over every token so far (of this request, across stream chunks): a
+    token that starts inside a character points at that character, and offsets never pass the
+    text's end. Without it (--skip-tokenizer-init) tokens are the texts given."""
+
+    def __init__(self, tokenizer: Any | None = None, start_offset: int = 0) -> None:
+        self.tokenizer = tokenizer
         self.offset = start_offset
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def build(self, token_entries: list[Any], top_entries: list[Any]) -> dict[str, Any]:
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                "text_offset": []}
-        for i, (logprob, _tid, text) in enumerate(token_entries):
-            text = text or ""
-            out["tokens"].append(text)
+        raw = self._bytes(token_entries, top_entries)
+        names = {tid: openai_token_name(data) for tid, data in raw.items() if data is not None}
+        for i, (logprob, tid, text) in enumerate(token_entries):
+            name = names.get(tid, text or "")
+            out["tokens"].append(name)
             out["token_logprobs"].append(logprob)
             top = top_entries[i] if i < len(top_entries) else None
-            tops = None if top is None else {t or "": lp for lp, _, t in top}
+            tops = None if top is None else {names.get(t, s or ""): lp for lp, t, s in top}
             if tops is not None and logprob is not None:
-                tops.setdefault(text, logprob)  # the chosen token is always listed (up to n + 1)
+                tops.setdefault(name, logprob)  # the chosen token is always listed (up to n + 1)
             out["top_logprobs"].append(tops)
             out["text_offset"].append(self.offset)
-            self.offset += len(text)
+            data = raw.get(tid)
+            self.offset += len(text or "") if data is None else len(self._decoder.decode(data))
         return out
+
+    def _bytes(self, token_entries: list[Any], top_entries: list[Any]) -> dict[int, bytes | None]:
+        """Each token id's bytes, chosen and top alike (empty without a tokenizer)."""
+        ids = {tid for _, tid, _ in token_entries}
+        ids.update(tid for top in top_entries if top for _, tid, _ in top)
+        ordered = sorted(i for i in ids if isinstance(i, int))
+        if self.tokenizer is None or not ordered:
+            return {}
+        return dict(zip(ordered, token_bytes(self.tokenizer, ordered)))
+
+
+def openai_token_name(data: bytes) -> str:
+    """A token's name in OpenAI's completion logprobs: its text where its bytes are whole
+    UTF-8 characters, else "bytes:" and each byte as \\xNN."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
 def input_logprobs(ctx: OpenAIContext, req: GenerateRequest,
@@ -93,7 +124,7 @@ def choice_of(ctx: OpenAIContext, body: CompletionRequest, index: int, req: Gene
         echo_text = prompt_text(ctx, req)
         text = echo_text + text
     if body.logprobs is not None:
-        builder = LogprobBuilder()
+        builder = LogprobBuilder(ctx.tokenizer_manager.tokenizer)
         tokens = list(meta.get("output_token_logprobs") or [])
         tops = list(meta.get("output_top_logprobs") or [])
         if body.echo:
@@ -128,7 +159,7 @@ async def stream_events(ctx: OpenAIContext, body: CompletionRequest, model: str,
     sent_text = [0] * len(reqs)
     sent_logprobs = [0] * len(reqs)
     echoed = [False] * len(reqs)
-    builders = [LogprobBuilder() for _ in reqs]
+    builders = [LogprobBuilder(ctx.tokenizer_manager.tokenizer) for _ in reqs]
     finals: list[ReqOutput | None] = [None] * len(reqs)
     merged = ctx.tokenizer_manager.generate_merged(reqs, request)
     async with contextlib.aclosing(merged) as outputs:

@@ -135,6 +135,35 @@ def test_completion_logprobs_and_echo(openai_client: Any, model_name: str,
                             abs_tol=1e-4)
 
 
+def _token_bytes(name: str) -> bytes:
+    if name.startswith("bytes:"):
+        return bytes.fromhex(name[len("bytes:"):].replace("\\x", ""))
+    return name.encode("utf-8")
+
+
+def test_completion_logprobs_of_characters_split_over_tokens(openai_client: Any,
+                                                             model_name: str,
+                                                             smollm_tokenizer: Any) -> None:
+    """An emoji is several byte-level tokens: each is named "bytes:\\xNN.." as OpenAI does
+    (not U+FFFD), their bytes join into the text, and text_offset counts the characters
+    before each token (a token inside a character points at it), never past the text."""
+    prompt = "Party \U0001f389\U0001f382 time \u00e9t\u00e9"
+    assert any("\ufffd" in smollm_tokenizer.decode([t]) for t in smollm_tokenizer.encode(prompt))
+    out = openai_client.completions.create(model=model_name, prompt=prompt, max_tokens=4,
+                                           temperature=0, logprobs=2, echo=True)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert not any("\ufffd" in t for t in lp.tokens)
+    assert any(t.startswith("bytes:\\x") for t in lp.tokens)
+    data = [_token_bytes(t) for t in lp.tokens]
+    assert b"".join(data).decode("utf-8") == choice.text
+    assert lp.text_offset == [len(b"".join(data[:i]).decode("utf-8", errors="ignore"))
+                              for i in range(len(data))]
+    assert max(lp.text_offset) <= len(choice.text)
+    for tops in lp.top_logprobs[1:]:
+        assert not any("\ufffd" in t for t in tops)
+
+
 def test_chat_logprobs(openai_client: Any, model_name: str) -> None:
     out = openai_client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=8,
                                                 temperature=0, logprobs=True, top_logprobs=2)
