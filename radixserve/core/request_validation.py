@@ -3,9 +3,10 @@
 
 `validate_request` is what a front end runs before sending a request: the sampling parameters,
 then the prompt (`check_prompt`), then the length budget (prompt + max_new_tokens must fit the
-context, as the OpenAI API and vLLM refuse it). The scheduler re-runs `check_prompt` on what it
-receives (it is the authority on its pools); it does not refuse a budget past the context,
-which it ends at the context length instead, for callers that bypass the front ends.
+context, as the OpenAI API and vLLM refuse it, and the KV cache, which could never admit it).
+The scheduler re-runs `check_prompt` on what it receives (it is the authority on its pools); it
+does not refuse a budget past the context, which it ends at the context length instead, and
+cuts one past the KV cache to what the cache holds, for callers that bypass the front ends.
 """
 from __future__ import annotations
 
@@ -21,6 +22,15 @@ class RequestLimits:
     vocab_size: int
     max_total_tokens: int | None = None  # KV cache size, in tokens
     max_prefill_tokens: int | None = None  # the longest prompt when chunked prefill is off
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The most tokens one request's prompt and output can reach: the context length, or
+        the KV cache less one token when that is smaller (a request alone is always admitted
+        within it: the admission keeps one free token per running request)."""
+        if self.max_total_tokens is None:
+            return self.context_len
+        return min(self.context_len, self.max_total_tokens - 1)
 
     @classmethod
     def from_model_info(cls, info: dict[str, Any]) -> "RequestLimits":
@@ -78,6 +88,13 @@ def validate_request(input_ids: list[int], sampling_params: SamplingParams,
             f"Requested {n + sampling_params.max_new_tokens} tokens ({n} in the prompt, "
             f"{sampling_params.max_new_tokens} to generate), but the model's context length is "
             f"{limits.context_len} tokens. Reduce the prompt or max_tokens.", param="max_tokens")
+    if n + sampling_params.max_new_tokens > limits.max_sequence_tokens:
+        # a request the KV cache cannot hold whole would wait in the queue forever
+        raise InvalidRequestError(
+            f"Requested {n + sampling_params.max_new_tokens} tokens ({n} in the prompt, "
+            f"{sampling_params.max_new_tokens} to generate), but the KV cache holds "
+            f"{limits.max_total_tokens} tokens: at most {limits.max_sequence_tokens - n} to "
+            "generate. Reduce the prompt or max_tokens.", param="max_tokens")
     if logprob_start_len >= n:
         raise InvalidRequestError(f"logprob_start_len must be < the prompt length ({n})",
                                   param="logprob_start_len")

@@ -15,6 +15,7 @@ read back, one step after the pass that follows them.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -128,7 +129,14 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
         if limit is not None and len(self.waiting_queue) >= limit:
             return ReqError(msg.rid, f"too many queued requests (limit {limit}); retry later",
                             http_status=429)
-        req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.input_text,
+        params = msg.sampling_params
+        most = self.limits.max_sequence_tokens - len(msg.input_ids)
+        if params.max_new_tokens > most:  # the front ends refuse it: a caller that bypassed
+            # them gets what the KV cache holds (more could never be admitted, and would
+            # hold up the queue behind it)
+            params = dataclasses.replace(params, max_new_tokens=most,
+                                         min_new_tokens=min(params.min_new_tokens, most))
+        req = Req(msg.rid, msg.input_ids, params, msg.input_text,
                   msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num, msg.stream)
         error = self.grammars.on_add(req)
         if error is not None:

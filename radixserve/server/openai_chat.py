@@ -54,8 +54,8 @@ def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest
     tm = ctx.tokenizer_manager
     prompt, input_ids, plan = render_prompt(ctx, body)
     max_tokens = body.requested_max_tokens
-    if max_tokens is None:  # OpenAI: up to the context length
-        max_tokens = max(tm.limits.context_len - len(input_ids), 0)
+    if max_tokens is None:  # OpenAI: up to the context length (or what the KV cache holds)
+        max_tokens = max(tm.limits.max_sequence_tokens - len(input_ids), 0)
     params = body.sampling_params(max_tokens, tm.generation_defaults)
     if plan.forced_ebnf is not None:
         params.ebnf = plan.forced_ebnf

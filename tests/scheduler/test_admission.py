@@ -107,3 +107,41 @@ def test_staggered_known_lengths_overlap_where_a_flat_reservation_would_not() ->
     assert results["long"]["ids"] == expected_output([1] * 10, 150)
     assert scheduler.stats.num_retractions == 0
     assert_memory_clean(scheduler)
+
+
+def test_a_request_as_long_as_the_kv_cache_runs_and_a_longer_one_is_cut() -> None:
+    """The KV cache (64 tokens) is shorter than the context (256). A request of exactly
+    RequestLimits.max_sequence_tokens (63) runs alone, known length or not; a longer one that
+    bypassed the front ends' check is cut to it (it could never be admitted: it used to wait
+    forever and hold up every request queued behind it)."""
+    prompt = [3] * 20
+    for params in ({"ignore_eos": True}, {}):
+        scheduler, _ = make_scheduler(max_total_tokens=64, context_len=256)
+        assert scheduler.limits.max_sequence_tokens == 63
+        scheduler.add_request(make_req("whole", prompt, max_new=43, **params))
+        scheduler.add_request(make_req("too-long", prompt, max_new=200, min_new_tokens=100,
+                                       **params))
+        scheduler.add_request(make_req("after", [4] * 5, max_new=5, **params))
+        results = run_all(scheduler)
+        assert results["whole"]["ids"] == expected_output(prompt, 43)
+        assert results["too-long"]["ids"] == expected_output(prompt, 43)
+        assert results["too-long"]["finish"]["type"] == "length"
+        assert results["after"]["ids"] == expected_output([4] * 5, 5)
+        assert_memory_clean(scheduler)
+
+
+def test_front_ends_refuse_a_request_longer_than_the_kv_cache() -> None:
+    from radixserve.core.request_validation import RequestLimits, validate_request
+    from radixserve.core.sampling_params import InvalidRequestError, SamplingParams
+
+    limits = RequestLimits(context_len=256, vocab_size=100, max_total_tokens=64)
+    validate_request([1] * 20, SamplingParams(max_new_tokens=43), limits)
+    try:
+        validate_request([1] * 20, SamplingParams(max_new_tokens=44), limits)
+    except InvalidRequestError as exc:
+        assert "KV cache holds 64 tokens" in str(exc) and "at most 43" in str(exc)
+        assert exc.param == "max_tokens"
+    else:
+        raise AssertionError("a request longer than the KV cache was accepted")
+    # without a KV cache bound (or a larger one) the context length is the bound
+    assert RequestLimits(context_len=256, vocab_size=100).max_sequence_tokens == 256

@@ -71,7 +71,8 @@ def test_conservativeness_scales_the_floor():
 
 def test_admission_reserves_running_requests_future_tokens():
     """available = free + evictable - sum(remaining max_new) * ratio decides admission."""
-    scheduler, runner = make_scheduler(max_total_tokens=400, num_continuous_decode_steps=1)
+    scheduler, runner = make_scheduler(max_total_tokens=400, num_continuous_decode_steps=1,
+                                       context_len=512)
     scheduler.add_request(make_req("long", [1] * 10, max_new=300))
     scheduler.run_turn()  # prefill "long"
     assert len(scheduler.admitted_reqs()) == 1

@@ -74,17 +74,28 @@ def test_sigterm_to_the_whole_process_group_drains_the_requests() -> None:
     once. The children ignore a SIGTERM that is not their parent's, so the server drains:
     a stream in flight runs to its end, the server exits 0 and stops its children itself (they
     used to die at once, and the request failed with "the detokenizer process died"). First,
-    on the fresh server: its warm-up and /health_generate are not counted as requests."""
-    server = ServerProcess("--shutdown-timeout", "120", own_process_group=True)
+    on the fresh server: its warm-up and /health_generate are not counted as requests; with a
+    KV cache (400 tokens) shorter than the context, a request it cannot hold whole is a 400
+    (it used to wait forever, holding up the requests behind it)."""
+    server = ServerProcess("--shutdown-timeout", "120", "--max-total-tokens", "400",
+                           own_process_group=True)
     try:
         info = server.server_info()
+        too_long = post(server, "/generate", {"text": "Tell me a story.", "sampling_params": {
+            "max_new_tokens": 600, "temperature": 0}})
+        assert too_long.status_code == 400 and "KV cache holds" in too_long.text
+        small = post(server, "/generate", {"text": "Hi", "sampling_params": greedy(3)})
+        assert small.status_code == 200
         # the server's warm-up /generate and /health_generate are no requests of the metrics
         assert requests.get(server.url("/health_generate"), timeout=60).status_code == 200
         metrics = requests.get(server.url("/metrics"), timeout=30).text
-        assert not [line for line in metrics.splitlines()
-                    if line.startswith(("radixserve:request_success_total{",
-                                        "radixserve:prompt_tokens_total{"))
-                    and float(line.split()[-1]) != 0]
+        def counted(name: str) -> float:
+            return sum(float(line.split()[-1]) for line in metrics.splitlines()
+                       if line.startswith(name + "{"))
+        # the small request above is the only one
+        assert counted("radixserve:request_success_total") == 1
+        assert counted("radixserve:prompt_tokens_total") == \
+            small.json()["meta_info"]["prompt_tokens"]
         events: list[str] = []
         started = threading.Event()
 

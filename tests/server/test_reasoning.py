@@ -85,12 +85,13 @@ def test_chat_requests_keep_the_tags_and_gate_their_grammar() -> None:
     from radixserve.loader.tokenizer import get_tokenizer
     from radixserve.server.openai_chat import build_requests
     from radixserve.server.openai_common import OpenAIContext
+    from radixserve.core.request_validation import RequestLimits
     from radixserve.server.openai_protocol import ChatCompletionRequest
 
     tokenizer = get_tokenizer("SmolLM2-135M-Instruct")
     tokenizer.add_tokens(["<think>", "</think>"], special_tokens=True)
     start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
-    manager = SimpleNamespace(tokenizer=tokenizer, limits=SimpleNamespace(context_len=8192),
+    manager = SimpleNamespace(tokenizer=tokenizer, limits=RequestLimits(8192, len(tokenizer)),
                               generation_defaults={},
                               make_request=lambda **kw: SimpleNamespace(**kw))
 
