@@ -18,8 +18,15 @@ def _take_logprobs(req: Req, meta: dict[str, Any]) -> None:
     if not req.return_logprob:
         return
     if not req.sent_input_logprobs and (req.finished or req.output_ids):
-        meta["input_token_logprobs"] = req.input_token_logprobs
-        meta["input_top_logprobs"] = req.input_top_logprobs if req.top_logprobs_num else []
+        entries: list[Any] = req.input_token_logprobs
+        tops: list[Any] = req.input_top_logprobs if req.top_logprobs_num else []
+        if req.logprob_start_len == 0 and len(entries) == len(req.origin_input_ids) - 1:
+            # the first prompt token has no logprob: listed with None, as SGLang does, so
+            # entry i is prompt token i
+            entries = [(None, req.origin_input_ids[0])] + entries
+            tops = [None] + tops if tops else tops
+        meta["input_token_logprobs"] = entries
+        meta["input_top_logprobs"] = tops
         req.sent_input_logprobs = True
     end = len(req.output_token_logprobs)
     meta["output_token_logprobs"] = req.output_token_logprobs[req.sent_logprob_len:end]

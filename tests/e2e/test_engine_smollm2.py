@@ -57,8 +57,9 @@ def test_logprobs_match_transformers(engine, hf_smol):
     top = out["meta_info"]["output_top_logprobs"][0]
     assert [t for _, t in top] == ref[len(ids) - 1].topk(3).indices.tolist()
     in_lps = out["meta_info"]["input_token_logprobs"]
-    assert [t for _, t in in_lps] == ids[1:]
-    for j, (lp, token) in enumerate(in_lps):
+    # entry i is prompt token i (SGLang's layout): the first has no logprob
+    assert [t for _, t in in_lps] == ids and in_lps[0][0] is None
+    for j, (lp, token) in enumerate(in_lps[1:]):
         assert lp == pytest.approx(ref[j, token].item(), abs=1e-3)
 
 

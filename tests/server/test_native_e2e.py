@@ -58,7 +58,9 @@ def test_generate_logprobs(server: Any) -> None:
     assert [t[1] for t in tokens] == out["output_ids"]
     for (lp, tid, _), top in zip(tokens, meta["output_top_logprobs"]):
         assert top[0][1] == tid and abs(top[0][0] - lp) < 1e-4  # greedy picks the top token
-    assert len(meta["input_token_logprobs"]) >= meta["prompt_tokens"] - 1
+    # logprob_start_len 0: one entry per prompt token, the first without a logprob
+    assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
+    assert meta["input_token_logprobs"][0][0] is None
 
 
 def test_abort_request_route(server: Any) -> None:
