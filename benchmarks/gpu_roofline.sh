@@ -147,8 +147,9 @@ if step l2_prefetch || step l2_prefetch_ab; then
     for round in 1 2; do
         env_ab RADIXSERVE_L2_PREFETCH "${ROOF_PREFETCH_PLANS:-0 o=1 o=1,gu=0.1}" \
             "${ROOF_AB_BATCHES:-1 8}" "${ROOF_PREFETCH_KIND:-bf16}"
-        [ -n "${ROOF_PREFETCH_KERNEL_PLANS:-o=1}" ] && RADIXSERVE_L2_PREFETCH_IN=kernel env_ab \
-            RADIXSERVE_L2_PREFETCH "${ROOF_PREFETCH_KERNEL_PLANS:-o=1}" \
+        # an empty ROOF_PREFETCH_KERNEL_PLANS skips the kernel mode (unset: o=1)
+        [ -n "${ROOF_PREFETCH_KERNEL_PLANS-o=1}" ] && RADIXSERVE_L2_PREFETCH_IN=kernel env_ab \
+            RADIXSERVE_L2_PREFETCH "${ROOF_PREFETCH_KERNEL_PLANS-o=1}" \
             "${ROOF_AB_BATCHES:-1 8}" "${ROOF_PREFETCH_KIND:-bf16}"
     done
 fi
