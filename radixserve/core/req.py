@@ -48,6 +48,7 @@ class Req:
         # constrained decoding (scheduler/grammar/): the compilation's Future until the
         # grammar is ready, then the request's matcher, which has accepted every output id
         self.grammar_future: Any | None = None
+        self.grammar_asked_at = 0.0  # time.monotonic() when its compilation was asked for
         self.grammar: Any | None = None
 
         # memory

@@ -28,7 +28,7 @@ from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.openai_common import sample_copies, sse, sse_response
 from radixserve.server.openai_protocol import StrictModel, parse_model
 from radixserve.server.request_state import GenerateRequest
-from radixserve.server.tokenizer_manager import TokenizerManager
+from radixserve.server.tokenizer_manager import TokenizerManager, asks_for_grammar
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 # the header of the server's own warm-up /generate (launch.py), heeded only before it is ready
@@ -166,10 +166,9 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
     async def generate(request: Request) -> Response:
         raw = await read_json(request)
         # validation and tokenisation off the event loop: a huge prompt must not stall /health
-        size = await body_bytes(request)
-        obj: GenerateReqInput = await tm.offload(parse_model, GenerateReqInput, raw,
-                                                 body_bytes=size)
-        reqs, is_batch = await tm.offload(build_requests, tm, obj, body_bytes=size)
+        lane = {"body_bytes": await body_bytes(request), "grammar": asks_for_grammar(raw)}
+        obj: GenerateReqInput = await tm.offload(parse_model, GenerateReqInput, raw, **lane)
+        reqs, is_batch = await tm.offload(build_requests, tm, obj, **lane)
         if not is_ready() and request.headers.get(WARM_UP_HEADER) == "1":
             # the server's own warm-up (launch.py): not a request the metrics count
             reqs = [dataclasses.replace(r, internal=True) for r in reqs]

@@ -45,6 +45,21 @@ REPLY_TIMEOUT_S = 60.0
 # request bodies from this size on are built in the bulk lane: tokenising 256 KB of text takes
 # ~0.15 s on one core (10 MB: ~5 s), which must not delay the small requests queued behind it
 BULK_BODY_BYTES = 256 * 1024
+# a request body with any of these (top level, or in /generate's sampling_params) is built in
+# the grammar lane: checking a grammar can take up to its time limit
+# (scheduler/grammar/validation.py), which requests without one must not wait for
+_GRAMMAR_FIELDS = frozenset({"response_format", "guided_json", "guided_regex", "guided_choice",
+                             "guided_grammar", "regex", "ebnf", "json_schema", "tool_choice"})
+
+
+def asks_for_grammar(raw: Any) -> bool:
+    """Whether a request body (parsed JSON) may carry a grammar to check."""
+    if not isinstance(raw, dict):
+        return False
+    params = raw.get("sampling_params")
+    nested = params if isinstance(params, list) else [params]
+    return not _GRAMMAR_FIELDS.isdisjoint(raw) or any(
+        isinstance(p, dict) and not _GRAMMAR_FIELDS.isdisjoint(p) for p in nested)
 
 
 class TokenizerManager:
@@ -73,8 +88,9 @@ class TokenizerManager:
         self.loop: asyncio.AbstractEventLoop | None = None
         # set on shutdown or when a child process died: new requests are refused (503)
         self.refusing: str | None = None
-        # Two lanes of one thread each, so the event loop stays free and a huge prompt delays
-        # only other huge ones: bodies of BULK_BODY_BYTES and more go to the bulk lane. The
+        # Three lanes of one thread each, so the event loop stays free and a huge prompt or a
+        # slow grammar delays only its own kind: bodies of BULK_BODY_BYTES and more go to the
+        # bulk lane, those that may carry a grammar (asks_for_grammar) to the grammar one. The
         # lanes share the tokenizer: encode and decode only read it (the Rust side is borrowed
         # shared); the one write, dropping a truncation or padding setting that tokenizer.json
         # shipped, is done here once, before either lane runs.
@@ -83,6 +99,8 @@ class TokenizerManager:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="request-build")
         self.bulk_executor = ThreadPoolExecutor(max_workers=1,
                                                 thread_name_prefix="request-build-bulk")
+        self.grammar_executor = ThreadPoolExecutor(max_workers=1,
+                                                   thread_name_prefix="request-build-grammar")
         self.recv_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle (called inside the server's event loop) ----
@@ -107,12 +125,15 @@ class TokenizerManager:
         self.sync_context.term()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.bulk_executor.shutdown(wait=False, cancel_futures=True)
+        self.grammar_executor.shutdown(wait=False, cancel_futures=True)
 
-    async def offload(self, fn: Callable[..., T], *args: Any, body_bytes: int = 0) -> T:
+    async def offload(self, fn: Callable[..., T], *args: Any, body_bytes: int = 0,
+                      grammar: bool = False) -> T:
         """Run `fn(*args)` in a request-building thread (parsing, chat templates,
-        tokenisation) so the event loop keeps serving other requests and /health meanwhile;
-        `body_bytes`, the request body's size, picks the lane (BULK_BODY_BYTES). Its
-        exceptions (APIError for bad input) reach the caller as they are."""
+        tokenisation, grammar checks) so the event loop keeps serving other requests and
+        /health meanwhile; `body_bytes`, the request body's size, and `grammar` (it may carry
+        one: asks_for_grammar) pick the lane. Its exceptions (APIError for bad input) reach
+        the caller as they are."""
         def call() -> tuple[Any, APIError | None]:
             try:
                 return fn(*args), None
@@ -123,7 +144,8 @@ class TokenizerManager:
                 return None, APIError(exc.message, exc.status_code, exc.param, exc.code,
                                       exc.error_type)
 
-        lane = self.bulk_executor if body_bytes >= BULK_BODY_BYTES else self.executor
+        lane = self.grammar_executor if grammar else \
+            self.bulk_executor if body_bytes >= BULK_BODY_BYTES else self.executor
         result, error = await asyncio.get_running_loop().run_in_executor(lane, call)
         if error is not None:
             raise error

@@ -2,9 +2,10 @@
 
 `GrammarBackend.request(kind, text)` returns a Future of the compiled grammar at once: a cache
 keyed by (kind, text) holds every grammar asked for (in flight or done, least recently used
-dropped past `cache_size`), and compilation runs in one worker thread. The scheduler keeps a
-request in the queue, skipped by admission, until its future is done; other requests are
-admitted meanwhile. xgrammar's compiler releases the GIL while it works.
+dropped past `cache_size`), and compilation runs in two worker threads (a slow grammar holds
+up one of them). The scheduler keeps a request in the queue, skipped by admission, until its
+future is done (or past the manager's COMPILE_TIMEOUT_S); other requests are admitted
+meanwhile. xgrammar's compiler releases the GIL while it works.
 
 The tokenizer's vocabulary is converted for xgrammar (TokenizerInfo) once, in the worker
 thread, on the first grammar request: a server that is never asked for a grammar pays nothing.
@@ -26,7 +27,7 @@ GrammarKey = tuple[str, str]  # (kind, text): ("regex" | "json_schema" | "ebnf",
 
 class GrammarBackend:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
-                 cache_size: int = 512, compile_threads: int = 1) -> None:
+                 cache_size: int = 512, compile_threads: int = 2) -> None:
         """`vocab_size`: the model's (its logits' width; the tokenizer's may be smaller).
         `stop_token_ids`: what ends a request (EOS): allowed once the grammar is complete."""
         self._tokenizer = tokenizer

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from typing import Any
 
 from radixserve.core.req import Req
@@ -22,6 +23,9 @@ from radixserve.scheduler.grammar.jump_forward import apply_jump, plan_jump
 from radixserve.scheduler.grammar.matcher import ReasoningGate
 
 logger = logging.getLogger(__name__)
+# a request whose grammar has not compiled after this long ends with an error rather than wait
+# on (xgrammar cannot stop a compile; the backend's other threads serve other grammars)
+COMPILE_TIMEOUT_S = 60.0
 
 
 class GrammarManager:
@@ -53,6 +57,7 @@ class GrammarManager:
         if self.tokenizer is None:
             return f"{key[0]} needs a tokenizer; the server runs with --skip-tokenizer-init"
         req.grammar_future = self.backend.request(key)
+        req.grammar_asked_at = time.monotonic()
         return None
 
     def ready(self, req: Req) -> bool:
@@ -60,6 +65,12 @@ class GrammarManager:
         if future is None:
             return True
         if not future.done() and not self.blocking:
+            # (with TP every rank waits instead, with no limit: a clock would differ by rank)
+            if time.monotonic() - req.grammar_asked_at > COMPILE_TIMEOUT_S:
+                req.grammar_future = None  # the compile goes on (and is cached) without it
+                kind = req.sampling_params.grammar_key[0]  # type: ignore[index]
+                self.failed.append((req, f"compiling the {kind} took more than "
+                                         f"{COMPILE_TIMEOUT_S:g} s: simplify it"))
             return False
         req.grammar_future = None
         try:

@@ -3,11 +3,14 @@
 
 Parsing a grammar without the tokenizer (xgrammar.Grammar.from_*) is fast (well under a
 millisecond for usual schemas) and catches what compilation would refuse; the scheduler
-compiles with the tokenizer in its worker thread afterwards.
+compiles with the tokenizer in its worker threads afterwards. A parse that takes longer than
+CHECK_TIMEOUT_S is refused (400), without waiting for it to end.
 """
 from __future__ import annotations
 
-import functools
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, TimeoutError
 
 from radixserve.core.sampling_params import InvalidRequestError, SamplingParams
 
@@ -18,13 +21,63 @@ JSON_SCHEMA_OPTIONS = {"any_whitespace": False, "strict_mode": True}
 _MAX_MESSAGE_CHARS = 300
 
 
-def grammar_error(kind: str, text: str) -> str | None:
-    """None when `text` is a valid grammar of `kind`, else a message saying what is wrong."""
-    return _cached_error(kind, text)
+# A grammar that takes xgrammar long to parse (a string pattern like ^.{0,4000}$ takes ~5 s,
+# arrays nested 500 deep ~5 s, 1,000 deep ~90 s; it cannot be interrupted) is refused after
+# CHECK_TIMEOUT_S; its parse goes on in a daemon thread, and at most MAX_CHECKS_RUNNING run at
+# once (a grammar asked for again while its parse runs waits for that one)
+CHECK_TIMEOUT_S = 10.0
+MAX_CHECKS_RUNNING = 4
+_RESULTS_KEPT = 256
 
 
-@functools.lru_cache(maxsize=256)
-def _cached_error(kind: str, text: str) -> str | None:
+class _Checks:
+    """Grammar parses in daemon threads, their results kept (LRU) and shared in flight."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.results: OrderedDict[tuple[str, str], str | None] = OrderedDict()
+        self.running: dict[tuple[str, str], Future[str | None]] = {}
+
+    def error(self, kind: str, text: str, timeout_s: float) -> str | None:
+        key = (kind, text)
+        with self.lock:
+            if key in self.results:
+                self.results.move_to_end(key)
+                return self.results[key]
+            future = self.running.get(key)
+            if future is None:
+                if len(self.running) >= MAX_CHECKS_RUNNING:
+                    return (f"{MAX_CHECKS_RUNNING} other grammars are still being checked "
+                            "(each for up to the limit); retry later")
+                future = self.running[key] = Future()
+                threading.Thread(target=self._run, args=(key, future), daemon=True,
+                                 name="grammar-check").start()
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:
+            return (f"checking it took more than {timeout_s:g} s (xgrammar's parse of this "
+                    "grammar is too slow): simplify it")
+
+    def _run(self, key: tuple[str, str], future: Future[str | None]) -> None:
+        error = _parse_error(*key)
+        with self.lock:
+            self.results[key] = error
+            while len(self.results) > _RESULTS_KEPT:
+                self.results.popitem(last=False)
+            del self.running[key]
+        future.set_result(error)
+
+
+_CHECKS = _Checks()
+
+
+def grammar_error(kind: str, text: str, timeout_s: float = CHECK_TIMEOUT_S) -> str | None:
+    """None when `text` is a valid grammar of `kind`, else a message saying what is wrong
+    (or that checking it took longer than `timeout_s`)."""
+    return _CHECKS.error(kind, text, timeout_s)
+
+
+def _parse_error(kind: str, text: str) -> str | None:
     import xgrammar
 
     try:
