@@ -88,18 +88,19 @@ class TokenizerManager:
         self.loop: asyncio.AbstractEventLoop | None = None
         # set on shutdown or when a child process died: new requests are refused (503)
         self.refusing: str | None = None
-        # Three lanes of one thread each, so the event loop stays free and a huge prompt or a
-        # slow grammar delays only its own kind: bodies of BULK_BODY_BYTES and more go to the
-        # bulk lane, those that may carry a grammar (asks_for_grammar) to the grammar one. The
-        # lanes share the tokenizer: encode and decode only read it (the Rust side is borrowed
-        # shared); the one write, dropping a truncation or padding setting that tokenizer.json
-        # shipped, is done here once, before either lane runs.
+        # Three lanes, so the event loop stays free and a huge prompt or a slow grammar delays
+        # only its own kind: bodies of BULK_BODY_BYTES and more go to the bulk lane (a thread),
+        # those that may carry a grammar (asks_for_grammar) to the grammar one (two threads:
+        # a grammar whose check runs to its limit holds up one). The lanes share the
+        # tokenizer: encode and decode only read it (the Rust side is borrowed shared); the one
+        # write, dropping a truncation or padding setting that tokenizer.json shipped, is done
+        # here once, before any lane runs.
         if tokenizer is not None:
             tokenizer.encode("warm-up")
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="request-build")
         self.bulk_executor = ThreadPoolExecutor(max_workers=1,
                                                 thread_name_prefix="request-build-bulk")
-        self.grammar_executor = ThreadPoolExecutor(max_workers=1,
+        self.grammar_executor = ThreadPoolExecutor(max_workers=2,
                                                    thread_name_prefix="request-build-grammar")
         self.recv_task: asyncio.Task[None] | None = None
 
