@@ -19,11 +19,6 @@ async def read_json(request: Request) -> Any:
     return await asyncio.to_thread(parse_json, await request.body())
 
 
-async def body_bytes(request: Request) -> int:
-    """The request body's size (Starlette keeps the body read by read_json)."""
-    return len(await request.body())
-
-
 def parse_json(raw: bytes) -> Any:
     """JSON that every later step can use: well-formed, not nested past Python's recursion
     limit, every string encodable as UTF-8 (no lone surrogates, which JSON's \\u escapes

@@ -23,12 +23,12 @@ from starlette.requests import Request
 
 from radixserve.core.sampling_params import MAX_N, InvalidRequestError, SamplingParams
 from radixserve.server.errors import APIError
-from radixserve.server.http_utils import body_bytes, read_json
+from radixserve.server.http_utils import read_json
 from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.openai_common import sample_copies, sse, sse_response
 from radixserve.server.openai_protocol import StrictModel, parse_model
 from radixserve.server.request_state import GenerateRequest
-from radixserve.server.tokenizer_manager import TokenizerManager, asks_for_grammar
+from radixserve.server.tokenizer_manager import TokenizerManager
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 # the header of the server's own warm-up /generate (launch.py), heeded only before it is ready
@@ -166,9 +166,9 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
     async def generate(request: Request) -> Response:
         raw = await read_json(request)
         # validation and tokenisation off the event loop: a huge prompt must not stall /health
-        lane = {"body_bytes": await body_bytes(request), "grammar": asks_for_grammar(raw)}
-        obj: GenerateReqInput = await tm.offload(parse_model, GenerateReqInput, raw, **lane)
-        reqs, is_batch = await tm.offload(build_requests, tm, obj, **lane)
+        lane = await tm.lane_for(request, raw)
+        obj: GenerateReqInput = await tm.offload(parse_model, GenerateReqInput, raw, lane=lane)
+        reqs, is_batch = await tm.offload(build_requests, tm, obj, lane=lane)
         if not is_ready() and request.headers.get(WARM_UP_HEADER) == "1":
             # the server's own warm-up (launch.py): not a request the metrics count
             reqs = [dataclasses.replace(r, internal=True) for r in reqs]

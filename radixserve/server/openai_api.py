@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
 import radixserve
-from radixserve.server.http_utils import body_bytes, read_json
+from radixserve.server.http_utils import read_json
 from radixserve.server.openai_chat import create_chat_completion
 from radixserve.server.openai_common import OpenAIContext, now_s
 from radixserve.server.openai_completions import create_completion
@@ -41,14 +41,16 @@ def openai_router(ctx: OpenAIContext, context_len: int) -> APIRouter:
     @router.post("/tokenize")
     async def tokenize_route(request: Request) -> JSONResponse:
         raw = await read_json(request)
-        return JSONResponse(await ctx.tokenizer_manager.offload(
-            tokenize, ctx, raw, body_bytes=await body_bytes(request)))
+        tm = ctx.tokenizer_manager
+        return JSONResponse(await tm.offload(tokenize, ctx, raw,
+                                             lane=await tm.lane_for(request, raw)))
 
     @router.post("/detokenize")
     async def detokenize_route(request: Request) -> JSONResponse:
         raw = await read_json(request)
-        return JSONResponse(await ctx.tokenizer_manager.offload(
-            detokenize, ctx, raw, body_bytes=await body_bytes(request)))
+        tm = ctx.tokenizer_manager
+        return JSONResponse(await tm.offload(detokenize, ctx, raw,
+                                             lane=await tm.lane_for(request, raw)))
 
     @router.get("/version")
     async def version() -> JSONResponse:

@@ -12,8 +12,6 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
 from radixserve.server.errors import APIError
-from radixserve.server.http_utils import body_bytes
-from radixserve.server.tokenizer_manager import asks_for_grammar
 from radixserve.server.openai_common import (OpenAIContext, finish_reason_of, new_id, now_s,
                                              sample_copies, sse, sse_response, usage_of)
 from radixserve.server.openai_protocol import (OPENAI_FIELD_NAMES, ChatCompletionRequest,
@@ -145,13 +143,13 @@ def choice_of(body: ChatCompletionRequest, plan: ToolPlan, index: int,
 
 async def create_chat_completion(ctx: OpenAIContext, request: Request, raw: Any) -> Response:
     tm = ctx.tokenizer_manager
-    lane = {"body_bytes": await body_bytes(request), "grammar": asks_for_grammar(raw)}
+    lane = await tm.lane_for(request, raw)
     body: ChatCompletionRequest = await tm.offload(parse_model, ChatCompletionRequest, raw,
-                                                   **lane)
+                                                   lane=lane)
     body.check_unsupported()
     model = ctx.check_model(body.model)
     # template + tokenizer off the loop
-    reqs, plan, split = await tm.offload(build_requests, ctx, body, **lane)
+    reqs, plan, split = await tm.offload(build_requests, ctx, body, lane=lane)
     if body.stream:
         return await sse_response(stream_events(ctx, body, plan, split, model, reqs,
                                                 request))

@@ -9,8 +9,6 @@ from typing import Any, AsyncIterator
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
-from radixserve.server.http_utils import body_bytes
-from radixserve.server.tokenizer_manager import asks_for_grammar
 from radixserve.server.openai_common import (OpenAIContext, finish_reason_of, new_id, now_s,
                                              sample_copies, sse, sse_response, usage_of)
 from radixserve.server.openai_protocol import (OPENAI_FIELD_NAMES, CompletionRequest,
@@ -138,12 +136,12 @@ def choice_of(ctx: OpenAIContext, body: CompletionRequest, index: int, req: Gene
 
 async def create_completion(ctx: OpenAIContext, request: Request, raw: Any) -> Response:
     tm = ctx.tokenizer_manager
-    lane = {"body_bytes": await body_bytes(request), "grammar": asks_for_grammar(raw)}
-    body: CompletionRequest = await tm.offload(parse_model, CompletionRequest, raw, **lane)
+    lane = await tm.lane_for(request, raw)
+    body: CompletionRequest = await tm.offload(parse_model, CompletionRequest, raw, lane=lane)
     body.check_unsupported()
     model = ctx.check_model(body.model)
     # tokenisation off the event loop
-    reqs = await tm.offload(build_requests, ctx, body, **lane)
+    reqs = await tm.offload(build_requests, ctx, body, lane=lane)
     if body.stream:
         return await sse_response(stream_events(ctx, body, model, reqs, request))
     outs = await tm.generate_all(reqs, request)

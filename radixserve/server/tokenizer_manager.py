@@ -48,8 +48,8 @@ BULK_BODY_BYTES = 256 * 1024
 # a request body with any of these (top level, or in /generate's sampling_params) is built in
 # the grammar lane: checking a grammar can take up to its time limit
 # (scheduler/grammar/validation.py), which requests without one must not wait for
-_GRAMMAR_FIELDS = frozenset({"response_format", "guided_json", "guided_regex", "guided_choice",
-                             "guided_grammar", "regex", "ebnf", "json_schema", "tool_choice"})
+_GRAMMAR_FIELDS = frozenset(GRAMMAR_KINDS) | {"response_format", "guided_json", "guided_regex",
+                                              "guided_choice", "guided_grammar", "tool_choice"}
 
 
 def asks_for_grammar(raw: Any) -> bool:
@@ -128,13 +128,22 @@ class TokenizerManager:
         self.bulk_executor.shutdown(wait=False, cancel_futures=True)
         self.grammar_executor.shutdown(wait=False, cancel_futures=True)
 
-    async def offload(self, fn: Callable[..., T], *args: Any, body_bytes: int = 0,
-                      grammar: bool = False) -> T:
-        """Run `fn(*args)` in a request-building thread (parsing, chat templates,
-        tokenisation, grammar checks) so the event loop keeps serving other requests and
-        /health meanwhile; `body_bytes`, the request body's size, and `grammar` (it may carry
-        one: asks_for_grammar) pick the lane. Its exceptions (APIError for bad input) reach
-        the caller as they are."""
+    async def lane_for(self, request: Request, raw: Any) -> ThreadPoolExecutor:
+        """The request-building lane of a request whose parsed body is `raw`: the grammar
+        lane if it may carry a grammar (asks_for_grammar), the bulk lane for a body of
+        BULK_BODY_BYTES or more (Starlette keeps the body read_json read), else the main one."""
+        if asks_for_grammar(raw):
+            return self.grammar_executor
+        if len(await request.body()) >= BULK_BODY_BYTES:
+            return self.bulk_executor
+        return self.executor
+
+    async def offload(self, fn: Callable[..., T], *args: Any,
+                      lane: ThreadPoolExecutor | None = None) -> T:
+        """Run `fn(*args)` in a request-building thread of `lane` (`lane_for`; the main lane
+        by default): parsing, chat templates, tokenisation, grammar checks, so the event loop
+        keeps serving other requests and /health meanwhile. Its exceptions (APIError for bad
+        input) reach the caller as they are."""
         def call() -> tuple[Any, APIError | None]:
             try:
                 return fn(*args), None
@@ -145,9 +154,8 @@ class TokenizerManager:
                 return None, APIError(exc.message, exc.status_code, exc.param, exc.code,
                                       exc.error_type)
 
-        lane = self.grammar_executor if grammar else \
-            self.bulk_executor if body_bytes >= BULK_BODY_BYTES else self.executor
-        result, error = await asyncio.get_running_loop().run_in_executor(lane, call)
+        result, error = await asyncio.get_running_loop().run_in_executor(
+            lane or self.executor, call)
         if error is not None:
             raise error
         return result
