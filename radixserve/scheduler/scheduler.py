@@ -384,6 +384,8 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
             if req.sampling_params.max_new_tokens == 0:
                 self._finish(req, FinishReason.max_length(0))
                 continue
+            if req.first_token_time is None:  # every request's first token comes from here
+                req.first_token_time = time.time()
             if self._take_token(req, i, out):
                 if launched is None:  # share the prompt's KV with later requests right away
                     self.tree_cache.cache_unfinished_req(req)
@@ -402,8 +404,6 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
     def _append_token(self, req: Req, i: int, out: Any) -> int:
         """Append a sampled token; returns how many jump-forward added (`_requeue_for_extend`)."""
         req.output_ids.append(out.next_token_ids[i])
-        if req.first_token_time is None:
-            req.first_token_time = time.time()
         if req.return_logprob and out.next_token_logprobs is not None:
             req.output_token_logprobs.append((out.next_token_logprobs[i], out.next_token_ids[i]))
             if req.top_logprobs_num and out.next_top_logprobs is not None:
