@@ -80,14 +80,6 @@
 #          shapes on one rank of tp ROOF_TUNE_TP (default "2 4 8"; bf16), written into the
 #          kernels' tables and packed into $OUT/gemm_configs.tgz to bring back (~ROOF_TUNE_BUDGET
 #          seconds per tp size, default 150; issue 17 asks for every 8B/70B shape swept)
-# l2_prefetch_ab: only the decode steps of l2_prefetch (same knobs)
-# l2_prefetch: weights prefetched into L2 during decode attention (layers/weight_prefetch.py): the
-#          GPU tests, each product alone after a flush with and without the prefetch
-#          (benchmarks/gpu_l2_prefetch.py $ROOF_PREFETCH_ARGS), then decode batches
-#          ROOF_AB_BATCHES (default "1 8") with RADIXSERVE_L2_PREFETCH set to each of
-#          ROOF_PREFETCH_PLANS (default "0 o=1 o=1,gu=0.1"; issued by the attention kernel) and
-#          of ROOF_PREFETCH_KERNEL_PLANS (default "o=1"; a kernel of its own), alternated
-#          twice; ROOF_PREFETCH_KIND bf16 (default), fp8 or fp8kv (~8 min)
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/gpu_common.sh gpu_roofline "${ROOF_STEPS:-decode short long radix offline http}"
@@ -134,24 +126,6 @@ env_ab() {  # VAR "values" "batches" kind: decode steps (context 1024, graphs + 
 if step decode; then
     echo "== decode"
     decode_batches decode "1 2 4 8 16"
-fi
-if step l2_prefetch; then
-    echo "== L2 prefetch: GPU tests"
-    timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider tests/layers/test_l2_prefetch.py \
-        tests/attention/test_triton_decode_attention.py -k prefetch 2>&1 | tail -2
-    echo "== L2 prefetch: each product after a flush"
-    timeout -k 10 150 python3 benchmarks/gpu_l2_prefetch.py ${ROOF_PREFETCH_ARGS:-} 2>&1 | quiet
-fi
-if step l2_prefetch || step l2_prefetch_ab; then
-    echo "== L2 prefetch: decode steps (RADIXSERVE_L2_PREFETCH_IN=attention, then =kernel)"
-    for round in 1 2; do
-        env_ab RADIXSERVE_L2_PREFETCH "${ROOF_PREFETCH_PLANS:-0 o=1 o=1,gu=0.1}" \
-            "${ROOF_AB_BATCHES:-1 8}" "${ROOF_PREFETCH_KIND:-bf16}"
-        # an empty ROOF_PREFETCH_KERNEL_PLANS skips the kernel mode (unset: o=1)
-        [ -n "${ROOF_PREFETCH_KERNEL_PLANS-o=1}" ] && RADIXSERVE_L2_PREFETCH_IN=kernel env_ab \
-            RADIXSERVE_L2_PREFETCH "${ROOF_PREFETCH_KERNEL_PLANS-o=1}" \
-            "${ROOF_AB_BATCHES:-1 8}" "${ROOF_PREFETCH_KIND:-bf16}"
-    done
 fi
 if step decode_ab; then
     echo "== decode, RADIXSERVE_DECODE_CONFIG=${ROOF_AB_CONFIG:?set ROOF_AB_CONFIG} vs default"

@@ -336,13 +336,10 @@ class TritonAttnBackend(AttentionBackend):
         q = q.view(-1, num_heads, head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         k_buffer, v_buffer = self.kv_pool.kv_buffers(layer.layer_id)
-        prefetch = layer.decode_prefetch(out.view(out.shape[0], -1))
         decode_attention_fwd(q, k_buffer, v_buffer, out, self.req_to_token_pool.req_to_token,
                              meta.req_pool_indices, meta.seq_lens, meta.mid_out, meta.mid_lse,
                              layer.scaling, meta.config, sliding_window=_window(layer),
-                             logit_cap=layer.logit_cap, **self._scale_args(layer),
-                             prefetch=prefetch.weights if prefetch else (),
-                             prefetch_early=prefetch.before_wait if prefetch else False)
+                             logit_cap=layer.logit_cap, **self._scale_args(layer))
         return out.view(-1, num_heads * head_dim)
 
     def _scale_args(self, layer: "RadixAttention") -> dict[str, float]:

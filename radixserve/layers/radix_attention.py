@@ -4,9 +4,7 @@ Models pass q, k, v straight from the projection and the rope as a `RopeInput`; 
 rotates q/k (fused with its KV-cache store where it can) before attending. Per layer it carries
 what the backends must honour: the scaling, an attention window (`sliding_window`, None: full;
 a query at position p sees keys p - W < j <= p, as transformers defines it) and the attention
-logit soft-cap (`logit_cap`, 0: none; scores s become cap * tanh(s / cap), Gemma-2). Its owner
-may name the linears after it (`prefetch_linears`) whose weights a small decode step's attention
-kernel asks L2 for (layers/weight_prefetch.py).
+logit soft-cap (`logit_cap`, 0: none; scores s become cap * tanh(s / cap), Gemma-2).
 """
 from __future__ import annotations
 
@@ -16,7 +14,6 @@ import torch
 from torch import nn
 
 from radixserve.core.forward_batch import ForwardBatch
-from radixserve.layers import weight_prefetch
 from radixserve.layers.rotary import RopeInput
 from radixserve.mem.kv_pool import KVStoreTarget
 
@@ -38,21 +35,6 @@ class RadixAttention(nn.Module):
         self.layer_id = layer_id
         self.sliding_window = sliding_window
         self.logit_cap = logit_cap
-        # "o", "gu", "down": the linears a prefetch plan may name (not submodules: the owner's)
-        self.prefetch_linears: dict[str, nn.Module] = {}
-
-    def prefetchable(self) -> dict[str, torch.Tensor]:
-        """The named linears' weights as they are now (a loader may have replaced them)."""
-        return {name: linear.weight for name, linear in self.prefetch_linears.items()}
-
-    def decode_prefetch(self, rows: torch.Tensor) -> "weight_prefetch.PrefetchTargets | None":
-        """What the decode attention kernel asks L2 for this step, when RADIXSERVE_L2_PREFETCH's
-        plan has attention issue it and applies to these rows; None otherwise."""
-        plan = weight_prefetch.env_plan()
-        if plan is None or not plan.in_attention or not self.prefetch_linears \
-                or not weight_prefetch.applies(plan, rows):
-            return None
-        return weight_prefetch.targets(plan, self.prefetchable())
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 forward_batch: ForwardBatch, rope: RopeInput | None = None,

@@ -21,7 +21,6 @@ from torch import nn
 
 from radixserve.config import ModelConfig
 from radixserve.core.forward_batch import ForwardBatch
-from radixserve.layers import weight_prefetch
 from radixserve.layers.activation import SiluAndMul, gated_activation
 from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -59,25 +58,13 @@ class DecoderAttention(nn.Module):
                                    self.qkv_proj.num_kv_heads, layer_id,
                                    sliding_window=config.layer_sliding_window(layer_id),
                                    logit_cap=logit_cap)
-        self.attn.prefetch_linears["o"] = self.o_proj
 
     def _per_head_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return norm(x.reshape(-1, self.head_dim)).view(x.shape[0], -1)
 
     def forward(self, positions: torch.Tensor, hidden: "torch.Tensor | Fp8Rows",
                 forward_batch: ForwardBatch) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
-        self.prefetch_for_attention(qkv)
-        return self.o_proj(self.attend(positions, qkv, forward_batch))
-
-    def prefetch_for_attention(self, qkv: torch.Tensor) -> None:
-        """Launch the L2 prefetch of the weights RADIXSERVE_L2_PREFETCH names, to arrive
-        while attention runs, where the plan has a kernel of its own issue it (small decode
-        batches on Hopper; off by default). Otherwise the attention kernel issues it
-        (`RadixAttention.decode_prefetch`)."""
-        plan = weight_prefetch.env_plan()
-        if plan is not None and not plan.in_attention and weight_prefetch.applies(plan, qkv):
-            weight_prefetch.prefetch_weights(plan, self.attn.prefetchable())
+        return self.o_proj(self.attend(positions, self.qkv_proj(hidden), forward_batch))
 
     def rope_store(self, positions: torch.Tensor, norm: RMSNorm, dtype: torch.dtype,
                    forward_batch: ForwardBatch) -> "RopeStore | None":
@@ -189,10 +176,6 @@ class DecoderLayer(nn.Module):
 
         self._fuses_rows: dict[tuple[int, torch.dtype], bool] = {}
         self._takes_fp8_rows: dict[int, bool] = {}
-        if isinstance(self.self_attn, DecoderAttention) and isinstance(self.mlp, GatedMLP):
-            # the MLP's weights too may be asked for during attention (weight_prefetch.py)
-            self.self_attn.attn.prefetch_linears.update(gu=self.mlp.gate_up_proj,
-                                                        down=self.mlp.down_proj)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, forward_batch: ForwardBatch
@@ -281,7 +264,6 @@ class DecoderLayer(nn.Module):
         rope = None if stream.shape[0] > 1 else \
             attn.rope_store(positions, self.input_layernorm, stream.dtype, forward_batch)
         qkv = attn.qkv_proj.fused_row_product(stream, norm=self.input_layernorm, rope=rope)
-        attn.prefetch_for_attention(qkv)
         attended = attn.attend(positions, qkv, forward_batch, kv_stored=rope is not None)
         stream = attn.o_proj.fused_row_product(attended, residual=stream)
         act = mlp.gate_up_proj.fused_row_product(stream, norm=self.post_attention_layernorm,

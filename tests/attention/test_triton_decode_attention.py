@@ -38,9 +38,8 @@ def run_decode_with_lse(seq_lens: list[int], num_kv_heads: int, group: int, head
                         dtype: torch.dtype, num_kv_splits: int, config: DecodeKernelConfig,
                         seed: int = 0, q_scale: float = 1.0, **options: Any,
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """options: sliding_window / logit_cap, for the kernel and the reference alike (and the
-    kernel's prefetch / prefetch_early, for it alone). q_scale scales q, so that scores are
-    large enough for a logit cap to matter."""
+    """options: sliding_window / logit_cap, for the kernel and the reference alike. q_scale
+    scales q, so that scores are large enough for a logit cap to matter."""
     pool = random_pool(seq_lens, num_kv_heads, head_dim, dtype, seed=seed)
     num_heads = num_kv_heads * group
     gen = torch.Generator().manual_seed(seed + 1)
@@ -56,9 +55,7 @@ def run_decode_with_lse(seq_lens: list[int], num_kv_heads: int, group: int, head
                          pool.req_pool_indices, pool.seq_lens, mid_out, mid_lse, scale, config,
                          **options)
     ref = decode_attention_reference(q, pool.k_buffer, pool.v_buffer, pool.req_to_token,
-                                     pool.req_pool_indices, pool.seq_lens, scale,
-                                     **{k: v for k, v in options.items()
-                                        if not k.startswith("prefetch")})
+                                     pool.req_pool_indices, pool.seq_lens, scale, **options)
     return out, ref, mid_lse
 
 
@@ -293,22 +290,3 @@ def test_decode_large_batch(dtype: torch.dtype) -> None:
     out, ref = run_decode(seq_lens, num_kv_heads=8, group=4, head_dim=128, dtype=dtype,
                           num_kv_splits=4, config=DecodeKernelConfig())
     torch.testing.assert_close(out, ref, **tolerance(dtype))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="bulk L2 prefetch needs a Hopper GPU")
-@pytest.mark.parametrize("early", [False, True])
-@pytest.mark.parametrize("early_kv", [False, True])
-def test_decode_with_weight_prefetch_gives_the_same_output(early: bool, early_kv: bool) -> None:
-    """The programs' L2 prefetch of the next products' weights (two of them, the second only
-    partly) is a hint: the output is bitwise the same, and the weights are untouched."""
-    weights = [torch.randn(512, 1000, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
-    copies = [w.clone() for w in weights]
-    config = DecodeKernelConfig(block_n=16, early_kv=early_kv)
-    args = ([1, 40, 300, 1025], 2, 4, 128, torch.bfloat16, 4, config)
-    plain, _ = run_decode(*args, seed=5)
-    fetched, _ = run_decode(*args, seed=5, prefetch_early=early, prefetch=(
-        (weights[0], weights[0].numel() * 2), (weights[1], 4096)))
-    torch.cuda.synchronize()
-    assert torch.equal(plain, fetched)
-    assert all(torch.equal(w, c) for w, c in zip(weights, copies))

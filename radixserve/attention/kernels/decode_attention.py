@@ -31,14 +31,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 from radixserve.core.triton_pdl import pdl_launch_args, pdl_launch_then_wait, pdl_prologue
-from radixserve.layers.kernels.l2_prefetch import PREFETCH_ALIGN, chunk_for, prefetch_chunks
 
 
 @dataclass(frozen=True)
@@ -172,8 +170,6 @@ def _decode_split_kernel(
     USE_PDL: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_FP16: tl.constexpr,
     EARLY_V: tl.constexpr, LAZY_RESCALE: tl.constexpr, LAZY_BITS: tl.constexpr,
     EARLY_KV: tl.constexpr,
-    pf_addr0, pf_bytes0, pf_addr1, pf_bytes1, pf_chunk,
-    PREFETCH: tl.constexpr, PREFETCH_EARLY: tl.constexpr, PREFETCH_LANES: tl.constexpr,
 ):
     """FP8 KV: the codes are multiplied as they are (k_scale is folded into sm_scale_log2e by
     the caller, v_scale applied to the output), converted to fp16 (FP8_AS_FP16: exact, and one
@@ -183,25 +179,12 @@ def _decode_split_kernel(
     position: under PDL only the kernel right before can still be running (the rope + KV store,
     which writes q and this step's K/V), and the step's inputs (seq_lens, req_pool_indices,
     the request table's rows) and the K/V of earlier positions were written before it. The new
-    position's row is read after the wait.
-
-    PREFETCH: the programs ask L2 for up to two weights' leading bytes (the products after
-    attention; kernels/l2_prefetch.py), PREFETCH_LANES chunks of pf_chunk bytes each, before
-    their PDL wait (PREFETCH_EARLY) or after it."""
+    position's row is read after the wait."""
+    if not EARLY_KV:
+        pdl_prologue(USE_PDL)
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if PREFETCH:
-        first_chunk = ((batch * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split) \
-            * PREFETCH_LANES
-        if PREFETCH_EARLY:
-            prefetch_chunks(pf_addr0, pf_bytes0, pf_addr1, pf_bytes1, pf_chunk, first_chunk,
-                            PREFETCH_LANES)
-    if not EARLY_KV:
-        pdl_prologue(USE_PDL)
-        if PREFETCH and not PREFETCH_EARLY:
-            prefetch_chunks(pf_addr0, pf_bytes0, pf_addr1, pf_bytes1, pf_chunk, first_chunk,
-                            PREFETCH_LANES)
 
     seq_len = tl.load(Seq_lens + batch).to(tl.int32)
     win_len = _window_len(seq_len, SLIDING_WINDOW)
@@ -227,9 +210,6 @@ def _decode_split_kernel(
         k0 = _gather_rows(K_Buffer, slots0, stride_kt, kv_head * stride_kh, offs_d, mask0)
         v0 = _gather_rows(V_Buffer, slots0, stride_vt, kv_head * stride_vh, offs_d, mask0)
         pdl_prologue(USE_PDL)
-        if PREFETCH and not PREFETCH_EARLY:
-            prefetch_chunks(pf_addr0, pf_bytes0, pf_addr1, pf_bytes1, pf_chunk, first_chunk,
-                            PREFETCH_LANES)
     if start < end:
         if not EARLY_KV:
             req_row = tl.load(Req_pool_indices + batch).to(tl.int64)
@@ -385,9 +365,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                          mid_out: torch.Tensor, mid_lse: torch.Tensor, sm_scale: float,
                          config: DecodeKernelConfig = DecodeKernelConfig(), *,
                          sliding_window: int = -1, logit_cap: float = 0.0,
-                         k_scale: float = 1.0, v_scale: float = 1.0,
-                         prefetch: Sequence[tuple[torch.Tensor, int]] = (),
-                         prefetch_early: bool = False) -> None:
+                         k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write attention of q ([bs, H, D]) over each request's first seq_len positions into out.
 
     k/v_buffer: [slots, Hkv, D] (one layer of the pool). mid_out [bs, H, S, D] and mid_lse
@@ -396,9 +374,6 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     logit_cap c > 0: scores s become c * tanh(s / c). Both are compile-time constants; <= 0 is off.
     FP8 buffers (float8_e4m3fn / e5m2) hold value / scale: the scores are scaled by k_scale and
     the output by v_scale (the codes themselves enter the products unscaled).
-    prefetch: up to two (weight, bytes) whose leading bytes the programs ask L2 for, to be
-    there for the products after attention (CUDA on Hopper only; before the PDL wait with
-    prefetch_early).
     No host sync, no allocation: safe to capture in a CUDA graph.
     """
     batch_size, num_heads, head_dim = q.shape
@@ -414,13 +389,6 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     window, cap = normalize_window_and_cap(sliding_window, logit_cap)
 
     single_split = num_kv_splits == 1
-    assert len(prefetch) <= 2, "the kernel prefetches at most two weights"
-    targets = [(t.data_ptr(), nbytes) for t, nbytes in prefetch if nbytes > 0]
-    prefetch_lanes = 32 * config.num_warps  # one chunk per thread
-    pf_chunk = chunk_for(sum(nbytes for _, nbytes in targets),
-                         batch_size * num_kv_heads * num_kv_splits * config.num_warps) \
-        if targets else PREFETCH_ALIGN  # (unused without targets)
-    targets += [(0, 0)] * (2 - len(targets))
     _decode_split_kernel[(batch_size, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, out,
         sm_scale_log2e, num_kv_splits, float(v_scale),
@@ -434,9 +402,6 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         SLIDING_WINDOW=window, LOGIT_CAP=cap, KV_FP8=kv_fp8,
         FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16), EARLY_V=config.early_v,
         LAZY_RESCALE=config.lazy_rescale, LAZY_BITS=LAZY_MAX_BITS, EARLY_KV=config.early_kv,
-        pf_addr0=targets[0][0], pf_bytes0=targets[0][1], pf_addr1=targets[1][0],
-        pf_bytes1=targets[1][1], pf_chunk=pf_chunk, PREFETCH=targets[0][1] > 0,
-        PREFETCH_EARLY=prefetch_early, PREFETCH_LANES=prefetch_lanes,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
         **({"maxnreg": config.max_registers} if config.max_registers > 0 else {}),
     )
