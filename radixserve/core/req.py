@@ -49,6 +49,7 @@ class Req:
         # grammar is ready, then the request's matcher, which has accepted every output id
         self.grammar_future: Any | None = None
         self.grammar_asked_at = 0.0  # time.monotonic() when its compilation was asked for
+        self.grammar_settled = False  # with TP: rank 0 saw it compiled (GrammarManager.settle)
         self.grammar: Any | None = None
 
         # memory

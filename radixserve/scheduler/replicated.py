@@ -8,6 +8,9 @@ deterministic given its inputs, so every rank admits, chunks, retracts and batch
 model's collectives meet. Sampled ids agree because the model gathers the whole vocabulary's
 logits on every rank and broadcasts random draws (ModelRunner._sample_ids).
 
+The one input that is not deterministic, when a grammar has finished compiling (each rank
+compiles its own, on its own clock), is decided by rank 0 and logged like a call ("grammars").
+
 Reads (has_work, model_info, get_internal_state) are rank 0's alone.
 """
 from __future__ import annotations
@@ -19,7 +22,9 @@ from radixserve.core.io_struct import BatchTokenIDOut, FlushCacheReply, ReqError
 from radixserve.distributed.parallel_state import TensorParallelGroup
 from radixserve.scheduler.scheduler import Scheduler
 
-Command = tuple[Any, ...]  # ("add", req) | ("abort", rid) | ("flush",) | ("turn",) | ("stop",)
+# ("add", req) | ("abort", rid) | ("flush",) | ("grammars", done rids, late rids) | ("turn",)
+# | ("stop",)
+Command = tuple[Any, ...]
 
 
 class ReplicatedScheduler:
@@ -43,6 +48,11 @@ class ReplicatedScheduler:
         return self.scheduler.flush_cache()
 
     def run_turn(self) -> list[BatchTokenIDOut]:
+        # grammars compile on each rank's own clock: rank 0's view of which are ready decides
+        settled = self.scheduler.grammars.poll(self.scheduler.waiting_queue)
+        if settled is not None:
+            self._log.append(("grammars", *settled))
+            _settle_grammars(self.scheduler, *settled)
         self.group.broadcast_object(self._log + [("turn",)])
         self._log = []
         return self.scheduler.run_turn()
@@ -56,6 +66,10 @@ class ReplicatedScheduler:
         return getattr(self.scheduler, name)
 
 
+def _settle_grammars(scheduler: Scheduler, done: list[str], late: list[str]) -> None:
+    scheduler.grammars.settle(scheduler.waiting_queue, done, late)
+
+
 def follow(scheduler: Scheduler, group: TensorParallelGroup) -> None:
     """Ranks > 0: apply rank 0's calls in order until it says stop."""
     while True:
@@ -67,6 +81,8 @@ def follow(scheduler: Scheduler, group: TensorParallelGroup) -> None:
                 scheduler.abort_request(command[1])
             elif kind == "flush":
                 scheduler.flush_cache()
+            elif kind == "grammars":
+                _settle_grammars(scheduler, command[1], command[2])
             elif kind == "turn":
                 scheduler.run_turn()
             elif kind == "stop":

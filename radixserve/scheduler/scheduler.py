@@ -82,10 +82,11 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
         self.inflight: InflightDecode | None = None
         # a prefill batch launched and not yet read back (its requests join `running` then)
         self.inflight_prefill: InflightPrefill | None = None
-        # grammars compile in a worker thread; with TP every rank waits, to admit alike
+        # grammars compile in a worker thread; with TP rank 0 says when each is ready, so
+        # every rank admits alike (ReplicatedScheduler)
         self.grammars = GrammarManager(tokenizer, model_runner.vocab_size, eos_token_ids,
                                        context_len, self.args.enable_jump_forward,
-                                       blocking=self.args.tp_size > 1)
+                                       replicated=self.args.tp_size > 1)
 
     def _make_cache(self) -> BasePrefixCache:
         if self.args.disable_radix_cache:

@@ -5,7 +5,7 @@ embeddings with soft-capping and sliding windows; FP8 at tp 2 (block-scaled chec
 input columns split inside a block, a dense and an MoE model; --quantization fp8 with an FP8
 KV cache) gives tp 1's outputs, and so does tp 4 (--run-slow); the real server runs with
 --tp-size 2 and a dying rank takes it down; splits the layers cannot make are refused before
-loading."""
+loading; constrained outputs (regex, JSON schema) at tp 2 equal tp 1's."""
 from __future__ import annotations
 
 import os
@@ -215,3 +215,39 @@ def test_an_engine_never_shut_down_exits_cleanly(tmp_path) -> None:
                           timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "died" not in done.stderr
+
+
+def test_constrained_outputs_at_tp2_equal_tp1(tmp_path) -> None:
+    """Grammars at tp 2 over gloo: each rank compiles its own, rank 0 says when they are ready
+    (scheduler/replicated.py), and the ranks' masks and samples agree with one rank's."""
+    import json
+    import re
+
+    import transformers
+
+    from radixserve.loader.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(None)  # the bundled model's (49,152 ids)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64,
+                                      intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    schema = {"type": "object", "properties": {"id": {"enum": [7, 42]}},
+              "required": ["id"], "additionalProperties": False}
+    params = [{"max_new_tokens": 24, "temperature": 0, "regex": "[a-z]{3}-[0-9]{2}"},
+              {"max_new_tokens": 24, "temperature": 0, "json_schema": json.dumps(schema)},
+              {"max_new_tokens": 6, "temperature": 0}]
+    texts = {}
+    for tp_size in (1, 2):
+        engine = radixserve.Engine(str(tmp_path), dtype="float32", tp_size=tp_size,
+                                   max_total_tokens=1024)
+        try:
+            texts[tp_size] = [out["text"] for out in engine.generate(["Hi"] * 3, params)]
+        finally:
+            engine.shutdown()
+    assert texts[2] == texts[1]
+    assert re.fullmatch("[a-z]{3}-[0-9]{2}", texts[2][0])
+    assert json.loads(texts[2][1])["id"] in (7, 42), texts[2][1]

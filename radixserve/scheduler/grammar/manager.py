@@ -9,8 +9,10 @@ Lifecycle of a constrained request:
                   compile is put in `failed` for the scheduler to end (abort with the message)
   each token   -> `after_token(req)`: the matcher accepts it; with jump-forward, forced text
                   is appended and the number of tokens that still need KV is returned
-With tensor parallelism every rank must admit alike, so `ready` waits for the compilation
-instead of skipping (`blocking`)."""
+With tensor parallelism every rank must admit alike, and each rank compiles on its own clock:
+rank 0 decides (`replicated`). Before each turn it finds which grammars are compiled or past the
+time limit (`poll`) and every rank applies that decision (`settle`) before admitting, a rank
+whose own compile is still running waiting for it then; `ready` admits only settled grammars."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -30,13 +32,13 @@ COMPILE_TIMEOUT_S = 60.0
 
 class GrammarManager:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int],
-                 context_len: int, jump_forward: bool = False, blocking: bool = False) -> None:
+                 context_len: int, jump_forward: bool = False, replicated: bool = False) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self.context_len = context_len
         self.jump_forward = jump_forward
-        self.blocking = blocking
+        self.replicated = replicated
         self._backend: Any = None
         self.failed: list[tuple[Req, str]] = []
         self.num_jumped_tokens = 0  # statistics: tokens appended by jump-forward
@@ -58,21 +60,21 @@ class GrammarManager:
             return f"{key[0]} needs a tokenizer; the server runs with --skip-tokenizer-init"
         req.grammar_future = self.backend.request(key)
         req.grammar_asked_at = time.monotonic()
+        req.grammar_settled = False
         return None
 
     def ready(self, req: Req) -> bool:
         future = req.grammar_future
         if future is None:
             return True
-        if not future.done() and not self.blocking:
-            # (with TP every rank waits instead, with no limit: a clock would differ by rank)
-            if time.monotonic() - req.grammar_asked_at > COMPILE_TIMEOUT_S:
-                req.grammar_future = None  # the compile goes on (and is cached) without it
-                kind = req.sampling_params.grammar_key[0]  # type: ignore[index]
-                self.failed.append((req, f"compiling the {kind} took more than "
-                                         f"{COMPILE_TIMEOUT_S:g} s: simplify it"))
+        if self.replicated:
+            if not req.grammar_settled:
+                return False  # rank 0 has not seen it compiled yet
+        elif not future.done():
+            if self._late(req):
+                self._give_up(req)
             return False
-        req.grammar_future = None
+        req.grammar_future = None  # (a replicated rank still compiling waits for it here)
         try:
             gate = req.sampling_params.reasoning_gate
             req.grammar = self.backend.new_matcher(
@@ -85,6 +87,41 @@ class GrammarManager:
             self.failed.append((req, "the grammar refuses the request's output so far"))
             return False
         return True
+
+    @staticmethod
+    def _late(req: Req) -> bool:
+        return time.monotonic() - req.grammar_asked_at > COMPILE_TIMEOUT_S
+
+    def _give_up(self, req: Req) -> None:
+        req.grammar_future = None  # the compile goes on (and is cached) without it
+        kind = req.sampling_params.grammar_key[0]  # type: ignore[index]
+        self.failed.append((req, f"compiling the {kind} took more than "
+                                 f"{COMPILE_TIMEOUT_S:g} s: simplify it"))
+
+    def poll(self, reqs: list[Req]) -> tuple[list[str], list[str]] | None:
+        """Rank 0 of a replicated scheduler: the rids of `reqs` whose grammar has compiled
+        (or failed to) since the last poll, and of those past the time limit; None if none."""
+        done, late = [], []
+        for req in reqs:
+            future = req.grammar_future
+            if future is None or req.grammar_settled:
+                continue
+            if future.done():
+                done.append(req.rid)
+            elif self._late(req):
+                late.append(req.rid)
+        return (done, late) if done or late else None
+
+    def settle(self, reqs: list[Req], done: list[str], late: list[str]) -> None:
+        """Apply rank 0's `poll` on every rank: `done` are admissible (`ready`), `late` end."""
+        done_rids, late_rids = set(done), set(late)
+        for req in reqs:
+            if req.grammar_future is None:
+                continue
+            if req.rid in done_rids:
+                req.grammar_settled = True
+            elif req.rid in late_rids:
+                self._give_up(req)
 
     def wait_any(self, reqs: list[Req], timeout_s: float) -> None:
         """Block up to `timeout_s` until one of `reqs`' grammars is compiled (the scheduler has
