@@ -94,3 +94,35 @@ def test_requests_that_may_carry_a_grammar_take_the_grammar_lane() -> None:
     assert not asks_for_grammar({"prompt": "a", "max_tokens": 3})
     assert not asks_for_grammar({"text": "a", "sampling_params": {"max_new_tokens": 3}})
     assert not asks_for_grammar([1, 2])
+
+
+def test_compiled_grammars_kept_are_bounded_by_count_and_bytes() -> None:
+    """A server asked for ever new schemas keeps a bounded cache: ours drops the least recently
+    used past its count or byte bound, and xgrammar's own (unbounded by default) is off."""
+    import json
+
+    from radixserve.loader.tokenizer import get_tokenizer
+    from radixserve.scheduler.grammar.backend import GrammarBackend
+
+    tokenizer = get_tokenizer(None)
+
+    def schema(i: int) -> tuple[str, str]:
+        return ("json_schema", json.dumps({"type": "object", "properties": {
+            f"field_{i}_{j}": {"type": "string"} for j in range(5)}}))
+
+    backend = GrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id], cache_size=4)
+    for i in range(6):
+        backend.request(schema(i)).result(timeout=60)
+    assert list(backend._cache) == [schema(i) for i in range(2, 6)]
+    assert backend._compiler.get_cache_size_bytes() == 0
+    one = backend.request(schema(5)).result().memory_size_bytes
+    assert one > 10_000
+    backend = GrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id],
+                             cache_bytes=int(2.5 * one))
+    for i in range(6):
+        backend.request(schema(i)).result(timeout=60)
+    # bounded before each new compile: two done ones fit beside the newest
+    assert list(backend._cache) == [schema(i) for i in range(3, 6)]
+    assert backend.cached_bytes() <= 3 * one + 1000
+    again = backend.request(schema(3))  # a hit moves it to the end, and compiles nothing
+    assert again.done() and list(backend._cache)[-1] == schema(3)

@@ -1,9 +1,11 @@
 """Grammar compilation off the scheduler's critical path.
 
 `GrammarBackend.request(kind, text)` returns a Future of the compiled grammar at once: a cache
-keyed by (kind, text) holds every grammar asked for (in flight or done, least recently used
-dropped past `cache_size`), and compilation runs in two worker threads (a slow grammar holds
-up one of them). The scheduler keeps a request in the queue, skipped by admission, until its
+keyed by (kind, text) holds every grammar asked for (in flight or done; the least recently used
+dropped past `cache_size` grammars or `cache_bytes` of compiled ones, as xgrammar sizes them),
+and compilation runs in two worker threads (a slow grammar holds up one of them). xgrammar's
+own compiler cache is off: it has no bound by default, and a server asked for ever new schemas
+(tools, per-request JSON schemas) would grow without end (~80 KB for a small schema). The scheduler keeps a request in the queue, skipped by admission, until its
 future is done (or past the manager's COMPILE_TIMEOUT_S); other requests are admitted
 meanwhile. xgrammar's compiler releases the GIL while it works.
 
@@ -13,6 +15,7 @@ thread, on the first grammar request: a server that is never asked for a grammar
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,11 +26,14 @@ from radixserve.scheduler.grammar.validation import JSON_SCHEMA_OPTIONS
 
 logger = logging.getLogger(__name__)
 GrammarKey = tuple[str, str]  # (kind, text): ("regex" | "json_schema" | "ebnf", grammar)
+# compiled grammars kept for reuse, in MiB (vLLM's VLLM_XGRAMMAR_CACHE_MB is alike, 512)
+CACHE_MB = float(os.environ.get("RADIXSERVE_GRAMMAR_CACHE_MB", "512"))
 
 
 class GrammarBackend:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
-                 cache_size: int = 512, compile_threads: int = 2) -> None:
+                 cache_size: int = 512, compile_threads: int = 2,
+                 cache_bytes: int | None = None) -> None:
         """`vocab_size`: the model's (its logits' width; the tokenizer's may be smaller).
         `stop_token_ids`: what ends a request (EOS): allowed once the grammar is complete."""
         self._tokenizer = tokenizer
@@ -36,6 +42,7 @@ class GrammarBackend:
         self._compiler: Any = None
         self._cache: OrderedDict[GrammarKey, Future[Any]] = OrderedDict()
         self._cache_size = cache_size
+        self._cache_bytes = int(CACHE_MB * 2 ** 20) if cache_bytes is None else cache_bytes
         self._lock = threading.Lock()  # the cache is touched by the scheduler thread only,
         # the compiler is built by the worker: the lock guards the compiler's creation
         self._executor = ThreadPoolExecutor(max_workers=compile_threads,
@@ -47,11 +54,26 @@ class GrammarBackend:
         if future is not None:
             self._cache.move_to_end(key)
             return future
+        self._evict_for_one_more()
         future = self._executor.submit(self._compile, key)
         self._cache[key] = future
-        while len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
         return future
+
+    def cached_bytes(self) -> int:
+        """What the compiled grammars in the cache take (those still compiling count 0)."""
+        return sum(_compiled_bytes(future) for future in self._cache.values())
+
+    def _evict_for_one_more(self) -> None:
+        """Drop the least recently used grammars until one more fits (a grammar's size is
+        known once compiled, so the newest may pass the byte bound until the next request).
+        Requests holding a dropped grammar's Future keep it."""
+        sizes = [_compiled_bytes(future) for future in self._cache.values()]
+        total, dropped = sum(sizes), 0
+        while self._cache and (len(self._cache) >= self._cache_size
+                               or total > self._cache_bytes):
+            self._cache.popitem(last=False)
+            total -= sizes[dropped]
+            dropped += 1
 
     def new_matcher(self, compiled: Any, gate: ReasoningGate | None = None) -> RequestGrammar:
         return RequestGrammar(compiled, gate)
@@ -68,7 +90,8 @@ class GrammarBackend:
                 info = xgrammar.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self._vocab_size,
                     stop_token_ids=self._stop_token_ids)
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1,
+                                                          cache_enabled=False)
                 logger.info("grammar compiler ready (vocabulary of %d, stop tokens %s)",
                             self._vocab_size, self._stop_token_ids)
             return self._compiler
@@ -83,3 +106,9 @@ class GrammarBackend:
         if kind == "ebnf":
             return compiler.compile_grammar(text)
         raise ValueError(f"unknown grammar kind {kind!r}")
+
+
+def _compiled_bytes(future: Future[Any]) -> int:
+    if not future.done() or future.cancelled() or future.exception() is not None:
+        return 0
+    return future.result().memory_size_bytes
