@@ -186,9 +186,7 @@ class Engine:
             for req in reqs:
                 error = self.scheduler.add_request(req)
                 if error is not None:
-                    for rid in pending:
-                        self.scheduler.abort_request(rid)
-                    self._release(pending)
+                    self._end_call(pending)
                     raise InvalidRequestError(error.message)
                 params = req.sampling_params
                 detok = None if self.tokenizer is None else IncrementalDetokenizer(
@@ -219,6 +217,17 @@ class Engine:
                 lost = [rid for rid, state in pending.items() if not state.finished]
                 raise RuntimeError(f"requests {lost} are no longer scheduled")
             self._turn()
+
+    def _end_call(self, pending: dict[str, _Pending]) -> None:
+        """The caller stops waiting (done, failed or gone): abort what has not finished, so
+        its memory is freed, then forget its requests (nothing to do once shut down)."""
+        if self._closed:
+            return
+        with self._lock:
+            for rid, state in pending.items():
+                if not state.finished:
+                    self.scheduler.abort_request(rid)
+        self._release(pending)
 
     def _release(self, pending: dict[str, _Pending]) -> None:
         """The caller has what it waited for: forget its requests, and run the scheduler dry
@@ -253,12 +262,7 @@ class Engine:
             while not all(p.finished for p in pending.values()):
                 self._advance(pending)
         finally:
-            if not all(p.finished for p in pending.values()):
-                with self._lock:
-                    for rid, state in pending.items():
-                        if not state.finished:
-                            self.scheduler.abort_request(rid)
-            self._release(pending)
+            self._end_call(pending)
         results = [pending[r.rid].result() for r in reqs]
         return results[0] if _is_single(prompt, input_ids) and len(results) == 1 else results
 
@@ -318,11 +322,7 @@ class Engine:
                     yield {"text": delta, "output_ids": state.output_ids[:num_ids],
                            "meta_info": dict(state.meta), "finished": finished}
         finally:
-            if not state.finished and not self._closed:  # stopped early: free its memory
-                with self._lock:
-                    self.scheduler.abort_request(rid)
-            if not self._closed:
-                self._release(pending)
+            self._end_call(pending)  # (closed early: aborted)
 
     def abort(self, rid: str) -> None:
         self._check_open()
