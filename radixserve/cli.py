@@ -12,7 +12,8 @@ from radixserve.config import ServerArgs
 from radixserve.core.server_flags import OFFLINE_GROUPS
 
 BENCH_MODULES = {"serving": "radixserve.bench.serving", "offline": "radixserve.bench.offline",
-                 "one-batch": "radixserve.bench.one_batch", "plot": "radixserve.bench.plot"}
+                 "one-batch": "radixserve.bench.one_batch", "plot": "radixserve.bench.plot",
+                 "hardware": "radixserve.bench.hardware"}
 
 
 def _generate(argv: list[str]) -> int:

@@ -6,7 +6,9 @@
   openai       POST /v1/completions (prompt = token ids or text), usage in the last chunk.
   openai-chat  POST /v1/chat/completions (one user message of text), usage in the last chunk.
 Every request asks for greedy decoding with ignore_eos so the output length is exactly the
-length asked for; the server's reported usage is what gets counted.
+length asked for; the server's reported usage is what gets counted. A stream that ends before
+its last event (a finish reason on /generate, "data: [DONE]" on the OpenAI APIs) is a failed
+request. --extra-request-body is merged into each body key by key, nested objects included.
 """
 from __future__ import annotations
 
@@ -54,8 +56,14 @@ class TokenClock:
         return time.perf_counter() - self.start
 
 
-async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
-    """Decoded JSON payloads of "data:" lines, until "data: [DONE]" or the end of the body."""
+class StreamEndedEarly(Exception):
+    """A stream whose body ended before the server said it was complete."""
+
+
+async def sse_events(response: aiohttp.ClientResponse,
+                     require_done: bool = False) -> AsyncIterator[dict[str, Any]]:
+    """Decoded JSON payloads of "data:" lines, until "data: [DONE]" or the end of the body
+    (StreamEndedEarly at the end of the body when `require_done`)."""
     async for raw in response.content:
         line = raw.decode("utf-8").strip()
         if not line.startswith("data:"):
@@ -64,6 +72,19 @@ async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str
         if payload == "[DONE]":
             return
         yield json.loads(payload)
+    if require_done:
+        raise StreamEndedEarly("the stream ended early, without data: [DONE]")
+
+
+def merge_body(body: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`body` with `extra` merged in, nested dicts key by key; `extra`'s values win."""
+    merged = dict(body)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_body(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 async def _post(session: aiohttp.ClientSession, req: RequestInput, body: dict[str, Any],
@@ -73,7 +94,7 @@ async def _post(session: aiohttp.ClientSession, req: RequestInput, body: dict[st
                         streamed=req.stream)
     clock = TokenClock()
     try:
-        async with session.post(req.api_url, json={**body, **req.extra_body},
+        async with session.post(req.api_url, json=merge_body(body, req.extra_body),
                                 headers=req.headers) as response:
             if response.status != 200:
                 text = await response.text()
@@ -130,11 +151,13 @@ async def request_radixserve(session: aiohttp.ClientSession, req: RequestInput) 
             _read_meta(out, data.get("meta_info", {}))
             return
         tokens_seen = 0
+        finished = False
         async for event in sse_events(response):
             if "error" in event:
                 out.error = str(event["error"])
                 return
             meta = event.get("meta_info", {})
+            finished = finished or meta.get("finish_reason") is not None
             text = event.get("text", "")
             # a token event is a chunk with more tokens (or, without counts, more text)
             count = int(meta.get("completion_tokens", tokens_seen + (text != out.generated_text)))
@@ -146,6 +169,8 @@ async def request_radixserve(session: aiohttp.ClientSession, req: RequestInput) 
             incremental = ids is not None and len(ids) < count
             out.generated_text = out.generated_text + text if incremental else text
             _read_meta(out, meta)
+        if not finished:
+            out.error = "the stream ended early, without a finish reason"
 
     return await _post(session, req, body, handle)
 
@@ -172,7 +197,7 @@ async def _handle_openai(response: aiohttp.ClientResponse, out: RequestOutput, c
         _read_usage(out, data.get("usage"))
         return
     pieces: list[str] = []
-    async for event in sse_events(response):
+    async for event in sse_events(response, require_done=True):
         if "error" in event:
             out.error = str(event["error"])
             return

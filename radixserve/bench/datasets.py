@@ -19,6 +19,9 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from radixserve.bench.cli_support import (BenchError, existing_file, fraction, int_at_least,
+                                          parse_json_lines, read_text)
+
 # Without a tokenizer, random token ids are drawn from this range: above the special tokens
 # most vocabularies keep at the bottom, below the smallest vocabulary we expect (32000).
 DEFAULT_TOKEN_RANGE = (1000, 30000)
@@ -127,13 +130,18 @@ def _first_exchange(entry: dict[str, Any]) -> tuple[str, str] | None:
 
 
 def load_conversations(path: str) -> list[dict[str, Any]]:
-    """A JSON list, or JSONL with one conversation object per line."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    stripped = text.lstrip()
-    if stripped.startswith("["):
-        return json.loads(stripped)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    """A JSON list, or JSONL with one conversation object per line (BenchError if neither)."""
+    text = read_text(path)
+    if text.lstrip().startswith("["):
+        try:
+            entries = json.loads(text)
+        except ValueError as exc:
+            raise BenchError(f"{path}: not valid JSON ({exc})")
+    else:
+        entries = parse_json_lines(path, text)
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise BenchError(f"{path}: not a list of conversation objects")
+    return entries
 
 
 def sample_sharegpt_requests(path: str, num_prompts: int, tokenizer: Tokenizer,
@@ -198,18 +206,19 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     """The workload flags shared by `bench serving` and `bench offline`."""
     p = parser
     p.add_argument("--dataset-name", choices=DATASETS, default="random")
-    p.add_argument("--dataset-path", default=None, help="ShareGPT-layout JSON or JSONL file")
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=1.0)
+    p.add_argument("--dataset-path", type=existing_file, default=None,
+                   help="ShareGPT-layout JSON or JSONL file")
+    p.add_argument("--num-prompts", type=int_at_least(0), default=1000)
+    p.add_argument("--random-input-len", type=int_at_least(1), default=1024)
+    p.add_argument("--random-output-len", type=int_at_least(1), default=128)
+    p.add_argument("--random-range-ratio", type=fraction, default=1.0)
     p.add_argument("--gsp-num-groups", type=int, default=8)
     p.add_argument("--gsp-prompts-per-group", type=int, default=16)
     p.add_argument("--gsp-system-prompt-len", type=int, default=1024)
     p.add_argument("--gsp-question-len", type=int, default=64)
     p.add_argument("--gsp-output-len", type=int, default=64)
     p.add_argument("--gsp-shuffle", action="store_true", help="interleave the groups")
-    p.add_argument("--sharegpt-output-len", type=int, default=None,
+    p.add_argument("--sharegpt-output-len", type=int_at_least(1), default=None,
                    help="override each conversation's reply length")
 
 
@@ -227,8 +236,24 @@ def build_dataset(args: argparse.Namespace, tokenizer: Tokenizer | None, seed: i
             args.gsp_num_groups, args.gsp_prompts_per_group, args.gsp_system_prompt_len,
             args.gsp_question_len, args.gsp_output_len, seed, args.gsp_shuffle, sampler)
     if not args.dataset_path:
-        raise SystemExit("--dataset-name sharegpt needs --dataset-path")
+        raise BenchError("--dataset-name sharegpt needs --dataset-path")
     if tokenizer is None:
-        raise SystemExit("the sharegpt dataset needs a tokenizer: pass --tokenizer")
+        raise BenchError("the sharegpt dataset needs a tokenizer: pass --tokenizer")
     return sample_sharegpt_requests(args.dataset_path, args.num_prompts, tokenizer,
                                     args.sharegpt_output_len, seed)
+
+
+def check_asks_for_requests(args: argparse.Namespace) -> None:
+    """BenchError when the workload flags ask for no request at all (before a model loads)."""
+    if args.dataset_name == "generated-shared-prefix":
+        count = args.gsp_num_groups * args.gsp_prompts_per_group
+    else:
+        count = args.num_prompts
+    if count <= 0:
+        raise BenchError("the workload flags ask for no requests")
+
+
+def check_not_empty(requests: list[SampleRequest]) -> list[SampleRequest]:
+    if not requests:
+        raise BenchError("the dataset produced no requests")
+    return requests

@@ -9,7 +9,8 @@ head only for tokens whose logits are needed) plus attention's QK^T and PV produ
 
 Peaks: the H200 defaults (4.25e12 B/s, 796e12 FLOP/s bf16) were measured on the lent machine;
 any other device is measured here with a large copy and a large matmul. Flags override both.
-`python -m radixserve.bench.hardware` prints the peaks of this machine.
+`radixserve bench hardware` (or `python -m radixserve.bench.hardware`) prints the peaks of this
+machine.
 
 The FLOP peaks are bursts, from an idle GPU at its top clock. Under a load that lasts more than
 a second or two an H200 sits at its 700 W limit and lowers its clock: bf16 matmuls back to back
@@ -21,6 +22,7 @@ run's limit can be stated against both (`bench offline` prints both ratios).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from radixserve.bench.cli_support import BenchError, run_command
 from radixserve.bench.param_counts import ParamCounts, attention_flops_per_key, param_counts
 from radixserve.config import ModelConfig
 
@@ -293,22 +296,49 @@ def add_peak_args(parser: argparse.ArgumentParser) -> None:
                              "without --peak-flops, else none)")
 
 
+def available_device(name: str) -> str:
+    """A torch device name this machine has (argparse type)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a torch device: {name!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{name}: this machine has no CUDA device")
+    return name
+
+
+def load_model_config(path: str) -> ModelConfig:
+    if not os.path.isdir(path):
+        raise BenchError(f"--model-path {path}: no such directory")
+    try:
+        return ModelConfig.from_path(path)
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"--model-path {path}: {exc}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="radixserve bench hardware", description=__doc__,
+    # a module, not a `radixserve bench` subcommand
+    parser = argparse.ArgumentParser(prog="radixserve bench hardware",
+                                     description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", type=available_device,
+                        default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
     parser.add_argument("--model-path", default=None, help="a directory with config.json")
     add_peak_args(parser)
     args = parser.parse_args(argv)
+    return run_command(lambda: print_peaks(args))
+
+
+def print_peaks(args: argparse.Namespace) -> int:
+    cfg = load_model_config(args.model_path) if args.model_path else None
     peak = device_peak(args.device, args.dtype, args.bandwidth, args.peak_flops,
                        args.fp8_peak_flops, args.sustained_peak_flops)
     print(f"device {peak.name}: {peak.mem_bandwidth / 1e9:.1f} GB/s, "
           f"{peak.peak_flops / 1e12:.2f} TFLOP/s {args.dtype} ({peak.source})")
     if peak.sustained_flops is not None:
         print(f"at the power limit under a long load: {peak.sustained_flops / 1e12:.2f} TFLOP/s")
-    if args.model_path:
-        cfg = ModelConfig.from_path(args.model_path)
+    if cfg is not None:
         counts = param_counts(cfg)
         weights = weight_bytes_per_forward(cfg, args.dtype)
         print(f"model: {counts.total / 1e9:.3f} B params, {weights / 1e9:.2f} GB read per step, "

@@ -80,13 +80,14 @@ class BenchmarkMetrics:
         for key, value in asdict(self).items():
             if isinstance(value, dict) and "mean_ms" in value:
                 for stat in ("mean", "median", "p90", "p99"):
-                    flat[f"{stat}_{key}_ms"] = _json_number(value[f"{stat}_ms"])
+                    flat[f"{stat}_{key}_ms"] = json_number(value[f"{stat}_ms"])
             else:
-                flat[key] = _json_number(value)
+                flat[key] = json_number(value)
         return flat
 
 
-def _json_number(value: Any) -> Any:
+def json_number(value: Any) -> Any:
+    """NaN and infinities as None (JSON null): json.dumps would write bare NaN, not JSON."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value

@@ -20,9 +20,13 @@ from typing import Any
 import numpy as np
 
 from radixserve.bench import hardware
+from radixserve.bench.cli_support import BenchError, output_file, run_command
 from radixserve.bench.datasets import (SampleRequest, TokenSampler, add_dataset_args,
-                                       build_dataset, load_tokenizer)
+                                       build_dataset, check_asks_for_requests, check_not_empty,
+                                       load_tokenizer)
+from radixserve.bench.metrics import json_number
 from radixserve.config import ServerArgs
+from radixserve.core.sampling_params import InvalidRequestError
 from radixserve.core.server_flags import OFFLINE_GROUPS
 
 
@@ -163,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer for ShareGPT lengths (default: the model's)")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--output-file", default=None, help="append one JSON line per run")
+    parser.add_argument("--output-file", type=output_file, default=None,
+                        help="append one JSON line per run")
     hardware.add_peak_args(parser)
     ServerArgs.add_cli_args(parser, OFFLINE_GROUPS)
     parser.set_defaults(num_prompts=64, random_input_len=128, random_output_len=128)
@@ -172,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return run_command(lambda: run_modes(args))
+
+
+def run_modes(args: argparse.Namespace) -> int:
+    check_asks_for_requests(args)  # before loading a model
     from radixserve.engine import Engine
     import logging
     # the scheduler's batch lines (running, queued, throughput) go to stderr as the server's do
@@ -187,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         server_args.disable_radix_cache = not radix
         engine = Engine(**{k: v for k, v in vars(server_args).items() if k != "resolved"})
         try:
-            requests = build_dataset(args, tokenizer or engine.tokenizer, args.seed,
-                                     vocab_size=engine_vocab_size(engine))
+            requests = check_not_empty(build_dataset(args, tokenizer or engine.tokenizer,
+                                                     args.seed, engine_vocab_size(engine)))
             if peak is None:  # measured once: every run uses the same device and dtype
                 # (no local reference to the runner: it must go with its Engine, or --radix
                 # both holds two models' memory)
@@ -199,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
                 tp = server_args.tp_size
                 if tp > 1:  # the ranks share the work: the limit counts every GPU
                     peak = peak.times(tp)
-            results.append(run_offline(engine, requests, radix, peak=peak))
+            try:
+                results.append(run_offline(engine, requests, radix, peak=peak))
+            except InvalidRequestError as exc:
+                raise BenchError(f"the engine refused the workload: {exc}")
         finally:
             engine.shutdown()
             del engine
@@ -211,10 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         date = datetime.now(timezone.utc).isoformat(timespec="seconds")
         with open(args.output_file, "a", encoding="utf-8") as f:
             for r in results:
+                fields = {key: json_number(value) for key, value in asdict(r).items()}
                 f.write(json.dumps({"date": date, "bench": "offline",
                                     "model_path": args.model_path,
                                     "dataset_name": args.dataset_name, "seed": args.seed,
-                                    **asdict(r)}) + "\n")
+                                    **fields}) + "\n")
     return 0
 
 

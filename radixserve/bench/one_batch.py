@@ -30,7 +30,9 @@ import numpy as np
 import torch
 
 from radixserve.bench import hardware
+from radixserve.bench.cli_support import BenchError, int_at_least, output_file, run_command
 from radixserve.bench.datasets import TokenSampler
+from radixserve.bench.metrics import json_number
 from radixserve.config import ServerArgs
 from radixserve.core.server_flags import OFFLINE_GROUPS
 from radixserve.core.req import Req
@@ -186,6 +188,25 @@ def timed_decode_steps(runner: Any, builder: Any, reqs: list[Req], steps: int,
     return [(time.perf_counter() - start) / steps] * steps if steps else []
 
 
+def why_batches_do_not_fit(runner: Any, batch_size: int, input_len: int,
+                           output_len: int) -> str | None:
+    """Why a batch of this size cannot run on the loaded model (None when it can): a sequence
+    longer than the context, or more requests or KV slots than the pools hold."""
+    context = runner.model_config.context_length
+    if input_len + output_len > context:
+        return (f"--input-len {input_len} + --output-len {output_len} exceeds the model's "
+                f"context length, {context} tokens")
+    rows = runner.req_to_token_pool.available_size()
+    if batch_size > rows:
+        return f"--batch-size {batch_size} exceeds the {rows} request slots"
+    kv_slots = runner.token_to_kv_pool.available_size()
+    needed = batch_size * (input_len + output_len - 1)
+    if needed > kv_slots:
+        return (f"batch {batch_size} x {input_len + output_len - 1} tokens needs {needed} KV "
+                f"slots, the pool holds {kv_slots} (--max-total-tokens)")
+    return None
+
+
 def _free(runner: Any, reqs: list[Req]) -> None:
     table = runner.req_to_token_pool.req_to_token
     for req in reqs:
@@ -215,13 +236,14 @@ def format_table(results: list[OneBatchResult], peak: hardware.DevicePeak) -> st
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixserve bench one-batch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--batch-size", type=int_at_least(1), nargs="+", default=[1, 16])
+    parser.add_argument("--input-len", type=int_at_least(1), default=128)
+    parser.add_argument("--output-len", type=int_at_least(1), default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overlap", action="store_true",
                         help="time decode with the scheduler's overlap (launch-ahead) path")
-    parser.add_argument("--output-file", default=None, help="append one JSON line per batch size")
+    parser.add_argument("--output-file", type=output_file, default=None,
+                        help="append one JSON line per batch size")
     hardware.add_peak_args(parser)
     ServerArgs.add_cli_args(parser, OFFLINE_GROUPS)
     return parser
@@ -232,8 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     batches are seeded, so every rank builds the same ones); rank 0 reports. Decode limits then
     count each GPU's share of the bytes and FLOPs."""
     args = build_parser().parse_args(argv)
-    if args.output_len < 1 or args.input_len < 1:
-        raise SystemExit("--input-len and --output-len must be >= 1")
+    return run_command(lambda: _run_ranks(args))
+
+
+def _run_ranks(args: argparse.Namespace) -> int:
     server_args = ServerArgs.from_cli_args(args).resolve()
     followers = []
     if server_args.tp_size > 1:
@@ -255,6 +279,13 @@ def _run(args: argparse.Namespace, server_args: ServerArgs, tp_rank: int) -> int
 
     runner = ModelRunner(server_args, tp_rank=tp_rank,
                          dist_init_method=server_args.dist_init_method)
+    problem = why_batches_do_not_fit(runner, max(args.batch_size), args.input_len,
+                                     args.output_len)
+    if problem:
+        runner.shutdown()
+        if tp_rank:  # rank 0 reports it
+            return 1
+        raise BenchError(problem)
     peak = hardware.device_peak(runner.device, runner.dtype, args.bandwidth, args.peak_flops,
                                 args.fp8_peak_flops, args.sustained_peak_flops)
     if server_args.tp_size > 1:  # each GPU moves and computes its share
@@ -283,7 +314,7 @@ def _run(args: argparse.Namespace, server_args: ServerArgs, tp_rank: int) -> int
                                     "dtype": str(runner.dtype).replace("torch.", ""),
                                     "mem_bandwidth": peak.mem_bandwidth,
                                     "peak_flops": peak.peak_flops,
-                                    **{k: v for k, v in asdict(r).items()
+                                    **{k: json_number(v) for k, v in asdict(r).items()
                                        if k != "output_ids"}}) + "\n")
     return 0
 

@@ -7,21 +7,33 @@ to backend@base_url), points joined in order of request rate (all-at-once last).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections import defaultdict
 from typing import Any
 
+from radixserve.bench.cli_support import (BenchError, existing_file, output_file,
+                                          parse_json_lines, read_text, run_command)
+
 DEFAULT_Y = ("median_ttft_ms", "median_tpot_ms", "p99_e2e_latency_ms")
 
 
 def load_records(paths: list[str]) -> list[dict[str, Any]]:
+    """Every JSON line of every file (BenchError naming the file and line of a bad one)."""
     records: list[dict[str, Any]] = []
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            records += [json.loads(line) for line in f if line.strip()]
+        for number, record in enumerate(parse_json_lines(path, read_text(path)), 1):
+            if not isinstance(record, dict):
+                raise BenchError(f"{path}: record {number} is not a JSON object")
+            records.append(record)
     return records
+
+
+def check_keys(records: list[dict[str, Any]], keys: list[str]) -> None:
+    """Each key must be in some record: one in none would only draw an empty panel."""
+    missing = [key for key in keys if not any(key in rec for rec in records)]
+    if missing:
+        raise BenchError(f"no record has {', '.join(missing)}")
 
 
 def group_series(records: list[dict[str, Any]], x_key: str,
@@ -68,18 +80,26 @@ def plot(records: list[dict[str, Any]], output: str, x_key: str = "output_throug
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixserve bench plot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("files", nargs="+", help="JSON-lines files from bench serving")
-    parser.add_argument("-o", "--output", default="serving_curves.png")
+    parser.add_argument("files", nargs="+", type=existing_file,
+                        help="JSON-lines files from bench serving")
+    parser.add_argument("-o", "--output", type=output_file, default="serving_curves.png")
     parser.add_argument("--x", default="output_throughput",
                         help="x key, e.g. output_throughput, request_throughput")
     parser.add_argument("--y", default=",".join(DEFAULT_Y),
                         help="comma-separated y keys, e.g. mean_ttft_ms,p99_itl_ms")
     parser.add_argument("--title", default=None)
     args = parser.parse_args(argv)
+    return run_command(lambda: plot_files(args))
+
+
+def plot_files(args: argparse.Namespace) -> int:
     records = load_records(args.files)
     if not records:
-        raise SystemExit("no records in " + ", ".join(args.files))
+        raise BenchError("no records in " + ", ".join(args.files))
     y_keys = tuple(k.strip() for k in args.y.split(",") if k.strip())
+    if not y_keys:
+        raise BenchError("--y names no key")
+    check_keys(records, [args.x, *y_keys])
     plot(records, args.output, args.x, y_keys, args.title)
     print(f"wrote {args.output} ({len(records)} runs)")
     return 0

@@ -24,8 +24,11 @@ import numpy as np
 from tqdm.asyncio import tqdm
 
 from radixserve.bench.backends import BACKENDS, RequestInput
+from radixserve.bench.cli_support import (BenchError, int_at_least, json_object, output_file,
+                                          request_rate, request_rates, run_command)
 from radixserve.bench.datasets import (SampleRequest, TokenSampler, Tokenizer, add_dataset_args,
-                                       attach_prompt_text, build_dataset, load_tokenizer)
+                                       attach_prompt_text, build_dataset, check_not_empty,
+                                       load_tokenizer)
 from radixserve.bench.metrics import RequestOutput, compute_metrics, format_report
 
 
@@ -43,18 +46,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "tokens); radixserve backend default: the server's bundled model's")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     add_dataset_args(p)
-    p.add_argument("--request-rate", type=float, default=float("inf"),
+    p.add_argument("--request-rate", type=request_rate, default=float("inf"),
                    help="requests/s, Poisson arrivals; inf sends all at once")
-    p.add_argument("--request-rate-range", default=None,
+    p.add_argument("--request-rate-range", type=request_rates, default=None,
                    help='comma-separated rates to sweep, e.g. "1,2,4,inf"')
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--max-concurrency", type=int_at_least(1), default=None)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--disable-stream", action="store_true")
     p.add_argument("--disable-warmup", action="store_true")
     p.add_argument("--flush-cache", action="store_true",
                    help="POST /flush_cache before each run (radixserve, SGLang)")
-    p.add_argument("--extra-request-body", default=None, help="JSON merged into every body")
-    p.add_argument("--output-file", default=None, help="append one JSON line per run")
+    p.add_argument("--extra-request-body", type=json_object, default=None,
+                   help="JSON object merged into every body (nested objects key by key)")
+    p.add_argument("--output-file", type=output_file, default=None,
+                   help="append one JSON line per run")
     p.add_argument("--output-details", action="store_true",
                    help="also store per-request lengths and latencies in the JSON line")
     p.add_argument("--label", default=None, help="name of this series in plots")
@@ -63,9 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_rates(args: argparse.Namespace) -> list[float]:
-    if not args.request_rate_range:
-        return [args.request_rate]
-    return [float(part) for part in args.request_rate_range.split(",") if part.strip()]
+    return args.request_rate_range or [args.request_rate]
 
 
 def build_requests(args: argparse.Namespace, tokenizer: Tokenizer | None, seed: int,
@@ -73,7 +76,7 @@ def build_requests(args: argparse.Namespace, tokenizer: Tokenizer | None, seed: 
     requests = build_dataset(args, tokenizer, seed, vocab_size)
     if args.backend == "openai-chat":
         if tokenizer is None and any(r.prompt_text is None for r in requests):
-            raise SystemExit("openai-chat sends text: pass --tokenizer to decode token ids")
+            raise BenchError("openai-chat sends text: pass --tokenizer to decode token ids")
         if tokenizer is not None:
             attach_prompt_text(requests, tokenizer)
     return requests
@@ -97,14 +100,19 @@ class Client:
         self.api_url = base_url + path
         self.model = model
         self.stream = not args.disable_stream
-        self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        self.extra_body = json.loads(args.extra_request_body) if args.extra_request_body else {}
+        self.headers = auth_headers(args)
+        self.extra_body = args.extra_request_body or {}
 
     def make_input(self, req: SampleRequest) -> RequestInput:
         return RequestInput(api_url=self.api_url, prompt_len=req.prompt_len,
                             output_len=req.output_len, prompt_ids=req.prompt_ids,
                             prompt_text=req.prompt_text, model=self.model, stream=self.stream,
                             headers=self.headers, extra_body=self.extra_body)
+
+
+def auth_headers(args: argparse.Namespace) -> dict[str, str]:
+    """--api-key as a header, for every request to the server (generation or not)."""
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
 async def fetch_model_name(session: aiohttp.ClientSession, base_url: str) -> str | None:
@@ -137,31 +145,60 @@ async def fetch_server_cache_hit_rate(session: aiohttp.ClientSession,
     return None
 
 
-def make_warmup(req: SampleRequest, tokenizer: Tokenizer | None, seed: int,
+WARMUP_MARKER = "[warm-up]"
+
+
+def make_warmup(requests: list[SampleRequest], tokenizer: Tokenizer | None, seed: int,
                 vocab_size: int | None = None) -> SampleRequest:
-    """A prompt as long as the first one but different, so the warm-up caches nothing useful."""
-    warm = SampleRequest(prompt_len=req.prompt_len, output_len=min(req.output_len, 16),
-                         prompt_text=req.prompt_text)
-    if req.prompt_ids is not None:
+    """A prompt about as long as the first one that starts as none of them does, so the warm-up
+    caches nothing a request can use: fresh random ids, or the first prompt's words reversed."""
+    first = requests[0]
+    warm = SampleRequest(prompt_len=first.prompt_len, output_len=min(first.output_len, 16))
+    if first.prompt_ids is not None:
         sampler = TokenSampler(tokenizer, vocab_size)
-        warm.prompt_ids = sampler.sample(np.random.default_rng(seed + 7919), req.prompt_len)
-        if req.prompt_text is not None and tokenizer is not None:
-            warm.prompt_text = tokenizer.decode(warm.prompt_ids, skip_special_tokens=True)
+        warm.prompt_ids = sampler.sample(np.random.default_rng(seed + 7919), first.prompt_len)
+    if first.prompt_text is None:
+        return warm
+    if warm.prompt_ids is not None and tokenizer is not None:
+        warm.prompt_text = tokenizer.decode(warm.prompt_ids, skip_special_tokens=True)
+    else:
+        warm.prompt_text = unrelated_text(first.prompt_text, requests)
     return warm
+
+
+def unrelated_text(text: str, requests: list[SampleRequest]) -> str:
+    """`text`'s words in reverse order, led by WARMUP_MARKER where they would still begin with
+    the first word of a prompt of `requests` (a one-word or palindromic text, say)."""
+    words = text.split()[::-1]
+    first_words = {r.prompt_text.split()[0] for r in requests
+                   if r.prompt_text and r.prompt_text.split()}
+    if not words or words[0] in first_words:
+        words.insert(0, WARMUP_MARKER)
+    return " ".join(words)
 
 
 def base_url_of(args: argparse.Namespace) -> str:
     return (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
 
 
-def fetch_vocab_size(base_url: str) -> int | None:
+def fetch_vocab_size(base_url: str, headers: dict[str, str]) -> int | None:
     """The served model's vocabulary size from radixserve's (and SGLang's) /get_model_info."""
+    request = urllib.request.Request(base_url + "/get_model_info", headers=headers)
     try:
-        with urllib.request.urlopen(base_url + "/get_model_info", timeout=10) as response:
+        with urllib.request.urlopen(request, timeout=10) as response:
             value = json.loads(response.read()).get("vocab_size")
     except (OSError, ValueError):
         return None
     return int(value) if isinstance(value, int) and value > 0 else None
+
+
+async def flush_cache(session: aiohttp.ClientSession, base_url: str) -> None:
+    try:
+        async with session.post(base_url + "/flush_cache") as response:
+            if response.status != 200:
+                print(f"warning: /flush_cache answered HTTP {response.status}")
+    except aiohttp.ClientError as exc:
+        raise BenchError(f"--flush-cache: no answer from {base_url}/flush_cache ({exc})")
 
 
 async def run_benchmark(args: argparse.Namespace, requests: list[SampleRequest], rate: float,
@@ -170,20 +207,18 @@ async def run_benchmark(args: argparse.Namespace, requests: list[SampleRequest],
     base_url = base_url_of(args)
     timeout = aiohttp.ClientTimeout(total=6 * 60 * 60)
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector,
-                                     read_bufsize=1 << 20) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, read_bufsize=1 << 20,
+                                     headers=auth_headers(args)) as session:
         model = args.model
         if args.backend != "radixserve" and model is None:
             model = await fetch_model_name(session, base_url)
         client = Client(args, base_url, model)
         if args.flush_cache:
-            async with session.post(base_url + "/flush_cache") as response:
-                if response.status != 200:
-                    print(f"warning: /flush_cache answered HTTP {response.status}")
+            await flush_cache(session, base_url)
         if warmup is not None:
             warm = await client.send(session, client.make_input(warmup))
             if not warm.success:
-                raise RuntimeError(f"warm-up request failed: {warm.error}")
+                raise BenchError(f"warm-up request failed: {warm.error}")
 
         semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         pbar = tqdm(total=len(requests), disable=args.disable_tqdm)
@@ -227,6 +262,8 @@ async def run_benchmark(args: argparse.Namespace, requests: list[SampleRequest],
               "Max concurrency": args.max_concurrency or "none",
               "Server cache hit rate": server_hit_rate}
     print(format_report("Serving Benchmark Result", header, metrics))
+    if metrics.failed and metrics.completed:
+        print(f"warning: {metrics.failed} of {len(outputs)} requests failed")
     if metrics.output_len_mismatches:
         print(f"warning: {metrics.output_len_mismatches} requests returned a different number of "
               "tokens than asked for (does the server honour ignore_eos?)")
@@ -246,20 +283,31 @@ def resolve_tokenizer(args: argparse.Namespace) -> Tokenizer | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def check_some_succeeded(record: dict[str, Any]) -> None:
+    """A run in which every request failed measured nothing: an error, not a result."""
+    if record["completed"] == 0:
+        first_error = record["errors"][0] if record["errors"] else "none reported"
+        raise BenchError(f"all {record['failed']} requests failed (first error: "
+                         f"{first_error[:200]})")
+
+
+def run_rates(args: argparse.Namespace) -> int:
     tokenizer = resolve_tokenizer(args)
     # random ids must fit the served model's vocabulary (a small one, with dummy weights)
-    vocab_size = fetch_vocab_size(base_url_of(args)) if args.backend == "radixserve" else None
+    vocab_size = fetch_vocab_size(base_url_of(args), auth_headers(args)) \
+        if args.backend == "radixserve" else None
     for index, rate in enumerate(parse_rates(args)):
         seed = args.seed + index
-        requests = build_requests(args, tokenizer, seed, vocab_size)
-        if not requests:
-            raise SystemExit("the dataset produced no requests")
+        requests = check_not_empty(build_requests(args, tokenizer, seed, vocab_size))
         warmup = None if args.disable_warmup else \
-            make_warmup(requests[0], tokenizer, seed, vocab_size)
-        asyncio.run(run_benchmark(args, requests, rate, seed, warmup))
+            make_warmup(requests, tokenizer, seed, vocab_size)
+        check_some_succeeded(asyncio.run(run_benchmark(args, requests, rate, seed, warmup)))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command(lambda: run_rates(args))
 
 
 if __name__ == "__main__":

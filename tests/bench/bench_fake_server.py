@@ -3,7 +3,9 @@
 It produces exactly max_new_tokens tokens when ignore_eos is set (else stops after
 `eos_after` tokens, like a model hitting EOS), reports usage honestly, keeps a prefix "cache"
 (cached_tokens = the longest common prefix with any earlier prompt) and refuses prompts longer
-than `max_prompt_len` (or of a length in `refuse_prompt_lens`) with HTTP 400. Every request body it receives is recorded.
+than `max_prompt_len` (or of a length in `refuse_prompt_lens`) with HTTP 400. Every request body
+it receives is recorded. With `api_key` set, every endpoint answers HTTP 401 to a request without
+"Authorization: Bearer KEY".
 """
 from __future__ import annotations
 
@@ -23,6 +25,11 @@ class FakeServerState:
     refuse_prompt_lens: set[int] = field(default_factory=set)
     # /generate streams one token, then an error event, for prompts of these lengths
     midstream_error_prompt_lens: set[int] = field(default_factory=set)
+    # streams end cleanly before their last event (/generate: the one with the finish reason;
+    # OpenAI: the usage) and without [DONE], for prompts of these lengths
+    cut_stream_prompt_lens: set[int] = field(default_factory=set)
+    api_key: str | None = None
+    flushes: int = 0
     eos_after: int = 2
     vocab_size: int | None = None  # served by /get_model_info when set
     token_delay_s: float = 0.001
@@ -64,7 +71,7 @@ class FakeServer:
         self._thread.join(timeout=10)
 
     async def _start(self) -> None:
-        app = web.Application()
+        app = web.Application(middlewares=[self._check_api_key])
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -75,6 +82,13 @@ class FakeServer:
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    @web.middleware
+    async def _check_api_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        key = self.state.api_key
+        if key is not None and request.headers.get("Authorization") != f"Bearer {key}":
+            return web.json_response({"error": "bad api key"}, status=401)
+        return await handler(request)
 
     # -- shared logic --------------------------------------------------------------------------
     def _admit(self, body: dict[str, Any], prompt: list[Any]) -> tuple[int, int] | None:
@@ -100,13 +114,16 @@ class FakeServer:
             prompt = " ".join(m["content"] for m in body["messages"])
         return prompt.split() if isinstance(prompt, str) else list(prompt)
 
-    async def _sse(self, request: web.Request, events: list[dict[str, Any]]) -> web.StreamResponse:
+    async def _sse(self, request: web.Request, events: list[dict[str, Any]],
+                   prompt: list[Any]) -> web.StreamResponse:
+        cut = len(prompt) in self.state.cut_stream_prompt_lens
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for event in events:
+        for event in events[:-1] if cut else events:
             await asyncio.sleep(self.state.token_delay_s)
             await response.write(f"data: {json.dumps(event)}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
+        if not cut:
+            await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
@@ -129,7 +146,7 @@ class FakeServer:
         events = [{"text": t, "meta_info": meta(i + 1)} for i, t in enumerate(texts)]
         if len(prompt) in self.state.midstream_error_prompt_lens:
             events = events[:1] + [{"error": {"message": "scheduler died", "code": 500}}]
-        return await self._sse(request, events)
+        return await self._sse(request, events, prompt)
 
     def _usage(self, prompt: list[Any], n: int, cached: int) -> dict[str, Any]:
         return {"prompt_tokens": len(prompt), "completion_tokens": n,
@@ -162,7 +179,7 @@ class FakeServer:
         include_usage = (body.get("stream_options") or {}).get("include_usage")
         if include_usage:
             events.append({"choices": [], "usage": usage})
-        return await self._sse(request, events)
+        return await self._sse(request, events, prompt)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._openai(request, chat=False)
@@ -186,6 +203,7 @@ class FakeServer:
         return web.Response(text=text)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
+        self.state.flushes += 1
         self.state.seen_prompts.clear()
         return web.Response(text="ok")
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -9,9 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench_helpers import WORDS, tiny_tokenizer
+from radixserve.bench.cli_support import BenchError
 from radixserve.bench.datasets import (DEFAULT_TOKEN_RANGE, TokenSampler, attach_prompt_text,
-                                       sample_random_requests, sample_shared_prefix_requests,
-                                       sample_sharegpt_requests, uniform_lengths)
+                                       load_conversations, sample_random_requests,
+                                       sample_shared_prefix_requests, sample_sharegpt_requests,
+                                       uniform_lengths)
 
 
 @settings(max_examples=60, deadline=None)
@@ -115,3 +118,15 @@ def test_attach_prompt_text_decodes_ids() -> None:
     attach_prompt_text(reqs, tok)
     for r in reqs:
         assert tok.encode(r.prompt_text, add_special_tokens=False) == r.prompt_ids
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"conversations": []}\n\n{oops\n', "line 3: not valid JSON"),
+    ('[{"conversations": []},\n', "not valid JSON"),
+    ('[1, 2]', "not a list of conversation objects"),
+    ('"just a string"\n', "not a list of conversation objects")])
+def test_malformed_conversation_files_are_named(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "conv.json"
+    path.write_text(text)
+    with pytest.raises(BenchError, match=f"^{re.escape(str(path))}:? {message}"):
+        load_conversations(str(path))

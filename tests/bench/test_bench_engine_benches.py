@@ -116,3 +116,77 @@ def test_offline_radix_on_and_off(tiny_model: str, tmp_path: Path) -> None:
         assert rec["decode_steps"] == n * (out_len - 1)
     assert (on["radix_cache"], off["radix_cache"]) == (True, False)
     assert on["cache_hit_rate"] > 0 and off["cache_hit_rate"] == 0
+
+
+def _strict_json(line: str) -> dict:
+    """json.loads that refuses NaN and infinities (which are not JSON)."""
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} in a JSON line")
+    return json.loads(line, parse_constant=refuse)
+
+
+def _one_line_error(capsys: pytest.CaptureFixture) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def _model_flags(model: str) -> list[str]:
+    return ["--model-path", model, "--load-format", "dummy", "--dtype", "float32",
+            "--max-total-tokens", "2048", "--bandwidth", "1e10", "--peak-flops", "1e11"]
+
+
+@pytest.mark.parametrize("argv", [["--batch-size", "0"], ["--batch-size", "2", "-1"],
+                                  ["--input-len", "0"], ["--output-len", "0"]])
+def test_one_batch_rejects_empty_batches(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        one_batch.main(argv)
+    assert exit_info.value.code == 2
+    assert "error: argument " in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("lengths,message", [
+    (["--batch-size", "1", "--input-len", "500", "--output-len", "30"], "context length, 512"),
+    (["--batch-size", "16", "--input-len", "128", "--output-len", "32"], "KV slots")])
+def test_one_batch_says_when_a_batch_does_not_fit(tiny_model: str, lengths: list[str],
+                                                  message: str,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    assert one_batch.main([*_model_flags(tiny_model), *lengths]) == 1
+    line = _one_line_error(capsys)
+    assert line.startswith("error: ") and message in line
+
+
+def test_one_batch_writes_json_without_nan(tiny_model: str, tmp_path: Path) -> None:
+    out = tmp_path / "ob.jsonl"
+    assert one_batch.main([*_model_flags(tiny_model), "--batch-size", "1", "--input-len", "8",
+                           "--output-len", "1", "--output-file", str(out)]) == 0
+    (record,) = [_strict_json(line) for line in out.read_text().splitlines()]
+    assert record["decode_ms_per_step"] is None  # one token: no decode step was timed
+
+
+def test_offline_without_requests_stops_before_loading(tiny_model: str,
+                                                       capsys: pytest.CaptureFixture,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_engine(**kwargs: object) -> None:
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(engine_mod, "Engine", no_engine)
+    assert offline.main([*_model_flags(tiny_model), "--num-prompts", "0"]) == 1
+    assert _one_line_error(capsys) == "error: the workload flags ask for no requests"
+
+
+def test_offline_says_when_outputs_exceed_the_context(tiny_model: str,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    assert offline.main([*_model_flags(tiny_model), "--radix", "on", "--num-prompts", "2",
+                         "--random-input-len", "8", "--random-output-len", "9000"]) == 1
+    line = _one_line_error(capsys)
+    assert line.startswith("error: the engine refused the workload: ") and "512" in line
+
+
+def test_offline_writes_unknown_limits_as_null(tiny_model: str, tmp_path: Path) -> None:
+    out = tmp_path / "off.jsonl"
+    assert offline.main([*_model_flags(tiny_model), "--radix", "on", "--num-prompts", "2",
+                         "--random-input-len", "8", "--random-output-len", "3",
+                         "--output-file", str(out)]) == 0
+    (record,) = [_strict_json(line) for line in out.read_text().splitlines()]
+    assert record["limit_s"] > 0  # no --sustained-peak-flops off an H200: no sustained limit
+    assert record["sustained_limit_s"] is None and record["sustained_limit_ratio"] is None

@@ -1,6 +1,8 @@
 """Roofline arithmetic checked against real transformers models and torch's FLOP counter."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -207,3 +209,36 @@ def test_h200_rates_at_the_power_limit_go_with_its_own_burst_figures(monkeypatch
     both = hardware.device_peak("cuda", "bfloat16", peak_flops=1e15, fp8_flops=2e15,
                                 sustained_flops=8e14)
     assert (both.sustained().peak_flops, both.sustained().fp8_flops) == (8e14, 2e15)
+
+
+@pytest.mark.parametrize("argv", [["--dtype", "fp8"], ["--device", "cuda"],
+                                  ["--device", "nodevice"]])
+def test_hardware_cli_rejects_bad_arguments(argv: list[str], capsys: pytest.CaptureFixture,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        hardware.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"radixserve bench hardware: error: argument {argv[0]}")
+
+
+def test_hardware_cli_names_a_missing_model_path(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    assert hardware.main(["--device", "cpu", "--bandwidth", "1e10", "--peak-flops", "1e12",
+                          "--model-path", str(tmp_path / "absent")]) == 1
+    assert capsys.readouterr().err.strip() == \
+        f"error: --model-path {tmp_path / 'absent'}: no such directory"
+
+
+def test_the_usage_line_names_a_command_that_exists(capsys: pytest.CaptureFixture) -> None:
+    """The usage line says `radixserve bench hardware`, and the CLI runs that command."""
+    from radixserve.cli import main as cli_main
+
+    with pytest.raises(SystemExit):
+        hardware.main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: radixserve bench hardware ")
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["bench", "hardware", "--help"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: radixserve bench hardware ")
