@@ -87,6 +87,8 @@ class ServerArgs:
     # their ranks headless
     nnodes: int = 1
     node_rank: int = 0
+    # seconds the ranks wait for each other to join, and at a collective of the model
+    dist_timeout: float = 600.0
     # data parallelism: replicas of the model (each --tp-size ranks) behind one server
     dp_size: int = 1
     load_balance_method: str = "round_robin"  # round_robin | shortest_queue | cache_aware
@@ -132,12 +134,16 @@ class ServerArgs:
         if self.dp_size > 1 and self.nnodes > 1:
             raise ValueError("--dp-size with --nnodes > 1 is not supported: run one server "
                              "per node group, or data parallelism on one node")
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} is not a node of --nnodes "
                              f"{self.nnodes}")
         if self.tp_size % self.nnodes:
             raise ValueError(f"--tp-size {self.tp_size} does not spread evenly over "
                              f"--nnodes {self.nnodes}")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
         if self.nnodes > 1 and self.dist_init_addr is None:
             raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (node 0's address, "
                              "the same on every node)")

@@ -104,6 +104,8 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
                        None),
     "nnodes": (PARALLEL, "machines the tensor-parallel ranks span", None),
     "node_rank": (PARALLEL, "this machine's index; node 0 serves HTTP", None),
+    "dist_timeout": (PARALLEL, "seconds the tensor-parallel ranks wait for each other to "
+                               "join (and at a collective)", None),
     "dp_size": (PARALLEL, "data-parallel replicas behind this server", None),
     "load_balance_method": (PARALLEL, "how requests are spread over the replicas",
                             ("round_robin", "shortest_queue", "cache_aware")),

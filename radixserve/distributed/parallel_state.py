@@ -8,7 +8,8 @@ group of one rank, whose collectives do nothing.
 Two process groups: `device_group` carries the model's tensors (NCCL on GPUs, gloo on CPU;
 collectives are captured by CUDA graphs), `cpu_group` (gloo, no practical timeout: followers
 wait on it while rank 0 is idle) carries the scheduler's control messages (the requests rank 0
-received, pickled) and small host integers. The device is passed
+received, pickled) and small host integers. The ranks meet at rank 0's address through
+`rendezvous.py`, which refuses ranks started unlike rank 0. The device is passed
 to `init_process_group` (`device_id`): without it the first NCCL collective can hang.
 """
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from radixserve.distributed import rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -93,25 +96,30 @@ def get_tp_group() -> TensorParallelGroup:
 
 
 def init_tensor_parallel(rank: int, size: int, device: torch.device,
-                         init_method: str | None, timeout_s: float = 600.0
-                         ) -> TensorParallelGroup:
+                         init_method: str | None, timeout_s: float = 600.0, nnodes: int = 1,
+                         fingerprint: dict[str, Any] | None = None) -> TensorParallelGroup:
     """Join the group of `size` ranks as `rank` (size 1: the trivial group, no collectives).
-    `init_method` is a torch.distributed URL (tcp://host:port) every rank is given."""
+    `init_method` is tcp://host:port, where rank 0 listens; the ranks meet there and rank 0
+    checks they were all started alike (`fingerprint`, `rendezvous.meet`) before the group
+    forms. `timeout_s` bounds that wait and every collective of the device group."""
     global _current
     if size == 1:
         _current = _TRIVIAL
         return _current
     if _current.size > 1:
         raise RuntimeError("this process is already in a tensor-parallel group")
-    if init_method is None:
+    if init_method is None or not init_method.startswith("tcp://"):
         raise ValueError("tensor parallelism needs an init address (tcp://host:port)")
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    store = rendezvous.meet(host.strip("[]"), int(port), rank, size, nnodes,
+                            fingerprint or {}, timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank,
-                            timeout=timeout, **kwargs)
+    dist.init_process_group(backend, store=dist.PrefixStore("radixserve/group", store),
+                            world_size=size, rank=rank, timeout=timeout, **kwargs)
     device_group = dist.group.WORLD
     # the followers wait on the control channel for as long as rank 0 is idle: no timeout
     # worth the name (a dead rank takes the others down through their parent, not this)

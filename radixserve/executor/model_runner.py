@@ -9,6 +9,7 @@ import dataclasses
 import gc
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -28,6 +29,7 @@ from radixserve.layers.quantization.fp8 import fp8_config, fp8_linears
 from radixserve.executor.sampler import (Sampler, compute_input_logprobs, compute_logprobs,
                                          compute_logprobs_on_device)
 from radixserve.loader import init_dummy_weights, load_model_source
+from radixserve.loader.model_identity import model_digest
 from radixserve.loader.model_source import ModelSource
 from radixserve.loader.weight_loading import load_weights
 from radixserve.mem.kv_pool import (KV_CACHE_DTYPES, KVCacheSpec, KVPool, make_kv_pool,
@@ -59,6 +61,17 @@ def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
                          "divides the other, so KV heads can be neither split nor replicated")
 
 
+# flags every tensor-parallel rank must be started with alike (the scheduler runs on every rank)
+RANK_SHARED_FLAGS = ("tp_size", "nnodes", "load_format", "kv_cache_dtype", "quantization",
+                     "max_total_tokens", "max_running_requests", "max_prefill_tokens",
+                     "chunked_prefill_size", "enable_mixed_chunk", "schedule_policy",
+                     "admission_plan", "schedule_conservativeness",
+                     "num_continuous_decode_steps", "disable_radix_cache",
+                     "enable_jump_forward", "attention_backend", "prefill_attention_backend",
+                     "decode_attention_backend", "disable_cuda_graph",
+                     "disable_overlap_schedule", "cuda_graph_max_bs")
+
+
 class ModelRunner:
     def __init__(self, server_args: ServerArgs, source: ModelSource | None = None,
                  tp_rank: int = 0, dist_init_method: str | None = None) -> None:
@@ -84,8 +97,10 @@ class ModelRunner:
                                    self.device.type)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.tp_group = init_tensor_parallel(tp_rank, self.tp_size, self.device,
-                                             dist_init_method)
+        self.tp_group = init_tensor_parallel(
+            tp_rank, self.tp_size, self.device, dist_init_method,
+            timeout_s=self.server_args.dist_timeout, nnodes=self.server_args.nnodes,
+            fingerprint=self._rank_fingerprint() if self.tp_size > 1 else None)
         self.model = self._load_model()
         self.kv_cache_spec: KVCacheSpec = dataclasses.replace(
             kv_cache_spec(self.model_config, self.dtype, self.tp_size),
@@ -102,6 +117,16 @@ class ModelRunner:
             self.cuda_graph_runner = CudaGraphRunner(self)
 
     # ---- setup ----
+    def _rank_fingerprint(self) -> dict[str, Any]:
+        """What every rank must share (distributed/rendezvous.py): the model, and the flags
+        that shape its tensors or the scheduler's decisions, which every rank replays (node-local
+        ones, such as paths, ports and GPU ids, are left out)."""
+        args = self.server_args
+        shared = {name: getattr(args, name) for name in RANK_SHARED_FLAGS}
+        return {**shared, "model": model_digest(self.source), "dtype": str(self.dtype),
+                "device_type": self.device.type,
+                "context_length": self.model_config.context_length}
+
     def _load_model(self) -> torch.nn.Module:
         torch.manual_seed(self.server_args.random_seed)
         model_cls = get_model_class(self.model_config.architecture)

@@ -37,7 +37,7 @@ from radixserve.server.process_group import ChildFailedError, ProcessGroup
 from radixserve.server.process_utils import configure_logging
 from radixserve.server.tokenizer_manager import TokenizerManager
 from radixserve.server.tokenizer_utils import load_tokenizer
-from radixserve.server.tp_follower_process import follower_ranks, run_headless_node
+from radixserve.server.tp_follower_process import run_headless_node
 from radixserve.server.cpu_priority import yield_to_compute
 
 logger = logging.getLogger("radixserve.server")
@@ -60,11 +60,23 @@ def served_model_name(server_args: ServerArgs) -> str:
 class GracefulServer(uvicorn.Server):
     """uvicorn, with a shutdown that first stops admitting requests, lets the running ones
     finish for up to --shutdown-timeout seconds, then ends the rest with an error event (so
-    clients see why their stream ended) before uvicorn closes the connections."""
+    clients see why their stream ended) before uvicorn closes the connections. Its summary
+    counts the requests a server failure ended before the shutdown too (`fail_threadsafe`)."""
 
     def __init__(self, config: uvicorn.Config, tm: TokenizerManager, drain_s: float) -> None:
         super().__init__(config)
         self.tm, self.drain_s = tm, drain_s
+        self.ended_by_failure = 0
+
+    def fail_threadsafe(self, message: str) -> None:
+        """From any thread: end every open request with this error, counted for the
+        shutdown summary (TokenizerManager.fail_all_threadsafe drops the count)."""
+        loop = self.tm.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._fail_open_requests, message)
+
+    def _fail_open_requests(self, message: str) -> None:
+        self.ended_by_failure += self.tm.fail_all(message)
 
     async def shutdown(self, sockets: Any = None) -> None:
         tm = self.tm
@@ -75,26 +87,35 @@ class GracefulServer(uvicorn.Server):
         while tm.rid_to_state and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         drained = time.monotonic() - started
-        ended = tm.fail_all(tm.refusing)
-        if ended:
+        ended_now = tm.fail_all(tm.refusing)
+        if ended_now:
             await asyncio.sleep(0.2)  # let the handlers write their final events
-        logger.info("shutting down: %d request(s) ended with an error after %.1f s of drain "
-                    "(at most %.1f s)", ended, drained, self.drain_s)
+        logger.info("shutting down: %d request(s) ended with an error%s after %.1f s of drain "
+                    "(at most %.1f s)", self.ended_by_failure + ended_now,
+                    _failure_share(self.ended_by_failure), drained, self.drain_s)
         await super().shutdown(sockets)
+
+
+def _failure_share(ended_by_failure: int) -> str:
+    """The part of the shutdown summary that the server's failure ended, when there is one."""
+    return f" ({ended_by_failure} when the server failed)" if ended_by_failure else ""
 
 
 @dataclasses.dataclass
 class ServerState:
     exit_code: int = 0
     ready: bool = False
-    server: uvicorn.Server | None = None
+    server: GracefulServer | None = None
     tm: TokenizerManager | None = None
 
     def fail(self, message: str) -> None:
         logger.error("%s", message)
         self.exit_code = 1
-        if self.tm is not None:  # every open request fails now, not after a timeout
-            self.tm.fail_all_threadsafe("the server failed: " + message.splitlines()[0])
+        failure = "the server failed: " + message.splitlines()[0]
+        if self.server is not None:  # every open request fails now, not after a timeout
+            self.server.fail_threadsafe(failure)
+        elif self.tm is not None:
+            self.tm.fail_all_threadsafe(failure)
         if self.server is not None:
             self.server.should_exit = True
         # last resort if the graceful stop hangs (children end themselves when we are gone)
@@ -135,9 +156,7 @@ def launch_server(server_args: ServerArgs,
     server_args.resolve()
     configure_logging(server_args.log_level, "server")
     if server_args.node_rank > 0:
-        code = run_headless_node(server_args)
-        if code:
-            raise SystemExit(code)
+        _serve_headless_node(server_args)
         return
     # fail fast, before any process loads anything: the port must be free (it stays bound, and
     # uvicorn serves on this socket) and the model path must resolve, both before any child
@@ -183,6 +202,16 @@ def launch_server(server_args: ServerArgs,
             signal.signal(sig, handler)
     if state.exit_code:
         raise SystemExit(state.exit_code)
+
+
+def _serve_headless_node(server_args: ServerArgs) -> None:
+    """Node n > 0: the model checks node 0 makes first (one error line and exit code 1, not a
+    traceback from each rank), then this node's ranks until rank 0 stops them."""
+    _resolve_or_exit(server_args)
+    _check_model(server_args)
+    code = run_headless_node(server_args)
+    if code:
+        raise SystemExit(code)
 
 
 def _bind_listen_socket(server_args: ServerArgs) -> socket.socket:
@@ -243,13 +272,14 @@ def _serve(server_args: ServerArgs, port_args: PortArgs, group: ProcessGroup,
     aliases = frozenset({name, server_args.model_path or DEFAULT_MODEL_NAME})
 
     def server_info() -> dict[str, Any]:
+        follower_pids = group.follower_pids_per_replica()
         args = {k: v for k, v in dataclasses.asdict(server_args).items() if k != "api_key"}
         return {"server_args": args, "served_model_name": name, "model_info": model_info,
                 "scheduler_pid": group.pid_of("scheduler"),
                 "scheduler_pids": group.pids_of_schedulers(),
                 "detokenizer_pid": group.pid_of("detokenizer"),
-                "tp_follower_pids": [group.pid_of(f"tp{rank}")
-                                     for rank in follower_ranks(server_args)],
+                "tp_follower_pids": [pid for pids in follower_pids for pid in pids],
+                "tp_follower_pids_per_replica": follower_pids,
                 "ready": state.ready}
 
     app = build_app(tm, server_args.api_key, name, aliases, server_info, lambda: state.ready,

@@ -29,7 +29,7 @@ from radixserve.server.scheduler_process import SchedulerFactory, run_scheduler_
 from radixserve.server.tp_follower_process import follower_ranks, run_tp_follower_process
 from radixserve.server.detokenizer_manager import run_detokenizer_process
 from radixserve.server.ipc import PortArgs
-from radixserve.server.process_utils import terminate_only_from_parent
+from radixserve.server.process_utils import failure_detail, terminate_only_from_parent
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,11 @@ def _run_when_released(release_conn: multiprocessing.connection.Connection,
     target(*args)
 
 
+def replica_prefix(dp_rank: int) -> str:
+    """What the names of data-parallel replica dp_rank's processes start with ("dp1-tp1")."""
+    return "" if dp_rank == 0 else f"dp{dp_rank}-"
+
+
 class ChildFailedError(RuntimeError):
     """A child process failed or died; the message holds its traceback when it sent one."""
 
@@ -90,10 +95,7 @@ class ChildProcess:
     def failure_text(self) -> str:
         message = self.read_status()
         code = self.process.exitcode
-        text = f"the {self.name} process died (exit code {code})"
-        if message and message.get("status") == "error":
-            text += f":\n{message.get('traceback', '')}"
-        return text
+        return f"the {self.name} process died (exit code {code}){failure_detail(message)}"
 
 
 class ProcessGroup:
@@ -116,7 +118,7 @@ class ProcessGroup:
         for dp_rank in range(self.server_args.dp_size):
             args = self.server_args.for_replica(dp_rank) if self.server_args.dp_size > 1 \
                 else self.server_args
-            prefix = "" if dp_rank == 0 else f"dp{dp_rank}-"
+            prefix = replica_prefix(dp_rank)
             targets.append((f"{prefix}scheduler", run_scheduler_process,
                             (args, self.port_args, _STATUS_PIPE, self.scheduler_factory,
                              dp_rank)))
@@ -170,15 +172,20 @@ class ProcessGroup:
                     child.process.join(timeout=5)
                     text = f"the {name} process failed to start (exit code " \
                            f"{child.process.exitcode})"
-                    if message and message.get("traceback"):
-                        text += f":\n{message['traceback']}"
+                    text += failure_detail(message)
                     raise ChildFailedError(text)
         scheduler = next(c for c in self.children if c.name == "scheduler")
         return dict(scheduler.ready_message["model_info"])  # type: ignore[index]
 
     def pids_of_schedulers(self) -> list[int | None]:
         """Each data-parallel replica's scheduler process, in replica order."""
-        return [self.pid_of("scheduler" if r == 0 else f"dp{r}-scheduler")
+        return [self.pid_of(f"{replica_prefix(r)}scheduler")
+                for r in range(self.server_args.dp_size)]
+
+    def follower_pids_per_replica(self) -> list[list[int | None]]:
+        """Each data-parallel replica's tensor-parallel followers, in replica order."""
+        return [[self.pid_of(f"{replica_prefix(r)}tp{rank}")
+                 for rank in follower_ranks(self.server_args)]
                 for r in range(self.server_args.dp_size)]
 
     def start_watchdog(self, on_failure: Callable[[str], None]) -> None:

@@ -1,7 +1,8 @@
 """Helpers for the server's child processes: parent-death watch, signals, error reports.
 
 A child reports to the parent through a one-way pipe: {"status": "ready", ...} once started, or
-{"status": "error", "traceback": ...} when it fails; then it exits non-zero. A child never
+{"status": "error", "traceback": ...} when it fails ("message" instead, for an error meant for
+the operator, such as ranks started unlike each other); then it exits non-zero. A child never
 outlives the parent: a thread waits on the parent's sentinel and ends the child when it fires.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import sys
 import threading
 import traceback
 from typing import Any
@@ -85,10 +87,26 @@ def terminate_only_from_parent() -> None:
 
 
 def report_failure(conn: multiprocessing.connection.Connection, process_name: str) -> None:
-    """Send the current exception's traceback to the parent (best effort) and log it."""
+    """Send the current exception's traceback to the parent (best effort) and log it; an
+    exception meant for the operator (`show_traceback = False`) goes as its message alone."""
+    exc = sys.exc_info()[1]
+    if exc is not None and not getattr(exc, "show_traceback", True):
+        logger.error("%s process failed: %s", process_name, exc)
+        send_status(conn, {"status": "error", "process": process_name, "message": str(exc)})
+        return
     text = traceback.format_exc()
     logger.error("%s process failed:\n%s", process_name, text)
     send_status(conn, {"status": "error", "process": process_name, "traceback": text})
+
+
+def failure_detail(message: dict[str, Any] | None) -> str:
+    """What a child's error status adds to "the X process failed": ": its message" for an
+    operator's error, else its traceback on the lines below ('' without an error status)."""
+    if not message or message.get("status") != "error":
+        return ""
+    if message.get("message"):
+        return f": {message['message']}"
+    return f":\n{message.get('traceback', '')}"
 
 
 def send_status(conn: multiprocessing.connection.Connection, message: dict[str, Any]) -> None:

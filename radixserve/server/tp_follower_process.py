@@ -12,7 +12,8 @@ import sys
 from typing import Any
 
 from radixserve.config import ServerArgs
-from radixserve.server.process_utils import prepare_child_process, report_failure, send_status
+from radixserve.server.process_utils import (failure_detail, prepare_child_process,
+                                             report_failure, send_status)
 
 
 def cpu_threads_per_rank(server_args: ServerArgs) -> None:
@@ -101,8 +102,8 @@ class FollowerWatch:
             return
         process, conn = sentinels[ready[0]]
         logging.getLogger(__name__).error(
-            "tensor-parallel rank %s died (exit code %s); stopping.\n%s", process.name,
-            process.exitcode, last_status(conn).get("traceback", ""))
+            "tensor-parallel rank %s died (exit code %s)%s; stopping.", process.name,
+            process.exitcode, failure_detail(last_status(conn)))
         os._exit(1)
 
 
@@ -128,6 +129,6 @@ def run_headless_node(server_args: ServerArgs) -> int:
         process.join()
         if process.exitcode != 0:
             code = 1
-            logger.error("rank %s ended with exit code %s\n%s", process.name,
-                         process.exitcode, last_status(conn).get("traceback", ""))
+            logger.error("rank %s ended with exit code %s%s", process.name,
+                         process.exitcode, failure_detail(last_status(conn)))
     return code

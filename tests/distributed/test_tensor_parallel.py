@@ -251,3 +251,35 @@ def test_constrained_outputs_at_tp2_equal_tp1(tmp_path) -> None:
     assert texts[2] == texts[1]
     assert re.fullmatch("[a-z]{3}-[0-9]{2}", texts[2][0])
     assert json.loads(texts[2][1])["id"] in (7, 42), texts[2][1]
+
+
+def test_nodes_started_with_different_models_are_refused(tmp_path) -> None:
+    """Node 1 given another checkpoint of the same shapes: both nodes fail at start-up with
+    what differs, in one line (ranks of different weights would otherwise meet and serve
+    garbage)."""
+    import subprocess
+    import sys
+
+    from tests.server.server_process import REPO_ROOT, free_port
+
+    make_checkpoint("llama_gqa_llama3_rope", tmp_path / "a")
+    make_checkpoint("llama_gqa_llama3_rope", tmp_path / "b", seed=1)
+    common = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr",
+              f"127.0.0.1:{free_port()}", "--dtype", "float32", "--skip-tokenizer-init",
+              "--max-total-tokens", "1024", "--port", str(free_port())]
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    nodes = [subprocess.Popen([sys.executable, "-m", "radixserve.launch_server", *common,
+                               "--model-path", str(tmp_path / folder), "--node-rank", rank],
+                              cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for folder, rank in (("b", "1"), ("a", "0"))]
+    try:
+        logs = [node.communicate(timeout=180)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    for node, log in zip(nodes, logs):
+        assert node.returncode == 1, log
+        assert "node 1 was started unlike rank 0 (node 0): model '" in log, log
+        assert "Traceback" not in log, log

@@ -1,0 +1,55 @@
+"""The shutdown summary of a server whose child died counts the open requests that the
+failure ended (each stream got the error event), not only those its own drain ended."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import requests
+
+from tests.server.server_process import ServerProcess
+
+HANG_GUARD_S = 120
+STREAMS = 2
+
+
+def _open_long_streams(server: ServerProcess, count: int) -> tuple[list[threading.Thread],
+                                                                   list[list[str]]]:
+    """`count` streaming completions far longer than the test, each read in a thread into its
+    list of SSE data lines; returns once every stream has sent its first event."""
+    events: list[list[str]] = [[] for _ in range(count)]
+    started = [threading.Event() for _ in range(count)]
+
+    def read(i: int) -> None:
+        with requests.post(server.url("/v1/completions"), stream=True, timeout=HANG_GUARD_S,
+                           json={"prompt": f"Story {i}:", "max_tokens": 3000, "stream": True,
+                                 "ignore_eos": True}) as response:
+            for line in response.iter_lines(decode_unicode=True):
+                if line.startswith("data: "):
+                    events[i].append(line[len("data: "):])
+                    started[i].set()
+
+    threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for event in started:
+        assert event.wait(HANG_GUARD_S)
+    return threads, events
+
+
+def test_summary_counts_the_streams_a_dead_rank_ended() -> None:
+    server = ServerProcess()
+    try:
+        threads, events = _open_long_streams(server, STREAMS)
+        os.kill(server.server_info()["scheduler_pid"], signal.SIGKILL)
+        for thread in threads:
+            thread.join(timeout=HANG_GUARD_S)
+        assert server.proc.wait(timeout=HANG_GUARD_S) != 0
+        for stream in events:
+            assert stream[-1] == "[DONE]" and "the server failed" in stream[-2]
+        log = server.log_text()
+        assert f"shutting down: {STREAMS} request(s) ended with an error ({STREAMS} when the " \
+               f"server failed)" in log, log[-3000:]
+    finally:
+        server.stop()
