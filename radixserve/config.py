@@ -89,6 +89,8 @@ class ServerArgs:
     node_rank: int = 0
     # seconds the ranks wait for each other to join, and at a collective of the model
     dist_timeout: float = 600.0
+    # seconds one scheduler turn may run before the server is taken down (0: never)
+    watchdog_timeout: float = 300.0
     # data parallelism: replicas of the model (each --tp-size ranks) behind one server
     dp_size: int = 1
     load_balance_method: str = "round_robin"  # round_robin | shortest_queue | cache_aware
@@ -142,6 +144,9 @@ class ServerArgs:
         if self.tp_size % self.nnodes:
             raise ValueError(f"--tp-size {self.tp_size} does not spread evenly over "
                              f"--nnodes {self.nnodes}")
+        if not self.watchdog_timeout >= 0:
+            raise ValueError(f"--watchdog-timeout must be >= 0 seconds, got "
+                             f"{self.watchdog_timeout}")
         if not self.dist_timeout > 0:
             raise ValueError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
         if self.nnodes > 1 and self.dist_init_addr is None:

@@ -104,6 +104,9 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
                        None),
     "nnodes": (PARALLEL, "machines the tensor-parallel ranks span", None),
     "node_rank": (PARALLEL, "this machine's index; node 0 serves HTTP", None),
+    "watchdog_timeout": (SERVING, "seconds one scheduler turn may run before the server is "
+                                  "taken down as hung (a stopped rank, a wedged device); 0: "
+                                  "never", None),
     "dist_timeout": (PARALLEL, "seconds the tensor-parallel ranks wait for each other to "
                                "join (and at a collective)", None),
     "dp_size": (PARALLEL, "data-parallel replicas behind this server", None),

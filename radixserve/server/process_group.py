@@ -207,14 +207,18 @@ class ProcessGroup:
             if child.release_conn is not None:  # never released: it exits on the closed pipe
                 child.release_conn.close()
                 child.release_conn = None
-        for child in self.children:
-            if child.process.is_alive():
-                child.process.terminate()
-        deadline = time.monotonic() + timeout_s
-        for child in self.children:
-            child.process.join(timeout=max(deadline - time.monotonic(), 0.1))
-            if child.process.is_alive():
-                logger.warning("%s process did not stop; killing it", child.name)
-                child.process.kill()
-                child.process.join(timeout=5)
+        # the schedulers first: with tensor parallelism each tells its other ranks to stop
+        # (those on other nodes included), which then end by themselves
+        schedulers = [c for c in self.children if c.name.endswith("scheduler")]
+        for wave in (schedulers, [c for c in self.children if c not in schedulers]):
+            for child in wave:
+                if child.process.is_alive():
+                    child.process.terminate()
+            deadline = time.monotonic() + timeout_s
+            for child in wave:
+                child.process.join(timeout=max(deadline - time.monotonic(), 0.1))
+                if child.process.is_alive():
+                    logger.warning("%s process did not stop; killing it", child.name)
+                    child.process.kill()
+                    child.process.join(timeout=5)
         self.port_args.cleanup()

@@ -15,10 +15,14 @@ import signal
 import sys
 import threading
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 _sigterm_watched = False  # terminate_only_from_parent ran in this process
+# what the parent's SIGTERM does instead of ending the process at once (`on_parent_stop`)
+_parent_stop: Callable[[], None] | None = None
+# how long a process with a stop handler has, after the parent's SIGTERM, to end by itself
+STOP_GRACE_S = 10.0
 
 
 def configure_logging(log_level: str, process_name: str) -> None:
@@ -74,16 +78,37 @@ def terminate_only_from_parent() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
     def wait() -> None:
+        stopping = False
         while True:
             info = signal.sigwaitinfo({signal.SIGTERM})
-            if info.si_pid == parent:
-                # unblocked in this thread only, and raised here: the default action
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-                signal.raise_signal(signal.SIGTERM)
-            logger.info("ignoring SIGTERM from pid %d: the server's main process stops this "
-                        "one after draining its requests", info.si_pid)
+            if info.si_pid != parent:
+                logger.info("ignoring SIGTERM from pid %d: the server's main process stops "
+                            "this one after draining its requests", info.si_pid)
+                continue
+            handler = _parent_stop
+            if handler is None or stopping:
+                _end_by_sigterm()
+            stopping = True
+            handler()
+            deadline = threading.Timer(STOP_GRACE_S, _end_by_sigterm)
+            deadline.daemon = True  # (a process that ends by itself does not wait for it)
+            deadline.start()
 
     threading.Thread(target=wait, name="sigterm-from-parent", daemon=True).start()
+
+
+def _end_by_sigterm() -> None:
+    """SIGTERM's default action, from the calling thread (SIGTERM is unblocked in it only)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    signal.raise_signal(signal.SIGTERM)
+
+
+def on_parent_stop(handler: Callable[[], None]) -> None:
+    """The parent's SIGTERM calls `handler` (from the signal thread) instead of ending this
+    process at once: the process is to end by itself, and is ended STOP_GRACE_S later (or at
+    a second SIGTERM) if it has not."""
+    global _parent_stop
+    _parent_stop = handler
 
 
 def report_failure(conn: multiprocessing.connection.Connection, process_name: str) -> None:

@@ -24,9 +24,11 @@ from radixserve.config import ServerArgs
 from radixserve.core.io_struct import (AbortReq, FlushCacheReq, GetInternalStateReq,
                                        TokenizedGenerateReq)
 from radixserve.server.ipc import PortArgs, pull_socket, push_socket
-from radixserve.server.process_utils import prepare_child_process, report_failure, send_status
+from radixserve.server.process_utils import (on_parent_stop, prepare_child_process,
+                                             report_failure, send_status)
 from radixserve.server.cpu_priority import pin_scheduler_threads
 from radixserve.server.tp_follower_process import cpu_threads_per_rank
+from radixserve.server.turn_watchdog import TurnWatchdog
 
 if TYPE_CHECKING:
     from radixserve.scheduler.scheduler import Scheduler
@@ -52,8 +54,9 @@ class SchedulerLoop:
     """Owns the scheduler's two sockets; `step()` is one iteration of the event loop."""
 
     def __init__(self, scheduler: Any, port_args: PortArgs, idle_poll_ms: int = 1000,
-                 dp_rank: int = 0) -> None:
+                 dp_rank: int = 0, watchdog: TurnWatchdog | None = None) -> None:
         self.scheduler = scheduler
+        self.watchdog = watchdog or TurnWatchdog(0)
         self.idle_poll_ms = idle_poll_ms
         self.context = zmq.Context(1)
         self.recv_sock = pull_socket(self.context, port_args.scheduler_inputs[dp_rank])
@@ -65,11 +68,18 @@ class SchedulerLoop:
         while not self.stopped:
             self.step()
 
+    def stop(self) -> None:
+        """End run_forever after the step in progress (from any thread)."""
+        self.stopped = True
+
     def step(self) -> None:
         for message in self._drain():
             self._dispatch(message)
         if self.scheduler.has_work():
-            for out in self.scheduler.run_turn():
+            self.watchdog.turn_started()
+            outs = self.scheduler.run_turn()
+            self.watchdog.turn_ended()
+            for out in outs:
                 self.send_sock.send_pyobj(out)
         else:
             self.recv_sock.poll(timeout=self.idle_poll_ms)
@@ -136,9 +146,18 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs,
         limit_cpu_threads(server_args.resolve())
         pin_scheduler_threads(server_args)
         scheduler = (scheduler_factory or build_default_scheduler)(server_args)
-        loop = SchedulerLoop(scheduler, port_args, dp_rank=dp_rank)
+        loop = SchedulerLoop(scheduler, port_args, dp_rank=dp_rank,
+                             watchdog=TurnWatchdog(server_args.watchdog_timeout))
+        stops_followers = hasattr(scheduler, "stop_followers")
+        if stops_followers:
+            # with tensor parallelism a stop ends the turn in progress, then tells the other
+            # ranks (on other nodes too: they end cleanly, not on a broken connection)
+            on_parent_stop(loop.stop)
         send_status(status_conn, {"status": "ready", "model_info": dict(scheduler.model_info)})
         loop.run_forever()
+        if stops_followers:
+            scheduler.stop_followers()
+            logger.info("stopped the other tensor-parallel ranks")
     except SystemExit:
         raise
     except BaseException:
