@@ -444,16 +444,20 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
         self._after_decode_step(len(self.running), still_running)
 
     def _after_decode_step(self, batch_size: int, still_running: list[Req]) -> None:
-        self.stats.on_decode_step(batch_size, sum(r.kv_len for r in self.running),
-                                  self.token_usage(), len(self.waiting_queue))
+        self.stats.on_decode_step(batch_size, self.tokens_in_use(), self.token_usage(),
+                                  len(self.waiting_queue))
         self.running = still_running
         self.ratio.decay()
 
     # ---- idle, memory accounting ----
-    def token_usage(self) -> float:
-        used = self.max_total_num_tokens - self.token_to_kv_pool.available_size() \
+    def tokens_in_use(self) -> int:
+        """KV slots held by requests (a shared prefix counts once); the cache's evictable
+        slots are not."""
+        return self.max_total_num_tokens - self.token_to_kv_pool.available_size() \
             - self.tree_cache.evictable_size()
-        return used / self.max_total_num_tokens
+
+    def token_usage(self) -> float:
+        return self.tokens_in_use() / self.max_total_num_tokens
 
     def check_memory(self) -> tuple[bool, int]:
         """When idle: free + cached == total, nothing locked, every request row free."""

@@ -228,13 +228,7 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
         rid = body.get("rid") if isinstance(body, dict) else None
         if not isinstance(rid, str) or not rid:
             raise APIError("give the request id to abort as {\"rid\": \"...\"}", param="rid")
-        targets = [rid]
-        if rid not in tm.rid_to_state:  # sent with n > 1: its copies "<rid>-0" ... "<rid>-<n-1>"
-            targets = [f"{rid}-{j}" for j in range(MAX_N) if f"{rid}-{j}" in tm.rid_to_state] \
-                or targets
-        known = any(target in tm.rid_to_state for target in targets)
-        for target in targets:
-            tm.send_abort(target)
+        known = tm.abort_by_client(rid)
         return JSONResponse({"success": True, "rid": rid, "was_in_flight": known})
 
     @router.get("/metrics")

@@ -29,7 +29,8 @@ from radixserve.core.io_struct import (AbortReq, BatchStrOut, FlushCacheReply, F
                                        TokenizedGenerateReq)
 from radixserve.core.req import FIRST_TOKEN_TIME_KEY
 from radixserve.core.request_validation import RequestLimits, validate_request
-from radixserve.core.sampling_params import GRAMMAR_KINDS, InvalidRequestError, SamplingParams
+from radixserve.core.sampling_params import (GRAMMAR_KINDS, MAX_N, InvalidRequestError,
+                                             SamplingParams)
 from radixserve.scheduler.grammar.validation import check_grammar
 from radixserve.server.dp_router import DataParallelRouter
 from radixserve.server.errors import APIError, ClientDisconnected
@@ -79,6 +80,11 @@ class TokenizerManager:
         self.metrics = metrics
         self.log_requests = log_requests
         self.rid_to_state: dict[str, ReqState] = {}
+        # copies of an n > 1 request not yet sent, while their prompt's prefix is cached first
+        # (cache_shared_prefixes): rid -> that warm-up's rid (None: the prompt has none); an
+        # abort of one (`abort_by_client`) puts it in `abort_on_send`
+        self.waiting_for_prefix: dict[str, str | None] = {}
+        self.abort_on_send: set[str] = set()
         # (replica, future) of each control request awaiting its reply
         self.pending_replies: dict[type, deque[tuple[int, asyncio.Future[Any]]]] = {
             FlushCacheReply: deque(), InternalState: deque()}
@@ -209,6 +215,9 @@ class TokenizerManager:
                        http_request: Request | None = None) -> AsyncIterator[ReqOutput]:
         """Outputs of one request: each streamed update if req.stream, always the final one."""
         state = self._send(req)
+        if req.rid in self.abort_on_send:  # aborted while its prefix was cached
+            self.abort_on_send.discard(req.rid)
+            self.send_abort(req.rid)
         watcher = None if http_request is None else \
             asyncio.create_task(_watch_disconnect(http_request, state))
         try:
@@ -301,11 +310,51 @@ class TokenizerManager:
                 first_of[key] = req
         if not repeated:
             return
-        warmups = [replace(r, rid=uuid.uuid4().hex, stream=False, return_logprob=False,
-                           internal=True,
-                           sampling_params=replace(r.sampling_params, max_new_tokens=0))
-                   for r in repeated.values()]
-        await asyncio.gather(*(self.generate_final(w, http_request) for w in warmups))
+        warmups = {key: replace(r, rid=uuid.uuid4().hex, stream=False, return_logprob=False,
+                                internal=True,
+                                sampling_params=replace(r.sampling_params, max_new_tokens=0))
+                   for key, r in repeated.items()}
+        for req in reqs:
+            warmup = warmups.get(tuple(req.input_ids))
+            self.waiting_for_prefix[req.rid] = None if warmup is None else warmup.rid
+        started = time.perf_counter()
+        try:
+            await asyncio.gather(*(self.generate_final(w, http_request)
+                                   for w in warmups.values()))
+        except BaseException:  # the client went, or the server failed: none is sent
+            for req in reqs:
+                self.abort_on_send.discard(req.rid)
+                self.metrics.observe_finish("abort", len(req.input_ids), 0, 0,
+                                            time.perf_counter() - started)
+            raise
+        finally:
+            for req in reqs:
+                self.waiting_for_prefix.pop(req.rid, None)
+
+    def abort_by_client(self, rid: str) -> bool:
+        """/abort_request: abort `rid`, or the copies of the request sent with n > 1 under that
+        id ("<rid>-0", ...), also while they wait for their prompt's prefix to be cached;
+        whether any was in flight."""
+        def known(candidate: str) -> bool:
+            return candidate in self.rid_to_state or candidate in self.waiting_for_prefix
+
+        targets = [rid] if known(rid) else \
+            [f"{rid}-{j}" for j in range(MAX_N) if known(f"{rid}-{j}")]
+        for target in targets or [rid]:
+            if target in self.waiting_for_prefix:
+                self._abort_waiting_for_prefix(target)
+            else:
+                self.send_abort(target)
+        return bool(targets)
+
+    def _abort_waiting_for_prefix(self, rid: str) -> None:
+        """It is aborted as soon as it is sent; its warm-up too, once no other copy needs it."""
+        self.abort_on_send.add(rid)
+        warmup = self.waiting_for_prefix[rid]
+        if warmup is not None and all(other in self.abort_on_send
+                                      for other, theirs in self.waiting_for_prefix.items()
+                                      if theirs == warmup):
+            self.send_abort(warmup)
 
     def abort(self, rid: str) -> None:
         """The consumer of `rid` is gone: abort it and forget it (counted as an abort)."""

@@ -90,28 +90,49 @@ def test_abort_request_route(server: Any) -> None:
     assert last["meta_info"]["completion_tokens"] < 2000
 
 
-def test_abort_request_route_aborts_every_sample_of_n(server: Any) -> None:
-    # n > 1 runs as "<rid>-0" ... "<rid>-<n-1>": aborting "<rid>" aborts them all
-    rid = "abort-both-samples"
+def _abort_two_samples(server: Any, rid: str, prompt: str, in_flight_at_least: int
+                       ) -> tuple[dict[str, Any], int, list[dict[str, Any]]]:
+    """Send `prompt` with n = 2 under `rid`, abort `rid` once the server has that many
+    requests in flight; (the abort's answer, requests in flight just before it, the outputs)."""
     answers: list[Any] = []
 
     def consume() -> None:
         answers.append(post(server, "/generate", {
-            "text": PROMPT, "rid": rid, "sampling_params": {
+            "text": prompt, "rid": rid, "sampling_params": {
                 "n": 2, "max_new_tokens": 2000, "ignore_eos": True}}).json())
 
     thread = threading.Thread(target=consume)
     thread.start()
-    for _ in range(600):
-        if server.server_info()["num_in_flight_requests"] >= 2:
+    in_flight = 0
+    for _ in range(1000):
+        in_flight = server.server_info()["num_in_flight_requests"]
+        if in_flight >= in_flight_at_least:
             break
-        time.sleep(0.05)
+        time.sleep(0.02)
     answer = post(server, "/abort_request", {"rid": rid}).json()
-    assert answer["success"] and answer["was_in_flight"]
     thread.join(timeout=120)
     assert not thread.is_alive()
-    finishes = [out["meta_info"]["finish_reason"]["type"] for out in answers[0]]
-    assert finishes == ["abort", "abort"]
+    return answer, in_flight, answers[0]
+
+
+def test_abort_request_route_aborts_every_sample_of_n(server: Any) -> None:
+    # n > 1 runs as "<rid>-0" ... "<rid>-<n-1>": aborting "<rid>" aborts them all
+    answer, _, outputs = _abort_two_samples(server, "abort-both-samples", PROMPT, 2)
+    assert answer["success"] and answer["was_in_flight"]
+    assert [out["meta_info"]["finish_reason"]["type"] for out in outputs] == ["abort", "abort"]
+
+
+def test_abort_of_n_samples_while_their_prompt_is_cached_first(server: Any) -> None:
+    """n > 1 first prefills the prompt once (an internal request) and sends the copies after
+    it: an abort in that window used to find no copy and was lost (both ran to the end)."""
+    long_prompt = " ".join(f"{PROMPT} ({i})" for i in range(60))  # a prefill of seconds
+    answer, in_flight, outputs = _abort_two_samples(server, "abort-before-the-copies",
+                                                    long_prompt, 1)
+    assert in_flight == 1, "the copies were sent before the abort: the prompt was too short"
+    assert answer["success"] and answer["was_in_flight"]
+    assert [out["meta_info"]["finish_reason"]["type"] for out in outputs] == ["abort", "abort"]
+    # sent, then aborted at once: at most a turn's tokens (both ran to 2000 before)
+    assert all(out["meta_info"]["completion_tokens"] < 50 for out in outputs)
 
 
 def test_control_routes(server: Any) -> None:
