@@ -6,9 +6,11 @@ A plain ASGI middleware, outermost, so it sees the answers the other middlewares
 413, the catch-all's 500) as well as the routes'. The route label is the route's template
 (`/v1/models/{model_id:path}`), or "unmatched" for paths no route serves, so the label's
 values stay few whatever paths clients send. A request answered with no status line (the
-client left first) is not counted.
+client left first) is not counted, nor is the server's own warm-up (`is_internal`).
 """
 from __future__ import annotations
+
+from typing import Callable
 
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -19,12 +21,15 @@ UNMATCHED_ROUTE = "unmatched"
 
 
 class HTTPMetricsMiddleware:
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: list[BaseRoute]) -> None:
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: list[BaseRoute],
+                 is_internal: Callable[[Scope], bool] = lambda scope: False) -> None:
         """`routes`: the routers' own routes (APIRouter.routes), matched here by path and
-        method, also for answers given before routing (401, 413)."""
+        method, also for answers given before routing (401, 413). `is_internal`: requests the
+        server sends itself, left out."""
         self.app = app
         self.metrics = metrics
         self.routes = routes
+        self.is_internal = is_internal
         self._route_of_path: dict[tuple[str, str], str] = {}  # (method, path) -> template
 
     def route_label(self, scope: Scope) -> str:
@@ -43,7 +48,7 @@ class HTTPMetricsMiddleware:
         return label
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or self.is_internal(scope):
             await self.app(scope, receive, send)
             return
 

@@ -21,7 +21,7 @@ from radixserve.server.asgi_guards import BodyLimitMiddleware, CatchAllMiddlewar
 from radixserve.server.errors import APIError, ClientDisconnected, status_phrase
 from radixserve.server.http_metrics import HTTPMetricsMiddleware
 from radixserve.server.http_utils import check_api_key
-from radixserve.server.native_api import native_router
+from radixserve.server.native_api import is_warm_up, native_router
 from radixserve.server.openai_api import openai_router
 from radixserve.server.openai_common import OpenAIContext
 from radixserve.server.reasoning import get_format
@@ -75,7 +75,8 @@ def build_app(tm: TokenizerManager, api_key: str | None, model_name: str,
     app.add_middleware(CatchAllMiddleware)  # whatever escapes the rest
     # outermost of ours: counts every answer, the middlewares' own included
     app.add_middleware(HTTPMetricsMiddleware, metrics=tm.metrics,
-                       routes=[route for router in routers for route in router.routes])
+                       routes=[route for router in routers for route in router.routes],
+                       is_internal=lambda scope: is_warm_up(scope, is_ready))
 
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, exc: APIError) -> Response:

@@ -20,6 +20,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from pydantic import StrictBool, StrictInt, StrictStr
 from starlette.requests import Request
+from starlette.types import Scope
 
 from radixserve.core.sampling_params import MAX_N, InvalidRequestError, SamplingParams
 from radixserve.server.errors import APIError
@@ -33,6 +34,12 @@ from radixserve.server.tokenizer_manager import TokenizerManager
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 # the header of the server's own warm-up /generate (launch.py), heeded only before it is ready
 WARM_UP_HEADER = "x-radixserve-warm-up"
+
+
+def is_warm_up(scope: Scope, is_ready: Callable[[], bool]) -> bool:
+    """The server's own warm-up request (launch.py): marked by WARM_UP_HEADER, and believed
+    only before the server is ready."""
+    return not is_ready() and (WARM_UP_HEADER.encode(), b"1") in scope.get("headers", ())
 
 
 UNSUPPORTED_NATIVE_FIELDS = (
@@ -169,7 +176,7 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
         lane = await tm.lane_for(request, raw)
         obj: GenerateReqInput = await tm.offload(parse_model, GenerateReqInput, raw, lane=lane)
         reqs, is_batch = await tm.offload(build_requests, tm, obj, lane=lane)
-        if not is_ready() and request.headers.get(WARM_UP_HEADER) == "1":
+        if is_warm_up(request.scope, is_ready):
             # the server's own warm-up (launch.py): not a request the metrics count
             reqs = [dataclasses.replace(r, internal=True) for r in reqs]
         if obj.stream:
