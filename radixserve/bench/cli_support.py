@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from typing import Any, Callable
 
@@ -16,6 +17,10 @@ class BenchError(Exception):
 
 
 def run_command(body: Callable[[], int]) -> int:
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        # Ctrl-C ends the command at once: unwinding asyncio.run (cancelling every request
+        # task, then waiting for them) could hang on one that does not end
+        signal.signal(signal.SIGINT, _end_interrupted)
     try:
         return body()
     except BenchError as exc:
@@ -24,6 +29,12 @@ def run_command(body: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _end_interrupted(signum: int, frame: Any) -> None:
+    sys.stdout.flush()
+    print("interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 def read_text(path: str) -> str:

@@ -343,7 +343,10 @@ def test_ctrl_c_ends_the_run_with_one_line(tokenizer_dir: str) -> None:
             [sys.executable, "-m", "radixserve.bench.serving", "--base-url", server.base_url,
              "--tokenizer", tokenizer_dir, "--num-prompts", "100", "--random-input-len", "8",
              "--random-output-len", "3", "--max-concurrency", "1", "--disable-tqdm"],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            # a shell's background job (nohup ... &, as CI may run us) ignores SIGINT, and a
+            # Python started so never raises KeyboardInterrupt: give the run the default back
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             deadline = time.monotonic() + 60
             while len(state.bodies) < 2 and proc.poll() is None and time.monotonic() < deadline:
