@@ -1,12 +1,18 @@
 """GGUF (llama.cpp) checkpoints as an HF-style config dict and HF-named fp32 tensors.
 
-llama.cpp names tensors `token_embd`, `blk.N.attn_q`, ...; we rename them to the names a
-transformers `LlamaForCausalLM` state dict uses, so models load GGUF and safetensors the same way.
+llama.cpp names tensors `token_embd`, `blk.N.attn_q`, ...; we rename them to the names the
+transformers state dict of the same architecture uses (Llama, Qwen2, Qwen3, Gemma-2), so models
+load GGUF and safetensors the same way.
 
 Invariant on q/k: llama.cpp's converter permutes the rows of `attn_q` / `attn_k` of Llama models
 so that each head's rotary pairs are interleaved (GPT-J style, pairs (2i, 2i+1)) instead of split
 in halves (GPT-NeoX style, pairs (i, i + d/2)) as in HF checkpoints. `unpermute_qk` undoes it; the
-weights we yield are in HF layout.
+weights we yield are in HF layout. Qwen2, Qwen3 and Gemma-2 run NeoX rope in llama.cpp too, so
+their rows are stored as in HF.
+
+Invariant on Gemma norms: HF's GemmaRMSNorm scales by (1 + w); llama.cpp's converter stores w + 1
+(in the checkpoint's dtype) so its plain RMSNorm applies it; we subtract 1 again, as transformers'
+GGUF import does. The float32 round trip (w + 1) - 1 may differ from w by an ulp of w + 1.
 
 Weights are deliberately not cached: dequantizing all of the bundled 135M model takes 0.7-1.5 s
 on a 2-core CPU, and reading an fp32 safetensors copy instead (538 MB on disk, 1.35 s to write
@@ -15,7 +21,8 @@ once) takes 0.1-0.45 s: under a second saved per start, for half a gigabyte per 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +35,12 @@ from radixserve.loader import gguf_dequant
 from radixserve.loader.cache_dir import file_cache_folder, read_cached_json, write_json_atomically
 from radixserve.loader.gguf_file import GGUFFile, GGUFTensorInfo, read_gguf
 
-# general.architecture -> (HF architecture, whether q/k rows were permuted by the converter)
-GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
-    "llama": ("LlamaForCausalLM", True),
-    "qwen2": ("Qwen2ForCausalLM", False),
-}
-
 _GLOBAL_TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_LAYER_TENSOR_NAMES = {
+_LLAMA_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -50,6 +51,18 @@ _LAYER_TENSOR_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_QWEN3_LAYER_NAMES = {
+    **_LLAMA_LAYER_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+# Gemma-2 norms its sublayers' inputs and outputs; llama.cpp's `ffn_norm` is the one before the MLP
+_GEMMA2_LAYER_NAMES = {
+    **_LLAMA_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # Tensors llama.cpp writes that have no HF counterpart (rope_freqs: llama3 rope factors, which
 # the HF config expresses through rope_scaling instead).
 _SKIPPED_TENSORS = {"rope_freqs.weight"}
@@ -59,6 +72,58 @@ _LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 def _f32(value: float) -> float:
     """The shortest decimal that round-trips a float32 metadata value (9.99999974e-06 -> 1e-05)."""
     return float(str(np.float32(value)))
+
+
+# key(name, default): the file's `{arch}.{name}` metadata value
+MetaKey = Callable[..., Any]
+
+
+def _gemma2_query_scalar(config: dict[str, Any]) -> int:
+    """Gemma-2's query_pre_attn_scalar, which no GGUF key holds: llama.cpp (llama-model.cpp)
+    scales queries of the 27B model (46 layers) by (hidden / heads) ** -0.5, of the others by
+    head_dim ** -0.5, as the HF configs say (144 for 27B, 256 = head_dim for 2B and 9B)."""
+    if config["num_hidden_layers"] == 46:
+        return config["hidden_size"] // config["num_attention_heads"]
+    return config["head_dim"]
+
+
+def _gemma2_config(key: MetaKey, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma-2 hyperparameters beyond the common ones; the defaults are llama.cpp's for keys
+    a file leaves out. llama.cpp windows the even layers (pattern 2), as HF's layer_types do."""
+    layers = config["num_hidden_layers"]
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attn_logit_softcapping": _f32(key("attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": _f32(key("final_logit_softcapping", 30.0)),
+        "sliding_window": int(key("attention.sliding_window", 4096)),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                        for i in range(layers)],
+        "query_pre_attn_scalar": _gemma2_query_scalar(config),
+    }
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """How llama.cpp's converter wrote one architecture, and what undoes it."""
+
+    hf_architecture: str
+    layer_names: Mapping[str, str] = field(default_factory=lambda: _LLAMA_LAYER_NAMES)
+    permuted_qk: bool = False  # q/k rows in GPT-J rope order (see unpermute_qk)
+    norm_offset: float = 0.0  # what the converter added to every `*norm.weight`
+    extra_config: Callable[[MetaKey, dict[str, Any]], dict[str, Any]] | None = None
+
+
+# general.architecture -> how to read it. Mistral models need no entry: llama.cpp writes
+# MistralForCausalLM as "llama"; its "mistral3" is Ministral-3 / Mistral-3 (llama-4 attention
+# temperature scaling, not implemented here).
+GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
+    "llama": GGUFArchitecture("LlamaForCausalLM", permuted_qk=True),
+    "qwen2": GGUFArchitecture("Qwen2ForCausalLM"),
+    "qwen3": GGUFArchitecture("Qwen3ForCausalLM", _QWEN3_LAYER_NAMES),
+    "gemma2": GGUFArchitecture("Gemma2ForCausalLM", _GEMMA2_LAYER_NAMES, norm_offset=1.0,
+                               extra_config=_gemma2_config),
+}
 
 
 def gguf_architecture(gguf: GGUFFile) -> str:
@@ -74,6 +139,7 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, Any]:
     `ModelConfig.from_hf_dict`)."""
     arch = gguf_architecture(gguf)
     meta = gguf.metadata
+    spec = GGUF_ARCHITECTURES[arch]
 
     def key(name: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{name}", default)
@@ -86,7 +152,7 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, Any]:
     vocab_size = key("vocab_size") or (len(tokens) if tokens else
                                        gguf.tensors["token_embd.weight"].shape[0])
     config: dict[str, Any] = {
-        "architectures": [GGUF_ARCHITECTURES[arch][0]],
+        "architectures": [spec.hf_architecture],
         "model_type": arch,
         "hidden_size": hidden_size,
         "intermediate_size": int(key("feed_forward_length")),
@@ -111,6 +177,8 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, Any]:
     rope_scaling = _rope_scaling(meta, arch)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
+    if spec.extra_config is not None:
+        config.update(spec.extra_config(key, config))
     return config
 
 
@@ -126,16 +194,18 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
     return scaling
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The transformers state-dict name of a llama.cpp tensor; None for tensors HF has not."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The transformers state-dict name of a llama.cpp tensor of a file of architecture `arch`;
+    None for tensors HF has not."""
     if gguf_name in _SKIPPED_TENSORS:
         return None
     match = _LAYER_NAME.match(gguf_name)
     if match:
         layer, part, suffix = match.groups()
-        if part not in _LAYER_TENSOR_NAMES:
-            raise ValueError(f"unknown GGUF layer tensor {gguf_name!r}")
-        return f"model.layers.{layer}.{_LAYER_TENSOR_NAMES[part]}.{suffix}"
+        layer_names = GGUF_ARCHITECTURES[arch].layer_names
+        if part not in layer_names:
+            raise ValueError(f"unknown GGUF layer tensor {gguf_name!r} for architecture {arch!r}")
+        return f"model.layers.{layer}.{layer_names[part]}.{suffix}"
     stem, _, suffix = gguf_name.rpartition(".")
     if stem not in _GLOBAL_TENSOR_NAMES:
         raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
@@ -166,22 +236,30 @@ def dequantize_tensor(gguf: GGUFFile, info: GGUFTensorInfo) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(info.shape))
 
 
+def _to_hf_layout(spec: GGUFArchitecture, hf_name: str, tensor: torch.Tensor,
+                  n_heads: int, n_kv_heads: int) -> torch.Tensor:
+    """Undo what the converter did to one tensor: the q/k row permutation, the norm offset."""
+    if spec.permuted_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        return unpermute_qk(tensor, n_heads)
+    if spec.permuted_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        return unpermute_qk(tensor, n_kv_heads)
+    if spec.norm_offset and hf_name.endswith("norm.weight"):
+        return tensor - spec.norm_offset
+    return tensor
+
+
 def iter_gguf_weights(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (hf_name, fp32 tensor) for every tensor of the file, q/k back in HF layout."""
+    """Yield (hf_name, fp32 tensor) for every tensor of the file, in HF layout."""
     arch = gguf_architecture(gguf)
-    permuted = GGUF_ARCHITECTURES[arch][1]
+    spec = GGUF_ARCHITECTURES[arch]
     n_heads = int(gguf.metadata[f"{arch}.attention.head_count"])
     n_kv_heads = int(gguf.metadata.get(f"{arch}.attention.head_count_kv", n_heads))
     for gguf_name, info in gguf.tensors.items():
-        hf_name = hf_tensor_name(gguf_name)
+        hf_name = hf_tensor_name(gguf_name, arch)
         if hf_name is None:
             continue
         tensor = dequantize_tensor(gguf, info)
-        if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            tensor = unpermute_qk(tensor, n_heads)
-        elif permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            tensor = unpermute_qk(tensor, n_kv_heads)
-        yield hf_name, tensor
+        yield hf_name, _to_hf_layout(spec, hf_name, tensor, n_heads, n_kv_heads)
 
 
 def gguf_cache_folder(gguf_path: str) -> Path:

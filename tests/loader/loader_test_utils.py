@@ -1,14 +1,16 @@
 """Helpers for loader tests: tiny HF Llama models, and GGUF files written the way llama.cpp's
-converter writes them (tensor names, q/k row permutation, `llama.*` hyperparameter keys)."""
+convert_hf_to_gguf.py writes them (gguf's own tensor-name map, the Llama q/k row permutation, the
+Gemma norm offset, the hyperparameter keys each architecture's converter class writes)."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from gguf import GGUFWriter
-from gguf.constants import GGMLQuantizationType
+from gguf import GGUFWriter, get_tensor_name_map
+from gguf.constants import MODEL_ARCH_NAMES, GGMLQuantizationType
 from gguf.quants import quantize
 
 if TYPE_CHECKING:
@@ -19,21 +21,6 @@ TINY_LLAMA = dict(
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
     rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
 )
-
-# HF suffix -> llama.cpp name of the per-layer tensors
-_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
-                 "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 
 
 def make_tiny_llama(tie_word_embeddings: bool = False, seed: int = 0) -> LlamaForCausalLM:
@@ -55,18 +42,11 @@ def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def llama_cpp_name(hf_name: str) -> str:
-    if hf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)
-    return f"blk.{layer}.{_LAYER_NAMES[rest]}"
+def _rope_theta(config: dict[str, Any]) -> float:
+    return config.get("rope_theta") or config["rope_parameters"]["rope_theta"]
 
 
-def write_llama_gguf(state_dict: dict[str, torch.Tensor], config: dict[str, Any], path: Path,
-                     quant: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
-    """Write an HF Llama state dict as llama.cpp would: renamed, q/k permuted, 2-D weights in
-    `quant` (norms stay F32), hyperparameters under the `llama.` keys."""
-    writer = GGUFWriter(str(path), "llama")
+def _add_shape_hparams(writer: GGUFWriter, config: dict[str, Any]) -> None:
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -74,23 +54,89 @@ def write_llama_gguf(state_dict: dict[str, torch.Tensor], config: dict[str, Any]
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_theta"])
+    if config.get("head_dim") is not None:
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+
+
+def _add_text_model_hparams(writer: GGUFWriter, config: dict[str, Any]) -> None:
+    """What TextModel.set_gguf_parameters writes (all the Qwen2 / Qwen3 converters write)."""
+    _add_shape_hparams(writer, config)
+    writer.add_rope_freq_base(_rope_theta(config))
+
+
+def _add_llama_hparams(writer: GGUFWriter, config: dict[str, Any]) -> None:
+    _add_text_model_hparams(writer, config)
     writer.add_vocab_size(config["vocab_size"])
     writer.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
+
+
+def _add_gemma2_hparams(writer: GGUFWriter, config: dict[str, Any]) -> None:
+    """Gemma2Model.set_gguf_parameters: no rope base (llama.cpp's default 10000 applies)."""
+    _add_shape_hparams(writer, config)
+    writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+    writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    writer.add_sliding_window(config["sliding_window"])
+
+
+_HPARAM_WRITERS: dict[str, Callable[[GGUFWriter, dict[str, Any]], None]] = {
+    "llama": _add_llama_hparams, "qwen2": _add_text_model_hparams,
+    "qwen3": _add_text_model_hparams, "gemma2": _add_gemma2_hparams,
+}
+
+
+def _add_vocab(writer: GGUFWriter, config: dict[str, Any]) -> None:
+    """A placeholder vocabulary: every real GGUF has one, and readers size the model from it."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"<t{i}>" for i in range(config["vocab_size"])])
+    for name in ("bos", "eos", "pad"):
+        if config.get(f"{name}_token_id") is not None:
+            getattr(writer, f"add_{name}_token_id")(config[f"{name}_token_id"])
+
+
+def llama_cpp_tensors(arch: str, state_dict: dict[str, torch.Tensor], config: dict[str, Any]
+                      ) -> Iterator[tuple[str, np.ndarray]]:
+    """(llama.cpp name, float32 array) as the converter makes them: named by gguf's own map,
+    q/k rows permuted for Llama, Gemma norms stored as w + 1, Gemma's tied lm_head left out."""
+    model_arch = {name: key for key, name in MODEL_ARCH_NAMES.items()}[arch]
+    name_map = get_tensor_name_map(model_arch, config["num_hidden_layers"])
     for hf_name, tensor in state_dict.items():
+        if arch == "gemma2" and hf_name == "lm_head.weight":
+            continue
         array = tensor.detach().float().numpy()
-        if hf_name.endswith("q_proj.weight"):
+        if arch == "llama" and hf_name.endswith("q_proj.weight"):
             array = llama_cpp_permute(array, config["num_attention_heads"])
-        elif hf_name.endswith("k_proj.weight"):
+        elif arch == "llama" and hf_name.endswith("k_proj.weight"):
             array = llama_cpp_permute(array, config["num_key_value_heads"])
+        elif arch == "gemma2" and hf_name.endswith("norm.weight"):
+            array = array + np.float32(1)
+        yield name_map.get_name(hf_name, try_suffixes=(".weight", ".bias")), array
+
+
+def write_gguf(arch: str, state_dict: dict[str, torch.Tensor], config: dict[str, Any],
+               path: Path, quant: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
+    """Write an HF state dict of architecture `arch` ("llama", "qwen3", "gemma2", ...) as
+    llama.cpp would: 2-D weights in `quant`, 1-D tensors F32. `config` is the HF config as a
+    dict; non-llama files get a placeholder vocabulary of `vocab_size` tokens."""
+    writer = GGUFWriter(str(path), arch)
+    _HPARAM_WRITERS[arch](writer, config)
+    if arch != "llama":
+        _add_vocab(writer, config)
+    for name, array in llama_cpp_tensors(arch, state_dict, config):
         if array.ndim == 2 and quant != GGMLQuantizationType.F32:
-            writer.add_tensor(llama_cpp_name(hf_name), quantize(array, quant), raw_dtype=quant)
+            writer.add_tensor(name, quantize(array, quant), raw_dtype=quant)
         else:
-            writer.add_tensor(llama_cpp_name(hf_name), np.ascontiguousarray(array))
+            writer.add_tensor(name, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_llama_gguf(state_dict: dict[str, torch.Tensor], config: dict[str, Any], path: Path,
+                     quant: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
+    """`write_gguf` for an HF Llama state dict, hyperparameters under the `llama.` keys."""
+    return write_gguf("llama", state_dict, config, path, quant)
