@@ -140,6 +140,13 @@ def add_flags(parser: argparse.ArgumentParser, fields: Iterable[dataclasses.Fiel
         if isinstance(default, bool):
             sections[group].add_argument(flag, action="store_true", default=default, help=text)
             continue
-        shown = "auto" if default is None else default
         sections[group].add_argument(flag, type=_type_of(field), default=default,
-                                     choices=choices, help=f"{text} (default: {shown})")
+                                     choices=choices, help=_with_default(text, default))
+
+
+def _with_default(text: str, default: Any) -> str:
+    """The help text with its default, unless the text already says it (a default of None
+    means the text must: "auto" would say nothing, or contradict it)."""
+    if "default" in text or default is None:
+        return text
+    return f"{text} (default: {default})"
