@@ -198,6 +198,7 @@ class TokenizerManager:
             field, message = param if exc.param == "prompt" else exc.param, str(exc)
             if grammar_param is not None and exc.param in GRAMMAR_KINDS:
                 field = grammar_param  # e.g. response_format, which the grammar came from
+                message = re.sub(rf"\b{exc.param}\b", grammar_param, message, count=1)
             for ours, theirs in (field_names or {}).items():
                 message = re.sub(rf"\b{ours}\b", theirs, message)
                 field = theirs if field == ours else field

@@ -268,6 +268,9 @@ def test_bad_grammar_is_400_naming_it(openai_client: Any, model_name: str,
         openai_client.chat.completions.create(model=model_name, messages=ASK_WEATHER,
                                               max_tokens=4, **kwargs)
     assert info.value.body["param"] == param
+    # the message names the field the client sent, and not xgrammar's failed assertion
+    message = info.value.body["message"]
+    assert param.split(".")[0] in message and "Check failed" not in message, message
 
 
 def test_bad_native_grammar_is_400(server: Any) -> None:

@@ -8,6 +8,7 @@ CHECK_TIMEOUT_S is refused (400), without waiting for it to end.
 """
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, TimeoutError
@@ -101,6 +102,9 @@ def _clean(message: str) -> str:
         line = line.split("] ", 1)[1]
     if ".cc:" in line and ": " in line:
         line = line.split(": ", 1)[1]
+    # the failed assertion's own text says nothing to the client: "Check failed: (cond) is
+    # false: Failed to parse JSON: ..." keeps what follows
+    line = re.sub(r"^Check failed: \(.*?\) is false:\s*", "", line)
     return line[:_MAX_MESSAGE_CHARS]
 
 
