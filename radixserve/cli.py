@@ -14,6 +14,13 @@ from radixserve.core.server_flags import OFFLINE_GROUPS
 BENCH_MODULES = {"serving": "radixserve.bench.serving", "offline": "radixserve.bench.offline",
                  "one-batch": "radixserve.bench.one_batch", "plot": "radixserve.bench.plot",
                  "hardware": "radixserve.bench.hardware"}
+BENCH_SUMMARIES = {
+    "serving": "a running server under load: throughput, TTFT, TPOT, ITL, E2E",
+    "offline": "the in-process Engine on a whole workload, radix cache on or off",
+    "one-batch": "one static batch through the model runner, against the roofline",
+    "plot": "throughput-vs-latency curves from `bench serving` JSON lines",
+    "hardware": "this machine's memory bandwidth and matmul peak, and a model's limits",
+}
 
 
 def _generate(argv: list[str]) -> int:
@@ -82,7 +89,9 @@ def _serve(argv: list[str]) -> int:
 
 def _bench(argv: list[str]) -> int:
     if not argv or argv[0] not in BENCH_MODULES:
-        usage = f"usage: radixserve bench {{{'|'.join(BENCH_MODULES)}}} [options]"
+        usage = f"usage: radixserve bench {{{'|'.join(BENCH_MODULES)}}} [options]\n\n" \
+            "benchmarks (radixserve bench NAME --help):\n" + "\n".join(
+                f"  {name:<10} {text}" for name, text in BENCH_SUMMARIES.items())
         if argv and argv[0] in ("-h", "--help"):
             print(usage)
             return 0

@@ -68,3 +68,13 @@ def test_every_server_flag_has_help():
     from radixserve.core.server_flags import FLAGS
     names = {f.name for f in dataclasses.fields(ServerArgs)} - {"resolved"}
     assert names == set(FLAGS)
+
+
+def test_bench_help_describes_every_benchmark(capsys: pytest.CaptureFixture) -> None:
+    from radixserve.cli import BENCH_MODULES, BENCH_SUMMARIES, main
+
+    assert set(BENCH_SUMMARIES) == set(BENCH_MODULES)
+    assert main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    for name, summary in BENCH_SUMMARIES.items():
+        assert f"  {name:<10} {summary}" in out
