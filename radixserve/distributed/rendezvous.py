@@ -51,7 +51,18 @@ def meet(host: str, port: int, rank: int, size: int, nnodes: int,
         store = _listen(host, port, timeout)
     else:
         _wait_until_listening(host, port, deadline, timeout_s)
-        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    try:
+        if rank != 0:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        return _meet(store, rank, size, nnodes, fingerprint, deadline, timeout_s, where)
+    except dist.DistNetworkError:
+        raise RendezvousError(f"lost rank 0 at {where} while meeting: see node 0's log (it "
+                              "refused the group, or stopped)") from None
+
+
+def _meet(store: dist.TCPStore, rank: int, size: int, nnodes: int,
+          fingerprint: dict[str, Any], deadline: float, timeout_s: float,
+          where: str) -> dist.TCPStore:
     payload = json.dumps(fingerprint, sort_keys=True)
     ranks_per_node = size // nnodes
     if rank % ranks_per_node == 0:
@@ -116,7 +127,8 @@ def _judge(store: dist.TCPStore, size: int, nnodes: int, own: dict[str, Any],
             _wait_for(store, keys, deadline, timeout_s,
                       lambda: _missing(store, kind, key, members, ranks_per_node, where))
         except RendezvousError as exc:
-            store.set(VERDICT_KEY, str(exc))  # a late comer learns why at once
+            store.set(VERDICT_KEY, str(exc))  # the others, and a late comer, learn why
+            time.sleep(VERDICT_READ_S)
             raise
         for member, member_key in zip(members, keys):
             theirs = json.loads(store.get(member_key))

@@ -69,7 +69,8 @@ RANK_SHARED_FLAGS = ("tp_size", "nnodes", "load_format", "kv_cache_dtype", "quan
                      "num_continuous_decode_steps", "disable_radix_cache",
                      "enable_jump_forward", "attention_backend", "prefill_attention_backend",
                      "decode_attention_backend", "disable_cuda_graph",
-                     "disable_overlap_schedule", "cuda_graph_max_bs")
+                     "disable_overlap_schedule", "cuda_graph_max_bs", "stream_interval",
+                     "max_queued_requests", "skip_tokenizer_init", "random_seed")
 
 
 class ModelRunner:

@@ -203,7 +203,7 @@ class TokenizerManager:
                 message = re.sub(rf"\b{ours}\b", theirs, message)
                 field = theirs if field == ours else field
             raise APIError(message, param=field) from exc
-        if rid is not None and rid in self.rid_to_state:
+        if rid is not None and (rid in self.rid_to_state or rid in self.waiting_for_prefix):
             raise APIError(f"request id {rid!r} is already in use", param="rid")
         return GenerateRequest(
             rid=rid or uuid.uuid4().hex, input_ids=list(input_ids), input_text=text,
@@ -215,9 +215,9 @@ class TokenizerManager:
     async def generate(self, req: GenerateRequest,
                        http_request: Request | None = None) -> AsyncIterator[ReqOutput]:
         """Outputs of one request: each streamed update if req.stream, always the final one."""
+        aborted_while_waiting = self._stop_waiting_for_prefix(req.rid)
         state = self._send(req)
-        if req.rid in self.abort_on_send:  # aborted while its prefix was cached
-            self.abort_on_send.discard(req.rid)
+        if aborted_while_waiting:
             self.send_abort(req.rid)
         watcher = None if http_request is None else \
             asyncio.create_task(_watch_disconnect(http_request, state))
@@ -259,6 +259,7 @@ class TokenizerManager:
         finally:
             for task in tasks:
                 task.cancel()
+            self.forget_waiting(reqs)
 
     async def generate_merged(self, reqs: list[GenerateRequest], http_request: Request | None
                               ) -> AsyncIterator[tuple[int, ReqOutput]]:
@@ -296,6 +297,7 @@ class TokenizerManager:
         finally:
             for task in tasks:
                 task.cancel()
+            self.forget_waiting(reqs)
 
     async def cache_shared_prefixes(self, reqs: list[GenerateRequest],
                                     http_request: Request | None) -> None:
@@ -323,14 +325,25 @@ class TokenizerManager:
             await asyncio.gather(*(self.generate_final(w, http_request)
                                    for w in warmups.values()))
         except BaseException:  # the client went, or the server failed: none is sent
+            self.forget_waiting(reqs)
             for req in reqs:
-                self.abort_on_send.discard(req.rid)
                 self.metrics.observe_finish("abort", len(req.input_ids), 0, 0,
                                             time.perf_counter() - started)
             raise
-        finally:
-            for req in reqs:
-                self.waiting_for_prefix.pop(req.rid, None)
+        # each copy stays known as waiting until `generate` sends it (an abort meanwhile must
+        # still find it); the caller forgets those never sent (`forget_waiting`)
+
+    def _stop_waiting_for_prefix(self, rid: str) -> bool:
+        """`rid` is being sent: no longer waiting; whether it was aborted while it waited."""
+        self.waiting_for_prefix.pop(rid, None)
+        aborted = rid in self.abort_on_send
+        self.abort_on_send.discard(rid)
+        return aborted
+
+    def forget_waiting(self, reqs: list[GenerateRequest]) -> None:
+        """Requests of `cache_shared_prefixes` that will not be sent (failed, cancelled)."""
+        for req in reqs:
+            self._stop_waiting_for_prefix(req.rid)
 
     def abort_by_client(self, rid: str) -> bool:
         """/abort_request: abort `rid`, or the copies of the request sent with n > 1 under that

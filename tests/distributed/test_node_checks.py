@@ -34,3 +34,11 @@ def test_headless_node_refuses_a_split_the_model_cannot_make() -> None:
            "heads" in output
     assert "Traceback" not in output
     assert "following node 0" not in output  # no rank started
+
+
+@pytest.mark.parametrize("address", ["10.0.0.1", "host:port", "::1:29500", ":29500",
+                                     "h:70000"])
+def test_a_dist_init_addr_that_is_not_host_port_is_refused(address: str) -> None:
+    with pytest.raises(ValueError, match="is not host:port"):
+        ServerArgs(device="cpu", tp_size=2, dist_init_addr=address).resolve()
+    ServerArgs(device="cpu", tp_size=2, dist_init_addr="[::1]:29500").resolve()

@@ -126,3 +126,15 @@ def test_compiled_grammars_kept_are_bounded_by_count_and_bytes() -> None:
     assert backend.cached_bytes() <= 3 * one + 1000
     again = backend.request(schema(3))  # a hit moves it to the end, and compiles nothing
     assert again.done() and list(backend._cache)[-1] == schema(3)
+
+
+def test_tensor_parallel_ranks_bound_the_cache_by_count_alone() -> None:
+    """A grammar's size is known once it has compiled, which each rank reaches on its own
+    clock: a byte bound would evict different grammars on different ranks."""
+    grammars = manager_module.GrammarManager(tokenizer=object(), vocab_size=10,
+                                             stop_token_ids={0}, context_len=64,
+                                             replicated=True)
+    assert grammars.backend._cache_bytes == -1
+    plain = manager_module.GrammarManager(tokenizer=object(), vocab_size=10,
+                                          stop_token_ids={0}, context_len=64)
+    assert plain.backend._cache_bytes > 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from typing import Any
 
 import requests
@@ -125,7 +126,8 @@ def test_abort_request_route_aborts_every_sample_of_n(server: Any) -> None:
 def test_abort_of_n_samples_while_their_prompt_is_cached_first(server: Any) -> None:
     """n > 1 first prefills the prompt once (an internal request) and sends the copies after
     it: an abort in that window used to find no copy and was lost (both ran to the end)."""
-    long_prompt = " ".join(f"{PROMPT} ({i})" for i in range(60))  # a prefill of seconds
+    # a prefill of seconds, not in the prefix cache from an earlier run against this server
+    long_prompt = uuid.uuid4().hex + " " + " ".join(f"{PROMPT} ({i})" for i in range(60))
     answer, in_flight, outputs = _abort_two_samples(server, "abort-before-the-copies",
                                                     long_prompt, 1)
     assert in_flight == 1, "the copies were sent before the abort: the prompt was too short"

@@ -35,7 +35,9 @@ class GrammarBackend:
                  cache_size: int = 512, compile_threads: int = 2,
                  cache_bytes: int | None = None) -> None:
         """`vocab_size`: the model's (its logits' width; the tokenizer's may be smaller).
-        `stop_token_ids`: what ends a request (EOS): allowed once the grammar is complete."""
+        `stop_token_ids`: what ends a request (EOS): allowed once the grammar is complete.
+        `cache_bytes`: the bound on compiled grammars kept (None: CACHE_MB; -1: none, the
+        count alone, which evicts alike on every tensor-parallel rank)."""
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
@@ -67,10 +69,11 @@ class GrammarBackend:
         """Drop the least recently used grammars until one more fits (a grammar's size is
         known once compiled, so the newest may pass the byte bound until the next request).
         Requests holding a dropped grammar's Future keep it."""
-        sizes = [_compiled_bytes(future) for future in self._cache.values()]
+        sizes = [_compiled_bytes(future) if self._cache_bytes >= 0 else 0
+                 for future in self._cache.values()]
         total, dropped = sum(sizes), 0
         while self._cache and (len(self._cache) >= self._cache_size
-                               or total > self._cache_bytes):
+                               or total > self._cache_bytes >= 0):
             self._cache.popitem(last=False)
             total -= sizes[dropped]
             dropped += 1

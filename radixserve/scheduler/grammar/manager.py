@@ -47,8 +47,11 @@ class GrammarManager:
     def backend(self) -> Any:
         if self._backend is None:
             from radixserve.scheduler.grammar.backend import GrammarBackend
+            # replicated: a byte bound would evict by each rank's compile progress (a size is
+            # known once compiled), so ranks' caches, and then their waits, would differ
             self._backend = GrammarBackend(self.tokenizer, self.vocab_size,
-                                           sorted(self.stop_token_ids))
+                                           sorted(self.stop_token_ids),
+                                           cache_bytes=-1 if self.replicated else None)
         return self._backend
 
     def on_add(self, req: Req) -> str | None:
