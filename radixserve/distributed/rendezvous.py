@@ -54,6 +54,10 @@ def meet(host: str, port: int, rank: int, size: int, nnodes: int,
     try:
         if rank != 0:
             store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+            # rank 0 started before this rank could connect, so its own deadline falls
+            # within timeout_s of now: wait that long for its verdict, however long this
+            # rank waited for it to listen
+            deadline = time.monotonic() + timeout_s
         return _meet(store, rank, size, nnodes, fingerprint, deadline, timeout_s, where)
     except dist.DistNetworkError:
         raise RendezvousError(f"lost rank 0 at {where} while meeting: see node 0's log (it "

@@ -2,13 +2,14 @@
 ranks started alike meet; a rank or a whole node started with other flags or another model is
 refused on every rank with what differs (a node with another --tp-size included, whose ranks
 could never meet rank 0's group); a node that never comes, or a rank 0 that never listens, ends
-the wait with a message saying so, and progress is logged meanwhile; a busy address is one
-clear error. Ranks are threads here (the store is the same TCPStore as across machines)."""
+the wait with a message saying so, and progress is logged meanwhile, also for a node started
+long before node 0; a busy address is one clear error. Ranks are threads here (the store is the same TCPStore as across machines)."""
 from __future__ import annotations
 
 import logging
 import socket
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -97,3 +98,30 @@ def test_a_busy_address_is_one_clear_error() -> None:
         with pytest.raises(RendezvousError, match="cannot listen on 127.0.0.1:.*address already "
                                                   "in use.*pick --dist-init-addr"):
             meet("127.0.0.1", port, 0, 2, 1, FINGERPRINT, 5.0)
+
+
+def test_a_node_started_long_before_node_0_waits_for_its_verdict(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 1 waits most of its time for rank 0 to listen; rank 0 then waits its own full
+    time for node 2, which never comes. Node 1 must still be there for the verdict (giving
+    up first, it would leave keys behind that let rank 0 form a group without it)."""
+    monkeypatch.setattr(rendezvous, "VERDICT_GRACE_S", 0.1)
+    port = free_port()
+    results: dict[str, Any] = {}
+
+    def rank(name: str, rank_id: int, delay_s: float) -> None:
+        time.sleep(delay_s)
+        try:
+            results[name] = meet("127.0.0.1", port, rank_id, 3, 3, FINGERPRINT, 3.0)
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            results[name] = exc
+
+    threads = [threading.Thread(target=rank, args=("node 1", 1, 0.0)),
+               threading.Thread(target=rank, args=("rank 0", 0, 2.5))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    for name in ("rank 0", "node 1"):
+        assert isinstance(results[name], RendezvousError), results
+        assert "gave up waiting for node(s) [2] to join" in str(results[name]), results
