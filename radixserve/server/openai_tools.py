@@ -158,11 +158,12 @@ def _history_call(call: Any, param: str) -> ToolCall:
     return ToolCall(function["name"], arguments)
 
 
-def tool_message(plan: ToolPlan, text: str) -> tuple[dict[str, Any], bool]:
-    """The assistant message of a finished output, and whether it called tools."""
+def tool_message(plan: ToolPlan, text: str, cut: bool = False) -> tuple[dict[str, Any], bool]:
+    """The assistant message of a finished output, and whether it called tools; `cut`: max_tokens
+    ended it, so a call it was writing is kept unfinished, as a stream of it sent it."""
     if not plan.parse_output:
         return {"role": "assistant", "content": text}, False
-    content, calls = plan.parser.parse(text)
+    content, calls = plan.parser.parse(text, keep_unfinished=cut)
     if not calls:
         return {"role": "assistant", "content": text}, False
     calls = calls[:plan.max_calls]

@@ -194,20 +194,33 @@ def test_forced_parallel_tool_calls(openai_client: Any, model_name: str, stream:
         jsonschema.validate(json.loads(call["arguments"]), WEATHER["function"]["parameters"])
 
 
-def test_tool_calls_cut_by_max_tokens_finish_with_length(openai_client: Any,
-                                                         model_name: str) -> None:
-    """The forced parallel answer of the test above, cut after its first call: the call is
-    there, but finish_reason is "length" (as OpenAI answers), whole and streamed."""
+@pytest.mark.parametrize("max_tokens", [50, 60], ids=["after-a-call", "inside-a-call"])
+def test_tool_calls_cut_by_max_tokens_finish_with_length(openai_client: Any, model_name: str,
+                                                         max_tokens: int) -> None:
+    """The forced parallel answer of the test above, cut after its first call (50 tokens) or
+    inside the second's arguments (60): the first call is there, finish_reason is "length"
+    (as OpenAI answers), and the whole answer holds the calls a stream of it sent, the cut
+    one with its arguments as far as they got."""
     kwargs = dict(model=model_name, messages=[{"role": "user", "content": (
         "What is the weather like in Paris and in Rome today?")}], tools=[WEATHER],
-        tool_choice="required", max_tokens=50, temperature=0, extra_body={"min_tokens": 40})
+        tool_choice="required", max_tokens=max_tokens, temperature=0,
+        extra_body={"min_tokens": 40})
     choice = openai_client.chat.completions.create(**kwargs).choices[0]
     assert choice.message.tool_calls, "the first call fits in 50 tokens"
     _check_call(choice.message.tool_calls[0])
     assert choice.finish_reason == "length"
-    reasons = [chunk.choices[0].finish_reason for chunk in
-               openai_client.chat.completions.create(stream=True, **kwargs)]
+    reasons = []
+    streamed: dict[int, list[str]] = {}  # index -> [name, arguments]
+    for chunk in openai_client.chat.completions.create(stream=True, **kwargs):
+        reasons.append(chunk.choices[0].finish_reason)
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            if delta.id is not None:
+                streamed[delta.index] = [delta.function.name, ""]
+            streamed[delta.index][1] += delta.function.arguments or ""
     assert reasons[-1] == "length"
+    # whole and streamed answers hold the same calls, the one max_tokens cut included
+    whole = [[c.function.name, c.function.arguments] for c in choice.message.tool_calls]
+    assert whole == [streamed[i] for i in sorted(streamed)]
 
 
 def _parses(text: str) -> bool:

@@ -83,11 +83,14 @@ class ToolCallParser(ABC):
         return "\n".join(self.wrap_call(json.dumps(
             {"name": c.name, self.arguments_key: json.loads(c.arguments)})) for c in calls)
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """(content, calls) of a finished output; a call without a complete name is dropped."""
+    def parse(self, text: str, keep_unfinished: bool = False) -> tuple[str, list[ToolCall]]:
+        """(content, calls) of a finished output; a call without a complete name is dropped,
+        and so is an unfinished one unless `keep_unfinished` (an output max_tokens cut: the
+        calls as a stream of it sent them, the last one's arguments as far as they got)."""
         scan = self.scan(text, final=True)
-        calls = [ToolCall(c.name, c.arguments or "{}") for c in scan.calls
-                 if c.name is not None and c.complete]
+        calls = [ToolCall(c.name, c.arguments or ("{}" if c.complete else ""))
+                 for c in scan.calls
+                 if c.name is not None and (c.complete or keep_unfinished)]
         if not calls:
             return text, []
         return text[:scan.content_end].rstrip(), calls
