@@ -19,7 +19,7 @@ import json
 import logging
 import socket
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -100,23 +100,19 @@ def _listen(host: str, port: int, timeout: datetime.timedelta) -> dist.TCPStore:
 def _wait_until_listening(host: str, port: int, deadline: float, timeout_s: float) -> None:
     """Until rank 0 (on node 0) listens at host:port; a plain connect, which the store's
     client would retry with a C++ traceback logged per try."""
-    started = last_said = time.monotonic()
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=1.0).close()
-            return
-        except OSError:
-            pass
-        now = time.monotonic()
-        if now > deadline:
-            raise RendezvousError(
-                f"nothing listens at {host}:{port} after {timeout_s:g} s: start node 0 (rank "
-                "0) with the same --dist-init-addr (--dist-timeout sets the wait)")
-        if now - last_said >= PROGRESS_EVERY_S:
-            logger.info("waiting for rank 0 to listen at %s:%d (%.0f s of %g)", host, port,
-                        now - started, timeout_s)
-            last_said = now
-        time.sleep(min(1.0, max(deadline - now, 0.0)))
+    _wait(lambda: _listens(host, port), deadline, timeout_s,
+          lambda: f"rank 0 to listen at {host}:{port}",
+          lambda: f"nothing listens at {host}:{port} after {timeout_s:g} s: start node 0 (rank "
+                  "0) with the same --dist-init-addr (--dist-timeout sets the wait)",
+          poll_s=1.0)
+
+
+def _listens(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
 
 
 def _judge(store: dist.TCPStore, size: int, nnodes: int, own: dict[str, Any],
@@ -154,29 +150,29 @@ def _missing(store: dist.TCPStore, kind: str, key: str, members: list[int],
 
 
 def _wait_for(store: dist.TCPStore, keys: list[str], deadline: float, timeout_s: float,
-              describe: Any) -> None:
-    """Until every key is set; logs describe() every PROGRESS_EVERY_S, RendezvousError past
-    the deadline."""
+              describe: Callable[[], str]) -> None:
+    """Until every key is set (describe(): what the keys stand for)."""
+    _wait(lambda: store.check(keys), deadline, timeout_s, describe,
+          lambda: f"gave up waiting for {describe()} after {timeout_s:g} s: start every node "
+                  "with the same --dist-init-addr, --nnodes and --tp-size (--dist-timeout sets "
+                  "the wait)")
+
+
+def _wait(ready: Callable[[], bool], deadline: float, timeout_s: float,
+          waiting_for: Callable[[], str], give_up: Callable[[], str],
+          poll_s: float = POLL_S) -> None:
+    """Poll ready() until it holds: "waiting for <waiting_for()>" logged every
+    PROGRESS_EVERY_S, RendezvousError(give_up()) past the deadline."""
     started = last_said = time.monotonic()
-    while not _check(store, keys):
+    while not ready():
         now = time.monotonic()
         if now > deadline:
-            raise RendezvousError(
-                f"gave up waiting for {describe()} after {timeout_s:g} s: start every node "
-                "with the same --dist-init-addr, --nnodes and --tp-size (--dist-timeout sets "
-                "the wait)")
+            raise RendezvousError(give_up())
         if now - last_said >= PROGRESS_EVERY_S:
-            logger.info("waiting for %s (%.0f s of %g)", describe(), now - started, timeout_s)
+            logger.info("waiting for %s (%.0f s of %g)", waiting_for(), now - started,
+                        timeout_s)
             last_said = now
-        time.sleep(POLL_S)
-
-
-def _check(store: dist.TCPStore, keys: list[str]) -> bool:
-    try:
-        return store.check(keys)
-    except dist.DistNetworkError:
-        raise RendezvousError("rank 0 closed the meeting before this rank read its verdict: "
-                              "see node 0's log (it refused the group, or stopped)") from None
+        time.sleep(min(poll_s, max(deadline - now, 0.0)))
 
 
 def _differences(own: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
