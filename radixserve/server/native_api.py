@@ -173,9 +173,10 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
     async def generate(request: Request) -> Response:
         raw = await read_json(request)
         # validation and tokenisation off the event loop: a huge prompt must not stall /health
-        lane = await tm.lane_for(request, raw)
-        obj: GenerateReqInput = await tm.offload(parse_model, GenerateReqInput, raw, lane=lane)
-        reqs, is_batch = await tm.offload(build_requests, tm, obj, lane=lane)
+        lane = await tm.lanes.lane_for(request, raw)
+        obj: GenerateReqInput = await tm.lanes.offload(parse_model, GenerateReqInput, raw,
+                                                       lane=lane)
+        reqs, is_batch = await tm.lanes.offload(build_requests, tm, obj, lane=lane)
         if is_warm_up(request.scope, is_ready):
             # the server's own warm-up (launch.py): not a request the metrics count
             reqs = [dataclasses.replace(r, internal=True) for r in reqs]

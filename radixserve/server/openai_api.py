@@ -42,15 +42,15 @@ def openai_router(ctx: OpenAIContext, context_len: int) -> APIRouter:
     async def tokenize_route(request: Request) -> JSONResponse:
         raw = await read_json(request)
         tm = ctx.tokenizer_manager
-        return JSONResponse(await tm.offload(tokenize, ctx, raw,
-                                             lane=await tm.lane_for(request, raw)))
+        return JSONResponse(await tm.lanes.offload(tokenize, ctx, raw,
+                                             lane=await tm.lanes.lane_for(request, raw)))
 
     @router.post("/detokenize")
     async def detokenize_route(request: Request) -> JSONResponse:
         raw = await read_json(request)
         tm = ctx.tokenizer_manager
-        return JSONResponse(await tm.offload(detokenize, ctx, raw,
-                                             lane=await tm.lane_for(request, raw)))
+        return JSONResponse(await tm.lanes.offload(detokenize, ctx, raw,
+                                             lane=await tm.lanes.lane_for(request, raw)))
 
     @router.get("/version")
     async def version() -> JSONResponse:

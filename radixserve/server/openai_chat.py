@@ -143,13 +143,13 @@ def choice_of(body: ChatCompletionRequest, plan: ToolPlan, index: int,
 
 async def create_chat_completion(ctx: OpenAIContext, request: Request, raw: Any) -> Response:
     tm = ctx.tokenizer_manager
-    lane = await tm.lane_for(request, raw)
-    body: ChatCompletionRequest = await tm.offload(parse_model, ChatCompletionRequest, raw,
+    lane = await tm.lanes.lane_for(request, raw)
+    body: ChatCompletionRequest = await tm.lanes.offload(parse_model, ChatCompletionRequest, raw,
                                                    lane=lane)
     body.check_unsupported()
     model = ctx.check_model(body.model)
     # template + tokenizer off the loop
-    reqs, plan, split = await tm.offload(build_requests, ctx, body, lane=lane)
+    reqs, plan, split = await tm.lanes.offload(build_requests, ctx, body, lane=lane)
     if body.stream:
         return await sse_response(stream_events(ctx, body, plan, split, model, reqs,
                                                 request))

@@ -136,12 +136,12 @@ def choice_of(ctx: OpenAIContext, body: CompletionRequest, index: int, req: Gene
 
 async def create_completion(ctx: OpenAIContext, request: Request, raw: Any) -> Response:
     tm = ctx.tokenizer_manager
-    lane = await tm.lane_for(request, raw)
-    body: CompletionRequest = await tm.offload(parse_model, CompletionRequest, raw, lane=lane)
+    lane = await tm.lanes.lane_for(request, raw)
+    body: CompletionRequest = await tm.lanes.offload(parse_model, CompletionRequest, raw, lane=lane)
     body.check_unsupported()
     model = ctx.check_model(body.model)
     # tokenisation off the event loop
-    reqs = await tm.offload(build_requests, ctx, body, lane=lane)
+    reqs = await tm.lanes.offload(build_requests, ctx, body, lane=lane)
     if body.stream:
         return await sse_response(stream_events(ctx, body, model, reqs, request))
     outs = await tm.generate_all(reqs, request)

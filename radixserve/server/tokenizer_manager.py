@@ -17,8 +17,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import replace
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable, Mapping, TypeVar
+from typing import Any, AsyncIterator, Mapping
 
 import zmq
 import zmq.asyncio
@@ -36,31 +35,14 @@ from radixserve.server.dp_router import DataParallelRouter
 from radixserve.server.errors import APIError, ClientDisconnected
 from radixserve.server.ipc import PortArgs, pull_socket, push_socket
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.request_lanes import RequestLanes
 from radixserve.server.request_state import GenerateRequest, ReqOutput, ReqState
+from radixserve.server.shared_prefix import WaitingCopies, plan_warmups
 from radixserve.server.tokenizer_utils import token_texts
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 REPLY_TIMEOUT_S = 60.0
-# request bodies from this size on are built in the bulk lane: tokenising 256 KB of text takes
-# ~0.15 s on one core (10 MB: ~5 s), which must not delay the small requests queued behind it
-BULK_BODY_BYTES = 256 * 1024
-# a request body with any of these (top level, or in /generate's sampling_params) is built in
-# the grammar lane: checking a grammar can take up to its time limit
-# (scheduler/grammar/validation.py), which requests without one must not wait for
-_GRAMMAR_FIELDS = frozenset(GRAMMAR_KINDS) | {"response_format", "guided_json", "guided_regex",
-                                              "guided_choice", "guided_grammar", "tool_choice"}
-
-
-def asks_for_grammar(raw: Any) -> bool:
-    """Whether a request body (parsed JSON) may carry a grammar to check."""
-    if not isinstance(raw, dict):
-        return False
-    params = raw.get("sampling_params")
-    nested = params if isinstance(params, list) else [params]
-    return not _GRAMMAR_FIELDS.isdisjoint(raw) or any(
-        isinstance(p, dict) and not _GRAMMAR_FIELDS.isdisjoint(p) for p in nested)
 
 
 class TokenizerManager:
@@ -81,10 +63,7 @@ class TokenizerManager:
         self.log_requests = log_requests
         self.rid_to_state: dict[str, ReqState] = {}
         # copies of an n > 1 request not yet sent, while their prompt's prefix is cached first
-        # (cache_shared_prefixes): rid -> that warm-up's rid (None: the prompt has none); an
-        # abort of one (`abort_by_client`) puts it in `abort_on_send`
-        self.waiting_for_prefix: dict[str, str | None] = {}
-        self.abort_on_send: set[str] = set()
+        self.waiting = WaitingCopies()
         # (replica, future) of each control request awaiting its reply
         self.pending_replies: dict[type, deque[tuple[int, asyncio.Future[Any]]]] = {
             FlushCacheReply: deque(), InternalState: deque()}
@@ -94,20 +73,8 @@ class TokenizerManager:
         self.loop: asyncio.AbstractEventLoop | None = None
         # set on shutdown or when a child process died: new requests are refused (503)
         self.refusing: str | None = None
-        # Three lanes, so the event loop stays free and a huge prompt or a slow grammar delays
-        # only its own kind: bodies of BULK_BODY_BYTES and more go to the bulk lane (a thread),
-        # those that may carry a grammar (asks_for_grammar) to the grammar one (two threads:
-        # a grammar whose check runs to its limit holds up one). The lanes share the
-        # tokenizer: encode and decode only read it (the Rust side is borrowed shared); the one
-        # write, dropping a truncation or padding setting that tokenizer.json shipped, is done
-        # here once, before any lane runs.
-        if tokenizer is not None:
-            tokenizer.encode("warm-up")
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="request-build")
-        self.bulk_executor = ThreadPoolExecutor(max_workers=1,
-                                                thread_name_prefix="request-build-bulk")
-        self.grammar_executor = ThreadPoolExecutor(max_workers=2,
-                                                   thread_name_prefix="request-build-grammar")
+        # request building, off the event loop (request_lanes.py)
+        self.lanes = RequestLanes(tokenizer)
         self.recv_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle (called inside the server's event loop) ----
@@ -130,41 +97,7 @@ class TokenizerManager:
             sock.close(linger=0)
         self.async_context.term()
         self.sync_context.term()
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        self.bulk_executor.shutdown(wait=False, cancel_futures=True)
-        self.grammar_executor.shutdown(wait=False, cancel_futures=True)
-
-    async def lane_for(self, request: Request, raw: Any) -> ThreadPoolExecutor:
-        """The request-building lane of a request whose parsed body is `raw`: the grammar
-        lane if it may carry a grammar (asks_for_grammar), the bulk lane for a body of
-        BULK_BODY_BYTES or more (Starlette keeps the body read_json read), else the main one."""
-        if asks_for_grammar(raw):
-            return self.grammar_executor
-        if len(await request.body()) >= BULK_BODY_BYTES:
-            return self.bulk_executor
-        return self.executor
-
-    async def offload(self, fn: Callable[..., T], *args: Any,
-                      lane: ThreadPoolExecutor | None = None) -> T:
-        """Run `fn(*args)` in a request-building thread of `lane` (`lane_for`; the main lane
-        by default): parsing, chat templates, tokenisation, grammar checks, so the event loop
-        keeps serving other requests and /health meanwhile. Its exceptions (APIError for bad
-        input) reach the caller as they are."""
-        def call() -> tuple[Any, APIError | None]:
-            try:
-                return fn(*args), None
-            except APIError as exc:
-                # a fresh error, without the traceback whose frames hold the request's big
-                # locals (a 20 MB text, millions of token ids): they are freed here, in this
-                # thread, not on the event loop when the error is handled
-                return None, APIError(exc.message, exc.status_code, exc.param, exc.code,
-                                      exc.error_type)
-
-        result, error = await asyncio.get_running_loop().run_in_executor(
-            lane or self.executor, call)
-        if error is not None:
-            raise error
-        return result
+        self.lanes.shutdown()
 
     # ---- building requests ----
     def tokenize(self, text: str) -> list[int]:
@@ -203,7 +136,7 @@ class TokenizerManager:
                 message = re.sub(rf"\b{ours}\b", theirs, message)
                 field = theirs if field == ours else field
             raise APIError(message, param=field) from exc
-        if rid is not None and (rid in self.rid_to_state or rid in self.waiting_for_prefix):
+        if rid is not None and (rid in self.rid_to_state or rid in self.waiting):
             raise APIError(f"request id {rid!r} is already in use", param="rid")
         return GenerateRequest(
             rid=rid or uuid.uuid4().hex, input_ids=list(input_ids), input_text=text,
@@ -215,7 +148,7 @@ class TokenizerManager:
     async def generate(self, req: GenerateRequest,
                        http_request: Request | None = None) -> AsyncIterator[ReqOutput]:
         """Outputs of one request: each streamed update if req.stream, always the final one."""
-        aborted_while_waiting = self._stop_waiting_for_prefix(req.rid)
+        aborted_while_waiting = self.waiting.sent(req.rid)
         state = self._send(req)
         if aborted_while_waiting:
             self.send_abort(req.rid)
@@ -259,7 +192,7 @@ class TokenizerManager:
         finally:
             for task in tasks:
                 task.cancel()
-            self.forget_waiting(reqs)
+            self.waiting.forget(reqs)
 
     async def generate_merged(self, reqs: list[GenerateRequest], http_request: Request | None
                               ) -> AsyncIterator[tuple[int, ReqOutput]]:
@@ -297,78 +230,42 @@ class TokenizerManager:
         finally:
             for task in tasks:
                 task.cancel()
-            self.forget_waiting(reqs)
+            self.waiting.forget(reqs)
 
     async def cache_shared_prefixes(self, reqs: list[GenerateRequest],
                                     http_request: Request | None) -> None:
-        """Parallel sampling (n > 1): prefill each repeated prompt once with max_new_tokens=0
-        so that its copies hit the radix cache instead of prefilling n times (as SGLang does)."""
-        first_of: dict[tuple[int, ...], GenerateRequest] = {}
-        repeated: dict[tuple[int, ...], GenerateRequest] = {}
-        for req in reqs:
-            key = tuple(req.input_ids)
-            if key in first_of:
-                repeated[key] = first_of[key]
-            else:
-                first_of[key] = req
-        if not repeated:
+        """Prefill each prompt `reqs` repeat once (shared_prefix.py); each copy stays known as
+        waiting until `generate` sends it, and the caller forgets those never sent."""
+        warmups = plan_warmups(reqs)
+        if not warmups:
             return
-        warmups = {key: replace(r, rid=uuid.uuid4().hex, stream=False, return_logprob=False,
-                                internal=True,
-                                sampling_params=replace(r.sampling_params, max_new_tokens=0))
-                   for key, r in repeated.items()}
-        for req in reqs:
-            warmup = warmups.get(tuple(req.input_ids))
-            self.waiting_for_prefix[req.rid] = None if warmup is None else warmup.rid
+        self.waiting.wait(reqs, warmups)
         started = time.perf_counter()
         try:
             await asyncio.gather(*(self.generate_final(w, http_request)
                                    for w in warmups.values()))
         except BaseException:  # the client went, or the server failed: none is sent
-            self.forget_waiting(reqs)
+            self.waiting.forget(reqs)
             for req in reqs:
                 self.metrics.observe_finish("abort", len(req.input_ids), 0, 0,
                                             time.perf_counter() - started)
             raise
-        # each copy stays known as waiting until `generate` sends it (an abort meanwhile must
-        # still find it); the caller forgets those never sent (`forget_waiting`)
-
-    def _stop_waiting_for_prefix(self, rid: str) -> bool:
-        """`rid` is being sent: no longer waiting; whether it was aborted while it waited."""
-        self.waiting_for_prefix.pop(rid, None)
-        aborted = rid in self.abort_on_send
-        self.abort_on_send.discard(rid)
-        return aborted
-
-    def forget_waiting(self, reqs: list[GenerateRequest]) -> None:
-        """Requests of `cache_shared_prefixes` that will not be sent (failed, cancelled)."""
-        for req in reqs:
-            self._stop_waiting_for_prefix(req.rid)
 
     def abort_by_client(self, rid: str) -> bool:
         """/abort_request: abort `rid`, or the copies of the request sent with n > 1 under that
         id ("<rid>-0", ...), also while they wait for their prompt's prefix to be cached;
         whether any was in flight."""
         def known(candidate: str) -> bool:
-            return candidate in self.rid_to_state or candidate in self.waiting_for_prefix
+            return candidate in self.rid_to_state or candidate in self.waiting
 
         targets = [rid] if known(rid) else \
             [f"{rid}-{j}" for j in range(MAX_N) if known(f"{rid}-{j}")]
         for target in targets or [rid]:
-            if target in self.waiting_for_prefix:
-                self._abort_waiting_for_prefix(target)
-            else:
+            if target not in self.waiting:
                 self.send_abort(target)
+            elif (warmup := self.waiting.abort(target)) is not None:
+                self.send_abort(warmup)
         return bool(targets)
-
-    def _abort_waiting_for_prefix(self, rid: str) -> None:
-        """It is aborted as soon as it is sent; its warm-up too, once no other copy needs it."""
-        self.abort_on_send.add(rid)
-        warmup = self.waiting_for_prefix[rid]
-        if warmup is not None and all(other in self.abort_on_send
-                                      for other, theirs in self.waiting_for_prefix.items()
-                                      if theirs == warmup):
-            self.send_abort(warmup)
 
     def abort(self, rid: str) -> None:
         """The consumer of `rid` is gone: abort it and forget it (counted as an abort)."""

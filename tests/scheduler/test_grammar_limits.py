@@ -14,7 +14,7 @@ from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.scheduler.grammar import manager as manager_module
 from radixserve.scheduler.grammar import validation
-from radixserve.server.tokenizer_manager import asks_for_grammar
+from radixserve.server.request_lanes import asks_for_grammar
 
 
 @pytest.fixture
