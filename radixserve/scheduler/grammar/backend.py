@@ -5,9 +5,10 @@ keyed by (kind, text) holds every grammar asked for (in flight or done; the leas
 dropped past `cache_size` grammars or `cache_bytes` of compiled ones, as xgrammar sizes them),
 and compilation runs in two worker threads (a slow grammar holds up one of them). xgrammar's
 own compiler cache is off: it has no bound by default, and a server asked for ever new schemas
-(tools, per-request JSON schemas) would grow without end (~80 KB for a small schema). The scheduler keeps a request in the queue, skipped by admission, until its
-future is done (or past the manager's COMPILE_TIMEOUT_S); other requests are admitted
-meanwhile. xgrammar's compiler releases the GIL while it works.
+(tools, per-request JSON schemas) would grow without end (~80 KB for a small schema). The
+scheduler keeps a request in the queue, skipped by admission, until its future is done (or
+past the manager's COMPILE_TIMEOUT_S); other requests are admitted meanwhile. xgrammar's
+compiler releases the GIL while it works.
 
 The tokenizer's vocabulary is converted for xgrammar (TokenizerInfo) once, in the worker
 thread, on the first grammar request: a server that is never asked for a grammar pays nothing.
