@@ -61,22 +61,12 @@ class GracefulServer(uvicorn.Server):
     """uvicorn, with a shutdown that first stops admitting requests, lets the running ones
     finish for up to --shutdown-timeout seconds, then ends the rest with an error event (so
     clients see why their stream ended) before uvicorn closes the connections. Its summary
-    counts the requests a server failure ended before the shutdown too (`fail_threadsafe`)."""
+    counts the requests a server failure ended before the shutdown too
+    (`TokenizerManager.ended_by_failure`)."""
 
     def __init__(self, config: uvicorn.Config, tm: TokenizerManager, drain_s: float) -> None:
         super().__init__(config)
         self.tm, self.drain_s = tm, drain_s
-        self.ended_by_failure = 0
-
-    def fail_threadsafe(self, message: str) -> None:
-        """From any thread: end every open request with this error, counted for the
-        shutdown summary (TokenizerManager.fail_all_threadsafe drops the count)."""
-        loop = self.tm.loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._fail_open_requests, message)
-
-    def _fail_open_requests(self, message: str) -> None:
-        self.ended_by_failure += self.tm.fail_all(message)
 
     async def shutdown(self, sockets: Any = None) -> None:
         tm = self.tm
@@ -91,8 +81,8 @@ class GracefulServer(uvicorn.Server):
         if ended_now:
             await asyncio.sleep(0.2)  # let the handlers write their final events
         logger.info("shutting down: %d request(s) ended with an error%s after %.1f s of drain "
-                    "(at most %.1f s)", self.ended_by_failure + ended_now,
-                    _failure_share(self.ended_by_failure), drained, self.drain_s)
+                    "(at most %.1f s)", tm.ended_by_failure + ended_now,
+                    _failure_share(tm.ended_by_failure), drained, self.drain_s)
         await super().shutdown(sockets)
 
 
@@ -112,9 +102,7 @@ class ServerState:
         logger.error("%s", message)
         self.exit_code = 1
         failure = "the server failed: " + message.splitlines()[0]
-        if self.server is not None:  # every open request fails now, not after a timeout
-            self.server.fail_threadsafe(failure)
-        elif self.tm is not None:
+        if self.tm is not None:  # every open request fails now, not after a timeout
             self.tm.fail_all_threadsafe(failure)
         if self.server is not None:
             self.server.should_exit = True

@@ -73,6 +73,7 @@ class TokenizerManager:
         self.loop: asyncio.AbstractEventLoop | None = None
         # set on shutdown or when a child process died: new requests are refused (503)
         self.refusing: str | None = None
+        self.ended_by_failure = 0  # requests fail_all_threadsafe ended
         # request building, off the event loop (request_lanes.py)
         self.lanes = RequestLanes(tokenizer)
         self.recv_task: asyncio.Task[None] | None = None
@@ -328,8 +329,13 @@ class TokenizerManager:
         return len(open_states)
 
     def fail_all_threadsafe(self, message: str) -> None:
+        """`fail_all` from another thread, when the server failed: how many it ended adds to
+        `ended_by_failure` (the shutdown summary's count)."""
+        def fail() -> None:
+            self.ended_by_failure += self.fail_all(message)
+
         if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.fail_all, message)
+            self.loop.call_soon_threadsafe(fail)
 
     def _send(self, req: GenerateRequest) -> ReqState:
         if self.refusing is not None:
