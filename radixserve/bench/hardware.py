@@ -317,9 +317,7 @@ def load_model_config(path: str) -> ModelConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # a module, not a `radixserve bench` subcommand
-    parser = argparse.ArgumentParser(prog="radixserve bench hardware",
-                                     description=__doc__,
+    parser = argparse.ArgumentParser(prog="radixserve bench hardware", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", type=available_device,
                         default="cuda" if torch.cuda.is_available() else "cpu")
