@@ -100,14 +100,13 @@ class Client:
         self.api_url = base_url + path
         self.model = model
         self.stream = not args.disable_stream
-        self.headers = auth_headers(args)
         self.extra_body = args.extra_request_body or {}
 
     def make_input(self, req: SampleRequest) -> RequestInput:
         return RequestInput(api_url=self.api_url, prompt_len=req.prompt_len,
                             output_len=req.output_len, prompt_ids=req.prompt_ids,
                             prompt_text=req.prompt_text, model=self.model, stream=self.stream,
-                            headers=self.headers, extra_body=self.extra_body)
+                            extra_body=self.extra_body)  # (--api-key: the session's header)
 
 
 def auth_headers(args: argparse.Namespace) -> dict[str, str]:
