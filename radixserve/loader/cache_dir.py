@@ -21,7 +21,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 # Bump when what we derive from a GGUF (config dict, tokenizer files) changes.
-CACHE_FORMAT_VERSION = "1"
+CACHE_FORMAT_VERSION = "2"  # 2: MoE GGUF files (Mixtral was derived as Llama)
 
 
 def radixserve_cache_dir() -> Path:

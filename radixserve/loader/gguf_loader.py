@@ -1,14 +1,15 @@
 """GGUF (llama.cpp) checkpoints as an HF-style config dict and HF-named fp32 tensors.
 
 llama.cpp names tensors `token_embd`, `blk.N.attn_q`, ...; we rename them to the names the
-transformers state dict of the same architecture uses (Llama, Qwen2, Qwen3, Gemma-2), so models
-load GGUF and safetensors the same way.
+transformers state dict of the same architecture uses (Llama, Qwen2, Qwen3, Gemma-2, and the MoE
+families Mixtral, Qwen2-MoE, Qwen3-MoE: `gguf_moe.py`), so models load GGUF and safetensors the
+same way. llama.cpp's stacked experts come out one HF-named tensor per expert.
 
 Invariant on q/k: llama.cpp's converter permutes the rows of `attn_q` / `attn_k` of Llama models
 so that each head's rotary pairs are interleaved (GPT-J style, pairs (2i, 2i+1)) instead of split
 in halves (GPT-NeoX style, pairs (i, i + d/2)) as in HF checkpoints. `unpermute_qk` undoes it; the
-weights we yield are in HF layout. Qwen2, Qwen3 and Gemma-2 run NeoX rope in llama.cpp too, so
-their rows are stored as in HF.
+weights we yield are in HF layout (Mixtral's too: llama.cpp writes it as "llama"). Qwen2, Qwen3,
+their MoE forms and Gemma-2 run NeoX rope in llama.cpp too, so their rows are stored as in HF.
 
 Invariant on Gemma norms: HF's GemmaRMSNorm scales by (1 + w); llama.cpp's converter stores w + 1
 (in the checkpoint's dtype) so its plain RMSNorm applies it; we subtract 1 again, as transformers'
@@ -34,6 +35,9 @@ from gguf.quants import dequantize
 from radixserve.loader import gguf_dequant
 from radixserve.loader.cache_dir import file_cache_folder, read_cached_json, write_json_atomically
 from radixserve.loader.gguf_file import GGUFFile, GGUFTensorInfo, read_gguf
+from radixserve.loader.gguf_moe import (EXPERT, MIXTRAL_LAYER_NAMES, QWEN2_MOE_SHARED_NAMES,
+                                        QWEN_MOE_LAYER_NAMES, SHARED_EXPERT_GATE, MetaKey,
+                                        llama_moe_config, qwen2moe_config, qwen3moe_config)
 
 _GLOBAL_TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -56,6 +60,8 @@ _QWEN3_LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
+_QWEN2_MOE_LAYER_NAMES = {**_LLAMA_LAYER_NAMES, **QWEN_MOE_LAYER_NAMES, **QWEN2_MOE_SHARED_NAMES}
+_QWEN3_MOE_LAYER_NAMES = {**_QWEN3_LAYER_NAMES, **QWEN_MOE_LAYER_NAMES}
 # Gemma-2 norms its sublayers' inputs and outputs; llama.cpp's `ffn_norm` is the one before the MLP
 _GEMMA2_LAYER_NAMES = {
     **_LLAMA_LAYER_NAMES,
@@ -72,10 +78,6 @@ _LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 def _f32(value: float) -> float:
     """The shortest decimal that round-trips a float32 metadata value (9.99999974e-06 -> 1e-05)."""
     return float(str(np.float32(value)))
-
-
-# key(name, default): the file's `{arch}.{name}` metadata value
-MetaKey = Callable[..., Any]
 
 
 def _gemma2_query_scalar(config: dict[str, Any]) -> int:
@@ -109,6 +111,7 @@ class GGUFArchitecture:
 
     hf_architecture: str
     layer_names: Mapping[str, str] = field(default_factory=lambda: _LLAMA_LAYER_NAMES)
+    model_type: str = ""  # transformers' model_type, where it is not the GGUF architecture
     permuted_qk: bool = False  # q/k rows in GPT-J rope order (see unpermute_qk)
     norm_offset: float = 0.0  # what the converter added to every `*norm.weight`
     extra_config: Callable[[MetaKey, dict[str, Any]], dict[str, Any]] | None = None
@@ -116,13 +119,19 @@ class GGUFArchitecture:
 
 # general.architecture -> how to read it. Mistral models need no entry: llama.cpp writes
 # MistralForCausalLM as "llama"; its "mistral3" is Ministral-3 / Mistral-3 (llama-4 attention
-# temperature scaling, not implemented here).
+# temperature scaling, not implemented here). Mixtral is "llama" with experts (its config says
+# MixtralForCausalLM: llama_moe_config).
 GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
-    "llama": GGUFArchitecture("LlamaForCausalLM", permuted_qk=True),
+    "llama": GGUFArchitecture("LlamaForCausalLM", {**_LLAMA_LAYER_NAMES, **MIXTRAL_LAYER_NAMES},
+                              permuted_qk=True, extra_config=llama_moe_config),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM"),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", _QWEN3_LAYER_NAMES),
     "gemma2": GGUFArchitecture("Gemma2ForCausalLM", _GEMMA2_LAYER_NAMES, norm_offset=1.0,
                                extra_config=_gemma2_config),
+    "qwen2moe": GGUFArchitecture("Qwen2MoeForCausalLM", _QWEN2_MOE_LAYER_NAMES,
+                                 model_type="qwen2_moe", extra_config=qwen2moe_config),
+    "qwen3moe": GGUFArchitecture("Qwen3MoeForCausalLM", _QWEN3_MOE_LAYER_NAMES,
+                                 model_type="qwen3_moe", extra_config=qwen3moe_config),
 }
 
 
@@ -153,7 +162,7 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, Any]:
                                        gguf.tensors["token_embd.weight"].shape[0])
     config: dict[str, Any] = {
         "architectures": [spec.hf_architecture],
-        "model_type": arch,
+        "model_type": spec.model_type or arch,
         "hidden_size": hidden_size,
         "intermediate_size": int(key("feed_forward_length")),
         "num_hidden_layers": int(key("block_count")),
@@ -196,7 +205,8 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The transformers state-dict name of a llama.cpp tensor of a file of architecture `arch`;
-    None for tensors HF has not."""
+    None for tensors HF has not. Stacked experts (`ffn_*_exps`) get a name with an `{expert}`
+    field (gguf_moe.EXPERT) for the expert id."""
     if gguf_name in _SKIPPED_TENSORS:
         return None
     match = _LAYER_NAME.match(gguf_name)
@@ -223,28 +233,42 @@ def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def dequantize_tensor(gguf: GGUFFile, info: GGUFTensorInfo) -> torch.Tensor:
     """One tensor as fp32 in torch (HF) shape, copied out of the file."""
-    raw = gguf.raw_tensor_bytes(info)
-    if info.ggml_type == GGMLQuantizationType.F32:
+    return _dequantize(gguf.raw_tensor_bytes(info), info.ggml_type, info.shape)
+
+
+def dequantize_expert(gguf: GGUFFile, info: GGUFTensorInfo, expert: int) -> torch.Tensor:
+    """Slab `expert` of a stacked [experts, rows, cols] tensor as fp32 [rows, cols]: the same
+    floats as that slab of `dequantize_tensor` (quant blocks never cross rows), one expert's
+    worth of memory at a time."""
+    return _dequantize(gguf.raw_tensor_bytes(info)[expert], info.ggml_type, info.shape[1:])
+
+
+def _dequantize(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...]
+                ) -> torch.Tensor:
+    if ggml_type == GGMLQuantizationType.F32:
         array = np.array(raw.view(np.float32))  # copy: the memmap view is read-only
-    elif info.ggml_type == GGMLQuantizationType.BF16:
+    elif ggml_type == GGMLQuantizationType.BF16:
         # widen bf16 to fp32 by shifting its bits into the high half
         array = (np.asarray(raw).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    elif gguf_dequant.supports(info.ggml_type):  # whole-tensor torch path, same floats
-        return gguf_dequant.dequantize_plain(raw, info.ggml_type).reshape(info.shape)
+    elif gguf_dequant.supports(ggml_type):  # whole-tensor torch path, same floats
+        return gguf_dequant.dequantize_plain(raw, ggml_type).reshape(shape)
     else:
-        array = dequantize(np.asarray(raw), info.ggml_type)
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(info.shape))
+        array = dequantize(np.asarray(raw), ggml_type)
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(shape))
 
 
 def _to_hf_layout(spec: GGUFArchitecture, hf_name: str, tensor: torch.Tensor,
                   n_heads: int, n_kv_heads: int) -> torch.Tensor:
-    """Undo what the converter did to one tensor: the q/k row permutation, the norm offset."""
+    """Undo what the converter did to one tensor: the q/k row permutation, the norm offset,
+    the squeezed shared-expert gate."""
     if spec.permuted_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
         return unpermute_qk(tensor, n_heads)
     if spec.permuted_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
         return unpermute_qk(tensor, n_kv_heads)
     if spec.norm_offset and hf_name.endswith("norm.weight"):
         return tensor - spec.norm_offset
+    if hf_name.endswith(SHARED_EXPERT_GATE):
+        return tensor.reshape(1, -1)
     return tensor
 
 
@@ -257,6 +281,10 @@ def iter_gguf_weights(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
     for gguf_name, info in gguf.tensors.items():
         hf_name = hf_tensor_name(gguf_name, arch)
         if hf_name is None:
+            continue
+        if EXPERT in hf_name:  # [experts, rows, cols]: slab e is expert e's HF weight
+            for expert in range(info.shape[0]):
+                yield hf_name.replace(EXPERT, str(expert)), dequantize_expert(gguf, info, expert)
             continue
         tensor = dequantize_tensor(gguf, info)
         yield hf_name, _to_hf_layout(spec, hf_name, tensor, n_heads, n_kv_heads)
