@@ -4,6 +4,7 @@
 #   MOE_STEPS="tests correctness kernels" bash benchmarks/gpu_moe.sh      # one call
 #   MOE_STEPS="decode offline" bash benchmarks/gpu_moe.sh                 # another
 #   MOE_STEPS="kernels board_ab" bash benchmarks/gpu_moe.sh               # a board's own tables
+#   MOE_STEPS="tests gemv gemv_ab" bash benchmarks/gpu_moe.sh             # the decode GEMVs
 #
 # tests:       pytest of the fused-MoE and MLA kernel tests on the GPU
 # correctness: tiny Mixtral / Qwen3-MoE / DeepSeek-V2 (MLA) checkpoints, torch_native, triton,
@@ -18,6 +19,12 @@
 #              the folder itself on the reference board; kernels/board_tables.py), alternated
 #              per model; the sweep's tables stay in place, to copy back from $OUT/moe_board
 #              (on an H100 80GB Mixtral's 93 GB of bf16 weights do not fit, so it is left out)
+# gemv:        benchmarks/gpu_moe_gemv.py --write (MOE_GEMV_KINDS, default bf16; MOE_GEMV_MODELS,
+#              default all three): the
+#              routed experts' decode GEMVs (kernels/moe_gemv.py) swept against the grouped path
+#              at 1-16 tokens; the table goes where this board reads it, and to $OUT/moe_configs
+# gemv_ab:     decode one static batch (1 / 2 / 4 / 8 / 16) of Qwen3-30B-A3B and DeepSeek-V2-Lite
+#              with RADIXSERVE_MOE_GEMV=0 then 1 (after `gemv` in the same call: its tables)
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/gpu_common.sh gpu_moe "${MOE_STEPS:-tests correctness kernels decode offline}"
@@ -25,7 +32,7 @@ cd "$(dirname "$0")/.."
 if step tests; then
     echo "== tests"
     timeout -k 10 240 python3 -m pytest -q -x tests/layers/test_fused_moe.py \
-        tests/attention/test_mla_triton.py > "$OUT/tests.log" 2>&1
+        tests/layers/test_moe_gemv.py tests/attention/test_mla_triton.py > "$OUT/tests.log" 2>&1
     echo "   rc $?: $(tail -1 "$OUT/tests.log")"
 fi
 if step correctness; then
@@ -93,6 +100,26 @@ print(b.current_board(), b.board_dir(f.CONFIG_DIR, b.current_board()))")
             [ "$tables" = sweep ] && cp "$OUT"/moe_board/*.json "$DEST"/
             decode "$name" $batches > "$OUT/board_ab_${tables}_$name.txt"
             echo "   $tables:"; cat "$OUT/board_ab_${tables}_$name.txt"
+        done
+    done
+fi
+if step gemv; then
+    echo "== the MoE decode GEMVs swept against the grouped path"
+    timeout -k 10 "${MOE_GEMV_SECONDS:-330}" python3 benchmarks/gpu_moe_gemv.py --write \
+        --kinds ${MOE_GEMV_KINDS:-bf16} ${MOE_GEMV_MODELS:+--models $MOE_GEMV_MODELS} \
+        --time-budget $(( ${MOE_GEMV_SECONDS:-330} - 30 )) \
+        --out "$OUT" > "$OUT/gemv.log" 2>&1
+    echo "   rc $?"
+    grep -E '^(gemv|  wrote)' "$OUT/gemv.log" | cut -c1-300
+    tail -3 "$OUT/gemv.log" | quiet
+fi
+if step gemv_ab; then
+    echo "== decode with the MoE GEMVs off (0) and on (1)"
+    for name in qwen3-30b-a3b deepseek-v2-lite; do
+        for gemv in 0 1; do
+            RADIXSERVE_MOE_GEMV=$gemv MOE_GRAPH_BS=16 MOE_MAX_TOKENS=60000 \
+                decode "$name" 1 2 4 8 16 > "$OUT/gemv_ab_${gemv}_$name.txt"
+            echo "   RADIXSERVE_MOE_GEMV=$gemv:"; cat "$OUT/gemv_ab_${gemv}_$name.txt"
         done
     done
 fi

@@ -1,6 +1,8 @@
-"""Where a decode step's GPU time goes (Llama-3.1-8B shapes, bf16 or FP8, dummy weights).
+"""Where a decode step's GPU time goes (Llama-3.1-8B shapes by default, bf16 or FP8, dummy
+weights).
 
-    python3 benchmarks/gpu_profile_decode.py [--batch 1] [--context 1024] [--quantization fp8]
+    python3 benchmarks/gpu_profile_decode.py [--model qwen3-30b-a3b] [--batch 1]
+        [--context 1024] [--quantization fp8]
 
 Runs eager decode steps under torch.profiler and prints the CUDA kernels by total time, grouped
 by kind, next to the bytes each must move; the sum of kernel time is the step time a CUDA graph
@@ -26,11 +28,13 @@ from radixserve.config import ServerArgs  # noqa: E402
 from radixserve.executor.model_runner import ModelRunner  # noqa: E402
 from tests.models.runner_driver import RunnerDriver  # noqa: E402
 
-CONFIG = str(Path(__file__).resolve().parent / "configs" / "llama-3.1-8b")
+CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama-3.1-8b",
+                        help="a folder of benchmarks/configs/ (e.g. qwen3-30b-a3b)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
@@ -42,7 +46,8 @@ def main() -> int:
         print("no CUDA device")
         return 0
     steps_run = 3 + args.steps  # the warm-up and profiled steps
-    runner = ModelRunner(ServerArgs(model_path=CONFIG, load_format="dummy", dtype="bfloat16",
+    runner = ModelRunner(ServerArgs(model_path=str(CONFIGS / args.model), load_format="dummy",
+                                    dtype="bfloat16",
                                     disable_cuda_graph=not args.graph,
                                     cuda_graph_max_bs=args.batch,
                                     max_total_tokens=args.batch * (args.context + steps_run),
@@ -74,8 +79,10 @@ def main() -> int:
         name = evt.key
         groups[name] += t
         counts[name] += evt.count // args.steps
-    print(f"GPU kernel time per decode step (batch {args.batch}, ctx {args.context}): "
-          f"{total:.3f} ms; weights alone need {16.06e9 / 4.25e12 * 1000:.3f} ms at 4.25 TB/s")
+    weights = ("; weights alone need 3.779 ms at 4.25 TB/s" if args.model == "llama-3.1-8b"
+               and args.quantization is None else "")
+    print(f"GPU kernel time per decode step ({args.model}, batch {args.batch}, ctx "
+          f"{args.context}): {total:.3f} ms{weights}")
     for name, t in sorted(groups.items(), key=lambda kv: -kv[1])[:24]:
         print(f"{t:8.3f} ms {counts[name]:5d}x  {name[:110]}")
     if graphs is not None:

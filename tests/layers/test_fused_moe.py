@@ -1,4 +1,5 @@
-"""The fused-MoE kernels (alignment + grouped GEMMs) against a per-pair PyTorch reference, and
+"""The fused-MoE kernels (alignment + grouped GEMMs, and moe_gemv.py's decode GEMVs) against a
+per-pair PyTorch reference, and
 the CPU expert loop against the same reference (Triton interpreter on CPU at small shapes)."""
 from __future__ import annotations
 
@@ -21,6 +22,16 @@ from radixserve.layers.moe.router import RoutingConfig, select_experts  # noqa: 
 pytestmark = pytest.mark.kernel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(params=["grouped", "gemv"])
+def moe_path(request, monkeypatch) -> str:
+    """Which of fused_experts' two paths runs: the grouped GEMMs, or (any token count) the
+    decode GEMVs of moe_gemv.py."""
+    from radixserve.layers.kernels import moe_gemv
+    monkeypatch.setattr(moe_gemv, "ENABLED", request.param == "gemv")
+    monkeypatch.setattr(moe_gemv, "default_takes", lambda num_tokens, top_k: True)
+    return request.param
 
 
 def _problem(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
@@ -48,7 +59,8 @@ def test_alignment_sorts_pairs_by_expert_in_padded_blocks() -> None:
 
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,dtype", [
     (1, 4, 2, torch.float32), (5, 8, 2, torch.float32), (40, 6, 3, torch.float16)])
-def test_fused_experts_match_reference(num_tokens, num_experts, top_k, dtype) -> None:
+def test_fused_experts_match_reference(num_tokens, num_experts, top_k, dtype,
+                                       moe_path) -> None:
     x, w13, w2, weights, ids = _problem(num_tokens, num_experts, top_k, 32, 48, dtype)
     got = fused_experts(x, w13, w2, weights, ids).float()
     ref = fused_experts_reference(x, w13, w2, weights, ids)
@@ -97,7 +109,7 @@ def test_softmax_topk_kernel_matches_torch_routing(num_tokens, num_experts, top_
 
 
 @pytest.mark.parametrize("block", [None, 16])
-def test_fused_experts_with_fp8_weights_match_the_dequantised_experts(block) -> None:
+def test_fused_experts_with_fp8_weights_match_the_dequantised_experts(block, moe_path) -> None:
     from radixserve.layers.quantization.fp8 import dequantize_weight, quantize_per_channel
     x, w13, w2, weights, ids = _problem(6, 4, 2, 32, 48, torch.float16, seed=5)
 

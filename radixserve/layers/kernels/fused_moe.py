@@ -12,6 +12,8 @@
 Blocks past the padded total exit at once; the grid holds the most blocks the padded runs can
 fill, cdiv(T*k, BLOCK_M) + min(E, T*k), so decode (few pairs, many experts) launches few.
 
+A few decode tokens take moe_gemv.py's two launches instead (its table or default rule).
+
 Block sizes come from `moe_kernel_config`: a JSON table tuned on the H200 for the expert shape
 (moe_configs/E{experts}_N{n}_K{k}.json, batch size -> config, bf16 on the H200, written by
 benchmarks/gpu_moe.py --sweep),
@@ -31,6 +33,7 @@ import triton.language as tl
 from radixserve.layers.kernels import board_tables
 from radixserve.layers.kernels.moe_align import (ALIGN_KERNEL_MAX_PAIRS,
                                                  moe_align_block_size_triton)
+from radixserve.layers.kernels.moe_gemv import moe_gemv_configs, moe_gemv_experts
 from radixserve.layers.kernels.silu_and_mul import silu_and_mul
 
 CONFIG_DIR = Path(__file__).parent / "moe_configs"  # per board: kernels/board_tables.py
@@ -179,6 +182,10 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_experts, two_i, hidden_size = w13.shape
     if num_tokens == 0:
         return torch.zeros_like(hidden)
+    gemv = moe_gemv_configs(num_tokens, top_k, w13, w2,
+                            fp8_scales[2] if fp8_scales is not None else None)
+    if gemv is not None:  # a few decode tokens: two GEMVs, no alignment (moe_gemv.py)
+        return moe_gemv_experts(hidden, w13, w2, topk_weights, topk_ids, gemv, fp8_scales)
     config1 = moe_kernel_config(num_tokens, num_experts, two_i, hidden_size)
     config2 = moe_kernel_config(num_tokens, num_experts, hidden_size, two_i // 2)
     weights = topk_weights.reshape(-1).to(torch.float32)

@@ -1,0 +1,281 @@
+"""Routed experts for a few decode tokens as two GEMV launches, without the alignment.
+
+The fused-MoE path (fused_moe.py) sorts the (token, choice) pairs by expert, pads each expert's
+run to a 16-row block and multiplies blocks on the tensor cores: four launches (alignment,
+gate|up, SiLU-mul, down) and a torch sum over the k choices. At one to a few tokens each
+expert's block holds one or two real rows, so the work is reading the chosen experts' weights,
+and the launches around the two products are much of a layer's time (a Qwen3-30B-A3B decode
+step at batch 1 ran at 0.36 of its weight-read limit on the H200, session 4).
+
+Here each product is a GEMV over the chosen experts' rows, read straight through the pair's
+expert id (no sorted order, no padding):
+  gate|up: one program per (pair, block of BLOCK_N rows of each half): the pair's token row
+           times the expert's gate and up rows, silu(gate) * up written per pair [T*k, I],
+           rounded as the unfused kernels round them (gemv.store_row_epilogue);
+  down:    one program per (token, block of BLOCK_N output rows): one loop over the k choices'
+           K steps, each step's products scaled by the choice's routing weight (and the FP8
+           row or group scale) into a float32 accumulator; at each choice's last step its row
+           is rounded to the output's dtype and added to the token's float32 total, which is
+           rounded once: the grouped path's rounding (each pair's weighted row rounded, the k
+           rows summed in float32 by torch), so bf16 models decode as they did before this
+           path. The k rows are summed in the kernel and [T, H] is written once.
+A token choosing the same expert as another reads its rows again (through L2); the grouped
+path reads each expert once, so it wins again past a few tokens: which path runs at T tokens
+comes from a per-board table swept on the device (benchmarks/gpu_moe_gemv.py writes
+moe_configs/gemv_{bf16|fp8}_E{e}_N{n}_K{k}.json: T -> the two kernels' configurations, or null
+where the grouped path won), else the default rule below. RADIXSERVE_MOE_GEMV=0 turns the path off.
+
+FP8 experts: codes with per-row scales (applied once per row; in the down kernel with the
+routing weight) or per K group (each BLOCK_K step inside one group scales its products).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from radixserve.layers.kernels import board_tables
+from radixserve.layers.kernels.gemv import (GemvConfig, first_weight_step, load_weight_tiles,
+                                            store_row_epilogue, vec_sum)
+
+ENABLED = os.environ.get("RADIXSERVE_MOE_GEMV", "1") != "0"
+# Without a swept table (moe_gemv_configs): the GEMVs take one token (its k experts are
+# distinct, nothing is read twice), and up to this many where each token picks 4+ experts (many
+# small ones). On the H100 the GEMVs won at 4 tokens by 1.2x for Qwen3-30B-A3B (top 8 of 128)
+# and DeepSeek-V2-Lite (top 6 of 64), and lost from 4 tokens for Mixtral (top 2 of 8).
+DEFAULT_MAX_TOKENS = 4
+
+
+class MoeGemvConfigs(NamedTuple):
+    gate_up: GemvConfig  # block_n: rows of each half per program
+    down: GemvConfig
+
+
+@triton.jit
+def _weight_tiles(w_ptrs, up_rows, n_mask, offs_k, k_left, GATED: tl.constexpr,
+                  EVEN_K: tl.constexpr, VEC: tl.constexpr):
+    """gemv.load_weight_tiles, with the columns past K masked where BLOCK_K does not divide
+    K (k_left: the columns from this step's first on)."""
+    if EVEN_K:
+        w, w_up = load_weight_tiles(w_ptrs, up_rows, n_mask, GATED, VEC)
+    else:
+        if VEC > 1:
+            mask = n_mask[:, None, None] & (offs_k < k_left)[None, :, :]
+        else:
+            mask = n_mask[:, None] & (offs_k < k_left)[None, :]
+        w = tl.load(w_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+        w_up = w
+        if GATED:
+            w_up = tl.load(w_ptrs + up_rows, mask=mask, other=0.0,
+                           eviction_policy="evict_first")
+    return w, w_up
+
+
+@triton.jit
+def _x_tile(x_ptr, offs_k, k_left, EVEN_K: tl.constexpr):
+    """The input row's columns of this step in float32 (zero past K)."""
+    if EVEN_K:
+        x = tl.load(x_ptr + offs_k)
+    else:
+        x = tl.load(x_ptr + offs_k, mask=offs_k < k_left, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _moe_gate_up_gemv_kernel(X, W, Scale, Ids, Y, I, K, stride_xm, stride_we, stride_wn,
+                             stride_se, stride_sn, stride_ym,
+                             TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
+                             GROUPED: tl.constexpr, GROUP_K: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+                             EVEN_K: tl.constexpr):
+    """Y[pair, n] = silu(x[token] . W[e, n]) * (x[token] . W[e, I + n]), e = Ids[pair]."""
+    pair = tl.program_id(0)
+    expert = tl.load(Ids + pair).to(tl.int64)
+    x_row = X + (pair // TOP_K).to(tl.int64) * stride_xm
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    offs_k, w_ptrs, acc, no_squares = first_weight_step(
+        W + expert * stride_we, offs_n.to(tl.int64) * stride_wn, BLOCK_N, BLOCK_K, VEC)
+    acc_up = acc
+    up_rows = I * stride_wn
+    s_rows = Scale + expert * stride_se + offs_n * stride_sn
+    for k_start in range(0, K, BLOCK_K):
+        w, w_up = _weight_tiles(w_ptrs, up_rows, n_mask, offs_k, K - k_start, True, EVEN_K, VEC)
+        x = _x_tile(x_row + k_start, offs_k, K - k_start, EVEN_K)
+        prod = vec_sum(w.to(tl.float32) * x[None, :], VEC)
+        prod_up = vec_sum(w_up.to(tl.float32) * x[None, :], VEC)
+        if HAS_SCALE and GROUPED:
+            group = k_start // GROUP_K
+            prod = prod * tl.load(s_rows + group, mask=n_mask, other=0.0)[:, None]
+            prod_up = prod_up * tl.load(s_rows + I * stride_sn + group, mask=n_mask,
+                                        other=0.0)[:, None]
+        acc += prod
+        acc_up += prod_up
+        w_ptrs += BLOCK_K
+    gate = tl.sum(acc, axis=1)
+    up = tl.sum(acc_up, axis=1)
+    if HAS_SCALE and not GROUPED:
+        gate = gate * tl.load(s_rows, mask=n_mask, other=0.0)
+        up = up * tl.load(s_rows + I * stride_sn, mask=n_mask, other=0.0)
+    y_row = Y + pair.to(tl.int64) * stride_ym
+    store_row_epilogue(gate, up, y_row, y_row, offs_n, n_mask, True, False)
+
+
+@triton.jit
+def _moe_down_gemv_kernel(A, W, Scale, Ids, Weights, Y, H, K, stride_am, stride_we, stride_wn,
+                          stride_se, stride_sn, stride_ym,
+                          TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, GROUPED: tl.constexpr,
+                          GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          VEC: tl.constexpr, EVEN_K: tl.constexpr):
+    """Y[t, n] = sum over the token's k choices of weight * (A[pair] . W[e, n]): one loop over
+    every choice's K steps (each choice's row rounded as the grouped path rounds it)."""
+    token = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    rows = offs_n.to(tl.int64) * stride_wn
+    offs_k, w_ptrs, acc, no_squares = first_weight_step(W, rows, BLOCK_N, BLOCK_K, VEC)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    steps = tl.cdiv(K, BLOCK_K)
+    for step in range(0, TOP_K * steps):
+        choice = step // steps
+        k_start = (step - choice * steps) * BLOCK_K
+        pair = token * TOP_K + choice
+        expert = tl.load(Ids + pair).to(tl.int64)
+        coef = tl.load(Weights + pair).to(tl.float32)
+        w, w_again = _weight_tiles(w_ptrs + expert * stride_we + k_start, 0, n_mask, offs_k,
+                                   K - k_start, False, EVEN_K, VEC)
+        a = _x_tile(A + pair.to(tl.int64) * stride_am + k_start, offs_k, K - k_start, EVEN_K)
+        prod = vec_sum(w.to(tl.float32) * a[None, :], VEC)
+        if HAS_SCALE:
+            s_ptrs = Scale + expert * stride_se + offs_n * stride_sn
+            if GROUPED:
+                s_ptrs += k_start // GROUP_K
+            coef = tl.load(s_ptrs, mask=n_mask, other=0.0) * coef
+            acc += prod * coef[:, None]
+        else:
+            acc += prod * coef
+        if step - choice * steps == steps - 1:  # the choice's last step: its rounded row
+            total += tl.sum(acc, axis=1).to(Y.dtype.element_ty).to(tl.float32)
+            acc = tl.zeros_like(acc)
+    tl.store(Y + token.to(tl.int64) * stride_ym + offs_n, total.to(Y.dtype.element_ty),
+             mask=n_mask)
+
+
+def fit_block_k(config: GemvConfig, k: int, group_k: int | None) -> GemvConfig | None:
+    """The config with block_k inside one scale group (halved until a group holds whole
+    steps), or None where no step of at least 16 columns (and one vec) fits. K itself needs
+    no multiple: the last step masks its tail (EVEN_K)."""
+    block_k = min(config.block_k, max(16, triton.next_power_of_2(k)))
+    while group_k is not None and block_k >= 16 and (block_k > group_k or group_k % block_k):
+        block_k //= 2
+    if block_k < 16 or block_k < config.vec or k < 16:
+        return None
+    return config._replace(block_k=block_k)
+
+
+def default_configs(fp8: bool) -> MoeGemvConfigs:
+    """Without a swept entry: the dense GEMV's shape classes for gate|up and o/down-like rows
+    (FP8 codes: twice the columns per step)."""
+    scale = 2 if fp8 else 1
+    return MoeGemvConfigs(GemvConfig(8, 256 * scale, 4, 3), GemvConfig(4, 256 * scale, 4, 3))
+
+
+def _config_from(entry: dict) -> GemvConfig:
+    return GemvConfig(entry["block_n"], entry["block_k"], entry["num_warps"],
+                      entry["num_stages"], entry.get("vec", 1))
+
+
+def table_name(kind: str, num_experts: int, n: int, k: int) -> str:
+    """The swept table of the expert shape whose gate|up weight is [E, n, k] ("bf16" or "fp8"
+    weights)."""
+    return f"gemv_{kind}_E{num_experts}_N{n}_K{k}.json"
+
+
+@functools.lru_cache(maxsize=None)
+def _swept_table(kind: str, num_experts: int, n: int, k: int
+                 ) -> tuple[tuple[int, dict | None], ...] | None:
+    from radixserve.layers.kernels.fused_moe import CONFIG_DIR
+    path = board_tables.read_path(CONFIG_DIR, table_name(kind, num_experts, n, k),
+                                  board_tables.current_board())
+    if not path.is_file():
+        return None
+    raw = json.loads(path.read_text())
+    return tuple(sorted((int(tokens), entry) for tokens, entry in raw.items()))
+
+
+def default_takes(num_tokens: int, top_k: int) -> bool:
+    """Whether the GEMVs take `num_tokens` tokens of `top_k` choices without a swept table."""
+    return num_tokens == 1 or (top_k >= 4 and num_tokens <= DEFAULT_MAX_TOKENS)
+
+
+def moe_gemv_configs(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor,
+                     group_k: int | None) -> MoeGemvConfigs | None:
+    """The two kernels' configurations where the GEMV path takes `num_tokens` tokens, else
+    None. Swept table: the entry of the smallest swept count >= num_tokens (None past the
+    largest, or where the grouped path won); no table: `default_takes`."""
+    if not ENABLED or num_tokens == 0:
+        return None
+    num_experts, two_i, hidden = w13.shape
+    fp8 = w13.dtype.itemsize == 1
+    table = _swept_table("fp8" if fp8 else "bf16", num_experts, two_i, hidden)
+    if table is None:
+        if not default_takes(num_tokens, top_k):
+            return None
+        configs = default_configs(fp8)
+    else:
+        entry = next((entry for tokens, entry in table if tokens >= num_tokens), None)
+        if entry is None:
+            return None
+        configs = MoeGemvConfigs(_config_from(entry["gate_up"]), _config_from(entry["down"]))
+    gate_up = fit_block_k(configs.gate_up, hidden, group_k)
+    down = fit_block_k(configs.down, w2.shape[2], group_k)
+    if gate_up is None or down is None:
+        return None
+    return MoeGemvConfigs(gate_up, down)
+
+
+def _scale_args(scale: torch.Tensor | None, fallback: torch.Tensor
+                ) -> tuple[torch.Tensor, int, int, bool]:
+    if scale is None:
+        return fallback, 0, 0, False
+    assert scale.stride(2) == 1
+    return scale, scale.stride(0), scale.stride(1), scale.shape[2] > 1
+
+
+def moe_gemv_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, configs: MoeGemvConfigs,
+                     fp8_scales: tuple[torch.Tensor, torch.Tensor, int | None] | None = None
+                     ) -> torch.Tensor:
+    """fused_moe.fused_experts' contract (hidden [T, H] -> [T, H]) through the two GEMVs."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_i, hidden_size = w13.shape
+    inter = two_i // 2
+    assert hidden.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    s13, s2, group_k = fp8_scales if fp8_scales is not None else (None, None, None)
+    scale13, se13, sn13, grouped = _scale_args(s13, weights)
+    act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    up_cfg, down_cfg = configs
+    _moe_gate_up_gemv_kernel[(num_tokens * top_k, triton.cdiv(inter, up_cfg.block_n))](
+        hidden, w13, scale13, ids, act, inter, hidden_size, hidden.stride(0), w13.stride(0),
+        w13.stride(1), se13, sn13, act.stride(0), TOP_K=top_k, HAS_SCALE=s13 is not None,
+        GROUPED=grouped, GROUP_K=group_k or hidden_size, BLOCK_N=up_cfg.block_n,
+        BLOCK_K=up_cfg.block_k, VEC=up_cfg.vec, EVEN_K=hidden_size % up_cfg.block_k == 0,
+        num_warps=up_cfg.num_warps,
+        num_stages=up_cfg.num_stages)
+    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    scale2, se2, sn2, grouped = _scale_args(s2, weights)
+    _moe_down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, down_cfg.block_n))](
+        act, w2, scale2, ids, weights, out, hidden_size, inter, act.stride(0), w2.stride(0),
+        w2.stride(1), se2, sn2, out.stride(0), TOP_K=top_k, HAS_SCALE=s2 is not None,
+        GROUPED=grouped, GROUP_K=group_k or inter, BLOCK_N=down_cfg.block_n,
+        BLOCK_K=down_cfg.block_k, VEC=down_cfg.vec, EVEN_K=inter % down_cfg.block_k == 0,
+        num_warps=down_cfg.num_warps,
+        num_stages=down_cfg.num_stages)
+    return out
