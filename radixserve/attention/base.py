@@ -101,7 +101,7 @@ class AttentionBackend(ABC):
         if kv_stored:
             raise NotImplementedError(f"{type(self).__name__} stores K/V itself")
         if rope is not None:
-            q, k = rope.rotary(rope.positions, q, k)
+            q, k = rope.rotary(rope.positions, *rope.normed(q, k))
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer, forward_batch)
         return self.forward_extend(q, k, v, layer, forward_batch)

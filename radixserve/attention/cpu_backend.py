@@ -93,6 +93,9 @@ class CPUAttnBackend(TorchNativeAttnBackend):
         if not self._kernel_ok(q, layer):
             self._ensure_parts(forward_batch)
             return super().forward(q, k, v, layer, forward_batch, rope)
+        if rope is not None and rope.qk_norm is not None:  # the rope kernel takes normed q/k
+            q, k = rope.normed(q, k)
+            rope = rope.unnormed()
         k_buf, v_buf = self.kv_pool.kv_buffers(layer.layer_id)
         rotary = rope.rotary if rope is not None else None
         if rotary is not None and _plain_rotary(rotary) and q.dim() == 2 and \

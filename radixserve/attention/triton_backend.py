@@ -286,7 +286,7 @@ class TritonAttnBackend(AttentionBackend):
             rotary = rope.rotary
             q, k = self.kv_pool.rotate_and_store_kv(
                 layer.layer_id, forward_batch.out_cache_loc, q, k, v, rope.positions,
-                rotary.cos_cache, rotary.sin_cache, rotary)
+                rotary.cos_cache, rotary.sin_cache, rotary, rope.qk_norm)
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer, forward_batch, store_kv=store_kv)
         return self.forward_extend(q, k, v, layer, forward_batch, store_kv=store_kv)

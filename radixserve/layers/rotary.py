@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from radixserve.config import ModelConfig
+from radixserve.layers.norm import RMSNorm
 
 
 def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
@@ -86,7 +87,45 @@ class RotaryEmbedding(nn.Module):
         return out.reshape(shape)
 
 
+class QKNorm(NamedTuple):
+    """The RMSNorms over each head of q and of k that come before rope (Qwen3). A backend's
+    fused rope + store kernel takes their weights (mem/kv_pool.PerHeadNorms); otherwise
+    `apply` runs them as the model did before rope."""
+    q_norm: RMSNorm
+    k_norm: RMSNorm
+    head_dim: int
+
+    @property
+    def q_weight(self) -> torch.Tensor:
+        return self.q_norm.weight
+
+    @property
+    def k_weight(self) -> torch.Tensor:
+        return self.k_norm.weight
+
+    @property
+    def eps(self) -> float | None:
+        """The norms' eps, None where they differ (a fused kernel takes one)."""
+        eps = self.q_norm.variance_epsilon
+        return eps if eps == self.k_norm.variance_epsilon else None
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normed copies of q [T, Hq * head_dim] and k [T, Hk * head_dim]."""
+        return (self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape[0], -1),
+                self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape[0], -1))
+
+
 class RopeInput(NamedTuple):
-    """Rope for the attention backend to apply to q and k before it stores K and attends."""
+    """Rope for the attention backend to apply to q and k before it stores K and attends
+    (after the per-head norms `qk_norm`, where the model has them)."""
     positions: torch.Tensor  # [T] position of each token
     rotary: RotaryEmbedding
+    qk_norm: QKNorm | None = None
+
+    def normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k as rope takes them, for backends that do not fuse `qk_norm`."""
+        return (q, k) if self.qk_norm is None else self.qk_norm.apply(q, k)
+
+    def unnormed(self) -> "RopeInput":
+        """This rope without the norms (once a backend has applied them)."""
+        return self._replace(qk_norm=None)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
@@ -84,6 +84,18 @@ class KVStoreTarget(NamedTuple):
 
 RotateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
                     tuple[torch.Tensor, torch.Tensor]]
+
+
+class PerHeadNorms(Protocol):
+    """RMSNorms over each head of q and of k that come before rope (Qwen3's q_norm / k_norm;
+    layers/rotary.QKNorm): a fused rope kernel takes their weights and eps, anything else
+    applies them first."""
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float | None  # None: the two norms' eps differ (not fusable)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
 
 
 class KVPool(ABC):
@@ -218,10 +230,14 @@ class KVPool(ABC):
     def rotate_and_store_kv(self, layer_id: int, loc: torch.Tensor, q: torch.Tensor,
                             k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                             cos_cache: torch.Tensor, sin_cache: torch.Tensor,
-                            rotate: RotateFn) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rope on q and k (neox layout, the given cos/sin tables), then store k (rotated)
-        and v. Returns the rotated q, k (possibly the inputs, rotated in place). The default
-        calls `rotate(positions, q, k)` and `store_kv`; a pool with a fused kernel overrides."""
+                            rotate: RotateFn, qk_norm: PerHeadNorms | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rope on q and k (neox layout, the given cos/sin tables), after `qk_norm` where
+        given, then store k (rotated) and v. Returns the rotated q, k (possibly the inputs,
+        rotated in place). The default applies the norms, calls `rotate(positions, q, k)` and
+        `store_kv`; a pool with a fused kernel overrides."""
+        if qk_norm is not None:
+            q, k = qk_norm.apply(q, k)
         q, k = rotate(positions, q, k)
         self.store_kv(layer_id, loc, k, v)
         return q, k

@@ -2,9 +2,14 @@
 compute dtype or FP8 (value / scale per layer, saturated; see KVPool.quantize)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
-from radixserve.mem.kv_pool import KVCacheSpec, KVPool, KVStoreTarget, RotateFn
+from radixserve.mem.kv_pool import KVCacheSpec, KVPool, KVStoreTarget, PerHeadNorms, RotateFn
+
+# per-head q/k norms inside the fused rope + store kernel (Qwen3); 0: applied before it
+FUSE_QK_NORM = os.environ.get("RADIXSERVE_FUSE_QK_NORM", "1") != "0"
 
 
 class MHATokenToKVPool(KVPool):
@@ -52,15 +57,25 @@ class MHATokenToKVPool(KVPool):
     def rotate_and_store_kv(self, layer_id: int, loc: torch.Tensor, q: torch.Tensor,
                             k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                             cos_cache: torch.Tensor, sin_cache: torch.Tensor,
-                            rotate: RotateFn) -> tuple[torch.Tensor, torch.Tensor]:
-        """One Triton kernel rotates q and k in place and writes rotated k and v into the
-        layer's buffers (instead of a rotary kernel plus two index_put launches). Without
-        Triton, the default (rotate, then store)."""
+                            rotate: RotateFn, qk_norm: PerHeadNorms | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One Triton kernel norms q and k per head (`qk_norm`, where the rope covers whole
+        heads), rotates them in place and writes rotated k and v into the layer's buffers
+        (instead of two norm kernels, a rotary kernel and two index_put launches). Without
+        Triton, the default (norm, rotate, then store)."""
         target = self.store_target(layer_id, loc)
         if target is None:
             return super().rotate_and_store_kv(layer_id, loc, q, k, v, positions, cos_cache,
-                                               sin_cache, rotate)
+                                               sin_cache, rotate, qk_norm)
+        norm_weights = None
+        if qk_norm is not None:
+            if FUSE_QK_NORM and qk_norm.eps is not None and \
+                    cos_cache.shape[1] == self.head_dim and qk_norm.q_weight.dtype == q.dtype:
+                norm_weights = (qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps)
+            else:
+                q, k = qk_norm.apply(q, k)
         self._fused_rope_store(positions, q, k, v, cos_cache, sin_cache, self.head_dim,
                                target.k_cache, target.v_cache, target.loc,
-                               k_scale=target.k_scale, v_scale=target.v_scale)
+                               k_scale=target.k_scale, v_scale=target.v_scale,
+                               qk_norm=norm_weights)
         return q, k

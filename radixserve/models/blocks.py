@@ -30,7 +30,7 @@ from radixserve.layers.logits import LogitsOutput, compute_logits
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.quantization.fp8 import Fp8Rows
 from radixserve.layers.radix_attention import RadixAttention
-from radixserve.layers.rotary import RopeInput, RotaryEmbedding
+from radixserve.layers.rotary import QKNorm, RopeInput, RotaryEmbedding
 from radixserve.mem.kv_pool import KVCacheSpec
 
 if TYPE_CHECKING:
@@ -58,9 +58,6 @@ class DecoderAttention(nn.Module):
                                    self.qkv_proj.num_kv_heads, layer_id,
                                    sliding_window=config.layer_sliding_window(layer_id),
                                    logit_cap=logit_cap)
-
-    def _per_head_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return norm(x.reshape(-1, self.head_dim)).view(x.shape[0], -1)
 
     def forward(self, positions: torch.Tensor, hidden: "torch.Tensor | Fp8Rows",
                 forward_batch: ForwardBatch) -> torch.Tensor:
@@ -92,11 +89,11 @@ class DecoderAttention(nn.Module):
         q, k, v = self.qkv_proj.split(qkv)
         if kv_stored:
             return self.attn(q, k, v, forward_batch, kv_stored=True)
+        qk_norm = None
         if self.q_norm is not None and self.k_norm is not None:
-            q = self._per_head_norm(self.q_norm, q)
-            k = self._per_head_norm(self.k_norm, k)
-        # the backend rotates q/k (fused with its KV store where it can)
-        return self.attn(q, k, v, forward_batch, RopeInput(positions, self.rotary))
+            qk_norm = QKNorm(self.q_norm, self.k_norm, self.head_dim)
+        # the backend norms (per head) and rotates q/k, fused with its KV store where it can
+        return self.attn(q, k, v, forward_batch, RopeInput(positions, self.rotary, qk_norm))
 
 
 class GatedMLP(nn.Module):

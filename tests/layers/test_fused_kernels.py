@@ -228,3 +228,38 @@ def test_fused_ops_real_shapes_gpu(dtype: torch.dtype, hidden: int) -> None:
 def test_rotary_and_store_kv_real_shapes_gpu(dtype: torch.dtype) -> None:
     fused_rope_store_case(dtype, 32, 8, 128, 128, torch.int64, num_tokens=512,
                           num_slots=4096, max_pos=8192)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (3, 1, 80)])
+def test_rotary_and_store_kv_with_per_head_norms_matches_norm_then_rope(
+        dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+    """Qwen3's q_norm / k_norm inside the rope + store launch: the same q, k and pool rows as
+    RMSNorm over each head (fused_rmsnorm) followed by the kernel without norms. head_dim 80:
+    halves padded to 64 lanes (the variance ignores them)."""
+    num_tokens, eps = 5, 1e-6
+    cos, sin = rope_caches(head_dim, max_pos=32)
+    positions = torch.tensor([31, 0, 7, 7, 2], device=DEVICE)
+    loc = torch.tensor([9, 3, 1, 8, 2], device=DEVICE)
+    qkv = randn(num_tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=4) * 3
+    qkv_ref = qkv.clone()
+    q_weight = (randn(head_dim, dtype=torch.float32, seed=5) * 0.2 + 1).to(dtype)
+    k_weight = (randn(head_dim, dtype=torch.float32, seed=6) * 0.2 + 1).to(dtype)
+    caches = [randn(11, kv_heads, head_dim, dtype=dtype, seed=s) for s in (8, 9)]
+    ref_caches = [c.clone() for c in caches]
+    widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    q, k, v = qkv.split(widths, dim=-1)
+    apply_rotary_and_store_kv(positions, q, k, v, cos, sin, head_dim, *caches, loc,
+                              qk_norm=(q_weight, k_weight, eps))
+    rq, rk, rv = qkv_ref.split(widths, dim=-1)
+    nq = fused_rmsnorm(rq.reshape(-1, head_dim), q_weight, eps).view(num_tokens, -1)
+    nk = fused_rmsnorm(rk.reshape(-1, head_dim), k_weight, eps).view(num_tokens, -1)
+    apply_rotary_and_store_kv(positions, nq, nk, rv, cos, sin, head_dim, *ref_caches, loc)
+    # equal up to the float32 order of each head's sum of squares (a rare last-bit flip)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(q, nq, **tol)
+    torch.testing.assert_close(k, nk, **tol)
+    torch.testing.assert_close(caches[0], ref_caches[0], **tol)
+    assert torch.equal(caches[1], ref_caches[1])
+    if dtype != torch.float32:  # the same rounding, not merely close
+        assert (q == nq).float().mean() > 0.97

@@ -11,7 +11,8 @@ rounded to it, each product is rounded, then the sum.
 
 `apply_rotary_and_store_kv` is the same kernel with the KV-cache store fused in: each token's
 program also writes its rotated k heads and its v heads into the pool slot `loc[token]` (cast to
-the pool's dtype), which saves the attention backend two index_put launches per layer.
+the pool's dtype), which saves the attention backend two index_put launches per layer; with
+`qk_norm` each q and k head is RMS-normed first (Qwen3's q_norm / k_norm), which saves two more.
 """
 from __future__ import annotations
 
@@ -26,17 +27,29 @@ from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 
 @triton.jit
 def _rotate_heads(X, row_offset, stride_h, cos, sin, num_heads,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  NORM: tl.constexpr = False, NormW=None, eps=0.0):
     """Rotate the first 2 * HALF dims of num_heads heads in place; returns the two rotated
-    halves ([BLOCK_H, BLOCK_HALF] each) in X's dtype."""
+    halves ([BLOCK_H, BLOCK_HALF] each) in X's dtype. NORM (whole heads rotated): each head
+    is RMS-normed first, weight NormW [2 * HALF], rounded as layers/kernels/rmsnorm.py rounds
+    (the normed value in X's dtype, then times the weight, rounded again)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
-    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HALF)
+    d_mask = offs_d < HALF
+    mask = (offs_h[:, None] < num_heads) & d_mask[None, :]
     ptr1 = X + row_offset + offs_h[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(ptr1, mask=mask, other=0.0)
     x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0)
-    out1, out2 = rotate_halves(x1.to(tl.float32), x2.to(tl.float32), cos[None, :],
-                               sin[None, :], x1.dtype)
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    if NORM:
+        variance = (tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / (2 * HALF)
+        inv_rms = tl.rsqrt(variance + eps)[:, None]
+        w1 = tl.load(NormW + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(NormW + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        x1f = ((x1f * inv_rms).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
+        x2f = ((x2f * inv_rms).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
+    out1, out2 = rotate_halves(x1f, x2f, cos[None, :], sin[None, :], x1.dtype)
     tl.store(ptr1, out1, mask=mask)
     tl.store(ptr1 + HALF, out2, mask=mask)
     return out1, out2
@@ -72,10 +85,12 @@ def _rotary_kernel(Positions, Q, K, Cos, Sin, stride_qt, stride_qh, stride_kt, s
                    STORE_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    TAIL: tl.constexpr, BLOCK_TAIL: tl.constexpr, USE_PDL: tl.constexpr,
                    k_scale_inv=1.0, v_scale_inv=1.0, QUANT: tl.constexpr = False,
-                   FP8_MAX: tl.constexpr = 448.0):
+                   FP8_MAX: tl.constexpr = 448.0, QK_NORM: tl.constexpr = False,
+                   QNormW=None, KNormW=None, norm_eps=0.0):
     """One program per token. With STORE_KV, the rotated k heads and the v heads of the token
     also go to KCache[Loc[token]] / VCache[Loc[token]] ([slots, Hk, HEAD_DIM] each); the dims
-    past the rotated ones (TAIL = HEAD_DIM - 2 * HALF of them) are copied unchanged."""
+    past the rotated ones (TAIL = HEAD_DIM - 2 * HALF of them) are copied unchanged. QK_NORM
+    (TAIL 0): q and k heads RMS-normed (QNormW / KNormW, norm_eps) before they are rotated."""
     pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + token).to(tl.int64)
@@ -87,9 +102,9 @@ def _rotary_kernel(Positions, Q, K, Cos, Sin, stride_qt, stride_qh, stride_kt, s
     cos = cos.to(Q.dtype.element_ty).to(tl.float32)
     sin = sin.to(Q.dtype.element_ty).to(tl.float32)
     _rotate_heads(Q, token * stride_qt, stride_qh, cos, sin, num_q_heads,
-                  HALF, BLOCK_HQ, BLOCK_HALF)
+                  HALF, BLOCK_HQ, BLOCK_HALF, QK_NORM, QNormW, norm_eps)
     k1, k2 = _rotate_heads(K, token * stride_kt, stride_kh, cos, sin, num_k_heads,
-                           HALF, BLOCK_HK, BLOCK_HALF)
+                           HALF, BLOCK_HK, BLOCK_HALF, QK_NORM, KNormW, norm_eps)
     if STORE_KV:
         slot = tl.load(Loc + token).to(tl.int64)
         offs_h = tl.arange(0, BLOCK_HK)
@@ -157,8 +172,13 @@ def apply_rotary_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch
                               v: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                               head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               loc: torch.Tensor, k_scale: float = 1.0,
-                              v_scale: float = 1.0) -> None:
+                              v_scale: float = 1.0,
+                              qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                              ) -> None:
     """Rotate q and k in place and store this pass's K/V into the pool, in one launch.
+    qk_norm = (q weight, k weight, eps) [head_dim] each: q and k are RMS-normed per head
+    first, in the same launch (rope over whole heads only), as RMSNorm over [T * H, head_dim]
+    rows followed by this kernel would give them up to float32 order in the variance.
 
     v: [T, Hk * head_dim] (rows may be strided, like q and k). k_cache / v_cache: one layer's
     [slots, Hk, head_dim] pool buffers (head_dim contiguous). loc: [T] int32 or int64 KV slot of
@@ -176,6 +196,13 @@ def apply_rotary_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch
     if num_tokens == 0:
         return
     half, tail = rot_dim // 2, head_dim - rot_dim
+    norm_args: dict = {}
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        assert tail == 0, "per-head norms fuse with a rope over whole heads"
+        assert q_weight.shape == k_weight.shape == (head_dim,)
+        assert q_weight.dtype == k_weight.dtype == q3.dtype, "norm weights in q's dtype"
+        norm_args = dict(QK_NORM=True, QNormW=q_weight, KNormW=k_weight, norm_eps=eps)
     _rotary_kernel[(num_tokens,)](
         positions, q3, k3, cos_cache, sin_cache, q3.stride(0), q3.stride(1), k3.stride(0),
         k3.stride(1), cos_cache.stride(0), sin_cache.stride(0), q3.shape[1], num_kv_heads,
@@ -186,7 +213,7 @@ def apply_rotary_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         STORE_KV=True, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         TAIL=tail, BLOCK_TAIL=triton.next_power_of_2(max(tail, 1)), num_warps=4,
-        **store_args, **pdl_launch_args(q3))
+        **store_args, **norm_args, **pdl_launch_args(q3))
 
 
 def kv_store_args(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int,
