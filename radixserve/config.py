@@ -65,6 +65,8 @@ class ServerArgs:
     enable_jump_forward: bool = False
     # tool calls on /v1/chat/completions: the model's format; None: from the chat template
     tool_call_parser: str | None = None
+    # tool_choice "none": the tools are still rendered for the model unless this is set
+    exclude_tools_when_tool_choice_none: bool = False
     # thinking models: the chat route returns <think>...</think> as reasoning_content
     reasoning_parser: str | None = None
 

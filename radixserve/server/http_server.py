@@ -52,7 +52,8 @@ def build_app(tm: TokenizerManager, api_key: str | None, model_name: str,
               is_ready: Callable[[], bool], max_request_bytes: int = 64 << 20,
               tool_call_parser: str | None = None,
               incremental_streaming_output: bool = False,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None,
+              exclude_tools_when_tool_choice_none: bool = False) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await tm.start()
@@ -65,6 +66,7 @@ def build_app(tm: TokenizerManager, api_key: str | None, model_name: str,
                   openapi_url=None)
     ctx = OpenAIContext(tokenizer_manager=tm, model_name=model_name, model_aliases=model_aliases,
                         tool_call_parser=tool_call_parser,
+                        exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
                         reasoning=get_format(reasoning_parser) if reasoning_parser else None)
     routers = [native_router(tm, server_info, is_ready, incremental_streaming_output),
                openai_router(ctx, tm.limits.context_len)]

@@ -272,7 +272,8 @@ def _serve(server_args: ServerArgs, port_args: PortArgs, group: ProcessGroup,
 
     app = build_app(tm, server_args.api_key, name, aliases, server_info, lambda: state.ready,
                     server_args.max_request_bytes, server_args.tool_call_parser,
-                    server_args.incremental_streaming_output, server_args.reasoning_parser)
+                    server_args.incremental_streaming_output, server_args.reasoning_parser,
+                    server_args.exclude_tools_when_tool_choice_none)
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                             log_level=server_args.log_level, timeout_keep_alive=5,
                             timeout_graceful_shutdown=5, access_log=server_args.log_requests)

@@ -34,7 +34,8 @@ def render_prompt(ctx: OpenAIContext, body: ChatCompletionRequest) -> tuple[str,
     if not template:
         raise APIError("the model has no chat template; use /v1/completions")
     template = template if isinstance(template, str) else json.dumps(template)
-    plan = plan_tools(body, ctx.tool_call_parser, template)
+    plan = plan_tools(body, ctx.tool_call_parser, template,
+                      ctx.exclude_tools_when_tool_choice_none)
     messages = render_conversation(body, plan, template)
     tools = plan.tools if plan.tools and "tools" in template else None
     try:

@@ -25,6 +25,7 @@ class OpenAIContext:
     model_name: str
     model_aliases: frozenset[str]
     tool_call_parser: str | None = None  # --tool-call-parser; None: from the chat template
+    exclude_tools_when_tool_choice_none: bool = False  # --exclude-tools-when-tool-choice-none
     reasoning: ReasoningFormat | None = None  # --reasoning-parser
 
     def check_model(self, requested: str | None) -> str:

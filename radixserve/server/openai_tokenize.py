@@ -34,7 +34,7 @@ class TokenizeChatRequest(StrictModel):
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
-    tool_choice: Any = None  # "none" leaves the tools out of the prompt, as on the chat route
+    tool_choice: Any = None  # "none": rendered or not as on the chat route
     add_special_tokens: StrictBool = False
     return_token_strs: StrictBool = False
 

@@ -3,9 +3,10 @@ conversation with tool turns through the chat template, forcing a call with a gr
 turning the model's text back into `message.tool_calls`.
 
 - tool_choice "auto" (the default with tools): the template renders the tools and the output is
-  parsed for calls in the parser's format (server/tool_parsers/); "none": no tools rendered, no
-  parsing; "required": the output is constrained (xgrammar EBNF) to calls of the tools, so it
-  always parses and the arguments validate against the tool's parameters schema: one or more
+  parsed for calls in the parser's format (server/tool_parsers/); "none": the tools rendered
+  (as OpenAI and vLLM do: the model still knows them) but no parsing, or with
+  --exclude-tools-when-tool-choice-none not rendered either (SGLang's behaviour); "required":
+  the output is constrained (xgrammar EBNF) to calls of the tools, so it always parses and the arguments validate against the tool's parameters schema: one or more
   calls when parallel_tool_calls is true or absent (OpenAI's default) and the format can hold
   several in one answer (hermes, mistral; llama3's is one call per message), exactly one when
   it is false; {"type": "function", "function": {"name": ...}}: exactly one call of that tool.
@@ -70,11 +71,13 @@ def check_tools(tools: list[Any] | None) -> list[dict[str, Any]]:
 
 
 def plan_tools(body: ChatCompletionRequest, parser_name: str | None,
-               chat_template: str | None) -> ToolPlan:
+               chat_template: str | None, exclude_tools_when_none: bool = False) -> ToolPlan:
     tools = check_tools(body.tools)
     parser = get_parser(parser_name, chat_template)
     choice = body.tool_choice
-    if choice == "none" or (choice in (None, "auto") and not tools):
+    if choice == "none":  # no call parsed; the tools stay visible unless the server says not
+        return ToolPlan(parser, [] if exclude_tools_when_none else tools)
+    if choice in (None, "auto") and not tools:
         return ToolPlan(parser)
     max_calls = 1 if body.parallel_tool_calls is False else None
     if choice in (None, "auto"):

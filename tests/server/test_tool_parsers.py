@@ -157,7 +157,10 @@ def _chat(**fields: object) -> ChatCompletionRequest:
 
 def test_tool_choice_plans() -> None:
     assert not plan_tools(_chat(), None, "").parse_output
-    assert not plan_tools(_chat(tools=[WEATHER], tool_choice="none"), None, "").parse_output
+    none = plan_tools(_chat(tools=[WEATHER], tool_choice="none"), None, "")
+    assert not none.parse_output and none.tools == [WEATHER]  # rendered, not parsed
+    excluded = plan_tools(_chat(tools=[WEATHER], tool_choice="none"), None, "", True)
+    assert not excluded.parse_output and excluded.tools == []
     auto = plan_tools(_chat(tools=[WEATHER]), None, "")
     assert auto.parse_output and auto.forced_ebnf is None
     named = plan_tools(_chat(tools=[WEATHER, TIME], tool_choice={
