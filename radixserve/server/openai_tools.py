@@ -6,10 +6,11 @@ turning the model's text back into `message.tool_calls`.
   parsed for calls in the parser's format (server/tool_parsers/); "none": the tools rendered
   (as OpenAI and vLLM do: the model still knows them) but no parsing, or with
   --exclude-tools-when-tool-choice-none not rendered either (SGLang's behaviour); "required":
-  the output is constrained (xgrammar EBNF) to calls of the tools, so it always parses and the arguments validate against the tool's parameters schema: one or more
-  calls when parallel_tool_calls is true or absent (OpenAI's default) and the format can hold
-  several in one answer (hermes, mistral; llama3's is one call per message), exactly one when
-  it is false; {"type": "function", "function": {"name": ...}}: exactly one call of that tool.
+  the output is constrained (xgrammar EBNF) to calls of the tools, so it always parses and the
+  arguments validate against the tool's parameters schema: one or more calls when
+  parallel_tool_calls is true or absent (OpenAI's default) and the format can hold several in
+  one answer (hermes, mistral; llama3's is one call per message), exactly one when it is false;
+  {"type": "function", "function": {"name": ...}}: exactly one call of that tool.
   parallel_tool_calls false also keeps only the first call an "auto" answer makes.
 - The parser's marker may be a special token of the tokenizer (Mistral's [TOOL_CALLS], Llama
   3.1's <|python_tag|>), which skip_special_tokens would strip from the text: such requests
