@@ -150,7 +150,7 @@ class ServerArgs:
             raise ValueError(f"--watchdog-timeout must be >= 0 seconds, got "
                              f"{self.watchdog_timeout}")
         if self.dist_init_addr is not None:
-            _check_host_port(self.dist_init_addr)
+            split_host_port(self.dist_init_addr)
         if not self.dist_timeout > 0:
             raise ValueError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
         if self.nnodes > 1 and self.dist_init_addr is None:
@@ -379,10 +379,12 @@ def cpu_computes_natively(dtype: torch.dtype) -> bool:
     return True
 
 
-def _check_host_port(address: str) -> None:
-    """--dist-init-addr is host:port, an IPv6 host in brackets ([::1]:29500)."""
+def split_host_port(address: str) -> tuple[str, int]:
+    """(host, port) of a --dist-init-addr, host:port with an IPv6 host in brackets
+    ([::1]:29500, host "::1"); ValueError naming the flag otherwise."""
     host, _, port = address.rpartition(":")
     bare_ipv6 = ":" in host and not (host.startswith("[") and host.endswith("]"))
     if not host or not port.isdigit() or not 0 < int(port) < 65536 or bare_ipv6:
         raise ValueError(f"--dist-init-addr {address!r} is not host:port (an IPv6 host goes "
                          "in brackets: [::1]:29500)")
+    return host.removeprefix("[").removesuffix("]"), int(port)

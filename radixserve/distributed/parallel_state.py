@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from radixserve.config import split_host_port
 from radixserve.distributed import rendezvous
 
 logger = logging.getLogger(__name__)
@@ -110,8 +111,8 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device,
         raise RuntimeError("this process is already in a tensor-parallel group")
     if init_method is None or not init_method.startswith("tcp://"):
         raise ValueError("tensor parallelism needs an init address (tcp://host:port)")
-    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
-    store = rendezvous.meet(host.strip("[]"), int(port), rank, size, nnodes,
+    host, port = split_host_port(init_method.removeprefix("tcp://"))
+    store = rendezvous.meet(host, port, rank, size, nnodes,
                             fingerprint or {}, timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs: dict[str, Any] = {}

@@ -42,3 +42,10 @@ def test_a_dist_init_addr_that_is_not_host_port_is_refused(address: str) -> None
     with pytest.raises(ValueError, match="is not host:port"):
         ServerArgs(device="cpu", tp_size=2, dist_init_addr=address).resolve()
     ServerArgs(device="cpu", tp_size=2, dist_init_addr="[::1]:29500").resolve()
+
+
+def test_the_ranks_meet_at_the_host_and_port_the_flag_names() -> None:
+    """One parser for the check and the rendezvous: an IPv6 host loses its brackets."""
+    from radixserve.config import split_host_port
+    assert split_host_port("[::1]:29500") == ("::1", 29500)
+    assert split_host_port("node0.cluster:1234") == ("node0.cluster", 1234)
