@@ -83,6 +83,7 @@ class ChildProcess:
     status_conn: multiprocessing.connection.Connection
     release_conn: multiprocessing.connection.Connection | None = None
     ready_message: dict[str, Any] | None = None
+    is_scheduler: bool = False  # a replica's scheduler (tensor-parallel rank 0)
 
     def read_status(self) -> dict[str, Any] | None:
         try:
@@ -134,7 +135,8 @@ class ProcessGroup:
             process.start()
             send_conn.close()  # the child holds the only write end: EOF means it is gone
             release_recv.close()
-            self.children.append(ChildProcess(name, process, recv_conn, release_send))
+            self.children.append(ChildProcess(name, process, recv_conn, release_send,
+                                              is_scheduler=target is run_scheduler_process))
 
     def release(self) -> None:
         """Let every spawned child run its start-up (load the model, the tokenizer)."""
@@ -209,7 +211,7 @@ class ProcessGroup:
                 child.release_conn = None
         # the schedulers first: with tensor parallelism each tells its other ranks to stop
         # (those on other nodes included), which then end by themselves
-        schedulers = [c for c in self.children if c.name.endswith("scheduler")]
+        schedulers = [c for c in self.children if c.is_scheduler]
         for wave in (schedulers, [c for c in self.children if c not in schedulers]):
             for child in wave:
                 if child.process.is_alive():
