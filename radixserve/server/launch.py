@@ -57,6 +57,15 @@ def served_model_name(server_args: ServerArgs) -> str:
     return os.path.basename(path).removesuffix(".gguf") or DEFAULT_MODEL_NAME
 
 
+def accepted_model_names(server_args: ServerArgs) -> frozenset[str]:
+    """The `model` values requests may name: --served-model-name alone where given (as vLLM
+    accepts only the served names), else the served name and the model path as given."""
+    name = served_model_name(server_args)
+    if server_args.served_model_name:
+        return frozenset({name})
+    return frozenset({name, server_args.model_path or DEFAULT_MODEL_NAME})
+
+
 class GracefulServer(uvicorn.Server):
     """uvicorn, with a shutdown that first stops admitting requests, lets the running ones
     finish for up to --shutdown-timeout seconds, then ends the rest with an error event (so
@@ -257,7 +266,7 @@ def _serve(server_args: ServerArgs, port_args: PortArgs, group: ProcessGroup,
                           router=DataParallelRouter(server_args.dp_size,
                                                     server_args.load_balance_method),
                           generation_defaults=generation_defaults)
-    aliases = frozenset({name, server_args.model_path or DEFAULT_MODEL_NAME})
+    aliases = accepted_model_names(server_args)
 
     def server_info() -> dict[str, Any]:
         follower_pids = group.follower_pids_per_replica()
