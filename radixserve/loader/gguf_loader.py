@@ -37,7 +37,8 @@ from radixserve.loader.cache_dir import file_cache_folder, read_cached_json, wri
 from radixserve.loader.gguf_file import GGUFFile, GGUFTensorInfo, read_gguf
 from radixserve.loader.gguf_moe import (EXPERT, MIXTRAL_LAYER_NAMES, QWEN2_MOE_SHARED_NAMES,
                                         QWEN_MOE_LAYER_NAMES, SHARED_EXPERT_GATE, MetaKey,
-                                        llama_moe_config, qwen2moe_config, qwen3moe_config)
+                                        legacy_mixtral_expert_name, llama_moe_config,
+                                        qwen2moe_config, qwen3moe_config)
 
 _GLOBAL_TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -209,6 +210,9 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     field (gguf_moe.EXPERT) for the expert id."""
     if gguf_name in _SKIPPED_TENSORS:
         return None
+    legacy = legacy_mixtral_expert_name(gguf_name) if arch == "llama" else None
+    if legacy is not None:
+        return legacy
     match = _LAYER_NAME.match(gguf_name)
     if match:
         layer, part, suffix = match.groups()

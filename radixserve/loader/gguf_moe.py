@@ -17,6 +17,7 @@ of a qwen2moe / qwen3moe file is sparse (llama.cpp has no dense layers for them)
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,22 @@ MIXTRAL_LAYER_NAMES = {
     "ffn_up_exps": f"block_sparse_moe.experts.{EXPERT}.w3",
     "ffn_down_exps": f"block_sparse_moe.experts.{EXPERT}.w2",
 }
+# Mixtral files converted before llama.cpp stacked the experts (December 2023) hold one 2-D
+# tensor per expert: blk.N.ffn_gate.E.weight, ffn_up.E, ffn_down.E
+LEGACY_MIXTRAL_EXPERT = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight$")
+_LEGACY_PIECES = {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}
+
+
+def legacy_mixtral_expert_name(gguf_name: str) -> str | None:
+    """The HF name of an unstacked Mixtral expert tensor, or None for any other tensor."""
+    found = LEGACY_MIXTRAL_EXPERT.match(gguf_name)
+    if found is None:
+        return None
+    layer, piece, expert = found.groups()
+    return (f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+            f"{_LEGACY_PIECES[piece]}.weight")
+
+
 QWEN_MOE_LAYER_NAMES = {
     "ffn_gate_inp": "mlp.gate",
     "ffn_gate_exps": f"mlp.experts.{EXPERT}.gate_proj",

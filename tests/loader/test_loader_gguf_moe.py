@@ -60,6 +60,9 @@ MOE_KEYS = {"mixtral": ("intermediate_size", "num_local_experts"),
 # kept F32 by the converter: routers (and Qwen2-MoE's shared-expert gate, 1-D in the file)
 ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")
 EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+LEGACY_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w\d)\.weight$")
+LEGACY_PIECES = {"w1": "ffn_gate", "w3": "ffn_up", "w2": "ffn_down"}
 
 
 def _checkpoint(case: str, folder: Path, monkeypatch: pytest.MonkeyPatch,
@@ -95,13 +98,21 @@ def _quantised(name: str, ndim: int) -> bool:
     return ndim >= 2 and not name.endswith(ROUTERS)
 
 
-def _llama_cpp_tensors(arch: str, state_dict: dict[str, torch.Tensor], config: dict[str, Any]
-                       ) -> Iterator[tuple[str, str, np.ndarray]]:
+def _llama_cpp_tensors(arch: str, state_dict: dict[str, torch.Tensor], config: dict[str, Any],
+                       stacked: bool = True) -> Iterator[tuple[str, str, np.ndarray]]:
     """(llama.cpp name, HF name, array): experts stacked, named by gguf's own map, Llama q/k rows
-    permuted, the shared-expert gate squeezed to [hidden] as llama.cpp declares it."""
+    permuted, the shared-expert gate squeezed to [hidden] as llama.cpp declares it. Not
+    stacked: Mixtral's experts one tensor each, as files converted before December 2023 hold
+    them (blk.N.ffn_gate.E.weight)."""
     model_arch = {name: key for key, name in MODEL_ARCH_NAMES.items()}[arch]
     name_map = get_tensor_name_map(model_arch, config["num_hidden_layers"])
-    for hf_name, tensor in _stack_experts(state_dict).items():
+    for hf_name, tensor in (_stack_experts(state_dict) if stacked else state_dict).items():
+        legacy = None if stacked else LEGACY_EXPERT.match(hf_name)
+        if legacy is not None:
+            layer, expert, piece = legacy.groups()
+            name = f"blk.{layer}.{LEGACY_PIECES[piece]}.{expert}.weight"
+            yield name, hf_name, tensor.float().numpy()
+            continue
         array = tensor.float().numpy()
         if arch == "llama" and hf_name.endswith("q_proj.weight"):
             array = llama_cpp_permute(array, config["num_attention_heads"])
@@ -113,7 +124,7 @@ def _llama_cpp_tensors(arch: str, state_dict: dict[str, torch.Tensor], config: d
 
 
 def _write(case: str, model: transformers.PreTrainedModel, folder: Path, path: Path,
-           quant: GGMLQuantizationType = F32) -> str:
+           quant: GGMLQuantizationType = F32, stacked: bool = True) -> str:
     """The checkpoint in `folder` as a GGUF at `path`, with the MoE keys the converter writes."""
     arch = CASES[case][0]
     config = model.config.to_dict()
@@ -130,7 +141,7 @@ def _write(case: str, model: transformers.PreTrainedModel, folder: Path, path: P
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
-    for name, hf_name, array in _llama_cpp_tensors(arch, _saved(folder), config):
+    for name, hf_name, array in _llama_cpp_tensors(arch, _saved(folder), config, stacked):
         if quant != F32 and _quantised(hf_name, array.ndim):
             writer.add_tensor(name, quantize(array, quant), raw_dtype=quant)
         else:
@@ -208,6 +219,26 @@ def test_weights_are_the_hf_checkpoint_per_expert(case: str, quant: GGMLQuantiza
     for name, tensor in expected.items():
         assert loaded[name].dtype == torch.float32, name
         torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("quant", [F32, Q8_0], ids=["f32", "q8_0"])
+def test_mixtral_files_with_one_tensor_per_expert_load(quant: GGMLQuantizationType,
+                                                      tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mixtral GGUFs converted before llama.cpp stacked the experts (blk.N.ffn_gate.E.weight,
+    2-D) load as the stacked files do: the checkpoint's per-expert tensors, exactly."""
+    model = _checkpoint("mixtral", tmp_path / "hf", monkeypatch)
+    path = _write("mixtral", model, tmp_path / "hf", tmp_path / "gguf" / "legacy.gguf", quant,
+                  stacked=False)
+    tensors = read_gguf(path).tensors
+    assert "blk.1.ffn_down.3.weight" in tensors and "blk.1.ffn_down_exps.weight" not in tensors
+    expected = _rounded(_saved(tmp_path / "hf"), quant)
+    loaded = dict(iter_gguf_file_weights(path))
+    assert set(loaded) == set(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
+    config = hf_config_from_dict(gguf_to_hf_config(read_gguf(path)))
+    assert config.architectures == ["MixtralForCausalLM"]
 
 
 @pytest.mark.parametrize("quant", [F32, Q8_0], ids=["f32", "q8_0"])
