@@ -3,7 +3,7 @@ convert_hf_to_gguf.py writes them (gguf's own tensor-name map, the Llama q/k row
 Gemma norm offset, the hyperparameter keys each architecture's converter class writes)."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -120,12 +120,27 @@ def write_gguf(arch: str, state_dict: dict[str, torch.Tensor], config: dict[str,
     """Write an HF state dict of architecture `arch` ("llama", "qwen3", "gemma2", ...) as
     llama.cpp would: 2-D weights in `quant`, 1-D tensors F32. `config` is the HF config as a
     dict; non-llama files get a placeholder vocabulary of `vocab_size` tokens."""
+    tensors = ((name, array, array.ndim == 2)
+               for name, array in llama_cpp_tensors(arch, state_dict, config))
+    return write_gguf_tensors(arch, config, path, tensors, quant)
+
+
+def write_gguf_tensors(arch: str, config: dict[str, Any], path: Path,
+                       tensors: Iterable[tuple[str, np.ndarray, bool]],
+                       quant: GGMLQuantizationType = GGMLQuantizationType.F32,
+                       add_keys: Callable[[GGUFWriter], None] | None = None) -> Path:
+    """A GGUF of architecture `arch` with the config's hyperparameters (architectures without
+    a writer of their own: the plain text-model keys), a placeholder vocabulary off llama,
+    the keys `add_keys` adds, and `tensors` as (llama.cpp name, array, quantised?): those
+    marked quantised in `quant`, the rest as they are."""
     writer = GGUFWriter(str(path), arch)
-    _HPARAM_WRITERS[arch](writer, config)
+    _HPARAM_WRITERS.get(arch, _add_text_model_hparams)(writer, config)
     if arch != "llama":
         _add_vocab(writer, config)
-    for name, array in llama_cpp_tensors(arch, state_dict, config):
-        if array.ndim == 2 and quant != GGMLQuantizationType.F32:
+    if add_keys is not None:
+        add_keys(writer)
+    for name, array, quantised in tensors:
+        if quantised and quant != GGMLQuantizationType.F32:
             writer.add_tensor(name, quantize(array, quant), raw_dtype=quant)
         else:
             writer.add_tensor(name, np.ascontiguousarray(array))

@@ -31,8 +31,7 @@ from radixserve.models.moe_blocks import routing_config
 from tests.models.test_greedy_vs_hf import hf_greedy
 from tests.models.tiny_checkpoints import CONFIGS, make_checkpoint
 
-from loader_test_utils import (_add_llama_hparams, _add_text_model_hparams, _add_vocab,
-                               llama_cpp_permute)
+from loader_test_utils import llama_cpp_permute, write_gguf_tensors
 
 F32, Q8_0 = GGMLQuantizationType.F32, GGMLQuantizationType.Q8_0
 # each dequantisation path of an expert slab: F32 view, BF16 widening, the torch block formats,
@@ -129,27 +128,19 @@ def _write(case: str, model: transformers.PreTrainedModel, folder: Path, path: P
     arch = CASES[case][0]
     config = model.config.to_dict()
     path.parent.mkdir(parents=True, exist_ok=True)
-    writer = GGUFWriter(str(path), arch)
-    if arch == "llama":
-        _add_llama_hparams(writer, config)
-    else:
-        _add_text_model_hparams(writer, config)
-        _add_vocab(writer, config)
-    writer.add_expert_count(config.get("num_local_experts") or config["num_experts"])
-    writer.add_expert_used_count(config["num_experts_per_tok"])
-    if arch != "llama":
-        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    if arch == "qwen2moe":
-        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
-    for name, hf_name, array in _llama_cpp_tensors(arch, _saved(folder), config, stacked):
-        if quant != F32 and _quantised(hf_name, array.ndim):
-            writer.add_tensor(name, quantize(array, quant), raw_dtype=quant)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(array))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    def add_moe_keys(writer: GGUFWriter) -> None:
+        writer.add_expert_count(config.get("num_local_experts") or config["num_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if arch != "llama":
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if arch == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(
+                config["shared_expert_intermediate_size"])
+
+    tensors = ((name, array, _quantised(hf_name, array.ndim)) for name, hf_name, array
+               in _llama_cpp_tensors(arch, _saved(folder), config, stacked))
+    write_gguf_tensors(arch, config, path, tensors, quant, add_moe_keys)
     return str(path)
 
 
