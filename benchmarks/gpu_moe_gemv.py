@@ -198,10 +198,13 @@ def sweep(name: str, shape, kind: str, out: Path, write: bool, deadline: float,
     folder.mkdir(parents=True, exist_ok=True)
     text = json.dumps({str(t): entry for t, entry in table.items()}, indent=1) + "\n"
     (folder / filename).write_text(text)
-    if write:
-        path = board_tables.board_dir(fm.CONFIG_DIR, board_tables.current_board()) / filename
+    if write:  # over the board's own file: counts this sweep did not reach keep their entries
+        path = board_tables.write_path(fm.CONFIG_DIR, filename, board_tables.current_board())
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        merged = {**old, **{str(t): entry for t, entry in table.items()}}
+        path.write_text(json.dumps(dict(sorted(merged.items(), key=lambda kv: int(kv[0]))),
+                                   indent=1) + "\n")
         print(f"  wrote {path}", flush=True)
     mg._swept_table.cache_clear()
 

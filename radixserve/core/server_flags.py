@@ -46,9 +46,9 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
                                   "then their streams end with an error event", None),
     "api_key": (SERVING, "require 'Authorization: Bearer KEY' on every route but /health",
                 None),
-    "served_model_name": (SERVING, "the model name the API reports and accepts (the only "
-                                   "one it accepts; default: the model path's last part, "
-                                   "the path itself accepted too)", None),
+    "served_model_name": (SERVING, "the model name the API reports; requests may name only "
+                                   "this (without it: the model path's last part, or the "
+                                   "path itself)", None),
     "max_queued_requests": (SERVING, "refuse (429) requests past this many waiting", None),
     "incremental_streaming_output": (SERVING, "native /generate streams: each chunk carries "
                                               "only the text and output_ids new since the "

@@ -69,8 +69,10 @@ class MHATokenToKVPool(KVPool):
                                                sin_cache, rotate, qk_norm)
         norm_weights = None
         if qk_norm is not None:
+            weights = (qk_norm.q_weight, qk_norm.k_weight)
             if FUSE_QK_NORM and qk_norm.eps is not None and \
-                    cos_cache.shape[1] == self.head_dim and qk_norm.q_weight.dtype == q.dtype:
+                    cos_cache.shape[1] == self.head_dim and \
+                    all(w.dtype == q.dtype and w.shape == (self.head_dim,) for w in weights):
                 norm_weights = (qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps)
             else:
                 q, k = qk_norm.apply(q, k)

@@ -4,7 +4,8 @@ turning the model's text back into `message.tool_calls`.
 
 - tool_choice "auto" (the default with tools): the template renders the tools and the output is
   parsed for calls in the parser's format (server/tool_parsers/); "none": the tools rendered
-  (as OpenAI and vLLM do: the model still knows them) but no parsing, or with
+  by a template that renders tools (as vLLM does: the model still knows them; a template
+  without them gets no system prompt of tools) but no parsing, or with
   --exclude-tools-when-tool-choice-none not rendered either (SGLang's behaviour); "required":
   the output is constrained (xgrammar EBNF) to calls of the tools, so it always parses and the
   arguments validate against the tool's parameters schema: one or more calls when
@@ -76,8 +77,12 @@ def plan_tools(body: ChatCompletionRequest, parser_name: str | None,
     tools = check_tools(body.tools)
     parser = get_parser(parser_name, chat_template)
     choice = body.tool_choice
-    if choice == "none":  # no call parsed; the tools stay visible unless the server says not
-        return ToolPlan(parser, [] if exclude_tools_when_none else tools)
+    if choice == "none":
+        # no call parsed; the tools stay visible where the template renders them (vLLM's
+        # rule), unless the server says not. Not in the system prompt a template without
+        # tools gets: it tells the model how to call them, and nothing would parse the call
+        rendered = "tools" in (chat_template or "") and not exclude_tools_when_none
+        return ToolPlan(parser, tools if rendered else [])
     if choice in (None, "auto") and not tools:
         return ToolPlan(parser)
     max_calls = 1 if body.parallel_tool_calls is False else None

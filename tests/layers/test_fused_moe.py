@@ -25,13 +25,22 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(params=["grouped", "gemv"])
-def moe_path(request, monkeypatch) -> str:
+def moe_path(request, monkeypatch):
     """Which of fused_experts' two paths runs: the grouped GEMMs, or (any token count) the
-    decode GEMVs of moe_gemv.py."""
-    from radixserve.layers.kernels import moe_gemv
+    decode GEMVs of moe_gemv.py; afterwards, that the path asked for is the one that ran."""
+    from radixserve.layers.kernels import fused_moe, moe_gemv
     monkeypatch.setattr(moe_gemv, "ENABLED", request.param == "gemv")
     monkeypatch.setattr(moe_gemv, "default_takes", lambda num_tokens, top_k: True)
-    return request.param
+    calls = []
+    gemv = fused_moe.moe_gemv_experts
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return gemv(*args, **kwargs)
+
+    monkeypatch.setattr(fused_moe, "moe_gemv_experts", recording)
+    yield request.param
+    assert bool(calls) == (request.param == "gemv")
 
 
 def _problem(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,

@@ -50,26 +50,40 @@ def test_gemv_experts_match_the_reference_with_shared_experts(configs, hidden, i
     torch.testing.assert_close(got.float(), ref, atol=1e-4, rtol=1e-4)
 
 
-def test_block_scaled_experts_with_groups_narrower_than_the_step() -> None:
-    """FP8 codes with 16-column scale groups (a tensor-parallel rank's split inside 128-column
-    blocks): each step stays inside one group, so the result is the dequantised product's."""
+@pytest.mark.parametrize("block,hidden,inter,configs", [
+    # 16-column groups (a tensor-parallel rank's split inside 128-column blocks): the steps cut
+    # to the group
+    (16, 64, 32, None),
+    # 64-column groups over 32-column steps (two steps a group), K tails (200 = 3 x 64 + 8,
+    # 72 = 64 + 8), vec 1 and 16
+    (64, 200, 72, MoeGemvConfigs(GemvConfig(4, 32, 4, 1), GemvConfig(2, 32, 4, 1))),
+    (64, 200, 72, MoeGemvConfigs(GemvConfig(4, 32, 4, 1, vec=16),
+                                 GemvConfig(2, 32, 4, 1, vec=16)))])
+def test_block_scaled_experts(block: int, hidden: int, inter: int,
+                              configs: MoeGemvConfigs | None) -> None:
+    """FP8 codes with a scale per row and K group: each step stays inside one group and scales
+    by that group's scale, so the result is the dequantised product's."""
     from radixserve.layers.quantization.fp8 import dequantize_weight
-    block = 16
     gen = torch.Generator().manual_seed(3)
-    w13, w2 = _weights(4, 64, 32, torch.float32, seed=2)
+    w13, w2 = _weights(4, hidden, inter, torch.float32, seed=2)
     quantized = []
     for w in (w13, w2):
-        scales = torch.rand(w.shape[0], w.shape[1], w.shape[2] // block, generator=gen) * 1e-3 \
-            + 1e-3
-        codes = (w.cpu() / scales.repeat_interleave(block, 2)).clamp(-448, 448).to(
-            torch.float8_e4m3fn)
+        groups = -(-w.shape[2] // block)
+        scales = torch.rand(w.shape[0], w.shape[1], groups, generator=gen) * 1e-3 + 1e-3
+        expanded = scales.repeat_interleave(block, 2)[..., :w.shape[2]]
+        codes = (w.cpu() / expanded).clamp(-448, 448).to(torch.float8_e4m3fn)
         quantized.append((codes, scales))
     (c13, s13), (c2, s2) = quantized
-    x = torch.randn(2, 64, generator=gen).to(torch.float16).to(DEVICE)
+    x = torch.randn(2, hidden, generator=gen).to(torch.float16).to(DEVICE)
     ids = torch.tensor([[1, 3], [3, 0]], dtype=torch.int32, device=DEVICE)
     weights = torch.tensor([[0.6, 0.4], [0.9, 0.1]], device=DEVICE)
-    configs = moe_gemv_configs(1, 2, c13, c2, block)  # the configs, for any token count
-    assert configs is not None and configs.gate_up.block_k == block == configs.down.block_k
+    if configs is None:
+        configs = moe_gemv_configs(1, 2, c13, c2, block)  # the configs, for any token count
+        assert configs is not None and configs.gate_up.block_k == block == configs.down.block_k
+    else:
+        configs = MoeGemvConfigs(moe_gemv.fit_block_k(configs.gate_up, hidden, block),
+                                 moe_gemv.fit_block_k(configs.down, inter, block))
+        assert configs.gate_up.block_k == 32 < block
     got = moe_gemv_experts(x, c13.to(DEVICE), c2.to(DEVICE), weights, ids, configs,
                            (s13.to(DEVICE), s2.to(DEVICE), block))
     deq = [torch.stack([dequantize_weight(c, s, block, torch.float32) for c, s in zip(cs, ss)])
@@ -113,6 +127,8 @@ def test_swept_table_decides_per_token_count(monkeypatch, tmp_path) -> None:
         assert moe_gemv_configs(2, 8, w13, w2, None) is None
         assert moe_gemv_configs(3, 8, w13, w2, None) == one
         assert moe_gemv_configs(5, 2, w13, w2, None) is None
+        # block-scaled FP8 (a scale group): the per-row tables do not apply, the default does
+        assert moe_gemv_configs(2, 8, w13, w2, 16) is not None
     finally:
         moe_gemv._swept_table.cache_clear()
 

@@ -157,9 +157,13 @@ def _chat(**fields: object) -> ChatCompletionRequest:
 
 def test_tool_choice_plans() -> None:
     assert not plan_tools(_chat(), None, "").parse_output
-    none = plan_tools(_chat(tools=[WEATHER], tool_choice="none"), None, "")
-    assert not none.parse_output and none.tools == [WEATHER]  # rendered, not parsed
-    excluded = plan_tools(_chat(tools=[WEATHER], tool_choice="none"), None, "", True)
+    # "none": rendered by a template that renders tools, not parsed; no system prompt of
+    # tools for a template without them (it would teach a call nothing parses)
+    template = "{% if tools %}{{ tools }}{% endif %}"
+    none = plan_tools(_chat(tools=[WEATHER], tool_choice="none"), None, template)
+    assert not none.parse_output and none.tools == [WEATHER]
+    assert plan_tools(_chat(tools=[WEATHER], tool_choice="none"), None, "").tools == []
+    excluded = plan_tools(_chat(tools=[WEATHER], tool_choice="none"), None, template, True)
     assert not excluded.parse_output and excluded.tools == []
     auto = plan_tools(_chat(tools=[WEATHER]), None, "")
     assert auto.parse_output and auto.forced_ebnf is None

@@ -26,7 +26,9 @@ moe_configs/gemv_{bf16|fp8}_E{e}_N{n}_K{k}.json: T -> the two kernels' configura
 where the grouped path won), else the default rule below. RADIXSERVE_MOE_GEMV=0 turns the path off.
 
 FP8 experts: codes with per-row scales (applied once per row; in the down kernel with the
-routing weight) or per K group (each BLOCK_K step inside one group scales its products).
+routing weight) or per K group (each BLOCK_K step inside one group scales its products). The
+FP8 tables are swept with per-row scales (on the H100 they take up to 8 tokens); block-scaled
+experts take the default rule, their steps cut to the group.
 """
 from __future__ import annotations
 
@@ -222,7 +224,10 @@ def moe_gemv_configs(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.T
         return None
     num_experts, two_i, hidden = w13.shape
     fp8 = w13.dtype.itemsize == 1
-    table = _swept_table("fp8" if fp8 else "bf16", num_experts, two_i, hidden)
+    # the FP8 tables are swept with per-row scales; block scales (group_k) cut every step to
+    # the group and load a scale per step, a kernel the sweep never timed: the default rule
+    table = None if group_k is not None else \
+        _swept_table("fp8" if fp8 else "bf16", num_experts, two_i, hidden)
     if table is None:
         if not default_takes(num_tokens, top_k):
             return None
