@@ -10,6 +10,7 @@ import pytest
 
 from radixserve.server.errors import APIError
 from radixserve.server.openai_chat import render_prompt
+from radixserve.server.openai_common import OpenAIContext
 from radixserve.server.openai_protocol import ChatCompletionRequest, parse_model
 
 TURNS = [{"role": "user", "content": "Name a colour."},
@@ -19,8 +20,8 @@ TURNS = [{"role": "user", "content": "Name a colour."},
 def _render(tokenizer: Any, **fields: Any) -> tuple[str, list[int]]:
     body = parse_model(ChatCompletionRequest, {"messages": TURNS[:1], **fields})
     body.check_unsupported()
-    ctx = SimpleNamespace(tokenizer_manager=SimpleNamespace(tokenizer=tokenizer),
-                          tool_call_parser=None)
+    ctx = OpenAIContext(tokenizer_manager=SimpleNamespace(tokenizer=tokenizer),  # type: ignore
+                        model_name="m", model_aliases=frozenset({"m"}))
     prompt, ids, _ = render_prompt(ctx, body)
     return prompt, ids
 
