@@ -17,9 +17,8 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 BUNDLED_DEFAULTS: dict[str, Any] = {"temperature": 0.0}
 
 
-def generation_defaults(resolved: ResolvedModel) -> dict[str, Any]:
-    if resolved.is_bundled:
-        return dict(BUNDLED_DEFAULTS)
+def _generation_config(resolved: ResolvedModel) -> dict[str, Any]:
+    """An HF folder's generation_config.json, {} where there is none (or it is unreadable)."""
     if resolved.kind != "hf":
         return {}
     path = os.path.join(resolved.path, "generation_config.json")
@@ -28,7 +27,22 @@ def generation_defaults(resolved: ResolvedModel) -> dict[str, Any]:
             config = json.load(f)
     except (OSError, ValueError):
         return {}
-    if not isinstance(config, dict):
+    return config if isinstance(config, dict) else {}
+
+
+def generation_eos_token_ids(resolved: ResolvedModel) -> list[int]:
+    """The EOS ids generation_config.json lists (instruct checkpoints often put their
+    end-of-turn id there alone); vLLM and SGLang stop on them too."""
+    eos = _generation_config(resolved).get("eos_token_id")
+    ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    return [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
+
+
+def generation_defaults(resolved: ResolvedModel) -> dict[str, Any]:
+    if resolved.is_bundled:
+        return dict(BUNDLED_DEFAULTS)
+    config = _generation_config(resolved)
+    if not config:
         return {}
     defaults = {k: config[k] for k in SAMPLING_KEYS
                 if isinstance(config.get(k), (int, float)) and not isinstance(config[k], bool)}

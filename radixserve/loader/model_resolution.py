@@ -57,9 +57,11 @@ class ResolvedModel:
 
     @property
     def safetensors_files(self) -> list[str]:
+        """The weight files (safetensors_loader.safetensors_files: the index's shards)."""
         if self.kind != "hf":
             return []
-        return sorted(str(p) for p in Path(self.path).glob("*.safetensors"))
+        from radixserve.loader.safetensors_loader import safetensors_files
+        return safetensors_files(self.path)
 
 
 def bundled_gguf_path() -> str:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from radixserve.config import ModelConfig
-from radixserve.loader.generation_defaults import generation_defaults
+from radixserve.loader.generation_defaults import generation_defaults, generation_eos_token_ids
 from radixserve.loader.model_resolution import ResolvedModel, resolve_model_path
 from radixserve.loader.safetensors_loader import iter_safetensors_weights, read_hf_config
 
@@ -73,12 +74,17 @@ def _hf_folder_source(resolved: ResolvedModel, load_format: str) -> ModelSource:
     hf_config = read_hf_config(resolved.path)
     dummy = load_format == "dummy"
     if not dummy and not resolved.safetensors_files:
+        bin_note = " (pytorch_model*.bin files are not read: convert them to safetensors)" \
+            if any(Path(resolved.path).glob("pytorch_model*.bin")) else ""
         raise FileNotFoundError(
-            f"{resolved.path} has config.json but no *.safetensors weights; add them, or run "
-            "with --load-format dummy for random weights")
+            f"{resolved.path} has config.json but no *.safetensors weights{bin_note}; add "
+            "them, or run with --load-format dummy for random weights")
+    model_config = ModelConfig.from_hf_dict(hf_config)
+    extra_eos = set(generation_eos_token_ids(resolved)) - set(model_config.eos_token_ids)
+    model_config.eos_token_ids = model_config.eos_token_ids + sorted(extra_eos)
     return ModelSource(
         hf_config=hf_config,
-        model_config=ModelConfig.from_hf_dict(hf_config),
+        model_config=model_config,
         weights=None if dummy else functools.partial(iter_safetensors_weights, resolved.path),
         tokenizer_source=resolved if resolved.has_tokenizer_files else None,
         format="dummy" if dummy else "safetensors",

@@ -22,6 +22,18 @@ from torch import nn
 
 from radixserve.core.progress import progress
 from radixserve.layers.linear import default_weight_loader
+from radixserve.loader.checkpoint_error import CheckpointError
+
+
+def _checkpoint_names(param_name: str, mapping: dict[str, tuple[str, object]]) -> str:
+    """A parameter as the checkpoint names it: a merged one by the tensors it is made of
+    ("model.layers.0.mlp.{gate_proj,up_proj}.weight"), others as they are."""
+    parts = param_name.split(".")
+    for i, part in enumerate(parts):
+        pieces = sorted(ckpt for ckpt, (merged, _) in mapping.items() if merged == part)
+        if pieces:
+            return ".".join(parts[:i] + ["{" + ",".join(pieces) + "}"] + parts[i + 1:])
+    return param_name
 
 
 def _packed_target(name: str, mapping: dict[str, tuple[str, object]]
@@ -74,8 +86,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         target, shard_id = packed if packed is not None else (name, None)
         param = params.get(target)
         if param is None:
-            raise KeyError(f"checkpoint tensor {name!r} has no place in "
-                           f"{type(model).__name__}")
+            raise CheckpointError(f"checkpoint tensor {name!r} has no place in "
+                                  f"{type(model).__name__}")
         loader = getattr(param, "weight_loader", None)
         try:
             if shard_id is not None:
@@ -86,14 +98,16 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             else:
                 default_weight_loader(param, tensor)
         except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from exc
+            raise CheckpointError(f"{name}: {exc}") from exc
         loaded[target].add(shard_id)
     missing = sorted(n for n, p in params.items()
                      if n not in loaded and not getattr(p, "optional", False))
     if missing:
-        raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
+        names = [_checkpoint_names(n, mapping) for n in missing[:4]]
+        raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {names}")
     partial = sorted(n for n, want in expected_shards.items() if want - loaded[n]
                      and not getattr(params[n], "optional", False))
     if partial:
-        raise KeyError(f"checkpoint lacks pieces of merged parameters, e.g. "
-                       f"{partial[0]} misses {sorted(map(str, expected_shards[partial[0]] - loaded[partial[0]]))}")
+        lacking = sorted(map(str, expected_shards[partial[0]] - loaded[partial[0]]))
+        raise CheckpointError(f"checkpoint lacks pieces of merged parameters, e.g. "
+                              f"{_checkpoint_names(partial[0], mapping)} misses {lacking}")

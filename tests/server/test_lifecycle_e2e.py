@@ -140,6 +140,29 @@ def test_startup_failure_reports_child_traceback() -> None:
     assert "Traceback" in output and "KV cache too small: 8 tokens" in output
 
 
+def test_checkpoint_problems_are_one_line_each(tmp_path) -> None:
+    """A model folder without tokenizer files fails before any child loads; a tensor the model
+    has no place for fails in the scheduler: each one error line naming it, no traceback."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tests.loader.loader_test_utils import make_tiny_llama
+    make_tiny_llama().save_pretrained(tmp_path)
+    result = _launch("--port", str(free_port()), "--model-path", str(tmp_path))
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in output
+    assert "has no tokenizer files; pass --tokenizer-path" in output
+    assert "loading the model" not in output
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["model.layers.0.bogus.weight"] = torch.ones(2)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    result = _launch("--port", str(free_port()), "--model-path", str(tmp_path),
+                     "--skip-tokenizer-init", "--max-total-tokens", "2000")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in output, output[-3000:]
+    assert "'model.layers.0.bogus.weight' has no place in LlamaForCausalLM" in output
+
+
 def test_missing_model_and_busy_port_fail_before_loading() -> None:
     """Resolved in the server process before any child starts: one error line, no traceback."""
     result = _launch("--port", str(free_port()), "--model-path", "/nonexistent/model.gguf")
