@@ -12,7 +12,8 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from radixserve.loader.cache_dir import write_folder_atomically
-from radixserve.loader.model_resolution import ResolvedModel, resolve_model_path
+from radixserve.loader.model_resolution import (TOKENIZER_FILES, ResolvedModel,
+                                                resolve_model_path)
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,46 @@ def get_tokenizer(source: str | ResolvedModel) -> PreTrainedTokenizerBase:
                          "--skip-tokenizer-init and send input_ids")
     else:
         tokenizer = AutoTokenizer.from_pretrained(resolved.path, local_files_only=True)
+    return _unbounded(tokenizer)
+
+
+def _unbounded(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
     # lengths are checked against the model's context by request validation, with a message
     # for the user; transformers' own length warning would only add noise to the log
     tokenizer.model_max_length = 1 << 62
     return tokenizer
+
+
+def load_tokenizer_path(path: str) -> PreTrainedTokenizerBase:
+    """--tokenizer-path's tokenizer: a folder of tokenizer files (no model needed, as vLLM's
+    --tokenizer takes), a .gguf file or a model `resolve_model_path` finds, or a hub repo of a
+    tokenizer alone (through transformers' hub cache, downloaded unless offline)."""
+    folder = Path(path).expanduser()
+    if folder.is_dir() and any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return _unbounded(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+    try:
+        return get_tokenizer(path)
+    except (OSError, ValueError) as model_error:
+        if folder.exists():
+            raise ValueError(f"--tokenizer-path {path}: {model_error}") from None
+        try:  # a hub id of a tokenizer-only repo
+            return _unbounded(AutoTokenizer.from_pretrained(path))
+        except (OSError, ValueError):
+            raise ValueError(f"--tokenizer-path {path!r} is neither a folder of tokenizer "
+                             f"files nor a model or tokenizer repo found: {model_error}") from None
+
+
+def model_tokenizer(tokenizer_path: str | None, model_path: str | None, required: bool,
+                    model: ResolvedModel | None = None) -> PreTrainedTokenizerBase | None:
+    """The tokenizer a server or an Engine uses: --tokenizer-path's where given, else the
+    model's (`model`, or `model_path` resolved); a model without tokenizer files has none:
+    None, or (`required`: a server taking text) a ValueError saying what to pass."""
+    if tokenizer_path:
+        return load_tokenizer_path(tokenizer_path)
+    resolved = model or resolve_model_path(model_path)
+    if not resolved.has_tokenizer_files:
+        if required:
+            raise ValueError(f"{resolved.path} has no tokenizer files; pass --tokenizer-path, "
+                             "or --skip-tokenizer-init and send input_ids")
+        return None
+    return get_tokenizer(resolved)

@@ -101,13 +101,14 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
         """Load the model and tokenizer named by the args (as tensor-parallel rank `tp_rank`:
         every rank builds the same scheduler, tokenizer included, so their turns agree)."""
         from radixserve.executor.model_runner import ModelRunner
-        from radixserve.loader import get_tokenizer
+        from radixserve.loader.tokenizer import model_tokenizer
         server_args.resolve()
         runner = ModelRunner(server_args, source, tp_rank=tp_rank,
                              dist_init_method=server_args.dist_init_method)
-        tokenizer = None
-        if not server_args.skip_tokenizer_init and runner.source.tokenizer_source is not None:
-            tokenizer = get_tokenizer(runner.source.tokenizer_source)
+        tokenizer = None  # the server's (--tokenizer-path's where given): grammars, stop text
+        if not server_args.skip_tokenizer_init:
+            tokenizer = model_tokenizer(server_args.tokenizer_path, runner.source.model_path,
+                                        required=False, model=runner.source.tokenizer_source)
         eos = set(runner.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)

@@ -50,17 +50,16 @@ class ShutdownRequested(Exception):
     """SIGINT or SIGTERM arrived outside uvicorn's own handling."""
 
 
-def served_model_name(server_args: ServerArgs) -> str:
-    if server_args.served_model_name:
-        return server_args.served_model_name
-    path = (server_args.model_path or DEFAULT_MODEL_NAME).rstrip("/")
-    return os.path.basename(path).removesuffix(".gguf") or DEFAULT_MODEL_NAME
+def served_model_name(server_args: ServerArgs, model_name: str) -> str:
+    """--served-model-name, else the resolved model's name (`model_name`: a hub repo's id, a
+    folder's or .gguf file's name)."""
+    return server_args.served_model_name or model_name
 
 
-def accepted_model_names(server_args: ServerArgs) -> frozenset[str]:
+def accepted_model_names(server_args: ServerArgs, model_name: str) -> frozenset[str]:
     """The `model` values requests may name: --served-model-name alone where given (as vLLM
-    accepts only the served names), else the served name and the model path as given."""
-    name = served_model_name(server_args)
+    accepts only the served names), else the model's name and the model path as given."""
+    name = served_model_name(server_args, model_name)
     if server_args.served_model_name:
         return frozenset({name})
     return frozenset({name, server_args.model_path or DEFAULT_MODEL_NAME})
@@ -106,6 +105,7 @@ class ServerState:
     ready: bool = False
     server: GracefulServer | None = None
     tm: TokenizerManager | None = None
+    model_name: str = DEFAULT_MODEL_NAME  # what the API serves
 
     def fail(self, message: str) -> None:
         logger.error("%s", message)
@@ -187,7 +187,7 @@ def launch_server(server_args: ServerArgs,
             tokenizer = pool.submit(load_tokenizer, server_args)  # overlaps the model load
             model_info = group.wait_ready()  # a child's failure is reported first
             _serve(server_args, port_args, group, model_info, tokenizer.result(), state,
-                   listen_socket, source.generation_defaults)
+                   listen_socket, source.generation_defaults, source.served_model_name)
     except ChildFailedError as exc:
         state.exit_code = 1
         logger.error("%s", exc)
@@ -246,27 +246,38 @@ def _resolve_or_exit(server_args: ServerArgs) -> None:
 
 
 def _check_model(server_args: ServerArgs) -> Any:
-    """The model's config loads and the tensor-parallel split is possible: what would
-    otherwise fail after loading. Returns its ModelSource."""
+    """The model's config loads, names an architecture we have, a quantisation we read, and
+    the tensor-parallel split is possible; its weight files are there (the index's shards):
+    what would otherwise fail in the children, after they start. Returns its ModelSource."""
     from radixserve.executor.model_runner import check_tensor_parallel
+    from radixserve.layers.quantization.fp8 import fp8_config
     from radixserve.loader import load_model_source
+    from radixserve.models.registry import get_model_class
     with _model_errors_exit():
         source = load_model_source(server_args.model_path, server_args.load_format)
+        get_model_class(source.model_config.architecture)
+        fp8_config(source.hf_config.get("quantization_config"), server_args.quantization)
         check_tensor_parallel(source.model_config, server_args.tp_size)
+        if not server_args.skip_tokenizer_init and not server_args.tokenizer_path and \
+                source.tokenizer_source is None:
+            raise ValueError(f"{source.model_path} has no tokenizer files; pass "
+                             "--tokenizer-path, or --skip-tokenizer-init and send input_ids")
     return source
 
 
 def _serve(server_args: ServerArgs, port_args: PortArgs, group: ProcessGroup,
            model_info: dict[str, Any], tokenizer: Any, state: ServerState,
            listen_socket: socket.socket | None = None,
-           generation_defaults: dict[str, Any] | None = None) -> None:
-    name = served_model_name(server_args)
+           generation_defaults: dict[str, Any] | None = None,
+           model_name: str = DEFAULT_MODEL_NAME) -> None:
+    name = served_model_name(server_args, model_name)
+    state.model_name = name
     tm = TokenizerManager(port_args, tokenizer, model_info, ServerMetrics(name),
                           log_requests=server_args.log_requests,
                           router=DataParallelRouter(server_args.dp_size,
                                                     server_args.load_balance_method),
                           generation_defaults=generation_defaults)
-    aliases = accepted_model_names(server_args)
+    aliases = accepted_model_names(server_args, model_name)
 
     def server_info() -> dict[str, Any]:
         follower_pids = group.follower_pids_per_replica()
@@ -324,4 +335,4 @@ def _warm_up(server_args: ServerArgs, state: ServerState, ids_only: bool) -> Non
         return
     state.ready = True
     logger.info("radixserve is ready on http://%s:%s (model %s)", host, server_args.port,
-                served_model_name(server_args))
+                state.model_name)

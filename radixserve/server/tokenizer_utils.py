@@ -12,9 +12,9 @@ def load_tokenizer(server_args: ServerArgs) -> Any | None:
     """The tokenizer the server uses, or None with --skip-tokenizer-init (input_ids only)."""
     if server_args.skip_tokenizer_init:
         return None
-    from radixserve.loader.tokenizer import get_tokenizer
+    from radixserve.loader.tokenizer import model_tokenizer
 
-    return get_tokenizer(server_args.tokenizer_path or server_args.model_path)
+    return model_tokenizer(server_args.tokenizer_path, server_args.model_path, required=True)
 
 
 def token_texts(tokenizer: Any | None, token_ids: list[int]) -> list[str | None]:
