@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import functools
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -340,8 +341,19 @@ class ModelConfig:
         return cls(AutoConfig.from_pretrained(path))
 
     def resolve_context_length(self, requested: int | None) -> None:
+        """--context-length, at most the model's max_position_embeddings: a longer one is
+        refused (as vLLM and SGLang do) unless RADIXSERVE_ALLOW_LONGER_CONTEXT=1 allows
+        positions the model was not trained on."""
         limit = self.max_position_embeddings
-        self.context_length = min(requested, limit) if requested else limit
+        if requested and requested > limit:
+            if os.environ.get("RADIXSERVE_ALLOW_LONGER_CONTEXT") != "1":
+                raise ValueError(f"--context-length {requested} exceeds the model's "
+                                 f"max_position_embeddings ({limit}); set "
+                                 "RADIXSERVE_ALLOW_LONGER_CONTEXT=1 to serve positions past "
+                                 "those it was trained on")
+            logger.warning("--context-length %d exceeds the model's max_position_embeddings "
+                           "(%d): RADIXSERVE_ALLOW_LONGER_CONTEXT=1 allows it", requested, limit)
+        self.context_length = requested or limit
 
 
 def resolve_dtype(name: str, model_dtype: str, device: str) -> torch.dtype:

@@ -56,6 +56,18 @@ def test_sliding_window_per_layer_keeps_the_full_context(arch: str, extra: dict,
     assert cfg.context_length == 100
 
 
+def test_a_context_past_the_models_positions_is_refused_unless_allowed(monkeypatch) -> None:
+    """As vLLM and SGLang: a --context-length above max_position_embeddings is an error, or
+    with RADIXSERVE_ALLOW_LONGER_CONTEXT=1 taken as given (it was cut to the model's)."""
+    from radixserve.config import ModelConfig
+    cfg = ModelConfig.from_hf_dict(_hf("LlamaForCausalLM"))
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        cfg.resolve_context_length(4096)
+    monkeypatch.setenv("RADIXSERVE_ALLOW_LONGER_CONTEXT", "1")
+    cfg.resolve_context_length(4096)
+    assert cfg.context_length == 4096
+
+
 @pytest.mark.parametrize("rope, ok", [
     (None, True),
     ({"rope_type": "linear", "factor": 2.0}, True),

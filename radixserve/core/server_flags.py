@@ -36,7 +36,9 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
                             "load (per-channel scales, dynamic per-token activations); FP8 "
                             "checkpoints are detected from their config", ("fp8",)),
     "device": (MODEL, "auto: cuda when present", ("auto", "cuda", "cpu")),
-    "context_length": (MODEL, "cap the model's context length (tokens)", None),
+    "context_length": (MODEL, "the context length in tokens (default: the model's "
+                              "max_position_embeddings; more is refused unless "
+                              "RADIXSERVE_ALLOW_LONGER_CONTEXT=1)", None),
     "skip_tokenizer_init": (MODEL, "no tokenizer: requests send input_ids", None),
     "trust_remote_code": (MODEL, "accepted for compatibility; remote code is never run", None),
     "host": (SERVING, "address to listen on", None),

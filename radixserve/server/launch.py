@@ -258,6 +258,7 @@ def _check_model(server_args: ServerArgs) -> Any:
         get_model_class(source.model_config.architecture)
         fp8_config(source.hf_config.get("quantization_config"), server_args.quantization)
         check_tensor_parallel(source.model_config, server_args.tp_size)
+        source.model_config.resolve_context_length(server_args.context_length)
         if not server_args.skip_tokenizer_init and not server_args.tokenizer_path and \
                 source.tokenizer_source is None:
             raise ValueError(f"{source.model_path} has no tokenizer files; pass "
