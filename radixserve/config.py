@@ -256,12 +256,24 @@ ARCHITECTURE_MODEL_TYPES = {
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
+def _architectures_of(model_type: str | None) -> list[str]:
+    """A config without `architectures`: the architecture of its model_type (as transformers
+    picks the causal-LM class by model_type), Llama where neither says."""
+    if model_type is None:
+        return ["LlamaForCausalLM"]
+    by_type = {kind: arch for arch, kind in ARCHITECTURE_MODEL_TYPES.items()}
+    if model_type in by_type:
+        return [by_type[model_type]]
+    raise ValueError(f"config.json has no architectures and model_type {model_type!r} is "
+                     f"none of ours ({', '.join(sorted(by_type))})")
+
+
 def hf_config_from_dict(cfg: dict[str, Any]) -> Any:
     """A transformers config object from a config.json-style dict (HF folder or GGUF
     metadata mapped to HF names)."""
     from transformers import AutoConfig, PretrainedConfig
     cfg = dict(cfg)
-    archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+    archs = cfg.get("architectures") or _architectures_of(cfg.get("model_type"))
     cfg["architectures"] = archs
     model_type = cfg.pop("model_type", None) or ARCHITECTURE_MODEL_TYPES.get(archs[0])
     if model_type is None:
@@ -278,7 +290,8 @@ class ModelConfig:
 
     def __init__(self, hf_config: Any) -> None:
         self.hf = hf_config
-        archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
+        archs = getattr(hf_config, "architectures", None) or \
+            _architectures_of(getattr(hf_config, "model_type", None) or None)
         self.architecture: str = archs[0]
         get = functools.partial(getattr, hf_config)
         self.vocab_size: int = get("vocab_size")

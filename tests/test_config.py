@@ -56,6 +56,17 @@ def test_sliding_window_per_layer_keeps_the_full_context(arch: str, extra: dict,
     assert cfg.context_length == 100
 
 
+def test_a_config_without_architectures_takes_its_model_types() -> None:
+    """As transformers picks the causal LM by model_type: a Qwen2 config.json lacking
+    `architectures` is Qwen2 (it was taken for Llama and failed on q/k/v biases)."""
+    from radixserve.config import ModelConfig, hf_config_from_dict
+    config = _hf("Qwen2ForCausalLM", model_type="qwen2")
+    del config["architectures"]
+    assert ModelConfig(hf_config_from_dict(config)).architecture == "Qwen2ForCausalLM"
+    with pytest.raises(ValueError, match="model_type 'phi' is none of ours"):
+        hf_config_from_dict({**config, "model_type": "phi"})
+
+
 def test_a_context_past_the_models_positions_is_refused_unless_allowed(monkeypatch) -> None:
     """As vLLM and SGLang: a --context-length above max_position_embeddings is an error, or
     with RADIXSERVE_ALLOW_LONGER_CONTEXT=1 taken as given (it was cut to the model's)."""
