@@ -82,21 +82,51 @@ def test_rope_store(dtype: torch.dtype) -> None:
     assert torch.equal(v_buf[loc], v.reshape(tokens, kv_heads, head_dim))
 
 
-def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch) -> None:
-    import os
-    import time
-
+def test_a_killed_builds_lock_file_is_removed(tmp_path, monkeypatch) -> None:
+    """torch's `lock` file of a killed build, however young, goes once our OS lock is held
+    (a start right after a killed build hung in torch's wait for it)."""
     from radixserve.core import cpu_kernels
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    for name, age, kept in (("stale_build", cpu_kernels.STALE_LOCK_S + 60, False),
-                            ("running_build", 5.0, True)):
-        folder = tmp_path / name
-        folder.mkdir()
-        lock = folder / "lock"
-        lock.touch()
-        os.utime(lock, (time.time() - age, time.time() - age))
-        cpu_kernels._drop_stale_lock(name)
-        assert lock.exists() == kept
+    folder = tmp_path / "killed_build"
+    folder.mkdir()
+    (folder / "lock").touch()  # left a second ago by a build that was killed
+    with cpu_kernels._build_lock("killed_build"):
+        assert not (folder / "lock").exists()
+
+
+@pytest.mark.slow  # two spawned interpreters importing torch: ~30 s on 2 cores
+def test_builds_take_turns_and_a_dead_builder_lets_the_next_go(tmp_path, monkeypatch) -> None:
+    """A second process waits on the OS lock while the first holds it, and not after the
+    first has died (the kernel releases a dead holder's lock)."""
+    import multiprocessing
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    ctx = multiprocessing.get_context("spawn")
+    holder = ctx.Process(target=_hold_build_lock, args=(str(tmp_path), "turns", 60.0))
+    holder.start()
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "turns" / "held").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    waiter = ctx.Process(target=_hold_build_lock, args=(str(tmp_path), "turns", 0.0))
+    waiter.start()
+    waiter.join(timeout=2.0)
+    assert waiter.is_alive()  # waiting for the live holder
+    holder.kill()  # a build killed mid-way: its OS lock goes with it
+    holder.join()
+    waiter.join(timeout=30)
+    assert waiter.exitcode == 0
+
+
+def _hold_build_lock(extensions_dir: str, name: str, seconds: float) -> None:
+    import os
+    import time
+    from pathlib import Path
+    os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir
+    from radixserve.core import cpu_kernels
+    with cpu_kernels._build_lock(name):
+        (Path(extensions_dir) / name / "held").touch()
+        time.sleep(seconds)
 
 
 def test_each_checkout_names_its_own_build(tmp_path) -> None:

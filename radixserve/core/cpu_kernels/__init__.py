@@ -13,14 +13,16 @@ loading one that could use instructions it lacks.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import threading
-import time
 from pathlib import Path
 from types import ModuleType
+from typing import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -66,32 +68,42 @@ def _capability_flags() -> list[str]:
     return ["-DCPU_CAPABILITY=DEFAULT"]
 
 
-# a build takes ~1 min on 2 cores: a lock file older than this was left by a killed build
-STALE_LOCK_S = 600.0
-
-
-def _drop_stale_lock(name: str) -> None:
-    """torch's builder waits, without a timeout, for the lock file of a build in progress; a
-    build killed mid-way (a stopped server, a timed-out test) leaves that file behind, and
-    every later process, servers included, would hang at startup. Remove it when stale."""
+@contextlib.contextmanager
+def _build_lock(name: str) -> Iterator[None]:
+    """Held around torch's build of `name`: an OS lock (flock) on a file of the build folder,
+    which the kernel releases when its holder dies. torch's builder waits without a timeout
+    for its own `lock` file, which a build killed mid-way (a stopped server, a timed-out test)
+    leaves behind, so every later process, servers included, hung at startup; while we hold
+    ours, no live process of ours is building, so a `lock` file there is such a leftover and
+    goes. Processes that come while one builds wait for it here."""
     from torch.utils.cpp_extension import _get_build_directory
-    lock = Path(_get_build_directory(name, False)) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except OSError:
-        return
-    if age > STALE_LOCK_S:
-        logger.warning("removing the stale CPU-kernel build lock %s (%.0f s old)", lock, age)
-        lock.unlink(missing_ok=True)
+    folder = Path(_get_build_directory(name, False))
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "radixserve.flock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process's build of the CPU kernels")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            leftover = folder / "lock"
+            if leftover.exists():
+                logger.warning("removing %s, left by a CPU-kernel build that was killed",
+                               leftover)
+                leftover.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def build(verbose: bool = False) -> ModuleType:
     """Compile (or load the cached build of) the kernels; raises on failure."""
     from torch.utils.cpp_extension import load
-    _drop_stale_lock(module_name())
-    return load(name=module_name(), sources=[str(_SOURCE)], verbose=verbose,
-                extra_cflags=[*_CFLAGS, *_capability_flags()],
-                extra_ldflags=["-fopenmp"])
+    name = module_name()
+    with _build_lock(name):
+        return load(name=name, sources=[str(_SOURCE)], verbose=verbose,
+                    extra_cflags=[*_CFLAGS, *_capability_flags()],
+                    extra_ldflags=["-fopenmp"])
 
 
 def cpu_ops() -> object | None:
