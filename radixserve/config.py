@@ -23,6 +23,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 class ServerArgs:
     model_path: str = DEFAULT_MODEL_NAME
     tokenizer_path: str | None = None
+    revision: str | None = None  # a hub model's branch, tag or commit (model_path@revision)
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     kv_cache_dtype: str = "auto"  # auto (the compute dtype) | fp8_e4m3 | fp8_e5m2
@@ -107,6 +108,9 @@ class ServerArgs:
         if self.resolved:
             return self
         import torch  # here, not at import: `radixserve --help` must not load torch
+        if self.revision is not None:
+            self.model_path = _with_revision(self.model_path, self.revision)
+            self.revision = None  # now part of model_path, which every loader resolves
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         on_gpu = self.device.startswith("cuda")
@@ -402,6 +406,18 @@ def cpu_computes_natively(dtype: torch.dtype) -> bool:
     if dtype == torch.float16:
         return mkldnn and torch.ops.mkldnn._is_mkldnn_fp16_supported()
     return True
+
+
+def _with_revision(model_path: str | None, revision: str) -> str:
+    """--revision applies to a hub repo id: org/name -> org/name@revision."""
+    if not model_path or model_path == DEFAULT_MODEL_NAME or \
+            os.path.exists(os.path.expanduser(model_path)):
+        raise ValueError("--revision applies to a hub model id (org/name), not to "
+                         f"{model_path or 'the bundled model'}")
+    if "@" in model_path:
+        raise ValueError(f"--model-path {model_path} already names a revision; drop "
+                         "--revision or the @revision")
+    return f"{model_path}@{revision}"
 
 
 def split_host_port(address: str) -> tuple[str, int]:

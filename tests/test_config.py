@@ -56,6 +56,17 @@ def test_sliding_window_per_layer_keeps_the_full_context(arch: str, extra: dict,
     assert cfg.context_length == 100
 
 
+def test_revision_joins_a_hub_model_id(tmp_path) -> None:
+    """--revision is model_path@revision, which every loader resolves (vLLM's and SGLang's
+    flag); refused for a local path, the bundled model, or a path naming one already."""
+    from radixserve.config import ServerArgs
+    args = ServerArgs(model_path="myorg/tiny", revision="v1", device="cpu").resolve()
+    assert args.model_path == "myorg/tiny@v1" and args.revision is None
+    for path in (str(tmp_path), "SmolLM2-135M-Instruct", "myorg/tiny@main"):
+        with pytest.raises(ValueError, match="revision"):
+            ServerArgs(model_path=path, revision="v1", device="cpu").resolve()
+
+
 def test_a_config_without_architectures_takes_its_model_types() -> None:
     """As transformers picks the causal LM by model_type: a Qwen2 config.json lacking
     `architectures` is Qwen2 (it was taken for Llama and failed on q/k/v biases)."""

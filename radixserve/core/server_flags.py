@@ -24,6 +24,8 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
     "model_path": (MODEL, "an HF folder, a .gguf file, a hub id org/name[@revision], or "
                           "SmolLM2-135M-Instruct (the bundled Q4_1 GGUF)", None),
     "tokenizer_path": (MODEL, "tokenizer folder, when not the model's", None),
+    "revision": (MODEL, "branch, tag or commit of a hub model (the same as "
+                        "--model-path org/name@revision)", None),
     "load_format": (MODEL, "how to read the weights; dummy: random weights (shape-only runs)",
                     ("auto", "safetensors", "gguf", "dummy")),
     "dtype": (MODEL, "compute dtype; auto: the checkpoint's (float32 on a CPU without native "
