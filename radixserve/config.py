@@ -108,6 +108,7 @@ class ServerArgs:
         if self.resolved:
             return self
         import torch  # here, not at import: `radixserve --help` must not load torch
+        grammar_cache_mb()  # a bad value fails here, once, not at the first grammar
         if self.revision is not None:
             self.model_path = _with_revision(self.model_path, self.revision)
             self.revision = None  # now part of model_path, which every loader resolves
@@ -406,6 +407,21 @@ def cpu_computes_natively(dtype: torch.dtype) -> bool:
     if dtype == torch.float16:
         return mkldnn and torch.ops.mkldnn._is_mkldnn_fp16_supported()
     return True
+
+
+def grammar_cache_mb() -> float:
+    """RADIXSERVE_GRAMMAR_CACHE_MB: MiB of compiled grammars kept for reuse (default 512, as
+    vLLM's VLLM_XGRAMMAR_CACHE_MB); checked when the server's arguments resolve, so a bad value
+    is one line at start-up, not an error at the first grammar."""
+    raw = os.environ.get("RADIXSERVE_GRAMMAR_CACHE_MB", "512")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError("RADIXSERVE_GRAMMAR_CACHE_MB must be a number of MiB >= 0, got "
+                         f"{raw!r}")
+    return value
 
 
 def _with_revision(model_path: str | None, revision: str) -> str:

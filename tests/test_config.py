@@ -56,6 +56,15 @@ def test_sliding_window_per_layer_keeps_the_full_context(arch: str, extra: dict,
     assert cfg.context_length == 100
 
 
+def test_a_bad_grammar_cache_size_fails_when_the_arguments_resolve(monkeypatch) -> None:
+    from radixserve.config import ServerArgs
+    monkeypatch.setenv("RADIXSERVE_GRAMMAR_CACHE_MB", "lots")
+    with pytest.raises(ValueError, match="RADIXSERVE_GRAMMAR_CACHE_MB must be a number"):
+        ServerArgs(device="cpu").resolve()
+    monkeypatch.setenv("RADIXSERVE_GRAMMAR_CACHE_MB", "64")
+    ServerArgs(device="cpu").resolve()
+
+
 def test_revision_joins_a_hub_model_id(tmp_path) -> None:
     """--revision is model_path@revision, which every loader resolves (vLLM's and SGLang's
     flag); refused for a local path, the bundled model, or a path naming one already."""

@@ -16,19 +16,17 @@ thread, on the first grammar request: a server that is never asked for a grammar
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from radixserve.config import grammar_cache_mb
 from radixserve.scheduler.grammar.matcher import ReasoningGate, RequestGrammar
 from radixserve.scheduler.grammar.validation import JSON_SCHEMA_OPTIONS
 
 logger = logging.getLogger(__name__)
 GrammarKey = tuple[str, str]  # (kind, text): ("regex" | "json_schema" | "ebnf", grammar)
-# compiled grammars kept for reuse, in MiB (vLLM's VLLM_XGRAMMAR_CACHE_MB is alike, 512)
-CACHE_MB = float(os.environ.get("RADIXSERVE_GRAMMAR_CACHE_MB", "512"))
 
 
 class GrammarBackend:
@@ -37,15 +35,17 @@ class GrammarBackend:
                  cache_bytes: int | None = None) -> None:
         """`vocab_size`: the model's (its logits' width; the tokenizer's may be smaller).
         `stop_token_ids`: what ends a request (EOS): allowed once the grammar is complete.
-        `cache_bytes`: the bound on compiled grammars kept (None: CACHE_MB; -1: none, the
-        count alone, which evicts alike on every tensor-parallel rank)."""
+        `cache_bytes`: the bound on compiled grammars kept (None: RADIXSERVE_GRAMMAR_CACHE_MB,
+        config.grammar_cache_mb; -1: none, the count alone, which evicts alike on every
+        tensor-parallel rank)."""
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
         self._compiler: Any = None
         self._cache: OrderedDict[GrammarKey, Future[Any]] = OrderedDict()
         self._cache_size = cache_size
-        self._cache_bytes = int(CACHE_MB * 2 ** 20) if cache_bytes is None else cache_bytes
+        self._cache_bytes = int(grammar_cache_mb() * 2 ** 20) if cache_bytes is None \
+            else cache_bytes
         self._lock = threading.Lock()  # the cache is touched by the scheduler thread only,
         # the compiler is built by the worker: the lock guards the compiler's creation
         self._executor = ThreadPoolExecutor(max_workers=compile_threads,
