@@ -75,6 +75,17 @@ class KVPressureMixin:
                     self._finish(req, FinishReason.max_length(len(req.output_ids)))
             self.running = []
 
+    def _ensure_prefill_memory(self, reqs: list[Req]) -> None:
+        """A prefill batch (a prompt's next chunk, mostly) was admitted against memory that
+        the decode turns run between chunks may have used since: where its new tokens no
+        longer fit (free + evictable), the decodes step aside (retracted, resumed later with
+        the same tokens) rather than the allocation failing."""
+        need = sum(r.extend_input_len for r in reqs)
+        if self.token_to_kv_pool.available_size() + self.tree_cache.evictable_size() >= need:
+            return
+        self._settle()
+        self._ensure_decode_memory(extra_tokens=need)
+
     def _retract(self, reqs: list[Req]) -> None:
         """Back to the front of the queue with their output; their KV stays in the cache."""
         for req in reqs:

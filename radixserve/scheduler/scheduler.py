@@ -336,6 +336,7 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
         launch order), then settle the pass launched before it while this one runs. Its ids
         are read when the next pass is launched (or anything settles). Prompt logprobs are
         assembled on the host: such batches run synchronously."""
+        self._ensure_prefill_memory(reqs)
         if self.launcher is None or any(wants_prompt_logprobs(r) for r in reqs):
             self._settle()
             batch = self.builder.prepare_extend(reqs)

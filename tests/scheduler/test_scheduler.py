@@ -476,3 +476,21 @@ def test_the_decode_logs_throughput_restarts_after_idle() -> None:
     run_all(scheduler)
     scheduler.run_turn()  # idle
     assert scheduler.stats.last_log_time > 0.0 and scheduler.stats.generated_since_log == 0
+
+
+def test_a_chunk_whose_memory_the_decodes_took_makes_them_step_aside():
+    """Without mixed passes a decode turn runs between two chunks and can use the slots the
+    next chunk was admitted against (a probe's server died of OutOfMemoryError: a 97-token
+    prompt decoding 1050 tokens, then a 1860-token prompt in 64-token chunks, a 3000-slot
+    pool). The decodes now step aside; every output is the one it would have been."""
+    scheduler, _ = make_scheduler(max_total_tokens=3000, context_len=8192,
+                                  chunked_prefill_size=64)
+    first, second = [4 + i % 40 for i in range(97)], [5 + i % 37 for i in range(1860)]
+    scheduler.add_request(make_req("a", first, max_new=1050))
+    while not scheduler.running or len(scheduler.running[0].output_ids) < 1020:
+        scheduler.run_turn()
+    scheduler.add_request(make_req("b", second, max_new=1))
+    results = run_all(scheduler)
+    assert results["a"]["ids"] == expected_output(first, 1050)
+    assert results["b"]["ids"] == expected_output(second, 1)
+    assert_memory_clean(scheduler)
