@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from radixserve.layers.kernels import board_tables
-from radixserve.layers.kernels.gemv import (GemvConfig, first_weight_step, load_weight_tiles,
-                                            store_row_epilogue, vec_sum)
+from radixserve.layers.kernels.gemv import (GemvConfig, config_from_entry, first_weight_step,
+                                            load_weight_tiles, store_row_epilogue, vec_sum)
 
 ENABLED = os.environ.get("RADIXSERVE_MOE_GEMV", "1") != "0"
 # Without a swept table (moe_gemv_configs): the GEMVs take one token (its k experts are
@@ -187,11 +187,6 @@ def default_configs(fp8: bool) -> MoeGemvConfigs:
     return MoeGemvConfigs(GemvConfig(8, 256 * scale, 4, 3), GemvConfig(4, 256 * scale, 4, 3))
 
 
-def _config_from(entry: dict) -> GemvConfig:
-    return GemvConfig(entry["block_n"], entry["block_k"], entry["num_warps"],
-                      entry["num_stages"], entry.get("vec", 1))
-
-
 def table_name(kind: str, num_experts: int, n: int, k: int) -> str:
     """The swept table of the expert shape whose gate|up weight is [E, n, k] ("bf16" or "fp8"
     weights)."""
@@ -236,7 +231,8 @@ def moe_gemv_configs(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.T
         entry = next((entry for tokens, entry in table if tokens >= num_tokens), None)
         if entry is None:
             return None
-        configs = MoeGemvConfigs(_config_from(entry["gate_up"]), _config_from(entry["down"]))
+        configs = MoeGemvConfigs(config_from_entry(entry["gate_up"]),
+                                 config_from_entry(entry["down"]))
     gate_up = fit_block_k(configs.gate_up, hidden, group_k)
     down = fit_block_k(configs.down, w2.shape[2], group_k)
     if gate_up is None or down is None:
