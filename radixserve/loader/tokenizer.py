@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from radixserve.loader.cache_dir import write_folder_atomically
 from radixserve.loader.model_resolution import (TOKENIZER_FILES, ResolvedModel,
-                                                resolve_model_path)
+                                                no_tokenizer_files, resolve_model_path)
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +46,7 @@ def get_tokenizer(source: str | ResolvedModel) -> PreTrainedTokenizerBase:
     if resolved.kind == "gguf":
         tokenizer = load_gguf_tokenizer(resolved.path)
     elif not resolved.has_tokenizer_files:
-        raise ValueError(f"{resolved.path} has no tokenizer files; pass --tokenizer-path, or "
-                         "--skip-tokenizer-init and send input_ids")
+        raise no_tokenizer_files(resolved.path)
     else:
         tokenizer = AutoTokenizer.from_pretrained(resolved.path, local_files_only=True)
     return _unbounded(tokenizer)
@@ -87,9 +86,6 @@ def model_tokenizer(tokenizer_path: str | None, model_path: str | None, required
     if tokenizer_path:
         return load_tokenizer_path(tokenizer_path)
     resolved = model or resolve_model_path(model_path)
-    if not resolved.has_tokenizer_files:
-        if required:
-            raise ValueError(f"{resolved.path} has no tokenizer files; pass --tokenizer-path, "
-                             "or --skip-tokenizer-init and send input_ids")
+    if not resolved.has_tokenizer_files and not required:
         return None
-    return get_tokenizer(resolved)
+    return get_tokenizer(resolved)  # it says what to pass where the model has no tokenizer

@@ -252,6 +252,7 @@ def _check_model(server_args: ServerArgs) -> Any:
     from radixserve.executor.model_runner import check_tensor_parallel
     from radixserve.layers.quantization.fp8 import fp8_config
     from radixserve.loader import load_model_source
+    from radixserve.loader.model_resolution import no_tokenizer_files
     from radixserve.models.registry import get_model_class
     with _model_errors_exit():
         source = load_model_source(server_args.model_path, server_args.load_format)
@@ -261,8 +262,7 @@ def _check_model(server_args: ServerArgs) -> Any:
         source.model_config.resolve_context_length(server_args.context_length)
         if not server_args.skip_tokenizer_init and not server_args.tokenizer_path and \
                 source.tokenizer_source is None:
-            raise ValueError(f"{source.model_path} has no tokenizer files; pass "
-                             "--tokenizer-path, or --skip-tokenizer-init and send input_ids")
+            raise no_tokenizer_files(source.model_path)
     return source
 
 
