@@ -18,7 +18,6 @@ Accepted forms, in this order:
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -124,12 +123,12 @@ def _missing_weight_files(folder: str) -> list[str]:
     """Weight files a snapshot folder lacks: the shards its *.safetensors.index.json files name
     that are not there, or ["*.safetensors"] when it holds none at all (broken links count as
     missing). Empty when the weights are complete."""
+    from radixserve.loader.safetensors_loader import index_shards
     root = Path(folder)
     missing: list[str] = []
     for index in sorted(root.glob("*.safetensors.index.json")):
-        try:
-            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
-        except (OSError, ValueError):
+        shards = index_shards(index)
+        if shards is None:
             return [index.name]
         missing += sorted(s for s in shards if not (root / s).is_file())
     if not any(p.is_file() for p in root.glob("*.safetensors")):

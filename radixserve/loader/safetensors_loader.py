@@ -47,20 +47,29 @@ def safetensors_files(folder: str) -> list[str]:
     return [str(p) for p in (plain or found)]
 
 
+def index_shards(index: Path) -> set[str] | None:
+    """The shard files one `*.safetensors.index.json` names (its weight_map's values; none
+    where it has no weight_map), or None where it cannot be read as such an index."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(weight_map, dict):
+        return None
+    return {str(name) for name in weight_map.values()}
+
+
 def _index_shards(root: Path) -> set[str] | None:
     """The shard files the folder's weight indexes name; None without a readable index."""
     shards: set[str] = set()
     indexes = sorted(root.glob("*.safetensors.index.json"))
     for index in indexes:
-        try:
-            weight_map = json.loads(index.read_text()).get("weight_map")
-        except (OSError, ValueError, AttributeError):
-            weight_map = None
-        if not isinstance(weight_map, dict) or not weight_map:
+        named = index_shards(index)
+        if not named:
             logger.warning("%s has no readable weight_map; reading every *.safetensors file",
                            index)
             return None
-        shards |= {str(name) for name in weight_map.values()}
+        shards |= named
     return shards if indexes else None
 
 
