@@ -29,6 +29,7 @@ class KVPressureMixin:
     tree_cache: "BasePrefixCache"
     token_to_kv_pool: "KVPool"
     inflight_prefill: "InflightPrefill | None"
+    chunked_req: Req | None
     ratio: "NewTokenRatio"
     stats: "SchedulerStats"
 
@@ -57,6 +58,9 @@ class KVPressureMixin:
             self._settle()
             self._ensure_decode_memory(extra_tokens)
             return
+        if not extra_tokens and self._set_chunked_req_aside():
+            self._ensure_decode_memory()
+            return
         keep, retract = pick_retractions(self.running, self._free_after_retraction, extra_tokens)
         self._retract(retract)
         self.running = keep
@@ -74,6 +78,22 @@ class KVPressureMixin:
                 for req in self.running:
                     self._finish(req, FinishReason.max_length(len(req.output_ids)))
             self.running = []
+
+    def _set_chunked_req_aside(self) -> bool:
+        """The prompt being chunked holds KV between its chunks but has no output yet: when
+        the decodes are short it goes back to the front of the queue first (its chunks so far
+        stay in the cache, evictable), as the newest request is preempted first in vLLM.
+        Without this a running request alone in the pool was ended short beside it."""
+        req = self.chunked_req
+        if req is None or req.kv_len == 0:
+            return False
+        self.chunked_req, done = None, req.kv_len
+        self._retract([req])
+        self.ratio.after_retraction(self.running)
+        logger.warning("KV cache is full: the prompt being chunked (%d of %d tokens done) "
+                       "steps aside for %d running requests", done,
+                       len(req.origin_input_ids), len(self.running))
+        return True
 
     def _ensure_prefill_memory(self, reqs: list[Req]) -> None:
         """A prefill batch (a prompt's next chunk, mostly) was admitted against memory that

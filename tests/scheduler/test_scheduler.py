@@ -494,3 +494,30 @@ def test_a_chunk_whose_memory_the_decodes_took_makes_them_step_aside():
     assert results["a"]["ids"] == expected_output(first, 1050)
     assert results["b"]["ids"] == expected_output(second, 1)
     assert_memory_clean(scheduler)
+
+
+
+@pytest.mark.parametrize("chunk,overlap,decoded", [(2, False, 40), (2, True, 300),
+                                                    (3, True, 300)])
+def test_a_request_being_chunked_steps_aside_for_a_running_request_that_must_grow(
+        chunk, overlap, decoded):
+    """A prompt being chunked holds KV between its chunks. When a running request alone
+    cannot grow beside it, the chunked prompt steps aside (back to the queue, its chunks so
+    far cached); the running request is not ended short (a probe's server ended one with
+    finish `length` at 1317 of 2900 tokens: a 3000-slot pool, 2-token chunks, a 1955-token
+    prompt arriving during a 97-token prompt's long decode)."""
+    scheduler, _ = make_scheduler(max_total_tokens=3000, context_len=8192,
+                                  chunked_prefill_size=chunk, num_continuous_decode_steps=1,
+                                  disable_overlap_schedule=not overlap)
+    first, second = [4 + i % 40 for i in range(97)], [5 + i % 37 for i in range(1955)]
+    scheduler.add_request(make_req("a", first, max_new=2900))
+    while not scheduler.running or len(scheduler.running[0].output_ids) < decoded:
+        scheduler.run_turn()
+    scheduler.ratio.value = scheduler.ratio.min_value  # a long decode decays it to the floor
+    scheduler.add_request(make_req("b", second, max_new=8))
+    results = run_all(scheduler, max_turns=100000)
+    assert results["a"]["finish"] == {"type": "length", "length": 2900}
+    assert results["a"]["ids"] == expected_output(first, 2900)
+    assert results["b"]["ids"] == expected_output(second, 8)
+    assert scheduler.stats.num_retractions == 1  # the chunked prompt, once
+    assert_memory_clean(scheduler)
