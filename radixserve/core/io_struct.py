@@ -92,6 +92,14 @@ class InternalState:
 
 
 @dataclass
+class SchedulerStateUpdate:
+    """A scheduler's state sent unasked, every STATE_UPDATE_INTERVAL_S while it works and
+    once each time it goes idle: /metrics reads the latest instead of waiting for a turn to
+    end (a long prefill turn held a scrape for seconds). Its memory check is not run."""
+    state: InternalState
+
+
+@dataclass
 class ReqError:
     """The scheduler refused a request (e.g. queue full), or the detokenizer failed on it
     (still_scheduled: the scheduler runs it on, so its consumer aborts it there).

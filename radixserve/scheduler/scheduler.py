@@ -471,8 +471,9 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
         self.stats.on_idle()
         self.last_memory_check = self.check_memory()
 
-    def get_internal_state(self) -> InternalState:
-        ok, leaked = self.check_memory() if self._idle() else (None, 0)
+    def get_internal_state(self, check_memory: bool = True) -> InternalState:
+        """check_memory: when idle, also check the KV accounting (a walk of the tree)."""
+        ok, leaked = self.check_memory() if check_memory and self._idle() else (None, 0)
         return InternalState(
             num_running_reqs=len(self.admitted_reqs()) + (self.chunked_req is not None),
             num_queued_reqs=len(self.waiting_queue),

@@ -2,7 +2,8 @@
 
 Request-level figures are observed in the TokenizerManager as outputs arrive; gauges of the
 scheduler (running/queued requests, KV pool usage, radix cache hit rate, retractions) are copied
-from its InternalState each time /metrics is scraped.
+from the states the schedulers send unasked (SchedulerStateUpdate: every 0.5 s of work and on
+going idle) and from each /get_server_info answer, so a scrape never waits for a turn.
 """
 from __future__ import annotations
 

@@ -241,7 +241,8 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
 
     @router.get("/metrics")
     async def metrics() -> Response:
-        await tm.get_internal_state()
+        # the gauges are the schedulers' latest states sent unasked: a scrape never waits for
+        # a scheduler's turn to end (a long prefill held one for seconds)
         return Response(tm.metrics.render(), media_type=CONTENT_TYPE)
 
     return router

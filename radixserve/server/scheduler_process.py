@@ -6,8 +6,9 @@ only blocks on the socket (with a timeout) when the scheduler is idle.
 
 Messages in (from the TokenizerManager): TokenizedGenerateReq, AbortReq, FlushCacheReq,
 GetInternalStateReq, or a list of them. Messages out (to the detokenizer): BatchTokenIDOut from
-each turn, ReqError for refused requests, FlushCacheReply and InternalState replies (the
-detokenizer passes everything that is not BatchTokenIDOut through unchanged).
+each turn, ReqError for refused requests, FlushCacheReply and InternalState replies, and a
+SchedulerStateUpdate every STATE_UPDATE_INTERVAL_S of work and on going idle (the detokenizer
+passes everything that is not BatchTokenIDOut through unchanged).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import logging
 import multiprocessing.connection
 import os
 import sys
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -22,7 +24,7 @@ import zmq
 
 from radixserve.config import ServerArgs
 from radixserve.core.io_struct import (AbortReq, FlushCacheReq, GetInternalStateReq,
-                                       TokenizedGenerateReq)
+                                       SchedulerStateUpdate, TokenizedGenerateReq)
 from radixserve.server.ipc import PortArgs, pull_socket, push_socket
 from radixserve.server.process_utils import (on_parent_stop, prepare_child_process,
                                              report_failure, send_status)
@@ -36,6 +38,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SchedulerFactory = Callable[[ServerArgs], "Scheduler"]
+
+# how often a working scheduler sends its state unasked (SchedulerStateUpdate, for /metrics)
+STATE_UPDATE_INTERVAL_S = 0.5
 
 
 def build_default_scheduler(server_args: ServerArgs) -> Any:
@@ -63,6 +68,8 @@ class SchedulerLoop:
         self.dp_rank = dp_rank
         self.send_sock = push_socket(self.context, port_args.detokenizer_input)
         self.stopped = False
+        self.last_update = float("-inf")  # when the last SchedulerStateUpdate went out
+        self.idle_update_sent = False
 
     def run_forever(self) -> None:
         while not self.stopped:
@@ -81,8 +88,20 @@ class SchedulerLoop:
             self.watchdog.turn_ended()
             for out in outs:
                 self.send_sock.send_pyobj(out)
+            self.idle_update_sent = False
+            if time.monotonic() - self.last_update >= STATE_UPDATE_INTERVAL_S:
+                self._send_state_update()
         else:
+            if not self.idle_update_sent:  # the gauges drop to idle values at once
+                self._send_state_update()
+                self.idle_update_sent = True
             self.recv_sock.poll(timeout=self.idle_poll_ms)
+
+    def _send_state_update(self) -> None:
+        state = replace(self.scheduler.get_internal_state(check_memory=False),
+                        dp_rank=self.dp_rank)
+        self.send_sock.send_pyobj(SchedulerStateUpdate(state))
+        self.last_update = time.monotonic()
 
     def close(self) -> None:
         self.recv_sock.close(linger=0)

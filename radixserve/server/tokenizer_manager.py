@@ -25,7 +25,7 @@ from starlette.requests import Request
 
 from radixserve.core.io_struct import (AbortReq, BatchStrOut, FlushCacheReply, FlushCacheReq,
                                        GetInternalStateReq, InternalState, ReqError,
-                                       TokenizedGenerateReq)
+                                       SchedulerStateUpdate, TokenizedGenerateReq)
 from radixserve.core.req import FIRST_TOKEN_TIME_KEY
 from radixserve.core.request_validation import RequestLimits, validate_request
 from radixserve.core.sampling_params import (GRAMMAR_KINDS, MAX_N, InvalidRequestError,
@@ -67,6 +67,8 @@ class TokenizerManager:
         # (replica, future) of each control request awaiting its reply
         self.pending_replies: dict[type, deque[tuple[int, asyncio.Future[Any]]]] = {
             FlushCacheReply: deque(), InternalState: deque()}
+        # each replica's latest state sent unasked (SchedulerStateUpdate): the gauges of /metrics
+        self.latest_states: dict[int, InternalState] = {}
         # one socket per data-parallel replica; the router picks one for each request
         self.router = router or DataParallelRouter(len(port_args.scheduler_inputs))
         self.send_socks: list[zmq.Socket] = []
@@ -289,11 +291,6 @@ class TokenizerManager:
         failed = [r for r in replies if not r.success]
         return failed[0] if failed else replies[0]
 
-    async def get_internal_state(self) -> InternalState:
-        state = InternalState.merge(await self.get_replica_states())
-        self.metrics.update_state(state)
-        return state
-
     async def get_replica_states(self) -> list[InternalState]:
         """Each data-parallel replica's scheduler state, in replica order."""
         return await self._request_replies(GetInternalStateReq(), InternalState)
@@ -377,6 +374,10 @@ class TokenizerManager:
     def _handle(self, message: Any) -> None:
         if isinstance(message, BatchStrOut):
             self._handle_outputs(message)
+        elif isinstance(message, SchedulerStateUpdate):
+            self.latest_states[message.state.dp_rank] = message.state
+            self.metrics.update_state(InternalState.merge(
+                [self.latest_states[r] for r in sorted(self.latest_states)]))
         elif isinstance(message, ReqError):
             state = self.rid_to_state.get(message.rid)
             if state is not None:

@@ -1,6 +1,8 @@
 """The native API (/generate and the control routes) against the real server."""
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import uuid
@@ -209,3 +211,37 @@ def test_every_request_adds_one_first_token_time(server: Any) -> None:
     assert streamed.status_code == 200 and "[DONE]" in streamed.text
     assert "first_token_time" not in streamed.text
     assert _metric_sum(server, count) == after[0] + 1
+
+
+def _running_gauge(server: Any) -> float:
+    return _metric_sum(server, "radixserve:num_running_reqs")
+
+
+def test_metrics_answer_while_the_scheduler_is_busy(server: Any) -> None:
+    """/metrics' gauges come from the states the scheduler sends unasked (every 0.5 s of work
+    and on going idle): a scrape answers while the scheduler cannot (here: stopped), where it
+    used to wait for the scheduler's turn to end (24 s behind a long unchunked prefill), and
+    the gauges follow the work."""
+    rid = "metrics-while-busy"
+    thread = threading.Thread(target=lambda: post(server, "/generate", {
+        "text": PROMPT, "rid": rid,
+        "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}))
+    thread.start()
+    scheduler_pid = server.server_info()["scheduler_pid"]
+    try:
+        deadline = time.monotonic() + 60
+        while _running_gauge(server) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(scheduler_pid, signal.SIGSTOP)
+        scrape = requests.get(server.url("/metrics"), headers=server.headers, timeout=10)
+        assert scrape.status_code == 200
+        assert _running_gauge(server) >= 1
+    finally:
+        os.kill(scheduler_pid, signal.SIGCONT)
+        post(server, "/abort_request", {"rid": rid})
+        thread.join(timeout=120)
+    assert not thread.is_alive()
+    deadline = time.monotonic() + 60
+    while _running_gauge(server) != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running_gauge(server) == 0  # the idle state went out when the work ended
