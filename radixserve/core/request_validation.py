@@ -47,8 +47,9 @@ def _ids_in_range(input_ids: list[int], vocab_size: int) -> bool:
 
 
 def check_prompt(input_ids: list[int], limits: RequestLimits) -> None:
-    """The prompt alone: non-empty, known token ids, shorter than the context, and servable
-    by the KV cache (and in one prefill when chunked prefill is off)."""
+    """The prompt alone: non-empty, known token ids, and room left after it for one output
+    token in the context and in the KV cache (and in one prefill when chunked prefill is
+    off)."""
     n = len(input_ids)
     if n == 0:
         raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -60,9 +61,13 @@ def check_prompt(input_ids: list[int], limits: RequestLimits) -> None:
             f"The input ({n} tokens) is longer than the model's context length "
             f"({limits.context_len} tokens): at most {limits.context_len - 1} prompt tokens "
             "are allowed.", param="prompt")
-    if limits.max_total_tokens is not None and n + 1 > limits.max_total_tokens:
-        raise InvalidRequestError(f"the prompt has {n} tokens, more than the KV cache holds "
-                                  f"({limits.max_total_tokens} tokens)", param="prompt")
+    if limits.max_total_tokens is not None and n >= limits.max_sequence_tokens:
+        # as the context check: a prompt must leave room for one output token
+        raise InvalidRequestError(
+            f"The input ({n} tokens) is too long for the KV cache: it holds "
+            f"{limits.max_total_tokens} tokens, so one request's prompt and output reach at "
+            f"most {limits.max_sequence_tokens} tokens: at most {limits.max_sequence_tokens - 1}"
+            " prompt tokens are allowed.", param="prompt")
     if limits.max_prefill_tokens is not None and n > limits.max_prefill_tokens:
         raise InvalidRequestError(
             f"the prompt has {n} tokens, more than --max-prefill-tokens "

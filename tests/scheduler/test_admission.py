@@ -143,5 +143,15 @@ def test_front_ends_refuse_a_request_longer_than_the_kv_cache() -> None:
         assert exc.param == "max_tokens"
     else:
         raise AssertionError("a request longer than the KV cache was accepted")
+    # a prompt must leave room for one output token: 62 of the 63 a request reaches
+    validate_request([1] * 62, SamplingParams(max_new_tokens=1), limits)
+    for prompt_len in (63, 64, 65):  # 63 was let through with "at most 0 to generate"
+        try:
+            validate_request([1] * prompt_len, SamplingParams(max_new_tokens=1), limits)
+        except InvalidRequestError as exc:
+            assert exc.param == "prompt" and "at most 62 prompt tokens" in str(exc), str(exc)
+            assert "KV cache: it holds 64 tokens" in str(exc)
+        else:
+            raise AssertionError(f"a {prompt_len}-token prompt was accepted")
     # without a KV cache bound (or a larger one) the context length is the bound
     assert RequestLimits(context_len=256, vocab_size=100).max_sequence_tokens == 256

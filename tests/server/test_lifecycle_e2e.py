@@ -84,6 +84,23 @@ def test_sigterm_to_the_whole_process_group_drains_the_requests() -> None:
         too_long = post(server, "/generate", {"text": "Tell me a story.", "sampling_params": {
             "max_new_tokens": 600, "temperature": 0}})
         assert too_long.status_code == 400 and "KV cache holds" in too_long.text
+        # a chat without max_tokens whose prompt leaves no room for an output token (399 of
+        # the 399 a request reaches) got 200 and no content
+        def chat_of(words: int) -> list[dict[str, str]]:
+            return [{"role": "user", "content": "story " * words}]
+
+        def count(words: int) -> int:
+            return requests.post(server.url("/tokenize"), timeout=60, json={
+                "messages": chat_of(words)}).json()["count"]
+
+        words = 399 - count(0) - 8  # each word is one token, bar the template's joins
+        while count(words) < 399:
+            words += 1
+        assert count(words) == 399
+        no_room = requests.post(server.url("/v1/chat/completions"), timeout=60, json={
+            "model": info["served_model_name"], "messages": chat_of(words)})
+        assert no_room.status_code == 400 and "too long for the KV cache" in no_room.text, \
+            no_room.text
         small = post(server, "/generate", {"text": "Hi", "sampling_params": greedy(3)})
         assert small.status_code == 200
         # the server's warm-up /generate and /health_generate are no requests of the metrics
