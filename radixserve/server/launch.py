@@ -99,6 +99,16 @@ def _failure_share(ended_by_failure: int) -> str:
     return f" ({ended_by_failure} when the server failed)" if ended_by_failure else ""
 
 
+def one_line_failure(message: str) -> str:
+    """A child's failure for clients, in one line: its first line and, where a traceback
+    follows, the exception it ends with (not "the scheduler process died (exit code 1):"
+    alone)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else message
+    return f"{lines[0].rstrip(':')}: {lines[-1]}"
+
+
 @dataclasses.dataclass
 class ServerState:
     exit_code: int = 0
@@ -110,7 +120,7 @@ class ServerState:
     def fail(self, message: str) -> None:
         logger.error("%s", message)
         self.exit_code = 1
-        failure = "the server failed: " + message.splitlines()[0]
+        failure = "the server failed: " + one_line_failure(message)
         if self.tm is not None:  # every open request fails now, not after a timeout
             self.tm.fail_all_threadsafe(failure)
         if self.server is not None:

@@ -8,6 +8,7 @@ import threading
 
 import requests
 
+from radixserve.server.launch import one_line_failure
 from tests.server.server_process import ServerProcess
 
 HANG_GUARD_S = 120
@@ -53,3 +54,15 @@ def test_summary_counts_the_streams_a_dead_rank_ended() -> None:
                f"server failed)" in log, log[-3000:]
     finally:
         server.stop()
+
+
+def test_a_childs_failure_reaches_clients_as_one_line_with_its_exception() -> None:
+    died = ("the scheduler process died (exit code 1):\nTraceback (most recent call last):\n"
+            '  File "scheduler.py", line 1, in run_turn\n'
+            "radixserve.mem.kv_pool.OutOfMemoryError: need 64 KV slots, 62 free\n")
+    # clients used to get the first line alone, cut after "(exit code 1):"
+    assert one_line_failure(died) == ("the scheduler process died (exit code 1): "
+                                      "radixserve.mem.kv_pool.OutOfMemoryError: need 64 KV "
+                                      "slots, 62 free")
+    assert one_line_failure("the detokenizer process died (exit code -9)") == \
+        "the detokenizer process died (exit code -9)"
