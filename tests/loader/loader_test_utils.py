@@ -1,13 +1,18 @@
-"""Helpers for loader tests: tiny HF Llama models, and GGUF files written the way llama.cpp's
-convert_hf_to_gguf.py writes them (gguf's own tensor-name map, the Llama q/k row permutation, the
-Gemma norm offset, the hyperparameter keys each architecture's converter class writes)."""
+"""Helpers for loader tests: tiny HF Llama models, HF folders with pytorch_model*.bin weights,
+and GGUF files written the way llama.cpp's convert_hf_to_gguf.py writes them (gguf's own
+tensor-name map, the Llama q/k row permutation, the Gemma norm offset, the hyperparameter keys
+each architecture's converter class writes)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import json
+import shutil
+
 import numpy as np
+import pytest
 import torch
 from gguf import GGUFWriter, get_tensor_name_map
 from gguf.constants import MODEL_ARCH_NAMES, GGMLQuantizationType
@@ -33,6 +38,40 @@ def make_tiny_llama(tie_word_embeddings: bool = False, seed: int = 0) -> LlamaFo
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
     return model.eval()
+
+
+def write_bin_twin(folder: Path, twin: Path, max_shard_size: str | None = None) -> Path:
+    """Copy the HF safetensors folder `folder` to `twin` with its weights as .bin files, as
+    transformers 4's save_pretrained(safe_serialization=False) wrote them (transformers 5 writes
+    safetensors only): the same tensors, a tied embedding's "lm_head.weight" alias kept,
+    `pytorch_model.bin`, or with `max_shard_size` `pytorch_model-0000X-of-0000N.bin` shards and
+    `pytorch_model.bin.index.json` (huggingface_hub's writer, which transformers 4 used)."""
+    from huggingface_hub import save_torch_state_dict
+    from safetensors.torch import load_file
+
+    shutil.copytree(folder, twin, ignore=shutil.ignore_patterns("*.safetensors*"))
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(path))
+    if json.loads((folder / "config.json").read_text()).get("tie_word_embeddings"):
+        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    save_torch_state_dict(state, twin, safe_serialization=False,
+                          max_shard_size=max_shard_size or "5GB")
+    return twin
+
+
+def assert_a_lost_shard_is_named(sharded: Path, shard_glob: str, tmp_path: Path) -> None:
+    """A copy of the sharded HF folder without the second of its `shard_glob` shards, which its
+    index names, fails to load with one CheckpointError naming that shard."""
+    from radixserve.loader.checkpoint_error import CheckpointError
+    from radixserve.loader.model_source import load_model_source
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(sharded, folder)
+    lost = sorted(folder.glob(shard_glob))[1]
+    lost.unlink()
+    with pytest.raises(CheckpointError, match=f"not there: {lost.name}"):
+        load_model_source(str(folder))
 
 
 def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:

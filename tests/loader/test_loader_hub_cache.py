@@ -15,8 +15,12 @@ import torch
 from huggingface_hub import constants
 from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
 
-from radixserve.loader.model_resolution import HUB_ALLOW_PATTERNS, resolve_model_path
+from radixserve.loader.model_resolution import (HUB_ALLOW_PATTERNS, HUB_BIN_PATTERNS,
+                                                resolve_model_path)
 from radixserve.loader.model_source import load_model_source
+from radixserve.loader.weight_files import weight_files
+
+from loader_test_utils import write_bin_twin
 
 REPO_ID = "org/name"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -42,7 +46,7 @@ def _blob_id(path: Path) -> str:
     """The name huggingface_hub gives a blob: its etag, the sha256 for LFS files (weights),
     the git blob sha1 for small files."""
     data = path.read_bytes()
-    if path.suffix == ".safetensors":
+    if path.suffix in (".safetensors", ".bin"):
         return hashlib.sha256(data).hexdigest()
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
@@ -57,7 +61,9 @@ def add_to_hub_cache(cache: Path, repo_id: str, files: list[Path], commit: str =
     for src in files:
         blob = repo / "blobs" / _blob_id(src)
         blob.write_bytes(src.read_bytes())
-        (snapshot / src.name).symlink_to(os.path.relpath(blob, snapshot))
+        link = snapshot / src.name
+        if not link.is_symlink():  # a file cached before stays, as with huggingface_hub
+            link.symlink_to(os.path.relpath(blob, snapshot))
     (repo / "refs").mkdir(exist_ok=True)
     for ref in refs:
         (repo / "refs" / ref).write_text(commit)  # no trailing newline, as the hub writes it
@@ -87,7 +93,7 @@ def test_repo_id_resolves_to_cached_snapshot(cached_repo: Path) -> None:
     resolved = resolve_model_path(REPO_ID)
     assert resolved.kind == "hf" and resolved.name == REPO_ID and not resolved.is_bundled
     assert Path(resolved.path) == cached_repo
-    assert [Path(f).name for f in resolved.safetensors_files] == ["model.safetensors"]
+    assert [Path(f).name for f in weight_files(resolved.path)] == ["model.safetensors"]
     # a pinned commit, as org/name@rev or as the revision argument, finds the same snapshot
     assert resolve_model_path(f"{REPO_ID}@{COMMIT}") == resolved
     assert resolve_model_path(REPO_ID, revision=COMMIT) == resolved
@@ -158,7 +164,7 @@ def _stub_snapshot_download(monkeypatch: pytest.MonkeyPatch, online: object) -> 
         return online(repo_id, **kwargs)
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
     return calls
 
@@ -239,3 +245,60 @@ def test_invalid_ids_and_missing_paths_keep_the_local_error(hub_cache: Path) -> 
             resolve_model_path(path)
     with pytest.raises(ValueError, match="revision"):
         resolve_model_path(f"{REPO_ID}@v1", revision="v2")
+
+
+@pytest.fixture(scope="module")
+def tiny_bin_checkpoint(tiny_checkpoint: Path) -> Path:
+    """tiny_checkpoint's weights as pytorch_model-0000X-of-0000N.bin shards and their index."""
+    return write_bin_twin(tiny_checkpoint, tiny_checkpoint.parent / "tiny-bin", "20KB")
+
+
+def _hub_repo(hub_cache: Path, remote: list[Path]) -> object:
+    """A stand-in for the online snapshot_download of a repo holding `remote`: it caches the
+    files its allow_patterns select, as huggingface_hub does."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    def download(repo_id: str, **kwargs: object) -> str:
+        chosen = filter_repo_objects(remote, allow_patterns=kwargs["allow_patterns"],
+                                     key=lambda path: path.name)
+        return str(add_to_hub_cache(hub_cache, repo_id, list(chosen)))
+    return download
+
+
+def test_bin_weights_are_downloaded_only_from_a_repo_without_safetensors(
+        hub_cache: Path, tiny_checkpoint: Path, tiny_bin_checkpoint: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    both = sorted(tiny_checkpoint.iterdir()) + sorted(tiny_bin_checkpoint.glob("pytorch_*"))
+    calls = _stub_snapshot_download(monkeypatch, _hub_repo(hub_cache, both))
+    snapshot = Path(resolve_model_path("org/both").path)
+    assert [c.get("local_files_only", False) for c in calls] == [True, False]
+    assert (snapshot / "model.safetensors").is_file() and not list(snapshot.glob("*.bin*"))
+
+    calls = _stub_snapshot_download(
+        monkeypatch, _hub_repo(hub_cache, sorted(tiny_bin_checkpoint.iterdir())))
+    source = load_model_source(REPO_ID)
+    assert [c.get("local_files_only", False) for c in calls] == [True, False, False]
+    assert calls[1]["allow_patterns"] == list(HUB_ALLOW_PATTERNS)
+    assert calls[2]["allow_patterns"] == [*HUB_ALLOW_PATTERNS, *HUB_BIN_PATTERNS]
+    assert source.format == "pt" and source.served_model_name == REPO_ID
+    shards = sorted(p.name for p in Path(source.model_path).glob("*.bin"))
+    assert len(shards) > 1 and shards == sorted(p.name for p in tiny_bin_checkpoint.glob("*.bin"))
+    from safetensors.torch import load_file
+    expected = load_file(tiny_checkpoint / "model.safetensors")
+    got = dict(source.weights())
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[name], tensor) for name, tensor in expected.items())
+
+
+def test_a_cached_bin_snapshot_is_complete_with_every_shard_its_index_names(
+        hub_cache: Path, tiny_bin_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    files = sorted(tiny_bin_checkpoint.iterdir())
+    snapshot = add_to_hub_cache(hub_cache, REPO_ID, files)
+    calls = _stub_snapshot_download(monkeypatch, AssertionError("went online"))
+    assert Path(resolve_model_path(REPO_ID).path) == snapshot
+    assert len(calls) == 1
+    lost = sorted(snapshot.glob("pytorch_model-*.bin"))[1]
+    lost.unlink()
+    calls = _stub_snapshot_download(monkeypatch, _hub_repo(hub_cache, files))
+    assert Path(resolve_model_path(REPO_ID).path) == snapshot and lost.is_file()
+    assert [c.get("local_files_only", False) for c in calls] == [True, False, False]

@@ -14,9 +14,10 @@ from safetensors.torch import save_file
 
 from radixserve.loader.checkpoint_error import CheckpointError
 from radixserve.loader.model_source import load_model_source
-from radixserve.loader.safetensors_loader import iter_safetensors_weights, safetensors_files
+from radixserve.loader.safetensors_loader import iter_safetensors_weights
+from radixserve.loader.weight_files import SAFETENSORS, weight_files
 
-from loader_test_utils import make_tiny_llama
+from loader_test_utils import assert_a_lost_shard_is_named, make_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def test_the_index_names_the_weight_files(sharded: Path, tmp_path: Path) -> None
     save_file(stale, str(folder / "model-00009-of-00009.safetensors"))
     save_file({"layers.0.attention.wq.weight": torch.ones(2, 2)},
               str(folder / "consolidated.safetensors"))
-    assert [Path(f).name for f in safetensors_files(str(folder))] == shards
+    assert [Path(f).name for f in weight_files(str(folder), SAFETENSORS)] == shards
     got = _weights(folder)
     assert set(got) == set(want)
     assert all(torch.equal(got[name], want[name]) for name in want)
@@ -50,19 +51,14 @@ def test_the_index_names_the_weight_files(sharded: Path, tmp_path: Path) -> None
 
 def test_a_shard_the_index_names_but_the_folder_lacks_is_named(sharded: Path,
                                                                 tmp_path: Path) -> None:
-    folder = tmp_path / "ckpt"
-    shutil.copytree(sharded, folder)
-    lost = sorted(folder.glob("model-*.safetensors"))[1]
-    lost.unlink()
-    with pytest.raises(CheckpointError, match=f"not there: {lost.name}"):
-        load_model_source(str(folder))
+    assert_a_lost_shard_is_named(sharded, "model-*.safetensors", tmp_path)
 
 
 def test_without_an_index_consolidated_files_are_left_out(tmp_path: Path) -> None:
     make_tiny_llama().save_pretrained(tmp_path)
     save_file({"layers.0.attention.wq.weight": torch.ones(2, 2)},
               str(tmp_path / "consolidated.safetensors"))
-    assert [Path(f).name for f in safetensors_files(str(tmp_path))] == ["model.safetensors"]
+    assert [Path(f).name for f in weight_files(str(tmp_path), SAFETENSORS)] == ["model.safetensors"]
 
 
 def test_an_unreadable_weight_file_is_named(tmp_path: Path) -> None:
