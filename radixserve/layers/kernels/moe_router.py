@@ -5,15 +5,25 @@ sum, div, mul, cast). Ties go to the lower expert id, as torch.topk's do in prac
 of the k choices does not matter to the experts' sum. Group-limited routing stays in torch."""
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
+
+# warps per token's program (0: 1 up to 64 experts, else 4); RADIXSERVE_ROUTER_WARPS to time
+ROUTER_WARPS = int(os.environ.get("RADIXSERVE_ROUTER_WARPS", "0"))
+# PDL, with the MoE GEMVs' (moe_gemv.PDL): off until timed on a GPU
+ROUTER_PDL = os.environ.get("RADIXSERVE_MOE_PDL", "0") != "0"
 
 
 @triton.jit
 def _softmax_topk_kernel(Logits, Weights, Ids, num_experts, stride_l, scaling_factor,
                          TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                         RENORMALIZE: tl.constexpr):
+                         RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     mask = offs < num_experts
@@ -49,6 +59,8 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
         logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
         _softmax_topk_kernel[(num_tokens,)](
             logits, weights, ids, num_experts, logits.stride(0), float(scaling_factor),
-            TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
-            num_warps=1 if num_experts <= 64 else 4)
+            TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
+            BLOCK_E=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
+            num_warps=ROUTER_WARPS or (1 if num_experts <= 64 else 4),
+            **(pdl_launch_args(logits) if ROUTER_PDL else {"USE_PDL": False}))
     return weights, ids
