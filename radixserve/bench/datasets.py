@@ -175,21 +175,20 @@ def sample_sharegpt_requests(path: str, num_prompts: int, tokenizer: Tokenizer,
 
 
 def load_tokenizer(name: str | None, model: str | None = None) -> Tokenizer | None:
-    """`name` may be anything radixserve's loader resolves (a folder, a .gguf file, the bundled
-    model's name) or an HF hub id. Without it: the tokenizer of `model`, else of the bundled
-    model, through the loader; None (with a note) when that cannot be had."""
+    """`name` (--tokenizer) is what the server's --tokenizer-path takes: a folder of tokenizer
+    files, a model the loader resolves (a folder, a .gguf file, the bundled model's name) or a
+    hub id. Without it: the tokenizer of `model`, else of the bundled model, through the
+    loader; None (with a note) when that cannot be had."""
     from radixserve.config import DEFAULT_MODEL_NAME
-    target = name or model or DEFAULT_MODEL_NAME
-    try:
-        from radixserve.loader import get_tokenizer
-        return get_tokenizer(target)
-    except Exception as exc:  # not a local model: maybe a plain tokenizer folder or hub id
-        loader_error = exc
+    from radixserve.loader.tokenizer import get_tokenizer, load_tokenizer_path
     if name:
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(name)
-    print(f"note: no tokenizer for {target} ({loader_error}); using raw token ids")
-    return None
+        return load_tokenizer_path(name, flag="--tokenizer")
+    target = model or DEFAULT_MODEL_NAME
+    try:
+        return get_tokenizer(target)
+    except Exception as exc:  # noqa: BLE001 - the benchmark runs on raw token ids instead
+        print(f"note: no tokenizer for {target} ({exc}); using raw token ids")
+        return None
 
 
 def attach_prompt_text(requests: list[SampleRequest], tokenizer: Tokenizer) -> None:

@@ -59,10 +59,11 @@ def _unbounded(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_tokenizer_path(path: str) -> PreTrainedTokenizerBase:
+def load_tokenizer_path(path: str, flag: str = "--tokenizer-path") -> PreTrainedTokenizerBase:
     """--tokenizer-path's tokenizer: a folder of tokenizer files (no model needed, as vLLM's
     --tokenizer takes), a .gguf file or a model `resolve_model_path` finds, or a hub repo of a
-    tokenizer alone (through transformers' hub cache, downloaded unless offline)."""
+    tokenizer alone (through transformers' hub cache, downloaded unless offline). `flag`: the
+    option its errors name (the benchmarks' --tokenizer takes the same)."""
     folder = Path(path).expanduser()
     if folder.is_dir() and any((folder / name).is_file() for name in TOKENIZER_FILES):
         return _unbounded(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
@@ -70,11 +71,11 @@ def load_tokenizer_path(path: str) -> PreTrainedTokenizerBase:
         return get_tokenizer(path)
     except (OSError, ValueError) as model_error:
         if folder.exists():
-            raise ValueError(f"--tokenizer-path {path}: {model_error}") from None
+            raise ValueError(f"{flag} {path}: {model_error}") from None
         try:  # a hub id of a tokenizer-only repo
             return _unbounded(AutoTokenizer.from_pretrained(path))
         except (OSError, ValueError):
-            raise ValueError(f"--tokenizer-path {path!r} is neither a folder of tokenizer "
+            raise ValueError(f"{flag} {path!r} is neither a folder of tokenizer "
                              f"files nor a model or tokenizer repo found: {model_error}") from None
 
 

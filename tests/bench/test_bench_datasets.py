@@ -130,3 +130,17 @@ def test_malformed_conversation_files_are_named(tmp_path: Path, text: str, messa
     path.write_text(text)
     with pytest.raises(BenchError, match=f"^{re.escape(str(path))}:? {message}"):
         load_conversations(str(path))
+
+
+def test_tokenizer_takes_what_the_servers_tokenizer_path_takes(tmp_path) -> None:
+    """--tokenizer: a folder of tokenizer files alone (no model), or an error naming the flag
+    for a folder that is neither tokenizer nor model."""
+    from radixserve.bench.datasets import load_tokenizer
+    from radixserve.loader.tokenizer import get_tokenizer
+
+    get_tokenizer("SmolLM2-135M-Instruct").save_pretrained(tmp_path / "tok")
+    tokenizer = load_tokenizer(str(tmp_path / "tok"))
+    assert tokenizer is not None and tokenizer.encode("Hello world")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="--tokenizer "):
+        load_tokenizer(str(tmp_path / "empty"))
