@@ -25,11 +25,6 @@
 #              at 1-16 tokens; the table goes where this board reads it, and to $OUT/moe_configs
 # gemv_ab:     decode one static batch (1 / 2 / 4 / 8 / 16) of Qwen3-30B-A3B and DeepSeek-V2-Lite
 #              with RADIXSERVE_MOE_GEMV=0 then 1 (after `gemv` in the same call: its tables)
-# fusion_ab:   batch-1 decode, alternated MOE_AB_ROUNDS times (default 2): Qwen3-30B-A3B with
-#              the MoE GEMVs' and router's PDL off / on, then the one-row MoE layer fusion on
-#              (RADIXSERVE_MOE_PDL, RADIXSERVE_MOE_ROW_FUSION), then 1 warp per router program
-#              (RADIXSERVE_ROUTER_WARPS=1); DeepSeek-V2-Lite (MLA, shared experts: no layer
-#              fusion) with PDL off / on
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/gpu_common.sh gpu_moe "${MOE_STEPS:-tests correctness kernels decode offline}"
@@ -125,22 +120,6 @@ if step gemv_ab; then
             RADIXSERVE_MOE_GEMV=$gemv MOE_GRAPH_BS=16 MOE_MAX_TOKENS=60000 \
                 decode "$name" 1 2 4 8 16 > "$OUT/gemv_ab_${gemv}_$name.txt"
             echo "   RADIXSERVE_MOE_GEMV=$gemv:"; cat "$OUT/gemv_ab_${gemv}_$name.txt"
-        done
-    done
-fi
-if step fusion_ab; then
-    echo "== batch-1 decode: MoE PDL (p), one-row MoE layer fusion (f), router warps (w)"
-    for round in $(seq 1 "${MOE_AB_ROUNDS:-2}"); do
-        for variant in "qwen3-30b-a3b 0 0 0" "qwen3-30b-a3b 1 0 0" "qwen3-30b-a3b 1 1 0" \
-                "qwen3-30b-a3b 1 1 1" "deepseek-v2-lite 0 0 0" "deepseek-v2-lite 1 0 0"; do
-            read -r name pdl fusion warps <<< "$variant"
-            RADIXSERVE_MOE_PDL=$pdl RADIXSERVE_MOE_ROW_FUSION=$fusion \
-                RADIXSERVE_ROUTER_WARPS=$warps MOE_GRAPH_BS=1 MOE_MAX_TOKENS=20000 \
-                decode "$name" 1 > "$OUT/fusion_ab.txt"
-            # the table's row: batch in out | prefill ms tok/s limit ratio | decode ms ...
-            echo "   round $round $name p$pdl f$fusion w$warps: $(awk '$1 == 1 && $4 == "|" \
-                {print "decode", $10, "ms, limit", $12, "ratio", $13}' "$OUT/fusion_ab.txt" \
-                | head -1) $(grep -c -i error "$OUT/fusion_ab.txt") errors"
         done
     done
 fi

@@ -171,16 +171,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-        # (rows, dtype) -> fuses_rows; (0, dtype) -> fuses_sparse_row
         self._fuses_rows: dict[tuple[int, torch.dtype], bool] = {}
         self._takes_fp8_rows: dict[int, bool] = {}
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, forward_batch: ForwardBatch
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if one_row_kernels_apply(hidden) and (
-                self.fuses_rows(hidden.shape[0], hidden.dtype)
-                or hidden.shape[0] == 1 and self.fuses_sparse_row(hidden.dtype)):
+        if one_row_kernels_apply(hidden) and self.fuses_rows(hidden.shape[0], hidden.dtype):
             return self.forward_fused(positions, hidden, residual, forward_batch), None
         if one_row_kernels_apply(hidden) and self.takes_fp8_rows(hidden):
             return self.forward_fp8_rows(positions, hidden, residual, forward_batch)
@@ -216,23 +213,6 @@ class DecoderLayer(nn.Module):
                 and attn.o_proj.fuses_rows(rows, dtype, residual=True)
                 and mlp.gate_up_proj.fuses_rows(rows, dtype, norm=True, gated=True)
                 and mlp.down_proj.fuses_rows(rows, dtype, residual=True))
-        return self._fuses_rows[key]
-
-    def fuses_sparse_row(self, dtype: torch.dtype) -> bool:
-        """An MoE layer (attention as the dense layer's) at one decode row: q|k|v carries the
-        input norm, o the residual add, and the MoE block takes the residual stream and norms
-        it in its own products (`takes_normed_row`, models/moe_blocks.py); decided once per
-        dtype."""
-        key = (0, dtype)
-        if key not in self._fuses_rows:
-            attn = self.self_attn
-            takes = getattr(self.mlp, "takes_normed_row", None)
-            self._fuses_rows[key] = (
-                isinstance(attn, DecoderAttention) and takes is not None
-                and type(self.input_layernorm) is RMSNorm
-                and type(self.post_attention_layernorm) is RMSNorm
-                and attn.qkv_proj.fuses_rows(1, dtype, norm=True)
-                and attn.o_proj.fuses_rows(1, dtype, residual=True) and takes(dtype))
         return self._fuses_rows[key]
 
     def takes_fp8_rows(self, hidden: torch.Tensor) -> bool:
@@ -274,10 +254,8 @@ class DecoderLayer(nn.Module):
         GEMVs; more: kernels/fused_rows.py) carry the two RMSNorms (into the q|k|v and gate|up
         products), SiLU-mul (gate|up's output) and both residual adds (o and down's outputs),
         so seven kernels become four; at one row the q|k|v GEMV also carries rope and the K/V
-        store where it can (`DecoderAttention.rope_store`), one kernel fewer. An MoE layer
-        (`fuses_sparse_row`, one row) fuses the attention half alike and hands the stream to
-        its MoE block, which norms it in the router's and experts' products and adds it to
-        their output. Returns the residual stream after the layer (nothing left to add)."""
+        store where it can (`DecoderAttention.rope_store`), one kernel fewer. Returns the
+        residual stream after the layer (nothing left to add)."""
         stream = hidden if residual is None else hidden + residual
         attn, mlp = self.self_attn, self.mlp
         rope = None if stream.shape[0] > 1 else \
@@ -285,8 +263,6 @@ class DecoderLayer(nn.Module):
         qkv = attn.qkv_proj.fused_row_product(stream, norm=self.input_layernorm, rope=rope)
         attended = attn.attend(positions, qkv, forward_batch, kv_stored=rope is not None)
         stream = attn.o_proj.fused_row_product(attended, residual=stream)
-        if not isinstance(mlp, GatedMLP):
-            return mlp.forward_normed_row(stream, self.post_attention_layernorm)
         act = mlp.gate_up_proj.fused_row_product(stream, norm=self.post_attention_layernorm,
                                                  gated=True)
         return mlp.down_proj.fused_row_product(act, residual=stream)

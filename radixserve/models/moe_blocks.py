@@ -10,8 +10,6 @@ Mixtral's `block_sparse_moe` is renamed to `mlp` by `mixtral.py`.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -21,10 +19,6 @@ from radixserve.layers.linear import ReplicatedLinear
 from radixserve.layers.moe.experts import FusedMoE
 from radixserve.layers.moe.router import RoutingConfig, select_experts
 from radixserve.models.blocks import dense_mlp
-
-# one-row decode of MoE layers with the norm and the residual add in the products (DecoderLayer
-# .forward_fused): off until timed on a GPU (RADIXSERVE_MOE_ROW_FUSION=1 turns it on)
-ROW_FUSION = os.environ.get("RADIXSERVE_MOE_ROW_FUSION", "0") != "0"
 
 
 def routing_config(config: ModelConfig) -> RoutingConfig:
@@ -64,28 +58,6 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = ReplicatedLinear(hidden, 1, quantize=False) \
             if shared_gate else None
         self.tp_size = get_tp_group().size
-        self._takes_normed_row: dict[torch.dtype, bool] = {}
-
-    def takes_normed_row(self, dtype: torch.dtype) -> bool:
-        """Whether `forward_normed_row` runs for one decode row of `dtype`: routed experts
-        only (no shared expert), one rank, a router with a one-row GEMV carrying the norm and
-        experts the decode GEMVs take at one token (only with RADIXSERVE_MOE_ROW_FUSION=1)."""
-        if dtype not in self._takes_normed_row:
-            self._takes_normed_row[dtype] = (
-                ROW_FUSION and self.shared_name is None and self.tp_size == 1
-                and not self.router_fp32 and self.gate.bias is None
-                and self.gate.fuses_rows(1, dtype, norm=True)
-                and self.experts.gemv_configs(1, self.routing.top_k) is not None)
-        return self._takes_normed_row[dtype]
-
-    def forward_normed_row(self, stream: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-        """stream + forward(norm(stream)) for one decode row (`takes_normed_row`): the norm
-        rides in the router's GEMV and the experts' gate|up GEMV, the residual add in their
-        down GEMV; the layer's post-attention RMSNorm kernel is gone."""
-        logits = self.gate.fused_row_product(stream, norm=norm)
-        topk = select_experts(logits, self.routing)
-        return self.experts.forward_normed_rows(stream, topk, norm.weight,
-                                                norm.variance_epsilon)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.router_fp32:

@@ -156,32 +156,3 @@ def test_half_precision_rows_round_as_the_grouped_path_rounds_them() -> None:
     once = rows.sum(dim=1).to(torch.float16)
     assert (got == per_row).float().mean() > 0.95
     assert (once == per_row).float().mean() < 0.9  # the two roundings do differ here
-
-
-@pytest.mark.parametrize("configs,hidden,inter", [
-    (MoeGemvConfigs(GemvConfig(4, 32, 4, 1), GemvConfig(8, 16, 4, 2)), 64, 48),
-    (MoeGemvConfigs(GemvConfig(2, 32, 2, 1, vec=8), GemvConfig(4, 32, 4, 1, vec=4)), 72, 40)])
-def test_the_norm_before_and_the_residual_after_ride_in_the_gemvs(configs, hidden, inter
-                                                                  ) -> None:
-    """A decode layer's RMSNorm (on the residual stream, into gate|up) and residual add (onto
-    down's output): the result is residual + experts(rmsnorm(stream)), as the unfused layer
-    computes it (K tails included: 72 and 40 columns)."""
-    w13, w2 = _weights(5, hidden, inter, torch.float32)
-    gen = torch.Generator().manual_seed(4)
-    stream = (torch.randn(2, hidden, generator=gen) * 3).to(DEVICE)
-    norm_weight = (torch.rand(hidden, generator=gen) + 0.5).to(DEVICE)
-    eps = 1e-6
-    ids = torch.tensor([[4, 0, 2], [2, 4, 1]], dtype=torch.int32, device=DEVICE)
-    weights = torch.tensor([[0.5, 0.3, 0.2], [0.7, 0.2, 0.1]], device=DEVICE)
-    fitted = MoeGemvConfigs(moe_gemv.fit_block_k(configs.gate_up, hidden, None),
-                            moe_gemv.fit_block_k(configs.down, inter, None))
-    got = moe_gemv_experts(stream, w13, w2, weights, ids, fitted, norm=(norm_weight, eps),
-                           residual=stream)
-    normed = stream * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + eps) * norm_weight
-    ref = stream + fused_experts_reference(normed, w13, w2, weights, ids)
-    torch.testing.assert_close(got.float(), ref, atol=1e-4, rtol=1e-4)
-    # each alone
-    alone = moe_gemv_experts(stream, w13, w2, weights, ids, fitted, norm=(norm_weight, eps))
-    torch.testing.assert_close(alone.float(), ref - stream, atol=1e-4, rtol=1e-4)
-    plain = moe_gemv_experts(normed, w13, w2, weights, ids, fitted, residual=stream)
-    torch.testing.assert_close(plain.float(), ref, atol=1e-4, rtol=1e-4)

@@ -41,16 +41,11 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.core.triton_pdl import pdl_launch_args, pdl_prologue
 from radixserve.layers.kernels import board_tables
 from radixserve.layers.kernels.gemv import (GemvConfig, config_from_entry, first_weight_step,
-                                            load_weight_tiles, squares_total,
-                                            store_row_epilogue, vec_sum)
+                                            load_weight_tiles, store_row_epilogue, vec_sum)
 
 ENABLED = os.environ.get("RADIXSERVE_MOE_GEMV", "1") != "0"
-# programmatic dependent launch for both GEMVs (where triton_pdl allows it): off until timed on
-# a GPU (RADIXSERVE_MOE_PDL=1 turns it on)
-PDL = os.environ.get("RADIXSERVE_MOE_PDL", "0") != "0"
 # Without a swept table (moe_gemv_configs): the GEMVs take one token (its k experts are
 # distinct, nothing is read twice), and up to this many where each token picks 4+ experts (many
 # small ones). On the H100 the GEMVs won at 4 tokens by 1.2x for Qwen3-30B-A3B (top 8 of 128)
@@ -94,22 +89,19 @@ def _x_tile(x_ptr, offs_k, k_left, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _moe_gate_up_gemv_kernel(X, W, Scale, Ids, Y, NormW, I, K, stride_xm, stride_we, stride_wn,
-                             stride_se, stride_sn, stride_ym, eps,
+def _moe_gate_up_gemv_kernel(X, W, Scale, Ids, Y, I, K, stride_xm, stride_we, stride_wn,
+                             stride_se, stride_sn, stride_ym,
                              TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
                              GROUPED: tl.constexpr, GROUP_K: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-                             EVEN_K: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr):
-    """Y[pair, n] = silu(x[token] . W[e, n]) * (x[token] . W[e, I + n]), e = Ids[pair].
-    NORM: X is the residual stream and x its RMSNorm (weight NormW), as the dense GEMV's
-    norm: the weight applied per step, 1/rms once the row's squares are summed."""
-    pdl_prologue(USE_PDL)  # the ids, and so every load, come from the kernels before
+                             EVEN_K: tl.constexpr):
+    """Y[pair, n] = silu(x[token] . W[e, n]) * (x[token] . W[e, I + n]), e = Ids[pair]."""
     pair = tl.program_id(0)
     expert = tl.load(Ids + pair).to(tl.int64)
     x_row = X + (pair // TOP_K).to(tl.int64) * stride_xm
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
-    offs_k, w_ptrs, acc, squares = first_weight_step(
+    offs_k, w_ptrs, acc, no_squares = first_weight_step(
         W + expert * stride_we, offs_n.to(tl.int64) * stride_wn, BLOCK_N, BLOCK_K, VEC)
     acc_up = acc
     up_rows = I * stride_wn
@@ -117,9 +109,6 @@ def _moe_gate_up_gemv_kernel(X, W, Scale, Ids, Y, NormW, I, K, stride_xm, stride
     for k_start in range(0, K, BLOCK_K):
         w, w_up = _weight_tiles(w_ptrs, up_rows, n_mask, offs_k, K - k_start, True, EVEN_K, VEC)
         x = _x_tile(x_row + k_start, offs_k, K - k_start, EVEN_K)
-        if NORM:
-            squares += x * x
-            x = x * _x_tile(NormW + k_start, offs_k, K - k_start, EVEN_K)
         prod = vec_sum(w.to(tl.float32) * x[None, :], VEC)
         prod_up = vec_sum(w_up.to(tl.float32) * x[None, :], VEC)
         if HAS_SCALE and GROUPED:
@@ -132,10 +121,6 @@ def _moe_gate_up_gemv_kernel(X, W, Scale, Ids, Y, NormW, I, K, stride_xm, stride
         w_ptrs += BLOCK_K
     gate = tl.sum(acc, axis=1)
     up = tl.sum(acc_up, axis=1)
-    if NORM:
-        inv_rms = tl.rsqrt(squares_total(squares, VEC) / K + eps)
-        gate = gate * inv_rms
-        up = up * inv_rms
     if HAS_SCALE and not GROUPED:
         gate = gate * tl.load(s_rows, mask=n_mask, other=0.0)
         up = up * tl.load(s_rows + I * stride_sn, mask=n_mask, other=0.0)
@@ -144,16 +129,13 @@ def _moe_gate_up_gemv_kernel(X, W, Scale, Ids, Y, NormW, I, K, stride_xm, stride
 
 
 @triton.jit
-def _moe_down_gemv_kernel(A, W, Scale, Ids, Weights, Y, Residual, H, K, stride_am, stride_we,
-                          stride_wn, stride_se, stride_sn, stride_ym, stride_rm,
+def _moe_down_gemv_kernel(A, W, Scale, Ids, Weights, Y, H, K, stride_am, stride_we, stride_wn,
+                          stride_se, stride_sn, stride_ym,
                           TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, GROUPED: tl.constexpr,
                           GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          VEC: tl.constexpr, EVEN_K: tl.constexpr, RESIDUAL: tl.constexpr,
-                          USE_PDL: tl.constexpr):
+                          VEC: tl.constexpr, EVEN_K: tl.constexpr):
     """Y[t, n] = sum over the token's k choices of weight * (A[pair] . W[e, n]): one loop over
-    every choice's K steps (each choice's row rounded as the grouped path rounds it).
-    RESIDUAL: plus the token's row of Residual, added as torch adds two rounded tensors."""
-    pdl_prologue(USE_PDL)
+    every choice's K steps (each choice's row rounded as the grouped path rounds it)."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
@@ -182,9 +164,6 @@ def _moe_down_gemv_kernel(A, W, Scale, Ids, Weights, Y, Residual, H, K, stride_a
         if step - choice * steps == steps - 1:  # the choice's last step: its rounded row
             total += tl.sum(acc, axis=1).to(Y.dtype.element_ty).to(tl.float32)
             acc = tl.zeros_like(acc)
-    if RESIDUAL:
-        r = tl.load(Residual + token.to(tl.int64) * stride_rm + offs_n, mask=n_mask, other=0.0)
-        total = total.to(Y.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
     tl.store(Y + token.to(tl.int64) * stride_ym + offs_n, total.to(Y.dtype.element_ty),
              mask=n_mask)
 
@@ -271,12 +250,9 @@ def _scale_args(scale: torch.Tensor | None, fallback: torch.Tensor
 
 def moe_gemv_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, configs: MoeGemvConfigs,
-                     fp8_scales: tuple[torch.Tensor, torch.Tensor, int | None] | None = None,
-                     norm: tuple[torch.Tensor, float] | None = None,
-                     residual: torch.Tensor | None = None) -> torch.Tensor:
-    """fused_moe.fused_experts' contract (hidden [T, H] -> [T, H]) through the two GEMVs.
-    norm (weight, eps): hidden is the residual stream and the experts' input its RMSNorm;
-    residual: added to the output (a decode layer's two neighbours, kernels fewer)."""
+                     fp8_scales: tuple[torch.Tensor, torch.Tensor, int | None] | None = None
+                     ) -> torch.Tensor:
+    """fused_moe.fused_experts' contract (hidden [T, H] -> [T, H]) through the two GEMVs."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden_size = w13.shape
     inter = two_i // 2
@@ -287,27 +263,20 @@ def moe_gemv_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     scale13, se13, sn13, grouped = _scale_args(s13, weights)
     act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
     up_cfg, down_cfg = configs
-    pdl = pdl_launch_args(hidden) if PDL else {"USE_PDL": False}
-    norm_weight, eps = norm if norm is not None else (hidden, 0.0)
-    if norm is not None:
-        assert norm_weight.is_contiguous() and norm_weight.shape == (hidden_size,)
     _moe_gate_up_gemv_kernel[(num_tokens * top_k, triton.cdiv(inter, up_cfg.block_n))](
-        hidden, w13, scale13, ids, act, norm_weight, inter, hidden_size, hidden.stride(0),
-        w13.stride(0), w13.stride(1), se13, sn13, act.stride(0), float(eps), TOP_K=top_k,
-        HAS_SCALE=s13 is not None, GROUPED=grouped, GROUP_K=group_k or hidden_size,
-        BLOCK_N=up_cfg.block_n, BLOCK_K=up_cfg.block_k, VEC=up_cfg.vec,
-        EVEN_K=hidden_size % up_cfg.block_k == 0, NORM=norm is not None,
-        num_warps=up_cfg.num_warps, num_stages=up_cfg.num_stages, **pdl)
+        hidden, w13, scale13, ids, act, inter, hidden_size, hidden.stride(0), w13.stride(0),
+        w13.stride(1), se13, sn13, act.stride(0), TOP_K=top_k, HAS_SCALE=s13 is not None,
+        GROUPED=grouped, GROUP_K=group_k or hidden_size, BLOCK_N=up_cfg.block_n,
+        BLOCK_K=up_cfg.block_k, VEC=up_cfg.vec, EVEN_K=hidden_size % up_cfg.block_k == 0,
+        num_warps=up_cfg.num_warps,
+        num_stages=up_cfg.num_stages)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     scale2, se2, sn2, grouped = _scale_args(s2, weights)
-    if residual is not None:
-        assert residual.shape == out.shape and residual.stride(1) == 1
-    res = residual if residual is not None else out
     _moe_down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, down_cfg.block_n))](
-        act, w2, scale2, ids, weights, out, res, hidden_size, inter, act.stride(0),
-        w2.stride(0), w2.stride(1), se2, sn2, out.stride(0), res.stride(0), TOP_K=top_k,
-        HAS_SCALE=s2 is not None, GROUPED=grouped, GROUP_K=group_k or inter,
-        BLOCK_N=down_cfg.block_n, BLOCK_K=down_cfg.block_k, VEC=down_cfg.vec,
-        EVEN_K=inter % down_cfg.block_k == 0, RESIDUAL=residual is not None,
-        num_warps=down_cfg.num_warps, num_stages=down_cfg.num_stages, **pdl)
+        act, w2, scale2, ids, weights, out, hidden_size, inter, act.stride(0), w2.stride(0),
+        w2.stride(1), se2, sn2, out.stride(0), TOP_K=top_k, HAS_SCALE=s2 is not None,
+        GROUPED=grouped, GROUP_K=group_k or inter, BLOCK_N=down_cfg.block_n,
+        BLOCK_K=down_cfg.block_k, VEC=down_cfg.vec, EVEN_K=inter % down_cfg.block_k == 0,
+        num_warps=down_cfg.num_warps,
+        num_stages=down_cfg.num_stages)
     return out

@@ -176,32 +176,6 @@ class FusedMoE(nn.Module):
                                      topk.ids, scales)
         return self.forward_native(hidden, topk)
 
-    def gemv_configs(self, num_tokens: int, top_k: int):  # -> moe_gemv.MoeGemvConfigs | None
-        """The decode GEMVs' configurations where they take `num_tokens` tokens on the GPU
-        (layers/kernels/moe_gemv.py; the interpreter's on CPU), else None (the grouped
-        kernels, or the CPU loop without Triton)."""
-        if self.activation != "silu":
-            return None
-        try:
-            from radixserve.layers.kernels.moe_gemv import moe_gemv_configs
-        except ImportError:
-            return None
-        return moe_gemv_configs(num_tokens, top_k, self.w13_weight, self.w2_weight,
-                                self.group_k)
-
-    def forward_normed_rows(self, stream: torch.Tensor, topk: TopK, norm_weight: torch.Tensor,
-                            eps: float) -> torch.Tensor:
-        """stream + experts(rmsnorm(stream)) for a few decode rows, the norm and the residual
-        add inside the two GEMVs (only where `gemv_configs` gave configurations)."""
-        from radixserve.layers.kernels.moe_gemv import moe_gemv_experts
-        configs = self.gemv_configs(stream.shape[0], topk.ids.shape[1])
-        assert configs is not None, "the GEMVs take these rows"
-        scales = (self.w13_weight_scale, self.w2_weight_scale, self.group_k) \
-            if self.fp8 is not None else None
-        return moe_gemv_experts(stream, self.w13_weight, self.w2_weight, topk.weights,
-                                topk.ids, configs, scales, norm=(norm_weight, eps),
-                                residual=stream)
-
     def forward_native(self, hidden: torch.Tensor, topk: TopK) -> torch.Tensor:
         """Loop over the experts at least one token chose (one host sync for the list)."""
         out = torch.zeros_like(hidden)
