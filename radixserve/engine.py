@@ -36,7 +36,7 @@ from radixserve.scheduler.replicated import ReplicatedScheduler
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server.tp_follower_process import (FollowerWatch, cpu_threads_per_rank,
                                                    start_tp_followers)
-from radixserve.server.incremental_detokenizer import IncrementalDetokenizer
+from radixserve.server.incremental_detokenizer import IncrementalDetokenizer, stop_match
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +79,7 @@ class _Pending:
             if finish is None:
                 delta = self.detok.append(new_ids)
             else:
-                matched = finish.get("matched") if isinstance(finish.get("matched"), str) else None
-                delta = self.detok.finish(new_ids, matched)
+                delta = self.detok.finish(new_ids, stop_match(finish))
         self.text += delta
         self.finished = finish is not None
         if self.stream:
@@ -192,7 +191,7 @@ class Engine:
                 detok = None if self.tokenizer is None else IncrementalDetokenizer(
                     self.tokenizer, params.skip_special_tokens,
                     params.spaces_between_special_tokens, params.stop_strs,
-                    params.keep_special_tokens)
+                    params.keep_special_tokens, params.include_stop_str_in_output)
                 pending[req.rid] = self._states[req.rid] = _Pending(req.rid, detok,
                                                                     req.stream)
         return pending

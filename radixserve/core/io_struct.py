@@ -122,6 +122,7 @@ class BatchTokenIDOut:
     spaces_between_special_tokens: list[bool]
     stop_strs: list[list[str]] = field(default_factory=list)
     keep_special_tokens: list[tuple[str, ...]] = field(default_factory=list)
+    include_stop: list[bool] = field(default_factory=list)  # include_stop_str_in_output
 
 
 @dataclass

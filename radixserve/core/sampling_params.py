@@ -52,6 +52,9 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # vLLM's: the matched stop string, or the stop token's text (EOS or stop_token_ids), stays
+    # in the output text (by default both are left out, as vLLM and OpenAI leave them out)
+    include_stop_str_in_output: bool = False
     # special tokens (by text) that stay in the output text while skip_special_tokens drops the
     # others: the chat handler's tool-call marker when it is a special token ([TOOL_CALLS],
     # <|python_tag|>); set by the server, not a request field
@@ -118,7 +121,8 @@ class SamplingParams:
             value = getattr(self, name)
             check(isinstance(value, (int, float)) and not isinstance(value, bool)
                   and math.isfinite(value), f"{name} must be a finite number, got {value!r}", name)
-        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output"):
             value = getattr(self, name)  # the detokenizer and the stop checks take real bools
             check(isinstance(value, bool), f"{name} must be true or false, got {value!r}", name)
         check(self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}",

@@ -55,6 +55,7 @@ def build_token_output(reqs: list[Req]) -> BatchTokenIDOut | None:
         out.spaces_between_special_tokens.append(params.spaces_between_special_tokens)
         out.stop_strs.append(params.stop_strs)
         out.keep_special_tokens.append(params.keep_special_tokens)
+        out.include_stop.append(params.include_stop_str_in_output)
     return out
 
 

@@ -19,7 +19,7 @@ import zmq
 
 from radixserve.config import ServerArgs
 from radixserve.core.io_struct import BatchStrOut, BatchTokenIDOut, ReqError
-from radixserve.server.incremental_detokenizer import IncrementalDetokenizer
+from radixserve.server.incremental_detokenizer import IncrementalDetokenizer, stop_match
 from radixserve.server.ipc import PortArgs, pull_socket, push_socket
 from radixserve.server.process_utils import prepare_child_process, report_failure, send_status
 from radixserve.server.tokenizer_utils import load_tokenizer
@@ -88,23 +88,17 @@ class DetokenizerManager:
                 self.tokenizer, skip_special_tokens=batch.skip_special_tokens[i],
                 spaces_between_special_tokens=batch.spaces_between_special_tokens[i],
                 stop_strs=_at(batch.stop_strs, i, []),
-                keep_special_tokens=_at(batch.keep_special_tokens, i, ()))
+                keep_special_tokens=_at(batch.keep_special_tokens, i, ()),
+                include_stop=_at(batch.include_stop, i, False))
             self.states[rid] = state
         if finish is None:
             return state.append(new_ids)
         del self.states[rid]
-        return state.finish(new_ids, _matched_stop_str(finish))
+        return state.finish(new_ids, stop_match(finish))
 
 
 def _at(values: list[Any], i: int, default: Any) -> Any:
     return values[i] if i < len(values) else default
-
-
-def _matched_stop_str(finish_reason: dict[str, Any]) -> str | None:
-    matched = finish_reason.get("matched")
-    if finish_reason.get("type") == "stop" and isinstance(matched, str):
-        return matched
-    return None
 
 
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs,

@@ -8,7 +8,9 @@ token keeps merges (leading spaces, multi-byte characters) right.
 
 Stop strings: text that could be the start of a stop string is held back until it can no longer
 become one, so a stop string is never streamed, even in part. On a stop-string finish the text is
-cut where the stop string begins (the stop string itself is not returned, as OpenAI does).
+cut where the stop string begins (the stop string itself is not returned, as OpenAI does); on a
+stop-token finish (EOS, stop_token_ids) that last token's text is left out, as vLLM leaves it
+out. `include_stop` (vLLM's include_stop_str_in_output) keeps both.
 
 Special tokens kept (`keep_special_tokens`, the chat handler's tool-call marker when it is a
 special token): the other special tokens' ids are dropped as they arrive and the rest is decoded
@@ -16,7 +18,8 @@ with skip_special_tokens=False, so the text holds the kept tokens and no EOS or 
 token.
 
 Invariant: the concatenation of everything `append` and `finish` return equals
-`tokenizer.decode(all_ids, ...)` (of the ids kept), cut at the stop string when one matched.
+`tokenizer.decode(all_ids, ...)` (of the ids kept), cut at the stop string when one matched,
+less the stop token when one matched.
 """
 from __future__ import annotations
 
@@ -25,6 +28,15 @@ from typing import Any, Protocol
 from radixserve.server.tokenizer_utils import dropped_special_ids
 
 REPLACEMENT_CHAR = "\ufffd"
+
+
+def stop_match(finish_reason: dict[str, Any] | None) -> int | str | None:
+    """The stop string or stop token id a finished request's reason says it matched."""
+    if finish_reason is None or finish_reason.get("type") != "stop":
+        return None
+    matched = finish_reason.get("matched")
+    return matched if isinstance(matched, (int, str)) and not isinstance(matched, bool) \
+        else None
 
 
 class Decoder(Protocol):
@@ -37,8 +49,9 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True,
                  stop_strs: list[str] | None = None,
-                 keep_special_tokens: tuple[str, ...] = ()) -> None:
+                 keep_special_tokens: tuple[str, ...] = (), include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
         self.skip_special_tokens = skip_special_tokens
         # with kept special tokens: the ids left out before decoding without skipping
         self.dropped: frozenset[int] | None = None
@@ -75,22 +88,27 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.ids)
         return self._release(hold_stop_prefix=True)
 
-    def finish(self, new_ids: list[int] | None = None, matched_stop_str: str | None = None) -> str:
+    def finish(self, new_ids: list[int] | None = None,
+               matched: int | str | None = None) -> str:
         """Add the last tokens and flush everything left (incomplete characters included), cut
-        at the stop string. Pass the finishing tokens here rather than to `append`, so that text
+        at the stop string (`matched`: str) or without the stop token (`matched`: its id, the
+        last of the ids). Pass the finishing tokens here rather than to `append`, so that text
         past a stop string is never released."""
         if self.finished:
             return ""
         self.finished = True
-        self.ids.extend(self._kept(new_ids or []))
+        last = list(new_ids or [])
+        if isinstance(matched, int) and not self.include_stop and last and last[-1] == matched:
+            last.pop()
+        self.ids.extend(self._kept(last))
         full_text = self._decode(self.ids)
         if full_text.startswith(self.text):
             self.text = full_text
         else:  # decode is not prefix-stable for this tokenizer here; keep what was emitted
             prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
             self.text += self._decode(self.ids[self.prefix_offset:])[len(prefix_text):]
-        if matched_stop_str:
-            self.text = self.text[:self._stop_cut(matched_stop_str)]
+        if isinstance(matched, str) and matched:
+            self.text = self.text[:self._stop_cut(matched)]
         return self._release(hold_stop_prefix=False)
 
     def _kept(self, ids: list[int]) -> list[int]:
@@ -99,13 +117,16 @@ class IncrementalDetokenizer:
         return [i for i in ids if i not in self.dropped]
 
     def _stop_cut(self, stop: str) -> int:
-        # Held-back text means the match starts at or after sent_len; anything earlier was
-        # already sent and cannot be taken back.
+        """Where the text ends: at the stop string's start (or its end, include_stop).
+        Held-back text means the match starts at or after sent_len; anything earlier was
+        already sent and cannot be taken back."""
         index = self.text.find(stop, self.sent_len)
         if index < 0:
             index = self.text.rfind(stop)
         if index < 0:
             return len(self.text)
+        if self.include_stop:
+            return max(index + len(stop), self.sent_len)
         return max(index, self.sent_len)
 
     def _release(self, hold_stop_prefix: bool) -> str:

@@ -101,6 +101,7 @@ class SamplingFields(StrictModel):
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool = False
     regex: StrictStr | None = None
     ebnf: StrictStr | None = None
     response_format: dict[str, Any] | None = None
@@ -177,6 +178,7 @@ class SamplingFields(StrictModel):
             "stop": self.stop, "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
             "seed": self.seed, "logit_bias": self.logit_bias or None,
             **self.grammar(),
         }

@@ -176,3 +176,40 @@ def test_token_bytes_join_into_the_text(smollm_tokenizer: Any, text: str) -> Non
     assert bytes(b for item in content for b in item["bytes"]) == text.encode("utf-8")
     assert [item["top_logprobs"][0]["bytes"] for item in content] == \
         [item["bytes"] for item in content]
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_stop_token_is_left_out_of_the_text_unless_asked(smollm_tokenizer: Any,
+                                                           include_stop: bool,
+                                                           skip_special_tokens: bool) -> None:
+    """A request ended by a stop token (stop_token_ids, or EOS shown with
+    skip_special_tokens false) does not return that token's text, as vLLM does not; vLLM's
+    include_stop_str_in_output keeps it. The token id stays in the output ids."""
+    ids = smollm_tokenizer.encode(" there was a wise old wizard", add_special_tokens=False)
+    eos = smollm_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for stop_id in (ids[-1], eos):
+        sent = ids[:-1] + [stop_id] if stop_id != eos else ids + [eos]
+        detok = IncrementalDetokenizer(smollm_tokenizer, skip_special_tokens=skip_special_tokens,
+                                       include_stop=include_stop)
+        text = "".join(detok.append([t]) for t in sent[:-1]) + detok.finish(sent[-1:], stop_id)
+        kept = sent if include_stop else sent[:-1]
+        assert text == smollm_tokenizer.decode(kept, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("text,stop", [("One, two, three. Four, five.", "three"),
+                                       ("数字一二三四五六", "三四")])
+def test_include_stop_keeps_the_stop_string(smollm_tokenizer: Any, text: str, stop: str) -> None:
+    """include_stop_str_in_output: the text runs to the stop string's end, nothing past it
+    (the stop string held back while streaming is released at the finish)."""
+    ids = smollm_tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(smollm_tokenizer, stop_strs=[stop], include_stop=True)
+    deltas: list[str] = []
+    for n in range(1, len(ids) + 1):
+        tail = smollm_tokenizer.decode(ids[:n][-(len(stop.encode()) + 1):])
+        if stop in tail:
+            deltas.append(detok.finish([ids[n - 1]], stop))
+            break
+        deltas.append(detok.append([ids[n - 1]]))
+    full = smollm_tokenizer.decode(ids[:n])
+    assert "".join(deltas) == full[:full.find(stop) + len(stop)]

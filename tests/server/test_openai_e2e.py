@@ -8,6 +8,7 @@ import pytest
 import requests
 
 from tests.server.conftest import API_KEY
+from tests.server.native_client import post
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "system", "content": "You are terse."},
@@ -208,6 +209,43 @@ def test_stop_string_cuts_text(openai_client: Any, model_name: str, stream: bool
         text, reason = out.choices[0].text, out.choices[0].finish_reason
     assert text == expected
     assert reason == "stop"
+
+
+def _completion_text(openai_client: Any, model_name: str, stream: bool,
+                     **fields: Any) -> tuple[str, str]:
+    out = openai_client.completions.create(model=model_name, prompt="1, 2, 3, 4,", max_tokens=16,
+                                           temperature=0, stream=stream, extra_body=fields)
+    if stream:
+        chunks = list(out)
+        return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+    return out.choices[0].text, out.choices[0].finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_tokens_and_include_stop_str_in_output(server: Any, openai_client: Any,
+                                                    model_name: str, smollm_tokenizer: Any,
+                                                    stream: bool) -> None:
+    """A stop token's text is left out (it was returned), as vLLM leaves it out;
+    include_stop_str_in_output keeps it, and keeps a matched stop string."""
+    free = openai_client.completions.create(model=model_name, prompt="1, 2, 3, 4,",
+                                            max_tokens=16, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    ids = post(server, "/generate", {"text": "1, 2, 3, 4,", "sampling_params": {
+        "max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}).json()["output_ids"]
+    assert smollm_tokenizer.decode(ids) == free.choices[0].text
+    at = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])  # its first occurrence
+    stop_id = ids[at]
+    before = smollm_tokenizer.decode(ids[:at])
+    with_token = smollm_tokenizer.decode(ids[:at + 1])
+    assert _completion_text(openai_client, model_name, stream,
+                            stop_token_ids=[stop_id]) == (before, "stop")
+    assert _completion_text(openai_client, model_name, stream, stop_token_ids=[stop_id],
+                            include_stop_str_in_output=True) == (with_token, "stop")
+    stop = with_token[len(before):].strip() or with_token[-2:]
+    cut = with_token.find(stop)
+    assert _completion_text(openai_client, model_name, stream, stop=[stop],
+                            include_stop_str_in_output=True) == (with_token[:cut + len(stop)],
+                                                                 "stop")
 
 
 def test_token_id_prompts_and_max_tokens(openai_client: Any, model_name: str,

@@ -161,8 +161,14 @@ def test_without_keeping_the_marker_the_call_is_lost(marker_tokenizer: Any,
 
 
 def test_user_skip_special_tokens_false_keeps_everything(marker_tokenizer: Any) -> None:
+    """Every special token's text, but the EOS that ended the request (left out as vLLM leaves
+    it out, unless include_stop_str_in_output)."""
     params, _ = _chat_params(marker_tokenizer, "mistral", tools=[WEATHER],
                              skip_special_tokens=False)
+    text = "".join(_run(marker_tokenizer, params, OUTPUTS["mistral"], 4))
+    assert OUTPUTS["mistral"].endswith("<|im_end|>")
+    assert text == OUTPUTS["mistral"].removesuffix("<|im_end|>")
+    params.include_stop_str_in_output = True
     text = "".join(_run(marker_tokenizer, params, OUTPUTS["mistral"], 4))
     assert text == OUTPUTS["mistral"]
 
