@@ -133,8 +133,8 @@ class SamplingParams:
         check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}",
               "temperature")
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        check(self.top_k == -1 or self.top_k >= 1,
-              f"top_k must be -1 (disabled) or >= 1, got {self.top_k}", "top_k")
+        check(self.top_k >= -1,  # 0 and -1 both mean all tokens, as in vLLM
+              f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}", "top_k")
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         check(-2.0 <= self.frequency_penalty <= 2.0,
               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
@@ -142,12 +142,14 @@ class SamplingParams:
         check(-2.0 <= self.presence_penalty <= 2.0,
               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
               "presence_penalty")
-        check(0.0 < self.repetition_penalty <= 2.0,
-              f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+        check(self.repetition_penalty > 0.0,  # vLLM's bound (SGLang v0.2 capped it at 2)
+              f"repetition_penalty must be > 0, got {self.repetition_penalty}",
               "repetition_penalty")
         check(1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}", "n")
         check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
               f"seed must be an integer, got {self.seed!r}", "seed")
+        check(self.seed is None or -2**63 <= self.seed < 2**63,  # a 64-bit seed, as vLLM's API
+              f"seed must be a 64-bit integer, in [-2^63, 2^63), got {self.seed}", "seed")
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             check(isinstance(stops, list) and all(isinstance(s, str) for s in stops),
@@ -202,6 +204,8 @@ class SamplingParams:
         # in UTF-8 bytes: a byte-level BPE token holds at least one byte, so a stop string of
         # B bytes spans at most B tokens (a CJK character or an emoji can take several tokens)
         self.stop_str_max_len = max((len(s.encode("utf-8")) for s in self.stop_strs), default=0)
+        if self.top_k == 0:
+            self.top_k = -1
         if self.temperature <= 1e-6:
             # greedy: make every other knob a no-op so batches can take the argmax fast path
             self.temperature = 0.0

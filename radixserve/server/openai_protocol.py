@@ -290,6 +290,10 @@ class ChatCompletionRequest(SamplingFields):
                 and self.max_tokens != self.max_completion_tokens):
             raise APIError("max_tokens and max_completion_tokens differ; give one",
                            param="max_completion_tokens")
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:  # a chat answer has a token (vLLM, OpenAI)
+                raise APIError(f"{name} must be at least 1, got {value}", param=name)
 
     def check_template_fields(self) -> None:
         """continue_final_message extends the last assistant turn instead of opening a new

@@ -36,6 +36,14 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int]] = [
     ("huge max_completion_tokens", "POST", "/v1/chat/completions",
      {"messages": CHAT_MSG, "max_completion_tokens": 10**9}, AUTH, 400),
     ("n = 0", "POST", "/v1/completions", {"prompt": "a", "n": 0}, AUTH, 400),
+    # a chat answer has at least one token (an empty 200 came back), as vLLM and OpenAI say
+    ("chat max_tokens 0", "POST", "/v1/chat/completions", {"messages": CHAT_MSG,
+                                                           "max_tokens": 0}, AUTH, 400),
+    ("chat max_completion_tokens 0", "POST", "/v1/chat/completions",
+     {"messages": CHAT_MSG, "max_completion_tokens": 0}, AUTH, 400),
+    # a seed past 64 bits was taken modulo 2^64 (2^64 + 5 sampled as 5)
+    ("seed past 64 bits", "POST", "/v1/completions", {"prompt": "a", "seed": 2**64 + 5},
+     AUTH, 400),
     ("temperature < 0", "POST", "/v1/chat/completions",
      {"messages": CHAT_MSG, "temperature": -0.5}, AUTH, 400),
     ("top_p = 0", "POST", "/v1/completions", {"prompt": "a", "top_p": 0}, AUTH, 400),

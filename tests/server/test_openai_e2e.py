@@ -418,3 +418,15 @@ def test_reasoning_is_split_from_the_answer(openai_client: Any, model_name: str)
     # the field is there, null, as in every answer of a server that separates reasoning
     assert "reasoning_content" in constrained.model_extra
     assert constrained.model_extra["reasoning_content"] is None
+
+
+def test_vllm_ranges_of_top_k_and_repetition_penalty(openai_client: Any, model_name: str) -> None:
+    """top_k 0 means all tokens, as -1 does (vLLM); repetition_penalty takes any value > 0
+    (vLLM's bound; SGLang v0.2 capped it at 2)."""
+    def text(**fields: Any) -> str:
+        return openai_client.completions.create(
+            model=model_name, prompt="The cat sat on the", max_tokens=8, temperature=0.8,
+            seed=7, extra_body=fields).choices[0].text
+
+    assert text(top_k=0) == text(top_k=-1)
+    assert text(repetition_penalty=2.5) != text(repetition_penalty=1.0)
