@@ -63,10 +63,10 @@ class LogprobBuilder:
             out["tokens"].append(name)
             out["token_logprobs"].append(logprob)
             top = top_entries[i] if i < len(top_entries) else None
-            tops = None if top is None else {names.get(t, s or ""): lp for lp, t, s in top}
-            if tops is not None and logprob is not None:
-                tops.setdefault(name, logprob)  # the chosen token is always listed (up to n + 1)
-            out["top_logprobs"].append(tops)
+            tops = {names.get(t, s or ""): lp for lp, t, s in top or ()}
+            if logprob is not None:  # the chosen token is always listed (up to n + 1; with
+                tops.setdefault(name, logprob)  # logprobs 0 alone, as vLLM lists it)
+            out["top_logprobs"].append(tops if tops or top is not None else None)
             out["text_offset"].append(self.offset)
             data = raw.get(tid)
             self.offset += len(text or "") if data is None else len(self._decoder.decode(data))

@@ -136,6 +136,21 @@ def test_completion_logprobs_and_echo(openai_client: Any, model_name: str,
                             abs_tol=1e-4)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_0_lists_the_chosen_token(openai_client: Any, model_name: str,
+                                                       stream: bool) -> None:
+    """logprobs 0: each position's top_logprobs holds the chosen token alone, as vLLM's do
+    (null came back)."""
+    out = openai_client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4,
+                                           temperature=0, logprobs=0, stream=stream)
+    chunks = list(out) if stream else [out]
+    tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+    lps = [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
+    tops = [x for c in chunks for x in c.choices[0].logprobs.top_logprobs]
+    assert len(tops) == len(tokens) == 4
+    assert tops == [{token: lp} for token, lp in zip(tokens, lps)]
+
+
 def _token_bytes(name: str) -> bytes:
     if name.startswith("bytes:"):
         return bytes.fromhex(name[len("bytes:"):].replace("\\x", ""))
