@@ -1,13 +1,15 @@
 """Logit penalties of a batch: frequency/presence, repetition, and the min_new_tokens stop mask.
 
-All penalties act on the raw logits, before temperature, in this order (vLLM's order):
-  1. repetition (HF/vLLM semantics), over every token seen so far (prompt + output):
-       logit > 0 -> logit / penalty, else logit * penalty
-  2. frequency / presence (OpenAI semantics), over the *output* tokens only:
-       logit -= frequency * count + presence * (count > 0)
-  3. min_new_tokens: while a request has fewer than min_new_tokens output tokens, every token
+All penalties act on the raw logits, before temperature, in this order (vLLM V1's sampler:
+its min-tokens and logit-bias processors, then its penalties):
+  1. min_new_tokens: while a request has fewer than min_new_tokens output tokens, every token
      that would stop it (EOS unless ignore_eos, and its stop_token_ids) gets -inf.
-  4. logit_bias (OpenAI semantics): each listed token's bias is added to its logit.
+  2. logit_bias (OpenAI semantics): each listed token's bias is added to its logit.
+  3. repetition (HF/vLLM semantics), over every token seen so far (prompt + output):
+       logit > 0 -> logit / penalty, else logit * penalty
+  4. frequency / presence (OpenAI semantics), over the *output* tokens only:
+       logit -= frequency * count + presence * (count > 0)
+(Only repetition depends on the order: it scales a biased logit, by its biased sign.)
 
 Invariants: every tensor has one row per request of the batch; a request that does not use a
 penalty holds its neutral value (repetition 1, frequency/presence 0, min_new_tokens 0), so rows
@@ -144,6 +146,11 @@ class BatchPenalties:
             raise ValueError(f"logits have {logits.shape[-1]} columns, penalties were built "
                              f"for vocab_size {self.vocab_size}")
         logits = logits.float()
+        if self.stop_token_mask is not None:
+            still_short = (self.output_lens < self.min_new_tokens).unsqueeze(1)
+            logits = logits.masked_fill(self.stop_token_mask & still_short, float("-inf"))
+        if self.logit_bias is not None:
+            logits = logits + self.logit_bias
         if self.seen_token_mask is not None:
             penalties = self.repetition_penalties
             penalised = torch.where(logits > 0, logits / penalties, logits * penalties)
@@ -152,11 +159,6 @@ class BatchPenalties:
             counts = self.output_token_counts
             logits = logits - self.frequency_penalties * counts \
                 - self.presence_penalties * (counts > 0).float()
-        if self.stop_token_mask is not None:
-            still_short = (self.output_lens < self.min_new_tokens).unsqueeze(1)
-            logits = logits.masked_fill(self.stop_token_mask & still_short, float("-inf"))
-        if self.logit_bias is not None:
-            logits = logits + self.logit_bias
         return logits
 
     def filter(self, rows: torch.Tensor) -> "BatchPenalties":

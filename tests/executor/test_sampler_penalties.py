@@ -29,6 +29,8 @@ def make_req(prompt: list[int], output: list[int], **params: Any) -> Req:
 def reference_penalised_row(logits: list[float], req: Req, eos_ids: set[int]) -> list[float]:
     params = req.sampling_params
     out = list(logits)
+    for token, bias in (params.logit_bias or {}).items():  # before the penalties, as vLLM V1
+        out[token] += bias
     for token in set(req.origin_input_ids + req.output_ids):
         if out[token] > 0:
             out[token] /= params.repetition_penalty
@@ -55,7 +57,10 @@ def random_reqs(rng: random.Random, bs: int) -> list[Req]:
                           repetition_penalty=rng.choice([1.0, rng.uniform(0.5, 2.0)]),
                           min_new_tokens=rng.choice([0, 5, 10]),
                           stop_token_ids=rng.choice([None, [7], [8, 9]]),
-                          ignore_eos=rng.random() < 0.3)
+                          ignore_eos=rng.random() < 0.3,
+                          # a bias that flips a seen token's sign changes its repetition
+                          logit_bias=rng.choice([None, {str(t): rng.uniform(-8, 8)
+                                                        for t in rng.sample(range(VOCAB), 6)}]))
         reqs.append(make_req(prompt, output, **params))
     return reqs
 
