@@ -10,7 +10,8 @@ Policy for fields (never silently wrong):
   prediction, modalities, reasoning_effort): accepted and ignored (logged once at DEBUG).
 - Extensions (vLLM/SGLang style, send them with the SDK's extra_body): top_k, min_p,
   repetition_penalty, min_tokens, ignore_eos, skip_special_tokens,
-  spaces_between_special_tokens, stop_token_ids, regex, ebnf (constrained decoding; also by
+  spaces_between_special_tokens, stop_token_ids, include_stop_str_in_output (vLLM's: keep
+  the matched stop string or stop token's text), regex, ebnf (constrained decoding; also by
   vLLM's names guided_json, guided_regex, guided_choice, guided_grammar); on chat
   also add_generation_prompt, continue_final_message and chat_template_kwargs (variables for
   the chat template, e.g. Qwen3's enable_thinking), and SGLang's separate_reasoning.
