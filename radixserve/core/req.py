@@ -64,6 +64,9 @@ class Req:
         # statistics
         self.cached_tokens = 0  # prompt tokens served from the radix cache (first admission)
         self.retraction_count = 0
+        # the most positions whose KV was computed before a retraction (what computing them
+        # again counts as recomputed)
+        self.computed_before_retraction = 0
         self.created_time = time.time()
         self.first_token_time: float | None = None
 

@@ -82,12 +82,16 @@ class KVPressureMixin:
     def _set_chunked_req_aside(self) -> bool:
         """The prompt being chunked holds KV between its chunks but has no output yet: when
         the decodes are short it goes back to the front of the queue first (its chunks so far
-        stay in the cache, evictable), as the newest request is preempted first in vLLM.
-        Without this a running request alone in the pool was ended short beside it."""
+        go to the prefix cache as evictable entries: what the decodes do not evict is reused
+        when it returns; without the radix cache they are freed), as the newest request is
+        preempted first in vLLM. Without this a running request alone in the pool was ended
+        short beside it. Its prompt logprobs so far are dropped: its next prefill computes
+        every position from logprob_start_len on again (the prefix match stops there)."""
         req = self.chunked_req
         if req is None or req.kv_len == 0:
             return False
         self.chunked_req, done = None, req.kv_len
+        req.input_token_logprobs, req.input_top_logprobs = [], []
         self._retract([req])
         self.ratio.after_retraction(self.running)
         logger.warning("KV cache is full: the prompt being chunked (%d of %d tokens done) "
@@ -110,6 +114,7 @@ class KVPressureMixin:
         """Back to the front of the queue with their output; their KV stays in the cache."""
         for req in reqs:
             self.tree_cache.cache_finished_req(req, token_ids=req.all_ids()[:req.kv_len])
+            req.computed_before_retraction = max(req.computed_before_retraction, req.kv_len)
             req.kv_len = 0
             req.retraction_count += 1
             req.is_being_chunked = False

@@ -314,8 +314,10 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
         for req in adder.can_run:
             if req is not chunked and not req.output_ids and req.retraction_count == 0:
                 req.cached_tokens = len(req.prefix_indices)
-            if req.retraction_count:
-                self.stats.num_recomputed_tokens += req.extend_input_len
+            if req.retraction_count:  # the positions this pass computes a second time
+                start = len(req.prefix_indices)
+                self.stats.num_recomputed_tokens += max(0, min(
+                    start + req.extend_input_len, req.computed_before_retraction) - start)
         self.chunked_req = adder.new_chunked_req
         self.stats.log_prefill(len(adder.can_run), adder.new_input_tokens,
                                adder.new_cached_tokens, self.token_usage(), len(running),

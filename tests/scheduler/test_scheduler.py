@@ -7,6 +7,8 @@ import pytest
 
 from radixserve.scheduler.retraction import (BASE_MIN_NEW_TOKEN_RATIO, INIT_NEW_TOKEN_RATIO,
                                              NEW_TOKEN_RATIO_DECAY)
+from radixserve.core.forward_batch import ForwardOutput
+from tests.scheduler import fake_runner
 from tests.scheduler.fake_runner import (EOS, assert_memory_clean, expected_output, make_req,
                                          make_scheduler, run_all)
 
@@ -520,4 +522,54 @@ def test_a_request_being_chunked_steps_aside_for_a_running_request_that_must_gro
     assert results["a"]["ids"] == expected_output(first, 2900)
     assert results["b"]["ids"] == expected_output(second, 8)
     assert scheduler.stats.num_retractions == 1  # the chunked prompt, once
+    assert_memory_clean(scheduler)
+
+
+class _PromptLogprobRunner(fake_runner.FakeRunner):
+    """The fake model, with a prompt logprob (0.0) for every prompt position asked for."""
+
+    def forward(self, batch):  # type: ignore[no-untyped-def]
+        ids = self._run(batch, batch.input_ids)
+        if not batch.return_logprob:
+            return ForwardOutput(ids)
+        prompt = None if batch.forward_mode.is_decode() else [
+            [(0.0, t) for t in following] for following in batch.extend_next_token_ids]
+        return ForwardOutput(ids, [0.0] * len(ids), None, prompt, None)
+
+
+def _prompt_logprobs(scheduler, msg) -> list:  # type: ignore[no-untyped-def]
+    scheduler.add_request(msg)
+    got: list = []
+    for _ in range(100000):
+        if not scheduler.has_work():
+            break
+        for out in scheduler.run_turn():
+            for i, rid in enumerate(out.rids):
+                if rid == msg.rid:
+                    got += out.meta_infos[i].get("input_token_logprobs") or []
+    return got
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_prompt_set_aside_returns_its_prompt_logprobs_once(overlap, monkeypatch) -> None:
+    """A chunked prompt asking for prompt logprobs and set aside for a running request
+    computes them again from its logprob start: they are returned once (3864 entries came
+    back for a 1955-token prompt), as when it runs alone."""
+    import dataclasses
+
+    monkeypatch.setattr(fake_runner, "FakeRunner", _PromptLogprobRunner)
+    args = dict(max_total_tokens=3000, context_len=8192, chunked_prefill_size=2,
+                num_continuous_decode_steps=1, disable_overlap_schedule=not overlap)
+    second = [5 + i % 37 for i in range(1955)]
+    msg = dataclasses.replace(make_req("b", second, max_new=8), return_logprob=True,
+                              logprob_start_len=0)
+    alone = _prompt_logprobs(make_scheduler(**args)[0], msg)
+    scheduler, _ = make_scheduler(**args)
+    scheduler.add_request(make_req("a", [4 + i % 40 for i in range(97)], max_new=2900))
+    while not scheduler.running or len(scheduler.running[0].output_ids) < 40:
+        scheduler.run_turn()
+    scheduler.ratio.value = scheduler.ratio.min_value
+    squeezed = _prompt_logprobs(scheduler, dataclasses.replace(msg))
+    assert scheduler.stats.num_retractions == 1
+    assert len(alone) == len(second) and squeezed == alone
     assert_memory_clean(scheduler)
