@@ -36,6 +36,8 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32 (penalties are float32)
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
@@ -142,8 +144,10 @@ class SamplingParams:
         check(-2.0 <= self.presence_penalty <= 2.0,
               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
               "presence_penalty")
-        check(self.repetition_penalty > 0.0,  # vLLM's bound (SGLang v0.2 capped it at 2)
-              f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+        # vLLM's bound (SGLang v0.2 capped it at 2), within float32 (inf would turn a zero
+        # logit into NaN)
+        check(0.0 < self.repetition_penalty <= FLOAT32_MAX,
+              f"repetition_penalty must be > 0 (and a float32), got {self.repetition_penalty}",
               "repetition_penalty")
         check(1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}", "n")
         check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),

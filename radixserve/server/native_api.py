@@ -217,7 +217,7 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
     async def get_server_info() -> JSONResponse:
         replicas = await tm.get_replica_states()
         state = type(replicas[0]).merge(replicas)
-        tm.metrics.update_state(state)
+        tm.note_states(replicas)
         return JSONResponse({**server_info(), "internal_state": dataclasses.asdict(state),
                              "replica_states": [dataclasses.asdict(r) for r in replicas],
                              "requests_in_flight_per_replica": list(tm.router.in_flight),

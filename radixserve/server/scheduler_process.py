@@ -82,6 +82,7 @@ class SchedulerLoop:
     def step(self) -> None:
         for message in self._drain():
             self._dispatch(message)
+            self.idle_update_sent = False  # a flush while idle changes the gauges too
         if self.scheduler.has_work():
             self.watchdog.turn_started()
             outs = self.scheduler.run_turn()

@@ -291,6 +291,14 @@ class TokenizerManager:
         failed = [r for r in replies if not r.success]
         return failed[0] if failed else replies[0]
 
+    def note_states(self, states: list[InternalState]) -> None:
+        """Replicas' latest states (sent unasked, or answers to /get_server_info): the
+        gauges of /metrics are their merge."""
+        for state in states:
+            self.latest_states[state.dp_rank] = state
+        self.metrics.update_state(InternalState.merge(
+            [self.latest_states[r] for r in sorted(self.latest_states)]))
+
     async def get_replica_states(self) -> list[InternalState]:
         """Each data-parallel replica's scheduler state, in replica order."""
         return await self._request_replies(GetInternalStateReq(), InternalState)
@@ -375,9 +383,7 @@ class TokenizerManager:
         if isinstance(message, BatchStrOut):
             self._handle_outputs(message)
         elif isinstance(message, SchedulerStateUpdate):
-            self.latest_states[message.state.dp_rank] = message.state
-            self.metrics.update_state(InternalState.merge(
-                [self.latest_states[r] for r in sorted(self.latest_states)]))
+            self.note_states([message.state])
         elif isinstance(message, ReqError):
             state = self.rid_to_state.get(message.rid)
             if state is not None:

@@ -41,6 +41,9 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int]] = [
                                                            "max_tokens": 0}, AUTH, 400),
     ("chat max_completion_tokens 0", "POST", "/v1/chat/completions",
      {"messages": CHAT_MSG, "max_completion_tokens": 0}, AUTH, 400),
+    # past float32, the penalty turned a zero logit into NaN
+    ("repetition_penalty past float32", "POST", "/v1/completions",
+     {"prompt": "a", "repetition_penalty": 1e39}, AUTH, 400),
     # a seed past 64 bits was taken modulo 2^64 (2^64 + 5 sampled as 5)
     ("seed past 64 bits", "POST", "/v1/completions", {"prompt": "a", "seed": 2**64 + 5},
      AUTH, 400),

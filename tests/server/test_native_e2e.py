@@ -245,3 +245,26 @@ def test_metrics_answer_while_the_scheduler_is_busy(server: Any) -> None:
     while _running_gauge(server) != 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _running_gauge(server) == 0  # the idle state went out when the work ended
+
+
+def test_metrics_follow_a_cache_flush_while_idle(server: Any) -> None:
+    """A flush on an idle server resets the cache hit rate: the scheduler sends its state
+    again after the flush (the gauge kept the old rate until the next request)."""
+    ids = list(range(300, 360))
+    for _ in range(2):  # the second one hits the first one's prefix
+        assert post(server, "/generate", {"input_ids": ids, "sampling_params": greedy(2)}
+                    ).status_code == 200
+
+    def hit_rate() -> float:
+        return _metric_sum(server, "radixserve:cache_hit_rate")
+
+    deadline = time.monotonic() + 30
+    while hit_rate() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert hit_rate() > 0
+    server.wait_idle_memory_check()
+    assert post(server, "/flush_cache", {}).json()["success"]
+    deadline = time.monotonic() + 30
+    while hit_rate() != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert hit_rate() == 0
