@@ -247,9 +247,10 @@ class TokenizerManager:
         try:
             await asyncio.gather(*(self.generate_final(w, http_request)
                                    for w in warmups.values()))
-        except BaseException:  # the client went, or the server failed: none is sent
-            self.waiting.forget(reqs)
-            for req in reqs:
+        except BaseException as exc:  # the client went, the server failed, or the prompt was
+            self.waiting.forget(reqs)  # refused (queue full, ...): none is sent
+            refused = isinstance(exc, APIError) and exc.status_code < 500
+            for req in [] if refused else reqs:  # a refusal is no request, as for n = 1
                 self.metrics.observe_finish("abort", len(req.input_ids), 0, 0,
                                             time.perf_counter() - started)
             raise

@@ -24,10 +24,12 @@ from tests.server.server_process import (REPO_ROOT, ServerProcess, free_port, pi
 
 
 async def burst(server: ServerProcess, count: int) -> list[tuple[int, dict]]:
+    """`count` completions at once, every fourth with n = 2 (its prompt prefilled first)."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         async def one(i: int) -> tuple[int, dict]:
             async with session.post(server.url("/v1/completions"), json={
-                    "prompt": f"Item {i}:", "max_tokens": 4, "temperature": 0}) as response:
+                    "prompt": f"Item {i}:", "max_tokens": 4, "temperature": 0,
+                    "n": 2 if i % 4 == 0 else 1}) as response:
                 return response.status, await response.json()
         return await asyncio.gather(*(one(i) for i in range(count)))
 
@@ -42,6 +44,11 @@ def test_queue_limit_then_scheduler_death() -> None:
         for status, body in results:
             if status == 429:
                 assert body["error"]["type"] == "rate_limit_error"
+        # a refused request is no aborted one (an n = 2 whose prompt was refused counted 2)
+        metrics = requests.get(server.url("/metrics"), timeout=30).text
+        assert not [line for line in metrics.splitlines() if line.startswith(
+            "radixserve:request_success_total") and 'finish_reason="abort"' in line
+            and float(line.split()[-1]) > 0], metrics
         info = server.server_info()
         assert info["internal_state"]["num_queued_reqs"] == 0
         scheduler_pid, detokenizer_pid = info["scheduler_pid"], info["detokenizer_pid"]
