@@ -28,6 +28,7 @@ import uvicorn
 
 from radixserve.config import DEFAULT_MODEL_NAME, ServerArgs
 from radixserve.server.scheduler_process import SchedulerFactory
+from radixserve.server.cpu_priority import bound_matmul_caches
 from radixserve.server.dp_router import DataParallelRouter
 from radixserve.server.http_server import build_app
 from radixserve.server.ipc import PortArgs
@@ -162,6 +163,7 @@ def launch_server(server_args: ServerArgs,
     stops them."""
     server_args.resolve()
     configure_logging(server_args.log_level, "server")
+    bound_matmul_caches(server_args)  # before any child is spawned: they inherit it
     if server_args.node_rank > 0:
         _serve_headless_node(server_args)
         return

@@ -36,3 +36,24 @@ def test_helpers_yield_on_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RADIXSERVE_CPU_HELPER_NICE", "10")
     yield_to_compute(ServerArgs(device="cpu"), "test")
     assert calls == [10]
+
+
+def test_the_cpu_matmul_caches_are_bounded_for_the_children(monkeypatch) -> None:
+    """A CPU server bounds oneDNN's and ideep's per-shape caches for the processes it spawns
+    (each distinct prefill size added megabytes, 1,024 entries by default); the environment's
+    own values win; a GPU server leaves them alone."""
+    from radixserve.server import cpu_priority
+
+    names = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+    for name in names:  # set, then deleted: the test's end restores the real environment
+        monkeypatch.setenv(name, "1")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(cpu_priority, "_on_cpu", lambda args: False)
+    cpu_priority.bound_matmul_caches(ServerArgs(device="cuda"))
+    assert not any(name in os.environ for name in names)
+    monkeypatch.setattr(cpu_priority, "_on_cpu", lambda args: True)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "32")
+    cpu_priority.bound_matmul_caches(ServerArgs(device="cpu"))
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == \
+        str(cpu_priority.MATMUL_CACHE_ENTRIES)
+    assert os.environ["LRU_CACHE_CAPACITY"] == "32"
