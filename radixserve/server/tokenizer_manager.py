@@ -324,14 +324,20 @@ class TokenizerManager:
     # ---- internals ----
     def fail_all(self, message: str, status_code: int = 503) -> int:
         """Refuse new requests from now on and end every open one with this error (its
-        stream gets an error event and [DONE]); returns how many were open. Event loop only;
-        other threads call `fail_all_threadsafe`."""
+        stream gets an error event and [DONE]), and every control request waiting for a
+        scheduler's answer (they waited for their timeout); returns how many requests were
+        open. Event loop only; other threads call `fail_all_threadsafe`."""
         self.refusing = message
         open_states = [s for s in self.rid_to_state.values()
                        if not s.finished and s.error is None]
         for state in open_states:
             state.error = ReqError(state.req.rid, message, http_status=status_code)
             state.event.set()
+        for waiters in self.pending_replies.values():
+            for _, future in waiters:
+                if not future.done():
+                    future.set_exception(APIError(message, status_code=status_code))
+            waiters.clear()
         return len(open_states)
 
     def fail_all_threadsafe(self, message: str) -> None:

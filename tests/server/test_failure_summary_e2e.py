@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import requests
 
@@ -43,7 +44,19 @@ def test_summary_counts_the_streams_a_dead_rank_ended() -> None:
     server = ServerProcess()
     try:
         threads, events = _open_long_streams(server, STREAMS)
-        os.kill(server.server_info()["scheduler_pid"], signal.SIGKILL)
+        scheduler = server.server_info()["scheduler_pid"]
+        # a control request waiting for the scheduler's answer fails with the server too (it
+        # waited for its 60 s timeout, or the connection was cut at the shutdown)
+        os.kill(scheduler, signal.SIGSTOP)
+        flushed: list[requests.Response] = []
+        flusher = threading.Thread(target=lambda: flushed.append(requests.post(
+            server.url("/flush_cache"), timeout=HANG_GUARD_S)), daemon=True)
+        flusher.start()
+        time.sleep(1.0)
+        os.kill(scheduler, signal.SIGKILL)
+        flusher.join(timeout=HANG_GUARD_S)
+        assert flushed and flushed[0].status_code == 503, flushed
+        assert "the server failed" in flushed[0].text
         for thread in threads:
             thread.join(timeout=HANG_GUARD_S)
         assert server.proc.wait(timeout=HANG_GUARD_S) != 0
