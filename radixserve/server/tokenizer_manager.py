@@ -399,12 +399,14 @@ class TokenizerManager:
         elif type(message) in self.pending_replies:
             waiters = self.pending_replies[type(message)]
             replica = getattr(message, "dp_rank", 0)
+            # a replica answers in the order it was asked: this reply is its oldest waiter's,
+            # even one that timed out (it is dropped then, not handed to the next waiter)
             for waiter in list(waiters):
                 if waiter[0] == replica:
                     waiters.remove(waiter)
                     if not waiter[1].done():
                         waiter[1].set_result(message)
-                        break
+                    break
         else:
             logger.error("tokenizer manager got an unknown message %r", type(message).__name__)
 
