@@ -38,6 +38,7 @@ class InvalidRequestError(ValueError):
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32 (penalties are float32)
 
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128

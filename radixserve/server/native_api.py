@@ -216,8 +216,7 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
     @router.get("/get_server_info")
     async def get_server_info() -> JSONResponse:
         replicas = await tm.get_replica_states()
-        state = type(replicas[0]).merge(replicas)
-        tm.note_states(replicas)
+        state = tm.note_states(replicas)  # every replica answered: their merge
         return JSONResponse({**server_info(), "internal_state": dataclasses.asdict(state),
                              "replica_states": [dataclasses.asdict(r) for r in replicas],
                              "requests_in_flight_per_replica": list(tm.router.in_flight),

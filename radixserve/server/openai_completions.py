@@ -66,7 +66,7 @@ class LogprobBuilder:
             tops = {names.get(t, s or ""): lp for lp, t, s in top or ()}
             if logprob is not None:  # the chosen token is always listed (up to n + 1; with
                 tops.setdefault(name, logprob)  # logprobs 0 alone, as vLLM lists it)
-            out["top_logprobs"].append(tops if tops or top is not None else None)
+            out["top_logprobs"].append(None if top is None and logprob is None else tops)
             out["text_offset"].append(self.offset)
             data = raw.get(tid)
             self.offset += len(text or "") if data is None else len(self._decoder.decode(data))

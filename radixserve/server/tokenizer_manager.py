@@ -292,13 +292,14 @@ class TokenizerManager:
         failed = [r for r in replies if not r.success]
         return failed[0] if failed else replies[0]
 
-    def note_states(self, states: list[InternalState]) -> None:
+    def note_states(self, states: list[InternalState]) -> InternalState:
         """Replicas' latest states (sent unasked, or answers to /get_server_info): the
-        gauges of /metrics are their merge."""
+        gauges of /metrics are their merge, which is returned."""
         for state in states:
             self.latest_states[state.dp_rank] = state
-        self.metrics.update_state(InternalState.merge(
-            [self.latest_states[r] for r in sorted(self.latest_states)]))
+        merged = InternalState.merge([self.latest_states[r] for r in sorted(self.latest_states)])
+        self.metrics.update_state(merged)
+        return merged
 
     async def get_replica_states(self) -> list[InternalState]:
         """Each data-parallel replica's scheduler state, in replica order."""
