@@ -73,9 +73,19 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], int | None]] = {
                                               first_k_dense_replace=1,
                                               topk_method="group_limited_greedy", n_group=4,
                                               topk_group=2, routed_scaling_factor=1.5), None),
+    # DeepSeek-V3: MLA with q compression, sigmoid routing with a (randomised) correction bias
+    "deepseek-v3": ("DeepseekV3Config", dict(hidden_size=512, num_attention_heads=8,
+                                             num_key_value_heads=8, kv_lora_rank=128,
+                                             q_lora_rank=192, qk_nope_head_dim=64,
+                                             qk_rope_head_dim=32, v_head_dim=64,
+                                             n_routed_experts=32, num_experts_per_tok=4,
+                                             moe_intermediate_size=256, n_shared_experts=1,
+                                             first_k_dense_replace=1, n_group=4, topk_group=2,
+                                             norm_topk_prob=True, routed_scaling_factor=2.5),
+                    None),
 }
 DEFAULT_CHECKPOINTS = ["hd128-gqa4", "mistral-swa32", "gemma2-hd64", "qwen3-hd64"]
-MOE_CHECKPOINTS = ["mixtral-moe", "qwen3-moe", "deepseek-mla"]
+MOE_CHECKPOINTS = ["mixtral-moe", "qwen3-moe", "deepseek-mla", "deepseek-v3"]
 PATHS = (("torch_native", False, 1), ("triton", False, 1), ("triton", True, 1))
 
 
@@ -111,6 +121,9 @@ def make_checkpoint(name: str, folder: Path, seed: int = 0) -> None:
                 param.normal_(0, 0.06)
             else:
                 param.uniform_(0.8, 1.2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: zeros at init
+                buffer.normal_(0, 0.3)
     model.save_pretrained(folder)
 
 

@@ -7,7 +7,7 @@
 #   MOE_STEPS="tests gemv gemv_ab" bash benchmarks/gpu_moe.sh             # the decode GEMVs
 #
 # tests:       pytest of the fused-MoE and MLA kernel tests on the GPU
-# correctness: tiny Mixtral / Qwen3-MoE / DeepSeek-V2 (MLA) checkpoints, torch_native, triton,
+# correctness: tiny Mixtral / Qwen3-MoE / DeepSeek-V2 / V3 (MLA) checkpoints, torch_native, triton,
 #              triton + CUDA graphs vs transformers, bf16 and fp32 (gpu_correctness.py)
 # kernels:     benchmarks/gpu_moe.py --sweep (MLA decode kernel, fused-MoE sweep + figures)
 # decode:      one static batch at context 1024, dummy bf16 weights, graphs + overlap:
@@ -37,8 +37,9 @@ if step tests; then
 fi
 if step correctness; then
     echo "== correctness"
+    checkpoints=${MOE_CORR_CHECKPOINTS:-mixtral-moe qwen3-moe deepseek-mla deepseek-v3}
     timeout -k 10 "${MOE_CORR_SECONDS:-200}" python3 benchmarks/gpu_correctness.py \
-        --checkpoints mixtral-moe qwen3-moe deepseek-mla --new-tokens 24 \
+        --checkpoints $checkpoints --new-tokens 24 \
         --time-budget $(( ${MOE_CORR_SECONDS:-200} - 30 )) --out "$OUT" > "$OUT/correctness.log" 2>&1
     echo "   rc $?: $(grep '^correctness:' "$OUT/correctness.log" || tail -2 "$OUT/correctness.log")"
     grep -E '^(FAIL|TIE) ' "$OUT/correctness.log" | cut -c1-220 | head -12

@@ -255,6 +255,7 @@ ARCHITECTURE_MODEL_TYPES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # rope scaling kinds implemented (layers/rotary.py computes them with transformers' own
 # frequency functions); anything else is refused rather than run with the wrong positions

@@ -68,7 +68,7 @@ def _moe_shape(cfg: ModelConfig) -> _Moe | None:
     if arch == "MixtralForCausalLM":
         return _Moe(hf.num_local_experts, hf.num_experts_per_tok, cfg.intermediate_size, 0,
                     False)
-    if arch.startswith("DeepseekV2") and hf.n_routed_experts:
+    if arch.startswith(("DeepseekV2", "DeepseekV3")) and hf.n_routed_experts:
         return _Moe(hf.n_routed_experts, hf.num_experts_per_tok, hf.moe_intermediate_size,
                     hf.moe_intermediate_size * (hf.n_shared_experts or 0), False)
     if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
@@ -80,7 +80,7 @@ def _moe_shape(cfg: ModelConfig) -> _Moe | None:
 
 def _is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
     hf = cfg.hf
-    if cfg.architecture.startswith("DeepseekV2"):
+    if cfg.architecture.startswith(("DeepseekV2", "DeepseekV3")):
         return layer_id >= hf.first_k_dense_replace
     if cfg.architecture.startswith("Qwen"):
         step = getattr(hf, "decoder_sparse_step", 1) or 1

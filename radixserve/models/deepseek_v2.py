@@ -1,5 +1,6 @@
-"""DeepSeek-V2 / V2-Lite: multi-head latent attention (MLA) and a sparse MoE with shared
-experts and group-limited routing; the first `first_k_dense_replace` layers are dense.
+"""DeepSeek-V2 / V2-Lite / V3 / R1: multi-head latent attention (MLA) and a sparse MoE with
+shared experts and group-limited routing (softmax for V2, sigmoid with a correction bias for
+V3); the first `first_k_dense_replace` layers are dense.
 
 MLA per layer (per rank: heads split over tensor-parallel ranks, latent replicated):
   q        = q_proj(x) (V2-Lite) or q_b_proj(norm(q_a_proj(x))) (V2)  -> [T, H, nope + rope]
@@ -183,4 +184,25 @@ class DeepseekV2ForCausalLM(CausalLM):
                            v_head_dim=hf.kv_lora_rank)
 
 
-EntryClass = [DeepseekV2ForCausalLM]
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """DeepSeek-V3 / R1 (and Kimi-K2, same architecture): V2's MLA and MoE blocks with
+    sigmoid noaux_tc routing (moe_blocks.routing_config). The checkpoint's multi-token
+    prediction layers (`model.layers.{num_hidden_layers + i}`, for speculative decoding) are
+    skipped: we decode one token per step."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        if not getattr(config.hf, "rope_interleave", True):
+            raise ValueError("DeepSeek-V3 with rope_interleave false is not supported (the "
+                             "released checkpoints use DeepSeek's interleaved rope pairs)")
+        super().__init__(config)
+        self._first_mtp_layer = config.num_hidden_layers
+
+    def skip_weight(self, name: str) -> bool:
+        if name.startswith("model.layers."):
+            layer = name.split(".", 3)[2]
+            if layer.isdigit() and int(layer) >= self._first_mtp_layer:
+                return True
+        return super().skip_weight(name)
+
+
+EntryClass = [DeepseekV2ForCausalLM, DeepseekV3ForCausalLM]

@@ -5,7 +5,8 @@
                   optionally scaled by sigmoid(`shared_expert_gate`(x)) (Qwen2-MoE);
                   every part leaves its tensor-parallel partial sum and the block all-reduces
                   once.
-Checkpoint names stay the families' own: Qwen and DeepSeek `mlp.gate`, `mlp.experts.{e}.*`;
+Checkpoint names stay the families' own: Qwen and DeepSeek `mlp.gate`, `mlp.experts.{e}.*`
+(DeepSeek-V3's float32 `mlp.gate.e_score_correction_bias` beside the router weight);
 Mixtral's `block_sparse_moe` is renamed to `mlp` by `mixtral.py`.
 """
 from __future__ import annotations
@@ -27,6 +28,16 @@ def routing_config(config: ModelConfig) -> RoutingConfig:
     arch = config.architecture
     if arch == "MixtralForCausalLM":
         return RoutingConfig(hf.num_local_experts, hf.num_experts_per_tok, renormalize=True)
+    if arch.startswith("DeepseekV3"):  # transformers' V3 router: always sigmoid + noaux_tc
+        scoring = getattr(hf, "scoring_func", None) or "sigmoid"
+        method = getattr(hf, "topk_method", None) or "noaux_tc"
+        if scoring != "sigmoid" or method != "noaux_tc":
+            raise ValueError(f"DeepSeek-V3 routing {scoring}/{method} is not supported "
+                             "(only sigmoid scores with noaux_tc)")
+        return RoutingConfig(hf.n_routed_experts, hf.num_experts_per_tok,
+                             renormalize=bool(getattr(hf, "norm_topk_prob", True)),
+                             num_groups=hf.n_group or 1, topk_group=hf.topk_group or 1,
+                             scaling_factor=float(hf.routed_scaling_factor), scoring="sigmoid")
     if arch.startswith("DeepseekV2"):
         grouped = getattr(hf, "topk_method", "greedy") == "group_limited_greedy"
         return RoutingConfig(hf.n_routed_experts, hf.num_experts_per_tok,
@@ -48,6 +59,9 @@ class SparseMoeBlock(nn.Module):
         self.routing = routing_config(config)
         hidden = config.hidden_size
         self.gate = ReplicatedLinear(hidden, self.routing.num_experts, quantize=False)
+        if self.routing.scoring == "sigmoid":  # checkpoint: mlp.gate.e_score_correction_bias
+            self.gate.e_score_correction_bias = nn.Parameter(
+                torch.zeros(self.routing.num_experts, dtype=torch.float32), requires_grad=False)
         self.router_fp32 = router_fp32
         self.experts = FusedMoE(self.routing.num_experts, hidden, expert_intermediate_size,
                                 getattr(config.hf, "hidden_act", "silu"))
@@ -64,7 +78,8 @@ class SparseMoeBlock(nn.Module):
             logits = torch.nn.functional.linear(hidden.float(), self.gate.weight.float())
         else:
             logits = self.gate(hidden)
-        out = self.experts(hidden, select_experts(logits, self.routing))
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        out = self.experts(hidden, select_experts(logits, self.routing, bias))
         if self.shared_name is not None:
             shared = getattr(self, self.shared_name)(hidden)
             if self.shared_expert_gate is not None:

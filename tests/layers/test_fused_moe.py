@@ -117,6 +117,27 @@ def test_softmax_topk_kernel_matches_torch_routing(num_tokens, num_experts, top_
     torch.testing.assert_close(weights.cpu().gather(1, mine), ref.weights.gather(1, theirs))
 
 
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,groups,topk_group,renormalize,bias", [
+    (2, 256, 8, 8, 4, True, True),  # DeepSeek-V3 / R1
+    (3, 384, 8, 1, 1, True, True),  # Kimi-K2: one group
+    (5, 64, 6, 8, 3, False, True), (4, 16, 3, 4, 2, True, False)])
+def test_sigmoid_topk_kernel_matches_torch_routing(num_tokens, num_experts, top_k, groups,
+                                                   topk_group, renormalize, bias) -> None:
+    from radixserve.layers.kernels.moe_router import sigmoid_grouped_topk
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    correction = torch.randn(num_experts, generator=gen) * 0.5 if bias else None
+    weights, ids = sigmoid_grouped_topk(
+        logits.to(DEVICE), None if correction is None else correction.to(DEVICE), top_k,
+        groups, topk_group, renormalize, 2.5)
+    ref = select_experts(logits, RoutingConfig(
+        num_experts, top_k, renormalize=renormalize, num_groups=groups, topk_group=topk_group,
+        scaling_factor=2.5, scoring="sigmoid"), correction)
+    mine, theirs = torch.argsort(ids.cpu(), 1), torch.argsort(ref.ids, 1)
+    assert torch.equal(ids.cpu().gather(1, mine), ref.ids.gather(1, theirs))
+    torch.testing.assert_close(weights.cpu().gather(1, mine), ref.weights.gather(1, theirs))
+
+
 @pytest.mark.parametrize("block", [None, 16])
 def test_fused_experts_with_fp8_weights_match_the_dequantised_experts(block, moe_path) -> None:
     from radixserve.layers.quantization.fp8 import dequantize_weight, quantize_per_channel

@@ -18,7 +18,8 @@ from tests.models.runner_driver import RunnerDriver
 from tests.models.tiny_checkpoints import make_checkpoint
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-           "w1", "w2", "w3", "kv_a_proj_with_mqa", "kv_b_proj")  # Mixtral experts, MLA
+           "w1", "w2", "w3", "kv_a_proj_with_mqa", "kv_b_proj",  # Mixtral experts, MLA
+           "q_a_proj", "q_b_proj")  # MLA with q compression (DeepSeek-V3's FP8 release)
 FP8 = torch.float8_e4m3fn
 
 
@@ -101,7 +102,8 @@ def _logits(folder: Path, **kwargs: object) -> list[torch.Tensor]:
                                        ("tensor", "llama_gqa_llama3_rope"),
                                        ("channel", "llama_gqa_llama3_rope"),
                                        ("block", "qwen3_moe"), ("channel", "qwen3_moe"),
-                                       ("block", "deepseek_v2_lite_mla")])
+                                       ("block", "deepseek_v2_lite_mla"),
+                                       ("block", "deepseek_v3_noaux")])
 def test_fp8_checkpoint_matches_its_dequantised_twin(fmt: str, model: str, tmp_path) -> None:
     fp8_folder, twin_folder = _write_pair(tmp_path, fmt, model)
     for got, want in zip(_logits(fp8_folder), _logits(twin_folder)):

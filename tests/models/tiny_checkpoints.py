@@ -70,6 +70,18 @@ CONFIGS = {
         qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=24, n_shared_experts=1, first_k_dense_replace=0,
         topk_method="greedy", tie_word_embeddings=False)),
+    # DeepSeek-V3 (and R1, Kimi-K2) layout: MLA with q compression, layers 0-1 dense, sigmoid
+    # scores with a correction bias (randomised below) choosing top-3 of 16 experts in the 2 of
+    # 4 groups whose two best biased scores sum highest, weights renormalised and scaled, yarn
+    "deepseek_v3_noaux": (transformers.DeepseekV3Config, dict(
+        BASE, num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=16,
+        num_experts_per_tok=3, moe_intermediate_size=24, n_shared_experts=1,
+        first_k_dense_replace=2, n_group=4, topk_group=2, norm_topk_prob=True,
+        routed_scaling_factor=2.5, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                      "rope_theta": 10000.0})),
 }
 
 
@@ -87,5 +99,8 @@ def make_checkpoint(name: str, folder: Path, seed: int = 0) -> transformers.PreT
                 param.normal_(0, 0.1)
             else:
                 param.uniform_(0.8, 1.2)
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):  # DeepSeek-V3: zeros at init
+                buffer.normal_(0, 0.3)
     model.save_pretrained(folder)
     return model.eval()

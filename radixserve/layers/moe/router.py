@@ -5,6 +5,10 @@ Kinds, as the model families define them:
     renormalised to sum to 1 when `renormalize` (Mixtral always, Qwen when `norm_topk_prob`);
   * group-limited top-k (DeepSeek-V2): softmax, then only the experts of the `topk_group`
     groups (of `num_groups`) with the largest per-group maximum compete for the k places;
+  * sigmoid top-k with a correction bias (DeepSeek-V3, R1, Kimi-K2: `noaux_tc`): scores are
+    sigmoid(logits); the choice ranks score + bias (a per-expert load-balancing bias from the
+    checkpoint), groups ranked by the sum of their two best biased scores; the weights are the
+    chosen experts' unbiased scores, renormalised when `renormalize`;
   * the weights are multiplied by `scaling_factor` (DeepSeek's routed_scaling_factor).
 No host sync and fixed shapes, so a decode step with routing can be captured in a CUDA graph.
 """
@@ -29,12 +33,37 @@ class RoutingConfig:
     num_groups: int = 1  # group-limited routing when topk_group < num_groups
     topk_group: int = 1
     scaling_factor: float = 1.0
+    scoring: str = "softmax"  # or "sigmoid" (DeepSeek-V3's noaux_tc, with a correction bias)
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unknown MoE scoring function {self.scoring!r}")
+        if self.num_experts % self.num_groups:
+            raise ValueError(f"{self.num_experts} experts do not split into "
+                             f"{self.num_groups} groups")
+        if self.topk_group * (self.num_experts // self.num_groups) < self.top_k:
+            raise ValueError(f"top-{self.top_k} routing cannot fill from {self.topk_group} "
+                             f"groups of {self.num_experts // self.num_groups} experts")
 
 
-def select_experts(router_logits: torch.Tensor, config: RoutingConfig) -> TopK:
+def select_experts(router_logits: torch.Tensor, config: RoutingConfig,
+                   correction_bias: torch.Tensor | None = None) -> TopK:
     """router_logits: [T, E] -> the k experts of each token and their weights (float32).
-    On CUDA, ungrouped routing is one Triton kernel (layers/kernels/moe_router.py)."""
+    correction_bias [E] (sigmoid scoring only) shifts the choice, not the weights.
+    On CUDA, ungrouped softmax routing and sigmoid routing are one Triton kernel each
+    (layers/kernels/moe_router.py)."""
     grouped = config.num_groups > 1 and config.topk_group < config.num_groups
+    if config.scoring == "sigmoid":
+        if router_logits.is_cuda:
+            try:
+                from radixserve.layers.kernels.moe_router import sigmoid_grouped_topk
+            except ImportError:
+                pass
+            else:
+                return TopK(*sigmoid_grouped_topk(
+                    router_logits, correction_bias, config.top_k, config.num_groups,
+                    config.topk_group, config.renormalize, config.scaling_factor))
+        return _sigmoid_topk(router_logits, config, correction_bias, grouped)
     if router_logits.is_cuda and not grouped:
         try:
             from radixserve.layers.kernels.moe_router import softmax_topk
@@ -49,6 +78,29 @@ def select_experts(router_logits: torch.Tensor, config: RoutingConfig) -> TopK:
     weights, ids = torch.topk(scores, config.top_k, dim=-1, sorted=False)
     if config.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if config.scaling_factor != 1.0:
+        weights = weights * config.scaling_factor
+    return TopK(weights, ids.to(torch.int32))
+
+
+def _sigmoid_topk(router_logits: torch.Tensor, config: RoutingConfig,
+                  correction_bias: torch.Tensor | None, grouped: bool) -> TopK:
+    """DeepSeek-V3's noaux_tc routing (transformers' DeepseekV3TopkRouter, vLLM's
+    grouped_topk with a correction bias)."""
+    scores = torch.sigmoid(router_logits.float())
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if grouped:
+        num_tokens, num_experts = choice.shape
+        per_group = choice.view(num_tokens, config.num_groups, num_experts // config.num_groups)
+        group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)
+        best = torch.topk(group_scores, config.topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        choice = per_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(
+            num_tokens, num_experts)
+    ids = torch.topk(choice, config.top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if config.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     if config.scaling_factor != 1.0:
         weights = weights * config.scaling_factor
     return TopK(weights, ids.to(torch.int32))
