@@ -50,6 +50,12 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], int | None]] = {
                                          query_pre_attn_scalar=64, attn_logit_softcapping=5.0,
                                          final_logit_softcapping=3.0,
                                          tie_word_embeddings=True), None),
+    "gemma3-hd64": ("Gemma3TextConfig", dict(hidden_size=512, num_attention_heads=8,
+                                             num_key_value_heads=4, head_dim=64,
+                                             sliding_window=48, query_pre_attn_scalar=64,
+                                             layer_types=["sliding_attention",
+                                                          "full_attention"] * 2,
+                                             tie_word_embeddings=True), None),
     "qwen3-hd64": ("Qwen3Config", dict(hidden_size=512, num_attention_heads=8,
                                        num_key_value_heads=2, head_dim=64), None),
     "hd64-mha": ("LlamaConfig", dict(hidden_size=512, num_attention_heads=8,
@@ -84,7 +90,7 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], int | None]] = {
                                              norm_topk_prob=True, routed_scaling_factor=2.5),
                     None),
 }
-DEFAULT_CHECKPOINTS = ["hd128-gqa4", "mistral-swa32", "gemma2-hd64", "qwen3-hd64"]
+DEFAULT_CHECKPOINTS = ["hd128-gqa4", "mistral-swa32", "gemma2-hd64", "gemma3-hd64", "qwen3-hd64"]
 MOE_CHECKPOINTS = ["mixtral-moe", "qwen3-moe", "deepseek-mla", "deepseek-v3"]
 PATHS = (("torch_native", False, 1), ("triton", False, 1), ("triton", True, 1))
 

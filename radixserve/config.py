@@ -251,6 +251,7 @@ ARCHITECTURE_MODEL_TYPES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -328,6 +329,12 @@ class ModelConfig:
         self.sliding_window: int | None = int(window) if window else None
         self.layer_types: list[str] | None = get("layer_types", None)
         self.rope_parameters: dict[str, Any] = dict(get("rope_parameters", None) or {})
+        # a rope per layer type, where transformers keys rope_parameters by layer type
+        # (Gemma-3: a local base on sliding layers, scaling on full ones; its rope_parameters
+        # and rope_type then say nothing of either); empty otherwise
+        self.layer_rope_parameters: dict[str, dict[str, Any]] = {
+            kind: dict(params) for kind, params in self.rope_parameters.items()
+            if kind in (self.layer_types or ()) and isinstance(params, dict)}
         self.context_length = 0  # resolve_context_length: min(user flag, max positions)
         self._check_rope()
 
@@ -336,9 +343,12 @@ class ModelConfig:
         return self.rope_parameters.get("rope_type", self.rope_parameters.get("type", "default"))
 
     def _check_rope(self) -> None:
-        if self.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"{self.architecture}: rope scaling {self.rope_type!r} is not "
-                             f"supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        kinds = [self.rope_type] + [params.get("rope_type", params.get("type", "default"))
+                                    for params in self.layer_rope_parameters.values()]
+        for kind in kinds:
+            if kind not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"{self.architecture}: rope scaling {kind!r} is not "
+                                 f"supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
 
     def layer_sliding_window(self, layer_id: int) -> int | None:
         """The attention window of one layer (None: full attention). Mistral v0.1 windows every

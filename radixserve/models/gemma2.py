@@ -15,10 +15,12 @@ from radixserve.models.blocks import CausalLM, DecoderAttention, DecoderModel, G
 
 
 class Gemma2DecoderLayer(nn.Module):
+    attention_cls: type[DecoderAttention] = DecoderAttention  # Gemma-3 adds q/k norms
+
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         hf = config.hf
-        self.self_attn = DecoderAttention(
+        self.self_attn = self.attention_cls(
             config, layer_id, rotary, scaling=hf.query_pre_attn_scalar ** -0.5,
             logit_cap=float(hf.attn_logit_softcapping or 0.0))
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size,

@@ -1,6 +1,6 @@
 """Greedy generation through the Engine (scheduler, radix cache, chunked prefill, overlap)
 equals transformers on tiny random checkpoints of the families added on the shared blocks, in
-fp32: Qwen3, Gemma-2, Mistral with a sliding window shorter than the prompts, the MoE families
+fp32: Qwen3, Gemma-2, Gemma-3, Mistral with a sliding window shorter than the prompts, the MoE families
 (Mixtral, Qwen2-MoE, Qwen3-MoE) and DeepSeek-V2 / V3 with MLA.
 
 The reference is transformers' full forward pass, argmax'ed one token at a time (its attention
@@ -27,6 +27,7 @@ def hf_greedy(hf_model, ids: list[int], new_tokens: int) -> list[int]:
 
 
 @pytest.mark.parametrize("name", ["mistral_window32", "qwen3_qk_norm", "gemma2_softcap_window",
+                                  "gemma3_text", "gemma3_linear_rope",
                                   "mixtral_moe", "qwen2_moe_shared", "qwen3_moe",
                                   "deepseek_v2_lite_mla", "deepseek_v2_q_lora",
                                   "deepseek_v3_noaux"])

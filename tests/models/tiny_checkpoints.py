@@ -82,6 +82,18 @@ CONFIGS = {
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
                       "rope_theta": 10000.0})),
+    # Gemma-3: Gemma-2's layer plus (1 + w) q/k norms per head; the default layer_types (five
+    # sliding layers, window 24, then a full one) with a rope each (local 10k, global 1M), tied
+    "gemma3_text": (transformers.Gemma3TextConfig, dict(
+        BASE, num_hidden_layers=6, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+        sliding_window=24, tie_word_embeddings=True)),
+    # Gemma-3 4b-27b style: linear rope scaling on the full layers only, a local base of its
+    # own (config.json's rope_scaling / rope_theta / rope_local_base_freq), one KV head (1b)
+    "gemma3_linear_rope": (transformers.Gemma3TextConfig, dict(
+        BASE, num_hidden_layers=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=28, layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_theta=100000.0, rope_local_base_freq=1000.0,
+        rope_scaling={"rope_type": "linear", "factor": 4.0}, tie_word_embeddings=True)),
 }
 
 

@@ -14,10 +14,14 @@ No host sync and fixed shapes, so a decode step with routing can be captured in 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+# RADIXSERVE_MOE_ROUTER_KERNEL=0: the torch routing on CUDA too (for A/B timing)
+ROUTER_KERNEL = os.environ.get("RADIXSERVE_MOE_ROUTER_KERNEL", "1") != "0"
 
 
 class TopK(NamedTuple):
@@ -54,7 +58,7 @@ def select_experts(router_logits: torch.Tensor, config: RoutingConfig,
     (layers/kernels/moe_router.py)."""
     grouped = config.num_groups > 1 and config.topk_group < config.num_groups
     if config.scoring == "sigmoid":
-        if router_logits.is_cuda:
+        if router_logits.is_cuda and ROUTER_KERNEL:
             try:
                 from radixserve.layers.kernels.moe_router import sigmoid_grouped_topk
             except ImportError:
@@ -64,7 +68,7 @@ def select_experts(router_logits: torch.Tensor, config: RoutingConfig,
                     router_logits, correction_bias, config.top_k, config.num_groups,
                     config.topk_group, config.renormalize, config.scaling_factor))
         return _sigmoid_topk(router_logits, config, correction_bias, grouped)
-    if router_logits.is_cuda and not grouped:
+    if router_logits.is_cuda and ROUTER_KERNEL and not grouped:
         try:
             from radixserve.layers.kernels.moe_router import softmax_topk
         except ImportError:
