@@ -252,6 +252,8 @@ ARCHITECTURE_MODEL_TYPES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    # multimodal Gemma-3 (4b-27b): served text-only, its language model (`text_config`)
+    "Gemma3ForConditionalGeneration": "gemma3",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -293,14 +295,23 @@ class ModelConfig:
     every layer needs, resolved once (head_dim, KV heads, EOS ids, the context length).
 
     Model files read anything family-specific straight from `hf` (Gemma-2's soft-capping,
-    Qwen3's q/k norms, ...)."""
+    Qwen3's q/k norms, ...). For a multimodal checkpoint served text-only (Gemma-3 4b-27b:
+    `text_config` and `vision_config`) `hf` is its language model's config
+    (`get_text_config`, the config itself for every other model); the architecture, EOS and
+    BOS ids, embedding tying and dtype are the top level's where it sets them, as
+    transformers reads them for the whole model."""
 
     def __init__(self, hf_config: Any) -> None:
-        self.hf = hf_config
+        self.hf = text_config = hf_config.get_text_config(decoder=True)
         archs = getattr(hf_config, "architectures", None) or \
             _architectures_of(getattr(hf_config, "model_type", None) or None)
         self.architecture: str = archs[0]
-        get = functools.partial(getattr, hf_config)
+        get = functools.partial(getattr, text_config)
+
+        def top(name: str, default: Any = None) -> Any:
+            value = getattr(hf_config, name, None)
+            return get(name, default) if value is None else value
+
         self.vocab_size: int = get("vocab_size")
         self.hidden_size: int = get("hidden_size")
         self.intermediate_size: int = get("intermediate_size", 0)
@@ -311,16 +322,16 @@ class ModelConfig:
         self.head_dim: int = get("head_dim", None) or self.hidden_size // self.num_attention_heads
         self.max_position_embeddings: int = get("max_position_embeddings", 4096)
         self.rms_norm_eps: float = get("rms_norm_eps", 1e-6)
-        self.tie_word_embeddings: bool = bool(get("tie_word_embeddings", False))
+        self.tie_word_embeddings: bool = bool(top("tie_word_embeddings", False))
         default_bias = self.architecture.startswith("Qwen2")  # Qwen2: bias on q/k/v
         self.attention_bias: bool = bool(get("attention_bias", get("qkv_bias", default_bias)))
         # Llama and Qwen3 put attention_bias on o_proj too; Qwen2's q/k/v bias stops there
         self.o_proj_bias: bool = self.attention_bias and not default_bias
         self.mlp_bias: bool = bool(get("mlp_bias", False))
-        dtype = get("dtype", None) or "bfloat16"
+        dtype = top("dtype") or "bfloat16"
         self.torch_dtype: str = str(dtype).replace("torch.", "")
-        self.bos_token_id: int | None = get("bos_token_id", None)
-        eos = get("eos_token_id", None)
+        self.bos_token_id: int | None = top("bos_token_id")
+        eos = top("eos_token_id")
         self.eos_token_ids: list[int] = [] if eos is None else \
             ([eos] if isinstance(eos, int) else list(eos))
         window = get("sliding_window", None)

@@ -284,6 +284,7 @@ class Engine:
                                       "such lists")
         ids = []
         for conversation in conversations:
+            _check_text_only(conversation)
             try:
                 text = self.tokenizer.apply_chat_template(
                     conversation, tools=tools, tokenize=False,
@@ -356,6 +357,19 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _check_text_only(conversation: list[Any]) -> None:
+    """Content parts other than text (images, audio) are refused, as the server's chat route
+    refuses them: the models served read text only, and a chat template would drop such a part
+    or write a bare marker for it (Gemma-3's <start_of_image>) without the image."""
+    for message in conversation:
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in (None, "text"):
+                raise InvalidRequestError(f"content parts of type {kind!r} are not supported; "
+                                          "only text")
 
 
 def _is_single(prompt: Any, input_ids: Any) -> bool:

@@ -19,6 +19,7 @@ import zlib
 import torch
 
 DUMMY_WEIGHT_RANGE = 1e-3
+FP8_SLICE_ELEMENTS = 1 << 26  # 256 MB of float32 at a time
 
 
 def _param_seed(seed: int, name: str) -> int:
@@ -39,11 +40,17 @@ def init_dummy_weights(model: torch.nn.Module, seed: int,
         generator = torch.Generator(device=param.device)
         generator.manual_seed(_param_seed(seed, name))
         if param.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            # FP8 codes over the format's range; their scales (below) bring them to the range
+            # FP8 codes over the format's range; their scales (below) bring them to the range.
+            # Drawn in float32 slices of at most FP8_SLICE_ELEMENTS: a stacked expert weight
+            # (DeepSeek-V3: 257 x 4096 x 7168) would otherwise need a 30 GB float32 copy,
+            # which the caching allocator keeps after it is freed
             fp8_max = torch.finfo(param.dtype).max
-            codes = torch.empty(param.shape, device=param.device)
-            codes.uniform_(-fp8_max, fp8_max, generator=generator)
-            param.copy_(codes.to(param.dtype))
+            flat = param.view(-1)
+            for start in range(0, flat.numel(), FP8_SLICE_ELEMENTS):
+                piece = flat[start:start + FP8_SLICE_ELEMENTS]
+                codes = torch.empty(piece.shape, device=param.device)
+                codes.uniform_(-fp8_max, fp8_max, generator=generator)
+                piece.copy_(codes.to(param.dtype))
             continue
         if name.endswith("weight_scale"):
             param.fill_(weight_range / 448.0)

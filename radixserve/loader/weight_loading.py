@@ -6,7 +6,11 @@ several checkpoint tensors into one parameter; it lists those in `packed_modules
 Each parameter loads itself through its `weight_loader(param, tensor[, shard_id])` (a slice for a
 tensor-parallel shard, an offset in a merged weight, a row of stacked experts); parameters
 without one are copied whole. A model may also define `skip_weight(name) -> bool` for checkpoint
-tensors it has no place for on purpose (rotary tables, a tied LM head's copy).
+tensors it has no place for on purpose (rotary tables, a tied LM head's copy), and
+`checkpoint_prefixes` (checkpoint name prefix -> parameter name prefix, the first that matches
+renames) where its checkpoints keep the decoder under another name (a multimodal checkpoint's
+language model, served text-only: "language_model.model." -> "model."); `skip_weight` and the
+rest see the renamed name, errors name the checkpoint's.
 
 Every parameter must be loaded (every shard of a merged one), and every checkpoint tensor must
 find a parameter: a mismatch is an error naming the tensor, never a silently random weight.
@@ -47,6 +51,14 @@ def _packed_target(name: str, mapping: dict[str, tuple[str, object]]
     return None
 
 
+def renamed(name: str, prefixes: dict[str, str]) -> str:
+    """A checkpoint tensor's name with the first of `prefixes` it starts with replaced."""
+    for old, new in prefixes.items():
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 # per-layer KV cache scales of FP8 checkpoints (compressed-tensors / ModelOpt naming)
 _KV_SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:[a-z_]+\.)?(k|v|kv)_scale$")
 
@@ -61,6 +73,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     skip = getattr(model, "skip_weight", None)
     weight_target = getattr(model, "weight_target", None)
+    prefixes: dict[str, str] = getattr(model, "checkpoint_prefixes", {})
     # merged parameter -> the shard ids it still expects
     expected_shards = {params_name: set(getattr(param, "expected_shards", ()))
                        for params_name, param in params.items()}
@@ -69,7 +82,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             if f".{merged}." in f".{params_name}":
                 expected_shards[params_name].add(shard_id)
     loaded: dict[str, set[object]] = defaultdict(set)
-    for name, tensor in weights:
+    for checkpoint_name, tensor in weights:
+        name = renamed(checkpoint_name, prefixes)
         if skip is not None and skip(name):
             continue
         kv_scale = _KV_SCALE_NAME.search(name)
@@ -86,7 +100,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         target, shard_id = packed if packed is not None else (name, None)
         param = params.get(target)
         if param is None:
-            raise CheckpointError(f"checkpoint tensor {name!r} has no place in "
+            raise CheckpointError(f"checkpoint tensor {checkpoint_name!r} has no place in "
                                   f"{type(model).__name__}")
         loader = getattr(param, "weight_loader", None)
         try:
@@ -98,7 +112,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             else:
                 default_weight_loader(param, tensor)
         except ValueError as exc:
-            raise CheckpointError(f"{name}: {exc}") from exc
+            raise CheckpointError(f"{checkpoint_name}: {exc}") from exc
         loaded[target].add(shard_id)
     missing = sorted(n for n, p in params.items()
                      if n not in loaded and not getattr(p, "optional", False))

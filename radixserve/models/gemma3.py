@@ -4,7 +4,12 @@ MLP, queries scaled by query_pre_attn_scalar ** -0.5, tied embeddings) with a (1
 RMSNorm over each head of q and k before rope, sliding-window and full-attention layers in
 `layer_types` (five to one), and a rope table per layer type: sliding layers rotate by a local
 base (10k), full layers by the global one (1M; linearly scaled in the 4b-27b language models).
-Soft-capping as Gemma-2 where the config sets it (Gemma-3's do not)."""
+Soft-capping as Gemma-2 where the config sets it (Gemma-3's do not).
+
+Gemma3ForConditionalGeneration (gemma-3-4b/12b/27b, -it and -pt: a SigLIP vision tower and a
+projector beside the language model) is served text-only: the language model of `text_config`
+(ModelConfig.hf), the vision tensors skipped; requests with images are refused where they
+arrive (the chat route's and Engine.chat's content parts, /generate's image_data)."""
 from __future__ import annotations
 
 import torch
@@ -81,4 +86,25 @@ class Gemma3ForCausalLM(CausalLM):
         super().__init__(config, Gemma3Model(config))
 
 
-EntryClass = [Gemma3ForCausalLM]
+# a multimodal checkpoint's tensors that are not its language model's (after an optional
+# "model.")
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """A multimodal Gemma-3 checkpoint's language model. Its tensors are named
+    `language_model.model.*` (the hub's checkpoints; transformers still saves that layout) or
+    `model.language_model.*` (transformers' module names, which some fine-tunes saved), an
+    untied LM head `language_model.lm_head.weight` or `lm_head.weight`; the vision tower and
+    the multimodal projector (under `model.` or not) have no place here."""
+
+    checkpoint_prefixes = {"language_model.model.": "model.",
+                           "language_model.lm_head.": "lm_head.",
+                           "model.language_model.": "model."}
+
+    def skip_weight(self, name: str) -> bool:
+        return name.removeprefix("model.").startswith(VISION_PREFIXES) or \
+            super().skip_weight(name)
+
+
+EntryClass = [Gemma3ForCausalLM, Gemma3ForConditionalGeneration]

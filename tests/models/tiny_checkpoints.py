@@ -96,9 +96,27 @@ CONFIGS = {
         rope_scaling={"rope_type": "linear", "factor": 4.0}, tie_word_embeddings=True)),
 }
 
+# multimodal checkpoints, served text-only; kept out of CONFIGS, every entry of which
+# test_llama_vs_hf.py runs reading vocab_size from the config's top level (here text_config's)
+MULTIMODAL_CONFIGS = {
+    # Gemma-3 4b-27b (Gemma3ForConditionalGeneration, what AutoModelForCausalLM makes of a
+    # Gemma3Config): the language model in text_config (five sliding layers, window 24, then a
+    # full one whose rope is linearly scaled, as the 4b-27b configs' rope_scaling), a tiny
+    # SigLIP vision tower and the projector beside it, the EOS ids [1, 106] at the top level
+    # only (text_config's default is 1), tied as the whole model says
+    "gemma3_multimodal": (transformers.Gemma3Config, dict(
+        text_config=dict(BASE, num_hidden_layers=6, num_key_value_heads=2, head_dim=16,
+                         query_pre_attn_scalar=16, sliding_window=24,
+                         rope_scaling={"rope_type": "linear", "factor": 8.0}),
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=7),
+        mm_tokens_per_image=4, boi_token_index=157, eoi_token_index=158, image_token_index=159,
+        eos_token_id=[1, 106], tie_word_embeddings=True)),
+}
+
 
 def make_checkpoint(name: str, folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
-    config_cls, kwargs = CONFIGS[name]
+    config_cls, kwargs = CONFIGS[name] if name in CONFIGS else MULTIMODAL_CONFIGS[name]
     torch.manual_seed(seed)
     config = config_cls(**kwargs)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
