@@ -89,7 +89,8 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
                                     "decoding, so outputs can differ", None),
     "tool_call_parser": (SERVING, "format of the model's tool calls (default: from the chat "
                                   "template, else hermes)",
-                         ("hermes", "qwen25", "qwen3", "llama3", "mistral")),
+                         ("hermes", "qwen25", "qwen3", "llama3", "mistral", "deepseek_v3",
+                          "deepseekv3", "deepseek_v31", "deepseekv31")),
     "exclude_tools_when_tool_choice_none": (SERVING, "tool_choice \"none\" leaves the tools out "
                                                      "of the prompt (default: they are "
                                                      "rendered, as vLLM does, but no call is "

@@ -10,18 +10,19 @@ turning the model's text back into `message.tool_calls`.
   the output is constrained (xgrammar EBNF) to calls of the tools, so it always parses and the
   arguments validate against the tool's parameters schema: one or more calls when
   parallel_tool_calls is true or absent (OpenAI's default) and the format can hold several in
-  one answer (hermes, mistral; llama3's is one call per message), exactly one when it is false;
-  {"type": "function", "function": {"name": ...}}: exactly one call of that tool.
+  one answer (hermes, mistral, deepseek; llama3's is one call per message), exactly one when
+  it is false; {"type": "function", "function": {"name": ...}}: exactly one call of that tool.
   parallel_tool_calls false also keeps only the first call an "auto" answer makes.
-- The parser's marker may be a special token of the tokenizer (Mistral's [TOOL_CALLS], Llama
-  3.1's <|python_tag|>), which skip_special_tokens would strip from the text: such requests
-  keep that one special token (SamplingParams.keep_special_tokens; vLLM turns
-  skip_special_tokens off instead, which would also let EOS and other control tokens into the
-  content).
 - Templates that render tools themselves (they mention `tools`) get them through
   apply_chat_template(tools=...); others get a system prompt listing them in the parser's
   format. Assistant turns with tool_calls go to templates that know `tool_calls` as they are
-  (arguments as objects); others get the calls written as text in the parser's format.
+  (arguments as objects, or as the JSON text where the template concatenates them with `+`,
+  as DeepSeek's do); others get the calls written as text in the parser's format.
+- The parser's markers may be special tokens of the tokenizer (Mistral's [TOOL_CALLS], Llama
+  3.1's <|python_tag|>, DeepSeek's five tool markers), which skip_special_tokens would strip
+  from the text: such requests keep those special tokens (`special_markers`,
+  SamplingParams.keep_special_tokens; vLLM turns skip_special_tokens off instead, which would
+  also let EOS and other control tokens into the content).
 """
 from __future__ import annotations
 
@@ -39,6 +40,11 @@ from radixserve.server.tool_parsers.registry import get_parser
 from radixserve.server.tool_parsers.streaming import new_call_id
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+# a template that concatenates a call's arguments with `+` (no filter between), as DeepSeek's
+# `... + tool['function']['arguments'] + ...`: it needs them as the JSON text
+_ARGUMENTS = r"""(?:\.arguments\b|\[\s*['"]arguments['"]\s*\])"""
+_ARGUMENTS_CONCATENATED = re.compile(rf"\+\s*[\w.]+(?:\[\s*['\"]\w+['\"]\s*\])*{_ARGUMENTS}"
+                                     rf"(?!\s*\|)|{_ARGUMENTS}\s*\+")
 
 
 @dataclass
@@ -114,12 +120,13 @@ def plan_tools(body: ChatCompletionRequest, parser_name: str | None,
 
 
 def kept_special_tokens(plan: ToolPlan, tokenizer: Any) -> tuple[str, ...]:
-    """The special tokens a request's output text must keep: the parser's marker when the
-    output is parsed for calls and the marker is a special token of `tokenizer` (decoding
-    with skip_special_tokens would drop it, and the calls with it)."""
-    if not plan.parse_output or not plan.parser.marker:
+    """The special tokens a request's output text must keep: the parser's markers that are
+    special tokens of `tokenizer` when the output is parsed for calls (decoding with
+    skip_special_tokens would drop them, and the calls with them)."""
+    if not plan.parse_output or not plan.parser.special_markers:
         return ()
-    return (plan.parser.marker,) if plan.parser.marker in special_token_ids(tokenizer) else ()
+    specials = special_token_ids(tokenizer)
+    return tuple(m for m in plan.parser.special_markers if m in specials)
 
 
 def render_conversation(body: ChatCompletionRequest, plan: ToolPlan,
@@ -127,6 +134,7 @@ def render_conversation(body: ChatCompletionRequest, plan: ToolPlan,
     """The messages for apply_chat_template, adapted to what the template knows."""
     messages = body.conversation()
     knows_calls = "tool_calls" in chat_template
+    arguments_as_text = _ARGUMENTS_CONCATENATED.search(chat_template) is not None
     for i, message in enumerate(messages):
         calls = message.pop("tool_calls", None)
         if not calls:
@@ -136,7 +144,8 @@ def render_conversation(body: ChatCompletionRequest, plan: ToolPlan,
         if knows_calls:
             message["tool_calls"] = [
                 {"id": call.get("id") or new_call_id(), "type": "function",
-                 "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                 "function": {"name": c.name, "arguments": c.arguments if arguments_as_text
+                              else json.loads(c.arguments)}}
                 for call, c in zip(calls, parsed)]
         else:
             text = plan.parser.format_calls(parsed)

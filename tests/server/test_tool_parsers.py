@@ -11,6 +11,8 @@ import pytest
 from radixserve.server.openai_protocol import ChatCompletionRequest
 from radixserve.server.openai_tools import plan_tools, render_conversation, tool_message
 from radixserve.server.tool_parsers.base import ToolCall
+from radixserve.server.tool_parsers.deepseek import (CALL_BEGIN, CALL_END, CALLS_BEGIN,
+                                                     CALLS_END, SEP)
 from radixserve.server.tool_parsers.grammar import forced_call_ebnf
 from radixserve.server.tool_parsers.registry import detect_parser_name, get_parser
 from radixserve.server.tool_parsers.streaming import ToolCallStream
@@ -50,6 +52,31 @@ CASES = [
      [("get_weather", {"city": "Oslo", "unit": "c"}), ("get_time", {"zone": "Z"})]),
     ("mistral", 'Sure [TOOL_CALLS] [{"name": "get_time", "arguments": "{\\"zone\\": \\"Z\\"}"}]',
      "Sure", [("get_time", {"zone": "Z"})]),
+    # DeepSeek V3 / R1: content before; calls separated by a newline (as the template writes
+    # them), nested braces and strings holding the markers' characters and a whole marker
+    ("deepseek_v3", f'Let me check.\n{CALLS_BEGIN}{CALL_BEGIN}function{SEP}get_weather\n```json\n'
+                    f'{{"city": "a}}b```｜{CALL_END}", "unit": "c", "n": {{"x": [{{"y": "}}"}}]}}}}'
+                    f'\n```{CALL_END}\n{CALL_BEGIN}function{SEP}get_time\n```json\n{{"zone": '
+                    f'"UTC"}}\n```{CALL_END}{CALLS_END}',
+     "Let me check.", [("get_weather", {"city": f"a}}b```｜{CALL_END}", "unit": "c",
+                                        "n": {"x": [{"y": "}"}]}}), ("get_time", {"zone": "UTC"})]),
+    # read loosely: blanks around the markers, no "json" after the fence, no section end
+    ("deepseek_v3", f'{CALLS_BEGIN}\n{CALL_BEGIN}function{SEP} get_time \n```\n{{"zone": "Z"}}\n'
+                    f'```\n{CALL_END}', "", [("get_time", {"zone": "Z"})]),
+    ("deepseek_v3", "A plain answer with ``` and { braces }.",
+     "A plain answer with ``` and { braces }.", []),
+    # a section that holds no call: all of it is content
+    ("deepseek_v3", f"Hi {CALLS_BEGIN}{CALL_BEGIN}function{SEP}get_time{CALL_END}{CALLS_END}",
+     f"Hi {CALLS_BEGIN}{CALL_BEGIN}function{SEP}get_time{CALL_END}{CALLS_END}", []),
+    # DeepSeek V3.1: the name before the sep, the arguments' JSON right after it
+    ("deepseek_v31", f'Checking {{both}}.{CALLS_BEGIN}{CALL_BEGIN}get_weather{SEP}{{"city": '
+                     f'"{SEP}{{x}}", "unit": "f"}}{CALL_END}{CALL_BEGIN}get_time{SEP}{{"zone": '
+                     f'"CET"}}{CALL_END}{CALLS_END}',
+     "Checking {both}.", [("get_weather", {"city": f"{SEP}{{x}}", "unit": "f"}),
+                          ("get_time", {"zone": "CET"})]),
+    ("deepseekv31", f"{CALLS_BEGIN}{CALL_BEGIN}get_time{SEP}{{}}{CALL_END}{CALLS_END}", "",
+     [("get_time", {})]),
+    ("deepseekv31", "No tools: {}.", "No tools: {}.", []),
 ]
 
 
@@ -64,6 +91,15 @@ def test_parse_finished_text(name: str, text: str, content: str, calls: list) ->
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1000])
 def test_streaming_chunks_add_up(name: str, text: str, content: str, calls: list,
                                  chunk: int) -> None:
+    streamed_content, streamed_calls, has_calls = stream_text(name, text, chunk)
+    assert streamed_content == content  # what parse() gives, trailing whitespace included
+    assert [(n, json.loads(a)) for n, a in streamed_calls] == calls
+    assert has_calls == bool(calls)
+
+
+def stream_text(name: str, text: str, chunk: int) -> tuple[str, list[tuple[str, str]], bool]:
+    """(content, [(name, arguments text)], has_calls) that the stream of `text` growing by
+    `chunk` characters sends."""
     stream = ToolCallStream(get_parser(name))
     streamed_content = ""
     names: dict[int, str] = {}
@@ -79,9 +115,7 @@ def test_streaming_chunks_add_up(name: str, text: str, content: str, calls: list
                 assert d["function"]["arguments"] == ""
                 ids[index], names[index] = d["id"], d["function"]["name"]
             arguments[index] = arguments.get(index, "") + d["function"]["arguments"]
-    assert streamed_content == content  # what parse() gives, trailing whitespace included
-    assert [(names[i], json.loads(arguments[i])) for i in sorted(names)] == calls
-    assert stream.has_calls == bool(calls)
+    return streamed_content, [(names[i], arguments[i]) for i in sorted(names)], stream.has_calls
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 1000])
@@ -123,7 +157,8 @@ TWO_CALLS = ONE_CALL + [ToolCall("get_time", '{"zone": "UTC"}')]
 
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["single", "parallel"])
-@pytest.mark.parametrize("name", ["hermes", "llama3", "mistral"])
+@pytest.mark.parametrize("name", ["hermes", "llama3", "mistral", "deepseek_v3",
+                                  "deepseek_v31"])
 def test_forced_call_grammar_accepts_what_the_parser_reads(name: str, parallel: bool) -> None:
     parser = get_parser(name)
     ebnf = forced_call_ebnf(parser, [WEATHER, TIME], parallel)
@@ -135,11 +170,13 @@ def test_forced_call_grammar_accepts_what_the_parser_reads(name: str, parallel: 
 
 
 @pytest.mark.parametrize("name,several", [("hermes", True), ("mistral", True),
-                                          ("llama3", False)])
+                                          ("llama3", False), ("deepseek_v3", True),
+                                          ("deepseek_v31", True)])
 def test_forced_grammar_allows_several_calls_only_when_parallel(name: str,
                                                                 several: bool) -> None:
-    """hermes (one <tool_call> block per call) and mistral (one JSON array) can hold several
-    calls in one answer; llama3's format is one call per message."""
+    """hermes (one <tool_call> block per call), mistral (one JSON array) and deepseek (one
+    section of calls) can hold several calls in one answer; llama3's format is one call per
+    message."""
     parser = get_parser(name)
     text = parser.format_calls(TWO_CALLS)
     assert [c.name for c in parser.parse(text)[1]] == ["get_weather", "get_time"]
@@ -147,6 +184,8 @@ def test_forced_grammar_allows_several_calls_only_when_parallel(name: str,
     assert not _accepts(forced_call_ebnf(parser, [WEATHER, TIME], parallel=False), text)
     # the answer may not end between calls, nor after an unfinished wrapper
     between = text[:text.index("get_time") - len('{"name": "')]
+    if name.startswith("deepseek"):  # the first call's end marker, the section's end missing
+        between = text[:text.rindex("<｜tool▁call▁begin｜>")]
     assert not _accepts(forced_call_ebnf(parser, [WEATHER, TIME], parallel=True), between)
 
 

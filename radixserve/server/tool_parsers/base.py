@@ -7,7 +7,9 @@ section that starts with a marker and holds one JSON object per call,
 the name's string is complete and the raw JSON text of its arguments as far as it is
 certain. `parse` is the finished output's scan. A subclass gives the marker, how to find the
 section, the wrapper of one call (for grammars and for rendering history) and the system
-prompt for chat templates that do not render tools."""
+prompt for chat templates that do not render tools. A format whose calls are not JSON objects
+(deepseek.py) overrides `scan` and `format_calls`, and gives its forced-call grammar's
+literals (`call_literals`)."""
 from __future__ import annotations
 
 import json
@@ -70,6 +72,20 @@ class ToolCallParser(ABC):
     # literal text between two calls of one answer in a forced call's grammar (parallel tool
     # calls); None where the format holds one call per message
     grammar_between: str | None = None
+
+    @property
+    def special_markers(self) -> tuple[str, ...]:
+        """The format's marker texts that may be special tokens of the model's vocabulary: a
+        request whose output is parsed keeps those that are (skip_special_tokens would drop
+        them, and the calls with them)."""
+        return (self.marker,) if self.marker else ()
+
+    def call_literals(self, name: str) -> tuple[str, str] | None:
+        """For a forced call's grammar of a format whose calls are not JSON objects: (before,
+        after), the literal text around the arguments (the tool's parameters schema, as JSON)
+        of one call of function `name`. None (the default): each call is the JSON object
+        {"name": ..., <arguments_key>: {...}}."""
+        return None
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
         """Instructions for chat templates that ignore `tools`."""
