@@ -122,3 +122,38 @@ def test_vec_accumulation_matches_the_plain_tile(fusion_kind: str, weights: str)
     assert vec.shape == plain.shape == (1, n)
     torch.testing.assert_close(vec.float(), plain.float(), atol=2e-3, rtol=2e-3)
     assert plain.float().abs().sum() > 0
+
+
+@pytest.mark.parametrize("fusion_kind", ["plain", "norm+gated", "residual"])
+@pytest.mark.parametrize("block_k,vec", [(64, 1), (256, 1), (256, 16), (512, 16)])
+def test_fp8_steps_over_several_scale_groups(fusion_kind: str, block_k: int, vec: int,
+                                             monkeypatch) -> None:
+    """Block-scaled FP8 codes (64-column groups here, 128 in DeepSeek-V3's and Qwen3-FP8's
+    checkpoints) with a BLOCK_K step of one group or of 4 and 8 side by side: each product
+    column takes its own group's scale (masked rows included)."""
+    from radixserve.layers.kernels import gemv as gemv_module
+    monkeypatch.setattr(gemv_module, "WIDE_GROUP_STEPS", True)
+    n, k, group = 44, 1024, 64
+    rows = 2 * n if fusion_kind == "norm+gated" else n
+    x = randn(1, k, dtype=torch.float16, seed=31)
+    norm_weight = randn(k, dtype=torch.float16, seed=32) if "norm" in fusion_kind else None
+    residual = randn(n, dtype=torch.float16, seed=33) if fusion_kind == "residual" else None
+    fusion = RowFusion(norm_weight=norm_weight, eps=1e-5, gated=fusion_kind == "norm+gated",
+                       residual=residual)
+    scale = randn(rows, k // group, dtype=torch.float32, seed=34).abs() * 0.01 + 0.001
+    codes = (randn(rows, k, dtype=torch.float32, seed=35) * 100).clamp(-448, 448).to(
+        torch.float8_e4m3fn)
+    config = GemvConfig(8, block_k, 4, 2, vec=vec)
+    assert gemv_module.fp8_gemv_config(codes, scale, group, config, fusion).block_k == block_k
+    got = fp8_gemv(x, codes, scale, group, config=config, fusion=fusion).float()
+    inp = x.float()
+    if norm_weight is not None:
+        inp = inp * torch.rsqrt(inp.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight.float()
+    weight = codes.float() * scale.repeat_interleave(group, dim=1)
+    want = inp @ weight.t()
+    if fusion.gated:
+        gate, up = want[:, :n].half().float(), want[:, n:].half().float()
+        want = torch.nn.functional.silu(gate).half().float() * up
+    if residual is not None:
+        want = want.half().float() + residual.float()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

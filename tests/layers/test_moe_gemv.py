@@ -58,11 +58,17 @@ def test_gemv_experts_match_the_reference_with_shared_experts(configs, hidden, i
     # 72 = 64 + 8), vec 1 and 16
     (64, 200, 72, MoeGemvConfigs(GemvConfig(4, 32, 4, 1), GemvConfig(2, 32, 4, 1))),
     (64, 200, 72, MoeGemvConfigs(GemvConfig(4, 32, 4, 1, vec=16),
-                                 GemvConfig(2, 32, 4, 1, vec=16)))])
+                                 GemvConfig(2, 32, 4, 1, vec=16))),
+    # steps over 2 and 4 whole groups (a 128-column block's checkpoint has 128-wide ones),
+    # the last step's groups past K scaled by 0
+    (64, 200, 72, MoeGemvConfigs(GemvConfig(4, 128, 4, 1), GemvConfig(2, 128, 4, 1))),
+    (64, 448, 200, MoeGemvConfigs(GemvConfig(4, 256, 4, 1, vec=16),
+                                  GemvConfig(2, 256, 4, 1, vec=16)))])
 def test_block_scaled_experts(block: int, hidden: int, inter: int,
                               configs: MoeGemvConfigs | None) -> None:
-    """FP8 codes with a scale per row and K group: each step stays inside one group and scales
-    by that group's scale, so the result is the dequantised product's."""
+    """FP8 codes with a scale per row and K group: each step stays inside one group or spans
+    whole groups, each column scaled by its group's scale, so the result is the dequantised
+    product's."""
     from radixserve.layers.quantization.fp8 import dequantize_weight
     gen = torch.Generator().manual_seed(3)
     w13, w2 = _weights(4, hidden, inter, torch.float32, seed=2)
@@ -81,9 +87,10 @@ def test_block_scaled_experts(block: int, hidden: int, inter: int,
         configs = moe_gemv_configs(1, 2, c13, c2, block)  # the configs, for any token count
         assert configs is not None and configs.gate_up.block_k == block == configs.down.block_k
     else:
+        wanted = configs.gate_up.block_k
         configs = MoeGemvConfigs(moe_gemv.fit_block_k(configs.gate_up, hidden, block),
                                  moe_gemv.fit_block_k(configs.down, inter, block))
-        assert configs.gate_up.block_k == 32 < block
+        assert configs.gate_up.block_k == wanted
     got = moe_gemv_experts(x, c13.to(DEVICE), c2.to(DEVICE), weights, ids, configs,
                            (s13.to(DEVICE), s2.to(DEVICE), block))
     deq = [torch.stack([dequantize_weight(c, s, block, torch.float32) for c, s in zip(cs, ss)])

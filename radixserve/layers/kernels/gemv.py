@@ -13,7 +13,8 @@ are loaded with evict_first since each byte is read exactly once per step. K mus
 of BLOCK_K (`gemv_config` picks one or returns None, and callers fall back to cuBLAS).
 
 The same kernel reads FP8 weight codes (HAS_SCALE): per-row scales applied once at the end, or
-(GROUPED) per K group of GROUP_K columns as each BLOCK_K step, inside one group, is added.
+(GROUPED) per K group of GROUP_K columns as each BLOCK_K step is added: a step inside one
+group takes one scale per row, a step over several whole groups one per row and group.
 Swept configurations per shape (benchmarks/gpu_gemm_tune.py) come from `gemm_tables`.
 """
 from __future__ import annotations
@@ -34,6 +35,9 @@ from radixserve.layers.kernels.gemv_rope import (RopeStore, check_rope_store, ro
 # the first weight tile loaded before the PDL wait (_gemv_kernel): H200 batch-1 decode, Llama-3.1-8B
 # shapes, bf16 4.20 -> 4.14 ms, FP8 2.81 -> 2.79 ms; RADIXSERVE_GEMV_EARLY_WEIGHTS=0 loads it after
 EARLY_WEIGHTS = os.environ.get("RADIXSERVE_GEMV_EARLY_WEIGHTS", "1") != "0"
+# an FP8 step over several 128-column scale groups of a block-scaled checkpoint (DeepSeek-V3,
+# Qwen3-FP8) instead of one group per step; RADIXSERVE_FP8_GEMV_WIDE_GROUPS=0 caps the step
+WIDE_GROUP_STEPS = os.environ.get("RADIXSERVE_FP8_GEMV_WIDE_GROUPS", "1") != "0"
 
 
 
@@ -105,9 +109,32 @@ def vec_sum(prod, VEC: tl.constexpr):
 
 
 @triton.jit
+def group_scaled(prod, Scale, offs_n, n_mask, k_start, K, stride_sn, GROUP_K: tl.constexpr,
+                 STEP_GROUPS: tl.constexpr):
+    """A step's products [BLOCK_N, C] (C columns of BLOCK_K, or of BLOCK_K / VEC sums) times
+    their K groups' scales: one per row when the step lies in one group (STEP_GROUPS 1), else
+    the step's STEP_GROUPS = BLOCK_K / GROUP_K groups side by side (block-scaled checkpoints'
+    128-column groups would otherwise cap an FP8 step at 128 bytes a row). Groups past K (a
+    last step's masked tail) take scale 0."""
+    if STEP_GROUPS == 1:
+        scaled = prod * tl.load(Scale + offs_n * stride_sn + k_start // GROUP_K, mask=n_mask,
+                                other=0.0)[:, None]
+    else:
+        rows: tl.constexpr = prod.shape[0]
+        cols: tl.constexpr = prod.shape[1]
+        groups = tl.arange(0, STEP_GROUPS)
+        s = tl.load(Scale + offs_n[:, None] * stride_sn + k_start // GROUP_K + groups[None, :],
+                    mask=n_mask[:, None] & (k_start + groups * GROUP_K < K)[None, :], other=0.0)
+        scaled = tl.reshape(tl.reshape(prod, (rows, STEP_GROUPS, cols // STEP_GROUPS))
+                            * s[:, :, None], (rows, cols))
+    return scaled
+
+
+@triton.jit
 def _gemv_step(acc, acc_up, squares, w, w_up, X, NormW, Scale, offs_n, n_mask, offs_k, k_start,
-               N, stride_sn, NORM: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
-               GROUPED: tl.constexpr, GROUP_K: tl.constexpr, VEC: tl.constexpr):
+               N, K, stride_sn, NORM: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
+               GROUPED: tl.constexpr, GROUP_K: tl.constexpr, VEC: tl.constexpr,
+               STEP_GROUPS: tl.constexpr = 1):
     """One BLOCK_K step: the weight tile(s) w (and w_up) times x[k_start:], accumulated
     (offs_k: [BLOCK_K], or [BLOCK_K / VEC, VEC] when VEC > 1)."""
     x = tl.load(X + k_start + offs_k).to(tl.float32)
@@ -118,11 +145,11 @@ def _gemv_step(acc, acc_up, squares, w, w_up, X, NormW, Scale, offs_n, n_mask, o
     if GATED:
         prod_up = vec_sum(w_up.to(tl.float32) * x[None, :], VEC)
     if HAS_SCALE and GROUPED:
-        s_ptrs = Scale + offs_n * stride_sn + k_start // GROUP_K
-        prod = prod * tl.load(s_ptrs, mask=n_mask, other=0.0)[:, None]
+        prod = group_scaled(prod, Scale, offs_n, n_mask, k_start, K, stride_sn, GROUP_K,
+                            STEP_GROUPS)
         if GATED:
-            prod_up = prod_up * tl.load(s_ptrs + N * stride_sn, mask=n_mask,
-                                        other=0.0)[:, None]
+            prod_up = group_scaled(prod_up, Scale + N * stride_sn, offs_n, n_mask, k_start, K,
+                                   stride_sn, GROUP_K, STEP_GROUPS)
     acc += prod
     if GATED:
         acc_up += prod_up
@@ -139,8 +166,9 @@ def _gemv_kernel(X, W, Scale, B, Y, NormW, Residual, N, K, stride_wn, stride_sn,
                  RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EARLY_W: tl.constexpr, USE_PDL: tl.constexpr, ROPE: tl.constexpr,
                  HALF: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
-                 VEC: tl.constexpr):
+                 VEC: tl.constexpr, STEP_GROUPS: tl.constexpr):
     """N: the output rows; GATED reads gate rows [0, N) and up rows [N, 2N) of W.
+    STEP_GROUPS: the K groups of scales one BLOCK_K step spans (1: it lies inside one).
 
     ROPE (a q|k|v product, kernels/gemv_rope.py): each program owns rope pairs of one head
     instead of consecutive rows, and its epilogue rotates q and k and stores K/V into the pool
@@ -171,14 +199,14 @@ def _gemv_kernel(X, W, Scale, B, Y, NormW, Residual, N, K, stride_wn, stride_sn,
     if EARLY_W:
         acc, acc_up, squares = _gemv_step(
             acc, acc_up, squares, w_first, w_first_up, X, NormW, Scale, offs_n, n_mask, offs_k,
-            0, N, stride_sn, NORM, GATED, HAS_SCALE, GROUPED, GROUP_K, VEC)
+            0, N, K, stride_sn, NORM, GATED, HAS_SCALE, GROUPED, GROUP_K, VEC, STEP_GROUPS)
         w_ptrs += BLOCK_K
         k_begin = BLOCK_K
     for k_start in range(k_begin, K, BLOCK_K):
         w, w_up = load_weight_tiles(w_ptrs, up_rows, n_mask, GATED, VEC)
         acc, acc_up, squares = _gemv_step(
             acc, acc_up, squares, w, w_up, X, NormW, Scale, offs_n, n_mask, offs_k, k_start, N,
-            stride_sn, NORM, GATED, HAS_SCALE, GROUPED, GROUP_K, VEC)
+            K, stride_sn, NORM, GATED, HAS_SCALE, GROUPED, GROUP_K, VEC, STEP_GROUPS)
         w_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
     if NORM:
@@ -344,6 +372,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
         GROUPED=grouped, GROUP_K=group_k or k, HAS_BIAS=bias is not None,
         NORM=norm_weight is not None, GATED=fusion.gated, RESIDUAL=residual is not None,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EARLY_W=EARLY_WEIGHTS, VEC=config.vec,
+        STEP_GROUPS=max(1, config.block_k // group_k) if grouped else 1,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(x),
         **({} if rope is None else rope_launch_options(config.num_warps)))
     return y
@@ -375,6 +404,16 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return _launch(x, weight, scale, group_k, bias, config, fusion, rope)
 
 
+def spans_whole_groups(config: GemvConfig, group_k: int) -> bool:
+    """Whether a step of `config` may span several scale groups of `group_k` columns: whole
+    groups of at least 64 columns (narrower ones, a tensor-parallel rank's cut inside a block,
+    would load a scale per few columns), a power of two of them (a tile's extent), each
+    holding whole vec sums."""
+    groups = config.block_k // group_k
+    return (WIDE_GROUP_STEPS and group_k >= 64 and groups > 1 and config.block_k % group_k == 0
+            and groups & (groups - 1) == 0 and group_k % config.vec == 0)
+
+
 def fp8_gemv_config(weight: torch.Tensor, scale: torch.Tensor, group_k: int | None,
                     config: GemvConfig | None = None,
                     fusion: RowFusion = NO_FUSION) -> GemvConfig | None:
@@ -385,5 +424,6 @@ def fp8_gemv_config(weight: torch.Tensor, scale: torch.Tensor, group_k: int | No
     if config is None:
         return None
     if scale.shape[1] > 1 and group_k and config.block_k > group_k:
-        config = config._replace(block_k=group_k)  # a step must stay inside one scale group
+        if not spans_whole_groups(config, group_k):
+            config = config._replace(block_k=group_k)
     return None if k % config.block_k else config

@@ -43,7 +43,8 @@ import triton.language as tl
 
 from radixserve.layers.kernels import board_tables
 from radixserve.layers.kernels.gemv import (GemvConfig, config_from_entry, first_weight_step,
-                                            load_weight_tiles, store_row_epilogue, vec_sum)
+                                            group_scaled, load_weight_tiles,
+                                            spans_whole_groups, store_row_epilogue, vec_sum)
 
 ENABLED = os.environ.get("RADIXSERVE_MOE_GEMV", "1") != "0"
 # Without a swept table (moe_gemv_configs): the GEMVs take one token (its k experts are
@@ -94,8 +95,9 @@ def _moe_gate_up_gemv_kernel(X, W, Scale, Ids, Y, I, K, stride_xm, stride_we, st
                              TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
                              GROUPED: tl.constexpr, GROUP_K: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-                             EVEN_K: tl.constexpr):
-    """Y[pair, n] = silu(x[token] . W[e, n]) * (x[token] . W[e, I + n]), e = Ids[pair]."""
+                             EVEN_K: tl.constexpr, STEP_GROUPS: tl.constexpr):
+    """Y[pair, n] = silu(x[token] . W[e, n]) * (x[token] . W[e, I + n]), e = Ids[pair].
+    STEP_GROUPS: the block scales' K groups one BLOCK_K step spans (gemv.group_scaled)."""
     pair = tl.program_id(0)
     expert = tl.load(Ids + pair).to(tl.int64)
     x_row = X + (pair // TOP_K).to(tl.int64) * stride_xm
@@ -112,10 +114,11 @@ def _moe_gate_up_gemv_kernel(X, W, Scale, Ids, Y, I, K, stride_xm, stride_we, st
         prod = vec_sum(w.to(tl.float32) * x[None, :], VEC)
         prod_up = vec_sum(w_up.to(tl.float32) * x[None, :], VEC)
         if HAS_SCALE and GROUPED:
-            group = k_start // GROUP_K
-            prod = prod * tl.load(s_rows + group, mask=n_mask, other=0.0)[:, None]
-            prod_up = prod_up * tl.load(s_rows + I * stride_sn + group, mask=n_mask,
-                                        other=0.0)[:, None]
+            s_expert = Scale + expert * stride_se
+            prod = group_scaled(prod, s_expert, offs_n, n_mask, k_start, K, stride_sn, GROUP_K,
+                                STEP_GROUPS)
+            prod_up = group_scaled(prod_up, s_expert + I * stride_sn, offs_n, n_mask, k_start,
+                                   K, stride_sn, GROUP_K, STEP_GROUPS)
         acc += prod
         acc_up += prod_up
         w_ptrs += BLOCK_K
@@ -133,7 +136,7 @@ def _moe_down_gemv_kernel(A, W, Scale, Ids, Weights, Y, H, K, stride_am, stride_
                           stride_se, stride_sn, stride_ym,
                           TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, GROUPED: tl.constexpr,
                           GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          VEC: tl.constexpr, EVEN_K: tl.constexpr):
+                          VEC: tl.constexpr, EVEN_K: tl.constexpr, STEP_GROUPS: tl.constexpr):
     """Y[t, n] = sum over the token's k choices of weight * (A[pair] . W[e, n]): one loop over
     every choice's K steps (each choice's row rounded as the grouped path rounds it)."""
     token = tl.program_id(0)
@@ -153,11 +156,12 @@ def _moe_down_gemv_kernel(A, W, Scale, Ids, Weights, Y, H, K, stride_am, stride_
                                    K - k_start, False, EVEN_K, VEC)
         a = _x_tile(A + pair.to(tl.int64) * stride_am + k_start, offs_k, K - k_start, EVEN_K)
         prod = vec_sum(w.to(tl.float32) * a[None, :], VEC)
-        if HAS_SCALE:
-            s_ptrs = Scale + expert * stride_se + offs_n * stride_sn
-            if GROUPED:
-                s_ptrs += k_start // GROUP_K
-            coef = tl.load(s_ptrs, mask=n_mask, other=0.0) * coef
+        if HAS_SCALE and GROUPED:
+            acc += group_scaled(prod, Scale + expert * stride_se, offs_n, n_mask, k_start, K,
+                                stride_sn, GROUP_K, STEP_GROUPS) * coef
+        elif HAS_SCALE:
+            coef = tl.load(Scale + expert * stride_se + offs_n * stride_sn, mask=n_mask,
+                           other=0.0) * coef
             acc += prod * coef[:, None]
         else:
             acc += prod * coef
@@ -169,11 +173,13 @@ def _moe_down_gemv_kernel(A, W, Scale, Ids, Weights, Y, H, K, stride_am, stride_
 
 
 def fit_block_k(config: GemvConfig, k: int, group_k: int | None) -> GemvConfig | None:
-    """The config with block_k inside one scale group (halved until a group holds whole
-    steps), or None where no step of at least 16 columns (and one vec) fits. K itself needs
-    no multiple: the last step masks its tail (EVEN_K)."""
+    """The config with block_k over whole scale groups (gemv.spans_whole_groups) or inside
+    one (halved until a group holds whole steps), or None where no step of at least 16
+    columns (and one vec) fits. K itself needs no multiple: the last step masks its tail
+    (EVEN_K)."""
     block_k = min(config.block_k, max(16, triton.next_power_of_2(k)))
-    while group_k is not None and block_k >= 16 and (block_k > group_k or group_k % block_k):
+    while group_k is not None and block_k >= 16 and (block_k > group_k or group_k % block_k) \
+            and not spans_whole_groups(config._replace(block_k=block_k), group_k):
         block_k //= 2
     if block_k < 16 or block_k < config.vec or k < 16:
         return None
@@ -268,7 +274,7 @@ def moe_gemv_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         w13.stride(1), se13, sn13, act.stride(0), TOP_K=top_k, HAS_SCALE=s13 is not None,
         GROUPED=grouped, GROUP_K=group_k or hidden_size, BLOCK_N=up_cfg.block_n,
         BLOCK_K=up_cfg.block_k, VEC=up_cfg.vec, EVEN_K=hidden_size % up_cfg.block_k == 0,
-        num_warps=up_cfg.num_warps,
+        STEP_GROUPS=_step_groups(up_cfg, group_k, grouped), num_warps=up_cfg.num_warps,
         num_stages=up_cfg.num_stages)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     scale2, se2, sn2, grouped = _scale_args(s2, weights)
@@ -277,6 +283,10 @@ def moe_gemv_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         w2.stride(1), se2, sn2, out.stride(0), TOP_K=top_k, HAS_SCALE=s2 is not None,
         GROUPED=grouped, GROUP_K=group_k or inter, BLOCK_N=down_cfg.block_n,
         BLOCK_K=down_cfg.block_k, VEC=down_cfg.vec, EVEN_K=inter % down_cfg.block_k == 0,
-        num_warps=down_cfg.num_warps,
+        STEP_GROUPS=_step_groups(down_cfg, group_k, grouped), num_warps=down_cfg.num_warps,
         num_stages=down_cfg.num_stages)
     return out
+
+
+def _step_groups(config: GemvConfig, group_k: int | None, grouped: bool) -> int:
+    return config.block_k // group_k if grouped and group_k and config.block_k > group_k else 1

@@ -31,22 +31,26 @@ def _softmax_topk_kernel(Logits, Weights, Ids, num_experts, stride_l, scaling_fa
     probs = probs / tl.sum(probs, 0)
     probs = tl.where(mask, probs, -1.0)
     _store_top_k(probs, probs, offs, Weights, Ids, token, scaling_factor, 0.0, TOP_K, BLOCK_K,
-                 BLOCK_E, RENORMALIZE)
+                 BLOCK_E, RENORMALIZE, WEIGHT_IS_CHOICE=True)
 
 
 @triton.jit
 def _store_top_k(choice, weights, offs, Weights, Ids, token, scaling_factor, eps,
                  TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                 RENORMALIZE: tl.constexpr):
+                 RENORMALIZE: tl.constexpr, WEIGHT_IS_CHOICE: tl.constexpr = False):
     """The k largest of `choice` (k rounds of max + its first index, masked out after), their
-    `weights` entries, renormalised (sum + eps) when asked, times the scaling factor."""
+    `weights` entries (WEIGHT_IS_CHOICE: the choice values themselves, no gather), renormalised
+    (sum + eps) when asked, times the scaling factor."""
     offs_k = tl.arange(0, BLOCK_K)
     chosen = tl.zeros([BLOCK_K], dtype=tl.float32)
     chosen_ids = tl.zeros([BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(choice, 0)
         index = tl.min(tl.where(choice == best, offs, BLOCK_E), 0)
-        weight = tl.sum(tl.where(offs == index, weights, 0.0), 0)
+        if WEIGHT_IS_CHOICE:
+            weight = best
+        else:
+            weight = tl.sum(tl.where(offs == index, weights, 0.0), 0)
         chosen = tl.where(offs_k == j, weight, chosen)
         chosen_ids = tl.where(offs_k == j, index.to(tl.int32), chosen_ids)
         choice = tl.where(offs == index, float("-inf"), choice)
