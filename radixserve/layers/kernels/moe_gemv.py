@@ -225,8 +225,8 @@ def moe_gemv_configs(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.T
         return None
     num_experts, two_i, hidden = w13.shape
     fp8 = w13.dtype.itemsize == 1
-    # the FP8 tables are swept with per-row scales; block scales (group_k) cut every step to
-    # the group and load a scale per step, a kernel the sweep never timed: the default rule
+    # the FP8 tables are swept with per-row scales; block scales (group_k) load a scale per
+    # row and group of every step, a kernel the sweep never timed: the default rule
     table = None if group_k is not None else \
         _swept_table("fp8" if fp8 else "bf16", num_experts, two_i, hidden)
     if table is None:
