@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -32,6 +33,9 @@ class ServerArgs:
     context_length: int | None = None
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
+    # a JSON object whose keys replace the model config's (SGLang's flag), e.g.
+    # '{"num_hidden_layers": 5}' for a shape run of a model too large for the device
+    json_model_override_args: str | None = None
 
     host: str = "127.0.0.1"
     port: int = 30000
@@ -112,6 +116,7 @@ class ServerArgs:
         if self.revision is not None:
             self.model_path = _with_revision(self.model_path, self.revision)
             self.revision = None  # now part of model_path, which every loader resolves
+        self.model_overrides()  # a bad value fails here, before any child starts
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         on_gpu = self.device.startswith("cuda")
@@ -178,6 +183,20 @@ class ServerArgs:
             self.schedule_policy = "fcfs"  # cache-aware policies need the cache
         self.resolved = True
         return self
+
+    def model_overrides(self) -> dict[str, Any]:
+        """--json-model-override-args as a dict ({} without it); ValueError unless it is a
+        JSON object."""
+        if not self.json_model_override_args:
+            return {}
+        try:
+            overrides = json.loads(self.json_model_override_args)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--json-model-override-args is not JSON: {exc}") from None
+        if not isinstance(overrides, dict):
+            raise ValueError("--json-model-override-args must be a JSON object, e.g. "
+                             "'{\"num_hidden_layers\": 5}'")
+        return overrides
 
     def _check_sizes(self) -> None:
         """Sizes that must be positive when given (None: the default), and the memory
@@ -281,10 +300,13 @@ def hf_config_from_dict(cfg: dict[str, Any]) -> Any:
     """A transformers config object from a config.json-style dict (HF folder or GGUF
     metadata mapped to HF names)."""
     from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     cfg = dict(cfg)
     archs = cfg.get("architectures") or _architectures_of(cfg.get("model_type"))
     cfg["architectures"] = archs
-    model_type = cfg.pop("model_type", None) or ARCHITECTURE_MODEL_TYPES.get(archs[0])
+    model_type = cfg.pop("model_type", None)
+    if model_type not in CONFIG_MAPPING:  # e.g. Kimi-K2's "kimi_k2": DeepSeek-V3's layout
+        model_type = ARCHITECTURE_MODEL_TYPES.get(archs[0], model_type)
     if model_type is None:
         return PretrainedConfig(**cfg)
     return AutoConfig.for_model(model_type, **cfg)

@@ -105,7 +105,8 @@ class Engine:
         if self.server_args.tp_size > 1:  # loaded once: rank 0's runner builds from it
             from radixserve.executor.model_runner import check_tensor_parallel
             from radixserve.loader import load_model_source
-            source = load_model_source(self.server_args.model_path, self.server_args.load_format)
+            source = load_model_source(self.server_args.model_path, self.server_args.load_format,
+                                       self.server_args.model_overrides())
             check_tensor_parallel(source.model_config, self.server_args.tp_size)
         cpu_threads_per_rank(self.server_args)
         self._followers = start_tp_followers(self.server_args)

@@ -26,6 +26,10 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
     "tokenizer_path": (MODEL, "tokenizer folder, when not the model's", None),
     "revision": (MODEL, "branch, tag or commit of a hub model (the same as "
                         "--model-path org/name@revision)", None),
+    "json_model_override_args": (MODEL, "a JSON object whose keys replace the model "
+                                        "config's (config.json, or a GGUF's mapped config), "
+                                        "e.g. '{\"num_hidden_layers\": 5}' for a shape run "
+                                        "with --load-format dummy", None),
     "load_format": (MODEL, "how to read the weights; dummy: random weights (shape-only runs)",
                     ("auto", "safetensors", "gguf", "dummy")),
     "dtype": (MODEL, "compute dtype; auto: the checkpoint's (float32 on a CPU without native "

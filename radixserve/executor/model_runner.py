@@ -85,7 +85,8 @@ class ModelRunner:
                                   + tp_rank - server_args.local_tp_ranks.start)
         t0 = time.perf_counter()
         self.source = source or load_model_source(server_args.model_path,
-                                                  server_args.load_format)
+                                                  server_args.load_format,
+                                                  server_args.model_overrides())
         self.model_config: ModelConfig = self.source.model_config
         self.fp8 = fp8_config(self.source.hf_config.get("quantization_config"),
                               server_args.quantization)

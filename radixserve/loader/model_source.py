@@ -56,12 +56,13 @@ class ModelSource:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
-def _gguf_source(resolved: ResolvedModel, load_format: str) -> ModelSource:
+def _gguf_source(resolved: ResolvedModel, load_format: str,
+                 overrides: dict[str, Any]) -> ModelSource:
     # imported here: the safetensors and dummy paths must not need the gguf package
     from radixserve.loader.gguf_loader import iter_gguf_file_weights, load_gguf_hf_config
     if load_format == "safetensors":
         raise ValueError(f"--load-format safetensors needs an HF folder, got GGUF {resolved.path}")
-    hf_config = load_gguf_hf_config(resolved.path)
+    hf_config = {**load_gguf_hf_config(resolved.path), **overrides}
     dummy = load_format == "dummy"
     return ModelSource(
         hf_config=hf_config,
@@ -75,10 +76,11 @@ def _gguf_source(resolved: ResolvedModel, load_format: str) -> ModelSource:
     )
 
 
-def _hf_folder_source(resolved: ResolvedModel, load_format: str) -> ModelSource:
+def _hf_folder_source(resolved: ResolvedModel, load_format: str,
+                      overrides: dict[str, Any]) -> ModelSource:
     if load_format == "gguf":
         raise ValueError(f"--load-format gguf needs a .gguf file, got folder {resolved.path}")
-    hf_config = read_hf_config(resolved.path)
+    hf_config = {**read_hf_config(resolved.path), **overrides}
     fmt = None if load_format == "dummy" else _folder_weight_format(resolved.path, load_format)
     model_config = ModelConfig.from_hf_dict(hf_config)
     extra_eos = set(generation_eos_token_ids(resolved)) - set(model_config.eos_token_ids)
@@ -111,8 +113,11 @@ def _folder_weight_format(folder: str, load_format: str) -> WeightFormat:
     return fmt
 
 
-def load_model_source(model_path: str | None, load_format: str = "auto") -> ModelSource:
+def load_model_source(model_path: str | None, load_format: str = "auto",
+                      overrides: dict[str, Any] | None = None) -> ModelSource:
     """Resolve `model_path` (see model_resolution) and describe how to load it.
+
+    overrides: top-level keys that replace the model config's (--json-model-override-args).
 
     load_format: "auto" (GGUF for .gguf; for HF folders safetensors, else pytorch_model*.bin),
     "gguf", "safetensors" (refuses a folder of .bin weights), or "dummy" (config only:
@@ -122,5 +127,5 @@ def load_model_source(model_path: str | None, load_format: str = "auto") -> Mode
         raise ValueError(f"unknown --load-format {load_format!r}; choose from {LOAD_FORMATS}")
     resolved = resolve_model_path(model_path)
     if resolved.kind == "gguf":
-        return _gguf_source(resolved, load_format)
-    return _hf_folder_source(resolved, load_format)
+        return _gguf_source(resolved, load_format, overrides or {})
+    return _hf_folder_source(resolved, load_format, overrides or {})

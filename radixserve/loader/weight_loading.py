@@ -29,9 +29,15 @@ from radixserve.layers.linear import default_weight_loader
 from radixserve.loader.checkpoint_error import CheckpointError
 
 
-def _checkpoint_names(param_name: str, mapping: dict[str, tuple[str, object]]) -> str:
+def _checkpoint_names(param_name: str, mapping: dict[str, tuple[str, object]],
+                      prefixes: dict[str, str] | None = None) -> str:
     """A parameter as the checkpoint names it: a merged one by the tensors it is made of
-    ("model.layers.0.mlp.{gate_proj,up_proj}.weight"), others as they are."""
+    ("model.layers.0.mlp.{gate_proj,up_proj}.weight"), others as they are, under the first
+    checkpoint prefix renamed to its prefix (`checkpoint_prefixes`)."""
+    for old, new in (prefixes or {}).items():
+        if param_name.startswith(new):
+            param_name = old + param_name[len(new):]
+            break
     parts = param_name.split(".")
     for i, part in enumerate(parts):
         pieces = sorted(ckpt for ckpt, (merged, _) in mapping.items() if merged == part)
@@ -117,11 +123,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     missing = sorted(n for n, p in params.items()
                      if n not in loaded and not getattr(p, "optional", False))
     if missing:
-        names = [_checkpoint_names(n, mapping) for n in missing[:4]]
+        names = [_checkpoint_names(n, mapping, prefixes) for n in missing[:4]]
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {names}")
     partial = sorted(n for n, want in expected_shards.items() if want - loaded[n]
                      and not getattr(params[n], "optional", False))
     if partial:
         lacking = sorted(map(str, expected_shards[partial[0]] - loaded[partial[0]]))
         raise CheckpointError(f"checkpoint lacks pieces of merged parameters, e.g. "
-                              f"{_checkpoint_names(partial[0], mapping)} misses {lacking}")
+                              f"{_checkpoint_names(partial[0], mapping, prefixes)} misses "
+                              f"{lacking}")

@@ -60,8 +60,12 @@ class SparseMoeBlock(nn.Module):
         hidden = config.hidden_size
         self.gate = ReplicatedLinear(hidden, self.routing.num_experts, quantize=False)
         if self.routing.scoring == "sigmoid":  # checkpoint: mlp.gate.e_score_correction_bias
-            self.gate.e_score_correction_bias = nn.Parameter(
-                torch.zeros(self.routing.num_experts, dtype=torch.float32), requires_grad=False)
+            bias = nn.Parameter(torch.zeros(self.routing.num_experts, dtype=torch.float32),
+                                requires_grad=False)
+            # float32 as transformers and vLLM keep it: it only moves the choice, whose gaps
+            # between experts bf16 rounding would reorder
+            bias.keep_dtype = True  # type: ignore[attr-defined]
+            self.gate.e_score_correction_bias = bias
         self.router_fp32 = router_fp32
         self.experts = FusedMoE(self.routing.num_experts, hidden, expert_intermediate_size,
                                 getattr(config.hf, "hidden_act", "silu"))

@@ -267,7 +267,8 @@ def _check_model(server_args: ServerArgs) -> Any:
     from radixserve.loader.model_resolution import no_tokenizer_files
     from radixserve.models.registry import get_model_class
     with _model_errors_exit():
-        source = load_model_source(server_args.model_path, server_args.load_format)
+        source = load_model_source(server_args.model_path, server_args.load_format,
+                                   server_args.model_overrides())
         get_model_class(source.model_config.architecture)
         fp8_config(source.hf_config.get("quantization_config"), server_args.quantization)
         check_tensor_parallel(source.model_config, server_args.tp_size)

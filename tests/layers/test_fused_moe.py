@@ -120,7 +120,8 @@ def test_softmax_topk_kernel_matches_torch_routing(num_tokens, num_experts, top_
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,groups,topk_group,renormalize,bias", [
     (2, 256, 8, 8, 4, True, True),  # DeepSeek-V3 / R1
     (3, 384, 8, 1, 1, True, True),  # Kimi-K2: one group
-    (5, 64, 6, 8, 3, False, True), (4, 16, 3, 4, 2, True, False)])
+    (5, 64, 6, 8, 3, False, True), (4, 16, 3, 4, 2, True, False),
+    (3, 8, 2, 8, 2, True, True)])  # groups of one expert: a group scores its one best
 def test_sigmoid_topk_kernel_matches_torch_routing(num_tokens, num_experts, top_k, groups,
                                                    topk_group, renormalize, bias) -> None:
     from radixserve.layers.kernels.moe_router import sigmoid_grouped_topk
@@ -160,3 +161,19 @@ def test_fused_experts_with_fp8_weights_match_the_dequantised_experts(block, moe
     deq2 = torch.stack([dequantize_weight(c, s, block, torch.float32) for c, s in zip(c2, s2)])
     ref = fused_experts_reference(x.cpu().float(), deq13, deq2, weights.cpu(), ids.cpu())
     torch.testing.assert_close(got.cpu(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("kind,num_experts", [("softmax", 64), ("sigmoid", 72),
+                                              ("sigmoid", 384)])
+def test_router_kernels_keep_ids_in_range_on_nan_logits(kind: str, num_experts: int) -> None:
+    """A NaN hidden state (a broken request) must not route to an expert past the weights:
+    ids index the experts' kernels' weights directly."""
+    from radixserve.layers.kernels.moe_router import sigmoid_grouped_topk, softmax_topk
+    logits = torch.randn(3, num_experts, generator=torch.Generator().manual_seed(5))
+    logits[0] = float("nan")
+    logits[1, : num_experts // 2] = float("nan")
+    if kind == "softmax":
+        _, ids = softmax_topk(logits.to(DEVICE), 4, True)
+    else:
+        _, ids = sigmoid_grouped_topk(logits.to(DEVICE), None, 4, 1, 1, True)
+    assert int(ids.min()) >= 0 and int(ids.max()) < num_experts

@@ -125,3 +125,27 @@ def test_gguf_dummy_and_copied_file(tmp_path: Path) -> None:
     copy.parent.mkdir()
     shutil.copy(path, copy)
     assert load_model_source(str(copy.parent), "dummy").hf_config == source.hf_config
+
+
+def test_model_config_overrides_replace_config_keys(tmp_path: Path) -> None:
+    """--json-model-override-args: a DeepSeek-V3 config cut to 5 layers for a shape run (the
+    config of benchmarks/configs), with and without the flag; a bad value is a ValueError
+    when the arguments resolve, before anything loads."""
+    from radixserve.config import ServerArgs
+    from radixserve.executor.model_runner import ModelRunner
+    folder = str(Path(__file__).resolve().parents[2] / "benchmarks/configs/deepseek-v3")
+    assert load_model_source(folder, "dummy").model_config.num_hidden_layers == 61
+    cut = load_model_source(folder, "dummy", {"num_hidden_layers": 5, "hidden_size": 7168})
+    assert cut.model_config.num_hidden_layers == 5 and cut.hf_config["num_hidden_layers"] == 5
+    args = ServerArgs(model_path=folder, json_model_override_args='{"num_hidden_layers": 5}')
+    assert args.model_overrides() == {"num_hidden_layers": 5}
+    for bad, message in (("{5}", "not JSON"), ("[5]", "JSON object")):
+        with pytest.raises(ValueError, match=message):
+            ServerArgs(model_path=folder, json_model_override_args=bad).resolve()
+    # the runner builds the model the overrides describe (a tiny Llama cut to one layer)
+    make_tiny_llama().save_pretrained(tmp_path / "tiny")
+    runner = ModelRunner(ServerArgs(model_path=str(tmp_path / "tiny"), load_format="dummy",
+                                    device="cpu",
+                                    dtype="float32", max_total_tokens=256,
+                                    json_model_override_args='{"num_hidden_layers": 1}'))
+    assert len(runner.model.model.layers) == 1

@@ -84,3 +84,19 @@ def test_rope_interleave_false_is_refused(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**config, "rope_interleave": False}))
     with pytest.raises(ValueError, match="rope_interleave"):
         _prefill_logits(tmp_path)
+
+
+def test_correction_bias_stays_float32_and_kimi_k2_configs_load(tmp_path) -> None:
+    """The bias only moves the choice, whose gaps bf16 would reorder: float32 in a bf16 model,
+    as transformers and vLLM keep it. Kimi-K2's config says model_type "kimi_k2" (unknown to
+    transformers) over DeepSeek-V3's architecture."""
+    from radixserve.config import ModelConfig
+    make_checkpoint("deepseek_v3_noaux", tmp_path)
+    runner = ModelRunner(ServerArgs(model_path=str(tmp_path), dtype="bfloat16", device="cpu",
+                                    max_total_tokens=512, max_running_requests=2))
+    bias = dict(runner.model.named_parameters())["model.layers.2.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and bias.abs().sum() > 0
+    config = json.loads((tmp_path / "config.json").read_text())
+    kimi = ModelConfig.from_hf_dict({**config, "model_type": "kimi_k2", "n_group": 1,
+                                     "topk_group": 1})
+    assert kimi.architecture == "DeepseekV3ForCausalLM" and kimi.hf.n_group == 1

@@ -264,3 +264,17 @@ def test_the_server_answers_an_image_400(part: dict) -> None:
     with pytest.raises(APIError, match="image_data is not supported") as info:
         native.check_unsupported()
     assert info.value.status_code == 400 and info.value.param == "image_data"
+
+
+def test_a_missing_tensor_is_named_as_the_checkpoint_names_it(checkpoint, tmp_path) -> None:
+    from radixserve.loader.checkpoint_error import CheckpointError
+    _, folder = checkpoint
+    tensors = load_file(str(folder / "model.safetensors"))
+    dropped = "language_model.model.layers.1.mlp.down_proj.weight"
+    assert dropped in tensors
+    del tensors[dropped]
+    shutil.copytree(folder, tmp_path / "cut")
+    save_file(tensors, str(tmp_path / "cut" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=dropped.replace(".", r"\.")):
+        ModelRunner(ServerArgs(model_path=str(tmp_path / "cut"), dtype="float32", device="cpu",
+                               max_total_tokens=256))

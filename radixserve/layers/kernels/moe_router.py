@@ -30,23 +30,26 @@ def _softmax_topk_kernel(Logits, Weights, Ids, num_experts, stride_l, scaling_fa
     probs = tl.exp(logits - tl.max(logits, 0))
     probs = probs / tl.sum(probs, 0)
     probs = tl.where(mask, probs, -1.0)
-    _store_top_k(probs, probs, offs, Weights, Ids, token, scaling_factor, 0.0, TOP_K, BLOCK_K,
-                 BLOCK_E, RENORMALIZE, WEIGHT_IS_CHOICE=True)
+    _store_top_k(probs, probs, offs, num_experts, Weights, Ids, token, scaling_factor, 0.0,
+                 TOP_K, BLOCK_K, BLOCK_E, RENORMALIZE, WEIGHT_IS_CHOICE=True)
 
 
 @triton.jit
-def _store_top_k(choice, weights, offs, Weights, Ids, token, scaling_factor, eps,
+def _store_top_k(choice, weights, offs, num_experts, Weights, Ids, token, scaling_factor, eps,
                  TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
                  RENORMALIZE: tl.constexpr, WEIGHT_IS_CHOICE: tl.constexpr = False):
     """The k largest of `choice` (k rounds of max + its first index, masked out after), their
     `weights` entries (WEIGHT_IS_CHOICE: the choice values themselves, no gather), renormalised
-    (sum + eps) when asked, times the scaling factor."""
+    (sum + eps) when asked, times the scaling factor. NaN choices (a broken hidden state) rank
+    last and every id stays below num_experts, so a bad request cannot send the experts'
+    kernels past their weights."""
+    choice = tl.where(choice == choice, choice, float("-inf"))
     offs_k = tl.arange(0, BLOCK_K)
     chosen = tl.zeros([BLOCK_K], dtype=tl.float32)
     chosen_ids = tl.zeros([BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(choice, 0)
-        index = tl.min(tl.where(choice == best, offs, BLOCK_E), 0)
+        index = tl.minimum(tl.min(tl.where(choice == best, offs, BLOCK_E), 0), num_experts - 1)
         if WEIGHT_IS_CHOICE:
             weight = best
         else:
@@ -105,6 +108,7 @@ def _sigmoid_grouped_topk_kernel(Logits, Bias, Weights, Ids, num_experts, group_
             first = tl.max(tl.where(in_group, choice, float("-inf")), 0)
             first_at = tl.min(tl.where(in_group & (choice == first), offs, BLOCK_E), 0)
             second = tl.max(tl.where(in_group & (offs != first_at), choice, float("-inf")), 0)
+            second = tl.where(second == float("-inf"), 0.0, second)  # a group of one expert
             group_scores = tl.where(offs_g == g, first + second, group_scores)
         keep = offs < 0
         for _ in tl.static_range(TOPK_GROUP):
@@ -113,8 +117,8 @@ def _sigmoid_grouped_topk_kernel(Logits, Bias, Weights, Ids, num_experts, group_
             keep = keep | (group_of == best_group)
             group_scores = tl.where(offs_g == best_group, float("-inf"), group_scores)
         choice = tl.where(keep, choice, float("-inf"))
-    _store_top_k(choice, scores, offs, Weights, Ids, token, scaling_factor, 1e-20, TOP_K,
-                 BLOCK_K, BLOCK_E, RENORMALIZE)
+    _store_top_k(choice, scores, offs, num_experts, Weights, Ids, token, scaling_factor, 1e-20,
+                 TOP_K, BLOCK_K, BLOCK_E, RENORMALIZE)
 
 
 def sigmoid_grouped_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor | None,
