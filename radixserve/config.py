@@ -395,7 +395,22 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        return cls(hf_config_from_dict(cfg))
+        """ValueError for a config transformers refuses (a field of the wrong type) or whose
+        sizes are not positive."""
+        try:
+            hf_config = hf_config_from_dict(cfg)
+        except ValueError:
+            raise
+        except Exception as exc:  # e.g. huggingface_hub's StrictDataclassFieldValidationError
+            raise ValueError(f"the model config is invalid: {exc}") from None
+        config = cls(hf_config)
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim"):
+            value = getattr(config, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"the model config's {name} is {value!r}; it must be a "
+                                 "positive integer")
+        return config
 
     @classmethod
     def from_path(cls, path: str) -> "ModelConfig":

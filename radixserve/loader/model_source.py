@@ -56,13 +56,32 @@ class ModelSource:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
+def with_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """The config with --json-model-override-args applied: a dict value merges into the
+    config's dict of that key, key by key (nested dicts too), anything else replaces it; in
+    a multimodal config (`text_config`, served text-only) a key its top level lacks and its
+    text config has goes to the text config (num_hidden_layers of Gemma-3 4b-27b)."""
+    merged = dict(config)
+    text = merged.get("text_config")
+    for key, value in overrides.items():
+        target = merged
+        if isinstance(text, dict) and key not in merged and key in text:
+            target = merged["text_config"] = dict(text)
+            text = target
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            target[key] = with_overrides(target[key], value)
+        else:
+            target[key] = value
+    return merged
+
+
 def _gguf_source(resolved: ResolvedModel, load_format: str,
                  overrides: dict[str, Any]) -> ModelSource:
     # imported here: the safetensors and dummy paths must not need the gguf package
     from radixserve.loader.gguf_loader import iter_gguf_file_weights, load_gguf_hf_config
     if load_format == "safetensors":
         raise ValueError(f"--load-format safetensors needs an HF folder, got GGUF {resolved.path}")
-    hf_config = {**load_gguf_hf_config(resolved.path), **overrides}
+    hf_config = with_overrides(load_gguf_hf_config(resolved.path), overrides)
     dummy = load_format == "dummy"
     return ModelSource(
         hf_config=hf_config,
@@ -80,7 +99,7 @@ def _hf_folder_source(resolved: ResolvedModel, load_format: str,
                       overrides: dict[str, Any]) -> ModelSource:
     if load_format == "gguf":
         raise ValueError(f"--load-format gguf needs a .gguf file, got folder {resolved.path}")
-    hf_config = {**read_hf_config(resolved.path), **overrides}
+    hf_config = with_overrides(read_hf_config(resolved.path), overrides)
     fmt = None if load_format == "dummy" else _folder_weight_format(resolved.path, load_format)
     model_config = ModelConfig.from_hf_dict(hf_config)
     extra_eos = set(generation_eos_token_ids(resolved)) - set(model_config.eos_token_ids)

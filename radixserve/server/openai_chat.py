@@ -133,6 +133,7 @@ def choice_of(body: ChatCompletionRequest, plan: ToolPlan, index: int,
                                                out.meta_info.get("output_top_logprobs") or [])}
     thought, answer = (split_reasoning(split.fmt, out.text, True, split.inside) if split
                        else (None, out.text))
+    thought = thought or None  # "</think>" first: no reasoning, as a stream sends none
     message, called = tool_message(plan, answer, cut=finish_reason_of(out) == "length")
     if split is not None or reasoning_field:  # null where there was no reasoning, as vLLM
         message["reasoning_content"] = thought

@@ -149,3 +149,25 @@ def test_model_config_overrides_replace_config_keys(tmp_path: Path) -> None:
                                     dtype="float32", max_total_tokens=256,
                                     json_model_override_args='{"num_hidden_layers": 1}'))
     assert len(runner.model.model.layers) == 1
+
+
+def test_overrides_merge_nested_dicts_and_reach_a_text_config() -> None:
+    from radixserve.loader.model_source import with_overrides
+    config = {"hidden_size": 8, "rope_scaling": {"type": "yarn", "factor": 40},
+              "text_config": {"num_hidden_layers": 34, "vocab_size": 10}}
+    got = with_overrides(config, {"num_hidden_layers": 2, "rope_scaling": {"factor": 4},
+                                  "text_config": {"vocab_size": 12}, "hidden_size": 16})
+    assert got == {"hidden_size": 16, "rope_scaling": {"type": "yarn", "factor": 4},
+                   "text_config": {"num_hidden_layers": 2, "vocab_size": 12}}
+    assert config["text_config"]["num_hidden_layers"] == 34  # the input is not changed
+
+
+@pytest.mark.parametrize("override,message", [('{"num_hidden_layers": "x"}', "invalid"),
+                                              ('{"num_hidden_layers": -1}', "positive"),
+                                              ('{"hidden_size": 0}', "positive")])
+def test_a_bad_override_value_is_one_clear_error(override: str, message: str) -> None:
+    from radixserve.config import ServerArgs
+    folder = str(Path(__file__).resolve().parents[2] / "benchmarks/configs/deepseek-v3")
+    args = ServerArgs(model_path=folder, json_model_override_args=override)
+    with pytest.raises(ValueError, match=message):
+        load_model_source(folder, "dummy", args.model_overrides())

@@ -111,3 +111,18 @@ def test_chat_requests_keep_the_tags_and_gate_their_grammar() -> None:
     assert params(R1, **json_mode).reasoning_gate == (start, end, "thinking")
     assert params(QWEN3).reasoning_gate is None and params(None, **json_mode).reasoning_gate \
         is None
+
+
+def test_an_empty_block_is_no_reasoning_streamed_or_not() -> None:
+    """"</think>" first (deepseek-r1, the prompt opened the block): the answer's
+    reasoning_content is null, as its stream sends no reasoning delta (a probe found "")."""
+    from radixserve.server.openai_chat import choice_of
+    from radixserve.server.openai_protocol import ChatCompletionRequest
+    from radixserve.server.openai_tools import plan_tools
+    from radixserve.server.request_state import ReqOutput
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    out = ReqOutput("r", "</think>The answer.", [], {"finish_reason": {"type": "stop"}}, True)
+    split = ReasoningSplit(get_format("deepseek-r1"), inside=True)
+    message = choice_of(body, plan_tools(body, None, None), 0, out, None, split)["message"]
+    assert message["reasoning_content"] is None and message["content"] == "The answer."

@@ -117,6 +117,25 @@ def test_malformed_arguments_do_not_stream_the_markers() -> None:
     assert parser.scan(text).calls[0].arguments == '{"zone": oops}'
 
 
+@pytest.mark.parametrize("name,text", [
+    # V3.1's parser over arguments that are not an object (a probe forced "[1, 2]")
+    ("deepseek_v31", f"Hi{CALLS_BEGIN}{CALL_BEGIN}get_time{SEP}[1, 2]{CALL_END}{CALLS_END}"),
+    # V3's format read by V3.1's parser: "function" would be the name, "get_time..." the
+    # arguments
+    ("deepseek_v31", f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}get_time\n```json\n"
+                     f'{{"zone": "UTC"}}\n```{CALL_END}{CALLS_END}'),
+    ("deepseek_v3", f"Hi{CALLS_BEGIN}{CALL_BEGIN}function{SEP}get_time\n```json\n\"UTC\""
+                    f"\n```{CALL_END}{CALLS_END}")])
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_a_section_without_object_arguments_is_content_streamed_or_not(
+        name: str, text: str, chunk: int) -> None:
+    """No call is streamed before its arguments open with "{": the stream joined equals the
+    finished parse, which reads the whole text as content (a call's name once sent cannot be
+    taken back)."""
+    assert get_parser(name).parse(text) == (text, [])
+    assert stream_text(name, text, chunk) == (text, [], False)
+
+
 def _vocabulary_matcher(ebnf: str) -> tuple[Any, dict[str, int]]:
     """A matcher over a vocabulary of printable ASCII, the newline and the five markers as
     single tokens (as in DeepSeek's vocabulary), and the markers' token ids."""

@@ -9,7 +9,9 @@
   calls chained without a separator.
 
 Content may come before the section; blanks around the markers are read too. The arguments
-are a raw JSON object (not a JSON string): a call is complete once that object is (its closing
+are a raw JSON object (not a JSON string): a call is reported once its arguments open with
+"{" (a section whose first call's arguments open with anything else is plain content, streamed
+or not), and is complete once that object is (its closing
 literals are skipped where they follow, as hermes' `</tool_call>`), and its text streams as
 far as it is certain. The markers are special tokens where the tokenizer marks them so:
 requests with tools keep all five in the text (`special_markers`,
@@ -72,6 +74,12 @@ class _DeepSeekParser(ToolCallParser):
             name, pos = self._header(text, pos + len(CALL_BEGIN))
             if name is None:
                 scan.calls.append(PartialCall(None, "", False))
+                break
+            if pos >= len(text):
+                break  # the arguments have not started: not certain to be a call yet
+            if text[pos] != "{":  # not a call of this format: plain text, as parse() has it
+                if not scan.calls:
+                    scan.content_end = len(text)
                 break
             arguments, end = _arguments(text, pos)
             scan.calls.append(PartialCall(name, arguments, end is not None))
