@@ -267,6 +267,8 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 ARCHITECTURE_MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    # Mistral Small 3.1 / 3.2: served text-only, its language model (`text_config`)
+    "Mistral3ForConditionalGeneration": "mistral3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",

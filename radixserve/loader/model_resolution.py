@@ -38,6 +38,7 @@ HUB_ALLOW_PATTERNS = (
     "config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
     "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json",  # a multimodal repo's processor template (loader/tokenizer.py)
 )
 # and from a repo without safetensors weights, the .bin ones too
 HUB_BIN_PATTERNS = (PYTORCH_BIN.file_glob, PYTORCH_BIN.index_glob)

@@ -6,6 +6,7 @@ cache (cache_dir.py); later loads read that folder (~0.1 s instead of ~0.45 s).
 """
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from radixserve.loader.model_resolution import (TOKENIZER_FILES, ResolvedModel,
                                                 no_tokenizer_files, resolve_model_path)
 
 logger = logging.getLogger(__name__)
+# a processor's chat template (multimodal repos), read where the tokenizer has none
+PROCESSOR_CHAT_TEMPLATE = "chat_template.json"
 
 
 def load_gguf_tokenizer(gguf_path: str, use_cache: bool = True) -> PreTrainedTokenizerBase:
@@ -48,8 +51,26 @@ def get_tokenizer(source: str | ResolvedModel) -> PreTrainedTokenizerBase:
     elif not resolved.has_tokenizer_files:
         raise no_tokenizer_files(resolved.path)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(resolved.path, local_files_only=True)
+        tokenizer = _with_processor_template(
+            AutoTokenizer.from_pretrained(resolved.path, local_files_only=True), resolved.path)
     return _unbounded(tokenizer)
+
+
+def _with_processor_template(tokenizer: PreTrainedTokenizerBase,
+                             folder: str) -> PreTrainedTokenizerBase:
+    """A multimodal repo may keep its chat template only in the processor's
+    chat_template.json, which the tokenizer does not read: the tokenizer takes it from
+    there when it has none of its own (as vLLM resolves it)."""
+    path = Path(folder) / PROCESSOR_CHAT_TEMPLATE
+    if getattr(tokenizer, "chat_template", None) or not path.is_file():
+        return tokenizer
+    try:
+        template = json.loads(path.read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return tokenizer
+    if isinstance(template, str) and template:
+        tokenizer.chat_template = template
+    return tokenizer
 
 
 def _unbounded(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:

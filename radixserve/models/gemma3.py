@@ -21,6 +21,7 @@ from radixserve.layers.norm import GemmaRMSNorm
 from radixserve.layers.rotary import RopeInput, RotaryEmbedding, default_inv_freq
 from radixserve.models.blocks import CausalLM, DecoderAttention, DecoderModel
 from radixserve.models.gemma2 import Gemma2DecoderLayer
+from radixserve.models.multimodal_text import LanguageModelOfMultimodal
 
 
 def layer_type_rotary(config: ModelConfig, layer_type: str) -> RotaryEmbedding:
@@ -86,25 +87,8 @@ class Gemma3ForCausalLM(CausalLM):
         super().__init__(config, Gemma3Model(config))
 
 
-# a multimodal checkpoint's tensors that are not its language model's (after an optional
-# "model.")
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
-
-
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """A multimodal Gemma-3 checkpoint's language model. Its tensors are named
-    `language_model.model.*` (the hub's checkpoints; transformers still saves that layout) or
-    `model.language_model.*` (transformers' module names, which some fine-tunes saved), an
-    untied LM head `language_model.lm_head.weight` or `lm_head.weight`; the vision tower and
-    the multimodal projector (under `model.` or not) have no place here."""
-
-    checkpoint_prefixes = {"language_model.model.": "model.",
-                           "language_model.lm_head.": "lm_head.",
-                           "model.language_model.": "model."}
-
-    def skip_weight(self, name: str) -> bool:
-        return name.removeprefix("model.").startswith(VISION_PREFIXES) or \
-            super().skip_weight(name)
+class Gemma3ForConditionalGeneration(LanguageModelOfMultimodal, Gemma3ForCausalLM):
+    """A multimodal Gemma-3 checkpoint's language model (models/multimodal_text.py)."""
 
 
 EntryClass = [Gemma3ForCausalLM, Gemma3ForConditionalGeneration]

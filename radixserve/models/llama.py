@@ -1,8 +1,11 @@
-"""The Llama family: Llama 2/3/3.1, Mistral (sliding window), Qwen2 (q/k/v bias), SmolLM."""
+"""The Llama family: Llama 2/3/3.1, Mistral (sliding window), Qwen2 (q/k/v bias), SmolLM; and
+Mistral Small 3.1 / 3.2's multimodal checkpoints (Mistral3ForConditionalGeneration), whose
+Mistral language model is served text-only (models/multimodal_text.py)."""
 from __future__ import annotations
 
 from radixserve.config import ModelConfig
 from radixserve.models.blocks import CausalLM, DecoderLayer, DecoderModel
+from radixserve.models.multimodal_text import LanguageModelOfMultimodal
 
 
 class LlamaForCausalLM(CausalLM):
@@ -10,4 +13,8 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(config, DecoderModel(config, DecoderLayer))
 
 
-EntryClass = [LlamaForCausalLM]
+class Mistral3ForConditionalGeneration(LanguageModelOfMultimodal, LlamaForCausalLM):
+    """Mistral Small 3.1 / 3.2 (a Pixtral vision tower beside a Mistral decoder), text-only."""
+
+
+EntryClass = [LlamaForCausalLM, Mistral3ForConditionalGeneration]

@@ -16,6 +16,7 @@ from radixserve.mem.kv_pool import KVCacheSpec, spec_bytes_per_token
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Mistral3ForConditionalGeneration": ("llama", "Mistral3ForConditionalGeneration"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),

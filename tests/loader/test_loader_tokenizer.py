@@ -114,3 +114,25 @@ def test_cache_entry_follows_file_changes(bundled_gguf: str, tmp_path: Path) -> 
     os.utime(path, ns=(1, 1))  # make sure mtime differs even on coarse clocks
     assert gguf_cache_folder(str(path)) != before
     assert load_gguf_tokenizer(str(path)).encode("hi")[0] == 1
+
+
+def test_a_processor_chat_template_serves_a_tokenizer_without_one(bundled_gguf: str,
+                                                                   tmp_path: Path) -> None:
+    """Multimodal repos (Gemma-3, Mistral Small 3.1) may keep the chat template only in the
+    processor's chat_template.json: the tokenizer takes it from there, and its own wins."""
+    import json as json_module
+    from radixserve.loader.tokenizer import get_tokenizer
+    tokenizer = get_tokenizer(bundled_gguf)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text(
+        json_module.dumps({"architectures": ["LlamaForCausalLM"]}))
+    for leftover in tmp_path.glob("chat_template.jinja"):
+        leftover.unlink()
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    (tmp_path / "chat_template.json").write_text(json_module.dumps({"chat_template": template}))
+    loaded = get_tokenizer(str(tmp_path))
+    assert loaded.apply_chat_template([{"role": "user", "content": "hi"}],
+                                      tokenize=False) == "[hi]"
+    (tmp_path / "chat_template.jinja").write_text("own")
+    assert get_tokenizer(str(tmp_path)).chat_template == "own"

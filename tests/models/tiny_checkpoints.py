@@ -112,6 +112,16 @@ MULTIMODAL_CONFIGS = {
                            num_attention_heads=2, image_size=28, patch_size=7),
         mm_tokens_per_image=4, boi_token_index=157, eoi_token_index=158, image_token_index=159,
         eos_token_id=[1, 106], tie_word_embeddings=True)),
+    # Mistral Small 3.1 / 3.2 (Mistral3ForConditionalGeneration): a Mistral decoder in
+    # text_config (GQA, head_dim not hidden / heads, untied), a tiny Pixtral vision tower and
+    # the projector beside it
+    "mistral3_multimodal": (transformers.Mistral3Config, dict(
+        text_config=dict(BASE, model_type="mistral", num_key_value_heads=2, head_dim=24,
+                         sliding_window=None, rope_theta=1000000000.0,
+                         tie_word_embeddings=False),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=32, patch_size=8, head_dim=16),
+        image_token_index=159, tie_word_embeddings=False)),
 }
 
 
@@ -119,7 +129,9 @@ def make_checkpoint(name: str, folder: Path, seed: int = 0) -> transformers.PreT
     config_cls, kwargs = CONFIGS[name] if name in CONFIGS else MULTIMODAL_CONFIGS[name]
     torch.manual_seed(seed)
     config = config_cls(**kwargs)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = transformers.AutoModelForImageTextToText if name in MULTIMODAL_CONFIGS else \
+        transformers.AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     # random init of transformers is small; make attention matter with larger weights
     with torch.no_grad():
         for param_name, param in model.named_parameters():
