@@ -322,8 +322,8 @@ class ModelConfig:
     Qwen3's q/k norms, ...). For a multimodal checkpoint served text-only (Gemma-3 4b-27b:
     `text_config` and `vision_config`) `hf` is its language model's config
     (`get_text_config`, the config itself for every other model); the architecture, EOS and
-    BOS ids, embedding tying and dtype are the top level's where it sets them, as
-    transformers reads them for the whole model."""
+    BOS ids and dtype are the top level's where it sets them, as transformers reads them for
+    the whole model; embedding tying is the language model's own, as vLLM reads it."""
 
     def __init__(self, hf_config: Any) -> None:
         self.hf = text_config = hf_config.get_text_config(decoder=True)
@@ -346,7 +346,10 @@ class ModelConfig:
         self.head_dim: int = get("head_dim", None) or self.hidden_size // self.num_attention_heads
         self.max_position_embeddings: int = get("max_position_embeddings", 4096)
         self.rms_norm_eps: float = get("rms_norm_eps", 1e-6)
-        self.tie_word_embeddings: bool = bool(top("tie_word_embeddings", False))
+        # the language model's own (vLLM's reading): Mistral3Config's top-level default is
+        # True where Mistral Small 3.1's language model is untied and its config.json says
+        # nothing at the top level
+        self.tie_word_embeddings: bool = bool(get("tie_word_embeddings", False))
         default_bias = self.architecture.startswith("Qwen2")  # Qwen2: bias on q/k/v
         self.attention_bias: bool = bool(get("attention_bias", get("qkv_bias", default_bias)))
         # Llama and Qwen3 put attention_bias on o_proj too; Qwen2's q/k/v bias stops there
@@ -401,17 +404,16 @@ class ModelConfig:
         sizes are not positive."""
         try:
             hf_config = hf_config_from_dict(cfg)
+            text = hf_config.get_text_config(decoder=True)
+            for name in _POSITIVE_SIZES:  # as written, before anything is derived from them
+                _check_positive(name, getattr(text, name, None), missing_ok=True)
+            config = cls(hf_config)
         except ValueError:
             raise
         except Exception as exc:  # e.g. huggingface_hub's StrictDataclassFieldValidationError
             raise ValueError(f"the model config is invalid: {exc}") from None
-        config = cls(hf_config)
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim"):
-            value = getattr(config, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"the model config's {name} is {value!r}; it must be a "
-                                 "positive integer")
+        for name in _POSITIVE_SIZES:
+            _check_positive(name, getattr(config, name), missing_ok=False)
         return config
 
     @classmethod
@@ -433,6 +435,18 @@ class ModelConfig:
             logger.warning("--context-length %d exceeds the model's max_position_embeddings "
                            "(%d): RADIXSERVE_ALLOW_LONGER_CONTEXT=1 allows it", requested, limit)
         self.context_length = requested or limit
+
+
+_POSITIVE_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "head_dim")
+
+
+def _check_positive(name: str, value: Any, missing_ok: bool) -> None:
+    if value is None and missing_ok:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"the model config's {name} is {value!r}; it must be a positive "
+                         "integer")
 
 
 def resolve_dtype(name: str, model_dtype: str, device: str) -> torch.dtype:

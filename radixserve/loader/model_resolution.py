@@ -40,6 +40,9 @@ HUB_ALLOW_PATTERNS = (
     "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
     "chat_template.json",  # a multimodal repo's processor template (loader/tokenizer.py)
 )
+# Mistral's native-format weights beside the HF shards (Mistral Small 3.1: ~48 GB more), which
+# loading skips anyway (weight_files.py)
+HUB_IGNORE_PATTERNS = ("consolidated*.safetensors",)
 # and from a repo without safetensors weights, the .bin ones too
 HUB_BIN_PATTERNS = (PYTORCH_BIN.file_glob, PYTORCH_BIN.index_glob)
 
@@ -131,7 +134,8 @@ def _resolve_hub_repo(repo_id: str, revision: str | None) -> ResolvedModel:
     cache_dir = constants.HF_HUB_CACHE  # read now: HF_HUB_CACHE / HF_HOME, or a patched value
     what = repo_id if revision is None else f"{repo_id}@{revision}"
     download_cmd = f"hf download {repo_id}" + ("" if revision is None else f" --revision {rev}")
-    kwargs = dict(revision=rev, allow_patterns=list(HUB_ALLOW_PATTERNS))
+    kwargs = dict(revision=rev, allow_patterns=list(HUB_ALLOW_PATTERNS),
+                  ignore_patterns=list(HUB_IGNORE_PATTERNS))
 
     cached: str | None = None
     try:

@@ -59,15 +59,16 @@ class ModelSource:
 def with_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """The config with --json-model-override-args applied: a dict value merges into the
     config's dict of that key, key by key (nested dicts too), anything else replaces it; in
-    a multimodal config (`text_config`, served text-only) a key its top level lacks and its
-    text config has goes to the text config (num_hidden_layers of Gemma-3 4b-27b)."""
+    a multimodal config (`text_config`, served text-only) a key its top level does not spell
+    out goes to the text config, whose language model is what is served (num_hidden_layers
+    or max_position_embeddings of Gemma-3 4b-27b, which its text_config may leave to the
+    defaults)."""
     merged = dict(config)
-    text = merged.get("text_config")
     for key, value in overrides.items():
         target = merged
-        if isinstance(text, dict) and key not in merged and key in text:
+        text = merged.get("text_config")
+        if isinstance(text, dict) and key not in merged:
             target = merged["text_config"] = dict(text)
-            text = target
         if isinstance(value, dict) and isinstance(target.get(key), dict):
             target[key] = with_overrides(target[key], value)
         else:

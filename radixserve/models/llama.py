@@ -14,7 +14,16 @@ class LlamaForCausalLM(CausalLM):
 
 
 class Mistral3ForConditionalGeneration(LanguageModelOfMultimodal, LlamaForCausalLM):
-    """Mistral Small 3.1 / 3.2 (a Pixtral vision tower beside a Mistral decoder), text-only."""
+    """Mistral Small 3.1 / 3.2 (a Pixtral vision tower beside a Mistral decoder), text-only.
+    Ministral 3's checkpoints share the architecture with another language model (its
+    `llama_4_scaling` of attention, not implemented): refused."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        kind = getattr(config.hf, "model_type", "mistral")
+        if kind != "mistral":
+            raise ValueError(f"Mistral3ForConditionalGeneration with a {kind!r} language model "
+                             "is not supported (only Mistral Small 3.1 / 3.2's 'mistral')")
+        super().__init__(config)
 
 
 EntryClass = [LlamaForCausalLM, Mistral3ForConditionalGeneration]

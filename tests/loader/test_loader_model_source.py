@@ -160,11 +160,20 @@ def test_overrides_merge_nested_dicts_and_reach_a_text_config() -> None:
     assert got == {"hidden_size": 16, "rope_scaling": {"type": "yarn", "factor": 4},
                    "text_config": {"num_hidden_layers": 2, "vocab_size": 12}}
     assert config["text_config"]["num_hidden_layers"] == 34  # the input is not changed
+    # the order of the keys does not matter; a key neither level spells out goes to the
+    # language model's config
+    got = with_overrides(config, {"text_config": {"vocab_size": 12}, "num_hidden_layers": 2,
+                                  "max_position_embeddings": 8192})
+    assert got["text_config"] == {"num_hidden_layers": 2, "vocab_size": 12,
+                                  "max_position_embeddings": 8192}
 
 
 @pytest.mark.parametrize("override,message", [('{"num_hidden_layers": "x"}', "invalid"),
                                               ('{"num_hidden_layers": -1}', "positive"),
-                                              ('{"hidden_size": 0}', "positive")])
+                                              ('{"hidden_size": 0}', "positive"),
+                                              ('{"num_attention_heads": 0}', "positive"),
+                                              ('{"num_key_value_heads": 0}', "positive"),
+                                              ('{"text_config": {"a": 1}}', "invalid")])
 def test_a_bad_override_value_is_one_clear_error(override: str, message: str) -> None:
     from radixserve.config import ServerArgs
     folder = str(Path(__file__).resolve().parents[2] / "benchmarks/configs/deepseek-v3")

@@ -42,3 +42,45 @@ def test_the_language_model_serves_as_transformers_runs_it(tmp_path) -> None:
         assert state["memory_check_ok"] and state["leaked_tokens"] == 0
     finally:
         engine.shutdown()
+
+
+# mistralai/Mistral-Small-3.1-24B-Instruct-2503's config.json (vision_config abridged): no
+# tie_word_embeddings anywhere, where Mistral3Config's own default is True and MistralConfig's
+# False; the language model is untied
+HUB_SMALL_31 = {
+    "architectures": ["Mistral3ForConditionalGeneration"], "image_token_index": 10,
+    "model_type": "mistral3", "multimodal_projector_bias": False,
+    "projector_hidden_act": "gelu", "spatial_merge_size": 2,
+    "text_config": {"head_dim": 128, "hidden_size": 5120, "intermediate_size": 32768,
+                    "max_position_embeddings": 131072, "model_type": "mistral",
+                    "num_attention_heads": 32, "num_hidden_layers": 40,
+                    "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+                    "rope_theta": 1000000000.0, "sliding_window": None, "vocab_size": 131072},
+    "torch_dtype": "bfloat16",
+    "vision_config": {"model_type": "pixtral", "hidden_size": 1024, "num_hidden_layers": 24,
+                      "num_attention_heads": 16, "image_size": 1540, "patch_size": 14},
+    "vision_feature_layer": -1,
+}
+
+
+def test_the_hub_config_is_read_as_an_untied_mistral() -> None:
+    config = ModelConfig.from_hf_dict(HUB_SMALL_31)
+    assert not config.tie_word_embeddings
+    assert (config.num_hidden_layers, config.head_dim, config.vocab_size) == (40, 128, 131072)
+
+
+def test_another_language_model_under_the_architecture_is_refused(tmp_path) -> None:
+    import json
+
+    import pytest
+
+    from radixserve.config import ServerArgs
+    from radixserve.executor.model_runner import ModelRunner
+    ministral = dict(HUB_SMALL_31, text_config=dict(
+        HUB_SMALL_31["text_config"], model_type="ministral3", hidden_size=64, head_dim=16,
+        intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=160))
+    (tmp_path / "config.json").write_text(json.dumps(ministral))
+    with pytest.raises(ValueError, match="ministral3"):
+        ModelRunner(ServerArgs(model_path=str(tmp_path), load_format="dummy", device="cpu",
+                               dtype="float32", max_total_tokens=256))
