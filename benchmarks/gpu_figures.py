@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from radixserve.bench import hardware  # noqa: E402
-from radixserve.config import ModelConfig  # noqa: E402
+from radixserve.core.model_config import ModelConfig  # noqa: E402
 from radixserve.core.req import Req  # noqa: E402
 from radixserve.core.sampling_params import SamplingParams  # noqa: E402
 

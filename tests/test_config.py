@@ -47,7 +47,7 @@ def test_sliding_window_per_layer_keeps_the_full_context(arch: str, extra: dict,
                                                          windows: list) -> None:
     """Sliding-window attention is implemented: the context is the model's, each layer gets
     the window transformers gives it."""
-    from radixserve.config import ModelConfig
+    from radixserve.core.model_config import ModelConfig
     cfg = ModelConfig.from_hf_dict(_hf(arch, **extra))
     cfg.resolve_context_length(None)
     assert cfg.context_length == 1024
@@ -79,7 +79,7 @@ def test_revision_joins_a_hub_model_id(tmp_path) -> None:
 def test_a_config_without_architectures_takes_its_model_types() -> None:
     """As transformers picks the causal LM by model_type: a Qwen2 config.json lacking
     `architectures` is Qwen2 (it was taken for Llama and failed on q/k/v biases)."""
-    from radixserve.config import ModelConfig, hf_config_from_dict
+    from radixserve.core.model_config import ModelConfig, hf_config_from_dict
     config = _hf("Qwen2ForCausalLM", model_type="qwen2")
     del config["architectures"]
     assert ModelConfig(hf_config_from_dict(config)).architecture == "Qwen2ForCausalLM"
@@ -90,7 +90,7 @@ def test_a_config_without_architectures_takes_its_model_types() -> None:
 def test_a_context_past_the_models_positions_is_refused_unless_allowed(monkeypatch) -> None:
     """As vLLM and SGLang: a --context-length above max_position_embeddings is an error, or
     with RADIXSERVE_ALLOW_LONGER_CONTEXT=1 taken as given (it was cut to the model's)."""
-    from radixserve.config import ModelConfig
+    from radixserve.core.model_config import ModelConfig
     cfg = ModelConfig.from_hf_dict(_hf("LlamaForCausalLM"))
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
         cfg.resolve_context_length(4096)
@@ -110,7 +110,7 @@ def test_a_context_past_the_models_positions_is_refused_unless_allowed(monkeypat
       "original_max_position_embeddings": 256}, False),
 ])
 def test_rope_scaling_kinds_are_supported_or_refused(rope: dict | None, ok: bool) -> None:
-    from radixserve.config import ModelConfig
+    from radixserve.core.model_config import ModelConfig
     extra = {} if rope is None else {"rope_scaling": rope}
     if ok:
         ModelConfig.from_hf_dict(_hf("LlamaForCausalLM", **extra))

@@ -32,7 +32,7 @@ import torch
 
 from radixserve.bench.cli_support import BenchError, run_command
 from radixserve.bench.param_counts import ParamCounts, attention_flops_per_key, param_counts
-from radixserve.config import ModelConfig
+from radixserve.core.model_config import ModelConfig
 
 __all__ = ["ParamCounts", "param_counts", "attention_flops_per_key"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from radixserve.config import ModelConfig
+from radixserve.core.model_config import ModelConfig
 
 
 class ParamCounts(NamedTuple):

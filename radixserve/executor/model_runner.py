@@ -15,7 +15,8 @@ import torch
 
 from radixserve.attention.base import AttentionBackend, AttentionContext
 from radixserve.attention.registry import create_attention_backend
-from radixserve.config import ModelConfig, ServerArgs, resolve_dtype
+from radixserve.config import ServerArgs, resolve_dtype
+from radixserve.core.model_config import ModelConfig
 from radixserve.core.forward_batch import (ForwardBatch, ForwardMode, ForwardOutput,
                                            ModelWorkerBatch)
 from radixserve.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from radixserve.config import ModelConfig
+from radixserve.core.model_config import ModelConfig
 from radixserve.loader.bin_loader import iter_bin_weights
 from radixserve.loader.generation_defaults import generation_defaults, generation_eos_token_ids
 from radixserve.loader.model_resolution import ResolvedModel, resolve_model_path
@@ -137,7 +137,7 @@ def load_model_source(model_path: str | None, load_format: str = "auto",
                       overrides: dict[str, Any] | None = None) -> ModelSource:
     """Resolve `model_path` (see model_resolution) and describe how to load it.
 
-    overrides: top-level keys that replace the model config's (--json-model-override-args).
+    overrides: --json-model-override-args, applied to the config as `with_overrides` says.
 
     load_format: "auto" (GGUF for .gguf; for HF folders safetensors, else pytorch_model*.bin),
     "gguf", "safetensors" (refuses a folder of .bin weights), or "dummy" (config only:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import nn
 
-from radixserve.config import ModelConfig
+from radixserve.core.model_config import ModelConfig
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.layers.activation import SiluAndMul, gated_activation
 from radixserve.distributed.parallel_state import get_tp_group

@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from radixserve.config import ModelConfig
+from radixserve.core.model_config import ModelConfig
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear

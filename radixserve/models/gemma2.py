@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixserve.config import ModelConfig
+from radixserve.core.model_config import ModelConfig
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.layers.norm import GemmaRMSNorm
 from radixserve.layers.rotary import RotaryEmbedding

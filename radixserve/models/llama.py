@@ -3,7 +3,7 @@ Mistral Small 3.1 / 3.2's multimodal checkpoints (Mistral3ForConditionalGenerati
 Mistral language model is served text-only (models/multimodal_text.py)."""
 from __future__ import annotations
 
-from radixserve.config import ModelConfig
+from radixserve.core.model_config import ModelConfig
 from radixserve.models.blocks import CausalLM, DecoderLayer, DecoderModel
 from radixserve.models.multimodal_text import LanguageModelOfMultimodal
 

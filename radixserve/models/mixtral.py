@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from radixserve.config import ModelConfig
+from radixserve.core.model_config import ModelConfig
 from radixserve.layers.moe.experts import expert_weight_target
 from radixserve.models.blocks import CausalLM, DecoderLayer, DecoderModel
 from radixserve.models.moe_blocks import SparseMoeBlock

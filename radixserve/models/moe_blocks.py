@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixserve.config import ModelConfig
+from radixserve.core.model_config import ModelConfig
 from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.linear import ReplicatedLinear
 from radixserve.layers.moe.experts import FusedMoE

@@ -7,7 +7,7 @@ import functools
 
 from torch import nn
 
-from radixserve.config import ModelConfig
+from radixserve.core.model_config import ModelConfig
 from radixserve.layers.moe.experts import expert_weight_target
 from radixserve.models.blocks import CausalLM, DecoderLayer, DecoderModel, dense_mlp
 from radixserve.models.moe_blocks import SparseMoeBlock

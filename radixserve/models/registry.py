@@ -9,7 +9,7 @@ import importlib
 import torch
 from torch import nn
 
-from radixserve.config import ModelConfig
+from radixserve.core.model_config import ModelConfig
 from radixserve.mem.kv_pool import KVCacheSpec, spec_bytes_per_token
 
 # architecture -> (module under radixserve.models, class name)

@@ -12,7 +12,7 @@ from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from radixserve.bench import hardware
-from radixserve.config import ModelConfig
+from radixserve.core.model_config import ModelConfig
 from radixserve.mem.kv_pool import KVCacheSpec
 from radixserve.mem.mha_pool import MHATokenToKVPool
 

@@ -7,7 +7,7 @@ import torch
 import transformers
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from radixserve.config import ModelConfig
+from radixserve.core.model_config import ModelConfig
 from radixserve.layers.rotary import RotaryEmbedding
 
 BASE = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,

@@ -24,7 +24,7 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
 import radixserve
-from radixserve.config import ModelConfig, hf_config_from_dict
+from radixserve.core.model_config import ModelConfig, hf_config_from_dict
 from radixserve.loader.gguf_file import read_gguf
 from radixserve.loader.gguf_loader import gguf_to_hf_config, iter_gguf_file_weights
 from radixserve.models.moe_blocks import routing_config

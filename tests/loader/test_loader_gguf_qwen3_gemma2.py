@@ -13,7 +13,7 @@ import transformers
 from gguf.constants import GGMLQuantizationType
 
 import radixserve
-from radixserve.config import ModelConfig, hf_config_from_dict
+from radixserve.core.model_config import ModelConfig, hf_config_from_dict
 from radixserve.loader.gguf_file import read_gguf
 from radixserve.loader.gguf_loader import gguf_to_hf_config, iter_gguf_file_weights
 from tests.models.test_greedy_vs_hf import hf_greedy

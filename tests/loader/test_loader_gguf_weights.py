@@ -11,7 +11,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from radixserve.config import ModelConfig
+from radixserve.core.model_config import ModelConfig
 from radixserve.loader.gguf_file import read_gguf
 from radixserve.loader.gguf_loader import (dequantize_tensor, gguf_to_hf_config,
                                            iter_gguf_file_weights, load_gguf_hf_config)

@@ -90,7 +90,7 @@ def test_correction_bias_stays_float32_and_kimi_k2_configs_load(tmp_path) -> Non
     """The bias only moves the choice, whose gaps bf16 would reorder: float32 in a bf16 model,
     as transformers and vLLM keep it. Kimi-K2's config says model_type "kimi_k2" (unknown to
     transformers) over DeepSeek-V3's architecture."""
-    from radixserve.config import ModelConfig
+    from radixserve.core.model_config import ModelConfig
     make_checkpoint("deepseek_v3_noaux", tmp_path)
     runner = ModelRunner(ServerArgs(model_path=str(tmp_path), dtype="bfloat16", device="cpu",
                                     max_total_tokens=512, max_running_requests=2))

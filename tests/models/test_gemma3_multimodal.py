@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import radixserve
-from radixserve.config import ModelConfig, ServerArgs
+from radixserve.config import ServerArgs
+from radixserve.core.model_config import ModelConfig
 from radixserve.core.sampling_params import InvalidRequestError
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.models.registry import get_model_class

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 import radixserve
-from radixserve.config import ModelConfig
+from radixserve.core.model_config import ModelConfig
 from radixserve.loader.model_source import load_model_source
 from tests.models.test_greedy_vs_hf import hf_greedy
 from tests.models.tiny_checkpoints import make_checkpoint

@@ -248,7 +248,7 @@ def test_which_attention_layers_carry_rope_in_the_qkv_gemv(qk_norm: bool, partia
 
     import transformers
 
-    from radixserve.config import ModelConfig
+    from radixserve.core.model_config import ModelConfig
     from radixserve.layers.rotary import RotaryEmbedding
     from radixserve.mem.kv_pool import KVStoreTarget
     config = ModelConfig(transformers.LlamaConfig(
