@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -58,33 +58,33 @@ def select_experts(router_logits: torch.Tensor, config: RoutingConfig,
     (layers/kernels/moe_router.py)."""
     grouped = config.num_groups > 1 and config.topk_group < config.num_groups
     if config.scoring == "sigmoid":
-        if router_logits.is_cuda and ROUTER_KERNEL:
-            try:
-                from radixserve.layers.kernels.moe_router import sigmoid_grouped_topk
-            except ImportError:
-                pass
-            else:
-                return TopK(*sigmoid_grouped_topk(
-                    router_logits, correction_bias, config.top_k, config.num_groups,
-                    config.topk_group, config.renormalize, config.scaling_factor))
+        kernel = _router_kernel("sigmoid_grouped_topk", router_logits)
+        if kernel is not None:
+            return TopK(*kernel(router_logits, correction_bias, config.top_k, config.num_groups,
+                                config.topk_group, config.renormalize, config.scaling_factor))
         return _sigmoid_topk(router_logits, config, correction_bias, grouped)
-    if router_logits.is_cuda and ROUTER_KERNEL and not grouped:
-        try:
-            from radixserve.layers.kernels.moe_router import softmax_topk
-        except ImportError:
-            pass
-        else:
-            return TopK(*softmax_topk(router_logits, config.top_k, config.renormalize,
-                                      config.scaling_factor))
+    kernel = None if grouped else _router_kernel("softmax_topk", router_logits)
+    if kernel is not None:
+        return TopK(*kernel(router_logits, config.top_k, config.renormalize,
+                            config.scaling_factor))
     scores = torch.softmax(router_logits.float(), dim=-1)
     if grouped:
-        scores = _mask_to_best_groups(scores, config.num_groups, config.topk_group)
+        per_group = _per_group(scores, config.num_groups)
+        scores = _keep_best_groups(per_group, per_group.amax(dim=-1), config.topk_group, 0.0)
     weights, ids = torch.topk(scores, config.top_k, dim=-1, sorted=False)
-    if config.renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    if config.scaling_factor != 1.0:
-        weights = weights * config.scaling_factor
-    return TopK(weights, ids.to(torch.int32))
+    return _weighted(weights, ids, config, eps=0.0)
+
+
+def _router_kernel(name: str, router_logits: torch.Tensor) -> Any:
+    """The Triton routing kernel `name` of layers/kernels/moe_router.py for CUDA logits, None
+    on CPU, without Triton or with RADIXSERVE_MOE_ROUTER_KERNEL=0 (torch routes then)."""
+    if not (router_logits.is_cuda and ROUTER_KERNEL):
+        return None
+    try:
+        from radixserve.layers.kernels import moe_router
+    except ImportError:
+        return None
+    return getattr(moe_router, name)
 
 
 def _sigmoid_topk(router_logits: torch.Tensor, config: RoutingConfig,
@@ -94,28 +94,34 @@ def _sigmoid_topk(router_logits: torch.Tensor, config: RoutingConfig,
     scores = torch.sigmoid(router_logits.float())
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if grouped:
-        num_tokens, num_experts = choice.shape
-        per_group = choice.view(num_tokens, config.num_groups, num_experts // config.num_groups)
+        per_group = _per_group(choice, config.num_groups)
         group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)
-        best = torch.topk(group_scores, config.topk_group, dim=-1, sorted=False).indices
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-        choice = per_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(
-            num_tokens, num_experts)
+        choice = _keep_best_groups(per_group, group_scores, config.topk_group, float("-inf"))
     ids = torch.topk(choice, config.top_k, dim=-1, sorted=False).indices
-    weights = scores.gather(1, ids)
+    return _weighted(scores.gather(1, ids), ids, config, eps=1e-20)
+
+
+def _weighted(weights: torch.Tensor, ids: torch.Tensor, config: RoutingConfig,
+              eps: float) -> TopK:
+    """The chosen experts' weights renormalised (sum + eps) when asked, then scaled."""
     if config.renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
     if config.scaling_factor != 1.0:
         weights = weights * config.scaling_factor
     return TopK(weights, ids.to(torch.int32))
 
 
-def _mask_to_best_groups(scores: torch.Tensor, num_groups: int, topk_group: int
-                         ) -> torch.Tensor:
-    """Zero the scores of experts outside the `topk_group` groups with the highest maximum."""
+def _per_group(scores: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """[T, E] -> [T, num_groups, E / num_groups] (a view)."""
     num_tokens, num_experts = scores.shape
-    grouped = scores.view(num_tokens, num_groups, num_experts // num_groups)
-    best_groups = torch.topk(grouped.amax(dim=-1), topk_group, dim=-1, sorted=False).indices
-    keep = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=scores.device)
-    keep.scatter_(1, best_groups, True)
-    return (grouped * keep.unsqueeze(-1)).view(num_tokens, num_experts)
+    return scores.view(num_tokens, num_groups, num_experts // num_groups)
+
+
+def _keep_best_groups(per_group: torch.Tensor, group_scores: torch.Tensor, topk_group: int,
+                      fill: float) -> torch.Tensor:
+    """[T, G, S] -> [T, G * S] with `fill` in every group but the `topk_group` of the highest
+    `group_scores` [T, G] (V2: a group's maximum, filled with 0; V3: its two best biased
+    scores summed, filled with -inf)."""
+    best = torch.topk(group_scores, topk_group, dim=-1, sorted=False).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return per_group.masked_fill(~keep.unsqueeze(-1), fill).flatten(1)
