@@ -12,6 +12,14 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+
+# Triton kernels run under the CPU interpreter when there is no GPU. TRITON_INTERPRET is read
+# when a kernel is decorated, so it is set here, before any test module (or anything a test
+# module imports, e.g. transformers' DeepSeek-V3 code through the `kernels` package) imports
+# triton or the kernel modules.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

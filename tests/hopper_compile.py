@@ -4,10 +4,10 @@ interpreter runs the kernels' Python, but never turns an integer argument equal 
 compile-time constant (a Python int, without the tensor methods a kernel may call on it) and
 never type-checks the kernel for the GPU.
 
-Kernels decorated while TRITON_INTERPRET=1 is set (the CPU test modules set it) are interpreted
-functions, which cannot be compiled: `compile_in_fresh_process` runs a snippet calling
-`compile_for_hopper` in a child Python without that variable. benchmarks/cpu_ptx_decode.py
-compiles the decode-attention kernel through it too.
+Kernels decorated while TRITON_INTERPRET=1 is set (tests/conftest.py sets it without a GPU)
+are interpreted functions, which cannot be compiled: `compile_in_fresh_process` runs a snippet
+calling `compile_for_hopper` in a child Python without that variable.
+benchmarks/cpu_ptx_decode.py compiles the decode-attention kernel through it too.
 """
 from __future__ import annotations
 

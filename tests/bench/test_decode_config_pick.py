@@ -1,13 +1,9 @@
 """The decode-config pick of gpu_fp8.sh's attn_ab step, and the env override it feeds."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # as every kernel test does: the kernels this imports are
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # decorated once, under one mode
 pytest.importorskip("triton")
 
 from benchmarks.decode_config_pick import config_label, pick  # noqa: E402

@@ -3,14 +3,10 @@ the three-kernel MLP's arithmetic, over repeated launches (the counters must com
 and shapes whose last tiles and K slices are partial."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from radixserve.layers.kernels.dataflow_mlp import (DataflowMlpConfig, dataflow_mlp,  # noqa: E402

@@ -2,13 +2,9 @@
 PyTorch product, per-channel and block scales, decode and prefill row counts."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from radixserve.layers.kernels.fp8_gemm import (fp8_weight_gemm,  # noqa: E402

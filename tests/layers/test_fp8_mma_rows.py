@@ -4,14 +4,11 @@ entries that route decode products to it."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from radixserve.layers.kernels import fp8_mma_rows as mma_rows, gemm_tables  # noqa: E402

@@ -1,13 +1,9 @@
 """The Triton GEMV (one-token linear layers) against torch, and the `linear` dispatch."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # read when a kernel is decorated: before the imports below
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from radixserve.layers.kernels.gemv import (GemvConfig, RowFusion, fp8_gemv,  # noqa: E402

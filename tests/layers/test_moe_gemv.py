@@ -4,13 +4,10 @@ step), and which path fused_experts takes at a token count (table, default rule,
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from radixserve.layers.kernels import moe_gemv  # noqa: E402

@@ -3,13 +3,10 @@ without split K, and the swept-configuration tables that route decode-sized prod
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from radixserve.layers.kernels import gemm_tables  # noqa: E402

@@ -4,13 +4,9 @@ torch-native backend and on the Triton kernels (interpreter on CPU), and the cal
 sets scales from what the layers store."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from radixserve.config import ServerArgs  # noqa: E402
 from radixserve.executor.model_runner import ModelRunner  # noqa: E402

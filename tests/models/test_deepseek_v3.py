@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from radixserve.config import ServerArgs
 from radixserve.executor.model_runner import ModelRunner
@@ -26,9 +27,6 @@ from tests.models.tiny_checkpoints import make_checkpoint
 ])
 def test_sigmoid_routing_matches_transformers(experts: int, top_k: int, groups: int,
                                               topk_group: int, renormalize: bool) -> None:
-    # imported here, not at collection: it imports triton (through the `kernels` package),
-    # which must not happen before the kernel tests set TRITON_INTERPRET at their import
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
     hf_config = transformers.DeepseekV3Config(
         hidden_size=32, n_routed_experts=experts, num_experts_per_tok=top_k, n_group=groups,
         topk_group=topk_group, norm_topk_prob=renormalize, routed_scaling_factor=2.5)

@@ -4,13 +4,9 @@ interpreter on CPU) gives transformers' greedy tokens in float32, and the tokens
 log-probabilities of the unfused path (RADIXSERVE_FUSE_QK_NORM=0: RMSNorm kernels, then rope)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 import radixserve  # noqa: E402

@@ -3,14 +3,10 @@ against the unfused layers: per linear (bf16-style fp16 and FP8 weights, the Tri
 CPU) and through the Engine on a tiny random checkpoint."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():  # read when a kernel is decorated: before the imports below
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 import radixserve  # noqa: E402

@@ -5,14 +5,11 @@ fp16; bf16 on a GPU)."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():  # read when a kernel is decorated: before the imports below
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from radixserve.layers import linear as linear_module  # noqa: E402
