@@ -134,7 +134,7 @@ def group_scaled(prod, Scale, offs_n, n_mask, k_start, K, stride_sn, GROUP_K: tl
 def _gemv_step(acc, acc_up, squares, w, w_up, X, NormW, Scale, offs_n, n_mask, offs_k, k_start,
                N, K, stride_sn, NORM: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
                GROUPED: tl.constexpr, GROUP_K: tl.constexpr, VEC: tl.constexpr,
-               STEP_GROUPS: tl.constexpr = 1):
+               STEP_GROUPS: tl.constexpr):
     """One BLOCK_K step: the weight tile(s) w (and w_up) times x[k_start:], accumulated
     (offs_k: [BLOCK_K], or [BLOCK_K / VEC, VEC] when VEC > 1)."""
     x = tl.load(X + k_start + offs_k).to(tl.float32)
@@ -372,7 +372,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
         GROUPED=grouped, GROUP_K=group_k or k, HAS_BIAS=bias is not None,
         NORM=norm_weight is not None, GATED=fusion.gated, RESIDUAL=residual is not None,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EARLY_W=EARLY_WEIGHTS, VEC=config.vec,
-        STEP_GROUPS=max(1, config.block_k // group_k) if grouped else 1,
+        STEP_GROUPS=step_groups(config, group_k, grouped),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(x),
         **({} if rope is None else rope_launch_options(config.num_warps)))
     return y
@@ -402,6 +402,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if config is None:
         return None
     return _launch(x, weight, scale, group_k, bias, config, fusion, rope)
+
+
+def step_groups(config: GemvConfig, group_k: int | None, grouped: bool) -> int:
+    """The scale groups one BLOCK_K step of `config` spans (1 inside one, or without groups):
+    the kernels' STEP_GROUPS."""
+    return config.block_k // group_k if grouped and group_k and config.block_k > group_k else 1
 
 
 def spans_whole_groups(config: GemvConfig, group_k: int) -> bool:

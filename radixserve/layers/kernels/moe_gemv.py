@@ -44,7 +44,8 @@ import triton.language as tl
 from radixserve.layers.kernels import board_tables
 from radixserve.layers.kernels.gemv import (GemvConfig, config_from_entry, first_weight_step,
                                             group_scaled, load_weight_tiles,
-                                            spans_whole_groups, store_row_epilogue, vec_sum)
+                                            spans_whole_groups, step_groups,
+                                            store_row_epilogue, vec_sum)
 
 ENABLED = os.environ.get("RADIXSERVE_MOE_GEMV", "1") != "0"
 # Without a swept table (moe_gemv_configs): the GEMVs take one token (its k experts are
@@ -107,14 +108,14 @@ def _moe_gate_up_gemv_kernel(X, W, Scale, Ids, Y, I, K, stride_xm, stride_we, st
         W + expert * stride_we, offs_n.to(tl.int64) * stride_wn, BLOCK_N, BLOCK_K, VEC)
     acc_up = acc
     up_rows = I * stride_wn
-    s_rows = Scale + expert * stride_se + offs_n * stride_sn
+    s_expert = Scale + expert * stride_se
+    s_rows = s_expert + offs_n * stride_sn
     for k_start in range(0, K, BLOCK_K):
         w, w_up = _weight_tiles(w_ptrs, up_rows, n_mask, offs_k, K - k_start, True, EVEN_K, VEC)
         x = _x_tile(x_row + k_start, offs_k, K - k_start, EVEN_K)
         prod = vec_sum(w.to(tl.float32) * x[None, :], VEC)
         prod_up = vec_sum(w_up.to(tl.float32) * x[None, :], VEC)
         if HAS_SCALE and GROUPED:
-            s_expert = Scale + expert * stride_se
             prod = group_scaled(prod, s_expert, offs_n, n_mask, k_start, K, stride_sn, GROUP_K,
                                 STEP_GROUPS)
             prod_up = group_scaled(prod_up, s_expert + I * stride_sn, offs_n, n_mask, k_start,
@@ -274,7 +275,7 @@ def moe_gemv_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         w13.stride(1), se13, sn13, act.stride(0), TOP_K=top_k, HAS_SCALE=s13 is not None,
         GROUPED=grouped, GROUP_K=group_k or hidden_size, BLOCK_N=up_cfg.block_n,
         BLOCK_K=up_cfg.block_k, VEC=up_cfg.vec, EVEN_K=hidden_size % up_cfg.block_k == 0,
-        STEP_GROUPS=_step_groups(up_cfg, group_k, grouped), num_warps=up_cfg.num_warps,
+        STEP_GROUPS=step_groups(up_cfg, group_k, grouped), num_warps=up_cfg.num_warps,
         num_stages=up_cfg.num_stages)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     scale2, se2, sn2, grouped = _scale_args(s2, weights)
@@ -283,10 +284,6 @@ def moe_gemv_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         w2.stride(1), se2, sn2, out.stride(0), TOP_K=top_k, HAS_SCALE=s2 is not None,
         GROUPED=grouped, GROUP_K=group_k or inter, BLOCK_N=down_cfg.block_n,
         BLOCK_K=down_cfg.block_k, VEC=down_cfg.vec, EVEN_K=inter % down_cfg.block_k == 0,
-        STEP_GROUPS=_step_groups(down_cfg, group_k, grouped), num_warps=down_cfg.num_warps,
+        STEP_GROUPS=step_groups(down_cfg, group_k, grouped), num_warps=down_cfg.num_warps,
         num_stages=down_cfg.num_stages)
     return out
-
-
-def _step_groups(config: GemvConfig, group_k: int | None, grouped: bool) -> int:
-    return config.block_k // group_k if grouped and group_k and config.block_k > group_k else 1
