@@ -71,6 +71,8 @@ class ReqState:
     finished: bool = False
     error: ReqError | None = None
     disconnected: bool = False  # its HTTP client went away (set by the disconnect watcher)
+    # an abort of it counts in the metrics (not where another part of its request was refused)
+    counted: bool = True
     created_time: float = field(default_factory=time.perf_counter)
     created_wall: float = field(default_factory=time.time)  # against the scheduler's clock
     first_token_time: float | None = None

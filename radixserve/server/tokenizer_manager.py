@@ -192,6 +192,9 @@ class TokenizerManager:
         tasks = [asyncio.create_task(self.generate_final(r, http_request)) for r in reqs]
         try:
             return list(await asyncio.gather(*tasks))
+        except APIError as exc:
+            self._uncount_if_refused(reqs, exc)
+            raise
         finally:
             for task in tasks:
                 task.cancel()
@@ -227,6 +230,8 @@ class TokenizerManager:
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, BaseException):
+                    if isinstance(item, APIError):
+                        self._uncount_if_refused(reqs, item)
                     raise item
                 else:
                     yield index, item
@@ -255,6 +260,16 @@ class TokenizerManager:
                                             time.perf_counter() - started)
             raise
 
+    def _uncount_if_refused(self, reqs: list[GenerateRequest], exc: APIError) -> None:
+        """A request one of whose parts (a copy of n > 1, a prompt of a batch) was refused
+        (a 4xx: the queue full, ...) is no request, as one refused alone: the parts still
+        running are aborted as the error ends the request, without counting as aborts."""
+        if exc.status_code < 500:
+            for req in reqs:
+                state = self.rid_to_state.get(req.rid)
+                if state is not None:
+                    state.counted = False
+
     def abort_by_client(self, rid: str) -> bool:
         """/abort_request: abort `rid`, or the copies of the request sent with n > 1 under that
         id ("<rid>-0", ...), also while they wait for their prompt's prefix to be cached;
@@ -276,7 +291,8 @@ class TokenizerManager:
         self.send_abort(rid)
         self.router.finished(rid)
         state = self.rid_to_state.pop(rid, None)
-        if state is not None and not state.finished and not state.req.internal:
+        if state is not None and not state.finished and not state.req.internal \
+                and state.counted:
             self.metrics.observe_finish("abort", len(state.req.input_ids), len(state.output_ids),
                                         0, time.perf_counter() - state.created_time)
 
