@@ -27,6 +27,8 @@ ARCHITECTURE_MODEL_TYPES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeForCausalLM": "glm4_moe",
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
 }
 # rope scaling kinds implemented (layers/rotary.py computes them with transformers' own
 # frequency functions); anything else is refused rather than run with the wrong positions
@@ -99,8 +101,10 @@ class ModelConfig:
         self.tie_word_embeddings: bool = bool(get("tie_word_embeddings", False))
         default_bias = self.architecture.startswith("Qwen2")  # Qwen2: bias on q/k/v
         self.attention_bias: bool = bool(get("attention_bias", get("qkv_bias", default_bias)))
-        # Llama and Qwen3 put attention_bias on o_proj too; Qwen2's q/k/v bias stops there
-        self.o_proj_bias: bool = self.attention_bias and not default_bias
+        # Llama and Qwen3 put attention_bias on o_proj too; Qwen2's and GLM-4.5's q/k/v bias
+        # stops there
+        self.o_proj_bias: bool = self.attention_bias and not default_bias and \
+            not self.architecture.startswith("Glm4Moe")
         self.mlp_bias: bool = bool(get("mlp_bias", False))
         dtype = top("dtype") or "bfloat16"
         self.torch_dtype: str = str(dtype).replace("torch.", "")

@@ -305,6 +305,16 @@ class DecoderModel(nn.Module):
         return hidden
 
 
+def beyond_decoder_layers(name: str, num_layers: int) -> bool:
+    """A checkpoint tensor of `model.layers.{i}` with i >= num_layers: the multi-token
+    prediction layers DeepSeek-V3 and GLM-4.5 ship for speculative decoding, which decoding one
+    token per step does not use."""
+    if not name.startswith("model.layers."):
+        return False
+    layer = name.split(".", 3)[2]
+    return layer.isdigit() and int(layer) >= num_layers
+
+
 class CausalLM(nn.Module):
     """`model` (a DecoderModel) + LM head. Subclasses build `self.model` in `__init__`."""
 

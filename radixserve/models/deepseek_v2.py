@@ -28,7 +28,8 @@ from radixserve.layers.norm import RMSNorm
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary import RotaryEmbedding
 from radixserve.mem.kv_pool import KVCacheSpec
-from radixserve.models.blocks import CausalLM, DecoderLayer, DecoderModel, dense_mlp
+from radixserve.models.blocks import (CausalLM, DecoderLayer, DecoderModel,
+                                      beyond_decoder_layers, dense_mlp)
 from radixserve.models.moe_blocks import SparseMoeBlock
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a / kv_a layernorms use the RMSNorm default
@@ -156,9 +157,21 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.reshape(-1, self.num_heads * self.v_dim))
 
 
-def _deepseek_mlp(config: ModelConfig, layer_id: int) -> nn.Module:
+def is_sparse_layer(config: ModelConfig, layer_id: int) -> bool:
+    """Whether a layer's MLP is the sparse MoE block: `mlp_layer_types` where the config lists
+    them (GLM-4.7-Flash), else every layer from `first_k_dense_replace` on."""
     hf = config.hf
-    if not hf.n_routed_experts or layer_id < hf.first_k_dense_replace:
+    layer_types = getattr(hf, "mlp_layer_types", None)
+    if layer_types:
+        return layer_types[layer_id] == "sparse"
+    return bool(hf.n_routed_experts) and layer_id >= hf.first_k_dense_replace
+
+
+def deepseek_mlp(config: ModelConfig, layer_id: int) -> nn.Module:
+    """The dense MLP or the MoE block with shared experts and a float32 router (DeepSeek's and
+    GLM's)."""
+    hf = config.hf
+    if not is_sparse_layer(config, layer_id):
         return dense_mlp(config)
     shared = hf.moe_intermediate_size * (hf.n_shared_experts or 0)
     return SparseMoeBlock(config, hf.moe_intermediate_size, shared,
@@ -172,7 +185,7 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, DecoderModel(config, functools.partial(
-            DecoderLayer, make_mlp=_deepseek_mlp, make_attention=MLAAttention)))
+            DecoderLayer, make_mlp=deepseek_mlp, make_attention=MLAAttention)))
 
     @classmethod
     def kv_cache_spec(cls, config: ModelConfig, dtype: torch.dtype,
@@ -195,14 +208,10 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
             raise ValueError("DeepSeek-V3 with rope_interleave false is not supported (the "
                              "released checkpoints use DeepSeek's interleaved rope pairs)")
         super().__init__(config)
-        self._first_mtp_layer = config.num_hidden_layers
 
     def skip_weight(self, name: str) -> bool:
-        if name.startswith("model.layers."):
-            layer = name.split(".", 3)[2]
-            if layer.isdigit() and int(layer) >= self._first_mtp_layer:
-                return True
-        return super().skip_weight(name)
+        return beyond_decoder_layers(name, self.config.num_hidden_layers) or \
+            super().skip_weight(name)
 
 
 EntryClass = [DeepseekV2ForCausalLM, DeepseekV3ForCausalLM]

@@ -28,11 +28,12 @@ def routing_config(config: ModelConfig) -> RoutingConfig:
     arch = config.architecture
     if arch == "MixtralForCausalLM":
         return RoutingConfig(hf.num_local_experts, hf.num_experts_per_tok, renormalize=True)
-    if arch.startswith("DeepseekV3"):  # transformers' V3 router: always sigmoid + noaux_tc
+    # transformers' V3 and GLM-4.5 routers: always sigmoid + noaux_tc
+    if arch.startswith(("DeepseekV3", "Glm4Moe")):
         scoring = getattr(hf, "scoring_func", None) or "sigmoid"
         method = getattr(hf, "topk_method", None) or "noaux_tc"
         if scoring != "sigmoid" or method != "noaux_tc":
-            raise ValueError(f"DeepSeek-V3 routing {scoring}/{method} is not supported "
+            raise ValueError(f"{arch} routing {scoring}/{method} is not supported "
                              "(only sigmoid scores with noaux_tc)")
         return RoutingConfig(hf.n_routed_experts, hf.num_experts_per_tok,
                              renormalize=bool(getattr(hf, "norm_topk_prob", True)),

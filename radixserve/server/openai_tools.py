@@ -81,7 +81,7 @@ def check_tools(tools: list[Any] | None) -> list[dict[str, Any]]:
 def plan_tools(body: ChatCompletionRequest, parser_name: str | None,
                chat_template: str | None, exclude_tools_when_none: bool = False) -> ToolPlan:
     tools = check_tools(body.tools)
-    parser = get_parser(parser_name, chat_template)
+    parser = get_parser(parser_name, chat_template, tools)
     choice = body.tool_choice
     if choice == "none":
         # no call parsed; the tools stay visible where the template renders them (vLLM's

@@ -48,8 +48,9 @@ class ReasoningFormat:
 
 FORMATS = {"deepseek-r1": ReasoningFormat("deepseek-r1", thinks_by_default=True),
            "qwen3": ReasoningFormat("qwen3", thinks_by_default=False)}
-# vLLM spells them with underscores
-ALIASES = {"deepseek_r1": "deepseek-r1"}
+# vLLM spells them with underscores; GLM-4.5 / 4.6 / 4.7 think as Qwen3 does (SGLang's and
+# vLLM's glm45)
+ALIASES = {"deepseek_r1": "deepseek-r1", "glm45": "qwen3"}
 
 
 def get_format(name: str) -> ReasoningFormat:

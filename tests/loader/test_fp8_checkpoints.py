@@ -103,7 +103,8 @@ def _logits(folder: Path, **kwargs: object) -> list[torch.Tensor]:
                                        ("channel", "llama_gqa_llama3_rope"),
                                        ("block", "qwen3_moe"), ("channel", "qwen3_moe"),
                                        ("block", "deepseek_v2_lite_mla"),
-                                       ("block", "deepseek_v3_noaux")])
+                                       ("block", "deepseek_v3_noaux"),
+                                       ("block", "glm4_moe_partial_rope")])
 def test_fp8_checkpoint_matches_its_dequantised_twin(fmt: str, model: str, tmp_path) -> None:
     fp8_folder, twin_folder = _write_pair(tmp_path, fmt, model)
     for got, want in zip(_logits(fp8_folder), _logits(twin_folder)):

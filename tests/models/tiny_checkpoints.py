@@ -82,6 +82,21 @@ CONFIGS = {
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
                       "rope_theta": 10000.0})),
+    # GLM-4.5 / 4.6 / 4.7: q/k/v bias (none on o_proj), per-head q/k norms, rope over half of
+    # each head, layer 0 dense, then V3's routing (sigmoid + correction bias, top-2 of 8 in the
+    # best 1 of 2 groups, renormalised, scaled) with a shared expert
+    "glm4_moe_partial_rope": (transformers.Glm4MoeConfig, dict(
+        BASE, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, moe_intermediate_size=24,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+        n_group=2, topk_group=1, use_qk_norm=True, attention_bias=True,
+        routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False)),
+    # GLM-4.7-Flash: DeepSeek-V3's MLA with GLM's MoE, sparse where mlp_layer_types says
+    "glm4_moe_lite_mla": (transformers.Glm4MoeLiteConfig, dict(
+        BASE, num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+        mlp_layer_types=["sparse", "dense", "sparse"], routed_scaling_factor=1.8,
+        tie_word_embeddings=False)),
     # Gemma-3: Gemma-2's layer plus (1 + w) q/k norms per head; the default layer_types (five
     # sliding layers, window 24, then a full one) with a rope each (local 10k, global 1M), tied
     "gemma3_text": (transformers.Gemma3TextConfig, dict(

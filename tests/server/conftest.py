@@ -18,6 +18,16 @@ def smollm_tokenizer() -> Any:
     return get_tokenizer("SmolLM2-135M-Instruct")
 
 
+def tokenizer_with_special_tokens(tokens: tuple[str, ...]) -> Any:
+    """A fresh SmolLM2 tokenizer with `tokens` added as special tokens (a tool format's
+    markers, as the model's own vocabulary has them)."""
+    from radixserve.loader.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer("SmolLM2-135M-Instruct")
+    tokenizer.add_tokens(list(tokens), special_tokens=True)
+    return tokenizer
+
+
 @pytest.fixture(scope="session")
 def server() -> Iterator[ServerProcess]:
     """One real server (bundled model, CPU, --api-key) shared by the e2e test files. Its

@@ -28,6 +28,7 @@ from radixserve.server.tool_parsers.registry import (PARSERS, detect_parser_name
 from radixserve.server.tool_parsers.streaming import ToolCallStream
 from tests.server.test_tool_parsers import (ONE_CALL, TIME, TWO_CALLS, WEATHER, _accepts, _chat,
                                             stream_text)
+from tests.server.conftest import tokenizer_with_special_tokens
 from tests.server.test_tool_special_tokens import _chat_params, _run
 
 FORMATS = ["deepseek_v3", "deepseek_v31"]
@@ -182,11 +183,7 @@ def test_forced_grammar_over_marker_tokens(name: str) -> None:
 @pytest.fixture(scope="module")
 def deepseek_tokenizer() -> Any:
     """SmolLM2's tokenizer with DeepSeek's five tool markers added as special tokens."""
-    from radixserve.loader.tokenizer import get_tokenizer
-
-    tokenizer = get_tokenizer("SmolLM2-135M-Instruct")
-    tokenizer.add_tokens(list(MARKERS), special_tokens=True)
-    return tokenizer
+    return tokenizer_with_special_tokens(MARKERS)
 
 
 @pytest.mark.parametrize("name", FORMATS)

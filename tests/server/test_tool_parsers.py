@@ -77,6 +77,21 @@ CASES = [
     ("deepseekv31", f"{CALLS_BEGIN}{CALL_BEGIN}get_time{SEP}{{}}{CALL_END}{CALLS_END}", "",
      [("get_time", {})]),
     ("deepseekv31", "No tools: {}.", "No tools: {}.", []),
+    # GLM-4.5: key / value pairs, a newline after the name and each pair; a string value
+    # holding a tag-like text; without the request's tools a value is JSON where it parses
+    ("glm45", "Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>a<b>"
+              "c</arg_value>\n<arg_key>unit</arg_key>\n<arg_value>c</arg_value>\n</tool_call>\n"
+              "<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>UTC</arg_value>\n"
+              "</tool_call>",
+     "Let me check.", [("get_weather", {"city": "a<b>c", "unit": "c"}),
+                       ("get_time", {"zone": "UTC"})]),
+    # GLM-4.7: no newlines; a JSON value, a call without arguments
+    ("glm47", '<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value>'
+              '<arg_key>n</arg_key><arg_value>{"x": [1, 2.5]}</arg_value></tool_call>'
+              '<tool_call>get_time</tool_call>', "",
+     [("get_weather", {"city": "Oslo", "n": {"x": [1, 2.5]}}), ("get_time", {})]),
+    # the tag without a name after it, or an unfinished call: all of it is content
+    ("glm45", "Hi <tool_call> not a call", "Hi <tool_call> not a call", []),
 ]
 
 
@@ -158,7 +173,7 @@ TWO_CALLS = ONE_CALL + [ToolCall("get_time", '{"zone": "UTC"}')]
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["single", "parallel"])
 @pytest.mark.parametrize("name", ["hermes", "llama3", "mistral", "deepseek_v3",
-                                  "deepseek_v31"])
+                                  "deepseek_v31", "glm45", "glm47"])
 def test_forced_call_grammar_accepts_what_the_parser_reads(name: str, parallel: bool) -> None:
     parser = get_parser(name)
     ebnf = forced_call_ebnf(parser, [WEATHER, TIME], parallel)
@@ -171,7 +186,8 @@ def test_forced_call_grammar_accepts_what_the_parser_reads(name: str, parallel: 
 
 @pytest.mark.parametrize("name,several", [("hermes", True), ("mistral", True),
                                           ("llama3", False), ("deepseek_v3", True),
-                                          ("deepseek_v31", True)])
+                                          ("deepseek_v31", True), ("glm45", True),
+                                          ("glm47", True)])
 def test_forced_grammar_allows_several_calls_only_when_parallel(name: str,
                                                                 several: bool) -> None:
     """hermes (one <tool_call> block per call), mistral (one JSON array) and deepseek (one
@@ -186,6 +202,8 @@ def test_forced_grammar_allows_several_calls_only_when_parallel(name: str,
     between = text[:text.index("get_time") - len('{"name": "')]
     if name.startswith("deepseek"):  # the first call's end marker, the section's end missing
         between = text[:text.rindex("<｜tool▁call▁begin｜>")]
+    if name.startswith("glm"):  # the first call whole, the second's opening tag only
+        between = text[:text.rindex("get_time")]
     assert not _accepts(forced_call_ebnf(parser, [WEATHER, TIME], parallel=True), between)
 
 

@@ -8,8 +8,9 @@ the name's string is complete and the raw JSON text of its arguments as far as i
 certain. `parse` is the finished output's scan. A subclass gives the marker, how to find the
 section, the wrapper of one call (for grammars and for rendering history) and the system
 prompt for chat templates that do not render tools. A format whose calls are not JSON objects
-(deepseek.py) overrides `scan` and `format_calls`, and gives its forced-call grammar's
-literals (`call_literals`)."""
+(deepseek.py, glm.py) overrides `scan` and `format_calls`, and gives its forced-call grammar's
+literals (`call_literals`, and `argument_pairs` for arguments written as key / value pairs).
+A parser is made per request, with the request's tools."""
 from __future__ import annotations
 
 import json
@@ -48,6 +49,11 @@ class ToolCallParser(ABC):
     marker: str = ""  # the text that opens the tool-call section
     wrappers: tuple[str, ...] = ()  # text between calls the scan skips
 
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        """tools: the request's (OpenAI tool dicts), for formats that read an argument by its
+        parameter's schema (glm.py)."""
+        self.tools = tools or []
+
     def section_start(self, text: str, final: bool) -> tuple[int, int]:
         """(content_end, calls_start): where plain content ends and where the calls begin
         (len(text) for both when there is no tool-call section). By default the section
@@ -85,6 +91,13 @@ class ToolCallParser(ABC):
         after), the literal text around the arguments (the tool's parameters schema, as JSON)
         of one call of function `name`. None (the default): each call is the JSON object
         {"name": ..., <arguments_key>: {...}}."""
+        return None
+
+    def argument_pairs(self) -> tuple[str, str, str] | None:
+        """For a format that writes each argument as a key / value pair (glm.py): the literals
+        (before the key, between key and value, after the value) of a forced call's grammar,
+        whose `call_literals` then surround the pairs. None (the default): the arguments are
+        one JSON object."""
         return None
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:

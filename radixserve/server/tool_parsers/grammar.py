@@ -5,7 +5,9 @@ One call, or with `parallel` one or more where the format can hold several in on
 (the parser's `grammar_between`: hermes' blocks, mistral's array, deepseek's calls; llama3
 stays at one). A format whose calls are not JSON objects (DeepSeek's) gives the literal text
 around each tool's arguments instead (`ToolCallParser.call_literals`): one alternative per
-tool, the literals (the tool's name among them) around its parameters schema."""
+tool, the literals (the tool's name among them) around its parameters schema; a format
+writing key / value pairs (GLM's, `ToolCallParser.argument_pairs`) gets one pair per
+property, the value as text for a string parameter and as JSON of its schema otherwise."""
 from __future__ import annotations
 
 import json
@@ -13,6 +15,7 @@ from typing import Any
 
 from radixserve.scheduler.grammar.validation import JSON_SCHEMA_OPTIONS
 from radixserve.server.tool_parsers.base import ToolCallParser
+from radixserve.server.tool_parsers.glm import is_text_parameter
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object", "additionalProperties": True}
 # the rule of the whole answer; the call schema's own root becomes a rule it refers to
@@ -55,6 +58,12 @@ def _call_grammar(parser: ToolCallParser, tools: list[dict[str, Any]]) -> Any:
     import xgrammar
 
     literals = [parser.call_literals(tool["function"]["name"]) for tool in tools]
+    pairs = parser.argument_pairs()
+    if pairs is not None:
+        options = [xgrammar.Grammar.concat(_literal_grammar(before),
+                                           _pairs_grammar(tool, pairs), _literal_grammar(after))
+                   for tool, (before, after) in zip(tools, literals)]  # type: ignore[misc]
+        return options[0] if len(options) == 1 else xgrammar.Grammar.union(*options)
     if None in literals:
         return xgrammar.Grammar.from_json_schema(
             json.dumps(call_schema(tools, parser.arguments_key)), **JSON_SCHEMA_OPTIONS)
@@ -62,10 +71,57 @@ def _call_grammar(parser: ToolCallParser, tools: list[dict[str, Any]]) -> Any:
     for tool, (before, after) in zip(tools, literals):  # type: ignore[misc]
         arguments = xgrammar.Grammar.from_json_schema(
             json.dumps(tool["function"].get("parameters") or _ANY_OBJECT), **JSON_SCHEMA_OPTIONS)
-        options.append(xgrammar.Grammar.concat(
-            xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(before)}"), arguments,
-            xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(after)}")))
+        options.append(xgrammar.Grammar.concat(_literal_grammar(before), arguments,
+                                               _literal_grammar(after)))
     return options[0] if len(options) == 1 else xgrammar.Grammar.union(*options)
+
+
+def _pairs_grammar(tool: dict[str, Any], pairs: tuple[str, str, str]) -> Any:
+    """The key / value pairs of one call's arguments: one per property of the tool's
+    parameters schema, in its order, the required ones always and the others optionally;
+    a schema without properties takes any keys with text values."""
+    import xgrammar
+
+    key_before, key_after, value_after = pairs
+    schema = tool["function"].get("parameters") or _ANY_OBJECT
+    properties = schema.get("properties") or {}
+    if not properties:
+        return xgrammar.Grammar.from_ebnf(
+            f"root ::= ({_literal(key_before)} [^<]+ {_literal(key_after)} {_TEXT_VALUE} "
+            f"{_literal(value_after)})*")
+    required = set(schema.get("required") or ())
+    parts = []
+    for key, value_schema in properties.items():
+        pair = xgrammar.Grammar.concat(_literal_grammar(key_before + key + key_after),
+                                       _value_grammar(value_schema),
+                                       _literal_grammar(value_after))
+        parts.append(pair if key in required else
+                     xgrammar.Grammar.union(pair, _literal_grammar("")))
+    return parts[0] if len(parts) == 1 else xgrammar.Grammar.concat(*parts)
+
+
+# a string argument's text: anything but "</" (where the value's end tag starts) and a final
+# "<"
+_TEXT_VALUE = '([^<] | "<"+ [^/<])*'
+
+
+def _value_grammar(schema: Any) -> Any:
+    """One argument's value: for a parameter written as text (glm.is_text_parameter) its text,
+    one of those listed where the schema lists them, else JSON of its schema."""
+    import xgrammar
+
+    if is_text_parameter(schema):
+        values = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
+        if values:
+            return xgrammar.Grammar.union(*(_literal_grammar(v) for v in values))
+        return xgrammar.Grammar.from_ebnf(f"root ::= {_TEXT_VALUE}")
+    return xgrammar.Grammar.from_json_schema(
+        json.dumps(schema if isinstance(schema, dict) else _ANY_OBJECT), **JSON_SCHEMA_OPTIONS)
+
+
+def _literal_grammar(text: str) -> Any:
+    import xgrammar
+    return xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
 
 
 def _literal(text: str) -> str:

@@ -6,14 +6,20 @@ DeepSeek's templates write `<｜tool▁calls▁begin｜>`; V3 / R1's write the c
 the sep (`function<｜tool▁sep｜>`, `tool['type'] + '<｜tool▁sep｜>'`) and fence the arguments
 in "```json", V3.1's write the name before the sep and neither: a template with either V3
 sign is deepseek_v3, any other deepseek_v31. The names are vLLM's (deepseek_v3, deepseek_v31)
-and SGLang's (deepseekv3, deepseekv31)."""
+and SGLang's (deepseekv3, deepseekv31).
+
+GLM's templates write `<arg_key>` (and `<tool_call>`, so they are told apart from hermes'
+first): glm45 where a newline separates `</arg_key>` from `<arg_value>` (GLM-4.5 / 4.6),
+glm47 where nothing does (GLM-4.7)."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from radixserve.server.tool_parsers.base import ToolCallParser
 from radixserve.server.tool_parsers.deepseek import (CALLS_BEGIN, SEP, DeepSeekV3Parser,
                                                      DeepSeekV31Parser)
+from radixserve.server.tool_parsers.glm import KEY_END, VALUE_BEGIN, Glm45Parser, Glm47Parser
 from radixserve.server.tool_parsers.hermes import HermesParser
 from radixserve.server.tool_parsers.llama3 import Llama3JsonParser
 from radixserve.server.tool_parsers.mistral import MistralParser
@@ -23,11 +29,17 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "llama3": Llama3JsonParser, "mistral": MistralParser,
     "deepseek_v3": DeepSeekV3Parser, "deepseekv3": DeepSeekV3Parser,
     "deepseek_v31": DeepSeekV31Parser, "deepseekv31": DeepSeekV31Parser,
+    "glm45": Glm45Parser, "glm47": Glm47Parser,
 }
 DEFAULT_PARSER = "hermes"
 # V3's type before the sep: the literal "function" or the template's tool['type'] / tool.type
 _DEEPSEEK_V3_SEP = re.compile(r"""(?:\bfunction|\[\s*['"]type['"]\s*\]\s*\+\s*['"]|"""
                               r"""\.type\s*\+\s*['"])""" + re.escape(SEP))
+
+
+# what a GLM template writes between a key's end tag and the value's begin tag (a newline,
+# or the escape "\n" inside a string literal, in 4.5 / 4.6's)
+_GLM_BETWEEN = re.compile(re.escape(KEY_END) + r"(.{0,16}?)" + re.escape(VALUE_BEGIN), re.S)
 
 
 def detect_parser_name(chat_template: str | None) -> str:
@@ -36,6 +48,10 @@ def detect_parser_name(chat_template: str | None) -> str:
     if CALLS_BEGIN in template:
         v3 = "```json" in template or _DEEPSEEK_V3_SEP.search(template)
         return "deepseek_v3" if v3 else "deepseek_v31"
+    if "<arg_key>" in template:  # GLM: 4.5 / 4.6 put a newline between key and value
+        between = _GLM_BETWEEN.search(template)
+        newline = between is not None and ("\n" in between.group(1) or "\\n" in between.group(1))
+        return "glm45" if newline else "glm47"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
@@ -45,10 +61,12 @@ def detect_parser_name(chat_template: str | None) -> str:
     return DEFAULT_PARSER
 
 
-def get_parser(name: str | None, chat_template: str | None = None) -> ToolCallParser:
-    """The parser named (one of PARSERS), or the one detected from the template."""
+def get_parser(name: str | None, chat_template: str | None = None,
+               tools: list[dict[str, Any]] | None = None) -> ToolCallParser:
+    """The parser named (one of PARSERS), or the one detected from the template, for a
+    request with these tools."""
     chosen = name or detect_parser_name(chat_template)
     if chosen not in PARSERS:
         raise ValueError(f"unknown tool-call parser {chosen!r}; choose from "
                          f"{', '.join(sorted(PARSERS))}")
-    return PARSERS[chosen]()
+    return PARSERS[chosen](tools)
