@@ -93,9 +93,18 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], int | None]] = {
                                              first_k_dense_replace=1, n_group=4, topk_group=2,
                                              norm_topk_prob=True, routed_scaling_factor=2.5),
                     None),
+    # GLM-4.5: q/k/v bias, per-head q/k norms, rope over half of each head (the rope + store
+    # kernel's partial path, the norms outside it), V3's routing with one group
+    "glm4-moe": ("Glm4MoeConfig", dict(hidden_size=512, num_attention_heads=8,
+                                       num_key_value_heads=2, head_dim=64,
+                                       moe_intermediate_size=256, n_routed_experts=32,
+                                       n_shared_experts=1, num_experts_per_tok=4,
+                                       first_k_dense_replace=1, n_group=1, topk_group=1,
+                                       use_qk_norm=True, attention_bias=True,
+                                       norm_topk_prob=True, routed_scaling_factor=2.5), None),
 }
 DEFAULT_CHECKPOINTS = ["hd128-gqa4", "mistral-swa32", "gemma2-hd64", "gemma3-hd64", "qwen3-hd64"]
-MOE_CHECKPOINTS = ["mixtral-moe", "qwen3-moe", "deepseek-mla", "deepseek-v3"]
+MOE_CHECKPOINTS = ["mixtral-moe", "qwen3-moe", "deepseek-mla", "deepseek-v3", "glm4-moe"]
 PATHS = (("torch_native", False, 1), ("triton", False, 1), ("triton", True, 1))
 
 

@@ -18,8 +18,8 @@
 
 Falls back to torch_native wherever the kernels do not apply: no compiled kernels (no
 toolchain, RADIXSERVE_CPU_KERNELS=0), a pool whose buffers are not in the activations' dtype
-(FP8 storage), an MLA pool, head dims not a multiple of 16, partial rotary or a rotary of
-another kind.
+(FP8 storage), an MLA pool, head dims not a multiple of 16, attention sinks (gpt-oss), partial
+rotary or a rotary of another kind.
 """
 from __future__ import annotations
 
@@ -80,8 +80,8 @@ class CPUAttnBackend(TorchNativeAttnBackend):
 
     def _kernel_ok(self, q: torch.Tensor, layer: "RadixAttention") -> bool:
         """The kernels apply: built, the pool in q's dtype, head dims a multiple of 16 (the
-        widest vector the kernel may be built for)."""
-        return self.ops is not None and layer.head_dim % 16 == 0 and \
+        widest vector the kernel may be built for), no attention sinks."""
+        return self.ops is not None and layer.sinks is None and layer.head_dim % 16 == 0 and \
             layer.v_head_dim % 16 == 0 and \
             self.kv_pool.kv_buffers(layer.layer_id)[0].dtype == q.dtype
 

@@ -80,19 +80,28 @@ def _build_part(forward_batch: ForwardBatch, req_to_token: torch.Tensor, req_sta
                       flat[q_valid], max_q_len, q_pos, q_valid, {})
 
 
-def _capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                      mask: torch.Tensor, scaling: float, cap: float) -> torch.Tensor:
-    """softmax(cap * tanh(q k^T * scaling / cap) masked) v, as Gemma-2's eager attention.
+def _explicit_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        mask: torch.Tensor, scaling: float, cap: float,
+                        sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax(cap * tanh(q k^T * scaling / cap) masked) v, as Gemma-2's eager attention (no
+    cap where it is 0); with `sinks` (broadcast to [bs, H, Lq, 1]) each row's softmax also
+    takes its head's sink logit, whose weight is then dropped, as gpt-oss's eager attention.
     q: [bs, H, Lq, D], keys/values: [bs, Hkv, L, D] (query heads grouped per KV head)."""
     group = q.shape[1] // keys.shape[1]
     if group > 1:
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scaling
-    scores = torch.tanh(scores / cap) * cap
+    if cap > 0:
+        scores = torch.tanh(scores / cap) * cap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, values)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1,
+                              dtype=torch.float32)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), values)
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -149,8 +158,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         keys = self._gather(k_buf, part, q.dtype, k_scale).transpose(1, 2)  # [bs, Hkv, L, D]
         values = self._gather(v_buf, part, q.dtype, v_scale).transpose(1, 2)
         mask = part.mask(layer.sliding_window)
-        if layer.logit_cap > 0:
-            out = _capped_attention(q_pad, keys, values, mask, layer.scaling, layer.logit_cap)
+        if layer.logit_cap > 0 or layer.sinks is not None:
+            sinks = None if layer.sinks is None else layer.sinks.view(1, num_heads, 1, 1)
+            out = _explicit_attention(q_pad, keys, values, mask, layer.scaling,
+                                      layer.logit_cap, sinks)
         else:
             out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask,
                                                  scale=layer.scaling,
@@ -172,8 +183,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         # query head h uses KV head h // group: [bs, Hkv, group, D]
         grouped_q = q.reshape(bs, num_kv_heads, group, head_dim)
         mask = part.mask(layer.sliding_window).view(bs, 1, 1, -1)
-        if layer.logit_cap > 0:
-            out = _capped_attention(grouped_q, keys, values, mask, layer.scaling, layer.logit_cap)
+        if layer.logit_cap > 0 or layer.sinks is not None:
+            sinks = None if layer.sinks is None else layer.sinks.view(1, num_kv_heads, group, 1)
+            out = _explicit_attention(grouped_q, keys, values, mask, layer.scaling,
+                                      layer.logit_cap, sinks)
         else:
             out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask,
                                                  scale=layer.scaling)

@@ -43,13 +43,31 @@ class GeluTanhAndMul(nn.Module):
         return F.gelu(x[..., :half], approximate="tanh") * x[..., half:]
 
 
+class ClampedSwiglu(nn.Module):
+    """gpt-oss's experts (vLLM's "swigluoai"): gate clamped above at `limit`, up to
+    [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate). The merged projection here
+    holds gate then up, as every gated activation of ours takes them (the checkpoint
+    interleaves them; the loader splits them)."""
+
+    def __init__(self, alpha: float = 1.702, limit: float = 7.0) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        gate = x[..., :half].clamp(max=self.limit)
+        up = x[..., half:].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 _ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul,
-                "gelu_tanh": GeluTanhAndMul}
+                "gelu_tanh": GeluTanhAndMul, "swigluoai": ClampedSwiglu}
 
 
-def gated_activation(name: str) -> nn.Module:
-    """The gated activation for a config's hidden_act / hidden_activation."""
+def gated_activation(name: str, **options: float) -> nn.Module:
+    """The gated activation for a config's hidden_act / hidden_activation (`options`: a
+    parametrised one's, e.g. swigluoai's alpha and limit)."""
     if name not in _ACTIVATIONS:
         raise ValueError(f"activation {name!r} is not supported "
                          f"(supported: {', '.join(sorted(_ACTIVATIONS))})")
-    return _ACTIVATIONS[name]()
+    return _ACTIVATIONS[name](**options)

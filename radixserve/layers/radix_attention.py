@@ -4,7 +4,9 @@ Models pass q, k, v straight from the projection and the rope as a `RopeInput`; 
 rotates q/k (fused with its KV-cache store where it can) before attending. Per layer it carries
 what the backends must honour: the scaling, an attention window (`sliding_window`, None: full;
 a query at position p sees keys p - W < j <= p, as transformers defines it) and the attention
-logit soft-cap (`logit_cap`, 0: none; scores s become cap * tanh(s / cap), Gemma-2).
+logit soft-cap (`logit_cap`, 0: none; scores s become cap * tanh(s / cap), Gemma-2), and
+per-head attention sinks (`sinks`, None: none; gpt-oss): a learned logit per query head that
+joins each row's softmax with no value, so a row's weights sum to less than one.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ class RadixAttention(nn.Module):
         self.layer_id = layer_id
         self.sliding_window = sliding_window
         self.logit_cap = logit_cap
+        self.sinks: torch.Tensor | None = None  # [this rank's query heads] float32, the model's
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 forward_batch: ForwardBatch, rope: RopeInput | None = None,

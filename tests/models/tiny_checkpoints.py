@@ -97,6 +97,16 @@ CONFIGS = {
         num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
         mlp_layer_types=["sparse", "dense", "sparse"], routed_scaling_factor=1.8,
         tie_word_embeddings=False)),
+    # gpt-oss: biases on q/k/v/o, a sink logit per head, a window of 24 on every other layer,
+    # yarn rope bending these positions; top-2 of 4 experts (router bias, softmax over the two
+    # logits), experts with biases and the clamped SwiGLU (limit low enough to clamp here)
+    "gpt_oss_sinks_window": (transformers.GptOssConfig, dict(
+        BASE, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, intermediate_size=32,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=24, swiglu_limit=1.5,
+        layer_types=["sliding_attention", "full_attention"] * 2, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "truncate": False, "original_max_position_embeddings": 64,
+                      "rope_theta": 150000.0})),
     # Gemma-3: Gemma-2's layer plus (1 + w) q/k norms per head; the default layer_types (five
     # sliding layers, window 24, then a full one) with a rope each (local 10k, global 1M), tied
     "gemma3_text": (transformers.Gemma3TextConfig, dict(

@@ -51,7 +51,7 @@ class FusedMoE(nn.Module):
     group_k: int | None = None  # FP8 block scales: input columns per scale group (both GEMMs)
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 activation: str = "silu") -> None:
+                 activation: str = "silu", **activation_options: float) -> None:
         super().__init__()
         group = get_tp_group()
         self.tp_rank, self.tp_size = group.rank, group.size
@@ -76,7 +76,12 @@ class FusedMoE(nn.Module):
         if self.fp8 is not None:
             self._add_fp8_scales(size)
         self.activation = activation
-        self.act = gated_activation(activation)
+        self.act = gated_activation(activation, **activation_options)
+
+    @property
+    def biases(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate|up bias [E, 2I/tp], down bias [E, H]) where the experts have them."""
+        return None
 
     # ---- FP8 experts: scales [E, rows, K groups], loaded like the weights' rows ----
     def _add_fp8_scales(self, size: int) -> None:
@@ -164,7 +169,7 @@ class FusedMoE(nn.Module):
         target.copy_(part)
 
     def forward(self, hidden: torch.Tensor, topk: TopK) -> torch.Tensor:
-        if hidden.is_cuda and self.activation == "silu":
+        if hidden.is_cuda and self.activation == "silu" and self.biases is None:
             try:
                 from radixserve.layers.kernels.fused_moe import fused_experts
             except ImportError:
@@ -192,7 +197,12 @@ class FusedMoE(nn.Module):
             tokens = pairs // topk.ids.shape[1]
             x = hidden.index_select(0, tokens)
             w13, w2 = self._expert_weights(expert, hidden.dtype)
-            y = self.act(x @ w13.t()) @ w2.t()
+            if self.biases is None:
+                y = self.act(x @ w13.t()) @ w2.t()
+            else:
+                b13, b2 = self.biases
+                y = self.act(x @ w13.t() + b13[expert].to(x.dtype)) @ w2.t() + \
+                    b2[expert].to(x.dtype)
             # weights stay float32 in the product, as transformers multiplies them
             y = y * flat_weights.index_select(0, pairs).unsqueeze(1)
             out.index_add_(0, tokens, y.to(out.dtype))

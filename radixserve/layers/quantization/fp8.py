@@ -71,6 +71,11 @@ class Fp8Config:
 def fp8_config(quantization_config: dict[str, Any] | None, flag: str | None) -> Fp8Config | None:
     """The FP8 setting of a checkpoint's `quantization_config` and the --quantization flag."""
     method = (quantization_config or {}).get("quant_method")
+    if method == "mxfp4":
+        # gpt-oss: only its experts are MXFP4, dequantised at load (layers/moe/stacked_experts.py;
+        # a model without a place for their blocks is refused by the loader); --quantization
+        # fp8 then quantises them as any bf16 weight
+        method = None
     if method == "fp8":
         block = quantization_config.get("weight_block_size")  # type: ignore[union-attr]
         if block is not None and (len(block) != 2 or block[0] != block[1]):
@@ -82,7 +87,7 @@ def fp8_config(quantization_config: dict[str, Any] | None, flag: str | None) -> 
         return _compressed_tensors_config(quantization_config)  # type: ignore[arg-type]
     if method is not None:
         raise ValueError(f"quantization method {method!r} is not supported (fp8, "
-                         "compressed-tensors float8)")
+                         "compressed-tensors float8, gpt-oss's mxfp4)")
     if flag == "fp8":
         return Fp8Config(online=True, source="--quantization fp8 (per-channel, at load)")
     if flag is not None:

@@ -1,0 +1,125 @@
+"""StackedExperts: FusedMoE for checkpoints that store all experts of a layer in one tensor
+per projection (gpt-oss), with biases.
+
+gpt-oss's tensors (`...mlp.experts.` + name):
+  gate_up_proj       [E, H, 2I]   gate and up interleaved along the last dim (gate even)
+  gate_up_proj_bias  [E, 2I]      interleaved the same way
+  down_proj          [E, I, H]
+  down_proj_bias     [E, H]
+or, MXFP4-quantised (`quant_method: mxfp4`), the projections as `{name}_blocks`
+[E, rows, K / 32, 16] and `{name}_scales` [E, rows, K / 32], rows being the output features
+(2I interleaved, or H) and K the input ones. They are dequantised as soon as both halves have
+arrived (layers/quantization/mxfp4.py) and loaded as the bf16 tensors are: transposed to our
+[E, out, in], gate|up split into gate rows then up rows, this rank's part of I kept.
+
+The down projection's bias is added on rank 0 only: every rank's output is a partial sum that
+the MoE block reduces once.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixserve.layers.moe.experts import FusedMoE
+from radixserve.layers.quantization.mxfp4 import dequantize_mxfp4
+
+_PROJECTIONS = {"gate_up_proj": "w13", "down_proj": "w2"}
+
+
+def stacked_expert_target(name: str) -> tuple[str, tuple[str, str]] | None:
+    """'...mlp.experts.gate_up_proj' -> ('...mlp.experts.w13_weight', ('w13', 'weight')), its
+    '_bias' -> w13_bias, its MXFP4 '_blocks' / '_scales' -> w13_weight with those parts."""
+    prefix, _, leaf = name.rpartition(".")
+    if not prefix.endswith(".experts"):
+        return None
+    for projection, piece in _PROJECTIONS.items():
+        if leaf == projection:
+            return f"{prefix}.{piece}_weight", (piece, "weight")
+        if leaf == f"{projection}_bias":
+            return f"{prefix}.{piece}_bias", (piece, "bias")
+        for part in ("blocks", "scales"):
+            if leaf == f"{projection}_{part}":
+                return f"{prefix}.{piece}_weight", (piece, part)
+    return None
+
+
+class StackedExperts(FusedMoE):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 activation: str, mxfp4: bool = False, **activation_options: float) -> None:
+        super().__init__(num_experts, hidden_size, intermediate_size, activation,
+                         **activation_options)
+        if self.fp8 is not None and not self.fp8.online:
+            raise ValueError("stacked experts from an FP8 checkpoint are not supported")
+        self.mxfp4 = mxfp4
+        parts = {"blocks", "scales"} if mxfp4 else {"weight"}
+        size = self.intermediate_size
+        self.w13_bias = nn.Parameter(torch.zeros(num_experts, 2 * size), requires_grad=False)
+        self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False)
+        for param, piece, wanted in ((self.w13_weight, "w13", parts), (self.w2_weight, "w2", parts),
+                                     (self.w13_bias, "w13", {"bias"}),
+                                     (self.w2_bias, "w2", {"bias"})):
+            param.weight_loader = self.stacked_loader  # type: ignore[attr-defined]
+            param.expected_shards = {(piece, part) for part in wanted}  # type: ignore
+        self._pending: dict[tuple[str, str], torch.Tensor] = {}  # an MXFP4 half, waiting
+
+    @property
+    def biases(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 bias [E, 2I/tp], w2 bias [E, H], zero on ranks past 0)."""
+        return self.w13_bias, self.w2_bias
+
+    def stacked_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                       shard_id: object = None) -> None:
+        if not isinstance(shard_id, tuple):
+            raise ValueError("stacked expert tensors load with a (projection, part) shard id")
+        piece, part = shard_id
+        if part in ("blocks", "scales"):
+            other = "scales" if part == "blocks" else "blocks"
+            if (piece, other) not in self._pending:
+                self._pending[(piece, part)] = loaded
+                return
+            halves = {part: loaded, other: self._pending.pop((piece, other))}
+            # [E, out, in] -> [E, in, out], the orientation of the bf16 tensors
+            loaded = dequantize_mxfp4(halves["blocks"], halves["scales"],
+                                      param.dtype).transpose(1, 2)
+            part = "weight"
+        want = {("w13", "weight"): (self.num_experts, self.hidden_size,
+                                    2 * self.intermediate_size * self.tp_size),
+                ("w2", "weight"): (self.num_experts, self.intermediate_size * self.tp_size,
+                                   self.hidden_size),
+                ("w13", "bias"): (self.num_experts, 2 * self.intermediate_size * self.tp_size),
+                ("w2", "bias"): (self.num_experts, self.hidden_size)}[(piece, part)]
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"{piece} {part} of shape {tuple(loaded.shape)}, expected {want}")
+        if piece == "w2" and part == "bias":
+            param.data.copy_(loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
+            return
+        if piece == "w13":  # interleaved gate / up along the last dim -> gate then up
+            loaded = torch.cat((loaded[..., 0::2], loaded[..., 1::2]), dim=-1)
+        if part == "bias":
+            self._load_rows(param.data, loaded, piece)
+            return
+        for expert in range(self.num_experts):  # [in, out] -> our [out, in], then the rank's
+            self._load_rows(param.data[expert], loaded[expert].t(), piece, expert)
+
+    def _load_rows(self, target: torch.Tensor, loaded: torch.Tensor, piece: str,
+                   expert: int | None = None) -> None:
+        """This rank's rows of a gate-then-up w13 (or bias), or columns of a w2."""
+        size, rank = self.intermediate_size, self.tp_rank
+        if piece == "w2":
+            target.copy_(loaded.narrow(-1, rank * size, size))
+            if self.fp8 is not None and self.fp8.online and self.tp_size > 1 and expert is not None:
+                from radixserve.layers.quantization.fp8 import row_amax
+                self._w2_row_amax[expert] = row_amax(loaded)
+            return
+        full = size * self.tp_size
+        dim = 0 if expert is not None else -1  # an expert's rows, or the bias's last dim
+        for half in (0, 1):
+            source = loaded.narrow(dim, half * full + rank * size, size)
+            target.narrow(dim, half * size, size).copy_(source)
+
+    def finish_loading(self) -> None:
+        if self._pending:
+            missing = sorted(f"{piece} {'scales' if part == 'blocks' else 'blocks'}"
+                             for piece, part in self._pending)
+            raise ValueError(f"MXFP4 experts without their other half: {missing}")
+        super().finish_loading()
