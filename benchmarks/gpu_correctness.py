@@ -102,9 +102,23 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], int | None]] = {
                                        first_k_dense_replace=1, n_group=1, topk_group=1,
                                        use_qk_norm=True, attention_bias=True,
                                        norm_topk_prob=True, routed_scaling_factor=2.5), None),
+    # gpt-oss: attention sinks (decode split + merge, extend), a 128-token window on every
+    # other layer, yarn rope, biases everywhere, experts with biases and the clamped SwiGLU
+    # (the fused MoE kernels' bias epilogues)
+    "gpt-oss": ("GptOssConfig", dict(hidden_size=512, num_attention_heads=8,
+                                     num_key_value_heads=2, head_dim=64, intermediate_size=256,
+                                     num_local_experts=16, num_experts_per_tok=4,
+                                     sliding_window=128,
+                                     layer_types=["sliding_attention", "full_attention"] * 2,
+                                     rope_scaling={"rope_type": "yarn", "factor": 32.0,
+                                                   "beta_fast": 32.0, "beta_slow": 1.0,
+                                                   "truncate": False,
+                                                   "original_max_position_embeddings": 64,
+                                                   "rope_theta": 150000.0}), None),
 }
 DEFAULT_CHECKPOINTS = ["hd128-gqa4", "mistral-swa32", "gemma2-hd64", "gemma3-hd64", "qwen3-hd64"]
-MOE_CHECKPOINTS = ["mixtral-moe", "qwen3-moe", "deepseek-mla", "deepseek-v3", "glm4-moe"]
+MOE_CHECKPOINTS = ["mixtral-moe", "qwen3-moe", "deepseek-mla", "deepseek-v3", "glm4-moe",
+                   "gpt-oss"]
 PATHS = (("torch_native", False, 1), ("triton", False, 1), ("triton", True, 1))
 
 

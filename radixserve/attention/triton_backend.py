@@ -109,9 +109,10 @@ class DecodeWorkspace:
 
 
 def _cudnn_serves(layer: "RadixAttention", dtype: torch.dtype) -> bool:
-    """cuDNN's attention applies to this layer: no window, no soft-cap, one head width of at
-    most 128, half-precision activations."""
-    return _window(layer) < 0 and not layer.logit_cap > 0 and layer.head_dim <= 128 and \
+    """cuDNN's attention applies to this layer: no window, no soft-cap, no sinks, one head
+    width of at most 128, half-precision activations."""
+    return _window(layer) < 0 and not layer.logit_cap > 0 and layer.sinks is None and \
+        layer.head_dim <= 128 and \
         layer.v_head_dim == layer.head_dim and dtype in (torch.bfloat16, torch.float16)
 
 
@@ -321,7 +322,8 @@ class TritonAttnBackend(AttentionBackend):
                                  triton_meta.extend_seq_lens, triton_meta.extend_prefix_lens,
                                  triton_meta.max_extend_len, layer.scaling,
                                  self.extend_config, sliding_window=_window(layer),
-                                 logit_cap=layer.logit_cap, **self._scale_args(layer))
+                                 logit_cap=layer.logit_cap, sinks=layer.sinks,
+                                 **self._scale_args(layer))
         return out.view(-1, num_heads * head_dim)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -339,7 +341,8 @@ class TritonAttnBackend(AttentionBackend):
         decode_attention_fwd(q, k_buffer, v_buffer, out, self.req_to_token_pool.req_to_token,
                              meta.req_pool_indices, meta.seq_lens, meta.mid_out, meta.mid_lse,
                              layer.scaling, meta.config, sliding_window=_window(layer),
-                             logit_cap=layer.logit_cap, **self._scale_args(layer))
+                             logit_cap=layer.logit_cap, sinks=layer.sinks,
+                             **self._scale_args(layer))
         return out.view(-1, num_heads * head_dim)
 
     def _scale_args(self, layer: "RadixAttention") -> dict[str, float]:

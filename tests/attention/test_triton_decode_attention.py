@@ -290,3 +290,19 @@ def test_decode_large_batch(dtype: torch.dtype) -> None:
     out, ref = run_decode(seq_lens, num_kv_heads=8, group=4, head_dim=128, dtype=dtype,
                           num_kv_splits=4, config=DecodeKernelConfig())
     torch.testing.assert_close(out, ref, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+@pytest.mark.parametrize("window", [-1, 37])
+def test_decode_sinks(num_kv_splits: int, window: int) -> None:
+    """gpt-oss's sinks: each head's logit joins its softmax with no value, in the only split's
+    output and in the merge of several; with a window too."""
+    sinks = (torch.randn(8, generator=torch.Generator().manual_seed(3)) * 2).to(DEVICE)
+    out, ref = run_decode(RAGGED, num_kv_heads=2, group=4, head_dim=64, dtype=torch.float32,
+                          num_kv_splits=num_kv_splits, config=SMALL, seed=16, q_scale=2.0,
+                          sliding_window=window, sinks=sinks)
+    torch.testing.assert_close(out, ref, **tolerance(torch.float32))
+    _, plain = run_decode(RAGGED, num_kv_heads=2, group=4, head_dim=64, dtype=torch.float32,
+                          num_kv_splits=1, config=SMALL, seed=16, q_scale=2.0,
+                          sliding_window=window)
+    assert not torch.allclose(ref, plain, atol=1e-2)

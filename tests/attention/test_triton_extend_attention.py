@@ -223,3 +223,17 @@ def test_extend_fp16_other_block_sizes() -> None:
         out, ref = run_extend([0, 300], [900, 257], num_kv_heads=8, group=4, head_dim=128,
                               dtype=torch.float16, config=config)
         torch.testing.assert_close(out, ref, **tolerance(torch.float16))
+
+
+@pytest.mark.parametrize("window", [-1, 17])
+def test_extend_sinks(window: int) -> None:
+    """gpt-oss's sinks: each head's logit joins its softmax with no value."""
+    sinks = (torch.randn(4, generator=torch.Generator().manual_seed(4)) * 2).to(DEVICE)
+    out, ref = run_extend(*WINDOW_RAGGED, num_kv_heads=2, group=2, head_dim=64,
+                          dtype=torch.float32, config=TALL, seed=25, q_scale=2.0,
+                          sliding_window=window, sinks=sinks)
+    torch.testing.assert_close(out, ref, **tolerance(torch.float32))
+    _, plain = run_extend(*WINDOW_RAGGED, num_kv_heads=2, group=2, head_dim=64,
+                          dtype=torch.float32, config=TALL, seed=25, q_scale=2.0,
+                          sliding_window=window)
+    assert not torch.allclose(ref, plain, atol=1e-2)

@@ -73,6 +73,30 @@ def test_fused_experts_match_reference(num_tokens, num_experts, top_k, dtype,
     torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 6])
+def test_fused_experts_with_biases_and_clamped_swiglu(num_tokens: int) -> None:
+    """gpt-oss's experts: biases in both GEMMs' epilogues (the down one before the routing
+    weight), the clamped SwiGLU between them (the GEMV path steps aside for these); the fused
+    kernels, the CPU loop and the reference agree."""
+    from radixserve.layers.activation import ClampedSwiglu
+    from radixserve.layers.moe.router import TopK
+    x, w13, w2, weights, ids = _problem(num_tokens, 4, 2, 32, 48, torch.float32, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    biases = tuple((torch.randn(4, n, generator=gen) * 0.5).to(DEVICE) for n in (96, 32))
+    act = ClampedSwiglu(alpha=1.702, limit=0.5)  # low enough to clamp these values
+    ref = fused_experts_reference(x, w13, w2, weights, ids, biases, act)
+    got = fused_experts(x, w13, w2, weights, ids, biases=biases, activation=act).float()
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(ref, fused_experts_reference(x, w13, w2, weights, ids), atol=1e-2)
+    from radixserve.layers.moe.stacked_experts import StackedExperts
+    moe = StackedExperts(4, 32, 48, "swigluoai", alpha=1.702, limit=0.5)
+    for param, value in ((moe.w13_weight, w13), (moe.w2_weight, w2), (moe.w13_bias, biases[0]),
+                         (moe.w2_bias, biases[1])):
+        param.data.copy_(value.cpu())
+    loop = moe.forward_native(x.cpu(), TopK(weights.cpu(), ids.cpu()))
+    torch.testing.assert_close(loop, ref.cpu(), atol=1e-4, rtol=1e-4)
+
+
 def test_cpu_expert_loop_matches_reference() -> None:
     x, w13, w2, weights, ids = [t.cpu() for t in _problem(9, 5, 2, 16, 24, torch.float32, 3)]
     moe = FusedMoE(5, 16, 24)

@@ -161,7 +161,7 @@ def _attend_block(q, k, v, V_Buffer, slots, stride_vt, v_head_offset, offs_d, kv
 @triton.jit
 def _decode_split_kernel(
     Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens, Mid_out, Mid_lse, O,
-    sm_scale_log2e, num_kv_splits, v_scale,
+    Sinks, sm_scale_log2e, num_kv_splits, v_scale,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_req_row,
     stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h, stride_ob, stride_oh,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -169,7 +169,7 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr, SLIDING_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr,
     USE_PDL: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_FP16: tl.constexpr,
     EARLY_V: tl.constexpr, LAZY_RESCALE: tl.constexpr, LAZY_BITS: tl.constexpr,
-    EARLY_KV: tl.constexpr,
+    EARLY_KV: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """FP8 KV: the codes are multiplied as they are (k_scale is folded into sm_scale_log2e by
     the caller, v_scale applied to the output), converted to fp16 (FP8_AS_FP16: exact, and one
@@ -259,6 +259,9 @@ def _decode_split_kernel(
             acc = acc * v_scale
         out_mask = head_mask[:, None] & d_mask[None, :]
         if SINGLE_SPLIT:  # the only split: this is the final output
+            if HAS_SINKS:  # each head's sink logit joins the softmax's sum, with no value
+                sink = tl.load(Sinks + heads, mask=head_mask, other=0.0).to(tl.float32)
+                l_i = l_i + tl.exp2(sink * 1.4426950408889634 - m_i)
             tl.store(O + batch * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                      (acc / l_i[:, None]).to(O.dtype.element_ty), mask=out_mask)
         else:
@@ -275,10 +278,11 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    Mid_out, Mid_lse, O, Seq_lens, num_kv_splits,
+    Mid_out, Mid_lse, O, Seq_lens, Sinks, num_kv_splits,
     stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_ALIGN: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, USE_PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """EARLY_LAUNCH (batch 1): the next kernel (o_proj) may launch while the split kernel
     still runs (triton_pdl.pdl_launch_then_wait)."""
@@ -307,6 +311,9 @@ def _decode_merge_kernel(
         acc = acc * alpha + weight * part
         l_i = l_i * alpha + weight
         m_i = m_new
+    if HAS_SINKS:  # the head's sink logit joins the softmax's sum, with no value
+        l_i = tl.where(l_i > 0, l_i + tl.exp2(tl.load(Sinks + head).to(tl.float32)
+                                              * 1.4426950408889634 - m_i), l_i)
     out = tl.where(l_i > 0, acc / l_i, 0.0)  # seq_len 0 (never scheduled) gives zeros
     tl.store(O + batch * stride_ob + head * stride_oh + offs_d,
              out.to(O.dtype.element_ty), mask=d_mask)
@@ -365,13 +372,15 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                          mid_out: torch.Tensor, mid_lse: torch.Tensor, sm_scale: float,
                          config: DecodeKernelConfig = DecodeKernelConfig(), *,
                          sliding_window: int = -1, logit_cap: float = 0.0,
-                         k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                         k_scale: float = 1.0, v_scale: float = 1.0,
+                         sinks: torch.Tensor | None = None) -> None:
     """Write attention of q ([bs, H, D]) over each request's first seq_len positions into out.
 
     k/v_buffer: [slots, Hkv, D] (one layer of the pool). mid_out [bs, H, S, D] and mid_lse
     [bs, H, S] are float32 workspaces; S (their third dim) is the maximum number of splits.
     sliding_window W > 0: attend only the last W positions (the query's own included).
     logit_cap c > 0: scores s become c * tanh(s / c). Both are compile-time constants; <= 0 is off.
+    sinks [H] float32 (gpt-oss): each head's logit joins its softmax's sum with no value.
     FP8 buffers (float8_e4m3fn / e5m2) hold value / scale: the scores are scaled by k_scale and
     the output by v_scale (the codes themselves enter the products unscaled).
     No host sync, no allocation: safe to capture in a CUDA graph.
@@ -391,7 +400,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     single_split = num_kv_splits == 1
     _decode_split_kernel[(batch_size, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, out,
-        sm_scale_log2e, num_kv_splits, float(v_scale),
+        sinks if sinks is not None else seq_lens, sm_scale_log2e, num_kv_splits, float(v_scale),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
@@ -402,16 +411,16 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         SLIDING_WINDOW=window, LOGIT_CAP=cap, KV_FP8=kv_fp8,
         FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16), EARLY_V=config.early_v,
         LAZY_RESCALE=config.lazy_rescale, LAZY_BITS=LAZY_MAX_BITS, EARLY_KV=config.early_kv,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
+        HAS_SINKS=sinks is not None, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
         **({"maxnreg": config.max_registers} if config.max_registers > 0 else {}),
     )
     if single_split:
         return
     _decode_merge_kernel[(batch_size, num_heads)](
-        mid_out, mid_lse, out, seq_lens, num_kv_splits,
-        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+        mid_out, mid_lse, out, seq_lens, sinks if sinks is not None else seq_lens,
+        num_kv_splits, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT_ALIGN=config.block_n, SLIDING_WINDOW=window,
-        EARLY_LAUNCH=MERGE_EARLY_LAUNCH and batch_size == 1,
+        EARLY_LAUNCH=MERGE_EARLY_LAUNCH and batch_size == 1, HAS_SINKS=sinks is not None,
         num_warps=4 if block_d >= 256 else 2, num_stages=1, **pdl_launch_args(q),
     )

@@ -100,13 +100,13 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, mask, sm_scale_log2e,
 @triton.jit
 def _extend_kernel(
     Q, K_Extend, V_Extend, O, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices,
-    Extend_start_loc, Extend_seq_lens, Extend_prefix_lens, sm_scale_log2e, k_scale, v_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_ket, stride_keh, stride_vet, stride_veh,
+    Extend_start_loc, Extend_seq_lens, Extend_prefix_lens, Sinks, sm_scale_log2e, k_scale,
+    v_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_ket, stride_keh, stride_vet, stride_veh,
     stride_kbt, stride_kbh, stride_vbt, stride_vbh, stride_req_row,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr, KV_FP8: tl.constexpr,
-    FP8_AS_FP16: tl.constexpr,
+    FP8_AS_FP16: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     head = tl.program_id(0)
     req = tl.program_id(1)
@@ -212,6 +212,8 @@ def _extend_kernel(
                                                  sm_scale_log2e, True, DOT_PRECISION,
                                                  LOGIT_CAP, WINDOWED)
 
+        if HAS_SINKS:  # the head's sink logit joins the softmax's sum, with no value
+            l_i += tl.exp2(tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634 - m_i)
         if WINDOWED:  # padding rows past ext_len may have seen no key (not stored anyway)
             l_i = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_i[:, None]
@@ -227,7 +229,8 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
                          extend_prefix_lens: torch.Tensor, max_extend_len: int,
                          sm_scale: float, config: ExtendKernelConfig | None = None, *,
                          sliding_window: int = -1, logit_cap: float = 0.0,
-                         k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                         k_scale: float = 1.0, v_scale: float = 1.0,
+                         sinks: torch.Tensor | None = None) -> None:
     """Write extend attention into out ([T, H, D]).
 
     q: [T, H, D]; k/v_extend: [T, Hkv, D], this pass's new tokens packed request after request
@@ -236,6 +239,7 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
     sizes the grid, so no host sync is needed.
     sliding_window W > 0: the token at position p attends only keys p - W < j <= p.
     logit_cap c > 0: scores s become c * tanh(s / c). Both are compile-time constants; <= 0 is off.
+    sinks [H] float32 (gpt-oss): each head's logit joins its softmax's sum with no value.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_extend.shape[1]
@@ -251,7 +255,8 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
     grid = (num_heads, batch_size, triton.cdiv(max_extend_len, config.block_m))
     _extend_kernel[grid](
         q, k_extend, v_extend, out, k_buffer, v_buffer, req_to_token, req_pool_indices,
-        extend_start_loc, extend_seq_lens, extend_prefix_lens, sm_scale * LOG2E,
+        extend_start_loc, extend_seq_lens, extend_prefix_lens,
+        sinks if sinks is not None else extend_seq_lens, sm_scale * LOG2E,
         float(k_scale), float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_extend.stride(0), k_extend.stride(1), v_extend.stride(0), v_extend.stride(1),
@@ -262,5 +267,5 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(k_extend.dtype), SLIDING_WINDOW=window, LOGIT_CAP=cap,
         KV_FP8=is_fp8(k_buffer.dtype), FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_SINKS=sinks is not None, num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -6,7 +6,8 @@ meant for tests and for checking a kernel on a new shape, not for serving.
 
 Options, as in Hugging Face transformers: sliding_window W > 0 lets the query at absolute position
 p attend only keys at p - W < j <= p (`masking_utils.sliding_window_overlay`); logit_cap c > 0
-turns each score s = (q . k) * sm_scale into c * tanh(s / c) before the softmax (Gemma-2).
+turns each score s = (q . k) * sm_scale into c * tanh(s / c) before the softmax (Gemma-2);
+sinks [H] (gpt-oss) add each head's logit to its softmax with no value.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def _attention_mask(query_pos: torch.Tensor, key_pos: torch.Tensor,
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
-            mask: torch.Tensor | None, logit_cap: float = 0.0) -> torch.Tensor:
+            mask: torch.Tensor | None, logit_cap: float = 0.0,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [Tq, H, D], k/v: [Tk, Hkv, D] (float32), mask: [Tq, Tk] True = attend. -> [Tq, H, D]."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
@@ -41,14 +43,19 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
         scores = torch.tanh(scores / logit_cap) * logit_cap
     if mask is not None:
         scores = scores.masked_fill(~mask[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float().to(scores.device).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 def decode_attention_reference(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                                seq_lens: torch.Tensor, sm_scale: float, *,
-                               sliding_window: int = -1, logit_cap: float = 0.0) -> torch.Tensor:
+                               sliding_window: int = -1, logit_cap: float = 0.0,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [bs, H, D]; every request's query, at position seq_len - 1, attends to its positions
     0..seq_len-1 (only the last sliding_window of them if that is > 0). -> [bs, H, D]."""
     out = torch.empty_like(q)
@@ -60,7 +67,8 @@ def decode_attention_reference(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer
         if sliding_window > 0:
             mask = _attention_mask(torch.tensor([seq_len - 1]), torch.arange(seq_len),
                                    sliding_window).to(q.device)
-        out[i] = _attend(q[i:i + 1].float(), k, v, sm_scale, mask, logit_cap)[0].to(q.dtype)
+        out[i] = _attend(q[i:i + 1].float(), k, v, sm_scale, mask, logit_cap,
+                         sinks)[0].to(q.dtype)
     return out
 
 
@@ -69,7 +77,8 @@ def extend_attention_reference(q: torch.Tensor, k_extend: torch.Tensor, v_extend
                                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                                extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor,
                                sm_scale: float, *, sliding_window: int = -1,
-                               logit_cap: float = 0.0) -> torch.Tensor:
+                               logit_cap: float = 0.0,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D], k/v_extend: [T, Hkv, D], tokens packed request after request.
 
     Request i's new tokens attend to its cached prefix (positions 0..prefix_len-1, read from the
@@ -89,6 +98,6 @@ def extend_attention_reference(q: torch.Tensor, k_extend: torch.Tensor, v_extend
         mask = _attention_mask(torch.arange(prefix_len, prefix_len + ext_len),
                                torch.arange(prefix_len + ext_len), sliding_window).to(q.device)
         out[start:end] = _attend(q[start:end].float(), k, v, sm_scale, mask,
-                                 logit_cap).to(q.dtype)
+                                 logit_cap, sinks).to(q.dtype)
         start = end
     return out

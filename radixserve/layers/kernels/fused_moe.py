@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 import triton
@@ -42,13 +43,14 @@ CONFIG_DIR = Path(__file__).parent / "moe_configs"  # per board: kernels/board_t
 @triton.jit
 def _fused_moe_kernel(
     A, B, C, Topk_weights, Sorted_token_ids, Expert_ids, Num_tokens_post_padded, B_scale,
-    N, K, num_valid_tokens,
-    stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn,
+    Bias, N, K, num_valid_tokens,
+    stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn, stride_bias_e,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, TOP_K: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8_W: tl.constexpr, GROUPED: tl.constexpr,
-    GROUP_K: tl.constexpr,
+    GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
+    """HAS_BIAS: each expert's bias row [N] is added before the routing weight multiplies."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(tl.num_programs(0), tl.cdiv(N, BLOCK_N))
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -87,6 +89,8 @@ def _fused_moe_kernel(
         b_ptrs += BLOCK_K
     if FP8_W and not GROUPED:
         acc = acc * tl.load(s_ptrs)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(Bias + expert * stride_bias_e + offs_bn).to(tl.float32)[None, :]
     if MUL_ROUTED_WEIGHT:
         weights = tl.load(Topk_weights + pairs, mask=pair_mask, other=0.0)
         acc = acc * weights[:, None]
@@ -143,9 +147,10 @@ def moe_kernel_config(num_tokens: int, num_experts: int, n: int, k: int) -> dict
 def invoke_moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
                     topk_weights: torch.Tensor, aligned: tuple[torch.Tensor, ...],
                     top_k: int, mul_routed_weight: bool, config: dict[str, int],
-                    w_scale: torch.Tensor | None = None, group_k: int | None = None) -> None:
-    """out[pair] = a[pair // top_k] @ w[expert(pair)].T (x the pair's weight). FP8 w: codes
-    with w_scale [E, N, G] (G = 1, or one per group_k columns of K)."""
+                    w_scale: torch.Tensor | None = None, group_k: int | None = None,
+                    bias: torch.Tensor | None = None) -> None:
+    """out[pair] = a[pair // top_k] @ w[expert(pair)].T (+ bias[expert(pair)]) (x the pair's
+    weight). FP8 w: codes with w_scale [E, N, G] (G = 1, or one per group_k columns of K)."""
     sorted_ids, expert_ids, num_post_padded = aligned
     n, k = w.shape[1], w.shape[2]
     assert a.stride(1) == 1 and w.stride(2) == 1 and out.stride(1) == 1
@@ -160,30 +165,36 @@ def invoke_moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
     scale = w_scale if w_scale is not None else topk_weights
     _fused_moe_kernel[grid](
         a, w, out, topk_weights, sorted_ids, expert_ids, num_post_padded, scale,
+        bias if bias is not None else topk_weights,
         n, k, topk_weights.numel(), a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         scale.stride(0) if w_scale is not None else 0,
         scale.stride(1) if w_scale is not None else 0,
+        bias.stride(0) if bias is not None else 0,
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=block_k,
         GROUP_M=config["GROUP_M"], TOP_K=top_k, MUL_ROUTED_WEIGHT=mul_routed_weight,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         FP8_W=w_scale is not None, GROUPED=grouped, GROUP_K=group_k or k,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        HAS_BIAS=bias is not None, num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
 
 
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  fp8_scales: tuple[torch.Tensor, torch.Tensor, int | None] | None = None
+                  fp8_scales: tuple[torch.Tensor, torch.Tensor, int | None] | None = None,
+                  biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  activation: Callable[[torch.Tensor], torch.Tensor] | None = None
                   ) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H]: sum over each
     token's k experts of weight * down(silu(gate) * up). FP8 experts: fp8_scales = (w13 scales
-    [E, 2I, G1], w2 scales [E, H, G2], block or None)."""
+    [E, 2I, G1], w2 scales [E, H, G2], block or None). biases (gpt-oss): (gate|up [E, 2I],
+    down [E, H]), added in the GEMMs' epilogues; activation: another gated activation of the
+    [pairs, 2I] gate|up than SiLU-mul."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden_size = w13.shape
     if num_tokens == 0:
         return torch.zeros_like(hidden)
-    gemv = moe_gemv_configs(num_tokens, top_k, w13, w2,
-                            fp8_scales[2] if fp8_scales is not None else None)
+    gemv = None if biases is not None or activation is not None else moe_gemv_configs(
+        num_tokens, top_k, w13, w2, fp8_scales[2] if fp8_scales is not None else None)
     if gemv is not None:  # a few decode tokens: two GEMVs, no alignment (moe_gemv.py)
         return moe_gemv_experts(hidden, w13, w2, topk_weights, topk_ids, gemv, fp8_scales)
     config1 = moe_kernel_config(num_tokens, num_experts, two_i, hidden_size)
@@ -194,26 +205,39 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     aligned = align(topk_ids, config1["BLOCK_M"], num_experts)
     gate_up = torch.empty(num_tokens * top_k, two_i, dtype=hidden.dtype, device=hidden.device)
     s13, s2, block = fp8_scales if fp8_scales is not None else (None, None, None)
-    invoke_moe_gemm(hidden, w13, gate_up, weights, aligned, top_k, False, config1, s13, block)
-    act = silu_and_mul(gate_up)
+    b13, b2 = biases if biases is not None else (None, None)
+    invoke_moe_gemm(hidden, w13, gate_up, weights, aligned, top_k, False, config1, s13, block,
+                    b13)
+    act = silu_and_mul(gate_up) if activation is None else activation(gate_up)
     if config2["BLOCK_M"] != config1["BLOCK_M"]:
         aligned = align(topk_ids, config2["BLOCK_M"], num_experts)
     down = torch.empty(num_tokens * top_k, hidden_size, dtype=hidden.dtype,
                        device=hidden.device)
-    invoke_moe_gemm(act, w2, down, weights, aligned, 1, True, config2, s2, block)
+    invoke_moe_gemm(act, w2, down, weights, aligned, 1, True, config2, s2, block, b2)
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
 
 
 def fused_experts_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                            topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                            topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                            biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            activation: Callable[[torch.Tensor], torch.Tensor] | None = None
                             ) -> torch.Tensor:
-    """Per (token, choice) in float32: weight * w2[e] @ (silu(w13[e] gate) * up)."""
+    """Per (token, choice) in float32: weight * (w2[e] @ act(w13[e] x + b13[e]) + b2[e]), act
+    SiLU(gate) * up unless given."""
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     half = w13.shape[1] // 2
     for t in range(hidden.shape[0]):
         for j in range(topk_ids.shape[1]):
             e = int(topk_ids[t, j])
             gate_up = w13[e].float() @ hidden[t].float()
-            act = torch.nn.functional.silu(gate_up[:half]) * gate_up[half:]
-            out[t] += float(topk_weights[t, j]) * (w2[e].float() @ act)
+            if biases is not None:
+                gate_up = gate_up + biases[0][e].float()
+            if activation is None:
+                act = torch.nn.functional.silu(gate_up[:half]) * gate_up[half:]
+            else:
+                act = activation(gate_up)
+            down = w2[e].float() @ act
+            if biases is not None:
+                down = down + biases[1][e].float()
+            out[t] += float(topk_weights[t, j]) * down
     return out

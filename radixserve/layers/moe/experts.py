@@ -11,8 +11,9 @@ the parameter's `weight_loader` places the rank's slice in the expert's row of t
 
 forward(hidden [T, H], TopK) -> [T, H], the routed experts' outputs weighted and summed over
 the k choices, not reduced over tensor-parallel ranks (the MoE block adds the shared expert
-first and reduces once). GPU: Triton fused-MoE kernels (layers/kernels/fused_moe.py); CPU or
-without Triton: a loop over the experts some token chose.
+first and reduces once). GPU: Triton fused-MoE kernels (layers/kernels/fused_moe.py; biases in
+their epilogues, another activation than SiLU-mul between them); CPU or without Triton: a loop
+over the experts some token chose.
 """
 from __future__ import annotations
 
@@ -169,7 +170,7 @@ class FusedMoE(nn.Module):
         target.copy_(part)
 
     def forward(self, hidden: torch.Tensor, topk: TopK) -> torch.Tensor:
-        if hidden.is_cuda and self.activation == "silu" and self.biases is None:
+        if hidden.is_cuda:
             try:
                 from radixserve.layers.kernels.fused_moe import fused_experts
             except ImportError:
@@ -178,7 +179,8 @@ class FusedMoE(nn.Module):
                 scales = (self.w13_weight_scale, self.w2_weight_scale, self.group_k) \
                     if self.fp8 is not None else None
                 return fused_experts(hidden, self.w13_weight, self.w2_weight, topk.weights,
-                                     topk.ids, scales)
+                                     topk.ids, scales, self.biases,
+                                     None if self.activation == "silu" else self.act)
         return self.forward_native(hidden, topk)
 
     def forward_native(self, hidden: torch.Tensor, topk: TopK) -> torch.Tensor:
