@@ -48,8 +48,8 @@ def _attention_params(cfg: ModelConfig) -> tuple[int, int]:
         return linear, hf.kv_lora_rank + (q_rank or 0)
     kv_dim, q_dim = cfg.num_key_value_heads * cfg.head_dim, cfg.num_attention_heads * cfg.head_dim
     bias = 0
-    if cfg.attention_bias:  # Qwen2 biases q/k/v only; Llama's flag also biases o_proj
-        bias = q_dim + 2 * kv_dim + (0 if cfg.architecture.startswith("Qwen2") else h)
+    if cfg.attention_bias:  # Qwen2 and GLM bias q/k/v only; Llama's flag also biases o_proj
+        bias = q_dim + 2 * kv_dim + (h if cfg.o_proj_bias else 0)
     norms = 2 * cfg.head_dim if getattr(hf, "model_type", "").startswith("qwen3") else 0
     return h * q_dim + 2 * h * kv_dim + q_dim * h, bias + norms
 
@@ -68,7 +68,10 @@ def _moe_shape(cfg: ModelConfig) -> _Moe | None:
     if arch == "MixtralForCausalLM":
         return _Moe(hf.num_local_experts, hf.num_experts_per_tok, cfg.intermediate_size, 0,
                     False)
-    if arch.startswith(("DeepseekV2", "DeepseekV3")) and hf.n_routed_experts:
+    if arch == "GptOssForCausalLM":  # every layer; the experts' biases are not counted
+        return _Moe(hf.num_local_experts, hf.num_experts_per_tok, cfg.intermediate_size, 0,
+                    False)
+    if arch.startswith(("DeepseekV2", "DeepseekV3", "Glm4Moe")) and hf.n_routed_experts:
         return _Moe(hf.n_routed_experts, hf.num_experts_per_tok, hf.moe_intermediate_size,
                     hf.moe_intermediate_size * (hf.n_shared_experts or 0), False)
     if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
@@ -80,7 +83,10 @@ def _moe_shape(cfg: ModelConfig) -> _Moe | None:
 
 def _is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
     hf = cfg.hf
-    if cfg.architecture.startswith(("DeepseekV2", "DeepseekV3")):
+    if cfg.architecture.startswith(("DeepseekV2", "DeepseekV3", "Glm4Moe")):
+        layer_types = getattr(hf, "mlp_layer_types", None)  # GLM-4.7-Flash lists them
+        if layer_types:
+            return layer_types[layer_id] == "sparse"
         return layer_id >= hf.first_k_dense_replace
     if cfg.architecture.startswith("Qwen"):
         step = getattr(hf, "decoder_sparse_step", 1) or 1

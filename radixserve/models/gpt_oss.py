@@ -62,7 +62,8 @@ class GptOssMoE(nn.Module):
         self.experts = StackedExperts(hf.num_local_experts, hidden, hf.intermediate_size,
                                       "swigluoai", mxfp4=method == "mxfp4",
                                       alpha=float(getattr(hf, "swiglu_alpha", 1.702)),
-                                      limit=float(hf.swiglu_limit))
+                                      # older transformers' configs lack it (7.0)
+                                      limit=float(getattr(hf, "swiglu_limit", 7.0)))
         self.tp_size = get_tp_group().size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
