@@ -94,14 +94,17 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
     "tool_call_parser": (SERVING, "format of the model's tool calls (default: from the chat "
                                   "template, else hermes)",
                          ("hermes", "qwen25", "qwen3", "llama3", "mistral", "deepseek_v3",
-                          "deepseekv3", "deepseek_v31", "deepseekv31", "glm45", "glm47")),
+                          "deepseekv3", "deepseek_v31", "deepseekv31", "glm45", "glm47",
+                          "openai", "harmony")),
     "exclude_tools_when_tool_choice_none": (SERVING, "tool_choice \"none\" leaves the tools out "
                                                      "of the prompt (default: they are "
                                                      "rendered, as vLLM does, but no call is "
                                                      "parsed)", None),
     "reasoning_parser": (SERVING, "a thinking model's format: its <think> block goes to the "
                                   "chat response's reasoning_content (default: none, all "
-                                  "of it is content)", ("deepseek-r1", "deepseek_r1", "qwen3", "glm45")),
+                                  "of it is content; gpt-oss's channels are split without it)",
+                         ("deepseek-r1", "deepseek_r1", "qwen3", "glm45", "gpt-oss",
+                          "openai_gptoss")),
     "attention_backend": (KERNELS, "attention kernels (default: triton on GPU, cpu on CPU: "
                                    "torch_native with compiled CPU kernels)",
                           ("cpu", "torch_native", "triton")),

@@ -54,10 +54,15 @@ class ClampedSwiglu(nn.Module):
         self.alpha, self.limit = alpha, limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        gate = x[..., :half].clamp(max=self.limit)
-        up = x[..., half:].clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return clamped_swiglu(x, self.alpha, self.limit)
+
+
+def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """ClampedSwiglu over a [..., 2I] gate|up (as transformers' gpt-oss computes it)."""
+    half = x.shape[-1] // 2
+    gate = x[..., :half].clamp(max=limit)
+    up = x[..., half:].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 _ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul,

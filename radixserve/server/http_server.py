@@ -24,7 +24,7 @@ from radixserve.server.http_utils import check_api_key
 from radixserve.server.native_api import is_warm_up, native_router
 from radixserve.server.openai_api import openai_router
 from radixserve.server.openai_common import OpenAIContext
-from radixserve.server.reasoning import get_format
+from radixserve.server.reasoning import reasoning_format
 from radixserve.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def build_app(tm: TokenizerManager, api_key: str | None, model_name: str,
     ctx = OpenAIContext(tokenizer_manager=tm, model_name=model_name, model_aliases=model_aliases,
                         tool_call_parser=tool_call_parser,
                         exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
-                        reasoning=get_format(reasoning_parser) if reasoning_parser else None)
+                        reasoning=reasoning_format(reasoning_parser, tm.tokenizer))
     routers = [native_router(tm, server_info, is_ready, incremental_streaming_output),
                openai_router(ctx, tm.limits.context_len)]
     for router in routers:

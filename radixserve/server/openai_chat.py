@@ -99,8 +99,10 @@ def _bytes_of(token: bytes | None, text: str | None) -> list[int]:
 
 def reasoning_of(ctx: OpenAIContext, body: ChatCompletionRequest) -> ReasoningFormat | None:
     """The reasoning format this request's output is split by (--reasoning-parser, unless
-    the request asks for no separate reasoning)."""
-    return ctx.reasoning if body.separate_reasoning else None
+    the request asks for no separate reasoning; gpt-oss's channels always: its raw output is
+    no answer)."""
+    harmony = ctx.reasoning is not None and ctx.reasoning.harmony
+    return ctx.reasoning if body.separate_reasoning or harmony else None
 
 
 def kept_reasoning_tags(fmt: ReasoningFormat | None, tokenizer: Any | None) -> tuple[str, ...]:
@@ -109,7 +111,7 @@ def kept_reasoning_tags(fmt: ReasoningFormat | None, tokenizer: Any | None) -> t
     if fmt is None or tokenizer is None:
         return ()
     special = special_token_ids(tokenizer)
-    return tuple(tag for tag in (fmt.start, fmt.end) if tag in special)
+    return tuple(tag for tag in fmt.tags if tag in special)
 
 
 def chat_finish_reason(out: ReqOutput, called: bool) -> str | None:

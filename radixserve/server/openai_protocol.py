@@ -7,7 +7,9 @@ Policy for fields (never silently wrong):
   (accepted, unused), response_format (text, json_object, json_schema: constrained decoding,
   on completions too), tools, tool_choice and parallel_tool_calls (openai_tools.py).
 - Fields current clients send that do not change the output (store, metadata, service_tier,
-  prediction, modalities, reasoning_effort): accepted and ignored (logged once at DEBUG).
+  prediction, modalities): accepted and ignored (logged once at DEBUG). reasoning_effort
+  (minimal, low, medium, high) goes to the chat template, which gpt-oss's reads; others
+  ignore it.
 - Extensions (vLLM/SGLang style, send them with the SDK's extra_body): top_k, min_p,
   repetition_penalty, min_tokens, ignore_eos, skip_special_tokens,
   spaces_between_special_tokens, stop_token_ids, include_stop_str_in_output (vLLM's: keep
@@ -36,8 +38,8 @@ Number = Union[StrictFloat, StrictInt]
 
 
 logger = logging.getLogger(__name__)
-IGNORED_OPENAI_FIELDS = ("store", "metadata", "service_tier", "prediction", "modalities",
-                         "reasoning_effort")
+IGNORED_OPENAI_FIELDS = ("store", "metadata", "service_tier", "prediction", "modalities")
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
 _logged_ignored: set[str] = set()  # which ignored fields were already logged (once each)
 
 
@@ -124,6 +126,9 @@ class SamplingFields(StrictModel):
         ignored = [n for n in IGNORED_OPENAI_FIELDS if getattr(self, n) is not None]
         if ignored:
             _log_ignored_once(ignored)
+        if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
+            raise APIError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}",
+                           param="reasoning_effort")
         if not 1 <= self.n <= MAX_N:
             raise APIError(f"n must be in [1, {MAX_N}], got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
@@ -315,7 +320,9 @@ class ChatCompletionRequest(SamplingFields):
 
     def template_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for tokenizer.apply_chat_template beyond messages and tools."""
-        return {**(self.chat_template_kwargs or {}),
+        effort = {} if self.reasoning_effort is None else \
+            {"reasoning_effort": self.reasoning_effort}  # gpt-oss's template reads it
+        return {**effort, **(self.chat_template_kwargs or {}),
                 "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}
 

@@ -8,6 +8,9 @@ is also what tool calls are parsed from. Formats:
 - deepseek-r1: the output is reasoning until `</think>` (its chat template opens the block in
   the prompt, so the output may lack `<think>`); with no `</think>` at all, all of it is
   reasoning.
+- gpt-oss: OpenAI Harmony's channels (server/harmony.py): the analysis channel is the
+  reasoning, the final channel the answer, messages to functions the tool calls; chosen by
+  default where the chat template writes `<|channel|>`.
 - qwen3: the same where the output opens with `<think>` or the prompt left a block open (the
   template of Qwen3's 2507 thinking models, or continue_final_message after "<think>");
   otherwise all of it is the answer (thinking switched off, e.g. chat_template_kwargs
@@ -44,13 +47,25 @@ class ReasoningFormat:
     thinks_by_default: bool
     start: str = THINK_START
     end: str = THINK_END
+    harmony: bool = False  # gpt-oss's channels (server/harmony.py), not a <think> block
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """The texts the output must keep to be split (where they are special tokens)."""
+        if self.harmony:
+            from radixserve.server.harmony import MARKERS
+            return MARKERS
+        return self.start, self.end
 
 
 FORMATS = {"deepseek-r1": ReasoningFormat("deepseek-r1", thinks_by_default=True),
-           "qwen3": ReasoningFormat("qwen3", thinks_by_default=False)}
+           "qwen3": ReasoningFormat("qwen3", thinks_by_default=False),
+           "gpt-oss": ReasoningFormat("gpt-oss", thinks_by_default=False,
+                                      start="<|channel|>analysis", end="<|end|>", harmony=True)}
 # vLLM spells them with underscores; GLM-4.5 / 4.6 / 4.7 think as Qwen3 does (SGLang's and
 # vLLM's glm45)
-ALIASES = {"deepseek_r1": "deepseek-r1", "glm45": "qwen3"}
+ALIASES = {"deepseek_r1": "deepseek-r1", "glm45": "qwen3", "openai_gptoss": "gpt-oss",
+           "gpt_oss": "gpt-oss"}
 
 
 def get_format(name: str) -> ReasoningFormat:
@@ -58,6 +73,17 @@ def get_format(name: str) -> ReasoningFormat:
     if name not in FORMATS:
         raise ValueError(f"unknown reasoning parser {name!r} (known: {', '.join(FORMATS)})")
     return FORMATS[name]
+
+
+def reasoning_format(name: str | None, tokenizer: Any) -> ReasoningFormat | None:
+    """The server's format: the one named, else gpt-oss's where the tokenizer's chat template
+    writes Harmony channels (its raw output is no answer), else none."""
+    if name:
+        return get_format(name)
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and "<|channel|>" in template:
+        return FORMATS["gpt-oss"]
+    return None
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -89,7 +115,7 @@ def plan_split(fmt: ReasoningFormat | None, prompt: str, constrained: bool,
     """The split of a chat request's output: None without a parser, and for a constrained
     request whose grammar has no gate (it applies from the first token, so nothing of the
     output is reasoning)."""
-    if fmt is None or (constrained and gate is None):
+    if fmt is None or (constrained and gate is None and not fmt.harmony):
         return None
     return ReasoningSplit(fmt, prompt_block(fmt, prompt) == "opened")
 
@@ -99,6 +125,9 @@ def split_reasoning(fmt: ReasoningFormat, text: str, final: bool = True,
     """(reasoning or None, answer) of an output so far; `inside`: the prompt opened the block.
     Not final: only what can no longer change (a stream's deltas are the growth of both
     between calls)."""
+    if fmt.harmony:
+        from radixserve.server.harmony import split_harmony
+        return split_harmony(text, final)
     body = text.lstrip()
     opened = inside or body.startswith(fmt.start)
     if body.startswith(fmt.start):
@@ -144,7 +173,10 @@ def reasoning_gate(fmt: ReasoningFormat, tokenizer: Any,
     closed the last block it opened (thinking switched off in the template). A prompt that
     opened a block starts the output in it; with neither, the format decides (deepseek-r1
     thinks, qwen3's first token decides). The prompt is read as text, as `plan_split` reads
-    it: a tag of one token is in the text where its token is in the ids."""
+    it: a tag of one token is in the text where its token is in the ids. gpt-oss's channels
+    have no gate (the grammar applies from the first token)."""
+    if fmt.harmony:
+        return None
     start_id, end_id = _single_token(tokenizer, fmt.start), _single_token(tokenizer, fmt.end)
     if start_id is None or end_id is None:
         return None

@@ -74,18 +74,17 @@ def test_fused_experts_match_reference(num_tokens, num_experts, top_k, dtype,
 
 
 @pytest.mark.parametrize("num_tokens", [1, 6])
-def test_fused_experts_with_biases_and_clamped_swiglu(num_tokens: int) -> None:
-    """gpt-oss's experts: biases in both GEMMs' epilogues (the down one before the routing
-    weight), the clamped SwiGLU between them (the GEMV path steps aside for these); the fused
-    kernels, the CPU loop and the reference agree."""
-    from radixserve.layers.activation import ClampedSwiglu
+def test_fused_experts_with_biases_and_clamped_swiglu(num_tokens: int, moe_path) -> None:
+    """gpt-oss's experts: biases in both products' epilogues (the down one before the routing
+    weight), the clamped SwiGLU between them; the grouped kernels, the decode GEMVs, the CPU
+    loop and the reference agree."""
     from radixserve.layers.moe.router import TopK
     x, w13, w2, weights, ids = _problem(num_tokens, 4, 2, 32, 48, torch.float32, seed=5)
     gen = torch.Generator().manual_seed(6)
     biases = tuple((torch.randn(4, n, generator=gen) * 0.5).to(DEVICE) for n in (96, 32))
-    act = ClampedSwiglu(alpha=1.702, limit=0.5)  # low enough to clamp these values
-    ref = fused_experts_reference(x, w13, w2, weights, ids, biases, act)
-    got = fused_experts(x, w13, w2, weights, ids, biases=biases, activation=act).float()
+    swiglu = (1.702, 0.5)  # a limit low enough to clamp these values
+    ref = fused_experts_reference(x, w13, w2, weights, ids, biases, swiglu)
+    got = fused_experts(x, w13, w2, weights, ids, biases=biases, swiglu=swiglu).float()
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(ref, fused_experts_reference(x, w13, w2, weights, ids), atol=1e-2)
     from radixserve.layers.moe.stacked_experts import StackedExperts

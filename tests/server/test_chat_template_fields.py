@@ -66,3 +66,16 @@ def test_a_template_that_refuses_the_kwargs_is_a_400(smollm_tokenizer: Any) -> N
     with pytest.raises(APIError) as info:
         _render(tokenizer, chat_template_kwargs={"mode": "thinking"})
     assert info.value.status_code == 400 and "no thinking" in str(info.value)
+
+
+def test_reasoning_effort_reaches_the_template(smollm_tokenizer: Any) -> None:
+    """gpt-oss's template writes `Reasoning: <effort>` into its system message."""
+    tokenizer = _with_template(
+        smollm_tokenizer, "Reasoning: {{ reasoning_effort | default('medium') }}|"
+                          "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert _render(tokenizer)[0] == "Reasoning: medium|Name a colour."
+    assert _render(tokenizer, reasoning_effort="high")[0] == "Reasoning: high|Name a colour."
+    # chat_template_kwargs say last
+    assert _render(tokenizer, reasoning_effort="high",
+                   chat_template_kwargs={"reasoning_effort": "low"})[0].startswith(
+        "Reasoning: low|")

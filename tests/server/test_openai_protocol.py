@@ -111,6 +111,7 @@ def test_completion_rejections(fields: dict[str, Any], param: str) -> None:
     ({"guided_regex": "a+", "response_format": {"type": "json_object"}}, "response_format"),
     ({"guided_json": {"type": "object"}, "regex": "a"}, "guided_json"),
     ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
 ])
 def test_chat_rejections(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(APIError) as info:

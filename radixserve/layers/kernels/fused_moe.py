@@ -25,12 +25,12 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.activation import clamped_swiglu
 from radixserve.layers.kernels import board_tables
 from radixserve.layers.kernels.moe_align import (ALIGN_KERNEL_MAX_PAIRS,
                                                  moe_align_block_size_triton)
@@ -182,21 +182,21 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   fp8_scales: tuple[torch.Tensor, torch.Tensor, int | None] | None = None,
                   biases: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  activation: Callable[[torch.Tensor], torch.Tensor] | None = None
-                  ) -> torch.Tensor:
+                  swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H]: sum over each
     token's k experts of weight * down(silu(gate) * up). FP8 experts: fp8_scales = (w13 scales
-    [E, 2I, G1], w2 scales [E, H, G2], block or None). biases (gpt-oss): (gate|up [E, 2I],
-    down [E, H]), added in the GEMMs' epilogues; activation: another gated activation of the
-    [pairs, 2I] gate|up than SiLU-mul."""
+    [E, 2I, G1], w2 scales [E, H, G2], block or None). gpt-oss: biases (gate|up [E, 2I],
+    down [E, H]) added in the products' epilogues, and swiglu = (alpha, limit) of the clamped
+    SwiGLU (layers/activation.clamped_swiglu) instead of SiLU-mul."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden_size = w13.shape
     if num_tokens == 0:
         return torch.zeros_like(hidden)
-    gemv = None if biases is not None or activation is not None else moe_gemv_configs(
-        num_tokens, top_k, w13, w2, fp8_scales[2] if fp8_scales is not None else None)
+    gemv = moe_gemv_configs(num_tokens, top_k, w13, w2,
+                            fp8_scales[2] if fp8_scales is not None else None)
     if gemv is not None:  # a few decode tokens: two GEMVs, no alignment (moe_gemv.py)
-        return moe_gemv_experts(hidden, w13, w2, topk_weights, topk_ids, gemv, fp8_scales)
+        return moe_gemv_experts(hidden, w13, w2, topk_weights, topk_ids, gemv, fp8_scales,
+                                biases, swiglu)
     config1 = moe_kernel_config(num_tokens, num_experts, two_i, hidden_size)
     config2 = moe_kernel_config(num_tokens, num_experts, hidden_size, two_i // 2)
     weights = topk_weights.reshape(-1).to(torch.float32)
@@ -208,7 +208,7 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     b13, b2 = biases if biases is not None else (None, None)
     invoke_moe_gemm(hidden, w13, gate_up, weights, aligned, top_k, False, config1, s13, block,
                     b13)
-    act = silu_and_mul(gate_up) if activation is None else activation(gate_up)
+    act = silu_and_mul(gate_up) if swiglu is None else clamped_swiglu(gate_up, *swiglu)
     if config2["BLOCK_M"] != config1["BLOCK_M"]:
         aligned = align(topk_ids, config2["BLOCK_M"], num_experts)
     down = torch.empty(num_tokens * top_k, hidden_size, dtype=hidden.dtype,
@@ -220,10 +220,9 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 def fused_experts_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                             topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                             biases: tuple[torch.Tensor, torch.Tensor] | None = None,
-                            activation: Callable[[torch.Tensor], torch.Tensor] | None = None
-                            ) -> torch.Tensor:
+                            swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """Per (token, choice) in float32: weight * (w2[e] @ act(w13[e] x + b13[e]) + b2[e]), act
-    SiLU(gate) * up unless given."""
+    SiLU(gate) * up, or the clamped SwiGLU of (alpha, limit)."""
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     half = w13.shape[1] // 2
     for t in range(hidden.shape[0]):
@@ -232,10 +231,10 @@ def fused_experts_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.T
             gate_up = w13[e].float() @ hidden[t].float()
             if biases is not None:
                 gate_up = gate_up + biases[0][e].float()
-            if activation is None:
+            if swiglu is None:
                 act = torch.nn.functional.silu(gate_up[:half]) * gate_up[half:]
             else:
-                act = activation(gate_up)
+                act = clamped_swiglu(gate_up, *swiglu)
             down = w2[e].float() @ act
             if biases is not None:
                 down = down + biases[1][e].float()

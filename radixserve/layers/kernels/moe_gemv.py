@@ -25,6 +25,9 @@ comes from a per-board table swept on the device (benchmarks/gpu_moe_gemv.py wri
 moe_configs/gemv_{bf16|fp8}_E{e}_N{n}_K{k}.json: T -> the two kernels' configurations, or null
 where the grouped path won), else the default rule below. RADIXSERVE_MOE_GEMV=0 turns the path off.
 
+gpt-oss's experts: each expert's gate|up bias is added before the clamped SwiGLU (replacing
+SiLU-mul), and its down bias, times the routing weight, to its choice's row.
+
 FP8 experts: codes with per-row scales (applied once per row; in the down kernel with the
 routing weight) or per K group (each BLOCK_K step inside one group scales its products). The
 FP8 tables are swept with per-row scales (on the H100 they take up to 8 tokens); block-scaled
@@ -91,14 +94,17 @@ def _x_tile(x_ptr, offs_k, k_left, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _moe_gate_up_gemv_kernel(X, W, Scale, Ids, Y, I, K, stride_xm, stride_we, stride_wn,
-                             stride_se, stride_sn, stride_ym,
+def _moe_gate_up_gemv_kernel(X, W, Scale, Ids, Bias, Y, I, K, stride_xm, stride_we, stride_wn,
+                             stride_se, stride_sn, stride_be, stride_ym, alpha, limit,
                              TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
                              GROUPED: tl.constexpr, GROUP_K: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-                             EVEN_K: tl.constexpr, STEP_GROUPS: tl.constexpr):
+                             EVEN_K: tl.constexpr, STEP_GROUPS: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr):
     """Y[pair, n] = silu(x[token] . W[e, n]) * (x[token] . W[e, I + n]), e = Ids[pair].
-    STEP_GROUPS: the block scales' K groups one BLOCK_K step spans (gemv.group_scaled)."""
+    STEP_GROUPS: the block scales' K groups one BLOCK_K step spans (gemv.group_scaled).
+    gpt-oss: HAS_BIAS adds Bias[e] to gate and up; CLAMPED takes the clamped SwiGLU (alpha,
+    limit) instead of SiLU-mul, gate and up rounded first as the grouped path stores them."""
     pair = tl.program_id(0)
     expert = tl.load(Ids + pair).to(tl.int64)
     x_row = X + (pair // TOP_K).to(tl.int64) * stride_xm
@@ -128,18 +134,30 @@ def _moe_gate_up_gemv_kernel(X, W, Scale, Ids, Y, I, K, stride_xm, stride_we, st
     if HAS_SCALE and not GROUPED:
         gate = gate * tl.load(s_rows, mask=n_mask, other=0.0)
         up = up * tl.load(s_rows + I * stride_sn, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        b_row = Bias + expert * stride_be
+        gate += tl.load(b_row + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        up += tl.load(b_row + I + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     y_row = Y + pair.to(tl.int64) * stride_ym
-    store_row_epilogue(gate, up, y_row, y_row, offs_n, n_mask, True, False)
+    if CLAMPED:
+        gate = tl.minimum(gate.to(Y.dtype.element_ty).to(tl.float32), limit)
+        up = tl.minimum(tl.maximum(up.to(Y.dtype.element_ty).to(tl.float32), -limit), limit)
+        glu = gate / (1.0 + tl.exp(-gate * alpha))
+        tl.store(y_row + offs_n, ((up + 1.0) * glu).to(Y.dtype.element_ty), mask=n_mask)
+    else:
+        store_row_epilogue(gate, up, y_row, y_row, offs_n, n_mask, True, False)
 
 
 @triton.jit
-def _moe_down_gemv_kernel(A, W, Scale, Ids, Weights, Y, H, K, stride_am, stride_we, stride_wn,
-                          stride_se, stride_sn, stride_ym,
+def _moe_down_gemv_kernel(A, W, Scale, Ids, Weights, Bias, Y, H, K, stride_am, stride_we,
+                          stride_wn, stride_se, stride_sn, stride_be, stride_ym,
                           TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, GROUPED: tl.constexpr,
                           GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          VEC: tl.constexpr, EVEN_K: tl.constexpr, STEP_GROUPS: tl.constexpr):
-    """Y[t, n] = sum over the token's k choices of weight * (A[pair] . W[e, n]): one loop over
-    every choice's K steps (each choice's row rounded as the grouped path rounds it)."""
+                          VEC: tl.constexpr, EVEN_K: tl.constexpr, STEP_GROUPS: tl.constexpr,
+                          HAS_BIAS: tl.constexpr):
+    """Y[t, n] = sum over the token's k choices of weight * (A[pair] . W[e, n] (+ Bias[e, n])):
+    one loop over every choice's K steps (each choice's row rounded as the grouped path
+    rounds it)."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
@@ -167,7 +185,10 @@ def _moe_down_gemv_kernel(A, W, Scale, Ids, Weights, Y, H, K, stride_am, stride_
         else:
             acc += prod * coef
         if step - choice * steps == steps - 1:  # the choice's last step: its rounded row
-            total += tl.sum(acc, axis=1).to(Y.dtype.element_ty).to(tl.float32)
+            row = tl.sum(acc, axis=1)
+            if HAS_BIAS:  # weight * (dot + bias), the dot already weighted
+                row += coef_bias(Bias + expert * stride_be, offs_n, n_mask, Weights + pair)
+            total += row.to(Y.dtype.element_ty).to(tl.float32)
             acc = tl.zeros_like(acc)
     tl.store(Y + token.to(tl.int64) * stride_ym + offs_n, total.to(Y.dtype.element_ty),
              mask=n_mask)
@@ -247,6 +268,13 @@ def moe_gemv_configs(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.T
     return MoeGemvConfigs(gate_up, down)
 
 
+@triton.jit
+def coef_bias(B_row, offs_n, n_mask, Weight):
+    """A choice's routing weight times its expert's bias over rows offs_n, float32."""
+    bias = tl.load(B_row + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    return bias * tl.load(Weight).to(tl.float32)
+
+
 def _scale_args(scale: torch.Tensor | None, fallback: torch.Tensor
                 ) -> tuple[torch.Tensor, int, int, bool]:
     if scale is None:
@@ -257,8 +285,9 @@ def _scale_args(scale: torch.Tensor | None, fallback: torch.Tensor
 
 def moe_gemv_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, configs: MoeGemvConfigs,
-                     fp8_scales: tuple[torch.Tensor, torch.Tensor, int | None] | None = None
-                     ) -> torch.Tensor:
+                     fp8_scales: tuple[torch.Tensor, torch.Tensor, int | None] | None = None,
+                     biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """fused_moe.fused_experts' contract (hidden [T, H] -> [T, H]) through the two GEMVs."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden_size = w13.shape
@@ -270,20 +299,24 @@ def moe_gemv_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     scale13, se13, sn13, grouped = _scale_args(s13, weights)
     act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
     up_cfg, down_cfg = configs
+    b13, b2 = biases if biases is not None else (weights, weights)
+    alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
     _moe_gate_up_gemv_kernel[(num_tokens * top_k, triton.cdiv(inter, up_cfg.block_n))](
-        hidden, w13, scale13, ids, act, inter, hidden_size, hidden.stride(0), w13.stride(0),
-        w13.stride(1), se13, sn13, act.stride(0), TOP_K=top_k, HAS_SCALE=s13 is not None,
+        hidden, w13, scale13, ids, b13, act, inter, hidden_size, hidden.stride(0),
+        w13.stride(0), w13.stride(1), se13, sn13, b13.stride(0) if biases else 0,
+        act.stride(0), float(alpha), float(limit), TOP_K=top_k, HAS_SCALE=s13 is not None,
         GROUPED=grouped, GROUP_K=group_k or hidden_size, BLOCK_N=up_cfg.block_n,
         BLOCK_K=up_cfg.block_k, VEC=up_cfg.vec, EVEN_K=hidden_size % up_cfg.block_k == 0,
-        STEP_GROUPS=step_groups(up_cfg, group_k, grouped), num_warps=up_cfg.num_warps,
-        num_stages=up_cfg.num_stages)
+        STEP_GROUPS=step_groups(up_cfg, group_k, grouped), HAS_BIAS=biases is not None,
+        CLAMPED=swiglu is not None, num_warps=up_cfg.num_warps, num_stages=up_cfg.num_stages)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     scale2, se2, sn2, grouped = _scale_args(s2, weights)
     _moe_down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, down_cfg.block_n))](
-        act, w2, scale2, ids, weights, out, hidden_size, inter, act.stride(0), w2.stride(0),
-        w2.stride(1), se2, sn2, out.stride(0), TOP_K=top_k, HAS_SCALE=s2 is not None,
+        act, w2, scale2, ids, weights, b2, out, hidden_size, inter, act.stride(0),
+        w2.stride(0), w2.stride(1), se2, sn2, b2.stride(0) if biases else 0, out.stride(0),
+        TOP_K=top_k, HAS_SCALE=s2 is not None,
         GROUPED=grouped, GROUP_K=group_k or inter, BLOCK_N=down_cfg.block_n,
         BLOCK_K=down_cfg.block_k, VEC=down_cfg.vec, EVEN_K=inter % down_cfg.block_k == 0,
-        STEP_GROUPS=step_groups(down_cfg, group_k, grouped), num_warps=down_cfg.num_warps,
-        num_stages=down_cfg.num_stages)
+        STEP_GROUPS=step_groups(down_cfg, group_k, grouped), HAS_BIAS=biases is not None,
+        num_warps=down_cfg.num_warps, num_stages=down_cfg.num_stages)
     return out

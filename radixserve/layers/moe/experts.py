@@ -12,8 +12,8 @@ the parameter's `weight_loader` places the rank's slice in the expert's row of t
 forward(hidden [T, H], TopK) -> [T, H], the routed experts' outputs weighted and summed over
 the k choices, not reduced over tensor-parallel ranks (the MoE block adds the shared expert
 first and reduces once). GPU: Triton fused-MoE kernels (layers/kernels/fused_moe.py; biases in
-their epilogues, another activation than SiLU-mul between them); CPU or without Triton: a loop
-over the experts some token chose.
+their epilogues, SiLU-mul or gpt-oss's clamped SwiGLU between them); CPU, without Triton or
+another activation: a loop over the experts some token chose.
 """
 from __future__ import annotations
 
@@ -178,9 +178,11 @@ class FusedMoE(nn.Module):
             else:
                 scales = (self.w13_weight_scale, self.w2_weight_scale, self.group_k) \
                     if self.fp8 is not None else None
-                return fused_experts(hidden, self.w13_weight, self.w2_weight, topk.weights,
-                                     topk.ids, scales, self.biases,
-                                     None if self.activation == "silu" else self.act)
+                swiglu = (self.act.alpha, self.act.limit) if self.activation == "swigluoai" \
+                    else None
+                if self.activation == "silu" or swiglu is not None:
+                    return fused_experts(hidden, self.w13_weight, self.w2_weight,
+                                         topk.weights, topk.ids, scales, self.biases, swiglu)
         return self.forward_native(hidden, topk)
 
     def forward_native(self, hidden: torch.Tensor, topk: TopK) -> torch.Tensor:

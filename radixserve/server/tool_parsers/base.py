@@ -79,12 +79,14 @@ class ToolCallParser(ABC):
     # calls); None where the format holds one call per message
     grammar_between: str | None = None
 
+    markers: tuple[str, ...] = ()  # all the format's tags, where it has more than `marker`
+
     @property
     def special_markers(self) -> tuple[str, ...]:
         """The format's marker texts that may be special tokens of the model's vocabulary: a
         request whose output is parsed keeps those that are (skip_special_tokens would drop
         them, and the calls with them)."""
-        return (self.marker,) if self.marker else ()
+        return self.markers or ((self.marker,) if self.marker else ())
 
     def call_literals(self, name: str) -> tuple[str, str] | None:
         """For a forced call's grammar of a format whose calls are not JSON objects: (before,

@@ -40,11 +40,8 @@ _UNCERTAIN_FROM = ("\n" + _FENCE, CALL_END)
 
 class _DeepSeekParser(ToolCallParser):
     marker = CALLS_BEGIN
+    markers = MARKERS
     grammar_between = ""  # between two calls of one section, as the format's template writes
-
-    @property
-    def special_markers(self) -> tuple[str, ...]:
-        return MARKERS
 
     def _call_text(self, name: str, arguments: str) -> str:
         """One call in this format."""

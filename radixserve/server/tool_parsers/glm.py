@@ -35,12 +35,9 @@ MARKERS = (CALL_BEGIN, CALL_END, KEY_BEGIN, KEY_END, VALUE_BEGIN, VALUE_END)
 class Glm45Parser(ToolCallParser):
     name = "glm45"
     marker = CALL_BEGIN
+    markers = MARKERS
     grammar_between = "\n"  # between two calls of one answer, as the template writes them
     _newline = "\n"  # after the name and after each pair
-
-    @property
-    def special_markers(self) -> tuple[str, ...]:
-        return MARKERS
 
     def scan(self, text: str, final: bool = False) -> Scan:
         content_end, pos = self.section_start(text, final)

@@ -10,7 +10,8 @@ and SGLang's (deepseekv3, deepseekv31).
 
 GLM's templates write `<arg_key>` (and `<tool_call>`, so they are told apart from hermes'
 first): glm45 where a newline separates `</arg_key>` from `<arg_value>` (GLM-4.5 / 4.6),
-glm47 where nothing does (GLM-4.7)."""
+glm47 where nothing does (GLM-4.7). gpt-oss's (`<|channel|>`) is openai (tool_parsers/harmony.py,
+vLLM's name; also `harmony`)."""
 from __future__ import annotations
 
 import re
@@ -20,6 +21,7 @@ from radixserve.server.tool_parsers.base import ToolCallParser
 from radixserve.server.tool_parsers.deepseek import (CALLS_BEGIN, SEP, DeepSeekV3Parser,
                                                      DeepSeekV31Parser)
 from radixserve.server.tool_parsers.glm import KEY_END, VALUE_BEGIN, Glm45Parser, Glm47Parser
+from radixserve.server.tool_parsers.harmony import HarmonyToolParser
 from radixserve.server.tool_parsers.hermes import HermesParser
 from radixserve.server.tool_parsers.llama3 import Llama3JsonParser
 from radixserve.server.tool_parsers.mistral import MistralParser
@@ -30,6 +32,7 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "deepseek_v3": DeepSeekV3Parser, "deepseekv3": DeepSeekV3Parser,
     "deepseek_v31": DeepSeekV31Parser, "deepseekv31": DeepSeekV31Parser,
     "glm45": Glm45Parser, "glm47": Glm47Parser,
+    "openai": HarmonyToolParser, "harmony": HarmonyToolParser,
 }
 DEFAULT_PARSER = "hermes"
 # V3's type before the sep: the literal "function" or the template's tool['type'] / tool.type
@@ -37,6 +40,8 @@ _DEEPSEEK_V3_SEP = re.compile(r"""(?:\bfunction|\[\s*['"]type['"]\s*\]\s*\+\s*['
                               r"""\.type\s*\+\s*['"])""" + re.escape(SEP))
 
 
+# gpt-oss's template writes the Harmony channels
+HARMONY_TEMPLATE_SIGN = "<|channel|>"
 # what a GLM template writes between a key's end tag and the value's begin tag (a newline,
 # or the escape "\n" inside a string literal, in 4.5 / 4.6's)
 _GLM_BETWEEN = re.compile(re.escape(KEY_END) + r"(.{0,16}?)" + re.escape(VALUE_BEGIN), re.S)
@@ -45,6 +50,8 @@ _GLM_BETWEEN = re.compile(re.escape(KEY_END) + r"(.{0,16}?)" + re.escape(VALUE_B
 def detect_parser_name(chat_template: str | None) -> str:
     """The parser a chat template's text implies."""
     template = chat_template or ""
+    if HARMONY_TEMPLATE_SIGN in template:
+        return "openai"
     if CALLS_BEGIN in template:
         v3 = "```json" in template or _DEEPSEEK_V3_SEP.search(template)
         return "deepseek_v3" if v3 else "deepseek_v31"

@@ -1,0 +1,106 @@
+"""gpt-oss's output format (OpenAI Harmony), split into reasoning, answer and tool calls.
+
+The chat template ends the prompt with `<|start|>assistant`; the model then writes messages
+
+  <|channel|>analysis<|message|>REASONING<|end|>
+  <|start|>assistant<|channel|>final<|message|>ANSWER            (then <|return|>, an EOS)
+  <|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS
+                                                                (then <|call|>, an EOS)
+
+(the recipient may also follow the role: `<|start|>assistant to=functions.NAME<|channel|>...`).
+All seven tags are special tokens: requests keep them in the output text (`MARKERS`).
+
+`split_harmony` gives (reasoning, answer) as the reasoning parsers do (server/reasoning.py):
+the reasoning is the analysis messages' text; the answer is the text of the final messages and
+of commentary messages without a recipient (preambles), followed by each message addressed to
+a function, written canonically (`<|channel|>commentary to=functions.NAME<|message|>ARGS`,
+`<|call|>` once it is complete), which `HarmonyToolParser` (tool_parsers/harmony.py) reads.
+Messages to other recipients (the built-in browser and python tools, which radixserve does
+not run) are left out. An output without any message tag (tags stripped, or a model that
+skipped them) is all answer. While unfinished, a message whose header is incomplete is left
+out and a tail that may still be a tag is held back, so the answer and reasoning only grow.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
+CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
+MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
+FUNCTIONS = "functions."
+CALL_OPEN = f"{CHANNEL}commentary to="  # a canonical call in the answer
+_BODY_ENDS = (END, CALL, RETURN, START)
+
+
+@dataclass
+class HarmonyMessage:
+    channel: str | None
+    recipient: str | None
+    body: str
+    complete: bool  # its end tag came
+
+
+def parse_messages(text: str, final: bool) -> list[HarmonyMessage]:
+    """The messages of an output so far (see the module's text)."""
+    messages: list[HarmonyMessage] = []
+    pos = 0
+    while pos < len(text):
+        tag = text.find(MESSAGE, pos)
+        if tag < 0:
+            break  # a header still being written (or text after the last message)
+        channel, recipient = _header(text[pos:tag])
+        start = tag + len(MESSAGE)
+        ends = [(found, end) for end in _BODY_ENDS if (found := text.find(end, start)) >= 0]
+        if ends:
+            found, end = min(ends)
+            messages.append(HarmonyMessage(channel, recipient, text[start:found], True))
+            pos = found + (0 if end == START else len(end))
+            continue
+        body = text[start:]
+        if not final:
+            body = body[:len(body) - _held_back(body)]
+        messages.append(HarmonyMessage(channel, recipient, body, final))
+        break
+    return messages
+
+
+def split_harmony(text: str, final: bool = True) -> tuple[str | None, str]:
+    """(reasoning or None, answer) of an output so far; see the module's text."""
+    if MESSAGE not in text:
+        if final or not any(m.startswith(text.lstrip()[:len(m)]) for m in MARKERS):
+            return None, text if final else text[:len(text) - _held_back(text)]
+        return None, ""  # what may still become a header
+    reasoning: list[str] = []
+    answer: list[str] = []
+    calls: list[str] = []
+    for message in parse_messages(text, final):
+        if message.recipient is not None:
+            if message.recipient.startswith(FUNCTIONS):
+                calls.append(f"{CALL_OPEN}{message.recipient}{MESSAGE}{message.body}"
+                             f"{CALL if message.complete else ''}")
+        elif message.channel == "analysis":
+            reasoning.append(message.body)
+        else:  # final, a commentary preamble, or a message without a channel
+            answer.append(message.body)
+    return ("\n".join(reasoning) if reasoning else None), "".join(answer) + "".join(calls)
+
+
+def _header(header: str) -> tuple[str | None, str | None]:
+    """(channel, recipient) of a message header: `[<|start|>]ROLE[ to=R]<|channel|>NAME[ to=R]
+    [<|constrain|>json | json]`, the role and channel optional."""
+    channel = recipient = None
+    if CHANNEL in header:
+        words = header[header.index(CHANNEL) + len(CHANNEL):].replace("<|", " <|").split()
+        channel = words[0] if words and not words[0].startswith("<|") else None
+    for word in header.replace("<|", " <|").split():
+        if word.startswith("to="):
+            recipient = word[3:]
+    return channel, recipient
+
+
+def _held_back(text: str) -> int:
+    """How many trailing characters of `text` may still become one of the tags."""
+    for size in range(min(max(map(len, MARKERS)) - 1, len(text)), 0, -1):
+        if any(marker.startswith(text[-size:]) for marker in MARKERS):
+            return size
+    return 0
