@@ -14,9 +14,12 @@ All seven tags are special tokens: requests keep them in the output text (`MARKE
 the reasoning is the analysis messages' text; the answer is the text of the final messages and
 of commentary messages without a recipient (preambles), followed by each message addressed to
 a function, written canonically (`<|channel|>commentary to=functions.NAME<|message|>ARGS`,
-`<|call|>` once it is complete), which `HarmonyToolParser` (tool_parsers/harmony.py) reads.
+`<|call|>` once it is complete), which `HarmonyToolParser` (tool_parsers/harmony.py) reads
+(left out where the request parses no calls). Messages are joined by a newline.
 Messages to other recipients (the built-in browser and python tools, which radixserve does
-not run) are left out. An output without any message tag (tags stripped, or a model that
+not run) are left out. A constrained answer (response_format) skips the analysis: the
+chat route ends its prompt with `<|channel|>final<|message|>` (`CONSTRAINED_ANSWER`), so the
+grammar applies to the final message from its first token. An output without any message tag (tags stripped, or a model that
 skipped them) is all answer. While unfinished, a message whose header is incomplete is left
 out and a tail that may still be a tag is held back, so the answer and reasoning only grow.
 """
@@ -29,6 +32,7 @@ CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
 MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
 FUNCTIONS = "functions."
 CALL_OPEN = f"{CHANNEL}commentary to="  # a canonical call in the answer
+CONSTRAINED_ANSWER = f"{CHANNEL}final{MESSAGE}"  # the prompt's end for a constrained answer
 _BODY_ENDS = (END, CALL, RETURN, START)
 
 
@@ -64,8 +68,10 @@ def parse_messages(text: str, final: bool) -> list[HarmonyMessage]:
     return messages
 
 
-def split_harmony(text: str, final: bool = True) -> tuple[str | None, str]:
-    """(reasoning or None, answer) of an output so far; see the module's text."""
+def split_harmony(text: str, final: bool = True,
+                  keep_calls: bool = True) -> tuple[str | None, str]:
+    """(reasoning or None, answer) of an output so far; see the module's text. keep_calls
+    False (the request parses no tool calls): messages to functions are left out too."""
     if MESSAGE not in text:
         if final or not any(m.startswith(text.lstrip()[:len(m)]) for m in MARKERS):
             return None, text if final else text[:len(text) - _held_back(text)]
@@ -75,14 +81,14 @@ def split_harmony(text: str, final: bool = True) -> tuple[str | None, str]:
     calls: list[str] = []
     for message in parse_messages(text, final):
         if message.recipient is not None:
-            if message.recipient.startswith(FUNCTIONS):
+            if keep_calls and message.recipient.startswith(FUNCTIONS):
                 calls.append(f"{CALL_OPEN}{message.recipient}{MESSAGE}{message.body}"
                              f"{CALL if message.complete else ''}")
         elif message.channel == "analysis":
             reasoning.append(message.body)
         else:  # final, a commentary preamble, or a message without a channel
             answer.append(message.body)
-    return ("\n".join(reasoning) if reasoning else None), "".join(answer) + "".join(calls)
+    return ("\n".join(reasoning) if reasoning else None), "\n".join(answer) + "".join(calls)
 
 
 def _header(header: str) -> tuple[str | None, str | None]:

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
 from radixserve.server.errors import APIError
+from radixserve.server.harmony import CONSTRAINED_ANSWER
 from radixserve.server.openai_common import (OpenAIContext, finish_reason_of, new_id, now_s,
                                              sample_copies, sse, sse_response, usage_of)
 from radixserve.server.openai_protocol import (OPENAI_FIELD_NAMES, ChatCompletionRequest,
@@ -53,19 +54,24 @@ def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest
     """The request's samples, its tool plan and how its output splits into reasoning."""
     tm = ctx.tokenizer_manager
     prompt, input_ids, plan = render_prompt(ctx, body)
+    reasoning = reasoning_of(ctx, body)
+    if reasoning is not None and reasoning.harmony and body.grammar():
+        # gpt-oss with response_format: the final message, constrained from its start
+        prompt += CONSTRAINED_ANSWER
+        input_ids = list(tm.tokenizer.encode(prompt, add_special_tokens=False))
     max_tokens = body.requested_max_tokens
     if max_tokens is None:  # OpenAI: up to the context length (or what the KV cache holds)
         max_tokens = max(tm.limits.max_sequence_tokens - len(input_ids), 0)
     params = body.sampling_params(max_tokens, tm.generation_defaults)
     if plan.forced_ebnf is not None:
         params.ebnf = plan.forced_ebnf
-    reasoning = reasoning_of(ctx, body)
     params.keep_special_tokens = kept_special_tokens(plan, tm.tokenizer) + \
         kept_reasoning_tags(reasoning, tm.tokenizer)
     constrained = params.grammar_key is not None
     if reasoning is not None and constrained:  # it constrains the answer
         params.reasoning_gate = reasoning_gate(reasoning, tm.tokenizer, prompt)
-    split = plan_split(reasoning, prompt, constrained, params.reasoning_gate)
+    split = plan_split(reasoning, prompt, constrained, params.reasoning_gate,
+                       plan.parse_output)
     req = tm.make_request(
         text=prompt, input_ids=input_ids, sampling_params=params,
         return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
@@ -133,8 +139,8 @@ def choice_of(body: ChatCompletionRequest, plan: ToolPlan, index: int,
         logprobs = {"content": logprob_content(tokenizer,
                                                out.meta_info.get("output_token_logprobs") or [],
                                                out.meta_info.get("output_top_logprobs") or [])}
-    thought, answer = (split_reasoning(split.fmt, out.text, True, split.inside) if split
-                       else (None, out.text))
+    thought, answer = (split_reasoning(split.fmt, out.text, True, split.inside,
+                                       split.keep_calls) if split else (None, out.text))
     thought = thought or None  # "</think>" first: no reasoning, as a stream sends none
     message, called = tool_message(plan, answer, cut=finish_reason_of(out) == "length")
     if split is not None or reasoning_field:  # null where there was no reasoning, as vLLM

@@ -8,8 +8,8 @@ Policy for fields (never silently wrong):
   on completions too), tools, tool_choice and parallel_tool_calls (openai_tools.py).
 - Fields current clients send that do not change the output (store, metadata, service_tier,
   prediction, modalities): accepted and ignored (logged once at DEBUG). reasoning_effort
-  (minimal, low, medium, high) goes to the chat template, which gpt-oss's reads; others
-  ignore it.
+  (OpenAI's none, minimal, low, medium, high; anything else is a 400): low, medium and high
+  go to the chat template, which gpt-oss's reads (others ignore it).
 - Extensions (vLLM/SGLang style, send them with the SDK's extra_body): top_k, min_p,
   repetition_penalty, min_tokens, ignore_eos, skip_special_tokens,
   spaces_between_special_tokens, stop_token_ids, include_stop_str_in_output (vLLM's: keep
@@ -39,7 +39,8 @@ Number = Union[StrictFloat, StrictInt]
 
 logger = logging.getLogger(__name__)
 IGNORED_OPENAI_FIELDS = ("store", "metadata", "service_tier", "prediction", "modalities")
-REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+TEMPLATE_EFFORTS = ("low", "medium", "high")  # what gpt-oss's template knows
 _logged_ignored: set[str] = set()  # which ignored fields were already logged (once each)
 
 
@@ -320,8 +321,8 @@ class ChatCompletionRequest(SamplingFields):
 
     def template_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for tokenizer.apply_chat_template beyond messages and tools."""
-        effort = {} if self.reasoning_effort is None else \
-            {"reasoning_effort": self.reasoning_effort}  # gpt-oss's template reads it
+        effort = {"reasoning_effort": self.reasoning_effort} \
+            if self.reasoning_effort in TEMPLATE_EFFORTS else {}  # gpt-oss's template reads it
         return {**effort, **(self.chat_template_kwargs or {}),
                 "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}

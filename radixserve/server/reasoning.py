@@ -100,6 +100,7 @@ class ReasoningSplit:
     open (the output then starts inside it)."""
     fmt: ReasoningFormat
     inside: bool = False
+    keep_calls: bool = True  # gpt-oss: the request parses tool calls (harmony.split_harmony)
 
 
 def prompt_block(fmt: ReasoningFormat, prompt: str) -> str | None:
@@ -111,23 +112,24 @@ def prompt_block(fmt: ReasoningFormat, prompt: str) -> str | None:
 
 
 def plan_split(fmt: ReasoningFormat | None, prompt: str, constrained: bool,
-               gate: tuple[int, int, str] | None) -> ReasoningSplit | None:
+               gate: tuple[int, int, str] | None,
+               parses_calls: bool = True) -> ReasoningSplit | None:
     """The split of a chat request's output: None without a parser, and for a constrained
     request whose grammar has no gate (it applies from the first token, so nothing of the
     output is reasoning)."""
     if fmt is None or (constrained and gate is None and not fmt.harmony):
         return None
-    return ReasoningSplit(fmt, prompt_block(fmt, prompt) == "opened")
+    return ReasoningSplit(fmt, prompt_block(fmt, prompt) == "opened", parses_calls)
 
 
 def split_reasoning(fmt: ReasoningFormat, text: str, final: bool = True,
-                    inside: bool = False) -> tuple[str | None, str]:
+                    inside: bool = False, keep_calls: bool = True) -> tuple[str | None, str]:
     """(reasoning or None, answer) of an output so far; `inside`: the prompt opened the block.
     Not final: only what can no longer change (a stream's deltas are the growth of both
     between calls)."""
     if fmt.harmony:
         from radixserve.server.harmony import split_harmony
-        return split_harmony(text, final)
+        return split_harmony(text, final, keep_calls)
     body = text.lstrip()
     opened = inside or body.startswith(fmt.start)
     if body.startswith(fmt.start):
@@ -154,7 +156,8 @@ class ReasoningStream:
         self.reasoning_sent = 0
 
     def update(self, text: str, final: bool = False) -> tuple[str, str]:
-        reasoning, answer = split_reasoning(self.split.fmt, text, final, self.split.inside)
+        reasoning, answer = split_reasoning(self.split.fmt, text, final, self.split.inside,
+                                            self.split.keep_calls)
         reasoning = reasoning or ""
         delta = reasoning[self.reasoning_sent:]
         self.reasoning_sent = max(self.reasoning_sent, len(reasoning))

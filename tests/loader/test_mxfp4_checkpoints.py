@@ -94,3 +94,15 @@ def test_fp8_quantisation_of_mxfp4_experts(tmp_path: Path) -> None:
     save_file(tensors, str(twin / "model.safetensors"))
     for got, want in zip(_logits(mxfp4, quantization="fp8"), _logits(twin)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_mxfp4_checkpoint_at_tp2_matches_tp1(tmp_path: Path) -> None:
+    """Each rank dequantises the experts and keeps its part of the intermediate size."""
+    from tests.distributed.test_tensor_parallel import _prompts, _run
+
+    mxfp4, _ = _write_pair(tmp_path)
+    prompts = _prompts(160)
+    one, two = _run(str(mxfp4), 1, prompts), _run(str(mxfp4), 2, prompts)
+    assert two["ids"] == one["ids"]
+    torch.testing.assert_close(torch.tensor(two["logprobs"]), torch.tensor(one["logprobs"]),
+                               atol=1e-4, rtol=1e-4)

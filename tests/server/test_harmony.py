@@ -82,6 +82,45 @@ def test_streamed_deltas_add_up(output: str, reasoning: str | None, content: str
     assert tools.has_calls == bool(calls)
 
 
+def test_messages_join_and_calls_only_where_parsed() -> None:
+    preamble = "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant"
+    final = "<|channel|>final<|message|>Done."
+    assert split_harmony(preamble + final) == (None, "Checking.\nDone.")
+    call = CASES[1][0]  # analysis, then a call
+    assert split_harmony(call, keep_calls=False) == (CASES[1][1], "")
+    assert "<|" in split_harmony(call)[1]  # the canonical call, for the tool parser
+
+
+def test_response_format_answers_in_the_final_channel(harmony_tokenizer: Any) -> None:
+    """A constrained answer skips the analysis: the prompt ends with the final message's
+    header, so the grammar applies from the answer's first token; a forced call does not (its
+    grammar writes the call's header)."""
+    from types import SimpleNamespace
+
+    from radixserve.server.openai_chat import build_requests
+    from radixserve.server.openai_common import OpenAIContext
+    from radixserve.server.openai_protocol import ChatCompletionRequest
+    manager = SimpleNamespace(tokenizer=harmony_tokenizer, generation_defaults={},
+                              limits=SimpleNamespace(context_len=8192,
+                                                     max_sequence_tokens=8192),
+                              make_request=lambda **kw: SimpleNamespace(**kw))
+    ctx = OpenAIContext(manager, "m", frozenset(),  # type: ignore[arg-type]
+                        reasoning=get_format("gpt-oss"))
+
+    def prompt_of(**fields: Any) -> tuple[str, Any]:
+        body = ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, **fields})
+        reqs, _, split = build_requests(ctx, body)
+        return reqs[0].text, split
+
+    plain, split = prompt_of()
+    assert plain.endswith("<|start|>assistant") and split.keep_calls is False
+    constrained, split = prompt_of(response_format={"type": "json_object"})
+    assert constrained == plain + "<|channel|>final<|message|>" and split is not None
+    forced, split = prompt_of(tools=[WEATHER], tool_choice="required")
+    assert forced.endswith("<|start|>assistant") and split.keep_calls
+
+
 def test_partial_tags_are_held_back() -> None:
     assert split_harmony("<|chan", final=False) == (None, "")
     assert split_harmony("<|channel|>final<|message|>Hi <|e", final=False) == (None, "Hi ")

@@ -9,13 +9,16 @@ gpt-oss's tensors (`...mlp.experts.` + name):
 or, MXFP4-quantised (`quant_method: mxfp4`), the projections as `{name}_blocks`
 [E, rows, K / 32, 16] and `{name}_scales` [E, rows, K / 32], rows being the output features
 (2I interleaved, or H) and K the input ones. They are dequantised as soon as both halves have
-arrived (layers/quantization/mxfp4.py) and loaded as the bf16 tensors are: transposed to our
-[E, out, in], gate|up split into gate rows then up rows, this rank's part of I kept.
+arrived (layers/quantization/mxfp4.py), one expert at a time, and loaded as the bf16 tensors
+are: as our [E, out, in], gate|up split into gate rows then up rows, this rank's part of I
+kept.
 
 The down projection's bias is added on rank 0 only: every rank's output is a partial sum that
 the MoE block reduces once.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
@@ -72,34 +75,46 @@ class StackedExperts(FusedMoE):
         if not isinstance(shard_id, tuple):
             raise ValueError("stacked expert tensors load with a (projection, part) shard id")
         piece, part = shard_id
+        full = self.intermediate_size * self.tp_size
+        # [out, in] of the checkpoint: gate|up's 2I interleaved rows by H, down's H by I
+        out_in = (2 * full, self.hidden_size) if piece == "w13" else (self.hidden_size, full)
         if part in ("blocks", "scales"):
             other = "scales" if part == "blocks" else "blocks"
             if (piece, other) not in self._pending:
                 self._pending[(piece, part)] = loaded
                 return
             halves = {part: loaded, other: self._pending.pop((piece, other))}
-            # [E, out, in] -> [E, in, out], the orientation of the bf16 tensors
-            loaded = dequantize_mxfp4(halves["blocks"], halves["scales"],
-                                      param.dtype).transpose(1, 2)
-            part = "weight"
-        want = {("w13", "weight"): (self.num_experts, self.hidden_size,
-                                    2 * self.intermediate_size * self.tp_size),
-                ("w2", "weight"): (self.num_experts, self.intermediate_size * self.tp_size,
-                                   self.hidden_size),
-                ("w13", "bias"): (self.num_experts, 2 * self.intermediate_size * self.tp_size),
+            blocks, scales = halves["blocks"], halves["scales"]
+            want = (self.num_experts, out_in[0], out_in[1] // 32, 16)
+            if tuple(blocks.shape) != want or tuple(scales.shape) != want[:3]:
+                raise ValueError(f"{piece} MXFP4 blocks {tuple(blocks.shape)} / scales "
+                                 f"{tuple(scales.shape)}, expected {want} / {want[:3]}")
+            # one expert at a time: the whole stack's float32 temporaries would take tens of GB
+            self._load_experts(param, piece, lambda e: dequantize_mxfp4(
+                blocks[e], scales[e], param.dtype))
+            return
+        want = {("w13", "weight"): (self.num_experts, out_in[1], out_in[0]),
+                ("w2", "weight"): (self.num_experts, out_in[1], out_in[0]),
+                ("w13", "bias"): (self.num_experts, 2 * full),
                 ("w2", "bias"): (self.num_experts, self.hidden_size)}[(piece, part)]
         if tuple(loaded.shape) != want:
             raise ValueError(f"{piece} {part} of shape {tuple(loaded.shape)}, expected {want}")
-        if piece == "w2" and part == "bias":
+        if part == "weight":  # [E, in, out]
+            self._load_experts(param, piece, lambda e: loaded[e].t())
+        elif piece == "w2":
             param.data.copy_(loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
-            return
-        if piece == "w13":  # interleaved gate / up along the last dim -> gate then up
-            loaded = torch.cat((loaded[..., 0::2], loaded[..., 1::2]), dim=-1)
-        if part == "bias":
-            self._load_rows(param.data, loaded, piece)
-            return
-        for expert in range(self.num_experts):  # [in, out] -> our [out, in], then the rank's
-            self._load_rows(param.data[expert], loaded[expert].t(), piece, expert)
+        else:  # interleaved gate / up -> gate then up
+            self._load_rows(param.data, torch.cat((loaded[..., 0::2], loaded[..., 1::2]), -1),
+                            piece)
+
+    def _load_experts(self, param: nn.Parameter, piece: str,
+                      matrix_of: Callable[[int], torch.Tensor]) -> None:
+        """Each expert's [out, in] matrix (gate|up rows interleaved), this rank's part."""
+        for expert in range(self.num_experts):
+            matrix = matrix_of(expert)
+            if piece == "w13":
+                matrix = torch.cat((matrix[0::2], matrix[1::2]))
+            self._load_rows(param.data[expert], matrix, piece, expert)
 
     def _load_rows(self, target: torch.Tensor, loaded: torch.Tensor, piece: str,
                    expert: int | None = None) -> None:

@@ -35,8 +35,7 @@ class HarmonyToolParser(ToolCallParser):
             name = recipient[len(FUNCTIONS):] if recipient.startswith(FUNCTIONS) else None
             if end < 0:
                 body = text[start:]
-                scan.calls.append(PartialCall(name, body.strip() if final else body.rstrip(),
-                                              final))
+                scan.calls.append(PartialCall(name, body.strip(), final))
                 break
             scan.calls.append(PartialCall(name, text[start:end].strip(), True))
             pos = end + len(CALL)
