@@ -188,6 +188,12 @@ class ModelConfig:
                            "(%d): RADIXSERVE_ALLOW_LONGER_CONTEXT=1 allows it", requested, limit)
         self.context_length = requested or limit
 
+    @property
+    def rope_positions(self) -> int:
+        """Positions the rope tables cover: the model's, or the context where
+        RADIXSERVE_ALLOW_LONGER_CONTEXT let it run past them."""
+        return max(self.max_position_embeddings, self.context_length)
+
 
 _POSITIVE_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads", "head_dim")

@@ -58,7 +58,7 @@ class RotaryEmbedding(nn.Module):
     @classmethod
     def from_config(cls, config: ModelConfig) -> "RotaryEmbedding":
         inv_freq, attention_factor = rope_frequencies(config)
-        return cls(config.head_dim, config.max_position_embeddings, inv_freq, attention_factor)
+        return cls(config.head_dim, config.rope_positions, inv_freq, attention_factor)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

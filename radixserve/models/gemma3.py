@@ -34,7 +34,7 @@ def layer_type_rotary(config: ModelConfig, layer_type: str) -> RotaryEmbedding:
     else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         inv_freq, factor = ROPE_INIT_FUNCTIONS[kind](config.hf, "cpu", layer_type=layer_type)
-    return RotaryEmbedding(config.head_dim, config.max_position_embeddings, inv_freq.float(),
+    return RotaryEmbedding(config.head_dim, config.rope_positions, inv_freq.float(),
                            float(factor))
 
 

@@ -18,9 +18,13 @@ a function, written canonically (`<|channel|>commentary to=functions.NAME<|messa
 (left out where the request parses no calls). Messages are joined by a newline.
 Messages to other recipients (the built-in browser and python tools, which radixserve does
 not run) are left out. A constrained answer (response_format) skips the analysis: the
-chat route ends its prompt with `<|channel|>final<|message|>` (`CONSTRAINED_ANSWER`), so the
-grammar applies to the final message from its first token. An output without any message tag (tags stripped, or a model that
-skipped them) is all answer. While unfinished, a message whose header is incomplete is left
+chat route ends its prompt with `<|channel|>final<|message|>` (`CONSTRAINED_ANSWER`, where the
+prompt ends with the generation prompt), so the grammar applies to the final message from its
+first token. An output without any message tag (tags stripped, or a model that
+skipped them) is all answer; one that ends inside its first header has none. A call is
+complete at `<|call|>`: that EOS is not in the output's text, so the chat route appends it
+where the output ended with that token (`with_call_end`); a call cut by a stop string or by
+max_tokens stays unfinished. Messages after a call are left out. While unfinished, a message whose header is incomplete is left
 out and a tail that may still be a tag is held back, so the answer and reasoning only grow.
 """
 from __future__ import annotations
@@ -33,6 +37,7 @@ MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
 FUNCTIONS = "functions."
 CALL_OPEN = f"{CHANNEL}commentary to="  # a canonical call in the answer
 CONSTRAINED_ANSWER = f"{CHANNEL}final{MESSAGE}"  # the prompt's end for a constrained answer
+HARMONY_ASSISTANT = f"{START}assistant"  # where the template's generation prompt ends
 _BODY_ENDS = (END, CALL, RETURN, START)
 
 
@@ -63,7 +68,9 @@ def parse_messages(text: str, final: bool) -> list[HarmonyMessage]:
         body = text[start:]
         if not final:
             body = body[:len(body) - _held_back(body)]
-        messages.append(HarmonyMessage(channel, recipient, body, final))
+        # the output's end closes a message, but a call only at <|call|>: a stop string, or
+        # <|return|>, inside a call's arguments leaves the call unfinished
+        messages.append(HarmonyMessage(channel, recipient, body, final and recipient is None))
         break
     return messages
 
@@ -73,13 +80,17 @@ def split_harmony(text: str, final: bool = True,
     """(reasoning or None, answer) of an output so far; see the module's text. keep_calls
     False (the request parses no tool calls): messages to functions are left out too."""
     if MESSAGE not in text:
-        if final or not any(m.startswith(text.lstrip()[:len(m)]) for m in MARKERS):
-            return None, text if final else text[:len(text) - _held_back(text)]
-        return None, ""  # what may still become a header
+        opening = text.lstrip()
+        if opening.startswith("<|") or any(m.startswith(opening) for m in MARKERS):
+            return None, ""  # a header still being written, or cut off: no answer yet
+        return None, text if final else text[:len(text) - _held_back(text)]
     reasoning: list[str] = []
     answer: list[str] = []
     calls: list[str] = []
     for message in parse_messages(text, final):
+        if calls:
+            break  # a call ends the turn (<|call|>); what a malformed output wrote after it
+            # would come after the call in the answer, where no stream could send it
         if message.recipient is not None:
             if keep_calls and message.recipient.startswith(FUNCTIONS):
                 calls.append(f"{CALL_OPEN}{message.recipient}{MESSAGE}{message.body}"
@@ -89,6 +100,18 @@ def split_harmony(text: str, final: bool = True,
         else:  # final, a commentary preamble, or a message without a channel
             answer.append(message.body)
     return ("\n".join(reasoning) if reasoning else None), "\n".join(answer) + "".join(calls)
+
+
+def with_call_end(text: str, finish_reason: dict | None, call_token: int | None,
+                  forced_call: bool = False) -> str:
+    """The output's text with `<|call|>` back at its end where that token (an EOS, which the
+    text leaves out) ended it; for a forced call (its grammar complete before any EOS is
+    allowed) where any stop token did."""
+    matched = (finish_reason or {}).get("matched")
+    if (call_token is not None and matched == call_token) or \
+            (forced_call and isinstance(matched, int)):
+        return text + CALL
+    return text
 
 
 def _header(header: str) -> tuple[str | None, str | None]:

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
 from radixserve.server.errors import APIError
-from radixserve.server.harmony import CONSTRAINED_ANSWER
+from radixserve.server.harmony import CONSTRAINED_ANSWER, HARMONY_ASSISTANT, with_call_end
 from radixserve.server.openai_common import (OpenAIContext, finish_reason_of, new_id, now_s,
                                              sample_copies, sse, sse_response, usage_of)
 from radixserve.server.openai_protocol import (OPENAI_FIELD_NAMES, ChatCompletionRequest,
@@ -55,7 +55,8 @@ def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest
     tm = ctx.tokenizer_manager
     prompt, input_ids, plan = render_prompt(ctx, body)
     reasoning = reasoning_of(ctx, body)
-    if reasoning is not None and reasoning.harmony and body.grammar():
+    if reasoning is not None and reasoning.harmony and body.grammar() and \
+            prompt.endswith(HARMONY_ASSISTANT):
         # gpt-oss with response_format: the final message, constrained from its start
         prompt += CONSTRAINED_ANSWER
         input_ids = list(tm.tokenizer.encode(prompt, add_special_tokens=False))
@@ -71,7 +72,7 @@ def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest
     if reasoning is not None and constrained:  # it constrains the answer
         params.reasoning_gate = reasoning_gate(reasoning, tm.tokenizer, prompt)
     split = plan_split(reasoning, prompt, constrained, params.reasoning_gate,
-                       plan.parse_output)
+                       plan.parse_output, tm.tokenizer, plan.forced_ebnf is not None)
     req = tm.make_request(
         text=prompt, input_ids=input_ids, sampling_params=params,
         return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
@@ -120,6 +121,15 @@ def kept_reasoning_tags(fmt: ReasoningFormat | None, tokenizer: Any | None) -> t
     return tuple(tag for tag in fmt.tags if tag in special)
 
 
+def output_text(out: ReqOutput, split: ReasoningSplit | None) -> str:
+    """The output's text as its split reads it: gpt-oss's with `<|call|>` back where that EOS
+    ended it."""
+    if split is None or not split.fmt.harmony or not out.finished:
+        return out.text
+    return with_call_end(out.text, out.meta_info.get("finish_reason"), split.call_token,
+                         split.forced_call)
+
+
 def chat_finish_reason(out: ReqOutput, called: bool) -> str | None:
     """"tool_calls" when the answer called tools, unless max_tokens cut it off: "length"
     then, as OpenAI answers, so a client knows the calls or the text after them may be cut."""
@@ -139,8 +149,9 @@ def choice_of(body: ChatCompletionRequest, plan: ToolPlan, index: int,
         logprobs = {"content": logprob_content(tokenizer,
                                                out.meta_info.get("output_token_logprobs") or [],
                                                out.meta_info.get("output_top_logprobs") or [])}
-    thought, answer = (split_reasoning(split.fmt, out.text, True, split.inside,
-                                       split.keep_calls) if split else (None, out.text))
+    thought, answer = (split_reasoning(split.fmt, output_text(out, split), True,
+                                       split.inside, split.keep_calls)
+                       if split else (None, out.text))
     thought = thought or None  # "</think>" first: no reasoning, as a stream sends none
     message, called = tool_message(plan, answer, cut=finish_reason_of(out) == "length")
     if split is not None or reasoning_field:  # null where there was no reasoning, as vLLM
@@ -202,7 +213,8 @@ async def stream_events(ctx: OpenAIContext, body: ChatCompletionRequest, plan: T
             tool_deltas: list[dict[str, Any]] = []
             thought, answer = "", out.text
             if thought_stream is not None:  # the answer so far, and the reasoning's delta
-                thought, answer = thought_stream.update(out.text, out.finished)
+                thought, answer = thought_stream.update(output_text(out, split),
+                                                        out.finished)
             if tool_stream is None:
                 text = answer[sent_text[index]:]
                 sent_text[index] = len(answer)

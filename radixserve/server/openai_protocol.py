@@ -241,6 +241,14 @@ class ChatMessage(StrictModel):
     name: StrictStr | None = None
     tool_calls: list[dict[str, Any]] | None = None  # assistant turns that called tools
     tool_call_id: StrictStr | None = None  # tool turns: the call answered
+    # an assistant message as this server returns it, sent back in the history: its
+    # reasoning goes to the template (GLM's and gpt-oss's render it before a tool call);
+    # OpenAI's message fields the SDK's model_dump() carries are accepted when null
+    reasoning_content: StrictStr | None = None
+    refusal: None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -334,7 +342,7 @@ class ChatCompletionRequest(SamplingFields):
 
     def conversation(self) -> list[dict[str, Any]]:
         """Messages for tokenizer.apply_chat_template ("developer" is sent as "system"); tool
-        turns keep their tool_call_id, assistant turns their tool_calls."""
+        turns keep their tool_call_id, assistant turns their tool_calls and reasoning."""
         out: list[dict[str, Any]] = []
         for m in self.messages:
             message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
@@ -343,6 +351,8 @@ class ChatCompletionRequest(SamplingFields):
                 message["tool_call_id"] = m.tool_call_id
             if m.tool_calls:
                 message["tool_calls"] = m.tool_calls
+            if m.reasoning_content is not None:  # vLLM's name; gpt-oss's template: thinking
+                message["reasoning_content"] = message["thinking"] = m.reasoning_content
             out.append(message)
         return out
 

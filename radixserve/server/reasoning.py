@@ -101,6 +101,8 @@ class ReasoningSplit:
     fmt: ReasoningFormat
     inside: bool = False
     keep_calls: bool = True  # gpt-oss: the request parses tool calls (harmony.split_harmony)
+    call_token: int | None = None  # gpt-oss: the id of <|call|> (harmony.with_call_end)
+    forced_call: bool = False  # gpt-oss: a grammar forces the call (harmony.with_call_end)
 
 
 def prompt_block(fmt: ReasoningFormat, prompt: str) -> str | None:
@@ -112,14 +114,19 @@ def prompt_block(fmt: ReasoningFormat, prompt: str) -> str | None:
 
 
 def plan_split(fmt: ReasoningFormat | None, prompt: str, constrained: bool,
-               gate: tuple[int, int, str] | None,
-               parses_calls: bool = True) -> ReasoningSplit | None:
+               gate: tuple[int, int, str] | None, parses_calls: bool = True,
+               tokenizer: Any = None, forced_call: bool = False) -> ReasoningSplit | None:
     """The split of a chat request's output: None without a parser, and for a constrained
     request whose grammar has no gate (it applies from the first token, so nothing of the
     output is reasoning)."""
     if fmt is None or (constrained and gate is None and not fmt.harmony):
         return None
-    return ReasoningSplit(fmt, prompt_block(fmt, prompt) == "opened", parses_calls)
+    call_token = None
+    if fmt.harmony and tokenizer is not None:
+        from radixserve.server.harmony import CALL
+        call_token = _single_token(tokenizer, CALL)
+    return ReasoningSplit(fmt, prompt_block(fmt, prompt) == "opened", parses_calls, call_token,
+                          forced_call)
 
 
 def split_reasoning(fmt: ReasoningFormat, text: str, final: bool = True,

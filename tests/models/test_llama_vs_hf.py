@@ -95,3 +95,18 @@ def test_mixed_batch_matches(pair):
         ref_ids = chunk if key == 32 else seqs[key]
         torch.testing.assert_close(ours[i], hf_logits(hf_model, ref_ids)[-1], atol=ATOL,
                                    rtol=1e-4)
+
+
+def test_a_longer_context_allowed_by_the_flag_runs_past_the_models_positions(
+        tmp_path, monkeypatch) -> None:
+    """RADIXSERVE_ALLOW_LONGER_CONTEXT=1 with --context-length past max_position_embeddings
+    (512 here): the rope tables cover the context, so a 600-token prompt runs (it crashed
+    the scheduler with an index error)."""
+    monkeypatch.setenv("RADIXSERVE_ALLOW_LONGER_CONTEXT", "1")
+    make_checkpoint("llama_gqa_llama3_rope", tmp_path)
+    runner = ModelRunner(ServerArgs(model_path=str(tmp_path), dtype="float32", device="cpu",
+                                    max_total_tokens=4096, max_running_requests=2,
+                                    context_length=1024))
+    ids = torch.randint(0, 160, (600,), generator=torch.Generator().manual_seed(4)).tolist()
+    logits = RunnerDriver(runner).extend({0: ids})[0]
+    assert bool(torch.isfinite(logits).all())

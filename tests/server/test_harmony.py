@@ -30,9 +30,10 @@ ANALYSIS = "<|channel|>analysis<|message|>User asks the weather. Call the tool.<
 CASES = [
     (ANALYSIS + "<|start|>assistant<|channel|>final<|message|>It is sunny in Paris.",
      "User asks the weather. Call the tool.", "It is sunny in Paris.", []),
-    # a call after the reasoning, the recipient in the channel's header (<|call|> is the EOS)
+    # a call after the reasoning, the recipient in the channel's header (<|call|>, the EOS,
+    # put back at the end by the chat route: harmony.with_call_end)
     (ANALYSIS + '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>'
-     'json<|message|>{"city": "Paris", "unit": "c"}',
+     'json<|message|>{"city": "Paris", "unit": "c"}<|call|>',
      "User asks the weather. Call the tool.", "",
      [("get_weather", {"city": "Paris", "unit": "c"})]),
     # the recipient after the role, a preamble before the call, the call's end tag written
@@ -121,6 +122,31 @@ def test_response_format_answers_in_the_final_channel(harmony_tokenizer: Any) ->
     assert forced.endswith("<|start|>assistant") and split.keep_calls
 
 
+def test_only_call_end_completes_a_call() -> None:
+    """A call cut by a stop string (or <|return|>) is unfinished: no call, no tags in the
+    content; max_tokens keeps it partial (parse's keep_unfinished); the EOS <|call|> is put
+    back by with_call_end from the finish reason; an output cut inside its first header has
+    no answer."""
+    from radixserve.server.harmony import with_call_end
+    parser = get_parser("openai", None, [WEATHER])
+    cut = CASES[1][0][:-len('"c"}<|call|>')]
+    _, answer = split_harmony(cut)
+    assert parser.parse(answer) == ("", [])
+    assert parser.parse(answer, keep_unfinished=True)[1][0].name == "get_weather"
+    whole = CASES[1][0][:-len("<|call|>")]
+    assert with_call_end(whole, {"type": "stop", "matched": 7}, 7) == CASES[1][0]
+    assert with_call_end(whole, {"type": "stop", "matched": 8}, 7) == whole
+    assert with_call_end(whole, {"type": "length", "length": 9}, 7) == whole
+    # a forced call: its grammar was complete before any EOS could end it
+    assert with_call_end(whole, {"type": "stop", "matched": 8}, 7, True) == CASES[1][0]
+    assert with_call_end(whole, {"type": "stop", "matched": "}"}, 7, True) == whole
+    assert split_harmony("<|channel|>commentary to=functions.get_weather <|constrain|>json") \
+        == (None, "")
+    # a final message after a call (a malformed output) is left out, streamed or not
+    after = CASES[1][0] + "<|start|>assistant<|channel|>final<|message|>Sunny."
+    assert parser.parse(split_harmony(after)[1])[0] == ""
+
+
 def test_partial_tags_are_held_back() -> None:
     assert split_harmony("<|chan", final=False) == (None, "")
     assert split_harmony("<|channel|>final<|message|>Hi <|e", final=False) == (None, "Hi ")
@@ -146,10 +172,11 @@ def test_forced_grammar_is_the_models_own_header(parallel: bool) -> None:
     assert _accepts(ebnf, raw)
     assert not _accepts(ebnf, raw.replace('"c"', '"k"'))
     assert not _accepts(ebnf, raw + raw)  # one call per turn: <|call|> ends the output
-    # what the split makes of it is the call
-    _, answer = split_harmony(raw)
+    # what the split makes of it, with the EOS that ended it put back, is the call
+    ended = raw + "<|call|>"
+    _, answer = split_harmony(ended)
     assert parser.parse(answer)[1] == [ToolCall("get_weather", '{"city": "Paris", "unit": "c"}')]
-    assert parser.parse(raw)[1][0].name == "get_weather"  # read without the split too
+    assert parser.parse(ended)[1][0].name == "get_weather"  # read without the split too
 
 
 @pytest.fixture(scope="module")
@@ -168,9 +195,10 @@ def test_through_the_detokenizer(harmony_tokenizer: Any, chunk: int) -> None:
     fmt = get_format("gpt-oss")
     params.keep_special_tokens += tuple(m for m in fmt.tags
                                         if m not in params.keep_special_tokens)
-    output = CASES[1][0] + "<|im_end|>"
+    output = CASES[1][0].replace("<|call|>", "<|im_end|>")  # the test's EOS ends it
     text = "".join(_run(harmony_tokenizer, params, output, chunk))
-    assert text == CASES[1][0]
+    assert text == CASES[1][0][:-len("<|call|>")]
+    text += "<|call|>"  # as with_call_end puts it back where <|call|> ended the output
     thought, answer = split_harmony(text)
     message, called = tool_message(plan, answer)
     assert called and thought == CASES[1][1]
@@ -182,7 +210,8 @@ def test_choice_of_a_harmony_answer() -> None:
     body = _chat(tools=[WEATHER])
     plan = SimpleNamespace(parse_output=True, parser=get_parser("openai", None, [WEATHER]),
                            max_calls=None)
-    out = SimpleNamespace(text=CASES[0][0], meta_info={"finish_reason": {"type": "stop"}})
+    out = SimpleNamespace(text=CASES[0][0], finished=True,
+                          meta_info={"finish_reason": {"type": "stop"}})
     choice = choice_of(body, plan, 0, out, None, ReasoningSplit(get_format("gpt-oss")), True)
     assert choice["message"]["reasoning_content"] == CASES[0][1]
     assert choice["message"]["content"] == CASES[0][2]

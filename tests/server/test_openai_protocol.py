@@ -119,6 +119,22 @@ def test_chat_rejections(fields: dict[str, Any], param: str) -> None:
     assert info.value.status_code == 400 and info.value.param == param
 
 
+def test_a_returned_assistant_message_can_be_sent_back() -> None:
+    """The agent loop appends the response's message (the SDK's model_dump() of it, with
+    OpenAI's null fields, and this server's reasoning_content) to the history: accepted, the
+    reasoning passed to the template (as reasoning_content, and as gpt-oss's thinking)."""
+    returned = {"role": "assistant", "content": None, "refusal": None, "annotations": [],
+                "audio": None, "function_call": None, "reasoning_content": "Look it up.",
+                "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "f", "arguments": "{}"}}]}
+    body = chat(messages=[{"role": "user", "content": "q"}, returned,
+                          {"role": "tool", "tool_call_id": "call_1", "content": "42"}])
+    message = body.conversation()[1]
+    assert message["reasoning_content"] == message["thinking"] == "Look it up."
+    with pytest.raises(APIError):  # a refusal is the model's, never the history's
+        chat(messages=[{"role": "user", "content": "q"}, {**returned, "refusal": "no"}])
+
+
 def test_chat_content_parts_and_developer_role() -> None:
     body = chat(messages=[{"role": "developer", "content": "be brief"},
                           {"role": "user", "content": [{"type": "text", "text": "a"},

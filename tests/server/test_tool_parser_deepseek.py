@@ -84,7 +84,7 @@ def test_output_cut_mid_arguments(name: str, chunk: int) -> None:
     # the only call cut: no call completes, the finish stays "length"
     alone = parser.format_calls(ONE_CALL)
     alone = alone[:alone.index("Paris")]
-    assert parser.parse(alone) == (alone, [])
+    assert parser.parse(alone) == ("", [])  # begun, so not content (a stream sent its name)
     assert stream_text(name, alone, chunk)[2] is False
 
 
@@ -114,7 +114,7 @@ def test_malformed_arguments_do_not_stream_the_markers() -> None:
     parser = get_parser("deepseek_v3")
     text = (f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}get_time\n```json\n{{\"zone\": oops}}\n```"
             f"{CALL_END}{CALLS_END}")
-    assert parser.parse(text) == (text, [])
+    assert parser.parse(text) == ("", [])  # a call begun: not content, as streamed
     assert parser.scan(text).calls[0].arguments == '{"zone": oops}'
 
 

@@ -85,13 +85,13 @@ def test_values_read_by_the_tools_schemas() -> None:
 
 @pytest.mark.parametrize("chunk", [1, 4, 1000])
 def test_output_cut_mid_call(chunk: int) -> None:
-    """max_tokens cut the second pair: no call parses (the finish stays "length"), the cut
-    output keeps the partial call, and a stream that saw it grow sent the name and the first
-    pair only (one that got it at once sends it as content, as parse() has it)."""
+    """max_tokens cut the second pair: no call parses (the finish stays "length") and the
+    call begun is not content; the cut output keeps the partial call, and a stream sent the
+    name and the first pair only."""
     text = ("<tool_call>book\n<arg_key>code</arg_key>\n<arg_value>A</arg_value>\n"
             "<arg_key>nights</arg_key>\n<arg_value>3")
     parser = get_parser("glm45", None, [BOOKING])
-    assert parser.parse(text) == (text, [])
+    assert parser.parse(text) == ("", [])
     assert parser.parse(text, keep_unfinished=True)[1] == [ToolCall("book", '{"code": "A"')]
     stream, arguments, content = ToolCallStream(parser), "", ""
     for end in list(range(chunk, len(text), chunk)) + [len(text)]:
@@ -99,7 +99,7 @@ def test_output_cut_mid_call(chunk: int) -> None:
         content += new_content
         arguments += "".join(d["function"]["arguments"] for d in deltas)
     assert not stream.has_calls
-    assert (arguments, content) == (("", text) if chunk > len(text) else ('{"code": "A"', ""))
+    assert (arguments, content) == ('{"code": "A"', "")
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -118,6 +118,24 @@ def test_forced_grammar_pairs(name: str) -> None:
     assert not _accepts(ebnf, call({"code": "x", "nights": 1, "guest": {}}))  # guest.name
     assert not _accepts(ebnf, call({"nights": 1, "code": "x"}))  # the schema's order
     assert not _matcher(ebnf).accept_string(call({"code": "a</b", "nights": 1}))
+
+
+def test_forced_grammar_honours_string_constraints() -> None:
+    """maxLength / minLength bound a text value, a pattern is its whole match."""
+    tool = {"type": "function", "function": {"name": "code", "parameters": {
+        "type": "object", "properties": {"short": {"type": "string", "maxLength": 3},
+                                         "digits": {"type": "string", "pattern": "^[0-9]{2}$"}},
+        "required": ["short", "digits"]}}}
+    parser = get_parser("glm45")
+    ebnf = forced_call_ebnf(parser, [tool])
+
+    def call(short: str, digits: str) -> str:
+        return parser.format_calls([ToolCall("code", json.dumps({"short": short,
+                                                                 "digits": digits}))])
+
+    assert _accepts(ebnf, call("abc", "42")) and _accepts(ebnf, call("", "00"))
+    assert not _accepts(ebnf, call("abcd", "42"))
+    assert not _accepts(ebnf, call("ab", "4x")) and not _accepts(ebnf, call("ab", "421"))
 
 
 @pytest.fixture(scope="module")

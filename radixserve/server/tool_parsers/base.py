@@ -117,13 +117,16 @@ class ToolCallParser(ABC):
     def parse(self, text: str, keep_unfinished: bool = False) -> tuple[str, list[ToolCall]]:
         """(content, calls) of a finished output; a call without a complete name is dropped,
         and so is an unfinished one unless `keep_unfinished` (an output max_tokens cut: the
-        calls as a stream of it sent them, the last one's arguments as far as they got)."""
+        calls as a stream of it sent them, the last one's arguments as far as they got). The
+        content ends where the first call with a name begins, finished or not."""
         scan = self.scan(text, final=True)
         calls = [ToolCall(c.name, c.arguments or ("{}" if c.complete else ""))
                  for c in scan.calls
                  if c.name is not None and (c.complete or keep_unfinished)]
-        if not calls:
-            return text, []
+        if not calls and not any(c.name is not None for c in scan.calls):
+            return text, []  # no call begun: the marker's text is content
+        # a call begun (its name read) and left unfinished is not content either, as a
+        # stream, which sent its name, has it
         return text[:scan.content_end].rstrip(), calls
 
     def scan(self, text: str, final: bool = False) -> Scan:

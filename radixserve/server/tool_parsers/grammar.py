@@ -102,7 +102,8 @@ def _pairs_grammar(tool: dict[str, Any], pairs: tuple[str, str, str]) -> Any:
 
 # a string argument's text: anything but "</" (where the value's end tag starts) and a final
 # "<"
-_TEXT_VALUE = '([^<] | "<"+ [^/<])*'
+_TEXT_UNIT = '[^<] | "<"+ [^/<]'
+_TEXT_VALUE = f"({_TEXT_UNIT})*"
 
 
 def _value_grammar(schema: Any) -> Any:
@@ -114,9 +115,26 @@ def _value_grammar(schema: Any) -> Any:
         values = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
         if values:
             return xgrammar.Grammar.union(*(_literal_grammar(v) for v in values))
-        return xgrammar.Grammar.from_ebnf(f"root ::= {_TEXT_VALUE}")
+        return _text_grammar(schema)
     return xgrammar.Grammar.from_json_schema(
         json.dumps(schema if isinstance(schema, dict) else _ANY_OBJECT), **JSON_SCHEMA_OPTIONS)
+
+
+def _text_grammar(schema: dict[str, Any]) -> Any:
+    """A string parameter's text: its `pattern` (anchors dropped: the value is the whole
+    match), else any text (see _TEXT_VALUE) of `minLength`..`maxLength` characters (a "<"
+    run with the character after it counted once)."""
+    import xgrammar
+
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str):
+        return xgrammar.Grammar.from_regex(pattern.removeprefix("^").removesuffix("$"))
+    low, high = schema.get("minLength"), schema.get("maxLength")
+    if isinstance(low, int) or isinstance(high, int):
+        low = low if isinstance(low, int) else 0
+        high = high if isinstance(high, int) else -1
+        return xgrammar.Grammar.from_ebnf(f"root ::= ({_TEXT_UNIT}){{{low}, {high}}}")
+    return xgrammar.Grammar.from_ebnf(f"root ::= {_TEXT_VALUE}")
 
 
 def _literal_grammar(text: str) -> Any:

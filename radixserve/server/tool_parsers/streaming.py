@@ -19,11 +19,11 @@ class _SentCall:
 
 class ToolCallStream:
     """Sends what `ToolCallParser.parse` would return for the finished text: content before
-    a call without its trailing whitespace, every content character when no call completes
-    (an unfinished or malformed call section is content), and "tool_calls" as the finish
+    a call without its trailing whitespace, every content character when no call is begun
+    (a malformed call section, no name read, is content), and "tool_calls" as the finish
     only for complete calls (a call cut off by max_tokens finishes as "length"). A call's
-    name and arguments go out as they are certain, so a call that never completes may have
-    sent deltas already: a stream cannot take them back."""
+    name and arguments go out as they are certain, so a call that never completes has sent
+    deltas (parse keeps it only for a max_tokens cut): a stream cannot take them back."""
 
     def __init__(self, parser: ToolCallParser, max_calls: int | None = None) -> None:
         self.parser = parser
@@ -42,8 +42,8 @@ class ToolCallStream:
         calls = scan.calls[:self.max_calls]
         self.completed = self.completed or any(c.complete and c.name is not None
                                                for c in calls)
-        if final and not self.calls and not self.completed:
-            content = text[self.content_sent:]  # no call after all: the rest is content
+        if final and not self.calls and not any(c.name is not None for c in calls):
+            content = text[self.content_sent:]  # no call begun: the rest is content
             self.content_sent = len(text)
             return content, []
         content = ""
