@@ -115,10 +115,28 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], int | None]] = {
                                                    "truncate": False,
                                                    "original_max_position_embeddings": 64,
                                                    "rope_theta": 150000.0}), None),
+    # Mistral-4: MLA with rope over the halves (the torch rope path on CUDA), Llama-4's query
+    # scaling past an original context of 64 (the prompts run past it), softmax routing with
+    # groups ranked by their two best scores, all experts in one tensor per projection
+    "mistral4": ("Mistral4Config", dict(hidden_size=512, num_attention_heads=8,
+                                        num_key_value_heads=8, kv_lora_rank=128,
+                                        q_lora_rank=192, qk_nope_head_dim=64,
+                                        qk_rope_head_dim=32, v_head_dim=64,
+                                        n_routed_experts=16, num_experts_per_tok=4,
+                                        moe_intermediate_size=256, n_shared_experts=1,
+                                        first_k_dense_replace=1, n_group=4, topk_group=2,
+                                        rope_interleave=False,
+                                        rope_parameters={
+                                            "rope_type": "yarn", "rope_theta": 10000.0,
+                                            "factor": 32.0,
+                                            "original_max_position_embeddings": 64,
+                                            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                                            "mscale_all_dim": 1.0,
+                                            "llama_4_scaling_beta": 0.1}), None),
 }
 DEFAULT_CHECKPOINTS = ["hd128-gqa4", "mistral-swa32", "gemma2-hd64", "gemma3-hd64", "qwen3-hd64"]
 MOE_CHECKPOINTS = ["mixtral-moe", "qwen3-moe", "deepseek-mla", "deepseek-v3", "glm4-moe",
-                   "gpt-oss"]
+                   "gpt-oss", "mistral4"]
 PATHS = (("torch_native", False, 1), ("triton", False, 1), ("triton", True, 1))
 
 
@@ -147,7 +165,9 @@ def make_checkpoint(name: str, folder: Path, seed: int = 0) -> None:
                   max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
     config = getattr(transformers, config_cls)(**{**kwargs, **extra})
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = _model_class(config).from_config(config, dtype=torch.float32) \
+        if _model_class(config) is transformers.AutoModelForCausalLM else \
+        _model_class(config)._from_config(config, dtype=torch.float32)
     with torch.no_grad():  # transformers' init is tiny; larger weights make attention matter
         for param in model.parameters():
             if param.dim() >= 2:  # matrices and stacked experts
@@ -165,9 +185,19 @@ def make_prompts(vocab_size: int, seed: int = 1) -> list[list[int]]:
     return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
+def _model_class(config: Any) -> Any:
+    """transformers' class for a config: the causal-LM auto class, or Mistral-4's own (the
+    auto class does not map it)."""
+    import transformers
+    if getattr(config, "model_type", None) == "mistral4":
+        return transformers.Mistral4ForCausalLM
+    return transformers.AutoModelForCausalLM
+
+
 def load_hf(folder: Path, dtype: torch.dtype, device: str) -> Any:
     import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    model = _model_class(config).from_pretrained(folder, dtype=dtype)
     return model.to(device).eval()
 
 

@@ -71,7 +71,9 @@ def _moe_shape(cfg: ModelConfig) -> _Moe | None:
     if arch == "GptOssForCausalLM":  # every layer; the experts' biases are not counted
         return _Moe(hf.num_local_experts, hf.num_experts_per_tok, cfg.intermediate_size, 0,
                     False)
-    if arch.startswith(("DeepseekV2", "DeepseekV3", "Glm4Moe")) and hf.n_routed_experts:
+    mla_moe = arch.startswith(("DeepseekV2", "DeepseekV3", "Glm4Moe", "Mistral4")) or \
+        getattr(hf, "model_type", None) == "mistral4"  # Mistral Small 4 too
+    if mla_moe and hf.n_routed_experts:
         return _Moe(hf.n_routed_experts, hf.num_experts_per_tok, hf.moe_intermediate_size,
                     hf.moe_intermediate_size * (hf.n_shared_experts or 0), False)
     if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
@@ -83,7 +85,8 @@ def _moe_shape(cfg: ModelConfig) -> _Moe | None:
 
 def _is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
     hf = cfg.hf
-    if cfg.architecture.startswith(("DeepseekV2", "DeepseekV3", "Glm4Moe")):
+    if cfg.architecture.startswith(("DeepseekV2", "DeepseekV3", "Glm4Moe", "Mistral4")) or \
+            getattr(hf, "model_type", None) == "mistral4":
         layer_types = getattr(hf, "mlp_layer_types", None)  # GLM-4.7-Flash lists them
         if layer_types:
             return layer_types[layer_id] == "sparse"

@@ -30,6 +30,7 @@ ARCHITECTURE_MODEL_TYPES = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
     "GptOssForCausalLM": "gpt_oss",
+    "Mistral4ForCausalLM": "mistral4",
 }
 # rope scaling kinds implemented (layers/rotary.py computes them with transformers' own
 # frequency functions); anything else is refused rather than run with the wrong positions

@@ -36,7 +36,7 @@ from radixserve.loader.weight_loading import load_weights
 from radixserve.mem.kv_pool import (KV_CACHE_DTYPES, KVCacheSpec, KVPool, make_kv_pool,
                                     spec_bytes_per_token)
 from radixserve.mem.req_to_token_pool import ReqToTokenPool
-from radixserve.models.registry import get_model_class, kv_cache_spec
+from radixserve.models.registry import kv_cache_spec, model_class
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class ModelRunner:
 
     def _load_model(self) -> torch.nn.Module:
         torch.manual_seed(self.server_args.random_seed)
-        model_cls = get_model_class(self.model_config.architecture)
+        model_cls = model_class(self.model_config)
         # parameters are made in the serving dtype where they live: an fp32 copy of a large
         # model first would not fit (70B: 141 GB per GPU at tp 2)
         default_dtype = torch.get_default_dtype()

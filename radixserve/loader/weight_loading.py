@@ -4,7 +4,8 @@ A model's parameters are named as in the transformers state dict, except where t
 several checkpoint tensors into one parameter; it lists those in `packed_modules_mapping`
 (checkpoint module name -> (merged module name, shard id)), e.g. "q_proj" -> ("qkv_proj", "q").
 Each parameter loads itself through its `weight_loader(param, tensor[, shard_id])` (a slice for a
-tensor-parallel shard, an offset in a merged weight, a row of stacked experts); parameters
+tensor-parallel shard, an offset in a merged weight, a row of stacked experts; a loader given a
+tensor of several shards returns the set it loaded); parameters
 without one are copied whole. A model may also define `skip_weight(name) -> bool` for checkpoint
 tensors it has no place for on purpose (rotary tables, a tied LM head's copy), and
 `checkpoint_prefixes` (checkpoint name prefix -> parameter name prefix, the first that matches
@@ -109,17 +110,19 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             raise CheckpointError(f"checkpoint tensor {checkpoint_name!r} has no place in "
                                   f"{type(model).__name__}")
         loader = getattr(param, "weight_loader", None)
+        covered = None
         try:
             if shard_id is not None:
                 assert loader is not None, f"{target} is merged but has no weight_loader"
-                loader(param, tensor, shard_id)
+                covered = loader(param, tensor, shard_id)
             elif loader is not None:
                 loader(param, tensor)
             else:
                 default_weight_loader(param, tensor)
         except ValueError as exc:
             raise CheckpointError(f"{checkpoint_name}: {exc}") from exc
-        loaded[target].add(shard_id)
+        # a tensor holding several shards (all experts in one): the loader says which
+        loaded[target].update(covered if isinstance(covered, set) else {shard_id})
     missing = sorted(n for n, p in params.items()
                      if n not in loaded and not getattr(p, "optional", False))
     if missing:

@@ -5,7 +5,9 @@ V3); the first `first_k_dense_replace` layers are dense.
 MLA per layer (per rank: heads split over tensor-parallel ranks, latent replicated):
   q        = q_proj(x) (V2-Lite) or q_b_proj(norm(q_a_proj(x))) (V2)  -> [T, H, nope + rope]
   c, k_pe  = kv_a_proj_with_mqa(x) split [kv_lora_rank | rope]; c = kv_a_layernorm(c)
-  rope     = interleaved pairs (DeepSeek's layout), yarn frequencies and mscale from the config
+  rope     = interleaved pairs (DeepSeek's layout; Mistral-4 may pair the halves), yarn
+             frequencies and mscale from the config; Mistral-4 scales queries past the original
+             context (Llama-4's 1 + beta * log(1 + floor(p / original)))
 The pool stores [c | k_pe] per token (576 values for V2). Extend passes decompress every
 request's entries with kv_b_proj into per-head K = [k_nope | k_pe], V and attend as MHA; decode
 absorbs kv_b_proj into the query (q_nope W_UK, per head [nope] -> [kv_lora_rank]) and the output
@@ -31,6 +33,7 @@ from radixserve.mem.kv_pool import KVCacheSpec
 from radixserve.models.blocks import (CausalLM, DecoderLayer, DecoderModel,
                                       beyond_decoder_layers, dense_mlp)
 from radixserve.models.moe_blocks import SparseMoeBlock
+from radixserve.models.multimodal_text import LanguageModelOfMultimodal
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a / kv_a layernorms use the RMSNorm default
 
@@ -44,6 +47,25 @@ def yarn_softmax_mscale(config: ModelConfig) -> float:
         return 1.0
     mscale = 0.1 * all_dim * math.log(factor) + 1.0
     return mscale * mscale
+
+
+def rotate_halves(x: torch.Tensor, positions: torch.Tensor,
+                  rotary: RotaryEmbedding) -> torch.Tensor:
+    """Rope pairing dim d with d + rope_dim / 2 (the Llama layout; Mistral-4 with
+    rope_interleave false), in float32. x: [T, ..., rope_dim]."""
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rotary.rotary_dim,)
+    cos = rotary.cos_cache[positions].view(shape)
+    sin = rotary.sin_cache[positions].view(shape)
+    first, second = x.float().chunk(2, dim=-1)
+    return (x.float() * cos + torch.cat((-second, first), dim=-1) * sin).to(x.dtype)
+
+
+def llama4_query_scale(config: ModelConfig) -> tuple[float, int] | None:
+    """(beta, original context) of Llama-4's query scaling where the rope parameters give it
+    (Mistral-4): a query at position p is multiplied by 1 + beta * log(1 + floor(p / orig))."""
+    beta = config.rope_parameters.get("llama_4_scaling_beta")
+    original = config.rope_parameters.get("original_max_position_embeddings")
+    return (float(beta), int(original)) if beta and original else None
 
 
 def rotate_interleaved(x: torch.Tensor, positions: torch.Tensor,
@@ -88,6 +110,9 @@ class MLAAttention(nn.Module):
         self.kv_b_proj.weight_read_directly = True  # _up_weights views it in the compute dtype
         self.o_proj = RowParallelLinear(total_heads * self.v_dim, hidden, bias=bias)
         self.rotary = rotary
+        # DeepSeek's rope pairs adjacent dims; Mistral-4 may pair the two halves instead
+        self.interleaved = bool(getattr(hf, "rope_interleave", True))
+        self.query_scale = llama4_query_scale(config)
         scaling = self.qk_dim ** -0.5 * yarn_softmax_mscale(config)
         # one latent "KV head" of [latent | rope]; the latent is the value
         self.attn = RadixAttention(self.num_heads, self.kv_lora_rank + self.rope_dim, scaling,
@@ -111,7 +136,7 @@ class MLAAttention(nn.Module):
                           positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q with its rope part rotated, and the pool entries [latent | rotated k_pe]: one
         Triton kernel on CUDA (layers/kernels/mla_rope.py), else PyTorch."""
-        if q.is_cuda:
+        if q.is_cuda and self.interleaved:
             try:
                 from radixserve.layers.kernels.mla_rope import mla_rope_and_entries
             except ImportError:
@@ -121,9 +146,10 @@ class MLAAttention(nn.Module):
                                                self.rotary.cos_cache, self.rotary.sin_cache,
                                                self.nope_dim)
                 return q, entries
+        rotate = rotate_interleaved if self.interleaved else rotate_halves
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q = torch.cat((q_nope, rotate_interleaved(q_pe, positions, self.rotary)), dim=-1)
-        return q, torch.cat((latent, rotate_interleaved(k_pe, positions, self.rotary)), dim=-1)
+        q = torch.cat((q_nope, rotate(q_pe, positions, self.rotary)), dim=-1)
+        return q, torch.cat((latent, rotate(k_pe, positions, self.rotary)), dim=-1)
 
     def decompress(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent entries [N, latent + rope] -> K [N, H, nope + rope], V [N, H, v]."""
@@ -144,6 +170,10 @@ class MLAAttention(nn.Module):
                                                               self.rope_dim], dim=-1)
         q, entries = self._rope_and_entries(q, self.kv_a_layernorm(latent.contiguous()), k_pe,
                                             positions)
+        if self.query_scale is not None:  # Llama-4's scaling of queries past the context
+            beta, original = self.query_scale
+            scale = 1 + beta * torch.log1p(torch.floor(positions.float() / original))
+            q = q * scale.to(q.dtype).view(-1, 1, 1)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         if forward_batch.forward_mode.is_decode():
             w_uk, w_uv = self._up_weights()
@@ -174,8 +204,10 @@ def deepseek_mlp(config: ModelConfig, layer_id: int) -> nn.Module:
     if not is_sparse_layer(config, layer_id):
         return dense_mlp(config)
     shared = hf.moe_intermediate_size * (hf.n_shared_experts or 0)
+    # DeepSeek and GLM route with a float32 router; Mistral-4 in the model's dtype
     return SparseMoeBlock(config, hf.moe_intermediate_size, shared,
-                          shared_name="shared_experts", router_fp32=True)
+                          shared_name="shared_experts",
+                          router_fp32=getattr(hf, "model_type", None) != "mistral4")
 
 
 class DeepseekV2ForCausalLM(CausalLM):
@@ -214,4 +246,19 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
             super().skip_weight(name)
 
 
-EntryClass = [DeepseekV2ForCausalLM, DeepseekV3ForCausalLM]
+class Mistral4ForCausalLM(DeepseekV3ForCausalLM):
+    """Mistral-4: DeepSeek-V3's layers with softmax routing (groups ranked by their two best
+    scores, no correction bias, a router in the model's dtype), rope over adjacent pairs or
+    halves (`rope_interleave`), and Llama-4's query scaling past the original context."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        DeepseekV2ForCausalLM.__init__(self, config)
+
+
+class Mistral4ForConditionalGeneration(LanguageModelOfMultimodal, Mistral4ForCausalLM):
+    """Mistral Small 4's multimodal checkpoints (Mistral3ForConditionalGeneration around a
+    Mistral-4 decoder, chosen by models/registry.model_class), served text-only."""
+
+
+EntryClass = [DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Mistral4ForCausalLM,
+              Mistral4ForConditionalGeneration]

@@ -15,8 +15,9 @@ class LlamaForCausalLM(CausalLM):
 
 class Mistral3ForConditionalGeneration(LanguageModelOfMultimodal, LlamaForCausalLM):
     """Mistral Small 3.1 / 3.2 (a Pixtral vision tower beside a Mistral decoder), text-only.
-    Ministral 3's checkpoints share the architecture with another language model (its
-    `llama_4_scaling` of attention, not implemented): refused."""
+    Mistral Small 4's checkpoints (a Mistral-4 decoder) take deepseek_v2's class
+    (registry.model_class); Ministral 3's share the architecture with another language model
+    (its `llama_4_scaling` of attention, not implemented): refused."""
 
     def __init__(self, config: ModelConfig) -> None:
         kind = getattr(config.hf, "model_type", "mistral")

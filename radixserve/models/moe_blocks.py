@@ -39,6 +39,13 @@ def routing_config(config: ModelConfig) -> RoutingConfig:
                              renormalize=bool(getattr(hf, "norm_topk_prob", True)),
                              num_groups=hf.n_group or 1, topk_group=hf.topk_group or 1,
                              scaling_factor=float(hf.routed_scaling_factor), scoring="sigmoid")
+    if getattr(hf, "model_type", None) == "mistral4":  # also inside Mistral Small 4's
+        # multimodal architecture: softmax, groups by their two best scores, no bias
+        return RoutingConfig(hf.n_routed_experts, hf.num_experts_per_tok,
+                             renormalize=bool(getattr(hf, "norm_topk_prob", True)),
+                             num_groups=hf.n_group or 1, topk_group=hf.topk_group or 1,
+                             scaling_factor=float(hf.routed_scaling_factor),
+                             group_score="top2_sum")
     if arch.startswith("DeepseekV2"):
         grouped = getattr(hf, "topk_method", "greedy") == "group_limited_greedy"
         return RoutingConfig(hf.n_routed_experts, hf.num_experts_per_tok,

@@ -30,6 +30,16 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeForCausalLM"),
     "Glm4MoeLiteForCausalLM": ("glm4_moe", "Glm4MoeLiteForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
+    "Mistral4ForCausalLM": ("deepseek_v2", "Mistral4ForCausalLM"),
+}
+
+
+# (architecture, its language model's model_type) -> another class than the architecture's:
+# a multimodal architecture whose checkpoints carry different language models
+_BY_TEXT_MODEL: dict[tuple[str, str], tuple[str, str]] = {
+    # Mistral Small 4: Mistral3ForConditionalGeneration around a Mistral-4 (MLA + MoE) decoder
+    ("Mistral3ForConditionalGeneration", "mistral4"):
+        ("deepseek_v2", "Mistral4ForConditionalGeneration"),
 }
 
 
@@ -45,9 +55,20 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     return getattr(importlib.import_module(f"radixserve.models.{module}"), name)
 
 
+def model_class(config: ModelConfig) -> type[nn.Module]:
+    """The class serving this config: its architecture's, or where a multimodal architecture
+    holds another language model, that one's (`_BY_TEXT_MODEL`)."""
+    text_kind = getattr(config.hf, "model_type", None)
+    override = _BY_TEXT_MODEL.get((config.architecture, text_kind or ""))
+    if override is not None:
+        module, name = override
+        return getattr(importlib.import_module(f"radixserve.models.{module}"), name)
+    return get_model_class(config.architecture)
+
+
 def kv_cache_spec(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> KVCacheSpec:
     """What the model's KV pool stores per token (the model class decides)."""
-    return get_model_class(config.architecture).kv_cache_spec(  # type: ignore[attr-defined]
+    return model_class(config).kv_cache_spec(  # type: ignore[attr-defined]
         config, dtype, tp_size)
 
 

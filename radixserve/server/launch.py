@@ -265,11 +265,11 @@ def _check_model(server_args: ServerArgs) -> Any:
     from radixserve.layers.quantization.fp8 import fp8_config
     from radixserve.loader import load_model_source
     from radixserve.loader.model_resolution import no_tokenizer_files
-    from radixserve.models.registry import get_model_class
+    from radixserve.models.registry import model_class
     with _model_errors_exit():
         source = load_model_source(server_args.model_path, server_args.load_format,
                                    server_args.model_overrides())
-        get_model_class(source.model_config.architecture)
+        model_class(source.model_config)
         fp8_config(source.hf_config.get("quantization_config"), server_args.quantization)
         check_tensor_parallel(source.model_config, server_args.tp_size)
         source.model_config.resolve_context_length(server_args.context_length)

@@ -17,6 +17,26 @@ from tests.models.tiny_checkpoints import make_checkpoint
 NEW_TOKENS = 32
 
 
+def test_mistral_small_4_serves_its_mistral4_decoder(tmp_path) -> None:
+    """The same architecture around a Mistral-4 decoder (MLA, MoE): the registry picks
+    Mistral-4's class by the language model's model_type; greedy equal to transformers."""
+    from radixserve.models.registry import model_class
+    hf_model = make_checkpoint("mistral4_multimodal", tmp_path)
+    config: ModelConfig = load_model_source(str(tmp_path), "auto").model_config
+    assert model_class(config).__name__ == "Mistral4ForConditionalGeneration"
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 150, (n,), generator=gen).tolist() for n in (40, 77)]
+    expected = [hf_greedy(hf_model, ids, 16) for ids in prompts]
+    engine = radixserve.Engine(str(tmp_path), dtype="float32", skip_tokenizer_init=True,
+                               max_total_tokens=4096, chunked_prefill_size=48)
+    try:
+        out = engine.generate(input_ids=prompts, sampling_params={
+            "max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
+        assert [r["output_ids"] for r in out] == expected
+    finally:
+        engine.shutdown()
+
+
 def test_the_language_model_serves_as_transformers_runs_it(tmp_path) -> None:
     hf_model = make_checkpoint("mistral3_multimodal", tmp_path)
     names = list(load_file(str(tmp_path / "model.safetensors")))

@@ -107,6 +107,21 @@ CONFIGS = {
         rope_scaling={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
                       "truncate": False, "original_max_position_embeddings": 64,
                       "rope_theta": 150000.0})),
+    # Mistral-4: DeepSeek-V3's MLA with rope over the halves (rope_interleave false), Llama-4's
+    # query scaling past an original context of 32 (prompts here run past it), softmax
+    # routing with groups ranked by their two best scores (top-2 of 8 in the best 2 of 4),
+    # renormalised and scaled, one shared expert, layer 0 dense; all experts of a layer in
+    # one tensor (transformers saves Mistral-4 so)
+    "mistral4_mla_halves": (transformers.Mistral4Config, dict(
+        BASE, num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
+        routed_scaling_factor=1.5, rope_interleave=False, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "llama_4_scaling_beta": 0.5})),
     # Gemma-3: Gemma-2's layer plus (1 + w) q/k norms per head; the default layer_types (five
     # sliding layers, window 24, then a full one) with a rope each (local 10k, global 1M), tied
     "gemma3_text": (transformers.Gemma3TextConfig, dict(
@@ -147,7 +162,23 @@ MULTIMODAL_CONFIGS = {
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2, image_size=32, patch_size=8, head_dim=16),
         image_token_index=159, tie_word_embeddings=False)),
+    # Mistral Small 4 (Mistral3ForConditionalGeneration around a Mistral-4 decoder: MLA, MoE
+    # with stacked experts, rope over adjacent pairs), the tiny Pixtral tower beside it
+    "mistral4_multimodal": (transformers.Mistral3Config, dict(
+        text_config=dict(BASE, model_type="mistral4", num_hidden_layers=3, num_key_value_heads=4,
+                         kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16,
+                         qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+                         first_k_dense_replace=1, tie_word_embeddings=False),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=32, patch_size=8, head_dim=16),
+        image_token_index=159, tie_word_embeddings=False)),
 }
+
+
+# checkpoints whose model class transformers' AutoModelForCausalLM does not map (Mistral-4 is
+# mapped for pretraining and image-text-to-text only)
+DIRECT_CLASSES = {"mistral4_mla_halves": "Mistral4ForCausalLM"}
 
 
 def make_checkpoint(name: str, folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
@@ -156,7 +187,11 @@ def make_checkpoint(name: str, folder: Path, seed: int = 0) -> transformers.PreT
     config = config_cls(**kwargs)
     auto = transformers.AutoModelForImageTextToText if name in MULTIMODAL_CONFIGS else \
         transformers.AutoModelForCausalLM
-    model = auto.from_config(config, dtype=torch.float32)
+    if name in DIRECT_CLASSES:  # not in transformers' causal-LM auto mapping
+        model = getattr(transformers, DIRECT_CLASSES[name])._from_config(config,
+                                                                         dtype=torch.float32)
+    else:
+        model = auto.from_config(config, dtype=torch.float32)
     # random init of transformers is small; make attention matter with larger weights
     with torch.no_grad():
         for param_name, param in model.named_parameters():

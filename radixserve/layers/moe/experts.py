@@ -36,9 +36,16 @@ _PIECES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2",
 _EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale)$")
 
 
-def expert_weight_target(name: str) -> tuple[str, tuple[int, str]] | None:
+def expert_weight_target(name: str) -> tuple[str, tuple[int | str, str]] | None:
     """'...mlp.experts.3.gate_proj.weight' -> ('...mlp.experts.w13_weight', (3, 'w1')); an FP8
-    checkpoint's '...gate_proj.weight_scale' -> '...w13_weight_scale'."""
+    checkpoint's '...gate_proj.weight_scale' -> '...w13_weight_scale'; all experts in one
+    tensor, as transformers saves models it has no per-expert mapping for (Mistral-4):
+    '...mlp.experts.gate_up_proj' [E, 2I, H] (gate rows then up) -> (w13_weight,
+    ('all', 'w13')), '...mlp.experts.down_proj' [E, H, I] -> (w2_weight, ('all', 'w2'))."""
+    prefix, _, leaf = name.rpartition(".")
+    if prefix.endswith(".experts") and leaf in ("gate_up_proj", "down_proj"):
+        piece = "w13" if leaf == "gate_up_proj" else "w2"
+        return f"{prefix}.{piece}_weight", ("all", piece)
     found = _EXPERT_NAME.match(name)
     if found is None or found.group(3) not in _PIECES:
         return None
@@ -148,9 +155,13 @@ class FusedMoE(nn.Module):
                                   dtype))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: object = None) -> None:
+                      shard_id: object = None) -> set[tuple[int, str]] | None:
+        """One expert's piece; or, with shard_id ('all', 'w13' | 'w2'), every expert's stacked
+        in one tensor (returns the (expert, piece) shards it loaded, for the loader's check)."""
         if not isinstance(shard_id, tuple):
             raise ValueError("expert weights load per expert: shard_id is (expert, piece)")
+        if shard_id[0] == "all":
+            return self._load_stack(param, loaded, shard_id[1])
         expert, piece = shard_id
         size, rank = self.intermediate_size, self.tp_rank
         if piece == "w2":
@@ -168,6 +179,22 @@ class FusedMoE(nn.Module):
             # --quantization fp8 scales the down projection's whole rows, as at tp 1
             self._w2_row_amax[expert] = row_amax(loaded)
         target.copy_(part)
+
+    def _load_stack(self, param: nn.Parameter, loaded: torch.Tensor,
+                    piece: str) -> set[tuple[int, str]]:
+        """Every expert's gate|up [E, 2I, H] or down [E, H, I] from one tensor."""
+        full = self.intermediate_size * self.tp_size
+        want = (self.num_experts, 2 * full, self.hidden_size) if piece == "w13" else \
+            (self.num_experts, self.hidden_size, full)
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"stacked experts {piece} of shape {tuple(loaded.shape)}, "
+                             f"expected {want}")
+        pieces = ("w1", "w3") if piece == "w13" else ("w2",)
+        for expert in range(self.num_experts):
+            halves = loaded[expert].split(full) if piece == "w13" else (loaded[expert],)
+            for name, half in zip(pieces, halves):
+                self.weight_loader(param, half, (expert, name))
+        return {(expert, name) for expert in range(self.num_experts) for name in pieces}
 
     def forward(self, hidden: torch.Tensor, topk: TopK) -> torch.Tensor:
         if hidden.is_cuda:

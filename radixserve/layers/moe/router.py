@@ -4,7 +4,8 @@ Kinds, as the model families define them:
   * softmax top-k (Mixtral, Qwen-MoE): softmax over all experts in float32, the k largest,
     renormalised to sum to 1 when `renormalize` (Mixtral always, Qwen when `norm_topk_prob`);
   * group-limited top-k (DeepSeek-V2): softmax, then only the experts of the `topk_group`
-    groups (of `num_groups`) with the largest per-group maximum compete for the k places;
+    groups (of `num_groups`) with the largest per-group maximum compete for the k places
+    (Mistral-4: groups ranked by the sum of their two best scores, `group_score="top2_sum"`);
   * sigmoid top-k with a correction bias (DeepSeek-V3, R1, Kimi-K2: `noaux_tc`): scores are
     sigmoid(logits); the choice ranks score + bias (a per-expert load-balancing bias from the
     checkpoint), groups ranked by the sum of their two best biased scores; the weights are the
@@ -38,10 +39,13 @@ class RoutingConfig:
     topk_group: int = 1
     scaling_factor: float = 1.0
     scoring: str = "softmax"  # or "sigmoid" (DeepSeek-V3's noaux_tc, with a correction bias)
+    group_score: str = "max"  # softmax groups ranked by their "max" or "top2_sum" (Mistral-4)
 
     def __post_init__(self) -> None:
         if self.scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"unknown MoE scoring function {self.scoring!r}")
+        if self.group_score not in ("max", "top2_sum"):
+            raise ValueError(f"unknown MoE group score {self.group_score!r}")
         if self.num_experts % self.num_groups:
             raise ValueError(f"{self.num_experts} experts do not split into "
                              f"{self.num_groups} groups")
@@ -70,7 +74,9 @@ def select_experts(router_logits: torch.Tensor, config: RoutingConfig,
     scores = torch.softmax(router_logits.float(), dim=-1)
     if grouped:
         per_group = _per_group(scores, config.num_groups)
-        scores = _keep_best_groups(per_group, per_group.amax(dim=-1), config.topk_group, 0.0)
+        group_scores = per_group.amax(dim=-1) if config.group_score == "max" else \
+            _top2_sum(per_group)
+        scores = _keep_best_groups(per_group, group_scores, config.topk_group, 0.0)
     weights, ids = torch.topk(scores, config.top_k, dim=-1, sorted=False)
     return _weighted(weights, ids, config, eps=0.0)
 
@@ -95,8 +101,8 @@ def _sigmoid_topk(router_logits: torch.Tensor, config: RoutingConfig,
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if grouped:
         per_group = _per_group(choice, config.num_groups)
-        group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)
-        choice = _keep_best_groups(per_group, group_scores, config.topk_group, float("-inf"))
+        choice = _keep_best_groups(per_group, _top2_sum(per_group), config.topk_group,
+                                   float("-inf"))
     ids = torch.topk(choice, config.top_k, dim=-1, sorted=False).indices
     return _weighted(scores.gather(1, ids), ids, config, eps=1e-20)
 
@@ -109,6 +115,11 @@ def _weighted(weights: torch.Tensor, ids: torch.Tensor, config: RoutingConfig,
     if config.scaling_factor != 1.0:
         weights = weights * config.scaling_factor
     return TopK(weights, ids.to(torch.int32))
+
+
+def _top2_sum(per_group: torch.Tensor) -> torch.Tensor:
+    """[T, G, S] -> [T, G]: each group's two best scores summed (its one, for groups of one)."""
+    return per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)
 
 
 def _per_group(scores: torch.Tensor, num_groups: int) -> torch.Tensor:
