@@ -56,6 +56,7 @@ ENABLED = os.environ.get("RADIXSERVE_MOE_GEMV", "1") != "0"
 # small ones). On the H100 the GEMVs won at 4 tokens by 1.2x for Qwen3-30B-A3B (top 8 of 128)
 # and DeepSeek-V2-Lite (top 6 of 64), and lost from 4 tokens for Mixtral (top 2 of 8).
 DEFAULT_MAX_TOKENS = 4
+MAX_REREAD = 1.18  # default_takes: how many more expert reads than the grouped path's
 
 
 class MoeGemvConfigs(NamedTuple):
@@ -233,9 +234,21 @@ def _swept_table(kind: str, num_experts: int, n: int, k: int
     return tuple(sorted((int(tokens), entry) for tokens, entry in raw.items()))
 
 
-def default_takes(num_tokens: int, top_k: int) -> bool:
-    """Whether the GEMVs take `num_tokens` tokens of `top_k` choices without a swept table."""
-    return num_tokens == 1 or (top_k >= 4 and num_tokens <= DEFAULT_MAX_TOKENS)
+def default_takes(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether the GEMVs take `num_tokens` tokens of `top_k` choices of `num_experts` without
+    a swept table: one token, or up to DEFAULT_MAX_TOKENS where each picks 4+ experts and the
+    GEMVs' reads (every pair's expert) exceed the grouped path's (each distinct expert, under
+    uniform routing) by at most MAX_REREAD. At 4 tokens Qwen3-30B-A3B (top 8 of 128: 1.10x)
+    and DeepSeek-V2-Lite (top 6 of 64: 1.15x) won with the GEMVs on the H100 by 1.2x;
+    gpt-oss-20b (top 4 of 32: 1.21x) lost, 5.78 against 4.65 ms (session 42; dummy weights
+    route every token alike, so the grouped path read fewer experts than real routing
+    would: a table swept with real routing should decide it)."""
+    if num_tokens == 1:
+        return True
+    if top_k < 4 or num_tokens > DEFAULT_MAX_TOKENS:
+        return False
+    distinct = num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+    return num_tokens * top_k <= MAX_REREAD * distinct
 
 
 def moe_gemv_configs(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor,
@@ -252,7 +265,7 @@ def moe_gemv_configs(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.T
     table = None if group_k is not None else \
         _swept_table("fp8" if fp8 else "bf16", num_experts, two_i, hidden)
     if table is None:
-        if not default_takes(num_tokens, top_k):
+        if not default_takes(num_tokens, top_k, w13.shape[0]):
             return None
         configs = default_configs(fp8)
     else:
