@@ -10,23 +10,22 @@ The chat template ends the prompt with `<|start|>assistant`; the model then writ
 (the recipient may also follow the role: `<|start|>assistant to=functions.NAME<|channel|>...`).
 All seven tags are special tokens: requests keep them in the output text (`MARKERS`).
 
-`split_harmony` gives (reasoning, answer) as the reasoning parsers do (server/reasoning.py):
-the reasoning is the analysis messages' text; the answer is the text of the final messages and
-of commentary messages without a recipient (preambles), followed by each message addressed to
-a function, written canonically (`<|channel|>commentary to=functions.NAME<|message|>ARGS`,
-`<|call|>` once it is complete), which `HarmonyToolParser` (tool_parsers/harmony.py) reads
-(left out where the request parses no calls). Messages are joined by a newline.
-Messages to other recipients (the built-in browser and python tools, which radixserve does
-not run) are left out. A constrained answer (response_format) skips the analysis: the
-chat route ends its prompt with `<|channel|>final<|message|>` (`CONSTRAINED_ANSWER`, where the
-prompt ends with the generation prompt), so the grammar applies to the final message from its
-first token. An output without any message tag (tags stripped, or a model that
-skipped them) is all answer; one that ends inside its first header has none. A call is
-complete at `<|call|>`: that EOS is not in the output's text, so the chat route appends it
-where the output ended with that token (`with_call_end`); a call cut by a stop string or by
-max_tokens stays unfinished. Messages after a call are left out. While unfinished, a message whose header is incomplete is left
-out and a tail that may still be a tag is held back, so the answer and reasoning only grow.
-"""
+`split_harmony` gives (reasoning, answer) as the reasoning parsers do (server/reasoning.py): the
+reasoning is the analysis messages' text; the answer is the text of the final messages and of
+commentary messages without a recipient (preambles), followed by each message addressed to a
+function, written canonically (`<|channel|>commentary to=functions.NAME<|message|>ARGS`,
+`<|call|>` once it is complete), which `HarmonyToolParser` (tool_parsers/harmony.py) reads (left
+out where the request parses no calls). Messages are joined by a newline. Messages to other
+recipients (the built-in browser and python tools, which radixserve does not run) are left out.
+A constrained answer (response_format) skips the analysis: the chat route ends its prompt with
+`<|channel|>final<|message|>` (`CONSTRAINED_ANSWER`, where the prompt ends with the generation
+prompt), so the grammar applies to the final message from its first token. An output without any
+message tag (tags stripped, or a model that skipped them) is all answer; one that ends inside
+its first header has none. A call is complete at `<|call|>`: that EOS is not in the output's
+text, so the chat route appends it where the output ended with that token (`with_call_end`); a
+call cut by a stop string or by max_tokens stays unfinished. Messages after a call are left out.
+While unfinished, a message whose header is incomplete is left out and a tail that may still be
+a tag is held back, so the answer and reasoning only grow."""
 from __future__ import annotations
 
 from dataclasses import dataclass

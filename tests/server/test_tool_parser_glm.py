@@ -56,7 +56,8 @@ TEMPLATES = {name: (
     "{%- if m.content %}{{ m.content }}{% endif -%}"
     "{%- for tc in m.tool_calls or [] -%}{%- set tc = tc.function -%}" + call + "{%- endfor -%}"
     "{%- elif m.role == 'tool' -%}{{ '<|observation|>\\n<tool_response>' + m.content + "
-    "'</tool_response>' }}{%- endif -%}{%- endfor -%}<|assistant|>") for name, call in _CALL.items()}
+    "'</tool_response>' }}{%- endif -%}{%- endfor -%}<|assistant|>")
+    for name, call in _CALL.items()}
 
 
 def test_flag_names_and_template_detection() -> None:

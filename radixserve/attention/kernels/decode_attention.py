@@ -411,7 +411,8 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         SLIDING_WINDOW=window, LOGIT_CAP=cap, KV_FP8=kv_fp8,
         FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16), EARLY_V=config.early_v,
         LAZY_RESCALE=config.lazy_rescale, LAZY_BITS=LAZY_MAX_BITS, EARLY_KV=config.early_kv,
-        HAS_SINKS=sinks is not None, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(q),
+        HAS_SINKS=sinks is not None, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_launch_args(q),
         **({"maxnreg": config.max_registers} if config.max_registers > 0 else {}),
     )
     if single_split:

@@ -1,12 +1,12 @@
 """gpt-oss's tool calls (`--tool-call-parser openai`, vLLM's name; also `harmony`): messages
 addressed to `functions.NAME` whose body is the arguments' JSON. The Harmony split
-(server/harmony.py) has already turned the output into its answer text followed by each call
-in one canonical form, `<|channel|>commentary to=functions.NAME<|message|>ARGS[<|call|>]`,
-which this parser reads: the name once the header is complete, the arguments as far as they
-have come, complete at `<|call|>` only (the chat route puts that EOS back at the text's end,
-harmony.with_call_end; a call cut by a stop string or max_tokens stays unfinished). A forced call's grammar is the
-model's own header around the tool's parameters schema; the call's end is the EOS `<|call|>`.
-One call per message and per turn (`<|call|>` ends the output)."""
+(server/harmony.py) has already turned the output into its answer text followed by each call in
+one canonical form, `<|channel|>commentary to=functions.NAME<|message|>ARGS[<|call|>]`, which
+this parser reads: the name once the header is complete, the arguments as far as they have come,
+complete at `<|call|>` only (the chat route puts that EOS back at the text's end,
+harmony.with_call_end; a call cut by a stop string or max_tokens stays unfinished). A forced
+call's grammar is the model's own header around the tool's parameters schema; the call's end is
+the EOS `<|call|>`. One call per message and per turn (`<|call|>` ends the output)."""
 from __future__ import annotations
 
 import json
