@@ -29,8 +29,10 @@ def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
     Scaled kinds (linear, dynamic, llama3, yarn) use transformers' own frequency functions, so
     they match the reference implementation; ModelConfig already refused any other kind.
-    "dynamic" rescales only past max_position_embeddings, which the context never exceeds, so
-    its frequencies are the default ones. yarn's attention factor multiplies cos and sin."""
+    "dynamic" rescales only past max_position_embeddings, which the context does not exceed
+    (unless RADIXSERVE_ALLOW_LONGER_CONTEXT lets it: past them these tables keep the unscaled
+    frequencies, where transformers rescales per sequence length), so its frequencies are
+    the default ones. yarn's attention factor multiplies cos and sin."""
     kind = config.rope_type
     if kind != "default":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -351,8 +351,12 @@ class ChatCompletionRequest(SamplingFields):
                 message["tool_call_id"] = m.tool_call_id
             if m.tool_calls:
                 message["tool_calls"] = m.tool_calls
-            if m.reasoning_content is not None:  # vLLM's name; gpt-oss's template: thinking
-                message["reasoning_content"] = message["thinking"] = m.reasoning_content
+            if m.reasoning_content is not None:  # vLLM's name
+                message["reasoning_content"] = m.reasoning_content
+                if not (message["content"] and m.tool_calls):
+                    # gpt-oss's template reads `thinking`, and refuses it beside both content
+                    # and tool calls
+                    message["thinking"] = m.reasoning_content
             out.append(message)
         return out
 

@@ -182,8 +182,8 @@ def tool_message(plan: ToolPlan, text: str, cut: bool = False) -> tuple[dict[str
     if not plan.parse_output:
         return {"role": "assistant", "content": text}, False
     content, calls = plan.parser.parse(text, keep_unfinished=cut)
-    if not calls:
-        return {"role": "assistant", "content": text}, False
+    if not calls:  # parse's content: the text, less a call begun and left unfinished
+        return {"role": "assistant", "content": content}, False
     calls = calls[:plan.max_calls]
     return {"role": "assistant", "content": content or None,
             "tool_calls": [{"id": new_call_id(), "type": "function",

@@ -23,10 +23,10 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 FP8 = torch.float8_e4m3fn
 
 
-def _quantize(w: torch.Tensor, fmt: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _quantize(w: torch.Tensor, fmt: str,
+              block: int = 32) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Checkpoint tensors of one FP8 linear (suffix -> tensor) and its dequantised weight."""
     if fmt == "block":
-        block = 32
         rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
         padded = torch.zeros(rows * block, cols * block)
         padded[:w.shape[0], :w.shape[1]] = w
@@ -126,3 +126,45 @@ def test_online_quantization_matches_a_per_channel_twin(model: str, tmp_path) ->
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     plain = _logits(tmp_path / "bf16")
     assert any((a - b).abs().max() > 1e-3 for a, b in zip(ours, plain))  # it did quantise
+
+
+def _block_quantize(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, cols] (multiples of block) -> (FP8 codes, scales [rows / b, cols / b])."""
+    rows, cols = w.shape[0] // block, w.shape[1] // block
+    amax = w.view(rows, block, cols, block).abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = amax / 448
+    expanded = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return (w / expanded).clamp(-448, 448).to(FP8), scale
+
+
+def test_stacked_fp8_experts_match_their_dequantised_twin(tmp_path) -> None:
+    """Mistral-4's experts in one tensor per projection, block-scaled as transformers' FP8
+    writes them (`experts.gate_up_proj` codes, `experts.gate_up_proj_scale_inv` [E, 2I/b,
+    H/b]): the gate and up halves' scale rows split per expert, as the per-expert layout's."""
+    block = 8
+    make_checkpoint("mistral4_mla_halves", tmp_path / "base")
+    tensors = load_file(str(tmp_path / "base" / "model.safetensors"))
+    fp8, twin = {}, {}
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            pairs = [_block_quantize(w.float(), block) for w in t]
+            fp8[name] = torch.stack([codes for codes, _ in pairs])
+            fp8[f"{name}_scale_inv"] = torch.stack([scale for _, scale in pairs])
+            twin[name] = torch.stack([
+                codes.float() * scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+                for codes, scale in pairs])
+        elif name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEARS:
+            pieces, twin[name] = _quantize(t.float(), "block", block)
+            fp8.update({name[:-len("weight")] + suffix: piece.contiguous()
+                        for suffix, piece in pieces.items()})
+        else:
+            fp8[name] = twin[name] = t
+    config = json.loads((tmp_path / "base" / "config.json").read_text())
+    for label, state, extra in (("fp8", fp8, {"quantization_config": {
+            "quant_method": "fp8", "activation_scheme": "dynamic",
+            "weight_block_size": [block, block]}}), ("twin", twin, {})):
+        (tmp_path / label).mkdir()
+        save_file(state, str(tmp_path / label / "model.safetensors"))
+        (tmp_path / label / "config.json").write_text(json.dumps({**config, **extra}))
+    for got, want in zip(_logits(tmp_path / "fp8"), _logits(tmp_path / "twin")):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

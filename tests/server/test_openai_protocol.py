@@ -131,6 +131,10 @@ def test_a_returned_assistant_message_can_be_sent_back() -> None:
                           {"role": "tool", "tool_call_id": "call_1", "content": "42"}])
     message = body.conversation()[1]
     assert message["reasoning_content"] == message["thinking"] == "Look it up."
+    # beside content and tool calls, no `thinking` (gpt-oss's template refuses all three)
+    body = chat(messages=[{"role": "user", "content": "q"}, {**returned, "content": "One sec."},
+                          {"role": "tool", "tool_call_id": "call_1", "content": "42"}])
+    assert "thinking" not in body.conversation()[1]
     with pytest.raises(APIError):  # a refusal is the model's, never the history's
         chat(messages=[{"role": "user", "content": "q"}, {**returned, "refusal": "no"}])
 

@@ -145,6 +145,17 @@ def test_a_call_cut_off_does_not_finish_as_tool_calls(chunk: int) -> None:
     assert not stream.has_calls
 
 
+@pytest.mark.parametrize("chunk", [1, 5, 1000])
+def test_a_call_begun_and_cut_is_no_content_streamed_or_not(chunk: int) -> None:
+    """A stop string ended the output inside a call: the chat message's content is the text
+    before it (not the raw call), as the stream sends it."""
+    plan = plan_tools(_chat(tools=[WEATHER]), "hermes", "")
+    text = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    message, called = tool_message(plan, text)
+    assert message["content"] == "Sure." and not called
+    assert stream_text("hermes", text, chunk)[0] == "Sure."
+
+
 def test_detect_parser_from_template() -> None:
     assert detect_parser_name("{{ '<tool_call>' }}") == "hermes"
     assert detect_parser_name("[TOOL_CALLS]") == "mistral"

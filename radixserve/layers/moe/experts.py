@@ -43,9 +43,12 @@ def expert_weight_target(name: str) -> tuple[str, tuple[int | str, str]] | None:
     '...mlp.experts.gate_up_proj' [E, 2I, H] (gate rows then up) -> (w13_weight,
     ('all', 'w13')), '...mlp.experts.down_proj' [E, H, I] -> (w2_weight, ('all', 'w2'))."""
     prefix, _, leaf = name.rpartition(".")
-    if prefix.endswith(".experts") and leaf in ("gate_up_proj", "down_proj"):
-        piece = "w13" if leaf == "gate_up_proj" else "w2"
-        return f"{prefix}.{piece}_weight", ("all", piece)
+    if prefix.endswith(".experts"):
+        projection = leaf.removesuffix("_inv").removesuffix("_scale")  # FP8's scales
+        if projection in ("gate_up_proj", "down_proj"):
+            piece = "w13" if projection == "gate_up_proj" else "w2"
+            suffix = "_scale" if projection != leaf else ""
+            return f"{prefix}.{piece}_weight{suffix}", ("all", piece)
     found = _EXPERT_NAME.match(name)
     if found is None or found.group(3) not in _PIECES:
         return None
@@ -110,11 +113,37 @@ class FusedMoE(nn.Module):
             param.optional = self.fp8.online  # type: ignore[attr-defined]
             setattr(self, name, param)
 
+    def _load_scale_stack(self, param: nn.Parameter, loaded: torch.Tensor,
+                          piece: str) -> set[tuple[int, str]]:
+        """Every expert's scales from one tensor [E, ...] (per tensor, per row, or per block
+        of the stacked [E, 2I, H] / [E, H, I]), gate|up's rows split into gate and up."""
+        assert self.fp8 is not None
+        full = self.intermediate_size * self.tp_size
+        if loaded.shape[0] != self.num_experts:
+            raise ValueError(f"stacked expert scales of shape {tuple(loaded.shape)} for "
+                             f"{self.num_experts} experts")
+        block = self.fp8.block
+        if piece == "w13" and block is not None and full % block:
+            raise ValueError(f"gate|up scale blocks of {block} rows straddle the gate and up "
+                             f"halves ({full} rows each)")
+        pieces = ("w1", "w3") if piece == "w13" else ("w2",)
+        for expert in range(self.num_experts):
+            scales = loaded[expert]
+            if piece == "w13" and scales.dim() > 0 and scales.shape[0] > 1:
+                halves = scales.split(scales.shape[0] // 2)  # rows (or row blocks) halved
+            else:
+                halves = (scales,) * len(pieces)  # one scale for the whole stack
+            for name, half in zip(pieces, halves):
+                self.scale_loader(param, half, (expert, name))
+        return {(expert, name) for expert in range(self.num_experts) for name in pieces}
+
     def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                     shard_id: object = None) -> None:
+                     shard_id: object = None) -> set[tuple[int, str]] | None:
         """A checkpoint scale of one expert piece, expanded to its rows (per tensor, per
         channel or per block), then split over the ranks as the piece's weight is."""
         assert isinstance(shard_id, tuple) and self.fp8 is not None
+        if shard_id[0] == "all":
+            return self._load_scale_stack(param, loaded, shard_id[1])
         expert, piece = shard_id
         size, rank = self.intermediate_size, self.tp_rank
         rows = self.hidden_size if piece == "w2" else size * self.tp_size

@@ -128,7 +128,9 @@ def _text_grammar(schema: dict[str, Any]) -> Any:
 
     pattern = schema.get("pattern")
     if isinstance(pattern, str):
-        return xgrammar.Grammar.from_regex(pattern.removeprefix("^").removesuffix("$"))
+        if pattern.endswith("$") and not pattern.endswith("\\$"):  # an anchor, not a "\$"
+            pattern = pattern[:-1]
+        return xgrammar.Grammar.from_regex(pattern.removeprefix("^"))
     low, high = schema.get("minLength"), schema.get("maxLength")
     if isinstance(low, int) or isinstance(high, int):
         low = low if isinstance(low, int) else 0
