@@ -18,6 +18,7 @@ ARCHITECTURE_MODEL_TYPES = {
     "Mistral3ForConditionalGeneration": "mistral3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     # multimodal Gemma-3 (4b-27b): served text-only, its language model (`text_config`)

@@ -26,7 +26,8 @@ def hf_greedy(hf_model, ids: list[int], new_tokens: int) -> list[int]:
     return seq[len(ids):]
 
 
-@pytest.mark.parametrize("name", ["mistral_window32", "qwen3_qk_norm", "gemma2_softcap_window",
+@pytest.mark.parametrize("name", ["mistral_window32", "qwen3_qk_norm", "gemma_mqa",
+                                  "gemma2_softcap_window",
                                   "gemma3_text", "gemma3_linear_rope",
                                   "mixtral_moe", "qwen2_moe_shared", "qwen3_moe",
                                   "deepseek_v2_lite_mla", "deepseek_v2_q_lora",

@@ -34,6 +34,10 @@ CONFIGS = {
     "qwen3_qk_norm": (transformers.Qwen3Config, dict(
         BASE, num_key_value_heads=2, head_dim=24, rope_theta=1000000.0,
         tie_word_embeddings=False)),
+    # Gemma (1) / CodeGemma: GeGLU, scaled embeddings, (1 + w) norms, one KV head (2b), tied
+    "gemma_mqa": (transformers.GemmaConfig, dict(
+        BASE, num_key_value_heads=1, head_dim=16, hidden_act="gelu_pytorch_tanh",
+        tie_word_embeddings=True)),
     # Gemma-2: GeGLU, scaled embeddings, four norms per layer, soft-capped attention and final
     # logits (caps low enough to bend these logits), a window on every other layer, tied
     "gemma2_softcap_window": (transformers.Gemma2Config, dict(
