@@ -18,6 +18,7 @@ another activation: a loop over the experts some token chose.
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 import torch
 from torch import nn
@@ -218,9 +219,18 @@ class FusedMoE(nn.Module):
         if tuple(loaded.shape) != want:
             raise ValueError(f"stacked experts {piece} of shape {tuple(loaded.shape)}, "
                              f"expected {want}")
+        return self.load_experts(param, piece, lambda expert: loaded[expert])
+
+    def load_experts(self, param: nn.Parameter, piece: str,
+                     matrix_of: Callable[[int], torch.Tensor]) -> set[tuple[int, str]]:
+        """Each expert's whole matrix, `matrix_of(expert)`: gate|up [2I, H] (gate rows, then
+        up rows) or down [H, I], loaded piece by piece through `weight_loader` (this rank's
+        part); the (expert, piece) shards loaded."""
+        full = self.intermediate_size * self.tp_size
         pieces = ("w1", "w3") if piece == "w13" else ("w2",)
         for expert in range(self.num_experts):
-            halves = loaded[expert].split(full) if piece == "w13" else (loaded[expert],)
+            matrix = matrix_of(expert)
+            halves = matrix.split(full) if piece == "w13" else (matrix,)
             for name, half in zip(pieces, halves):
                 self.weight_loader(param, half, (expert, name))
         return {(expert, name) for expert in range(self.num_experts) for name in pieces}

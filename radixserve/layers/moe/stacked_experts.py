@@ -18,8 +18,6 @@ the MoE block reduces once.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import nn
 
@@ -53,7 +51,6 @@ class StackedExperts(FusedMoE):
                          **activation_options)
         if self.fp8 is not None and not self.fp8.online:
             raise ValueError("stacked experts from an FP8 checkpoint are not supported")
-        self.mxfp4 = mxfp4
         parts = {"blocks", "scales"} if mxfp4 else {"weight"}
         size = self.intermediate_size
         self.w13_bias = nn.Parameter(torch.zeros(num_experts, 2 * size), requires_grad=False)
@@ -90,8 +87,8 @@ class StackedExperts(FusedMoE):
                 raise ValueError(f"{piece} MXFP4 blocks {tuple(blocks.shape)} / scales "
                                  f"{tuple(scales.shape)}, expected {want} / {want[:3]}")
             # one expert at a time: the whole stack's float32 temporaries would take tens of GB
-            self._load_experts(param, piece, lambda e: dequantize_mxfp4(
-                blocks[e], scales[e], param.dtype))
+            self.load_experts(param, piece, lambda e: _gate_then_up(dequantize_mxfp4(
+                blocks[e], scales[e], param.dtype), piece))
             return
         want = {("w13", "weight"): (self.num_experts, out_in[1], out_in[0]),
                 ("w2", "weight"): (self.num_experts, out_in[1], out_in[0]),
@@ -100,37 +97,15 @@ class StackedExperts(FusedMoE):
         if tuple(loaded.shape) != want:
             raise ValueError(f"{piece} {part} of shape {tuple(loaded.shape)}, expected {want}")
         if part == "weight":  # [E, in, out]
-            self._load_experts(param, piece, lambda e: loaded[e].t())
+            self.load_experts(param, piece, lambda e: _gate_then_up(loaded[e].t(), piece))
         elif piece == "w2":
             param.data.copy_(loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
-        else:  # interleaved gate / up -> gate then up
-            self._load_rows(param.data, torch.cat((loaded[..., 0::2], loaded[..., 1::2]), -1),
-                            piece)
-
-    def _load_experts(self, param: nn.Parameter, piece: str,
-                      matrix_of: Callable[[int], torch.Tensor]) -> None:
-        """Each expert's [out, in] matrix (gate|up rows interleaved), this rank's part."""
-        for expert in range(self.num_experts):
-            matrix = matrix_of(expert)
-            if piece == "w13":
-                matrix = torch.cat((matrix[0::2], matrix[1::2]))
-            self._load_rows(param.data[expert], matrix, piece, expert)
-
-    def _load_rows(self, target: torch.Tensor, loaded: torch.Tensor, piece: str,
-                   expert: int | None = None) -> None:
-        """This rank's rows of a gate-then-up w13 (or bias), or columns of a w2."""
-        size, rank = self.intermediate_size, self.tp_rank
-        if piece == "w2":
-            target.copy_(loaded.narrow(-1, rank * size, size))
-            if self.fp8 is not None and self.fp8.online and self.tp_size > 1 and expert is not None:
-                from radixserve.layers.quantization.fp8 import row_amax
-                self._w2_row_amax[expert] = row_amax(loaded)
-            return
-        full = size * self.tp_size
-        dim = 0 if expert is not None else -1  # an expert's rows, or the bias's last dim
-        for half in (0, 1):
-            source = loaded.narrow(dim, half * full + rank * size, size)
-            target.narrow(dim, half * size, size).copy_(source)
+        else:  # this rank's gate and up biases, interleaved in the checkpoint
+            size, rank = self.intermediate_size, self.tp_rank
+            gate_up = _gate_then_up(loaded.t(), piece).t()  # [E, 2 * full]
+            for half in (0, 1):
+                param.data.narrow(1, half * size, size).copy_(
+                    gate_up.narrow(1, half * full + rank * size, size))
 
     def finish_loading(self) -> None:
         if self._pending:
@@ -138,3 +113,9 @@ class StackedExperts(FusedMoE):
                              for piece, part in self._pending)
             raise ValueError(f"MXFP4 experts without their other half: {missing}")
         super().finish_loading()
+
+
+def _gate_then_up(matrix: torch.Tensor, piece: str) -> torch.Tensor:
+    """An [out, ...] gate|up matrix with gate and up rows interleaved (gate even) as gate rows
+    then up rows; other pieces as they are."""
+    return torch.cat((matrix[0::2], matrix[1::2])) if piece == "w13" else matrix
