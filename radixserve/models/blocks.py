@@ -305,14 +305,17 @@ class DecoderModel(nn.Module):
         return hidden
 
 
-def beyond_decoder_layers(name: str, num_layers: int) -> bool:
-    """A checkpoint tensor of `model.layers.{i}` with i >= num_layers: the multi-token
-    prediction layers DeepSeek-V3 and GLM-4.5 ship for speculative decoding, which decoding one
-    token per step does not use."""
-    if not name.startswith("model.layers."):
-        return False
-    layer = name.split(".", 3)[2]
-    return layer.isdigit() and int(layer) >= num_layers
+class SkipsMtpLayers:
+    """Mixin in front of a CausalLM: checkpoint tensors of `model.layers.{i}` with i >=
+    num_hidden_layers are skipped, the multi-token prediction layers DeepSeek-V3 and GLM-4.5
+    ship for speculative decoding, which decoding one token per step does not use."""
+
+    def skip_weight(self, name: str) -> bool:
+        if name.startswith("model.layers."):
+            layer = name.split(".", 3)[2]
+            if layer.isdigit() and int(layer) >= self.config.num_hidden_layers:  # type: ignore
+                return True
+        return super().skip_weight(name)  # type: ignore[misc]
 
 
 class CausalLM(nn.Module):

@@ -30,8 +30,8 @@ from radixserve.layers.norm import RMSNorm
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary import RotaryEmbedding
 from radixserve.mem.kv_pool import KVCacheSpec
-from radixserve.models.blocks import (CausalLM, DecoderLayer, DecoderModel,
-                                      beyond_decoder_layers, dense_mlp)
+from radixserve.models.blocks import (CausalLM, DecoderLayer, DecoderModel, SkipsMtpLayers,
+                                      dense_mlp)
 from radixserve.models.moe_blocks import SparseMoeBlock
 from radixserve.models.multimodal_text import LanguageModelOfMultimodal
 
@@ -229,21 +229,19 @@ class DeepseekV2ForCausalLM(CausalLM):
                            v_head_dim=hf.kv_lora_rank)
 
 
-class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+class DeepseekV3ForCausalLM(SkipsMtpLayers, DeepseekV2ForCausalLM):
     """DeepSeek-V3 / R1 (and Kimi-K2, same architecture): V2's MLA and MoE blocks with
     sigmoid noaux_tc routing (moe_blocks.routing_config). The checkpoint's multi-token
     prediction layers (`model.layers.{num_hidden_layers + i}`, for speculative decoding) are
     skipped: we decode one token per step."""
 
+    halved_rope = False  # rope over the halves (`rope_interleave` false): refused here
+
     def __init__(self, config: ModelConfig) -> None:
-        if not getattr(config.hf, "rope_interleave", True):
+        if not self.halved_rope and not getattr(config.hf, "rope_interleave", True):
             raise ValueError("DeepSeek-V3 with rope_interleave false is not supported (the "
                              "released checkpoints use DeepSeek's interleaved rope pairs)")
         super().__init__(config)
-
-    def skip_weight(self, name: str) -> bool:
-        return beyond_decoder_layers(name, self.config.num_hidden_layers) or \
-            super().skip_weight(name)
 
 
 class Mistral4ForCausalLM(DeepseekV3ForCausalLM):
@@ -251,8 +249,7 @@ class Mistral4ForCausalLM(DeepseekV3ForCausalLM):
     scores, no correction bias, a router in the model's dtype), rope over adjacent pairs or
     halves (`rope_interleave`), and Llama-4's query scaling past the original context."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        DeepseekV2ForCausalLM.__init__(self, config)
+    halved_rope = True
 
 
 class Mistral4ForConditionalGeneration(LanguageModelOfMultimodal, Mistral4ForCausalLM):

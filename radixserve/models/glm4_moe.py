@@ -14,22 +14,17 @@ import functools
 
 from radixserve.core.model_config import ModelConfig
 from radixserve.layers.moe.experts import expert_weight_target
-from radixserve.models.blocks import (CausalLM, DecoderLayer, DecoderModel,
-                                      beyond_decoder_layers)
+from radixserve.models.blocks import CausalLM, DecoderLayer, DecoderModel, SkipsMtpLayers
 from radixserve.models.deepseek_v2 import DeepseekV3ForCausalLM, deepseek_mlp
 
 
-class Glm4MoeForCausalLM(CausalLM):
+class Glm4MoeForCausalLM(SkipsMtpLayers, CausalLM):
     weight_target = staticmethod(expert_weight_target)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, DecoderModel(config, functools.partial(
             DecoderLayer, qk_norm=bool(getattr(config.hf, "use_qk_norm", False)),
             make_mlp=deepseek_mlp)))
-
-    def skip_weight(self, name: str) -> bool:
-        return beyond_decoder_layers(name, self.config.num_hidden_layers) or \
-            super().skip_weight(name)
 
 
 class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
