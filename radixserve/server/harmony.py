@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixserve.server.partial_text import held_back
+
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
 MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
@@ -66,7 +68,7 @@ def parse_messages(text: str, final: bool) -> list[HarmonyMessage]:
             continue
         body = text[start:]
         if not final:
-            body = body[:len(body) - _held_back(body)]
+            body = body[:len(body) - held_back(body, *MARKERS)]
         # the output's end closes a message, but a call only at <|call|>: a stop string, or
         # <|return|>, inside a call's arguments leaves the call unfinished
         messages.append(HarmonyMessage(channel, recipient, body, final and recipient is None))
@@ -82,7 +84,7 @@ def split_harmony(text: str, final: bool = True,
         opening = text.lstrip()
         if opening.startswith("<|") or any(m.startswith(opening) for m in MARKERS):
             return None, ""  # a header still being written, or cut off: no answer yet
-        return None, text if final else text[:len(text) - _held_back(text)]
+        return None, text if final else text[:len(text) - held_back(text, *MARKERS)]
     reasoning: list[str] = []
     answer: list[str] = []
     calls: list[str] = []
@@ -124,11 +126,3 @@ def _header(header: str) -> tuple[str | None, str | None]:
         if word.startswith("to="):
             recipient = word[3:]
     return channel, recipient
-
-
-def _held_back(text: str) -> int:
-    """How many trailing characters of `text` may still become one of the tags."""
-    for size in range(min(max(map(len, MARKERS)) - 1, len(text)), 0, -1):
-        if any(marker.startswith(text[-size:]) for marker in MARKERS):
-            return size
-    return 0

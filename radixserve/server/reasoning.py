@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.core.sampling_params import GATE_THINKING, GATE_UNDECIDED
+from radixserve.server.harmony import CALL, MARKERS, split_harmony
+from radixserve.server.partial_text import held_back
 
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -53,7 +55,6 @@ class ReasoningFormat:
     def tags(self) -> tuple[str, ...]:
         """The texts the output must keep to be split (where they are special tokens)."""
         if self.harmony:
-            from radixserve.server.harmony import MARKERS
             return MARKERS
         return self.start, self.end
 
@@ -86,14 +87,6 @@ def reasoning_format(name: str | None, tokenizer: Any) -> ReasoningFormat | None
     return None
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of text that begins the tag (held back while streaming)."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
-
-
 @dataclass(frozen=True)
 class ReasoningSplit:
     """How one request's output is split: its format, and whether the prompt left a block
@@ -123,7 +116,6 @@ def plan_split(fmt: ReasoningFormat | None, prompt: str, constrained: bool,
         return None
     call_token = None
     if fmt.harmony and tokenizer is not None:
-        from radixserve.server.harmony import CALL
         call_token = _single_token(tokenizer, CALL)
     return ReasoningSplit(fmt, prompt_block(fmt, prompt) == "opened", parses_calls, call_token,
                           forced_call)
@@ -135,7 +127,6 @@ def split_reasoning(fmt: ReasoningFormat, text: str, final: bool = True,
     Not final: only what can no longer change (a stream's deltas are the growth of both
     between calls)."""
     if fmt.harmony:
-        from radixserve.server.harmony import split_harmony
         return split_harmony(text, final, keep_calls)
     body = text.lstrip()
     opened = inside or body.startswith(fmt.start)
@@ -150,7 +141,7 @@ def split_reasoning(fmt: ReasoningFormat, text: str, final: bool = True,
         return body[:end].strip(), body[end + len(fmt.end):].lstrip()
     if final:
         return body.strip(), ""
-    held = _partial_suffix(body, fmt.end)
+    held = held_back(body, fmt.end)
     return body[:len(body) - held].strip(), ""
 
 

@@ -19,6 +19,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.server.partial_text import held_back
+
 _DECODER = json.JSONDecoder()
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
@@ -157,14 +159,6 @@ class ToolCallParser(ABC):
             else:
                 return pos
         return pos
-
-
-def held_back(text: str, marker: str) -> int:
-    """How many trailing characters of `text` could be the start of `marker`."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
 
 
 def _arguments_text(call_text: str, obj: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 
+from radixserve.server.partial_text import skip_blanks
 from radixserve.server.tool_parsers.base import PartialCall, Scan, ToolCall, ToolCallParser
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -55,7 +56,7 @@ class _DeepSeekParser(ToolCallParser):
     def _closing(self, text: str, pos: int) -> int | None:
         """Past the call's closing literals after its arguments end at `pos` (None where they
         are unfinished or missing)."""
-        pos = _take(text, _skip_blanks(text, pos), CALL_END)
+        pos = _take(text, skip_blanks(text, pos), CALL_END)
         return pos if pos not in (None, _MORE) else None
 
     def scan(self, text: str, final: bool = False) -> Scan:
@@ -65,7 +66,7 @@ class _DeepSeekParser(ToolCallParser):
             return scan
         pos += len(CALLS_BEGIN)
         while True:
-            pos = _skip_blanks(text, pos)
+            pos = skip_blanks(text, pos)
             if not text.startswith(CALL_BEGIN, pos):
                 break  # the section's end, an unfinished marker or something else
             name, pos = self._header(text, pos + len(CALL_BEGIN))
@@ -117,17 +118,17 @@ class DeepSeekV3Parser(_DeepSeekParser):
         if line_end < 0 or "｜" in text[pos:sep]:
             return None, pos
         name = _name(text[sep + len(SEP):line_end])
-        pos = _skip_blanks(text, line_end)
+        pos = skip_blanks(text, line_end)
         fence = _take(text, pos, _FENCE)
         if fence is not None and fence != _MORE:
             tag = _take(text, fence, "json")
             fence = tag if tag is not None else fence
         if fence == _MORE:
             return name, len(text)  # the arguments have not started
-        return name, _skip_blanks(text, pos if fence is None else fence)
+        return name, skip_blanks(text, pos if fence is None else fence)
 
     def _closing(self, text: str, pos: int) -> int | None:
-        pos = _skip_blanks(text, pos)
+        pos = skip_blanks(text, pos)
         fence = _take(text, pos, _FENCE)  # read loosely too: the end marker without it
         if fence == _MORE:
             return None
@@ -147,7 +148,7 @@ class DeepSeekV31Parser(_DeepSeekParser):
         sep = text.find(SEP, pos)
         if sep < 0:
             return None, pos
-        return _name(text[pos:sep]), _skip_blanks(text, sep + len(SEP))
+        return _name(text[pos:sep]), skip_blanks(text, sep + len(SEP))
 
 
 def _name(text: str) -> str | None:
@@ -178,8 +179,3 @@ def _take(text: str, pos: int, literal: str) -> int | None:
         return pos + len(literal)
     return _MORE if literal.startswith(text[pos:]) else None
 
-
-def _skip_blanks(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    return pos

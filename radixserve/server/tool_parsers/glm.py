@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from radixserve.server.partial_text import skip_blanks
 from radixserve.server.tool_parsers.base import PartialCall, Scan, ToolCall, ToolCallParser
 
 CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
@@ -43,7 +44,7 @@ class Glm45Parser(ToolCallParser):
         content_end, pos = self.section_start(text, final)
         scan = Scan(content_end)
         while True:
-            pos = _skip_blanks(text, pos)
+            pos = skip_blanks(text, pos)
             if not text.startswith(CALL_BEGIN, pos):
                 break  # the answer's end, an unfinished tag or something else
             name, pos = _name(text, pos + len(CALL_BEGIN))
@@ -63,13 +64,13 @@ class Glm45Parser(ToolCallParser):
         text so far ends, and whether the call is complete."""
         pairs: list[str] = []
         while True:
-            pos = _skip_blanks(text, pos)
+            pos = skip_blanks(text, pos)
             if text.startswith(CALL_END, pos):
                 return pairs, pos + len(CALL_END), True
             key, after = _between(text, pos, KEY_BEGIN, KEY_END)
             if key is None:
                 return pairs, pos, False
-            value, after = _between(text, _skip_blanks(text, after), VALUE_BEGIN, VALUE_END)
+            value, after = _between(text, skip_blanks(text, after), VALUE_BEGIN, VALUE_END)
             if value is None:
                 return pairs, pos, False
             key = key.strip()
@@ -163,8 +164,3 @@ def _parameter_schema(tools: list[dict[str, Any]], function: str, key: str) -> A
             return properties.get(key)
     return None
 
-
-def _skip_blanks(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    return pos

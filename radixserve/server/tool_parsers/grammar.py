@@ -58,19 +58,18 @@ def _call_grammar(parser: ToolCallParser, tools: list[dict[str, Any]]) -> Any:
     import xgrammar
 
     literals = [parser.call_literals(tool["function"]["name"]) for tool in tools]
-    pairs = parser.argument_pairs()
-    if pairs is not None:
-        options = [xgrammar.Grammar.concat(_literal_grammar(before),
-                                           _pairs_grammar(tool, pairs), _literal_grammar(after))
-                   for tool, (before, after) in zip(tools, literals)]  # type: ignore[misc]
-        return options[0] if len(options) == 1 else xgrammar.Grammar.union(*options)
     if None in literals:
         return xgrammar.Grammar.from_json_schema(
             json.dumps(call_schema(tools, parser.arguments_key)), **JSON_SCHEMA_OPTIONS)
+    pairs = parser.argument_pairs()
     options = []
     for tool, (before, after) in zip(tools, literals):  # type: ignore[misc]
-        arguments = xgrammar.Grammar.from_json_schema(
-            json.dumps(tool["function"].get("parameters") or _ANY_OBJECT), **JSON_SCHEMA_OPTIONS)
+        if pairs is not None:
+            arguments = _pairs_grammar(tool, pairs)
+        else:
+            arguments = xgrammar.Grammar.from_json_schema(
+                json.dumps(tool["function"].get("parameters") or _ANY_OBJECT),
+                **JSON_SCHEMA_OPTIONS)
         options.append(xgrammar.Grammar.concat(_literal_grammar(before), arguments,
                                                _literal_grammar(after)))
     return options[0] if len(options) == 1 else xgrammar.Grammar.union(*options)

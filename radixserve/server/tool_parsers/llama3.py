@@ -5,7 +5,8 @@ whose first non-blank character is not `{` is plain content. A forced call is on
 format's one call per message (grammar_between stays None)."""
 from __future__ import annotations
 
-from radixserve.server.tool_parsers.base import ToolCallParser, held_back
+from radixserve.server.partial_text import held_back
+from radixserve.server.tool_parsers.base import ToolCallParser
 
 _PYTHON_TAG = "<|python_tag|>"
 
