@@ -38,6 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 PROMPT_LENS = (1, 7, 33, 100, 257)
 # name -> (transformers config class, its arguments, new tokens or None for --new-tokens)
+# the MLA + MoE layout DeepSeek-V3 and Mistral-4 share here (q compression, layer 0 dense, one
+# shared expert, 4 expert groups of which 2 are kept)
+_MLA_MOE: dict[str, Any] = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=8,
+                                kv_lora_rank=128, q_lora_rank=192, qk_nope_head_dim=64,
+                                qk_rope_head_dim=32, v_head_dim=64, moe_intermediate_size=256,
+                                n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+                                topk_group=2)
 CHECKPOINTS: dict[str, tuple[str, dict[str, Any], int | None]] = {
     # most important first (Llama-3 head layout)
     "hd128-gqa4": ("LlamaConfig", dict(hidden_size=512, num_attention_heads=8,
@@ -84,13 +91,7 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], int | None]] = {
     # bf16 run included), which the tie rule cannot see: bf16 FAIL lines of this checkpoint are
     # judged with benchmarks/gpu_logit_drift.py (session 41: the Triton path drifts as
     # transformers' bf16 does); fp32 must PASS
-    "deepseek-v3": ("DeepseekV3Config", dict(hidden_size=512, num_attention_heads=8,
-                                             num_key_value_heads=8, kv_lora_rank=128,
-                                             q_lora_rank=192, qk_nope_head_dim=64,
-                                             qk_rope_head_dim=32, v_head_dim=64,
-                                             n_routed_experts=32, num_experts_per_tok=4,
-                                             moe_intermediate_size=256, n_shared_experts=1,
-                                             first_k_dense_replace=1, n_group=4, topk_group=2,
+    "deepseek-v3": ("DeepseekV3Config", dict(_MLA_MOE, n_routed_experts=32, num_experts_per_tok=4,
                                              norm_topk_prob=True, routed_scaling_factor=2.5),
                     None),
     # GLM-4.5: q/k/v bias, per-head q/k norms, rope over half of each head (the rope + store
@@ -118,13 +119,7 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], int | None]] = {
     # Mistral-4: MLA with rope over the halves (the torch rope path on CUDA), Llama-4's query
     # scaling past an original context of 64 (the prompts run past it), softmax routing with
     # groups ranked by their two best scores, all experts in one tensor per projection
-    "mistral4": ("Mistral4Config", dict(hidden_size=512, num_attention_heads=8,
-                                        num_key_value_heads=8, kv_lora_rank=128,
-                                        q_lora_rank=192, qk_nope_head_dim=64,
-                                        qk_rope_head_dim=32, v_head_dim=64,
-                                        n_routed_experts=16, num_experts_per_tok=4,
-                                        moe_intermediate_size=256, n_shared_experts=1,
-                                        first_k_dense_replace=1, n_group=4, topk_group=2,
+    "mistral4": ("Mistral4Config", dict(_MLA_MOE, n_routed_experts=16, num_experts_per_tok=4,
                                         rope_interleave=False,
                                         rope_parameters={
                                             "rope_type": "yarn", "rope_theta": 10000.0,
@@ -165,9 +160,10 @@ def make_checkpoint(name: str, folder: Path, seed: int = 0) -> None:
                   max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
     config = getattr(transformers, config_cls)(**{**kwargs, **extra})
-    model = _model_class(config).from_config(config, dtype=torch.float32) \
-        if _model_class(config) is transformers.AutoModelForCausalLM else \
-        _model_class(config)._from_config(config, dtype=torch.float32)
+    model_cls = _model_class(config)
+    make = model_cls.from_config if model_cls is transformers.AutoModelForCausalLM else \
+        model_cls._from_config  # a model class's own, where the auto class maps none
+    model = make(config, dtype=torch.float32)
     with torch.no_grad():  # transformers' init is tiny; larger weights make attention matter
         for param in model.parameters():
             if param.dim() >= 2:  # matrices and stacked experts
