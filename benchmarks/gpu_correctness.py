@@ -128,10 +128,23 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], int | None]] = {
                                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
                                             "mscale_all_dim": 1.0,
                                             "llama_4_scaling_beta": 0.1}), None),
+    # Qwen3-Next: Gated DeltaNet layers (the recurrent states through CUDA graphs and overlap)
+    # beside gated attention of head_dim 256 with rope over a quarter of each head, experts
+    # with a sigmoid-gated shared expert
+    "qwen3-next": ("Qwen3NextConfig", dict(hidden_size=512, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=256,
+                                           linear_num_key_heads=4, linear_num_value_heads=8,
+                                           linear_key_head_dim=128, linear_value_head_dim=64,
+                                           linear_conv_kernel_dim=4, num_experts=16,
+                                           num_experts_per_tok=4, moe_intermediate_size=256,
+                                           shared_expert_intermediate_size=256,
+                                           norm_topk_prob=True,
+                                           layer_types=["linear_attention"] * 3 +
+                                           ["full_attention"]), None),
 }
 DEFAULT_CHECKPOINTS = ["hd128-gqa4", "mistral-swa32", "gemma2-hd64", "gemma3-hd64", "qwen3-hd64"]
 MOE_CHECKPOINTS = ["mixtral-moe", "qwen3-moe", "deepseek-mla", "deepseek-v3", "glm4-moe",
-                   "gpt-oss", "mistral4"]
+                   "gpt-oss", "mistral4", "qwen3-next"]
 PATHS = (("torch_native", False, 1), ("triton", False, 1), ("triton", True, 1))
 
 
@@ -165,8 +178,10 @@ def make_checkpoint(name: str, folder: Path, seed: int = 0) -> None:
         model_cls._from_config  # a model class's own, where the auto class maps none
     model = make(config, dtype=torch.float32)
     with torch.no_grad():  # transformers' init is tiny; larger weights make attention matter
-        for param in model.parameters():
-            if param.dim() >= 2:  # matrices and stacked experts
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("A_log"):  # linear attention: a decay that keeps ~50 tokens
+                param.uniform_(-5.0, -3.0)
+            elif param.dim() >= 2:  # matrices and stacked experts
                 param.normal_(0, 0.06)
             else:
                 param.uniform_(0.8, 1.2)

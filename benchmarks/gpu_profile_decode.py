@@ -41,6 +41,8 @@ def main() -> int:
     parser.add_argument("--graph", action="store_true", help="also time graph replays")
     parser.add_argument("--quantization", default=None, help="e.g. fp8")
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--json-model-override-args", default=None,
+                        help='e.g. \'{"num_hidden_layers": 12}\' (fewer layers of a large model)')
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device")
@@ -54,7 +56,8 @@ def main() -> int:
                                     max_running_requests=args.batch,
                                     context_length=args.context + steps_run + 64,
                                     quantization=args.quantization,
-                                    kv_cache_dtype=args.kv_cache_dtype))
+                                    kv_cache_dtype=args.kv_cache_dtype,
+                                    json_model_override_args=args.json_model_override_args))
     driver = RunnerDriver(runner)
     per_prefill = max(1, 16384 // args.context)  # requests per prefill pass
     for first in range(0, args.batch, per_prefill):

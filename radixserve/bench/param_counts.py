@@ -76,7 +76,8 @@ def _moe_shape(cfg: ModelConfig) -> _Moe | None:
     if mla_moe and hf.n_routed_experts:
         return _Moe(hf.n_routed_experts, hf.num_experts_per_tok, hf.moe_intermediate_size,
                     hf.moe_intermediate_size * (hf.n_shared_experts or 0), False)
-    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM") or \
+            (arch.startswith("Qwen3_5") and getattr(hf, "num_experts", 0)):
         shared = getattr(hf, "shared_expert_intermediate_size", 0) or 0
         return _Moe(hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, shared,
                     bool(shared))
@@ -98,14 +99,56 @@ def _is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
     return True
 
 
+def _layer_kinds(cfg: ModelConfig) -> list[str]:
+    """Each layer's token mixer: "linear_attention" for the Gated DeltaNet layers of hybrid
+    models (Qwen3-Next, Qwen3.5), else "attention"."""
+    types = cfg.layer_types or ()
+    if "linear_attention" not in types:
+        return ["attention"] * cfg.num_hidden_layers
+    return ["linear_attention" if t == "linear_attention" else "attention" for t in types]
+
+
+def _linear_attention_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(linear weights, the rest) of one Gated DeltaNet: q|k|v|z and b|a in, out; the
+    depthwise conv, A_log, dt_bias and the gated norm."""
+    hf, h = cfg.hf, cfg.hidden_size
+    keys = hf.linear_num_key_heads * hf.linear_key_head_dim
+    values = hf.linear_num_value_heads * hf.linear_value_head_dim
+    linear = h * (2 * keys + 2 * values + 2 * hf.linear_num_value_heads) + values * h
+    other = (2 * keys + values) * hf.linear_conv_kernel_dim + 2 * hf.linear_num_value_heads + \
+        hf.linear_value_head_dim
+    return linear, other
+
+
+def recurrent_state_bytes(cfg: ModelConfig, conv_itemsize: int = 2) -> int:
+    """One request's states in all linear-attention layers (float32 recurrent state, the conv's
+    last inputs in the model dtype): what a decode step reads and writes per request."""
+    kinds = _layer_kinds(cfg)
+    if "linear_attention" not in kinds:
+        return 0
+    hf = cfg.hf
+    ssm = hf.linear_num_value_heads * hf.linear_key_head_dim * hf.linear_value_head_dim * 4
+    channels = 2 * hf.linear_num_key_heads * hf.linear_key_head_dim + \
+        hf.linear_num_value_heads * hf.linear_value_head_dim
+    conv = (hf.linear_conv_kernel_dim - 1) * channels * conv_itemsize
+    return kinds.count("linear_attention") * (ssm + conv)
+
+
 def param_counts(cfg: ModelConfig) -> ParamCounts:
     h = cfg.hidden_size
     attn_linear, attn_other = _attention_params(cfg)
+    kinds = _layer_kinds(cfg)
+    if "linear_attention" in kinds:  # gated attention: each q head also projects its gate
+        attn_linear += h * cfg.num_attention_heads * cfg.head_dim
+    mixers = {"attention": (attn_linear, attn_other)}
+    if "linear_attention" in kinds:
+        mixers["linear_attention"] = _linear_attention_params(cfg)
     dense_mlp = 3 * h * cfg.intermediate_size
     dense_bias = 2 * cfg.intermediate_size + h if cfg.mlp_bias else 0
     moe = _moe_shape(cfg)
     layers = linear = active = moe_layers = 0
     for layer_id in range(cfg.num_hidden_layers):
+        attn_linear, attn_other = mixers[kinds[layer_id]]
         if moe is not None and _is_moe_layer(cfg, layer_id):
             routed = 3 * h * moe.expert_size
             router = h * moe.num_experts + (h if moe.shared_gate else 0)
@@ -132,7 +175,7 @@ def attention_flops_per_key(cfg: ModelConfig, absorbed: bool = False) -> float:
     multiplies per head [nope + rope] then [v]; absorbed (decode) [latent + rope] then
     [latent]."""
     hf = cfg.hf
-    heads, layers = cfg.num_attention_heads, cfg.num_hidden_layers
+    heads, layers = cfg.num_attention_heads, _layer_kinds(cfg).count("attention")
     if getattr(hf, "kv_lora_rank", None):
         if absorbed:
             per_head = (hf.kv_lora_rank + hf.qk_rope_head_dim) + hf.kv_lora_rank

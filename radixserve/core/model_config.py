@@ -32,6 +32,12 @@ ARCHITECTURE_MODEL_TYPES = {
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
     "GptOssForCausalLM": "gpt_oss",
     "Mistral4ForCausalLM": "mistral4",
+    # hybrid linear + full attention; Qwen3.5 ships multimodal, served text-only
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
 # rope scaling kinds implemented (layers/rotary.py computes them with transformers' own
 # frequency functions); anything else is refused rather than run with the wrong positions

@@ -10,23 +10,36 @@ from radixserve.config import ServerArgs
 logger = logging.getLogger(__name__)
 
 
-def max_kv_tokens(args: ServerArgs, bytes_per_token: int, device: torch.device,
-                  activation_bytes: int = 0) -> int:
-    """--max-total-tokens if given; else --mem-fraction-static of the GPU minus what is already
+# a hybrid model's recurrent states take at most this share of the cache memory unless
+# --max-running-requests asks for more rows
+STATE_SHARE = 0.5
+
+
+def cache_budget_bytes(args: ServerArgs, device: torch.device, activation_bytes: int = 0
+                       ) -> int:
+    """The bytes the caches may take: --mem-fraction-static of the GPU minus what is already
     taken (weights) and the activation peak of the largest prefill (measured by the caller);
-    CUDA graphs and the sampler live in the fraction's slack. On CPU a byte budget.
-    `bytes_per_token` comes from the KV pool class (KVPool.bytes_per_token)."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        assert args.mem_fraction_static is not None
-        budget = free - total * (1.0 - args.mem_fraction_static) - activation_bytes
-        if budget <= 0:
-            raise RuntimeError(
-                f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
-                f"{total / 2**30:.1f} GiB; raise --mem-fraction-static")
-        tokens = int(budget // bytes_per_token)
-    else:
-        tokens = int(args.cpu_kv_cache_bytes // bytes_per_token)
+    CUDA graphs and the sampler live in the fraction's slack. On CPU --cpu-kv-cache-bytes."""
+    if device.type != "cuda":
+        return int(args.cpu_kv_cache_bytes)
+    free, total = torch.cuda.mem_get_info(device)
+    assert args.mem_fraction_static is not None
+    budget = free - total * (1.0 - args.mem_fraction_static) - activation_bytes
+    if budget <= 0:
+        raise RuntimeError(
+            f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
+            f"{total / 2**30:.1f} GiB; raise --mem-fraction-static")
+    return int(budget)
+
+
+def max_kv_tokens(args: ServerArgs, bytes_per_token: int, device: torch.device,
+                  activation_bytes: int = 0, budget_bytes: int | None = None) -> int:
+    """--max-total-tokens if given (on the GPU: at most what fits); else what fits the budget
+    (`cache_budget_bytes` unless given). `bytes_per_token` comes from the KV pool class
+    (KVPool.bytes_per_token)."""
+    if budget_bytes is None:
+        budget_bytes = cache_budget_bytes(args, device, activation_bytes)
+    tokens = int(budget_bytes // bytes_per_token)
     if args.max_total_tokens is not None:
         tokens = min(tokens, args.max_total_tokens) if device.type == "cuda" \
             else args.max_total_tokens
@@ -39,3 +52,27 @@ def max_request_slots(args: ServerArgs, max_total_tokens: int) -> int:
     if args.max_running_requests is not None:
         return args.max_running_requests
     return max(64, min(4096, max_total_tokens // 32))
+
+
+def hybrid_budget(args: ServerArgs, kv_bytes_per_token: int, state_bytes_per_row: int,
+                  device: torch.device, activation_bytes: int = 0,
+                  snapshots_per_row: int = 0) -> tuple[int, int]:
+    """(KV tokens, request rows) of a hybrid model, whose every request row also holds its
+    recurrent states (`state_bytes_per_row`, the padding row included), with
+    `snapshots_per_row` more rows of states per request row for the prefix cache:
+    --max-running-requests rows if given, else the usual count capped where the states would
+    pass STATE_SHARE of the budget; the KV pool gets the rest."""
+    budget = cache_budget_bytes(args, device, activation_bytes)
+    per_row = state_bytes_per_row * (1 + snapshots_per_row)
+    if args.max_running_requests is not None:
+        rows = args.max_running_requests
+    else:
+        usual = max_request_slots(args, budget // kv_bytes_per_token)
+        rows = min(usual, (int(budget * STATE_SHARE) - state_bytes_per_row) // per_row)
+    if rows < 1:
+        raise RuntimeError(f"no room for one request's recurrent states "
+                           f"({per_row / 2**20:.1f} MiB) in the cache budget of "
+                           f"{budget / 2**30:.2f} GiB")
+    states = state_bytes_per_row + rows * per_row
+    return max_kv_tokens(args, kv_bytes_per_token, device,
+                         budget_bytes=max(0, budget - states)), rows

@@ -21,10 +21,11 @@ from radixserve.core.forward_batch import (ForwardBatch, ForwardMode, ForwardOut
                                            ModelWorkerBatch)
 from radixserve.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from radixserve.executor.kv_calibration import calibrate_kv_scales
-from radixserve.executor.memory_budget import max_kv_tokens, max_request_slots
+from radixserve.executor.memory_budget import hybrid_budget, max_kv_tokens, max_request_slots
 from radixserve.executor.pending_step import PendingStep
 from radixserve.executor.sampling_info import SamplingBatchInfo
 from radixserve.layers.cpu_linear import keep_checkpoint_dtype
+from radixserve.layers.gated_delta_net import attach_recurrent_states, recurrent_state_spec
 from radixserve.layers.logits import LogitsOutput
 from radixserve.layers.quantization.fp8 import fp8_config, fp8_linears
 from radixserve.executor.sampler import (Sampler, compute_input_logprobs, compute_logprobs,
@@ -35,6 +36,7 @@ from radixserve.loader.model_source import ModelSource
 from radixserve.loader.weight_loading import load_weights
 from radixserve.mem.kv_pool import (KV_CACHE_DTYPES, KVCacheSpec, KVPool, make_kv_pool,
                                     spec_bytes_per_token)
+from radixserve.mem.recurrent_state_pool import RecurrentStatePool
 from radixserve.mem.req_to_token_pool import ReqToTokenPool
 from radixserve.models.registry import kv_cache_spec, model_class
 
@@ -105,6 +107,9 @@ class ModelRunner:
             timeout_s=self.server_args.dist_timeout, nnodes=self.server_args.nnodes,
             fingerprint=self._rank_fingerprint() if self.tp_size > 1 else None)
         self.model = self._load_model()
+        # hybrid models (Qwen3-Next, Qwen3.5): per-request states of the linear attention
+        self.state_spec = recurrent_state_spec(self.model, self.dtype)
+        self.state_pool: RecurrentStatePool | None = None
         self.kv_cache_spec: KVCacheSpec = dataclasses.replace(
             kv_cache_spec(self.model_config, self.dtype, self.tp_size),
             storage_dtype=KV_CACHE_DTYPES[server_args.kv_cache_dtype])
@@ -178,6 +183,7 @@ class ModelRunner:
         self.max_num_reqs = 1
         self.req_to_token_pool = ReqToTokenPool(1, num_tokens + 4, self.device)
         self.token_to_kv_pool = make_kv_pool(num_tokens, self.kv_cache_spec, self.device)
+        self._attach_state_pool(1)
         self.attn_backend = self._make_attn_backend()
         slots = self.token_to_kv_pool.alloc(num_tokens)
         self.req_to_token_pool.write(0, 0, slots)
@@ -190,6 +196,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend
+        self.state_pool = None
         torch.cuda.empty_cache()
         logger.info("prefill of %d tokens peaks at %.2f GiB of activations", num_tokens,
                     peak / 2**30)
@@ -201,9 +208,16 @@ class ModelRunner:
             if self.device.type == "cuda" and self.server_args.max_total_tokens is None else 0
         bytes_per_token = spec_bytes_per_token(self.kv_cache_spec)
         # every rank holds the same slots: the smallest budget over the ranks
-        self.max_total_num_tokens = self.tp_group.min_int(
-            max_kv_tokens(self.server_args, bytes_per_token, self.device, activation))
-        self.max_num_reqs = max_request_slots(self.server_args, self.max_total_num_tokens)
+        if self.state_spec is None:
+            self.max_total_num_tokens = self.tp_group.min_int(
+                max_kv_tokens(self.server_args, bytes_per_token, self.device, activation))
+            self.max_num_reqs = max_request_slots(self.server_args, self.max_total_num_tokens)
+        else:
+            tokens, rows = hybrid_budget(self.server_args, bytes_per_token,
+                                         self.state_spec.bytes_per_row(), self.device,
+                                         activation, self._snapshots_per_row())
+            self.max_total_num_tokens = self.tp_group.min_int(tokens)
+            self.max_num_reqs = self.tp_group.min_int(rows)
         self.req_to_token_pool = ReqToTokenPool(self.max_num_reqs, cfg.context_length + 4,
                                                 self.device)
         self.token_to_kv_pool: KVPool = make_kv_pool(self.max_total_num_tokens,
@@ -212,6 +226,28 @@ class ModelRunner:
                     self.max_total_num_tokens,
                     self.max_total_num_tokens * bytes_per_token / 2**30,
                     self.max_num_reqs, cfg.context_length)
+        self._attach_state_pool(self.max_num_reqs,
+                                self._snapshots_per_row() * self.max_num_reqs)
+        if self.state_pool is not None:
+            logger.info("recurrent states: %d linear-attention layers, %.1f MiB per request, "
+                        "%.2f GiB for %d request slots and %d prefix-cache snapshots",
+                        self.state_pool.spec.num_layers,
+                        self.state_pool.spec.bytes_per_row() / 2**20,
+                        self.state_pool.memory_bytes() / 2**30, self.max_num_reqs,
+                        self.state_pool.snapshots)
+
+    def _snapshots_per_row(self) -> int:
+        """A hybrid model's radix cache keeps states of cached prefixes: as many as rows."""
+        return 0 if self.server_args.disable_radix_cache else 1
+
+    def _attach_state_pool(self, rows: int, snapshots: int = 0) -> None:
+        """A hybrid model's RecurrentStatePool, one row per ReqToTokenPool row, and
+        `snapshots` rows for the prefix cache."""
+        if self.state_spec is None:
+            return
+        self.state_pool = None  # the profiling pass's pool is freed before the real one
+        self.state_pool = RecurrentStatePool(self.state_spec, rows, self.device, snapshots)
+        attach_recurrent_states(self.model, self.state_pool)
 
     def _apply_kv_cache_scales(self) -> None:
         """An FP8 pool takes the checkpoint's per-layer K/V scales, else keeps 1.0."""
@@ -336,7 +372,8 @@ class ModelRunner:
         runner. The runner cannot run again."""
         destroy_tensor_parallel()
         self.cuda_graph_runner = None
-        for name in ("model", "attn_backend", "token_to_kv_pool", "req_to_token_pool"):
+        for name in ("model", "attn_backend", "token_to_kv_pool", "req_to_token_pool",
+                     "state_pool"):
             if hasattr(self, name):
                 setattr(self, name, None)
         gc.collect()

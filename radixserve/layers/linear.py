@@ -394,11 +394,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q|k|v of attention, split by heads over the ranks; KV heads are replicated (each rank
     loads the KV head its query heads use) when there are fewer KV heads than ranks.
-    `shard_id` is "q", "k" or "v"."""
+    `shard_id` is "q", "k" or "v". `q_rows_per_head` (default head_dim): a query head's rows in
+    the q projection, 2 x head_dim where each head's query is followed by its output gate
+    (Qwen3-Next's gated attention)."""
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
                  total_num_kv_heads: int, bias: bool = False, tp_rank: int | None = None,
-                 tp_size: int | None = None) -> None:
+                 tp_size: int | None = None, q_rows_per_head: int | None = None) -> None:
         tp_rank, tp_size = _rank_and_size(tp_rank, tp_size)
         if total_num_heads % tp_size:
             raise ValueError(f"{total_num_heads} heads do not split over {tp_size} ranks")
@@ -407,23 +409,26 @@ class QKVParallelLinear(ColumnParallelLinear):
         if total_num_kv_heads < tp_size and tp_size % total_num_kv_heads:
             raise ValueError(f"{tp_size} ranks cannot share {total_num_kv_heads} KV heads evenly")
         self.head_dim = head_dim
+        self.q_rows_per_head = q_rows_per_head or head_dim
         self.num_heads = total_num_heads // tp_size
         self.num_kv_heads = max(1, total_num_kv_heads // tp_size)
         self.total_num_kv_heads = total_num_kv_heads
-        self.q_size = self.num_heads * head_dim
+        self.q_size = self.num_heads * self.q_rows_per_head
         self.kv_size = self.num_kv_heads * head_dim
         LinearBase.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias,
                             tp_rank, tp_size)
 
     def full_rows(self, shard_id: object = None) -> int:
-        heads = self.num_heads * self.tp_size if shard_id == "q" else self.total_num_kv_heads
-        return heads * self.head_dim
+        if shard_id == "q":
+            return self.num_heads * self.tp_size * self.q_rows_per_head
+        return self.total_num_kv_heads * self.head_dim
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: object = None) -> None:
+        head_rows = self.q_rows_per_head if shard_id == "q" else self.head_dim
         if shard_id == "q":
             offset, size, head_index = 0, self.q_size, self.tp_rank * self.num_heads
         elif shard_id in ("k", "v"):
@@ -435,8 +440,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
         total_heads = self.num_heads * self.tp_size if shard_id == "q" else self.total_num_kv_heads
-        if loaded.shape[0] != total_heads * self.head_dim:
+        if loaded.shape[0] != total_heads * head_rows:
             raise ValueError(f"{shard_id} projection of {loaded.shape[0]} rows, expected "
-                             f"{total_heads} heads x {self.head_dim}")
-        rows = loaded.narrow(0, head_index * self.head_dim, size)
+                             f"{total_heads} heads x {head_rows}")
+        rows = loaded.narrow(0, head_index * head_rows, size)
         default_weight_loader(param.data.narrow(0, offset, size), rows)  # type: ignore[arg-type]

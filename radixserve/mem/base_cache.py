@@ -62,6 +62,11 @@ class BasePrefixCache(ABC):
         all of whose KV is written) becomes `req.prefix_indices`; `req.cache_handle` and the
         request's row are updated. The row stays allocated."""
 
+    def restore_states(self, rows: list[int], handles: list[object]) -> None:
+        """Requests just given ReqToTokenPool `rows`, admitted on the prefixes `handles` end:
+        a cache that keeps per-prefix recurrent states (HybridRadixCache) copies each prefix's
+        states into its row before the request's first pass. Others keep nothing."""
+
     @abstractmethod
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` unlocked cached slots if possible; return how many."""

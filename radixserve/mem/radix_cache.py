@@ -38,6 +38,9 @@ class TreeNode:
     children: dict[int, "TreeNode"] = field(default_factory=dict, repr=False)
     lock_ref: int = 0
     last_access_time: int = 0
+    # HybridRadixCache: the snapshot row holding the recurrent states after this node's last
+    # token (None: none kept)
+    state: int | None = None
 
 
 def _require(condition: bool, message: str) -> None:
@@ -114,6 +117,10 @@ class RadixCache(BasePrefixCache):
     def match_prefix(self, key: list[int]) -> MatchResult:
         """Longest cached prefix of `key`. If it ends inside a node, that node is split so
         that the handle (a TreeNode) ends exactly at the prefix. Marks the path as just used."""
+        return self._walk(key)
+
+    def _walk(self, key: list[int]) -> MatchResult:
+        """match_prefix of this class (a subclass's may stop short of the longest prefix)."""
         now = next(self._clock)
         node = self.root
         node.last_access_time = now
@@ -217,7 +224,7 @@ class RadixCache(BasePrefixCache):
         already_len = self.insert(token_ids, row)
         _require(already_len >= prefix_len, "token_ids do not start with the matched prefix")
         self.token_to_kv_pool.free(row[prefix_len:already_len])
-        new_indices, new_handle = self.match_prefix(token_ids)
+        new_indices, new_handle = self._walk(token_ids)
         _require(len(new_indices) == kv_len, "just-inserted tokens are not all cached")
         # point the freed duplicate positions at the tree's slots; the rest are unchanged
         self.req_to_token_pool.write(req.req_pool_idx, prefix_len,
@@ -276,6 +283,7 @@ class RadixCache(BasePrefixCache):
             del parent.children[node.key[0]]
             node.parent = None
             freed.append(node.value)
+            self._on_evicted(node)
             freed_len += len(node.key)
             self._evictable_size -= len(node.key)
             if not parent.children and parent.lock_ref == 0 and parent is not self.root:
@@ -283,6 +291,9 @@ class RadixCache(BasePrefixCache):
         if freed:
             self.token_to_kv_pool.free(torch.cat(freed))
         return freed_len
+
+    def _on_evicted(self, node: TreeNode) -> None:
+        """A node just left the tree (its KV slots are freed by the caller)."""
 
     # ---- sizes and introspection ----
     def evictable_size(self) -> int:

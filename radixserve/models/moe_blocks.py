@@ -53,8 +53,11 @@ def routing_config(config: ModelConfig) -> RoutingConfig:
                              num_groups=hf.n_group if grouped else 1,
                              topk_group=hf.topk_group if grouped else 1,
                              scaling_factor=float(hf.routed_scaling_factor))
-    return RoutingConfig(hf.num_experts, hf.num_experts_per_tok,
-                         renormalize=bool(getattr(hf, "norm_topk_prob", False)))
+    # Qwen3.5-MoE's router always renormalises (its config has no norm_topk_prob)
+    renormalize = getattr(hf, "norm_topk_prob", None)
+    if renormalize is None:
+        renormalize = getattr(hf, "model_type", "").startswith("qwen3_5_moe")
+    return RoutingConfig(hf.num_experts, hf.num_experts_per_tok, renormalize=bool(renormalize))
 
 
 class SparseMoeBlock(nn.Module):

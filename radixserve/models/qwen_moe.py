@@ -20,7 +20,7 @@ def _is_sparse(config: ModelConfig, layer_id: int) -> bool:
         hf.num_experts > 0 and (layer_id + 1) % step == 0
 
 
-def _qwen_mlp(config: ModelConfig, layer_id: int) -> nn.Module:
+def qwen_mlp(config: ModelConfig, layer_id: int) -> nn.Module:
     if not _is_sparse(config, layer_id):
         return dense_mlp(config)
     shared = getattr(config.hf, "shared_expert_intermediate_size", 0) or 0
@@ -33,7 +33,7 @@ class Qwen2MoeForCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, DecoderModel(config, functools.partial(
-            DecoderLayer, make_mlp=_qwen_mlp)))
+            DecoderLayer, make_mlp=qwen_mlp)))
 
 
 class Qwen3MoeForCausalLM(CausalLM):
@@ -41,7 +41,7 @@ class Qwen3MoeForCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, DecoderModel(config, functools.partial(
-            DecoderLayer, qk_norm=True, make_mlp=_qwen_mlp)))
+            DecoderLayer, qk_norm=True, make_mlp=qwen_mlp)))
 
 
 EntryClass = [Qwen2MoeForCausalLM, Qwen3MoeForCausalLM]

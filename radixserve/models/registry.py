@@ -32,6 +32,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Glm4MoeLiteForCausalLM": ("glm4_moe", "Glm4MoeLiteForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "Mistral4ForCausalLM": ("deepseek_v2", "Mistral4ForCausalLM"),
+    "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForCausalLM": ("qwen3_next", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_next", "Qwen3_5ForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("qwen3_next", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_next", "Qwen3_5ForConditionalGeneration"),
 }
 
 

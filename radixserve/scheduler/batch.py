@@ -76,6 +76,9 @@ class BatchBuilder:
             for req, row in zip(new_rows, rows):
                 req.req_pool_idx = row
                 writes.append((row, 0, req.prefix_indices))
+            resumed = [r for r in new_rows if len(r.prefix_indices)]
+            self.tree_cache.restore_states([r.req_pool_idx for r in resumed],  # type: ignore
+                                           [r.cache_handle for r in resumed])
         extend_lens = [r.extend_input_len for r in reqs]
         out_cache_loc = alloc_kv(sum(extend_lens), self.token_to_kv_pool, self.tree_cache)
         input_ids: list[int] = []

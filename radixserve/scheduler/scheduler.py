@@ -41,6 +41,7 @@ from radixserve.scheduler.retraction import NewTokenRatio
 from radixserve.scheduler.runner_protocol import ModelRunnerLike
 from radixserve.scheduler.stats import SchedulerStats, check_memory
 
+
 class Scheduler(OverlapLoopMixin, KVPressureMixin):
     """The loop of turns, admission and results; the overlapped decode loop and the KV
     pressure handling are its mixins (overlap_loop.py, kv_pressure.py)."""
@@ -92,6 +93,10 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
         if self.args.disable_radix_cache:
             from radixserve.mem.chunk_cache import ChunkCache
             return ChunkCache(self.req_to_token_pool, self.token_to_kv_pool)
+        state_pool = getattr(self.runner, "state_pool", None)
+        if state_pool is not None:  # a hybrid model: prefixes end where states are kept
+            from radixserve.mem.hybrid_radix_cache import HybridRadixCache
+            return HybridRadixCache(self.req_to_token_pool, self.token_to_kv_pool, state_pool)
         from radixserve.mem.radix_cache import RadixCache
         return RadixCache(self.req_to_token_pool, self.token_to_kv_pool)
 

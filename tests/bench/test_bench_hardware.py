@@ -9,7 +9,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig,
                           LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PretrainedConfig,
                           Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3NextConfig,
+                          Qwen3NextForCausalLM)
 
 from radixserve.bench import hardware
 from radixserve.core.model_config import ModelConfig
@@ -42,7 +43,17 @@ def _models() -> list[tuple[str, PretrainedConfig, type]]:
                                              num_experts_per_tok=2, moe_intermediate_size=24,
                                              n_shared_experts=2, first_k_dense_replace=1,
                                              tie_word_embeddings=False),
-             DeepseekV2ForCausalLM)]
+             DeepseekV2ForCausalLM),
+            # hybrid: Gated DeltaNet layers (2 key heads for 4 value heads) and gated attention
+            ("qwen3-next", Qwen3NextConfig(**SHAPE, head_dim=16, linear_num_key_heads=2,
+                                           linear_num_value_heads=4, linear_key_head_dim=16,
+                                           linear_value_head_dim=8, num_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=24,
+                                           shared_expert_intermediate_size=32,
+                                           mlp_only_layers=[1], tie_word_embeddings=False,
+                                           layer_types=["linear_attention", "full_attention",
+                                                        "linear_attention"]),
+             Qwen3NextForCausalLM)]
 
 
 def _pair(hf_cfg: PretrainedConfig, cls: type) -> tuple[ModelConfig, torch.nn.Module]:

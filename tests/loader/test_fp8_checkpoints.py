@@ -1,7 +1,9 @@
 """FP8 checkpoints in each supported format load and give the logits of their dequantised twin
 (CPU: the reference path dequantises the FP8 weights, so the two must agree to float error):
 `quant_method: fp8` with block scales, compressed-tensors per-tensor (static input scales) and
-per-channel (dynamic) float8, and --quantization fp8 on a bf16-style checkpoint."""
+per-channel (dynamic) float8, and --quantization fp8 on a bf16-style checkpoint. The hybrid
+models' linear-attention projections are quantised too, their scales regrouped with their rows
+(Qwen3-Next's per-key-head layout, Qwen3.5's stacked q | k | v)."""
 from __future__ import annotations
 
 import json
@@ -19,7 +21,10 @@ from tests.models.tiny_checkpoints import make_checkpoint
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
            "w1", "w2", "w3", "kv_a_proj_with_mqa", "kv_b_proj",  # Mixtral experts, MLA
-           "q_a_proj", "q_b_proj")  # MLA with q compression (DeepSeek-V3's FP8 release)
+           "q_a_proj", "q_b_proj",  # MLA with q compression (DeepSeek-V3's FP8 release)
+           # Gated DeltaNet: Qwen3-Next's grouped projections, Qwen3.5's separate ones
+           "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+           "out_proj")
 FP8 = torch.float8_e4m3fn
 
 
@@ -104,7 +109,10 @@ def _logits(folder: Path, **kwargs: object) -> list[torch.Tensor]:
                                        ("block", "qwen3_moe"), ("channel", "qwen3_moe"),
                                        ("block", "deepseek_v2_lite_mla"),
                                        ("block", "deepseek_v3_noaux"),
-                                       ("block", "glm4_moe_partial_rope")])
+                                       ("block", "glm4_moe_partial_rope"),
+                                       ("block", "qwen3_next_hybrid"),
+                                       ("channel", "qwen3_next_hybrid"),
+                                       ("block", "qwen3_5_dense")])
 def test_fp8_checkpoint_matches_its_dequantised_twin(fmt: str, model: str, tmp_path) -> None:
     fp8_folder, twin_folder = _write_pair(tmp_path, fmt, model)
     for got, want in zip(_logits(fp8_folder), _logits(twin_folder)):

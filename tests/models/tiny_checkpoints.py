@@ -138,6 +138,24 @@ CONFIGS = {
         sliding_window=28, layer_types=["sliding_attention", "full_attention"] * 2,
         rope_theta=100000.0, rope_local_base_freq=1000.0,
         rope_scaling={"rope_type": "linear", "factor": 4.0}, tie_word_embeddings=True)),
+    # Qwen3-Next: Gated DeltaNet layers (2 key heads of 16 serving 4 value heads of 8, conv
+    # kernel 4) between gated-attention layers (rope over a quarter of each head); experts
+    # top-2 of 4 renormalised with a sigmoid-gated shared expert, layer 2 dense
+    "qwen3_next_hybrid": (transformers.Qwen3NextConfig, dict(
+        BASE, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=32,
+        mlp_only_layers=[2], norm_topk_prob=True, tie_word_embeddings=False,
+        layer_types=["linear_attention", "full_attention"] * 2)),
+    # Qwen3.5 (dense): the same mixers, its projections stored apart (in_proj_qkv / z / b /
+    # a), key heads as many as value heads, tied embeddings
+    "qwen3_5_dense": (transformers.Qwen3_5TextConfig, dict(
+        BASE, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=True,
+        layer_types=["linear_attention", "linear_attention", "full_attention",
+                     "linear_attention"])),
 }
 
 # multimodal checkpoints, served text-only; kept out of CONFIGS, every entry of which
@@ -177,6 +195,19 @@ MULTIMODAL_CONFIGS = {
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2, image_size=32, patch_size=8, head_dim=16),
         image_token_index=159, tie_word_embeddings=False)),
+    # Qwen3.5-MoE (Qwen3_5MoeForConditionalGeneration): the hybrid decoder with experts top-2
+    # of 4 (always renormalised) and a gated shared expert, a tiny vision tower beside it
+    "qwen3_5_moe_multimodal": (transformers.Qwen3_5MoeConfig, dict(
+        text_config=dict(BASE, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+                         linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=16, linear_value_head_dim=8,
+                         linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=24, shared_expert_intermediate_size=32,
+                         layer_types=["linear_attention", "full_attention"] * 2),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2,
+                           patch_size=4, out_hidden_size=64, num_position_embeddings=16),
+        image_token_id=159, video_token_id=158, vision_start_token_id=157,
+        tie_word_embeddings=False)),
 }
 
 
@@ -199,7 +230,9 @@ def make_checkpoint(name: str, folder: Path, seed: int = 0) -> transformers.PreT
     # random init of transformers is small; make attention matter with larger weights
     with torch.no_grad():
         for param_name, param in model.named_parameters():
-            if param.dim() >= 2:  # matrices, and stacked experts
+            if param_name.endswith("A_log"):  # linear attention: a decay that keeps ~50 tokens
+                param.uniform_(-5.0, -3.0)
+            elif param.dim() >= 2:  # matrices, and stacked experts
                 param.normal_(0, 0.08)
             elif "bias" in param_name:
                 param.normal_(0, 0.1)

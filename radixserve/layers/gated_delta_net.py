@@ -1,0 +1,255 @@
+"""GatedDeltaNet: the linear-attention layer of Qwen3-Next and Qwen3.5.
+
+x -> in_proj_qkvz -> (q | k | v through a causal depthwise conv + SiLU, z) and in_proj_ba -> (b,
+a); beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); the gated delta rule
+(layers/gated_delta_rule.py) over q, k, v; RMSNorm of each value head gated by SiLU(z); out_proj.
+
+Per request it keeps the conv's last inputs and the rule's state in a RecurrentStatePool row (the
+request's ReqToTokenPool row, mem/recurrent_state_pool.py), which the ModelRunner attaches after
+building the pools (`attach_recurrent_states`). A pass from position 0 starts from zero states.
+
+Tensor parallelism splits key heads and value heads over the ranks (each key head with the value
+heads it serves), so the conv's channels, A_log and dt_bias split alike and out_proj is row
+parallel. Checkpoint layouts:
+  * Qwen3.5: in_proj_qkv (q | k | v), in_proj_z, in_proj_b, in_proj_a, each whole;
+  * Qwen3-Next: in_proj_qkvz and in_proj_ba grouped per key head ([q k v z] of head 0, then of
+    head 1, ...; [b a] likewise), regrouped here at load.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.core.forward_batch import ForwardBatch
+from radixserve.layers.gated_delta_rule import (CHUNK, chunked, conv_extend, conv_step,
+                                                prepare_qk, recurrent_step)
+from radixserve.layers.linear import (MergedColumnParallelLinear, RowParallelLinear,
+                                      _rank_and_size, _shard, default_weight_loader)
+from radixserve.mem.recurrent_state_pool import RecurrentStatePool, RecurrentStateSpec
+
+
+class GroupedInProjection(MergedColumnParallelLinear):
+    """A merged projection whose pieces also arrive as one tensor: grouped per key head
+    (Qwen3-Next: shard None; each piece's rows of every key head in turn) or as several whole
+    pieces stacked (`stacked` shard ids, Qwen3.5's in_proj_qkv: pieces 0-2). FP8 scales load
+    through the same method, expanded to one row per weight row first."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], num_groups: int,
+                 stacked: dict[object, tuple[int, ...]] | None = None) -> None:
+        self.num_groups = num_groups
+        self.stacked = stacked or {}
+        super().__init__(input_size, output_sizes)
+
+    def full_rows(self, shard_id: object = None) -> int:
+        if shard_id is None:
+            return sum(self.output_sizes)
+        if shard_id in self.stacked:
+            return sum(self.output_sizes[i] for i in self.stacked[shard_id])
+        return super().full_rows(shard_id)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: object = None) -> None:
+        if shard_id in self.stacked:
+            pieces = self.stacked[shard_id]
+            sizes = [self.output_sizes[i] for i in pieces]
+            for piece, part in zip(pieces, loaded.split(sizes, dim=0)):
+                super().weight_loader(param, part, piece)
+            return
+        if shard_id is not None:
+            super().weight_loader(param, loaded, shard_id)
+            return
+        if loaded.shape[0] != sum(self.output_sizes):
+            raise ValueError(f"grouped projection of {loaded.shape[0]} rows, expected "
+                             f"{sum(self.output_sizes)}")
+        per_group = [size // self.num_groups for size in self.output_sizes]
+        grouped = loaded.reshape(self.num_groups, sum(per_group), *loaded.shape[1:])
+        for piece, part in enumerate(grouped.split(per_group, dim=1)):
+            super().weight_loader(param, part.reshape(-1, *loaded.shape[1:]), piece)
+
+
+class _ConvWeight(nn.Module):
+    """conv1d.weight as the checkpoint names it, [channels, 1, kernel] there, [this rank's
+    channels, kernel] here: q, k and v channels each split over the ranks."""
+
+    def __init__(self, piece_sizes: list[int], kernel: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = _rank_and_size(None, None)
+        self.piece_sizes = piece_sizes
+        self.weight = nn.Parameter(torch.empty(sum(piece_sizes) // self.tp_size, kernel),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.load  # type: ignore[attr-defined]
+
+    def load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        loaded = loaded.reshape(loaded.shape[0], -1)
+        pieces = [_shard(part, 0, self.tp_rank, self.tp_size)
+                  for part in loaded.split(self.piece_sizes, dim=0)]
+        default_weight_loader(param, torch.cat(pieces))
+
+
+def _head_param(heads: int, fill: float) -> nn.Parameter:
+    """A per-value-head parameter (A_log, dt_bias), split over the ranks."""
+    rank, size = _rank_and_size(None, None)
+    param = nn.Parameter(torch.full((heads // size,), fill), requires_grad=False)
+    param.weight_loader = lambda p, loaded: default_weight_loader(  # type: ignore[attr-defined]
+        p, _shard(loaded, 0, rank, size))
+    return param
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each value head (weight * normed, rounded to the input dtype), times
+    SiLU(gate) in float32: Qwen3-Next's and Qwen3.5's RMSNormGated."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        h = self.weight * h.to(x.dtype)
+        return (h * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, key_dim: int,
+                 value_dim: int, conv_kernel: int, eps: float, state_index: int,
+                 grouped_checkpoint: bool) -> None:
+        """state_index: this layer's index among the model's linear-attention layers (its
+        RecurrentStatePool layer). grouped_checkpoint: Qwen3-Next's per-key-head layout."""
+        super().__init__()
+        _, tp_size = _rank_and_size(None, None)
+        if num_k_heads % tp_size or num_v_heads % num_k_heads:
+            raise ValueError(f"{num_k_heads} key heads and {num_v_heads} value heads do not "
+                             f"split over {tp_size} ranks")
+        self.num_k_heads, self.num_v_heads = num_k_heads // tp_size, num_v_heads // tp_size
+        self.key_dim, self.value_dim = key_dim, value_dim
+        self.group = num_v_heads // num_k_heads
+        keys, values = num_k_heads * key_dim, num_v_heads * value_dim
+        self.conv_channels = (2 * keys + values) // tp_size
+        stacked = None if grouped_checkpoint else {"qkv": (0, 1, 2)}
+        self.in_proj_qkvz = GroupedInProjection(hidden_size, [keys, keys, values, values],
+                                                num_k_heads, stacked)
+        self.in_proj_ba = GroupedInProjection(hidden_size, [num_v_heads, num_v_heads],
+                                              num_k_heads)
+        self.conv1d = _ConvWeight([keys, keys, values], conv_kernel)
+        self.conv_width = conv_kernel - 1
+        self.dt_bias = _head_param(num_v_heads, 1.0)
+        self.A_log = _head_param(num_v_heads, 0.0)
+        self.norm = GatedRMSNorm(value_dim, eps)
+        self.out_proj = RowParallelLinear(values, hidden_size)
+        self.state_index = state_index
+        self.states: RecurrentStatePool | None = None
+
+    def state_spec(self, num_layers: int, dtype: torch.dtype) -> RecurrentStateSpec:
+        return RecurrentStateSpec(num_layers, self.conv_channels, self.conv_width,
+                                  self.num_v_heads, self.key_dim, self.value_dim, dtype)
+
+    def forward(self, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        assert self.states is not None, "no RecurrentStatePool attached"
+        tokens = hidden.shape[0]
+        values = self.num_v_heads * self.value_dim
+        mixed, z = self.in_proj_qkvz(hidden).split([self.conv_channels, values], dim=-1)
+        b, a = self.in_proj_ba(hidden).split([self.num_v_heads] * 2, dim=-1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        conv_states, ssm_states = self.states.layer(self.state_index)
+        if forward_batch.forward_mode.is_decode():
+            out = self._decode(mixed, g, beta, forward_batch.req_pool_indices, conv_states,
+                               ssm_states)
+        else:
+            out = self._extend(mixed, g, beta, forward_batch, conv_states, ssm_states)
+        out = self.norm(out.to(hidden.dtype).reshape(-1, self.value_dim),
+                        z.reshape(-1, self.value_dim))
+        return self.out_proj(out.reshape(tokens, values))
+
+    def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Conv output [..., channels] -> prepared q, k [..., value heads, key_dim] and v."""
+        keys = self.num_k_heads * self.key_dim
+        q, k, v = mixed.split([keys, keys, self.num_v_heads * self.value_dim], dim=-1)
+        q, k = prepare_qk(q.unflatten(-1, (self.num_k_heads, self.key_dim)),
+                          k.unflatten(-1, (self.num_k_heads, self.key_dim)), self.group)
+        return q, k, v.unflatten(-1, (self.num_v_heads, self.value_dim))
+
+    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                rows: torch.Tensor, conv_states: torch.Tensor, ssm_states: torch.Tensor
+                ) -> torch.Tensor:
+        """One token per request, each continuing its row's states (CUDA-graph safe)."""
+        mixed, conv_states[rows] = conv_step(mixed, self.conv1d.weight, conv_states[rows])
+        q, k, v = self._split_heads(mixed)
+        out, ssm_states[rows] = recurrent_step(q, k, v, g, beta, ssm_states[rows])
+        return out
+
+    def _extend(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                batch: ForwardBatch, conv_states: torch.Tensor, ssm_states: torch.Tensor
+                ) -> torch.Tensor:
+        """Requests of one token on top of their states (a MIXED pass's decodes) take the
+        decode path; the others are padded to a common multiple of CHUNK tokens."""
+        assert batch.extend_seq_lens_cpu is not None and batch.extend_prefix_lens_cpu is not None
+        lens, prefixes = batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu
+        device = mixed.device
+        starts = [0]
+        for length in lens[:-1]:
+            starts.append(starts[-1] + length)
+        single = [i for i, (n, p) in enumerate(zip(lens, prefixes)) if n == 1 and p > 0]
+        whole = [i for i, n in enumerate(lens) if n > 0 and not (n == 1 and prefixes[i] > 0)]
+        out = torch.empty(mixed.shape[0], self.num_v_heads, self.value_dim,
+                          dtype=torch.float32, device=device)
+        rows = batch.req_pool_indices
+        if single:
+            at = torch.tensor([starts[i] for i in single], device=device)
+            picked = torch.tensor(single, device=device)
+            out[at] = self._decode(mixed[at], g[at], beta[at], rows[picked], conv_states,
+                                   ssm_states)
+        if whole:
+            self._extend_padded(mixed, g, beta, [starts[i] for i in whole],
+                                [lens[i] for i in whole], [prefixes[i] > 0 for i in whole],
+                                rows[torch.tensor(whole, device=device)], conv_states,
+                                ssm_states, out)
+        return out
+
+    def _extend_padded(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       starts: list[int], lens: list[int], continues: list[bool],
+                       rows: torch.Tensor, conv_states: torch.Tensor, ssm_states: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        device, count = mixed.device, len(lens)
+        padded_len = -(-max(lens) // CHUNK) * CHUNK
+        # token t of request r sits at r * padded_len + t of the padded batch
+        source = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(device)
+        target = torch.cat([torch.arange(r * padded_len, r * padded_len + n)
+                            for r, n in enumerate(lens)]).to(device)
+        keep = torch.tensor(continues, device=device)
+
+        def padded(x: torch.Tensor) -> torch.Tensor:
+            """This group's tokens, packed [tokens, ...] -> [requests, padded_len, ...]."""
+            full = x.new_zeros(count * padded_len, *x.shape[1:])
+            full[target] = x
+            return full.unflatten(0, (count, padded_len))
+
+        start_conv = torch.where(keep[:, None, None], conv_states[rows], 0)
+        conv_out, conv_in = conv_extend(padded(mixed[source]), self.conv1d.weight, start_conv)
+        # each request's new conv state: the last conv_width inputs up to its own end
+        ends = torch.tensor(lens, device=device)[:, None] + \
+            torch.arange(self.conv_width, device=device)
+        conv_states[rows] = conv_in.gather(
+            1, ends[..., None].expand(-1, -1, conv_in.shape[-1]))
+        # padded positions must carry k = v = g = beta = 0; the conv output there is not zero
+        q, k, v = self._split_heads(padded(conv_out.flatten(0, 1)[target]))
+        start_ssm = torch.where(keep[:, None, None, None], ssm_states[rows], 0)
+        result, ssm_states[rows] = chunked(q, k, v, padded(g[source]), padded(beta[source]),
+                                           start_ssm)
+        out[source] = result.flatten(0, 1)[target]
+
+
+def attach_recurrent_states(model: nn.Module, pool: RecurrentStatePool) -> None:
+    """Point every GatedDeltaNet of `model` at `pool`."""
+    for module in model.modules():
+        if isinstance(module, GatedDeltaNet):
+            module.states = pool
+
+
+def recurrent_state_spec(model: nn.Module, dtype: torch.dtype) -> RecurrentStateSpec | None:
+    """The pool a hybrid model needs (None: the model has no linear-attention layer)."""
+    layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    return layers[0].state_spec(len(layers), dtype) if layers else None

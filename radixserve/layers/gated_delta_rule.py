@@ -1,0 +1,112 @@
+"""The gated delta rule and the causal convolution in front of it, in plain PyTorch.
+
+The recurrence, per value head, with S a [key_dim, value_dim] state, for each token t:
+    S <- exp(g_t) * S                          (gated decay, g_t <= 0)
+    u_t = beta_t * (v_t - S^T k_t)             (delta rule: write only what S mispredicts)
+    S <- S + k_t u_t^T
+    o_t = S^T q_t
+q and k are L2-normalised per head and q scaled by key_dim ** -0.5 before (`prepare_qk`).
+
+`recurrent_step` runs one token per request (decode). `chunked` runs whole sequences in chunks
+of CHUNK tokens: inside a chunk the recurrence is solved in closed form (a unit lower-triangular
+system gives the chunk's u all at once, the WY form of DeltaNet), and only the chunk-to-chunk
+state update is sequential. Sequences of different lengths are padded to a common number of
+chunks with tokens of beta = 0, k = 0 and g = 0, which leave the state as it was.
+
+All state arithmetic is float32, as transformers' reference (and FLA's kernels) keep it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+
+
+def prepare_qk(q: torch.Tensor, k: torch.Tensor, group: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [..., key_heads, key_dim] -> float32 [..., value_heads, key_dim]: L2-normalised
+    (eps 1e-6 inside the root), q scaled by key_dim ** -0.5, each key head repeated for the
+    `group` consecutive value heads it serves."""
+    q, k = q.float(), k.float()
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    if group > 1:
+        q = q.repeat_interleave(group, dim=-2)
+        k = k.repeat_interleave(group, dim=-2)
+    return q, k
+
+
+def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per request. q, k [B, H, Dk] (prepared), v [B, H, Dv], g, beta [B, H],
+    state [B, H, Dk, Dv] float32. Returns (o [B, H, Dv] float32, the new state)."""
+    state = state * g.exp()[..., None, None]
+    predicted = torch.einsum("bhk,bhkv->bhv", k, state)
+    update = (v.float() - predicted) * beta[..., None]
+    state = state + k[..., :, None] * update[..., None, :]
+    return torch.einsum("bhk,bhkv->bhv", q, state), state
+
+
+def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+            beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole sequences, padded to a multiple of CHUNK. q, k [R, L, H, Dk] (prepared), v
+    [R, L, H, Dv], g, beta [R, L, H] (zero past each sequence's end, as k and v), state
+    [R, H, Dk, Dv] float32 (the state before the first token). Returns (o [R, L, H, Dv]
+    float32, the state after the last token)."""
+    batch, length, heads, _ = k.shape
+    assert length % CHUNK == 0, "pad the sequences to a multiple of CHUNK"
+    chunks = length // CHUNK
+
+    def by_chunk(x: torch.Tensor) -> torch.Tensor:  # [R, L, H, ...] -> [R, H, N, C, ...]
+        x = x.float().transpose(1, 2)
+        return x.reshape(batch, heads, chunks, CHUNK, *x.shape[3:])
+
+    q, k, v, g, beta = map(by_chunk, (q, k, v, g, beta))
+    log_decay = g.cumsum(-1)  # [R, H, N, C]: decay from the chunk's start through token i
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    # exp(log_decay_i - log_decay_j) for j <= i, zero above the diagonal
+    pair_decay = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(
+        ~causal, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    # (I + A) u = beta v - beta exp(log_decay) K S0, A strictly lower: A_ij = beta_i k_i.k_j
+    # decayed from j to i; solved once for both right-hand sides
+    system = (k_beta @ k.transpose(-1, -2)) * pair_decay
+    rhs = torch.cat([v * beta[..., None], k_beta * log_decay.exp()[..., None]], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u_free, state_read = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
+    scores = (q @ k.transpose(-1, -2)) * pair_decay  # within the chunk, j <= i
+    q_decayed = q * log_decay.exp()[..., None]
+    chunk_decay = log_decay[..., -1]  # [R, H, N]
+    k_to_end = k * (chunk_decay[..., None] - log_decay).exp()[..., None]
+    out = torch.empty_like(u_free)
+    state = state.float()
+    for n in range(chunks):
+        u = u_free[:, :, n] - state_read[:, :, n] @ state
+        out[:, :, n] = q_decayed[:, :, n] @ state + scores[:, :, n] @ u
+        state = state * chunk_decay[:, :, n].exp()[..., None, None] + \
+            k_to_end[:, :, n].transpose(-1, -2) @ u
+    out = out.reshape(batch, heads, length, -1).transpose(1, 2)
+    return out, state
+
+
+def conv_extend(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise convolution of padded sequences, then SiLU. x [R, L, C], conv_state
+    [R, W, C] (the W = kernel - 1 inputs before x; zeros for a sequence from position 0),
+    weight [C, W + 1]. Returns (SiLU(conv) [R, L, C], the whole input [R, W + L, C], from
+    which the caller reads each sequence's new state at its own end)."""
+    full = torch.cat([conv_state.to(x.dtype), x], dim=1)
+    out = F.conv1d(full.transpose(1, 2).to(weight.dtype), weight[:, None, :],
+                   groups=weight.shape[0])
+    return F.silu(out).transpose(1, 2).to(x.dtype), full
+
+
+def conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per request: x [B, C], conv_state [B, W, C]. Returns (SiLU(conv) [B, C],
+    the new state [B, W, C])."""
+    window = torch.cat([conv_state.to(x.dtype), x[:, None, :]], dim=1)
+    out = F.conv1d(window.transpose(1, 2).to(weight.dtype), weight[:, None, :],
+                   groups=weight.shape[0])
+    return F.silu(out[..., 0]).to(x.dtype), window[:, 1:]

@@ -1,0 +1,138 @@
+"""HybridRadixCache: the radix cache of hybrid models (linear attention beside full attention).
+
+A cached prefix of a hybrid model needs two things: the KV of its full-attention layers, which
+the tree holds per token as for any model, and the recurrent states of its linear-attention
+layers after its last token, which exist only at the points where a request stopped. So a node
+may carry `state`, a snapshot row of the RecurrentStatePool holding a copy of those states, and
+a prefix is reusable only up to the deepest node of the match that carries one (the root stands
+for the zero states of the empty prefix).
+
+Snapshots are taken where the scheduler caches a request (`cache_finished_req`: finished,
+retracted, or requeued; `cache_unfinished_req`: after a prompt or a prompt's chunk). The copy is
+queued on the device behind every pass launched so far, and the scheduler counts such passes'
+tokens in the `token_ids` it hands over (a request's `kv_len`), so the copy is the state after
+exactly those tokens, even while an overlapped step is still in flight. A request admitted on a
+prefix gets the prefix's states copied into its own row (`restore_states`) before its first pass;
+its lock on the node keeps the snapshot from being reused meanwhile.
+
+Snapshot rows are few (as many as request rows). When none is free, the least recently used
+unlocked node's snapshot is dropped (its KV stays cached, reusable by a deeper snapshot); a node
+evicted from the tree frees its snapshot.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from radixserve.mem.base_cache import MatchResult
+from radixserve.mem.kv_pool import KVPool
+from radixserve.mem.radix_cache import RadixCache, TreeNode, _as_node, _require
+from radixserve.mem.recurrent_state_pool import RecurrentStatePool
+from radixserve.mem.req_to_token_pool import ReqToTokenPool
+
+if TYPE_CHECKING:
+    from radixserve.core.req import Req
+
+
+class HybridRadixCache(RadixCache):
+    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: KVPool,
+                 state_pool: RecurrentStatePool) -> None:
+        if not state_pool.snapshots:
+            raise ValueError("a hybrid radix cache needs snapshot rows in the state pool")
+        self.state_pool = state_pool
+        super().__init__(req_to_token_pool, token_to_kv_pool)
+
+    def reset(self) -> None:
+        super().reset()
+        self._free_snapshots = list(reversed(self.state_pool.snapshot_rows()))
+        self._snapshot_nodes: set[TreeNode] = set()
+
+    # ---- lookups ----
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        """The longest cached prefix of `key` that ends where a snapshot is kept."""
+        indices, handle = self._walk(key)
+        node, length = _as_node(handle), len(indices)
+        while node is not None and node is not self.root and node.state is None:
+            length -= len(node.key)
+            node = node.parent
+        return MatchResult(indices=indices[:length], handle=node)
+
+    def restore_states(self, rows: list[int], handles: list[object]) -> None:
+        sources, targets = [], []
+        for row, handle in zip(rows, handles):
+            node = _as_node(handle)
+            if node is not None and node is not self.root:
+                _require(node.state is not None, f"{node!r} was matched without a snapshot")
+                sources.append(node.state)
+                targets.append(row)
+        self.state_pool.copy_rows(sources, targets)  # type: ignore[arg-type]
+
+    # ---- requests ----
+    def cache_finished_req(self, req: "Req", token_ids: list[int] | None = None,
+                           allocated_len: int | None = None) -> None:
+        if token_ids is None:
+            token_ids = req.all_ids()[:-1]
+        row = req.req_pool_idx
+        super().cache_finished_req(req, token_ids, allocated_len)
+        assert row is not None
+        self._snapshot(token_ids, row)
+
+    def cache_unfinished_req(self, req: "Req", token_ids: list[int] | None = None) -> None:
+        if token_ids is None:
+            token_ids = req.fill_ids
+        super().cache_unfinished_req(req, token_ids)
+        assert req.req_pool_idx is not None
+        self._snapshot(token_ids, req.req_pool_idx)
+
+    def _snapshot(self, token_ids: list[int], row: int) -> None:
+        """Keep the states of `row` (after `token_ids`, all of which the tree now holds) at
+        the node that ends with the last of them, unless that node keeps some already."""
+        if not token_ids:
+            return
+        indices, handle = self._walk(token_ids)
+        node = _as_node(handle)
+        _require(node is not None and len(indices) == len(token_ids),
+                 "tokens just cached are not all in the tree")
+        assert node is not None
+        if node.state is not None:
+            return
+        slot = self._take_snapshot_row()
+        if slot is None:
+            return
+        node.state = slot
+        self._snapshot_nodes.add(node)
+        self.state_pool.copy_rows([row], [slot])
+
+    def _take_snapshot_row(self) -> int | None:
+        """A free snapshot row, dropping the least recently used unlocked snapshot if none is
+        free; None when every snapshot is in use by a locked prefix."""
+        if not self._free_snapshots:
+            unlocked = [n for n in self._snapshot_nodes if n.lock_ref == 0]
+            if not unlocked:
+                return None
+            self._drop_snapshot(min(unlocked, key=lambda n: (n.last_access_time, n.node_id)))
+        return self._free_snapshots.pop()
+
+    def _drop_snapshot(self, node: TreeNode) -> None:
+        assert node.state is not None
+        self._free_snapshots.append(node.state)
+        self._snapshot_nodes.discard(node)
+        node.state = None
+
+    def _on_evicted(self, node: TreeNode) -> None:
+        if node.state is not None:
+            self._drop_snapshot(node)
+
+    def check_invariants(self) -> None:
+        super().check_invariants()
+        in_tree = {n for n in self._nodes() if n.state is not None}
+        _require(in_tree == self._snapshot_nodes, "the snapshot set is out of date")
+        used = [n.state for n in in_tree]
+        rows = set(self.state_pool.snapshot_rows())
+        _require(len(set(used)) == len(used), "a snapshot row is kept twice")
+        _require(set(used) | set(self._free_snapshots) == rows
+                 and len(used) + len(self._free_snapshots) == len(rows),
+                 "snapshot rows leaked or out of range")
+
+    def format_tree(self) -> str:
+        return super().format_tree() + f"\nsnapshots: {len(self._snapshot_nodes)} kept, " \
+            f"{len(self._free_snapshots)} free"

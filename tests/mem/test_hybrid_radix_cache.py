@@ -1,0 +1,118 @@
+"""HybridRadixCache: prefixes end where recurrent states are kept; snapshots taken when a
+request is cached, restored into a new row, dropped least recently used first (never a locked
+prefix's), freed with their node; every row accounted for."""
+from __future__ import annotations
+
+import torch
+
+from mem_cache_sim import make_pools, make_req
+from radixserve.mem.hybrid_radix_cache import HybridRadixCache
+from radixserve.mem.recurrent_state_pool import RecurrentStatePool, RecurrentStateSpec
+
+SPEC = RecurrentStateSpec(num_layers=2, conv_channels=3, conv_width=2, num_heads=1, key_dim=2,
+                          value_dim=2, conv_dtype=torch.float32)
+
+
+def new_cache(snapshots: int = 2, kv_size: int = 64) -> HybridRadixCache:
+    req_pool, kv_pool = make_pools(kv_size=kv_size, req_slots=4)
+    states = RecurrentStatePool(SPEC, req_pool.size, "cpu", snapshots)
+    return HybridRadixCache(req_pool, kv_pool, states)
+
+
+def run_request(cache: HybridRadixCache, tokens: list[int], mark: float, finish: bool = True):
+    """A request that computed `tokens` (its row's states all `mark`), then is cached."""
+    req = make_req(f"r{mark}", tokens + [0])
+    indices, handle = cache.match_prefix(tokens)
+    req.prefix_indices, req.cache_handle = indices, handle
+    cache.inc_lock_ref(handle)
+    req.req_pool_idx = cache.req_to_token_pool.alloc(1)[0]
+    cache.req_to_token_pool.write(req.req_pool_idx, 0, indices)
+    new = cache.token_to_kv_pool.alloc(len(tokens) - len(indices))
+    cache.req_to_token_pool.write(req.req_pool_idx, len(indices), new)
+    cache.state_pool.conv[:, req.req_pool_idx] = mark
+    cache.state_pool.ssm[:, req.req_pool_idx] = mark
+    req.fill_ids = list(tokens)
+    if finish:
+        cache.cache_finished_req(req, token_ids=list(tokens))
+    else:
+        cache.cache_unfinished_req(req)
+    cache.check_invariants()
+    return req
+
+
+def kept(cache: HybridRadixCache) -> list[tuple[int, float]]:
+    """(prefix length, the value its snapshot holds) for each kept snapshot, sorted."""
+    out = []
+    for node in cache._snapshot_nodes:
+        length, walk = 0, node
+        while walk is not cache.root:
+            length += len(walk.key)
+            walk = walk.parent
+        out.append((length, float(cache.state_pool.ssm[0, node.state].flatten()[0])))
+    return sorted(out)
+
+
+def test_matches_stop_at_the_deepest_kept_states() -> None:
+    cache = new_cache()
+    run_request(cache, [1, 2, 3, 4, 5, 6], 1.0)
+    assert kept(cache) == [(6, 1.0)]
+    # the same first four tokens: the KV is there, the states only after six tokens
+    assert len(cache.match_prefix([1, 2, 3, 4, 9]).indices) == 0
+    indices, handle = cache.match_prefix([1, 2, 3, 4, 5, 6, 7])
+    assert len(indices) == 6 and handle.state is not None
+    cache.check_invariants()
+
+
+def test_restore_copies_the_kept_states_into_the_new_row() -> None:
+    cache = new_cache()
+    run_request(cache, [1, 2, 3], 2.5)
+    indices, handle = cache.match_prefix([1, 2, 3, 4])
+    cache.inc_lock_ref(handle)
+    row = cache.req_to_token_pool.alloc(1)[0]
+    cache.restore_states([row], [handle])
+    assert bool((cache.state_pool.conv[:, row] == 2.5).all())
+    assert bool((cache.state_pool.ssm[:, row] == 2.5).all())
+    cache.restore_states([row], [cache.root])  # the empty prefix: nothing to copy
+    cache.dec_lock_ref(handle)
+    cache.check_invariants()
+
+
+def test_unfinished_requests_keep_states_at_their_chunk_ends() -> None:
+    cache = new_cache()
+    req = run_request(cache, [5, 6, 7, 8], 3.0, finish=False)
+    assert kept(cache) == [(4, 3.0)]
+    cache.dec_lock_ref(req.cache_handle)
+    cache.check_invariants()
+
+
+def test_the_least_recently_used_unlocked_snapshot_is_dropped_for_a_new_one() -> None:
+    cache = new_cache(snapshots=2)
+    run_request(cache, [1, 1], 1.0)
+    run_request(cache, [2, 2], 2.0)
+    cache.match_prefix([1, 1, 9])  # [1, 1] used last
+    run_request(cache, [3, 3], 3.0)
+    assert kept(cache) == [(2, 1.0), (2, 3.0)]
+    # the KV of the dropped prefix is still cached, its states are not
+    assert cache.total_size() == 6
+    assert len(cache.match_prefix([2, 2, 5]).indices) == 0
+    # both kept snapshots locked: a fourth request keeps none
+    handles = [cache.match_prefix(k).handle for k in ([1, 1, 0], [3, 3, 0])]
+    for handle in handles:
+        cache.inc_lock_ref(handle)
+    run_request(cache, [4, 4], 4.0)
+    assert kept(cache) == [(2, 1.0), (2, 3.0)]
+    for handle in handles:
+        cache.dec_lock_ref(handle)
+    cache.check_invariants()
+
+
+def test_evicted_nodes_free_their_snapshots_and_reset_frees_all() -> None:
+    cache = new_cache(snapshots=2)
+    run_request(cache, [1, 2], 1.0)
+    run_request(cache, [7, 8, 9], 2.0)
+    assert cache.evict(5) == 5
+    assert kept(cache) == [] and len(cache._free_snapshots) == 2
+    cache.check_invariants()
+    run_request(cache, [1, 2], 1.0)
+    cache.reset()
+    assert len(cache._free_snapshots) == 2 and not cache._snapshot_nodes
