@@ -17,6 +17,8 @@ parallel. Checkpoint layouts:
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +29,10 @@ from radixserve.layers.gated_delta_rule import (CHUNK, chunked, conv_extend, con
 from radixserve.layers.linear import (MergedColumnParallelLinear, RowParallelLinear,
                                       _rank_and_size, _shard, default_weight_loader)
 from radixserve.mem.recurrent_state_pool import RecurrentStatePool, RecurrentStateSpec
+
+# on the GPU: the decode step in two Triton launches (kernels/gdn_decode.py) and the gated norm
+# in one (kernels/gated_rmsnorm.py); 0: the torch path
+_TRITON = os.environ.get("RADIXSERVE_GDN_TRITON", "1") != "0"
 
 
 class GroupedInProjection(MergedColumnParallelLinear):
@@ -152,17 +158,20 @@ class GatedDeltaNet(nn.Module):
         values = self.num_v_heads * self.value_dim
         mixed, z = self.in_proj_qkvz(hidden).split([self.conv_channels, values], dim=-1)
         b, a = self.in_proj_ba(hidden).split([self.num_v_heads] * 2, dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         conv_states, ssm_states = self.states.layer(self.state_index)
         if forward_batch.forward_mode.is_decode():
-            out = self._decode(mixed, g, beta, forward_batch.req_pool_indices, conv_states,
+            out = self._decode(mixed, a, b, forward_batch.req_pool_indices, conv_states,
                                ssm_states)
         else:
-            out = self._extend(mixed, g, beta, forward_batch, conv_states, ssm_states)
-        out = self.norm(out.to(hidden.dtype).reshape(-1, self.value_dim),
-                        z.reshape(-1, self.value_dim))
-        return self.out_proj(out.reshape(tokens, values))
+            out = self._extend(mixed, a, b, forward_batch, conv_states, ssm_states)
+        if out.is_cuda and _TRITON:
+            from radixserve.layers.kernels.gated_rmsnorm import gated_rmsnorm
+            normed = gated_rmsnorm(out, z, self.norm.weight, self.norm.variance_epsilon,
+                                   hidden.dtype)
+        else:
+            normed = self.norm(out.to(hidden.dtype).reshape(-1, self.value_dim),
+                               z.reshape(-1, self.value_dim)).reshape(tokens, values)
+        return self.out_proj(normed)
 
     def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Conv output [..., channels] -> prepared q, k [..., value heads, key_dim] and v."""
@@ -172,16 +181,28 @@ class GatedDeltaNet(nn.Module):
                           k.unflatten(-1, (self.num_k_heads, self.key_dim)), self.group)
         return q, k, v.unflatten(-1, (self.num_v_heads, self.value_dim))
 
-    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g, beta): the log decay -exp(A_log) * softplus(a + dt_bias) in float32, and
+        sigmoid(b)."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), b.sigmoid()
+
+    def _decode(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 rows: torch.Tensor, conv_states: torch.Tensor, ssm_states: torch.Tensor
                 ) -> torch.Tensor:
-        """One token per request, each continuing its row's states (CUDA-graph safe)."""
+        """One token per request, each continuing its row's states (CUDA-graph safe). On the
+        GPU two Triton launches (kernels/gdn_decode.py) unless RADIXSERVE_GDN_TRITON=0."""
+        if mixed.is_cuda and _TRITON:
+            from radixserve.layers.kernels.gdn_decode import gdn_decode
+            return gdn_decode(mixed, a, b, self.A_log, self.dt_bias, self.conv1d.weight,
+                              conv_states, ssm_states, rows, self.num_k_heads, self.key_dim,
+                              self.value_dim)
+        g, beta = self._gates(a, b)
         mixed, conv_states[rows] = conv_step(mixed, self.conv1d.weight, conv_states[rows])
         q, k, v = self._split_heads(mixed)
         out, ssm_states[rows] = recurrent_step(q, k, v, g, beta, ssm_states[rows])
         return out
 
-    def _extend(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    def _extend(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 batch: ForwardBatch, conv_states: torch.Tensor, ssm_states: torch.Tensor
                 ) -> torch.Tensor:
         """Requests of one token on top of their states (a MIXED pass's decodes) take the
@@ -200,9 +221,10 @@ class GatedDeltaNet(nn.Module):
         if single:
             at = torch.tensor([starts[i] for i in single], device=device)
             picked = torch.tensor(single, device=device)
-            out[at] = self._decode(mixed[at], g[at], beta[at], rows[picked], conv_states,
+            out[at] = self._decode(mixed[at], a[at], b[at], rows[picked], conv_states,
                                    ssm_states)
         if whole:
+            g, beta = self._gates(a, b)
             self._extend_padded(mixed, g, beta, [starts[i] for i in whole],
                                 [lens[i] for i in whole], [prefixes[i] > 0 for i in whole],
                                 rows[torch.tensor(whole, device=device)], conv_states,
