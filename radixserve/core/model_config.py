@@ -108,6 +108,10 @@ class ModelConfig:
         # True where Mistral Small 3.1's language model is untied and its config.json says
         # nothing at the top level
         self.tie_word_embeddings: bool = bool(get("tie_word_embeddings", False))
+        if self.architecture.startswith("Qwen3_5") and hf_config is not text_config:
+            # Qwen3.5's multimodal configs tie by their top-level flag (transformers saves
+            # text_config's as false beside a tied model's true)
+            self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         default_bias = self.architecture.startswith("Qwen2")  # Qwen2: bias on q/k/v
         self.attention_bias: bool = bool(get("attention_bias", get("qkv_bias", default_bias)))
         # Llama and Qwen3 put attention_bias on o_proj too; Qwen2's and GLM-4.5's q/k/v bias

@@ -28,6 +28,7 @@ from radixserve.layers.cpu_linear import keep_checkpoint_dtype
 from radixserve.layers.gated_delta_net import attach_recurrent_states, recurrent_state_spec
 from radixserve.layers.logits import LogitsOutput
 from radixserve.layers.quantization.fp8 import fp8_config, fp8_linears
+from radixserve.layers.quantization.skipped import keep_unquantized
 from radixserve.executor.sampler import (Sampler, compute_input_logprobs, compute_logprobs,
                                          compute_logprobs_on_device)
 from radixserve.loader import init_dummy_weights, load_model_source
@@ -145,10 +146,13 @@ class ModelRunner:
         try:
             with torch.device(self.device), fp8_linears(self.fp8):
                 model = model_cls(self.model_config)
+                plain = keep_unquantized(model, self.fp8)
         finally:
             torch.set_default_dtype(default_dtype)
         if self.fp8 is not None:
-            logger.info("FP8 weights: %s", self.fp8.source)
+            logger.info("FP8 weights: %s%s", self.fp8.source,
+                        f"; {len(plain)} layers left unquantised by the checkpoint"
+                        if plain else "")
         if self.source.weights is None:
             init_dummy_weights(model, self.server_args.random_seed)
         else:

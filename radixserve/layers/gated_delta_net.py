@@ -206,7 +206,8 @@ class GatedDeltaNet(nn.Module):
                 batch: ForwardBatch, conv_states: torch.Tensor, ssm_states: torch.Tensor
                 ) -> torch.Tensor:
         """Requests of one token on top of their states (a MIXED pass's decodes) take the
-        decode path; the others are padded to a common multiple of CHUNK tokens."""
+        decode path; the others are padded to a common multiple of CHUNK tokens, in groups of
+        similar length."""
         assert batch.extend_seq_lens_cpu is not None and batch.extend_prefix_lens_cpu is not None
         lens, prefixes = batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu
         device = mixed.device
@@ -225,10 +226,17 @@ class GatedDeltaNet(nn.Module):
                                    ssm_states)
         if whole:
             g, beta = self._gates(a, b)
-            self._extend_padded(mixed, g, beta, [starts[i] for i in whole],
-                                [lens[i] for i in whole], [prefixes[i] > 0 for i in whole],
-                                rows[torch.tensor(whole, device=device)], conv_states,
-                                ssm_states, out)
+            # requests of 2^(j-1) + 1 .. 2^j chunks run together: padding at most doubles the
+            # work (one long chunk beside many short prompts would multiply it by their count)
+            groups: dict[int, list[int]] = {}
+            for i in whole:
+                groups.setdefault((-(-lens[i] // CHUNK) - 1).bit_length(), []).append(i)
+            for members in groups.values():
+                self._extend_padded(mixed, g, beta, [starts[i] for i in members],
+                                    [lens[i] for i in members],
+                                    [prefixes[i] > 0 for i in members],
+                                    rows[torch.tensor(members, device=device)], conv_states,
+                                    ssm_states, out)
         return out
 
     def _extend_padded(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -36,6 +36,10 @@ def empty_slots() -> torch.Tensor:
 
 
 class BasePrefixCache(ABC):
+    # a waiting request that shares a long uncached prefix with one admitted this turn waits
+    # for it to be cached (scheduler/in_batch_prefix.py), where caching makes it reusable
+    defers_shared_prompts = True
+
     @abstractmethod
     def match_prefix(self, key: list[int]) -> MatchResult:
         """Longest cached prefix of `key` (updates LRU times along the path)."""

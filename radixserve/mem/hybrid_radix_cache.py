@@ -16,8 +16,12 @@ prefix gets the prefix's states copied into its own row (`restore_states`) befor
 its lock on the node keeps the snapshot from being reused meanwhile.
 
 Snapshot rows are few (as many as request rows). When none is free, the least recently used
-unlocked node's snapshot is dropped (its KV stays cached, reusable by a deeper snapshot); a node
-evicted from the tree frees its snapshot.
+snapshot no request is locked on is dropped (its KV stays cached, reusable up to a shallower
+snapshot); a node evicted from the tree frees its snapshot.
+
+Prompts admitted together do not wait for each other's prefix (`defers_shared_prompts` is off):
+a shared prefix is reusable only where a snapshot will end, which is at a chunk end or a
+request's end, not where two prompts part.
 """
 from __future__ import annotations
 
@@ -34,6 +38,8 @@ if TYPE_CHECKING:
 
 
 class HybridRadixCache(RadixCache):
+    defers_shared_prompts = False
+
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: KVPool,
                  state_pool: RecurrentStatePool) -> None:
         if not state_pool.snapshots:
@@ -103,14 +109,22 @@ class HybridRadixCache(RadixCache):
         self.state_pool.copy_rows([row], [slot])
 
     def _take_snapshot_row(self) -> int | None:
-        """A free snapshot row, dropping the least recently used unlocked snapshot if none is
-        free; None when every snapshot is in use by a locked prefix."""
+        """A free snapshot row, dropping the least recently used unpinned snapshot if none is
+        free; None when every snapshot is pinned. A snapshot is pinned while a request holds
+        a lock on its very node (`cache_handle`: it was admitted on that prefix, or it is
+        being chunked and ends there), not while locks lie only below it: a request's states
+        are its row's once restored (`restore_states`, at admission), and a copy into a row
+        reused afterwards is queued behind that restore."""
         if not self._free_snapshots:
-            unlocked = [n for n in self._snapshot_nodes if n.lock_ref == 0]
-            if not unlocked:
+            unpinned = [n for n in self._snapshot_nodes if not self._directly_locked(n)]
+            if not unpinned:
                 return None
-            self._drop_snapshot(min(unlocked, key=lambda n: (n.last_access_time, n.node_id)))
+            self._drop_snapshot(min(unpinned, key=lambda n: (n.last_access_time, n.node_id)))
         return self._free_snapshots.pop()
+
+    @staticmethod
+    def _directly_locked(node: TreeNode) -> bool:
+        return node.lock_ref > sum(child.lock_ref for child in node.children.values())
 
     def _drop_snapshot(self, node: TreeNode) -> None:
         assert node.state is not None

@@ -83,8 +83,9 @@ class RecurrentStatePool:
             return
         src = torch.tensor(sources, dtype=torch.int64).to(self.device, non_blocking=True)
         dst = torch.tensor(targets, dtype=torch.int64).to(self.device, non_blocking=True)
-        self.conv[:, dst] = self.conv[:, src]
-        self.ssm[:, dst] = self.ssm[:, src]
+        for layer in range(self.spec.num_layers):  # one layer's rows at a time in flight
+            self.conv[layer].index_copy_(0, dst, self.conv[layer].index_select(0, src))
+            self.ssm[layer].index_copy_(0, dst, self.ssm[layer].index_select(0, src))
 
     def memory_bytes(self) -> int:
         return (self.size + 1 + self.snapshots) * self.spec.bytes_per_row()

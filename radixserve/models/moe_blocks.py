@@ -53,11 +53,10 @@ def routing_config(config: ModelConfig) -> RoutingConfig:
                              num_groups=hf.n_group if grouped else 1,
                              topk_group=hf.topk_group if grouped else 1,
                              scaling_factor=float(hf.routed_scaling_factor))
-    # Qwen3.5-MoE's router always renormalises (its config has no norm_topk_prob)
-    renormalize = getattr(hf, "norm_topk_prob", None)
-    if renormalize is None:
-        renormalize = getattr(hf, "model_type", "").startswith("qwen3_5_moe")
-    return RoutingConfig(hf.num_experts, hf.num_experts_per_tok, renormalize=bool(renormalize))
+    # Qwen3.5-MoE's router always renormalises, whatever its config says
+    renormalize = getattr(hf, "model_type", "").startswith("qwen3_5_moe") or \
+        bool(getattr(hf, "norm_topk_prob", False))
+    return RoutingConfig(hf.num_experts, hf.num_experts_per_tok, renormalize=renormalize)
 
 
 class SparseMoeBlock(nn.Module):

@@ -281,7 +281,8 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
             self.ratio.value, self.args.max_prefill_tokens,
             self.args.chunked_prefill_size if self.args.chunked_prefill_enabled else None,
             self.max_running_requests - len(running))
-        in_batch = InBatchPrefixIndex() if self.policy.policy in ("lpm", "dfs-weight") else None
+        in_batch = InBatchPrefixIndex() if self.policy.policy in ("lpm", "dfs-weight") and \
+            self.tree_cache.defers_shared_prompts else None
         allowance = None if self.cohort_gate is None else self.cohort_gate.allowance(
             ordered, running,
             self.token_to_kv_pool.available_size() + self.tree_cache.evictable_size(),

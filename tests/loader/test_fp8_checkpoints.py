@@ -7,6 +7,7 @@ models' linear-attention projections are quantised too, their scales regrouped w
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -66,17 +67,20 @@ def _quant_config(fmt: str) -> dict:
             "ignore": ["lm_head"]}
 
 
-def _write_pair(root: Path, fmt: str, model: str = "llama_gqa_llama3_rope"
-                ) -> tuple[Path, Path]:
+def _write_pair(root: Path, fmt: str, model: str = "llama_gqa_llama3_rope",
+                skip: tuple[str, ...] = ()) -> tuple[Path, Path]:
     """(FP8 checkpoint, its dequantised twin), from one tiny random checkpoint (an MoE model's
-    experts are quantised too; its router stays as it is)."""
+    experts are quantised too; its router stays as it is). Linears whose names contain an
+    entry of `skip` stay unquantised, listed in the config as checkpoints list them."""
     base = root / "base"
     make_checkpoint(model, base)
     tensors = load_file(str(base / "model.safetensors"))
     fp8, twin = {}, {}
     for name, t in tensors.items():
         module = name.rsplit(".", 2)
-        if name.endswith(".weight") and module[-2] in LINEARS:
+        if name.endswith(".weight") and module[-2] in LINEARS and \
+                not any(re.match(e[3:], name[:-len(".weight")]) if e.startswith("re:")
+                        else e in name for e in skip):
             pieces, dequant = _quantize(t.float(), fmt)
             for suffix, piece in pieces.items():
                 fp8[name[:-len("weight")] + suffix] = piece.contiguous()
@@ -85,7 +89,11 @@ def _write_pair(root: Path, fmt: str, model: str = "llama_gqa_llama3_rope"
             fp8[name] = twin[name] = t
     config = json.loads((base / "config.json").read_text())
     folders = []
-    for label, state, extra in (("fp8", fp8, {"quantization_config": _quant_config(fmt)}),
+    quant = _quant_config(fmt)
+    if skip:
+        key = "modules_to_not_convert" if fmt == "block" else "ignore"
+        quant[key] = [*quant.get(key, []), *skip]
+    for label, state, extra in (("fp8", fp8, {"quantization_config": quant}),
                                 ("twin", twin, {})):
         folder = root / label
         folder.mkdir()
@@ -117,6 +125,27 @@ def test_fp8_checkpoint_matches_its_dequantised_twin(fmt: str, model: str, tmp_p
     fp8_folder, twin_folder = _write_pair(tmp_path, fmt, model)
     for got, want in zip(_logits(fp8_folder), _logits(twin_folder)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt,model,skip", [
+    # Qwen3-Next / Qwen3.5 FP8 releases keep the linear attention's b|a projection in bf16
+    ("block", "qwen3_next_hybrid", ("linear_attn.in_proj_ba",)),
+    ("block", "qwen3_5_dense", ("linear_attn.in_proj_b", "linear_attn.in_proj_a")),
+    # compressed-tensors' ignore list, by regular expression and by name
+    ("channel", "llama_gqa_llama3_rope", ("re:.*layers\\.1\\.mlp\\.down_proj$",
+                                          "model.layers.0.self_attn.o_proj"))])
+def test_layers_the_checkpoint_leaves_unquantised_load_as_they_are(fmt, model, skip,
+                                                                    tmp_path) -> None:
+    fp8_folder, twin_folder = _write_pair(tmp_path, fmt, model, skip)
+    for got, want in zip(_logits(fp8_folder), _logits(twin_folder)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_merged_layer_half_left_unquantised_is_refused(tmp_path) -> None:
+    """q|k|v is one layer: a checkpoint that quantises q and k but not v cannot load."""
+    fp8_folder, _ = _write_pair(tmp_path, "block", skip=("self_attn.v_proj",))
+    with pytest.raises(ValueError, match="quantises some of the modules merged"):
+        _logits(fp8_folder)
 
 
 @pytest.mark.parametrize("model", ["llama_gqa_llama3_rope", "mixtral_moe"])

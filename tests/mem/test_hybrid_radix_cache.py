@@ -116,3 +116,21 @@ def test_evicted_nodes_free_their_snapshots_and_reset_frees_all() -> None:
     run_request(cache, [1, 2], 1.0)
     cache.reset()
     assert len(cache._free_snapshots) == 2 and not cache._snapshot_nodes
+
+
+def test_a_chunked_request_pins_only_the_snapshot_it_is_locked_on() -> None:
+    """A prompt cached chunk by chunk holds its lock at its latest chunk end: the earlier
+    chunk end's snapshot (locked only through its subtree) goes first when a finishing
+    request needs a row."""
+    cache = new_cache(snapshots=2)
+    req = run_request(cache, [1, 2, 3, 4], 1.0, finish=False)
+    req.fill_ids = [1, 2, 3, 4, 5, 6, 7, 8]
+    new = cache.token_to_kv_pool.alloc(4)
+    cache.req_to_token_pool.write(req.req_pool_idx, 4, new)
+    cache.state_pool.ssm[:, req.req_pool_idx] = 2.0
+    cache.cache_unfinished_req(req)
+    assert kept(cache) == [(4, 1.0), (8, 2.0)]
+    run_request(cache, [9, 9], 3.0)
+    assert kept(cache) == [(2, 3.0), (8, 2.0)]
+    cache.dec_lock_ref(req.cache_handle)
+    cache.check_invariants()

@@ -196,7 +196,8 @@ MULTIMODAL_CONFIGS = {
                            num_attention_heads=2, image_size=32, patch_size=8, head_dim=16),
         image_token_index=159, tie_word_embeddings=False)),
     # Qwen3.5-MoE (Qwen3_5MoeForConditionalGeneration): the hybrid decoder with experts top-2
-    # of 4 (always renormalised) and a gated shared expert, a tiny vision tower beside it
+    # of 4 (always renormalised) and a gated shared expert, a tiny vision tower beside it;
+    # tied by the top-level flag (transformers saves text_config's as false)
     "qwen3_5_moe_multimodal": (transformers.Qwen3_5MoeConfig, dict(
         text_config=dict(BASE, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
                          linear_num_key_heads=2, linear_num_value_heads=4,
@@ -207,7 +208,7 @@ MULTIMODAL_CONFIGS = {
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2,
                            patch_size=4, out_hidden_size=64, num_position_embeddings=16),
         image_token_id=159, video_token_id=158, vision_start_token_id=157,
-        tie_word_embeddings=False)),
+        tie_word_embeddings=True)),
 }
 
 

@@ -66,6 +66,9 @@ class Fp8Config:
     online: bool = False  # quantise the checkpoint's bf16 weights at load
     static_input_scale: bool = False  # the checkpoint carries input_scale tensors
     source: str = ""  # what the config came from, for the log
+    # checkpoint modules left unquantised (`modules_to_not_convert` / `ignored_layers`, or
+    # compressed-tensors' `ignore`): a name part, or "re:" and a regular expression
+    skipped: tuple[str, ...] = ()
 
 
 def fp8_config(quantization_config: dict[str, Any] | None, flag: str | None) -> Fp8Config | None:
@@ -81,8 +84,11 @@ def fp8_config(quantization_config: dict[str, Any] | None, flag: str | None) -> 
         if block is not None and (len(block) != 2 or block[0] != block[1]):
             raise ValueError(f"FP8 weight_block_size {block} is not supported (square only)")
         static = quantization_config.get("activation_scheme") == "static"  # type: ignore
+        skipped = [*(quantization_config.get("modules_to_not_convert") or ()),  # type: ignore
+                   *(quantization_config.get("ignored_layers") or ())]  # type: ignore
         return Fp8Config(block=block[0] if block else None, static_input_scale=static,
-                         source=f"fp8 checkpoint{f' (blocks of {block})' if block else ''}")
+                         source=f"fp8 checkpoint{f' (blocks of {block})' if block else ''}",
+                         skipped=tuple(skipped))
     if method == "compressed-tensors":
         return _compressed_tensors_config(quantization_config)  # type: ignore[arg-type]
     if method is not None:
@@ -113,7 +119,7 @@ def _compressed_tensors_config(raw: dict[str, Any]) -> Fp8Config:
     elif strategy not in (QuantizationStrategy.TENSOR, QuantizationStrategy.CHANNEL):
         raise ValueError(f"compressed-tensors FP8 strategy {strategy} is not supported")
     static = inputs is not None and not inputs.dynamic
-    return Fp8Config(block=block, static_input_scale=static,
+    return Fp8Config(block=block, static_input_scale=static, skipped=tuple(config.ignore or ()),
                      source=f"compressed-tensors FP8 ({getattr(strategy, 'value', strategy)} weights, "
                             f"{'static' if static else 'dynamic'} activations)")
 

@@ -1,0 +1,75 @@
+"""The linear layers an FP8 checkpoint leaves unquantised (`Fp8Config.skipped`).
+
+Checkpoints name them by substrings of their module names (transformers' reading of
+`modules_to_not_convert`: "lm_head", "linear_attn.in_proj_ba", "mlp.gate") or by "re:" regular
+expressions (compressed-tensors' `ignore`), in the checkpoint's own names. A layer built FP8 is
+turned back into a plain one before loading when every checkpoint module it is made of is
+skipped: a merged layer's pieces (`packed_modules_mapping`), each under any of the model's
+checkpoint prefixes (a multimodal checkpoint's language model). Pieces of one merged layer
+skipped and not skipped cannot share its storage: that checkpoint is refused.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from radixserve.layers.linear import LinearBase
+from radixserve.layers.quantization.fp8 import Fp8Config
+
+
+def _matches(entry: str, name: str) -> bool:
+    if entry.startswith("re:"):
+        return re.match(entry[3:], name) is not None
+    return entry in name
+
+
+def _checkpoint_modules(name: str, mapping: dict[str, tuple[str, object]],
+                        prefixes: dict[str, str]) -> list[list[str]]:
+    """For each checkpoint module a layer is made of, the names it may have there."""
+    head, _, last = name.rpartition(".")
+    pieces = [ckpt for ckpt, (merged, _) in mapping.items() if merged == last] or [last]
+    variants = []
+    for piece in pieces:
+        full = f"{head}.{piece}" if head else piece
+        names = [full] + [old + full[len(new):] for old, new in prefixes.items()
+                          if full.startswith(new)]
+        variants.append(names)
+    return variants
+
+
+def keep_unquantized(model: nn.Module, config: Fp8Config | None) -> list[str]:
+    """Make the skipped layers of a just-built model plain ones (compute dtype, no scales);
+    returns their names."""
+    if config is None or not config.skipped:
+        return []
+    mapping = getattr(model, "packed_modules_mapping", {})
+    prefixes = getattr(model, "checkpoint_prefixes", {})
+    kept = []
+    for name, module in model.named_modules():
+        if not isinstance(module, LinearBase) or module.fp8 is None:
+            continue
+        skipped = [any(_matches(entry, n) for entry in config.skipped for n in names)
+                   for names in _checkpoint_modules(name, mapping, prefixes)]
+        if not any(skipped):
+            continue
+        if not all(skipped):
+            raise ValueError(f"{name}: the checkpoint quantises some of the modules merged "
+                             "into it and leaves others unquantised")
+        _make_plain(module)
+        kept.append(name)
+    return kept
+
+
+def _make_plain(layer: LinearBase) -> None:
+    old = layer.weight
+    weight = nn.Parameter(torch.empty(old.shape, dtype=torch.get_default_dtype(),
+                                      device=old.device), requires_grad=False)
+    weight.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
+    layer.weight = weight
+    for scale in ("weight_scale", "input_scale"):
+        if hasattr(layer, scale):
+            delattr(layer, scale)
+    layer.fp8 = None
+    layer.group_k = None
