@@ -69,14 +69,25 @@ def _cuda_rmsnorm():  # type: ignore[no-untyped-def]
 
 class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + weight), all in fp32, cast at the end
-    (Llama's casts before the weight multiply; the rounding differs)."""
+    (Llama's casts before the weight multiply; the rounding differs). With a residual, as
+    RMSNorm: (norm(x + residual), x + residual). One Triton kernel on the GPU."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.is_cuda:
+            fused = _cuda_rmsnorm()
+            if fused is not None:
+                return fused(x, self.weight, self.variance_epsilon, residual,
+                             zero_centered=True)
+        if residual is not None:
+            x = x + residual
+            residual = x
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        out = (h * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)

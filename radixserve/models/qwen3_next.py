@@ -96,14 +96,18 @@ class HybridDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, forward_batch: ForwardBatch
-                ) -> tuple[torch.Tensor, None]:
-        normed = self.input_layernorm(hidden)
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual adds fused into the norms (DecoderModel's convention)."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm(hidden, residual)
         if hasattr(self, "linear_attn"):
             mixed = self.linear_attn(normed, forward_batch)
         else:
             mixed = self.self_attn(positions, normed, forward_batch)
-        hidden = hidden + mixed
-        return hidden + self.mlp(self.post_attention_layernorm(hidden)), None
+        normed, residual = self.post_attention_layernorm(mixed, residual)
+        return self.mlp(normed), residual
 
 
 class Qwen3NextForCausalLM(CausalLM):

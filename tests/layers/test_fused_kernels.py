@@ -57,6 +57,25 @@ def test_rmsnorm_fused_residual(dtype: torch.dtype) -> None:
     assert out.shape == x.shape and out.dtype == ref_out.dtype
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_zero_centered_rmsnorm_matches_gemma_norm(dtype: torch.dtype,
+                                                  with_residual: bool) -> None:
+    """Gemma's (1 + weight) RMSNorm (Gemma, Qwen3-Next, Qwen3.5), the residual add in front."""
+    from radixserve.layers.norm import GemmaRMSNorm
+    x, residual = randn(3, 96, dtype=dtype), randn(3, 96, dtype=dtype, seed=2)
+    norm = GemmaRMSNorm(96, 1e-6)
+    norm.weight.data = randn(96, dtype=dtype, seed=1).cpu()
+    ref = norm(x.cpu(), residual.cpu() if with_residual else None)
+    got = fused_rmsnorm(x, norm.weight.to(DEVICE), 1e-6, residual if with_residual else None,
+                        zero_centered=True)
+    if with_residual:
+        assert torch.equal(got[1].cpu(), ref[1])
+        got, ref = got[0], ref[0]
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.cpu(), ref, **TOL[dtype])
+
+
 def test_rmsnorm_strided_rows_and_fp32_weight() -> None:
     x = randn(4, 256, dtype=torch.float16)[:, :128]  # row stride 256
     weight = randn(128, dtype=torch.float32, seed=3)

@@ -55,7 +55,7 @@ ENABLED = os.environ.get("RADIXSERVE_MOE_GEMV", "1") != "0"
 # distinct, nothing is read twice), and up to this many where each token picks 4+ experts (many
 # small ones). On the H100 the GEMVs won at 4 tokens by 1.2x for Qwen3-30B-A3B (top 8 of 128)
 # and DeepSeek-V2-Lite (top 6 of 64), and lost from 4 tokens for Mixtral (top 2 of 8).
-DEFAULT_MAX_TOKENS = 4
+DEFAULT_MAX_TOKENS = int(os.environ.get("RADIXSERVE_MOE_GEMV_MAX_TOKENS", "4"))
 MAX_REREAD = 1.18  # default_takes: how many more expert reads than the grouped path's
 
 

@@ -4,7 +4,8 @@ With a residual: s = x + residual (rounded to the promoted dtype, as torch adds)
 new residual; the norm is taken of s. The norm runs in float32, is rounded to s's dtype, then
 multiplied by the weight: out = weight * (s * rsqrt(mean(s^2) + eps)).to(s.dtype), exactly the
 order of HF's LlamaRMSNorm, so the GPU path and the PyTorch path agree up to float32 rounding of
-the mean.
+the mean. ZERO_CENTERED (Gemma's, Qwen3-Next's and Qwen3.5's RMSNorm): out = (s * rsqrt(...) *
+(1 + weight)) in float32, rounded once at the end, as transformers' GemmaRMSNorm does.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from radixserve.layers.kernels.per_token_quant import MIN_SCALE
 @triton.jit
 def _rmsnorm_kernel(X, Residual, W, Out, ResidualOut, Scales, stride_x, stride_r, stride_o,
                     stride_ro, n_cols, eps, fp8_max, min_scale, HAS_RESIDUAL: tl.constexpr,
-                    QUANT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+                    QUANT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+                    ZERO_CENTERED: tl.constexpr = False):
     """QUANT: Out holds FP8 codes of the output rounded to X's dtype, Scales one scale per row."""
     pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -32,8 +34,12 @@ def _rmsnorm_kernel(X, Residual, W, Out, ResidualOut, Scales, stride_x, stride_r
         tl.store(ResidualOut + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     variance = tl.sum(xf * xf, axis=0) / n_cols
-    normed = (xf * tl.rsqrt(variance + eps)).to(x.dtype).to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        normed = xf * tl.rsqrt(variance + eps)
+        w = w + 1.0
+    else:
+        normed = (xf * tl.rsqrt(variance + eps)).to(x.dtype).to(tl.float32)
     if QUANT:  # as per_token_quant takes the rounded output
         y = (normed * w).to(X.dtype.element_ty).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(y), axis=0) / fp8_max, min_scale)
@@ -50,13 +56,14 @@ def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
 
 
 def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                  residual: torch.Tensor | None = None
+                  residual: torch.Tensor | None = None, zero_centered: bool = False
                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Without residual: the normed x. With residual: (norm(x + residual), x + residual).
 
     x, residual: [..., hidden]; weight: [hidden]. Outputs are new tensors of x's shape.
+    zero_centered: Gemma's (1 + weight) norm, its output in the sum's dtype.
     """
-    out, _, residual_out = _launch(x, weight, eps, residual, None)
+    out, _, residual_out = _launch(x, weight, eps, residual, None, zero_centered)
     return out if residual_out is None else (out, residual_out)
 
 
@@ -71,13 +78,14 @@ def fused_rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-            fp8_dtype: torch.dtype | None
+            fp8_dtype: torch.dtype | None, zero_centered: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     n_cols = x.shape[-1]
     assert weight.shape == (n_cols,)
     x2d = _rows(x, n_cols)
     sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    out_dtype = fp8_dtype or torch.promote_types(sum_dtype, weight.dtype)
+    out_dtype = fp8_dtype or (sum_dtype if zero_centered
+                              else torch.promote_types(sum_dtype, weight.dtype))
     out = torch.empty(x2d.shape, dtype=out_dtype, device=x.device)
     scales = None
     if fp8_dtype is not None:
@@ -95,7 +103,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
             x2d.stride(0), r2d.stride(0), out.stride(0), residual_out.stride(0), n_cols, eps,
             torch.finfo(fp8_dtype).max if fp8_dtype is not None else 0.0, MIN_SCALE,
             HAS_RESIDUAL=residual is not None, QUANT=fp8_dtype is not None, BLOCK=block,
-            num_warps=num_warps, **pdl_launch_args(x2d))
+            ZERO_CENTERED=zero_centered, num_warps=num_warps, **pdl_launch_args(x2d))
     out = out.view(x.shape)
     return out, scales, None if residual is None else residual_out.view(x.shape)
 
