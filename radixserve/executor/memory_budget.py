@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -54,25 +55,44 @@ def max_request_slots(args: ServerArgs, max_total_tokens: int) -> int:
     return max(64, min(4096, max_total_tokens // 32))
 
 
+# prefix-cache snapshots a hybrid model keeps beyond one per request row, where the states'
+# share of the budget has room for them (tiny models would otherwise get thousands)
+MAX_EXTRA_SNAPSHOTS = 256
+
+
+class HybridBudget(NamedTuple):
+    kv_tokens: int
+    rows: int  # request rows
+    snapshots: int  # state rows for the prefix cache
+
+
 def hybrid_budget(args: ServerArgs, kv_bytes_per_token: int, state_bytes_per_row: int,
                   device: torch.device, activation_bytes: int = 0,
-                  snapshots_per_row: int = 0) -> tuple[int, int]:
-    """(KV tokens, request rows) of a hybrid model, whose every request row also holds its
-    recurrent states (`state_bytes_per_row`, the padding row included), with
-    `snapshots_per_row` more rows of states per request row for the prefix cache:
-    --max-running-requests rows if given, else the usual count capped where the states would
-    pass STATE_SHARE of the budget; the KV pool gets the rest."""
+                  prefix_cache: bool = False) -> HybridBudget:
+    """The KV tokens, request rows and prefix-cache snapshots of a hybrid model, whose every
+    request row also holds its recurrent states (`state_bytes_per_row`; the padding row too).
+    Rows: --max-running-requests if given, else the usual count capped where the rows and as
+    many snapshots would pass STATE_SHARE of the budget. Snapshots (with `prefix_cache`): one
+    per row at least, more where the share has room (up to MAX_EXTRA_SNAPSHOTS more), so a
+    small --max-running-requests still keeps many conversations' states. The KV pool gets
+    the rest."""
     budget = cache_budget_bytes(args, device, activation_bytes)
-    per_row = state_bytes_per_row * (1 + snapshots_per_row)
+    share = int(budget * STATE_SHARE)
+    per_row = state_bytes_per_row * (2 if prefix_cache else 1)
     if args.max_running_requests is not None:
         rows = args.max_running_requests
     else:
         usual = max_request_slots(args, budget // kv_bytes_per_token)
-        rows = min(usual, (int(budget * STATE_SHARE) - state_bytes_per_row) // per_row)
+        rows = min(usual, (share - state_bytes_per_row) // per_row)
     if rows < 1:
         raise RuntimeError(f"no room for one request's recurrent states "
                            f"({per_row / 2**20:.1f} MiB) in the cache budget of "
                            f"{budget / 2**30:.2f} GiB")
-    states = state_bytes_per_row + rows * per_row
-    return max_kv_tokens(args, kv_bytes_per_token, device,
-                         budget_bytes=max(0, budget - states)), rows
+    snapshots = 0
+    if prefix_cache:
+        room = (share - (rows + 1) * state_bytes_per_row) // state_bytes_per_row
+        snapshots = max(rows, min(room, rows + MAX_EXTRA_SNAPSHOTS))
+    states = (rows + 1 + snapshots) * state_bytes_per_row
+    tokens = max_kv_tokens(args, kv_bytes_per_token, device,
+                           budget_bytes=max(0, budget - states))
+    return HybridBudget(tokens, rows, snapshots)

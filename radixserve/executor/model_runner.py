@@ -217,11 +217,12 @@ class ModelRunner:
                 max_kv_tokens(self.server_args, bytes_per_token, self.device, activation))
             self.max_num_reqs = max_request_slots(self.server_args, self.max_total_num_tokens)
         else:
-            tokens, rows = hybrid_budget(self.server_args, bytes_per_token,
-                                         self.state_spec.bytes_per_row(), self.device,
-                                         activation, self._snapshots_per_row())
-            self.max_total_num_tokens = self.tp_group.min_int(tokens)
-            self.max_num_reqs = self.tp_group.min_int(rows)
+            plan = hybrid_budget(self.server_args, bytes_per_token,
+                                 self.state_spec.bytes_per_row(), self.device, activation,
+                                 prefix_cache=not self.server_args.disable_radix_cache)
+            self.max_total_num_tokens = self.tp_group.min_int(plan.kv_tokens)
+            self.max_num_reqs = self.tp_group.min_int(plan.rows)
+            snapshots = self.tp_group.min_int(plan.snapshots)
         self.req_to_token_pool = ReqToTokenPool(self.max_num_reqs, cfg.context_length + 4,
                                                 self.device)
         self.token_to_kv_pool: KVPool = make_kv_pool(self.max_total_num_tokens,
@@ -230,8 +231,8 @@ class ModelRunner:
                     self.max_total_num_tokens,
                     self.max_total_num_tokens * bytes_per_token / 2**30,
                     self.max_num_reqs, cfg.context_length)
-        self._attach_state_pool(self.max_num_reqs,
-                                self._snapshots_per_row() * self.max_num_reqs)
+        if self.state_spec is not None:
+            self._attach_state_pool(self.max_num_reqs, snapshots)
         if self.state_pool is not None:
             logger.info("recurrent states: %d linear-attention layers, %.1f MiB per request, "
                         "%.2f GiB for %d request slots and %d prefix-cache snapshots",
@@ -239,10 +240,6 @@ class ModelRunner:
                         self.state_pool.spec.bytes_per_row() / 2**20,
                         self.state_pool.memory_bytes() / 2**30, self.max_num_reqs,
                         self.state_pool.snapshots)
-
-    def _snapshots_per_row(self) -> int:
-        """A hybrid model's radix cache keeps states of cached prefixes: as many as rows."""
-        return 0 if self.server_args.disable_radix_cache else 1
 
     def _attach_state_pool(self, rows: int, snapshots: int = 0) -> None:
         """A hybrid model's RecurrentStatePool, one row per ReqToTokenPool row, and

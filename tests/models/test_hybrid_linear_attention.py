@@ -147,15 +147,22 @@ def test_chunked_rule_equals_the_recurrence(lengths: tuple[int, ...]) -> None:
 
 
 def test_states_and_kv_share_the_budget() -> None:
-    """Rows capped where the states would pass STATE_SHARE of the budget; the KV pool gets
-    what the states leave; --max-running-requests sets the rows; a row too large is refused."""
+    """Rows capped where their states and as many snapshots would pass STATE_SHARE of the
+    budget; snapshots past one per row where the share has room; the KV pool gets what the
+    states leave; --max-running-requests sets the rows; a row too large is refused."""
     args = ServerArgs(model_path="x", device="cpu", cpu_kv_cache_bytes=1 << 30).resolve()
-    cpu = torch.device("cpu")
-    tokens, rows = hybrid_budget(args, 1024, 16 << 20, cpu)
-    assert rows == int((1 << 30) * STATE_SHARE) // (16 << 20) - 1
-    assert tokens == ((1 << 30) - (rows + 1) * (16 << 20)) // 1024
-    args.max_running_requests = 3
-    assert hybrid_budget(args, 1024, 16 << 20, cpu) == (((1 << 30) - 4 * (16 << 20)) // 1024, 3)
+    cpu, row = torch.device("cpu"), 16 << 20
+    share = int((1 << 30) * STATE_SHARE)
+    plan = hybrid_budget(args, 1024, row, cpu)
+    assert plan.rows == (share - row) // row and plan.snapshots == 0
+    assert plan.kv_tokens == ((1 << 30) - (plan.rows + 1) * row) // 1024
+    plan = hybrid_budget(args, 1024, row, cpu, prefix_cache=True)
+    assert plan.rows == (share - row) // (2 * row)
+    assert plan.snapshots == share // row - plan.rows - 1 >= plan.rows
+    args.max_running_requests = 3  # the share's room goes to snapshots
+    plan = hybrid_budget(args, 1024, row, cpu, prefix_cache=True)
+    assert (plan.rows, plan.snapshots) == (3, share // row - 4)
+    assert plan.kv_tokens == ((1 << 30) - (4 + plan.snapshots) * row) // 1024
     args.max_running_requests = None
     with pytest.raises(RuntimeError, match="recurrent states"):
         hybrid_budget(args, 1024, 1 << 30, cpu)
