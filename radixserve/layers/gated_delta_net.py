@@ -216,6 +216,11 @@ class GatedDeltaNet(nn.Module):
             starts.append(starts[-1] + length)
         single = [i for i, (n, p) in enumerate(zip(lens, prefixes)) if n == 1 and p > 0]
         whole = [i for i, n in enumerate(lens) if n > 0 and not (n == 1 and prefixes[i] > 0)]
+        # requests whose states before their last token go to a snapshot row: all but that
+        # token padded, the copy, then the last token as a decode
+        snapshots = batch.state_snapshot_rows or [-1] * len(lens)
+        tails = [i for i in whole if snapshots[i] >= 0]
+        lens = [n - 1 if snapshots[i] >= 0 else n for i, n in enumerate(lens)]
         out = torch.empty(mixed.shape[0], self.num_v_heads, self.value_dim,
                           dtype=torch.float32, device=device)
         rows = batch.req_pool_indices
@@ -237,6 +242,14 @@ class GatedDeltaNet(nn.Module):
                                     [prefixes[i] > 0 for i in members],
                                     rows[torch.tensor(members, device=device)], conv_states,
                                     ssm_states, out)
+        if tails:
+            picked = torch.tensor(tails, device=device)
+            kept = torch.tensor([snapshots[i] for i in tails], device=device)
+            conv_states[kept] = conv_states[rows[picked]]
+            ssm_states[kept] = ssm_states[rows[picked]]
+            at = torch.tensor([starts[i] + lens[i] for i in tails], device=device)
+            out[at] = self._decode(mixed[at], a[at], b[at], rows[picked], conv_states,
+                                   ssm_states)
         return out
 
     def _extend_padded(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -7,7 +7,13 @@ may carry `state`, a snapshot row of the RecurrentStatePool holding a copy of th
 a prefix is reusable only up to the deepest node of the match that carries one (the root stands
 for the zero states of the empty prefix).
 
-Snapshots are taken where the scheduler caches a request (`cache_finished_req`: finished,
+A prompt sent again matches all but its last token (the scheduler recomputes that one for its
+logits), where no snapshot would otherwise be: so the pass that ends a prompt also writes the
+states before its last token into a row reserved for it (`reserve_prompt_snapshots`, at batch
+build; layers/gated_delta_net.py writes it), kept at that prefix when the request is next
+cached (n > 1, a regenerated answer, the same prompt from many clients).
+
+Other snapshots are taken where the scheduler caches a request (`cache_finished_req`: finished,
 retracted, or requeued; `cache_unfinished_req`: after a prompt or a prompt's chunk). The copy is
 queued on the device behind every pass launched so far, and the scheduler counts such passes'
 tokens in the `token_ids` it hands over (a request's `kv_len`), so the copy is the state after
@@ -51,6 +57,7 @@ class HybridRadixCache(RadixCache):
         super().reset()
         self._free_snapshots = list(reversed(self.state_pool.snapshot_rows()))
         self._snapshot_nodes: set[TreeNode] = set()
+        self._reserved: set[int] = set()  # rows a pass is writing, not yet at a node
 
     # ---- lookups ----
     def match_prefix(self, key: list[int]) -> MatchResult:
@@ -72,6 +79,21 @@ class HybridRadixCache(RadixCache):
                 targets.append(row)
         self.state_pool.copy_rows(sources, targets)  # type: ignore[arg-type]
 
+    def reserve_prompt_snapshots(self, reqs: list["Req"]) -> list[int]:
+        rows, any_reserved = [], False
+        for req in reqs:
+            end = len(req.prefix_indices) + req.extend_input_len
+            row = -1
+            if req.extend_input_len >= 2 and end == len(req.fill_ids) and \
+                    req.pending_snapshot is None:
+                slot = self._take_snapshot_row()
+                if slot is not None:
+                    self._reserved.add(slot)
+                    req.pending_snapshot = (slot, end - 1)
+                    row, any_reserved = slot, True
+            rows.append(row)
+        return rows if any_reserved else []
+
     # ---- requests ----
     def cache_finished_req(self, req: "Req", token_ids: list[int] | None = None,
                            allocated_len: int | None = None) -> None:
@@ -81,6 +103,7 @@ class HybridRadixCache(RadixCache):
         super().cache_finished_req(req, token_ids, allocated_len)
         assert row is not None
         self._snapshot(token_ids, row)
+        self._keep_pending(req, token_ids)
 
     def cache_unfinished_req(self, req: "Req", token_ids: list[int] | None = None) -> None:
         if token_ids is None:
@@ -88,6 +111,25 @@ class HybridRadixCache(RadixCache):
         super().cache_unfinished_req(req, token_ids)
         assert req.req_pool_idx is not None
         self._snapshot(token_ids, req.req_pool_idx)
+        self._keep_pending(req, token_ids)
+
+    def _keep_pending(self, req: "Req", token_ids: list[int]) -> None:
+        """The states a pass wrote before the request's last prompt token: at the node ending
+        there, where the tokens are cached and the node keeps none yet; else the row is free."""
+        if req.pending_snapshot is None:
+            return
+        slot, length = req.pending_snapshot
+        req.pending_snapshot = None
+        self._reserved.discard(slot)
+        node = None
+        if 0 < length <= len(token_ids):
+            indices, handle = self._walk(token_ids[:length])
+            node = _as_node(handle) if len(indices) == length else None
+        if node is None or node.state is not None:
+            self._free_snapshots.append(slot)
+            return
+        node.state = slot
+        self._snapshot_nodes.add(node)
 
     def _snapshot(self, token_ids: list[int], row: int) -> None:
         """Keep the states of `row` (after `token_ids`, all of which the tree now holds) at
@@ -140,7 +182,7 @@ class HybridRadixCache(RadixCache):
         super().check_invariants()
         in_tree = {n for n in self._nodes() if n.state is not None}
         _require(in_tree == self._snapshot_nodes, "the snapshot set is out of date")
-        used = [n.state for n in in_tree]
+        used = [n.state for n in in_tree] + sorted(self._reserved)
         rows = set(self.state_pool.snapshot_rows())
         _require(len(set(used)) == len(used), "a snapshot row is kept twice")
         _require(set(used) | set(self._free_snapshots) == rows
@@ -149,4 +191,4 @@ class HybridRadixCache(RadixCache):
 
     def format_tree(self) -> str:
         return super().format_tree() + f"\nsnapshots: {len(self._snapshot_nodes)} kept, " \
-            f"{len(self._free_snapshots)} free"
+            f"{len(self._reserved)} being written, {len(self._free_snapshots)} free"

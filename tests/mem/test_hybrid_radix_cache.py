@@ -134,3 +134,29 @@ def test_a_chunked_request_pins_only_the_snapshot_it_is_locked_on() -> None:
     assert kept(cache) == [(2, 3.0), (8, 2.0)]
     cache.dec_lock_ref(req.cache_handle)
     cache.check_invariants()
+
+
+def test_rows_reserved_for_a_prompts_last_pass_are_kept_or_freed() -> None:
+    """A row reserved at batch build (the pass writes the states before the prompt's last
+    token into it) is kept at that prefix when the request is cached, or freed where the node
+    keeps states already; either way every row stays accounted for."""
+    cache = new_cache(snapshots=3)
+    req = make_req("p", [1, 2, 3, 4])
+    req.fill_ids, req.extend_input_len = [1, 2, 3, 4], 4
+    rows = cache.reserve_prompt_snapshots([req])
+    assert len(rows) == 1 and rows[0] >= 0 and req.pending_snapshot == (rows[0], 3)
+    cache.check_invariants()
+    short = make_req("s", [7])
+    short.fill_ids, short.extend_input_len = [7], 1
+    assert cache.reserve_prompt_snapshots([short]) == []  # one token: nothing before it
+    run_done = run_request(cache, [1, 2, 3, 4], 1.0, finish=False)  # the tree gets [1..4]
+    cache.dec_lock_ref(run_done.cache_handle)
+    cache._keep_pending(req, [1, 2, 3, 4])
+    assert [length for length, _ in kept(cache)] == [3, 4]
+    assert req.pending_snapshot is None
+    again = make_req("q", [1, 2, 3, 4])
+    again.fill_ids, again.extend_input_len = [1, 2, 3, 4], 4
+    cache.reserve_prompt_snapshots([again])
+    cache._keep_pending(again, [1, 2, 3, 4])  # [1, 2, 3] keeps states already
+    assert [length for length, _ in kept(cache)] == [3, 4]
+    cache.check_invariants()

@@ -86,6 +86,30 @@ def test_a_conversation_resumes_from_the_states_kept_at_its_end(tmp_path) -> Non
         engine.shutdown()
 
 
+def test_a_prompt_sent_again_reuses_all_but_its_last_token(tmp_path) -> None:
+    """The pass ending a prompt also keeps the states before its last token, which the
+    scheduler recomputes for its logits: a repeat reuses everything else, alone and in a
+    batch with another prompt."""
+    hf_model = make_checkpoint("qwen3_5_dense", tmp_path)
+    gen = torch.Generator().manual_seed(4)
+    prompt, other = (torch.randint(0, 150, (n,), generator=gen).tolist() for n in (70, 30))
+    expected = hf_greedy(hf_model, prompt, 12)
+    engine = radixserve.Engine(str(tmp_path), dtype="float32", skip_tokenizer_init=True,
+                               max_total_tokens=4096, chunked_prefill_size=48)
+    try:
+        params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+        outs = [engine.generate(input_ids=prompt, sampling_params=params) for _ in range(2)]
+        outs += engine.generate(input_ids=[other, prompt], sampling_params=params)
+        assert [o["output_ids"] for o in outs] == \
+            [expected, expected, hf_greedy(hf_model, other, 12), expected]
+        assert [o["meta_info"]["cached_tokens"] for o in outs] == [0, 69, 0, 69]
+        state = engine.get_internal_state()
+        assert state["memory_check_ok"] and state["leaked_tokens"] == 0
+        engine.scheduler.tree_cache.check_invariants()
+    finally:
+        engine.shutdown()
+
+
 def test_mixed_passes_and_retraction_keep_the_outputs(tmp_path) -> None:
     """Decodes riding in prefill chunks (--enable-mixed-chunk), then a KV pool so small that
     over-admitted requests are retracted and start again from position 0 (their states
