@@ -32,7 +32,10 @@ ARCHITECTURE_MODEL_TYPES = {
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
     "GptOssForCausalLM": "gpt_oss",
     "Mistral4ForCausalLM": "mistral4",
+    "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo3",
     # hybrid linear + full attention; Qwen3.5 ships multimodal, served text-only
+    "OlmoHybridForCausalLM": "olmo_hybrid",
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",

@@ -76,7 +76,8 @@ class GroupedInProjection(MergedColumnParallelLinear):
 
 class _ConvWeight(nn.Module):
     """conv1d.weight as the checkpoint names it, [channels, 1, kernel] there, [this rank's
-    channels, kernel] here: q, k and v channels each split over the ranks."""
+    channels, kernel] here: q, k and v channels each split over the ranks. It loads whole, or
+    as its q, k and v pieces (shard 0, 1, 2: OLMo-Hybrid's q_conv1d / k_conv1d / v_conv1d)."""
 
     def __init__(self, piece_sizes: list[int], kernel: int) -> None:
         super().__init__()
@@ -86,11 +87,23 @@ class _ConvWeight(nn.Module):
                                    requires_grad=False)
         self.weight.weight_loader = self.load  # type: ignore[attr-defined]
 
-    def load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def load(self, param: nn.Parameter, loaded: torch.Tensor,
+             shard_id: object = None) -> set[int] | None:
+        """Returns the pieces a whole tensor covered (weight_loading records them)."""
         loaded = loaded.reshape(loaded.shape[0], -1)
-        pieces = [_shard(part, 0, self.tp_rank, self.tp_size)
-                  for part in loaded.split(self.piece_sizes, dim=0)]
-        default_weight_loader(param, torch.cat(pieces))
+        if shard_id is None:
+            for piece, part in enumerate(loaded.split(self.piece_sizes, dim=0)):
+                self.load(param, part, piece)
+            return set(range(len(self.piece_sizes)))
+        piece = int(shard_id)  # type: ignore[call-overload]
+        if loaded.shape[0] != self.piece_sizes[piece]:
+            raise ValueError(f"conv piece {piece} of {loaded.shape[0]} channels, expected "
+                             f"{self.piece_sizes[piece]}")
+        offset = sum(self.piece_sizes[:piece]) // self.tp_size
+        size = self.piece_sizes[piece] // self.tp_size
+        default_weight_loader(param.data.narrow(0, offset, size),  # type: ignore[arg-type]
+                              _shard(loaded, 0, self.tp_rank, self.tp_size))
+        return None
 
 
 def _head_param(heads: int, fill: float) -> nn.Parameter:
@@ -121,9 +134,10 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, key_dim: int,
                  value_dim: int, conv_kernel: int, eps: float, state_index: int,
-                 grouped_checkpoint: bool) -> None:
+                 grouped_checkpoint: bool, beta_scale: float = 1.0) -> None:
         """state_index: this layer's index among the model's linear-attention layers (its
-        RecurrentStatePool layer). grouped_checkpoint: Qwen3-Next's per-key-head layout."""
+        RecurrentStatePool layer). grouped_checkpoint: Qwen3-Next's per-key-head layout.
+        beta_scale: beta = beta_scale * sigmoid(b) (OLMo-Hybrid's 2: negative eigenvalues)."""
         super().__init__()
         _, tp_size = _rank_and_size(None, None)
         if num_k_heads % tp_size or num_v_heads % num_k_heads:
@@ -146,6 +160,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(value_dim, eps)
         self.out_proj = RowParallelLinear(values, hidden_size)
         self.state_index = state_index
+        self.beta_scale = beta_scale
         self.states: RecurrentStatePool | None = None
 
     def state_spec(self, num_layers: int, dtype: torch.dtype) -> RecurrentStateSpec:
@@ -184,7 +199,8 @@ class GatedDeltaNet(nn.Module):
     def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(g, beta): the log decay -exp(A_log) * softplus(a + dt_bias) in float32, and
         sigmoid(b)."""
-        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), b.sigmoid()
+        beta = b.sigmoid() if self.beta_scale == 1.0 else b.sigmoid() * self.beta_scale
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), beta
 
     def _decode(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 rows: torch.Tensor, conv_states: torch.Tensor, ssm_states: torch.Tensor
@@ -195,7 +211,7 @@ class GatedDeltaNet(nn.Module):
             from radixserve.layers.kernels.gdn_decode import gdn_decode
             return gdn_decode(mixed, a, b, self.A_log, self.dt_bias, self.conv1d.weight,
                               conv_states, ssm_states, rows, self.num_k_heads, self.key_dim,
-                              self.value_dim)
+                              self.value_dim, self.beta_scale)
         g, beta = self._gates(a, b)
         mixed, conv_states[rows] = conv_step(mixed, self.conv1d.weight, conv_states[rows])
         q, k, v = self._split_heads(mixed)

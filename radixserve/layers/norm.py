@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from radixserve.core.cpu_kernels import cpu_ops
+from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.quantization.fp8 import FP8_DTYPE, Fp8Rows, quantize_rows
 
 
@@ -90,4 +91,38 @@ class GemmaRMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         out = (h * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+class OlmoRMSNorm(nn.Module):
+    """OLMo-2's RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)) in fp32, cast at the end (Llama
+    casts before the weight). `full_width` (q/k norms over a whole projection that tensor
+    parallelism splits): the mean is over that many columns, the ranks' sums of squares added
+    by an all-reduce; `replicas` ranks hold each column (KV heads replicated over the ranks),
+    counted once. With a residual, as RMSNorm: (norm(x + residual), x + residual)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, full_width: int | None = None,
+                 replicas: int = 1) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+        self.full_width = full_width
+        self.replicas = replicas
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = x.float()
+        if self.full_width is None:
+            variance = h.pow(2).mean(-1, keepdim=True)
+        else:
+            squares = h.pow(2).sum(-1, keepdim=True)
+            group = get_tp_group()
+            if group.size > 1:
+                squares = group.all_reduce(squares) / self.replicas
+            variance = squares / self.full_width
+        out = (self.weight.float() * (h * torch.rsqrt(variance + self.variance_epsilon)))
+        out = out.to(x.dtype)
         return out if residual is None else (out, residual)

@@ -20,12 +20,12 @@ pytestmark = pytest.mark.kernel
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("key_heads,value_heads,key_dim,value_dim,width", [
-    (2, 4, 16, 8, 3),  # two value heads per key head
-    (2, 2, 32, 48, 3),  # value blocks of 32 with a masked tail
-    (1, 3, 8, 16, 2)])
+@pytest.mark.parametrize("key_heads,value_heads,key_dim,value_dim,width,beta_scale", [
+    (2, 4, 16, 8, 3, 1.0),  # two value heads per key head
+    (2, 2, 32, 48, 3, 1.0),  # value blocks of 32 with a masked tail
+    (1, 3, 8, 16, 2, 2.0)])  # OLMo-Hybrid's beta in [0, 2]
 def test_decode_step_matches_the_torch_path(key_heads, value_heads, key_dim, value_dim,
-                                            width) -> None:
+                                            width, beta_scale) -> None:
     gen = torch.Generator().manual_seed(0)
     batch, rows_total = 3, 6
     keys, values = key_heads * key_dim, value_heads * value_dim
@@ -48,12 +48,12 @@ def test_decode_step_matches_the_torch_path(key_heads, value_heads, key_dim, val
                       k.unflatten(-1, (key_heads, key_dim)), value_heads // key_heads)
     g = -a_log.exp() * torch.nn.functional.softplus(a + dt_bias)
     ref_out, ref_ssm[rows] = recurrent_step(q, k, v.unflatten(-1, (value_heads, value_dim)),
-                                            g, b.sigmoid(), ref_ssm[rows])
+                                            g, b.sigmoid() * beta_scale, ref_ssm[rows])
     to = {"device": DEVICE}
     conv_dev, ssm_dev = conv_states.to(**to), ssm.to(**to)
     out = gdn_decode(mixed.to(**to), a.to(**to), b.to(**to), a_log.to(**to), dt_bias.to(**to),
                      weight.to(**to), conv_dev, ssm_dev, rows.to(**to), key_heads, key_dim,
-                     value_dim)
+                     value_dim, beta_scale)
     torch.testing.assert_close(out.cpu(), ref_out, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(conv_dev.cpu(), ref_conv, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ssm_dev.cpu(), ref_ssm, atol=1e-4, rtol=1e-4)

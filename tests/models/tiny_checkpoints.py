@@ -148,6 +148,22 @@ CONFIGS = {
         num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=32,
         mlp_only_layers=[2], norm_topk_prob=True, tie_word_embeddings=False,
         layer_types=["linear_attention", "full_attention"] * 2)),
+    # OLMo-2: post-norm layers, q/k RMS-normed over the whole projection, the weight
+    # multiplied in float32; one KV head (replicated at tp 2: its norm counted once)
+    "olmo2_post_norm": (transformers.Olmo2Config, dict(
+        BASE, num_key_value_heads=1, tie_word_embeddings=False)),
+    # OLMo-3: OLMo-2's layer, a window of 24 on three layers of four, a rope per layer type
+    "olmo3_window": (transformers.Olmo3Config, dict(
+        BASE, num_hidden_layers=4, num_key_value_heads=2, sliding_window=24,
+        tie_word_embeddings=False)),
+    # OLMo-Hybrid: pre-norm Gated DeltaNet layers with separate q/k/v/g/a/b projections and
+    # beta doubled (negative eigenvalues), between OLMo-3's post-norm attention layers
+    "olmo_hybrid": (transformers.OlmoHybridConfig, dict(
+        BASE, num_hidden_layers=4, num_key_value_heads=2, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, linear_allow_neg_eigval=True, tie_word_embeddings=False,
+        layer_types=["linear_attention", "full_attention"] * 2, pad_token_id=0,
+        bos_token_id=None, eos_token_id=2)),
     # Qwen3.5 (dense): the same mixers, its projections stored apart (in_proj_qkv / z / b /
     # a), key heads as many as value heads, tied embeddings
     "qwen3_5_dense": (transformers.Qwen3_5TextConfig, dict(

@@ -45,7 +45,7 @@ def _conv_step_kernel(Mixed, ConvW, ConvState, Rows, ConvOut, channels, stride_m
 
 @triton.jit
 def _rule_step_kernel(Conv, A, B, ALog, DtBias, Ssm, Rows, Out, stride_c, stride_a,
-                      stride_ssm_r, stride_ssm_h, stride_o, key_channels,
+                      stride_ssm_r, stride_ssm_h, stride_o, key_channels, beta_scale,
                       KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, GROUP: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
@@ -69,7 +69,8 @@ def _rule_step_kernel(Conv, A, B, ALog, DtBias, Ssm, Rows, Out, stride_c, stride
     x = a + tl.load(DtBias + head).to(tl.float32)
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
     decay = tl.exp(-tl.exp(tl.load(ALog + head).to(tl.float32)) * softplus)
-    beta = 1.0 / (1.0 + tl.exp(-b))
+    # sigmoid(b) rounded to b's dtype, as the torch path computes it, then scaled
+    beta = (1.0 / (1.0 + tl.exp(-b))).to(B.dtype.element_ty).to(tl.float32) * beta_scale
     state_ptr = Ssm + row * stride_ssm_r + head * stride_ssm_h + \
         offs_k[:, None] * VALUE_DIM + offs_v[None, :]
     tile_mask = mask_k[:, None] & mask_v[None, :]
@@ -84,7 +85,7 @@ def _rule_step_kernel(Conv, A, B, ALog, DtBias, Ssm, Rows, Out, stride_c, stride
 def gdn_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
                dt_bias: torch.Tensor, conv_weight: torch.Tensor, conv_states: torch.Tensor,
                ssm_states: torch.Tensor, rows: torch.Tensor, num_k_heads: int, key_dim: int,
-               value_dim: int) -> torch.Tensor:
+               value_dim: int, beta_scale: float = 1.0) -> torch.Tensor:
     """mixed [B, 2 * keys + values] (the conv's inputs), a, b [B, Hv] (rows may be strided),
     conv_weight [C, W + 1], conv_states [R, W, C], ssm_states [R, Hv, key_dim, value_dim]
     float32 (both updated in place at `rows` [B]). Returns o [B, Hv, value_dim] float32."""
@@ -106,6 +107,7 @@ def gdn_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: tor
     _rule_step_kernel[(batch, num_v_heads, triton.cdiv(value_dim, block_v))](
         conv, a, b, a_log, dt_bias, ssm_states, rows, out, conv.stride(0), a.stride(0),
         ssm_states.stride(0), ssm_states.stride(1), out.stride(0), num_k_heads * key_dim,
-        KEY_DIM=key_dim, VALUE_DIM=value_dim, GROUP=num_v_heads // num_k_heads,
+        float(beta_scale), KEY_DIM=key_dim, VALUE_DIM=value_dim,
+        GROUP=num_v_heads // num_k_heads,
         BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=block_v, num_warps=4)
     return out
