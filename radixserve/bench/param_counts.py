@@ -50,7 +50,10 @@ def _attention_params(cfg: ModelConfig) -> tuple[int, int]:
     bias = 0
     if cfg.attention_bias:  # Qwen2 and GLM bias q/k/v only; Llama's flag also biases o_proj
         bias = q_dim + 2 * kv_dim + (h if cfg.o_proj_bias else 0)
-    norms = 2 * cfg.head_dim if getattr(hf, "model_type", "").startswith("qwen3") else 0
+    model_type = getattr(hf, "model_type", "")
+    norms = 2 * cfg.head_dim if model_type.startswith("qwen3") else 0
+    if model_type.startswith("olmo"):  # OLMo-2 / 3 / Hybrid: q/k norms over whole projections
+        norms = q_dim + kv_dim
     return h * q_dim + 2 * h * kv_dim + q_dim * h, bias + norms
 
 
@@ -138,7 +141,8 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     h = cfg.hidden_size
     attn_linear, attn_other = _attention_params(cfg)
     kinds = _layer_kinds(cfg)
-    if "linear_attention" in kinds:  # gated attention: each q head also projects its gate
+    if "linear_attention" in kinds and getattr(cfg.hf, "model_type", "").startswith("qwen3"):
+        # Qwen3-Next / Qwen3.5's gated attention: each q head also projects its gate
         attn_linear += h * cfg.num_attention_heads * cfg.head_dim
     mixers = {"attention": (attn_linear, attn_other)}
     if "linear_attention" in kinds:

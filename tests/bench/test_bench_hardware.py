@@ -9,8 +9,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig,
                           LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PretrainedConfig,
                           Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3NextConfig,
-                          Qwen3NextForCausalLM)
+                          Olmo2Config, Olmo2ForCausalLM, OlmoHybridConfig,
+                          OlmoHybridForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                          Qwen3NextConfig, Qwen3NextForCausalLM)
 
 from radixserve.bench import hardware
 from radixserve.core.model_config import ModelConfig
@@ -53,7 +54,16 @@ def _models() -> list[tuple[str, PretrainedConfig, type]]:
                                            mlp_only_layers=[1], tie_word_embeddings=False,
                                            layer_types=["linear_attention", "full_attention",
                                                         "linear_attention"]),
-             Qwen3NextForCausalLM)]
+             Qwen3NextForCausalLM),
+            ("olmo2", Olmo2Config(**SHAPE, tie_word_embeddings=False, pad_token_id=0,
+                                  eos_token_id=1, bos_token_id=None), Olmo2ForCausalLM),
+            ("olmo-hybrid", OlmoHybridConfig(**SHAPE, linear_num_key_heads=2,
+                                             linear_num_value_heads=4, linear_key_head_dim=16,
+                                             linear_value_head_dim=8, tie_word_embeddings=False,
+                                             layer_types=["linear_attention", "full_attention",
+                                                          "linear_attention"],
+                                             pad_token_id=0, eos_token_id=1,
+                                             bos_token_id=None), OlmoHybridForCausalLM)]
 
 
 def _pair(hf_cfg: PretrainedConfig, cls: type) -> tuple[ModelConfig, torch.nn.Module]:
