@@ -212,6 +212,7 @@ class ModelRunner:
             if self.device.type == "cuda" and self.server_args.max_total_tokens is None else 0
         bytes_per_token = spec_bytes_per_token(self.kv_cache_spec)
         # every rank holds the same slots: the smallest budget over the ranks
+        snapshots = 0
         if self.state_spec is None:
             self.max_total_num_tokens = self.tp_group.min_int(
                 max_kv_tokens(self.server_args, bytes_per_token, self.device, activation))
@@ -231,8 +232,7 @@ class ModelRunner:
                     self.max_total_num_tokens,
                     self.max_total_num_tokens * bytes_per_token / 2**30,
                     self.max_num_reqs, cfg.context_length)
-        if self.state_spec is not None:
-            self._attach_state_pool(self.max_num_reqs, snapshots)
+        self._attach_state_pool(self.max_num_reqs, snapshots)
         if self.state_pool is not None:
             logger.info("recurrent states: %d linear-attention layers, %.1f MiB per request, "
                         "%.2f GiB for %d request slots and %d prefix-cache snapshots",
@@ -246,7 +246,6 @@ class ModelRunner:
         `snapshots` rows for the prefix cache."""
         if self.state_spec is None:
             return
-        self.state_pool = None  # the profiling pass's pool is freed before the real one
         self.state_pool = RecurrentStatePool(self.state_spec, rows, self.device, snapshots)
         attach_recurrent_states(self.model, self.state_pool)
 

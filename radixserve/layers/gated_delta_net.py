@@ -223,7 +223,8 @@ class GatedDeltaNet(nn.Module):
                 ) -> torch.Tensor:
         """Requests of one token on top of their states (a MIXED pass's decodes) take the
         decode path; the others are padded to a common multiple of CHUNK tokens, in groups of
-        similar length."""
+        similar length. A request whose states before its last token go to a snapshot row runs
+        all but that token padded, then the copy, then the last token as a decode."""
         assert batch.extend_seq_lens_cpu is not None and batch.extend_prefix_lens_cpu is not None
         lens, prefixes = batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu
         device = mixed.device
@@ -231,20 +232,14 @@ class GatedDeltaNet(nn.Module):
         for length in lens[:-1]:
             starts.append(starts[-1] + length)
         single = [i for i, (n, p) in enumerate(zip(lens, prefixes)) if n == 1 and p > 0]
-        whole = [i for i, n in enumerate(lens) if n > 0 and not (n == 1 and prefixes[i] > 0)]
-        # requests whose states before their last token go to a snapshot row: all but that
-        # token padded, the copy, then the last token as a decode
+        stepping = set(single)
+        whole = [i for i, n in enumerate(lens) if n > 0 and i not in stepping]
         snapshots = batch.state_snapshot_rows or [-1] * len(lens)
         tails = [i for i in whole if snapshots[i] >= 0]
         lens = [n - 1 if snapshots[i] >= 0 else n for i, n in enumerate(lens)]
         out = torch.empty(mixed.shape[0], self.num_v_heads, self.value_dim,
                           dtype=torch.float32, device=device)
         rows = batch.req_pool_indices
-        if single:
-            at = torch.tensor([starts[i] for i in single], device=device)
-            picked = torch.tensor(single, device=device)
-            out[at] = self._decode(mixed[at], a[at], b[at], rows[picked], conv_states,
-                                   ssm_states)
         if whole:
             g, beta = self._gates(a, b)
             # requests of 2^(j-1) + 1 .. 2^j chunks run together: padding at most doubles the
@@ -259,12 +254,16 @@ class GatedDeltaNet(nn.Module):
                                     rows[torch.tensor(members, device=device)], conv_states,
                                     ssm_states, out)
         if tails:
-            picked = torch.tensor(tails, device=device)
+            picked = rows[torch.tensor(tails, device=device)]
             kept = torch.tensor([snapshots[i] for i in tails], device=device)
-            conv_states[kept] = conv_states[rows[picked]]
-            ssm_states[kept] = ssm_states[rows[picked]]
-            at = torch.tensor([starts[i] + lens[i] for i in tails], device=device)
-            out[at] = self._decode(mixed[at], a[at], b[at], rows[picked], conv_states,
+            conv_states[kept] = conv_states[picked]
+            ssm_states[kept] = ssm_states[picked]
+        stepped = single + tails  # one token each on top of its row's states, in one step
+        if stepped:
+            at = torch.tensor([starts[i] + lens[i] - (i in stepping) for i in stepped],
+                              device=device)
+            out[at] = self._decode(mixed[at], a[at], b[at],
+                                   rows[torch.tensor(stepped, device=device)], conv_states,
                                    ssm_states)
         return out
 

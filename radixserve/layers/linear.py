@@ -426,19 +426,29 @@ class QKVParallelLinear(ColumnParallelLinear):
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
+    @property
+    def kv_head_replicas(self) -> int:
+        """Ranks holding each KV head: tp_size / total KV heads apart share one when there
+        are fewer KV heads than ranks, else 1."""
+        return max(1, self.tp_size // self.total_num_kv_heads)
+
+    def first_head(self, shard_id: str) -> int:
+        """The checkpoint's first head of this rank's q ("q") or k / v heads."""
+        if shard_id == "q":
+            return self.tp_rank * self.num_heads
+        return (self.tp_rank // self.kv_head_replicas) * self.num_kv_heads
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: object = None) -> None:
         head_rows = self.q_rows_per_head if shard_id == "q" else self.head_dim
         if shard_id == "q":
-            offset, size, head_index = 0, self.q_size, self.tp_rank * self.num_heads
+            offset, size = 0, self.q_size
         elif shard_id in ("k", "v"):
             offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
             size = self.kv_size
-            # with replicated KV heads, ranks tp_size / total_kv_heads apart share one
-            ranks_per_kv_head = max(1, self.tp_size // self.total_num_kv_heads)
-            head_index = (self.tp_rank // ranks_per_kv_head) * self.num_kv_heads
         else:
             raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        head_index = self.first_head(shard_id)
         total_heads = self.num_heads * self.tp_size if shard_id == "q" else self.total_num_kv_heads
         if loaded.shape[0] != total_heads * head_rows:
             raise ValueError(f"{shard_id} projection of {loaded.shape[0]} rows, expected "

@@ -73,6 +73,8 @@ class GemmaRMSNorm(nn.Module):
     (Llama's casts before the weight multiply; the rounding differs). With a residual, as
     RMSNorm: (norm(x + residual), x + residual). One Triton kernel on the GPU."""
 
+    weight_offset = 1.0  # the scale is weight + this, in float32
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden_size))
@@ -84,45 +86,48 @@ class GemmaRMSNorm(nn.Module):
             fused = _cuda_rmsnorm()
             if fused is not None:
                 return fused(x, self.weight, self.variance_epsilon, residual,
-                             zero_centered=True)
+                             weight_offset=self.weight_offset)
         if residual is not None:
             x = x + residual
             residual = x
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        out = (h * (1.0 + self.weight.float())).to(x.dtype)
+        out = self._scaled(h, h.pow(2).mean(-1, keepdim=True), x.dtype)
         return out if residual is None else (out, residual)
 
+    def _scaled(self, h: torch.Tensor, variance: torch.Tensor, dtype: torch.dtype
+                ) -> torch.Tensor:
+        h = h * torch.rsqrt(variance + self.variance_epsilon)
+        return (h * (self.weight.float() + self.weight_offset)).to(dtype)
 
-class OlmoRMSNorm(nn.Module):
+
+class OlmoRMSNorm(GemmaRMSNorm):
     """OLMo-2's RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)) in fp32, cast at the end (Llama
-    casts before the weight). `full_width` (q/k norms over a whole projection that tensor
-    parallelism splits): the mean is over that many columns, the ranks' sums of squares added
-    by an all-reduce; `replicas` ranks hold each column (KV heads replicated over the ranks),
-    counted once. With a residual, as RMSNorm: (norm(x + residual), x + residual)."""
+    casts before the weight): Gemma's without the 1 +. `full_width` (q/k norms over a whole
+    projection that tensor parallelism splits): the mean is over that many columns, the ranks'
+    sums of squares added by an all-reduce; `replicas` ranks hold each column (KV heads
+    replicated over the ranks), counted once. With a residual, as RMSNorm:
+    (norm(x + residual), x + residual)."""
+
+    weight_offset = 0.0
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, full_width: int | None = None,
                  replicas: int = 1) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
+        super().__init__(hidden_size, eps)
+        self.weight.data.fill_(1.0)
         self.full_width = full_width
         self.replicas = replicas
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.full_width is None:
+            return super().forward(x, residual)
         if residual is not None:
             x = x + residual
             residual = x
         h = x.float()
-        if self.full_width is None:
-            variance = h.pow(2).mean(-1, keepdim=True)
-        else:
-            squares = h.pow(2).sum(-1, keepdim=True)
-            group = get_tp_group()
-            if group.size > 1:
-                squares = group.all_reduce(squares) / self.replicas
-            variance = squares / self.full_width
-        out = (self.weight.float() * (h * torch.rsqrt(variance + self.variance_epsilon)))
-        out = out.to(x.dtype)
+        squares = h.pow(2).sum(-1, keepdim=True)
+        group = get_tp_group()
+        if group.size > 1:
+            squares = group.all_reduce(squares) / self.replicas
+        out = self._scaled(h, squares / self.full_width, x.dtype)
         return out if residual is None else (out, residual)

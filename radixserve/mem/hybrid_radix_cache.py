@@ -102,7 +102,8 @@ class HybridRadixCache(RadixCache):
         row = req.req_pool_idx
         super().cache_finished_req(req, token_ids, allocated_len)
         assert row is not None
-        self._snapshot(token_ids, row)
+        if token_ids:
+            self._snapshot(self._walk(token_ids), len(token_ids), row)
         self._keep_pending(req, token_ids)
 
     def cache_unfinished_req(self, req: "Req", token_ids: list[int] | None = None) -> None:
@@ -110,7 +111,9 @@ class HybridRadixCache(RadixCache):
             token_ids = req.fill_ids
         super().cache_unfinished_req(req, token_ids)
         assert req.req_pool_idx is not None
-        self._snapshot(token_ids, req.req_pool_idx)
+        if token_ids:  # the request's prefix now ends at its handle, where the tokens end
+            self._snapshot(MatchResult(req.prefix_indices, req.cache_handle), len(token_ids),
+                           req.req_pool_idx)
         self._keep_pending(req, token_ids)
 
     def _keep_pending(self, req: "Req", token_ids: list[int]) -> None:
@@ -128,17 +131,13 @@ class HybridRadixCache(RadixCache):
         if node is None or node.state is not None:
             self._free_snapshots.append(slot)
             return
-        node.state = slot
-        self._snapshot_nodes.add(node)
+        self._keep(node, slot)
 
-    def _snapshot(self, token_ids: list[int], row: int) -> None:
-        """Keep the states of `row` (after `token_ids`, all of which the tree now holds) at
-        the node that ends with the last of them, unless that node keeps some already."""
-        if not token_ids:
-            return
-        indices, handle = self._walk(token_ids)
-        node = _as_node(handle)
-        _require(node is not None and len(indices) == len(token_ids),
+    def _snapshot(self, match: MatchResult, length: int, row: int) -> None:
+        """Keep the states of `row` (after the `length` tokens the tree now holds, `match` the
+        walk to their end) at the node that ends there, unless it keeps some already."""
+        node = _as_node(match.handle)
+        _require(node is not None and len(match.indices) == length,
                  "tokens just cached are not all in the tree")
         assert node is not None
         if node.state is not None:
@@ -146,9 +145,12 @@ class HybridRadixCache(RadixCache):
         slot = self._take_snapshot_row()
         if slot is None:
             return
+        self._keep(node, slot)
+        self.state_pool.copy_rows([row], [slot])
+
+    def _keep(self, node: TreeNode, slot: int) -> None:
         node.state = slot
         self._snapshot_nodes.add(node)
-        self.state_pool.copy_rows([row], [slot])
 
     def _take_snapshot_row(self) -> int | None:
         """A free snapshot row, dropping the least recently used unpinned snapshot if none is

@@ -41,13 +41,9 @@ class RecurrentStateSpec:
     ssm_dtype: torch.dtype = torch.float32
 
     def bytes_per_row(self) -> int:
-        conv = self.conv_width * self.conv_channels * _itemsize(self.conv_dtype)
-        ssm = self.num_heads * self.key_dim * self.value_dim * _itemsize(self.ssm_dtype)
+        conv = self.conv_width * self.conv_channels * self.conv_dtype.itemsize
+        ssm = self.num_heads * self.key_dim * self.value_dim * self.ssm_dtype.itemsize
         return self.num_layers * (conv + ssm)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 class LayerStates(NamedTuple):

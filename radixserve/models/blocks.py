@@ -14,6 +14,7 @@ tensor parallelism shards them without the model files changing.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -316,6 +317,32 @@ class SkipsMtpLayers:
             if layer.isdigit() and int(layer) >= self.config.num_hidden_layers:  # type: ignore
                 return True
         return super().skip_weight(name)  # type: ignore[misc]
+
+
+def hybrid_layer_types(config: ModelConfig) -> list[str]:
+    """A hybrid model's `layer_types` (each layer's token mixer), one per layer."""
+    types = list(config.layer_types or ())
+    if len(types) != config.num_hidden_layers:
+        raise ValueError(f"{config.architecture} needs layer_types for its "
+                         f"{config.num_hidden_layers} layers")
+    return types
+
+
+def index_among_type(types: list[str], layer_id: int) -> int:
+    """A layer's index among the layers of its own type (its KV pool or state pool layer)."""
+    return types[:layer_id].count(types[layer_id])
+
+
+class KVForAttentionLayers:
+    """Mixin in front of a CausalLM whose `layer_types` name linear-attention layers (hybrid
+    models): KV for the other layers only, numbered apart (`index_among_type`)."""
+
+    @classmethod
+    def kv_cache_spec(cls, config: ModelConfig, dtype: torch.dtype,
+                      tp_size: int | None = None) -> KVCacheSpec:
+        spec = super().kv_cache_spec(config, dtype, tp_size)  # type: ignore[misc]
+        layers = sum(t != "linear_attention" for t in hybrid_layer_types(config))
+        return dataclasses.replace(spec, num_layers=layers)
 
 
 class CausalLM(nn.Module):

@@ -27,12 +27,12 @@ from radixserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from radixserve.layers.norm import OlmoRMSNorm
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary import RopeInput, RotaryEmbedding
-from radixserve.mem.kv_pool import KVCacheSpec
-from radixserve.models.blocks import CausalLM, DecoderModel, dense_mlp
+from radixserve.models.blocks import (CausalLM, DecoderModel, KVForAttentionLayers, dense_mlp,
+                                      hybrid_layer_types, index_among_type)
 from radixserve.models.gemma3 import layer_type_rotary
 
 
-def _head_slice_loader(norm: OlmoRMSNorm, head_dim: int, first_head: int, heads: int):
+def _head_slice_loader(head_dim: int, first_head: int, heads: int):
     """A whole-projection norm weight -> this rank's heads' columns."""
     def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
         param.data.copy_(loaded.narrow(0, first_head * head_dim, heads * head_dim))
@@ -50,17 +50,15 @@ class OlmoAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim,
                                         config.hidden_size, bias=config.attention_bias)
         proj = self.qkv_proj
-        rank, size = proj.tp_rank, proj.tp_size
-        replicas = max(1, size // proj.total_num_kv_heads)
         self.q_norm = OlmoRMSNorm(proj.q_size, config.rms_norm_eps,
                                   full_width=config.num_attention_heads * head_dim)
         self.k_norm = OlmoRMSNorm(proj.kv_size, config.rms_norm_eps,
                                   full_width=proj.total_num_kv_heads * head_dim,
-                                  replicas=replicas)
+                                  replicas=proj.kv_head_replicas)
         self.q_norm.weight.weight_loader = _head_slice_loader(  # type: ignore[attr-defined]
-            self.q_norm, head_dim, rank * proj.num_heads, proj.num_heads)
+            head_dim, proj.first_head("q"), proj.num_heads)
         self.k_norm.weight.weight_loader = _head_slice_loader(  # type: ignore[attr-defined]
-            self.k_norm, head_dim, (rank // replicas) * proj.num_kv_heads, proj.num_kv_heads)
+            head_dim, proj.first_head("k"), proj.num_kv_heads)
         self.rotary = rotary
         self.attn = RadixAttention(proj.num_heads, head_dim, head_dim ** -0.5,
                                    proj.num_kv_heads, kv_layer_id,
@@ -147,16 +145,14 @@ _NORM_NAMES = {".attention_layer_norm.": ".input_layernorm.",
                ".feedforward_layer_norm.": ".post_attention_layernorm."}
 
 
-class OlmoHybridForCausalLM(CausalLM):
+class OlmoHybridForCausalLM(KVForAttentionLayers, CausalLM):
     def __init__(self, config: ModelConfig) -> None:
-        types = list(config.layer_types or ())
-        if len(types) != config.num_hidden_layers:
-            raise ValueError("OLMo-Hybrid needs layer_types for its layers")
+        types = hybrid_layer_types(config)
         theta = (config.rope_parameters or {}).get("rope_theta")
         rotary = RotaryEmbedding.from_config(config) if theta is not None else None
 
         def make_layer(config: ModelConfig, layer_id: int, _: RotaryEmbedding) -> nn.Module:
-            index = types[:layer_id].count(types[layer_id])
+            index = index_among_type(types, layer_id)
             if types[layer_id] == "linear_attention":
                 return OlmoLinearAttentionLayer(config, index)
             return OlmoDecoderLayer(config, layer_id, rotary, kv_layer_id=index)
@@ -181,14 +177,6 @@ class OlmoHybridForCausalLM(CausalLM):
             return None
         target, piece = _LINEAR_ATTN_PIECES[module]
         return f"{head}.linear_attn.{target}.{rest}", piece
-
-    @classmethod
-    def kv_cache_spec(cls, config: ModelConfig, dtype: torch.dtype,
-                      tp_size: int | None = None) -> KVCacheSpec:
-        """KV for the attention layers only."""
-        spec = super().kv_cache_spec(config, dtype, tp_size)
-        layers = sum(t != "linear_attention" for t in config.layer_types or ())
-        return KVCacheSpec(spec.kind, layers, spec.num_kv_heads, spec.head_dim, dtype)
 
 
 EntryClass = [Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoHybridForCausalLM]

@@ -21,30 +21,16 @@ from torch import nn
 
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.core.model_config import ModelConfig
-from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.gated_delta_net import GatedDeltaNet
 from radixserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from radixserve.layers.moe.experts import expert_weight_target
 from radixserve.layers.norm import GemmaRMSNorm
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary import RopeInput, RotaryEmbedding
-from radixserve.mem.kv_pool import KVCacheSpec
-from radixserve.models.blocks import CausalLM, DecoderModel, dense_mlp
+from radixserve.models.blocks import (CausalLM, DecoderModel, KVForAttentionLayers, dense_mlp,
+                                      hybrid_layer_types, index_among_type)
 from radixserve.models.multimodal_text import LanguageModelOfMultimodal
 from radixserve.models.qwen_moe import qwen_mlp
-
-
-def _layer_types(config: ModelConfig) -> list[str]:
-    types = list(config.layer_types or ())
-    if len(types) != config.num_hidden_layers:
-        raise ValueError(f"{config.architecture} needs layer_types for its "
-                         f"{config.num_hidden_layers} layers")
-    return types
-
-
-def _index_among(types: list[str], layer_id: int) -> int:
-    """A layer's index among the layers of its own type."""
-    return types[:layer_id].count(types[layer_id])
 
 
 class GatedAttention(nn.Module):
@@ -78,8 +64,8 @@ class GatedAttention(nn.Module):
 class HybridDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        hf, types = config.hf, _layer_types(config)
-        index = _index_among(types, layer_id)
+        hf, types = config.hf, hybrid_layer_types(config)
+        index = index_among_type(types, layer_id)
         if types[layer_id] == "linear_attention":
             self.linear_attn = GatedDeltaNet(
                 config.hidden_size, hf.linear_num_key_heads, hf.linear_num_value_heads,
@@ -110,19 +96,11 @@ class HybridDecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
 
-class Qwen3NextForCausalLM(CausalLM):
+class Qwen3NextForCausalLM(KVForAttentionLayers, CausalLM):
     weight_target = staticmethod(expert_weight_target)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, DecoderModel(config, HybridDecoderLayer, GemmaRMSNorm))
-
-    @classmethod
-    def kv_cache_spec(cls, config: ModelConfig, dtype: torch.dtype,
-                      tp_size: int | None = None) -> KVCacheSpec:
-        """KV for the full-attention layers only."""
-        tp_size = get_tp_group().size if tp_size is None else tp_size
-        return KVCacheSpec("mha", _layer_types(config).count("full_attention"),
-                           max(1, config.num_key_value_heads // tp_size), config.head_dim, dtype)
 
     def skip_weight(self, name: str) -> bool:
         return name.startswith("mtp.") or super().skip_weight(name)

@@ -59,16 +59,18 @@ def test_rmsnorm_fused_residual(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_zero_centered_rmsnorm_matches_gemma_norm(dtype: torch.dtype,
-                                                  with_residual: bool) -> None:
-    """Gemma's (1 + weight) RMSNorm (Gemma, Qwen3-Next, Qwen3.5), the residual add in front."""
-    from radixserve.layers.norm import GemmaRMSNorm
+@pytest.mark.parametrize("norm_cls", ["GemmaRMSNorm", "OlmoRMSNorm"])
+def test_float32_weight_rmsnorm_matches_the_modules(dtype: torch.dtype, with_residual: bool,
+                                                    norm_cls: str) -> None:
+    """Gemma's (1 + weight) RMSNorm (Gemma, Qwen3-Next, Qwen3.5) and OLMo's weight-in-float32
+    one, the residual add in front."""
+    from radixserve.layers import norm as norms
     x, residual = randn(3, 96, dtype=dtype), randn(3, 96, dtype=dtype, seed=2)
-    norm = GemmaRMSNorm(96, 1e-6)
+    norm = getattr(norms, norm_cls)(96, 1e-6)
     norm.weight.data = randn(96, dtype=dtype, seed=1).cpu()
     ref = norm(x.cpu(), residual.cpu() if with_residual else None)
     got = fused_rmsnorm(x, norm.weight.to(DEVICE), 1e-6, residual if with_residual else None,
-                        zero_centered=True)
+                        weight_offset=norm.weight_offset)
     if with_residual:
         assert torch.equal(got[1].cpu(), ref[1])
         got, ref = got[0], ref[0]

@@ -4,8 +4,9 @@ With a residual: s = x + residual (rounded to the promoted dtype, as torch adds)
 new residual; the norm is taken of s. The norm runs in float32, is rounded to s's dtype, then
 multiplied by the weight: out = weight * (s * rsqrt(mean(s^2) + eps)).to(s.dtype), exactly the
 order of HF's LlamaRMSNorm, so the GPU path and the PyTorch path agree up to float32 rounding of
-the mean. ZERO_CENTERED (Gemma's, Qwen3-Next's and Qwen3.5's RMSNorm): out = (s * rsqrt(...) *
-(1 + weight)) in float32, rounded once at the end, as transformers' GemmaRMSNorm does.
+the mean. FP32_WEIGHT (Gemma's, Qwen3-Next's and Qwen3.5's RMSNorm with weight_offset 1, OLMo's
+with 0): out = (s * rsqrt(...) * (weight + weight_offset)) in float32, rounded once at the end,
+as transformers' GemmaRMSNorm and Olmo2RMSNorm do.
 """
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from radixserve.layers.kernels.per_token_quant import MIN_SCALE
 
 @triton.jit
 def _rmsnorm_kernel(X, Residual, W, Out, ResidualOut, Scales, stride_x, stride_r, stride_o,
-                    stride_ro, n_cols, eps, fp8_max, min_scale, HAS_RESIDUAL: tl.constexpr,
-                    QUANT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-                    ZERO_CENTERED: tl.constexpr = False):
+                    stride_ro, n_cols, eps, fp8_max, min_scale, weight_offset,
+                    HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
+                    USE_PDL: tl.constexpr, FP32_WEIGHT: tl.constexpr = False):
     """QUANT: Out holds FP8 codes of the output rounded to X's dtype, Scales one scale per row."""
     pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -35,9 +36,9 @@ def _rmsnorm_kernel(X, Residual, W, Out, ResidualOut, Scales, stride_x, stride_r
     xf = x.to(tl.float32)
     variance = tl.sum(xf * xf, axis=0) / n_cols
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
+    if FP32_WEIGHT:
         normed = xf * tl.rsqrt(variance + eps)
-        w = w + 1.0
+        w = w + weight_offset
     else:
         normed = (xf * tl.rsqrt(variance + eps)).to(x.dtype).to(tl.float32)
     if QUANT:  # as per_token_quant takes the rounded output
@@ -56,14 +57,15 @@ def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
 
 
 def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                  residual: torch.Tensor | None = None, zero_centered: bool = False
+                  residual: torch.Tensor | None = None, weight_offset: float | None = None
                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Without residual: the normed x. With residual: (norm(x + residual), x + residual).
 
     x, residual: [..., hidden]; weight: [hidden]. Outputs are new tensors of x's shape.
-    zero_centered: Gemma's (1 + weight) norm, its output in the sum's dtype.
+    weight_offset: the weight plus this scales the normed value in float32 (Gemma's 1, OLMo's
+    0), the output in the sum's dtype; None: Llama's rounding.
     """
-    out, _, residual_out = _launch(x, weight, eps, residual, None, zero_centered)
+    out, _, residual_out = _launch(x, weight, eps, residual, None, weight_offset)
     return out if residual_out is None else (out, residual_out)
 
 
@@ -78,13 +80,13 @@ def fused_rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-            fp8_dtype: torch.dtype | None, zero_centered: bool = False
+            fp8_dtype: torch.dtype | None, weight_offset: float | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     n_cols = x.shape[-1]
     assert weight.shape == (n_cols,)
     x2d = _rows(x, n_cols)
     sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    out_dtype = fp8_dtype or (sum_dtype if zero_centered
+    out_dtype = fp8_dtype or (sum_dtype if weight_offset is not None
                               else torch.promote_types(sum_dtype, weight.dtype))
     out = torch.empty(x2d.shape, dtype=out_dtype, device=x.device)
     scales = None
@@ -102,8 +104,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
             x2d, r2d, weight, out, residual_out, scales if scales is not None else x2d,
             x2d.stride(0), r2d.stride(0), out.stride(0), residual_out.stride(0), n_cols, eps,
             torch.finfo(fp8_dtype).max if fp8_dtype is not None else 0.0, MIN_SCALE,
-            HAS_RESIDUAL=residual is not None, QUANT=fp8_dtype is not None, BLOCK=block,
-            ZERO_CENTERED=zero_centered, num_warps=num_warps, **pdl_launch_args(x2d))
+            float(weight_offset or 0.0), HAS_RESIDUAL=residual is not None,
+            QUANT=fp8_dtype is not None, BLOCK=block, FP32_WEIGHT=weight_offset is not None,
+            num_warps=num_warps, **pdl_launch_args(x2d))
     out = out.view(x.shape)
     return out, scales, None if residual is None else residual_out.view(x.shape)
 
