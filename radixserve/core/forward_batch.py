@@ -58,10 +58,11 @@ class ModelWorkerBatch:
     # for each request, the prompt tokens that follow each of its extend positions (targets of
     # the input logprobs; shorter than extend_seq_len at the end of the prompt)
     extend_next_token_ids: list[list[int]] = field(default_factory=list)
-    # EXTEND / MIXED, hybrid models: per request a RecurrentStatePool row to receive its
-    # states before its last extend token (-1: none; empty: none for any), so a prompt sent
-    # again can reuse all but its last token (mem/hybrid_radix_cache.py)
-    state_snapshot_rows: list[int] = field(default_factory=list)
+    # EXTEND / MIXED, hybrid models: (request index, tokens into its extend, RecurrentStatePool
+    # row): the pass copies the request's states after that many of its extend tokens into the
+    # row, for the prefix cache to keep there (mem/hybrid_radix_cache.py: before a prompt's
+    # last token, and where a prompt parts from a cached one)
+    state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -108,8 +109,8 @@ class ForwardBatch:
     # DECODE: last-token logits in the compute dtype, not float32 (the CUDA graphs', unless
     # RADIXSERVE_GRAPH_BF16_LOGITS=0: their argmax needs no float32 copy; layers/logits.py)
     logits_in_model_dtype: bool = False
-    # ModelWorkerBatch.state_snapshot_rows (host list)
-    state_snapshot_rows: list[int] | None = None
+    # ModelWorkerBatch.state_snapshots (host list)
+    state_snapshots: list[tuple[int, int, int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -154,6 +155,6 @@ class ForwardBatch:
             return_logprob=batch.return_logprob,
             top_logprobs_nums=batch.top_logprobs_nums,
             extend_logprob_start_lens=batch.extend_logprob_start_lens,
-            state_snapshot_rows=batch.state_snapshot_rows or None,
+            state_snapshots=batch.state_snapshots or None,
             **ext,
         )

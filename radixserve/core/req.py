@@ -59,9 +59,9 @@ class Req:
         self.fill_ids: list[int] = []
         self.kv_len = 0  # positions of the row whose KV has been written
         # hybrid models: (state row, tokens) the prefix cache reserved for this request's
-        # states after that many tokens, written by its prompt's last pass, kept when the
+        # states after that many tokens, written by one of its prompt's passes, kept when the
         # request is next cached (mem/hybrid_radix_cache.py)
-        self.pending_snapshot: tuple[int, int] | None = None
+        self.pending_snapshots: list[tuple[int, int]] = []
         self.extend_input_len = 0
         self.is_being_chunked = False
 

@@ -17,6 +17,7 @@ parallel. Checkpoint layouts:
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -25,13 +26,14 @@ from torch import nn
 
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.layers.gated_delta_rule import (CHUNK, chunked, conv_extend, conv_step,
-                                                prepare_qk, recurrent_step)
+                                                prepare_qk, recurrent_step, scan_chunks)
 from radixserve.layers.linear import (MergedColumnParallelLinear, RowParallelLinear,
                                       _rank_and_size, _shard, default_weight_loader)
 from radixserve.mem.recurrent_state_pool import RecurrentStatePool, RecurrentStateSpec
 
-# on the GPU: the decode step in two Triton launches (kernels/gdn_decode.py) and the gated norm
-# in one (kernels/gated_rmsnorm.py); 0: the torch path
+# on the GPU: the decode step in two Triton launches (kernels/gdn_decode.py), the gated norm in
+# one (kernels/gated_rmsnorm.py) and an extend's chunk-to-chunk scan in one
+# (kernels/gdn_chunk.py); 0: the torch paths
 _TRITON = os.environ.get("RADIXSERVE_GDN_TRITON", "1") != "0"
 
 
@@ -221,51 +223,80 @@ class GatedDeltaNet(nn.Module):
     def _extend(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 batch: ForwardBatch, conv_states: torch.Tensor, ssm_states: torch.Tensor
                 ) -> torch.Tensor:
-        """Requests of one token on top of their states (a MIXED pass's decodes) take the
-        decode path; the others are padded to a common multiple of CHUNK tokens, in groups of
-        similar length. A request whose states before its last token go to a snapshot row runs
-        all but that token padded, then the copy, then the last token as a decode."""
+        """Each request's extend runs in segments cut where the batch asks for its states
+        (`state_snapshots`: after that many of its tokens, into a snapshot row; the copy
+        follows the segment). Round r runs every request's segment r: padded to a common
+        multiple of CHUNK tokens in groups of similar length, or, one token on top of the
+        row's states, as a decode step. A request's last segment of one such token (a MIXED
+        pass's decodes; a prompt's last token after the states before it were kept) waits for
+        the end, where all of them run in one decode step."""
         assert batch.extend_seq_lens_cpu is not None and batch.extend_prefix_lens_cpu is not None
         lens, prefixes = batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu
         device = mixed.device
         starts = [0]
         for length in lens[:-1]:
             starts.append(starts[-1] + length)
-        single = [i for i, (n, p) in enumerate(zip(lens, prefixes)) if n == 1 and p > 0]
-        stepping = set(single)
-        whole = [i for i, n in enumerate(lens) if n > 0 and i not in stepping]
-        snapshots = batch.state_snapshot_rows or [-1] * len(lens)
-        tails = [i for i in whole if snapshots[i] >= 0]
-        lens = [n - 1 if snapshots[i] >= 0 else n for i, n in enumerate(lens)]
+        cuts: list[list[tuple[int, int]]] = [[] for _ in lens]  # (tokens, snapshot row)
+        for i, after, row in batch.state_snapshots or ():
+            if 0 < after < lens[i]:
+                cuts[i].append((after, row))
         out = torch.empty(mixed.shape[0], self.num_v_heads, self.value_dim,
                           dtype=torch.float32, device=device)
         rows = batch.req_pool_indices
-        if whole:
-            g, beta = self._gates(a, b)
-            # requests of 2^(j-1) + 1 .. 2^j chunks run together: padding at most doubles the
-            # work (one long chunk beside many short prompts would multiply it by their count)
-            groups: dict[int, list[int]] = {}
-            for i in whole:
-                groups.setdefault((-(-lens[i] // CHUNK) - 1).bit_length(), []).append(i)
-            for members in groups.values():
-                self._extend_padded(mixed, g, beta, [starts[i] for i in members],
-                                    [lens[i] for i in members],
-                                    [prefixes[i] > 0 for i in members],
-                                    rows[torch.tensor(members, device=device)], conv_states,
-                                    ssm_states, out)
-        if tails:
-            picked = rows[torch.tensor(tails, device=device)]
-            kept = torch.tensor([snapshots[i] for i in tails], device=device)
-            conv_states[kept] = conv_states[picked]
-            ssm_states[kept] = ssm_states[picked]
-        stepped = single + tails  # one token each on top of its row's states, in one step
-        if stepped:
-            at = torch.tensor([starts[i] + lens[i] - (i in stepping) for i in stepped],
-                              device=device)
-            out[at] = self._decode(mixed[at], a[at], b[at],
-                                   rows[torch.tensor(stepped, device=device)], conv_states,
-                                   ssm_states)
+        g, beta = self._gates(a, b)
+        stepped: list[tuple[int, int]] = []  # (request, token offset) run last, in one step
+        for round_ in range(1 + max(len(c) for c in cuts)):
+            padded, steps, copies = [], [], []
+            for i, n in enumerate(lens):
+                bounds = [0] + [after for after, _ in sorted(cuts[i])] + [n]
+                if round_ >= len(bounds) - 1 or n == 0:
+                    continue
+                begin, end = bounds[round_], bounds[round_ + 1]
+                continues = round_ > 0 or prefixes[i] > 0
+                if end - begin == 1 and continues:
+                    (steps if round_ < len(cuts[i]) else stepped).append((i, starts[i] + begin))
+                else:
+                    padded.append((i, starts[i] + begin, end - begin, continues))
+                if round_ < len(cuts[i]):
+                    copies.append((i, sorted(cuts[i])[round_][1]))
+            self._extend_grouped(mixed, g, beta, padded, rows, conv_states, ssm_states, out)
+            self._step(mixed, a, b, steps, rows, conv_states, ssm_states, out)
+            if copies:
+                picked = rows[torch.tensor([i for i, _ in copies], device=device)]
+                kept = torch.tensor([row for _, row in copies], device=device)
+                conv_states[kept] = conv_states[picked]
+                ssm_states[kept] = ssm_states[picked]
+        self._step(mixed, a, b, stepped, rows, conv_states, ssm_states, out)
         return out
+
+    def _step(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+              tokens: list[tuple[int, int]], rows: torch.Tensor, conv_states: torch.Tensor,
+              ssm_states: torch.Tensor, out: torch.Tensor) -> None:
+        """One token each, (request, position in the pass), on top of its row's states."""
+        if not tokens:
+            return
+        device = mixed.device
+        at = torch.tensor([t for _, t in tokens], device=device)
+        out[at] = self._decode(mixed[at], a[at], b[at],
+                               rows[torch.tensor([i for i, _ in tokens], device=device)],
+                               conv_states, ssm_states)
+
+    def _extend_grouped(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        segments: list[tuple[int, int, int, bool]], rows: torch.Tensor,
+                        conv_states: torch.Tensor, ssm_states: torch.Tensor,
+                        out: torch.Tensor) -> None:
+        """Segments (request, first position in the pass, tokens, continues the row's
+        states) padded: those of 2^(j-1) + 1 .. 2^j chunks together, so padding at most doubles
+        the work (one long segment beside many short ones would multiply it by their count)."""
+        groups: dict[int, list[tuple[int, int, int, bool]]] = {}
+        for segment in segments:
+            groups.setdefault((-(-segment[2] // CHUNK) - 1).bit_length(), []).append(segment)
+        for members in groups.values():
+            self._extend_padded(mixed, g, beta, [s for _, s, _, _ in members],
+                                [n for _, _, n, _ in members], [c for *_, c in members],
+                                rows[torch.tensor([i for i, *_ in members],
+                                                  device=mixed.device)],
+                                conv_states, ssm_states, out)
 
     def _extend_padded(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        starts: list[int], lens: list[int], continues: list[bool],
@@ -295,8 +326,13 @@ class GatedDeltaNet(nn.Module):
         # padded positions must carry k = v = g = beta = 0; the conv output there is not zero
         q, k, v = self._split_heads(padded(conv_out.flatten(0, 1)[target]))
         start_ssm = torch.where(keep[:, None, None, None], ssm_states[rows], 0)
+        scan = scan_chunks
+        if mixed.is_cuda and _TRITON:  # the chunk-to-chunk scan in one launch
+            from radixserve.layers.kernels.gdn_chunk import scan_chunks_triton
+            precise = mixed.dtype == torch.float32
+            scan = functools.partial(scan_chunks_triton, precise=precise)
         result, ssm_states[rows] = chunked(q, k, v, padded(g[source]), padded(beta[source]),
-                                           start_ssm)
+                                           start_ssm, scan)
         out[source] = result.flatten(0, 1)[target]
 
 

@@ -17,6 +17,8 @@ All state arithmetic is float32, as transformers' reference (and FLA's kernels) 
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -48,12 +50,24 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     return torch.einsum("bhk,bhkv->bhv", q, state), state
 
 
-def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-            beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Whole sequences, padded to a multiple of CHUNK. q, k [R, L, H, Dk] (prepared), v
-    [R, L, H, Dv], g, beta [R, L, H] (zero past each sequence's end, as k and v), state
-    [R, H, Dk, Dv] float32 (the state before the first token). Returns (o [R, L, H, Dv]
-    float32, the state after the last token)."""
+class ChunkTerms(NamedTuple):
+    """What the chunk-to-chunk scan needs, each [R, H, N, C, ...] float32 (N chunks of C
+    tokens): the chunk's u before the state's correction (`u_free`, [.., Dv]) and the matrix
+    that maps the state into that correction (`state_read`, [.., Dk]), q decayed from the
+    chunk's start (`q_decayed`, [.., Dk]), the causal decayed scores within the chunk
+    (`scores`, [.., C]), k decayed to the chunk's end (`k_to_end`, [.., Dk]), and each
+    chunk's whole log decay (`chunk_decay`, [R, H, N])."""
+    u_free: torch.Tensor
+    state_read: torch.Tensor
+    q_decayed: torch.Tensor
+    scores: torch.Tensor
+    k_to_end: torch.Tensor
+    chunk_decay: torch.Tensor
+
+
+def chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor) -> ChunkTerms:
+    """Every chunk's closed form at once (no sequential dependence). Shapes as `chunked`."""
     batch, length, heads, _ = k.shape
     assert length % CHUNK == 0, "pad the sequences to a multiple of CHUNK"
     chunks = length // CHUNK
@@ -76,18 +90,37 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     u_free, state_read = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
     scores = (q @ k.transpose(-1, -2)) * pair_decay  # within the chunk, j <= i
-    q_decayed = q * log_decay.exp()[..., None]
     chunk_decay = log_decay[..., -1]  # [R, H, N]
-    k_to_end = k * (chunk_decay[..., None] - log_decay).exp()[..., None]
-    out = torch.empty_like(u_free)
+    return ChunkTerms(u_free, state_read, q * log_decay.exp()[..., None], scores,
+                      k * (chunk_decay[..., None] - log_decay).exp()[..., None], chunk_decay)
+
+
+def scan_chunks(terms: ChunkTerms, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequential part, chunk after chunk: (out [R, H, N, C, Dv], the final state)."""
+    out = torch.empty_like(terms.u_free)
     state = state.float()
-    for n in range(chunks):
-        u = u_free[:, :, n] - state_read[:, :, n] @ state
-        out[:, :, n] = q_decayed[:, :, n] @ state + scores[:, :, n] @ u
-        state = state * chunk_decay[:, :, n].exp()[..., None, None] + \
-            k_to_end[:, :, n].transpose(-1, -2) @ u
-    out = out.reshape(batch, heads, length, -1).transpose(1, 2)
+    for n in range(terms.u_free.shape[2]):
+        u = terms.u_free[:, :, n] - terms.state_read[:, :, n] @ state
+        out[:, :, n] = terms.q_decayed[:, :, n] @ state + terms.scores[:, :, n] @ u
+        state = state * terms.chunk_decay[:, :, n].exp()[..., None, None] + \
+            terms.k_to_end[:, :, n].transpose(-1, -2) @ u
     return out, state
+
+
+ChunkScan = Callable[[ChunkTerms, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+            beta: torch.Tensor, state: torch.Tensor, scan: ChunkScan = scan_chunks
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole sequences, padded to a multiple of CHUNK. q, k [R, L, H, Dk] (prepared), v
+    [R, L, H, Dv], g, beta [R, L, H] (zero past each sequence's end, as k and v), state
+    [R, H, Dk, Dv] float32 (the state before the first token). Returns (o [R, L, H, Dv]
+    float32, the state after the last token). `scan` runs the chunk-to-chunk part (on the
+    GPU a Triton kernel, kernels/gdn_chunk.py)."""
+    batch, length, heads, _ = k.shape
+    out, state = scan(chunk_terms(q, k, v, g, beta), state)
+    return out.reshape(batch, heads, length, -1).transpose(1, 2), state
 
 
 def conv_extend(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor

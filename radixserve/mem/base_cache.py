@@ -71,10 +71,11 @@ class BasePrefixCache(ABC):
         a cache that keeps per-prefix recurrent states (HybridRadixCache) copies each prefix's
         states into its row before the request's first pass. Others keep nothing."""
 
-    def reserve_prompt_snapshots(self, reqs: list["Req"]) -> list[int]:
-        """Requests about to run an extend pass: per request a state row for the pass to write
-        its states before its last token into, -1 for none (HybridRadixCache, where the pass
-        ends a prompt); empty when none gets one. Others keep nothing."""
+    def reserve_prompt_snapshots(self, reqs: list["Req"]) -> list[tuple[int, int, int]]:
+        """Requests about to run an extend pass: (request index, tokens into its extend, state
+        row) for the pass to copy the request's states into after that many tokens
+        (HybridRadixCache: before a prompt's last token, and where the prompt parts from a
+        cached one). Others keep nothing."""
         return []
 
     @abstractmethod

@@ -13,6 +13,13 @@ states before its last token into a row reserved for it (`reserve_prompt_snapsho
 build; layers/gated_delta_net.py writes it), kept at that prefix when the request is next
 cached (n > 1, a regenerated answer, the same prompt from many clients).
 
+Prompts that share an opening (a system prompt) part from each other where no request stopped.
+So a pass also writes a prompt's states at its branch point, the end of the longest cached
+sequence it shares when that reaches at least BRANCH_MIN_TOKENS past its reused prefix
+(`_branch_point`, found at batch build): the second prompt with a new system prompt computes it
+in full, and every later one reuses it. The pass runs the prompt in segments cut there
+(layers/gated_delta_net.py).
+
 Other snapshots are taken where the scheduler caches a request (`cache_finished_req`: finished,
 retracted, or requeued; `cache_unfinished_req`: after a prompt or a prompt's chunk). The copy is
 queued on the device behind every pass launched so far, and the scheduler counts such passes'
@@ -26,8 +33,8 @@ snapshot no request is locked on is dropped (its KV stays cached, reusable up to
 snapshot); a node evicted from the tree frees its snapshot.
 
 Prompts admitted together do not wait for each other's prefix (`defers_shared_prompts` is off):
-a shared prefix is reusable only where a snapshot will end, which is at a chunk end or a
-request's end, not where two prompts part.
+a shared prefix becomes reusable only once a later prompt's pass has kept the states at the
+branch point.
 """
 from __future__ import annotations
 
@@ -41,6 +48,11 @@ from radixserve.mem.req_to_token_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
     from radixserve.core.req import Req
+
+
+# a prompt that parts from the cached sequences this many tokens or more past its reused prefix
+# keeps its states at the branch point (fewer: a chat template's opening, not worth a row)
+BRANCH_MIN_TOKENS = 64
 
 
 class HybridRadixCache(RadixCache):
@@ -79,20 +91,42 @@ class HybridRadixCache(RadixCache):
                 targets.append(row)
         self.state_pool.copy_rows(sources, targets)  # type: ignore[arg-type]
 
-    def reserve_prompt_snapshots(self, reqs: list["Req"]) -> list[int]:
-        rows, any_reserved = [], False
-        for req in reqs:
-            end = len(req.prefix_indices) + req.extend_input_len
-            row = -1
-            if req.extend_input_len >= 2 and end == len(req.fill_ids) and \
-                    req.pending_snapshot is None:
+    def reserve_prompt_snapshots(self, reqs: list["Req"]) -> list[tuple[int, int, int]]:
+        snapshots: list[tuple[int, int, int]] = []
+        branches: set[TreeNode] = set()  # one snapshot per branch point in a batch
+        for i, req in enumerate(reqs):
+            if req.pending_snapshots or req.extend_input_len < 2:
+                continue
+            prefix = len(req.prefix_indices)
+            end = prefix + req.extend_input_len
+            wanted = []
+            if end == len(req.origin_input_ids) + len(req.output_ids):  # not a chunk: the end
+                wanted.append(end - 1)
+            branch = self._branch_point(req.fill_ids[:end], prefix)
+            if branch is not None and branch[0] not in wanted and branch[1] not in branches:
+                wanted.append(branch[0])
+                branches.add(branch[1])
+            for length in sorted(wanted):
                 slot = self._take_snapshot_row()
-                if slot is not None:
-                    self._reserved.add(slot)
-                    req.pending_snapshot = (slot, end - 1)
-                    row, any_reserved = slot, True
-            rows.append(row)
-        return rows if any_reserved else []
+                if slot is None:
+                    break
+                self._reserved.add(slot)
+                req.pending_snapshots.append((slot, length))
+                snapshots.append((i, length - prefix, slot))
+        return snapshots
+
+    def _branch_point(self, tokens: list[int], prefix: int) -> tuple[int, TreeNode] | None:
+        """Where `tokens` part from the cached sequences, past the reused `prefix` by at least
+        BRANCH_MIN_TOKENS and before the tokens' end, when no snapshot is kept there: (its
+        length, the node ending there). A later prompt that shares the same opening (a system
+        prompt) reuses up to it once this request's states there are kept."""
+        indices, handle = self._walk(tokens)
+        node = _as_node(handle)
+        length = len(indices)
+        if length - prefix < BRANCH_MIN_TOKENS or length >= len(tokens) or node is None \
+                or node.state is not None:
+            return None
+        return length, node
 
     # ---- requests ----
     def cache_finished_req(self, req: "Req", token_ids: list[int] | None = None,
@@ -117,21 +151,20 @@ class HybridRadixCache(RadixCache):
         self._keep_pending(req, token_ids)
 
     def _keep_pending(self, req: "Req", token_ids: list[int]) -> None:
-        """The states a pass wrote before the request's last prompt token: at the node ending
-        there, where the tokens are cached and the node keeps none yet; else the row is free."""
-        if req.pending_snapshot is None:
-            return
-        slot, length = req.pending_snapshot
-        req.pending_snapshot = None
-        self._reserved.discard(slot)
-        node = None
-        if 0 < length <= len(token_ids):
-            indices, handle = self._walk(token_ids[:length])
-            node = _as_node(handle) if len(indices) == length else None
-        if node is None or node.state is not None:
-            self._free_snapshots.append(slot)
-            return
-        self._keep(node, slot)
+        """The states passes wrote after a prefix of the request's prompt: each at the node
+        ending there, where those tokens are cached and the node keeps none yet; else the
+        row is free."""
+        pending, req.pending_snapshots = req.pending_snapshots, []
+        for slot, length in pending:
+            self._reserved.discard(slot)
+            node = None
+            if 0 < length <= len(token_ids):
+                indices, handle = self._walk(token_ids[:length])
+                node = _as_node(handle) if len(indices) == length else None
+            if node is None or node.state is not None:
+                self._free_snapshots.append(slot)
+            else:
+                self._keep(node, slot)
 
     def _snapshot(self, match: MatchResult, length: int, row: int) -> None:
         """Keep the states of `row` (after the `length` tokens the tree now holds, `match` the

@@ -106,7 +106,7 @@ class BatchBuilder:
         )
         if return_logprob:
             self._add_input_logprob_targets(batch, reqs)
-        batch.state_snapshot_rows = self.tree_cache.reserve_prompt_snapshots(reqs)
+        batch.state_snapshots = self.tree_cache.reserve_prompt_snapshots(reqs)
         return batch
 
     @staticmethod
@@ -164,6 +164,5 @@ def merge_mixed(extend: ModelWorkerBatch, decode: ModelWorkerBatch,
         extend_prefix_lens=extend.extend_prefix_lens + [s - 1 for s in decode.seq_lens],
         sampling_info=sampling_info,
         top_logprobs_nums=extend.top_logprobs_nums + decode.top_logprobs_nums,
-        state_snapshot_rows=extend.state_snapshot_rows and
-        extend.state_snapshot_rows + [-1] * decode.batch_size,
+        state_snapshots=extend.state_snapshots,  # the extend requests keep their indices
     )

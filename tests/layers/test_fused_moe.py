@@ -108,7 +108,8 @@ def test_cpu_expert_loop_matches_reference() -> None:
 
 
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [
-    (1, 2, 8, 16), (5, 2, 8, 16), (70, 3, 6, 4), (33, 8, 128, 16), (1, 6, 64, 16)])
+    (1, 2, 8, 16), (5, 2, 8, 16), (70, 3, 6, 4), (33, 8, 128, 16), (1, 6, 64, 16),
+    (8, 10, 512, 16)])  # Qwen3-Next's experts
 def test_align_kernel_matches_torch_alignment(num_tokens, top_k, num_experts, block_m) -> None:
     from radixserve.layers.kernels.moe_align import moe_align_block_size_triton
     gen = torch.Generator().manual_seed(num_tokens)

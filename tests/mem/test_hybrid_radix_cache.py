@@ -143,8 +143,9 @@ def test_rows_reserved_for_a_prompts_last_pass_are_kept_or_freed() -> None:
     cache = new_cache(snapshots=3)
     req = make_req("p", [1, 2, 3, 4])
     req.fill_ids, req.extend_input_len = [1, 2, 3, 4], 4
-    rows = cache.reserve_prompt_snapshots([req])
-    assert len(rows) == 1 and rows[0] >= 0 and req.pending_snapshot == (rows[0], 3)
+    snapshots = cache.reserve_prompt_snapshots([req])
+    assert len(snapshots) == 1 and snapshots[0][:2] == (0, 3)  # request 0, after 3 tokens
+    assert req.pending_snapshots == [(snapshots[0][2], 3)]
     cache.check_invariants()
     short = make_req("s", [7])
     short.fill_ids, short.extend_input_len = [7], 1
@@ -153,10 +154,44 @@ def test_rows_reserved_for_a_prompts_last_pass_are_kept_or_freed() -> None:
     cache.dec_lock_ref(run_done.cache_handle)
     cache._keep_pending(req, [1, 2, 3, 4])
     assert [length for length, _ in kept(cache)] == [3, 4]
-    assert req.pending_snapshot is None
+    assert req.pending_snapshots == []
     again = make_req("q", [1, 2, 3, 4])
     again.fill_ids, again.extend_input_len = [1, 2, 3, 4], 4
     cache.reserve_prompt_snapshots([again])
     cache._keep_pending(again, [1, 2, 3, 4])  # [1, 2, 3] keeps states already
     assert [length for length, _ in kept(cache)] == [3, 4]
+    cache.check_invariants()
+
+
+def test_a_prompt_keeps_its_states_where_it_parts_from_a_cached_one(monkeypatch) -> None:
+    """Two prompts sharing an opening of 5 tokens (a system prompt): the second, reusing
+    nothing (no states kept at 5), is cut there by its pass; once cached, a third prompt with
+    the same opening reuses those 5 tokens. Branch points short of BRANCH_MIN_TOKENS past the
+    reused prefix, or at the tokens' end, get no row."""
+    from radixserve.mem import hybrid_radix_cache
+    monkeypatch.setattr(hybrid_radix_cache, "BRANCH_MIN_TOKENS", 3)
+    cache = new_cache(snapshots=4)
+    run_request(cache, [1, 2, 3, 4, 5, 6, 7], 1.0)
+    second = make_req("b", [1, 2, 3, 4, 5, 8, 9])
+    assert len(cache.match_prefix(second.origin_input_ids).indices) == 0
+    second.fill_ids, second.extend_input_len = list(second.origin_input_ids), 7
+    snapshots = cache.reserve_prompt_snapshots([second])
+    assert [s[:2] for s in snapshots] == [(0, 5), (0, 6)]  # the branch, the last token
+    done = run_request(cache, [1, 2, 3, 4, 5, 8, 9], 2.0, finish=False)
+    cache.dec_lock_ref(done.cache_handle)
+    cache.state_pool.ssm[:, snapshots[0][2]] = 5.0  # what the pass wrote at the branch
+    cache._keep_pending(second, second.fill_ids)
+    assert (5, 5.0) in kept(cache)
+    indices, handle = cache.match_prefix([1, 2, 3, 4, 5, 10, 11])
+    assert len(indices) == 5 and handle.state == snapshots[0][2]
+    # a branch 1 token past the reused prefix, or at the tokens' end: no row for it
+    near = make_req("n", [1, 2, 3, 4, 5, 6, 12, 13])
+    near.prefix_indices = indices
+    near.fill_ids, near.extend_input_len = list(near.origin_input_ids), 3
+    assert [s[1] for s in cache.reserve_prompt_snapshots([near])] == [2]  # the last token only
+    whole = make_req("w", [1, 2, 3, 4, 5, 6, 7, 20])
+    whole.fill_ids, whole.extend_input_len = [1, 2, 3, 4, 5, 6, 7], 7  # a chunk: no tail
+    assert cache.reserve_prompt_snapshots([whole]) == []
+    for req in (near, whole):
+        cache._keep_pending(req, [])
     cache.check_invariants()

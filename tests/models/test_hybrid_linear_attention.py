@@ -111,6 +111,31 @@ def test_a_prompt_sent_again_reuses_all_but_its_last_token(tmp_path) -> None:
         engine.shutdown()
 
 
+def test_prompts_sharing_a_system_prompt_reuse_it_from_the_third_on(tmp_path) -> None:
+    """The second prompt with a new 80-token opening parts from the first there: its pass
+    runs in two segments and keeps the states at the branch point, so every later prompt
+    with that opening (alone or two in a batch) reuses its 80 tokens; outputs stay
+    transformers'."""
+    hf_model = make_checkpoint("qwen3_next_hybrid", tmp_path)
+    gen = torch.Generator().manual_seed(11)
+    system = torch.randint(0, 150, (80,), generator=gen).tolist()
+    prompts = [system + torch.randint(0, 150, (n,), generator=gen).tolist()
+               for n in (20, 33, 7, 15, 26)]
+    engine = radixserve.Engine(str(tmp_path), dtype="float32", skip_tokenizer_init=True,
+                               max_total_tokens=4096, chunked_prefill_size=256)
+    try:
+        params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        outs = [engine.generate(input_ids=p, sampling_params=params) for p in prompts[:3]]
+        outs += engine.generate(input_ids=prompts[3:], sampling_params=params)
+        assert [o["output_ids"] for o in outs] == [hf_greedy(hf_model, p, 8) for p in prompts]
+        assert [o["meta_info"]["cached_tokens"] for o in outs] == [0, 0, 80, 80, 80]
+        state = engine.get_internal_state()
+        assert state["memory_check_ok"] and state["leaked_tokens"] == 0
+        engine.scheduler.tree_cache.check_invariants()
+    finally:
+        engine.shutdown()
+
+
 def test_mixed_passes_and_retraction_keep_the_outputs(tmp_path) -> None:
     """Decodes riding in prefill chunks (--enable-mixed-chunk), then a KV pool so small that
     over-admitted requests are retracted and start again from position 0 (their states
