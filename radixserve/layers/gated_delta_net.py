@@ -17,7 +17,6 @@ parallel. Checkpoint layouts:
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -26,14 +25,14 @@ from torch import nn
 
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.layers.gated_delta_rule import (CHUNK, chunked, conv_extend, conv_step,
-                                                prepare_qk, recurrent_step, scan_chunks)
+                                                prepare_qk, recurrent_step)
 from radixserve.layers.linear import (MergedColumnParallelLinear, RowParallelLinear,
                                       _rank_and_size, _shard, default_weight_loader)
 from radixserve.mem.recurrent_state_pool import RecurrentStatePool, RecurrentStateSpec
 
 # on the GPU: the decode step in two Triton launches (kernels/gdn_decode.py), the gated norm in
-# one (kernels/gated_rmsnorm.py) and an extend's chunk-to-chunk scan in one
-# (kernels/gdn_chunk.py); 0: the torch paths
+# one (kernels/gated_rmsnorm.py) and an extend's chunked rule in two (kernels/gdn_chunk.py,
+# not for float32 models); 0: the torch paths
 _TRITON = os.environ.get("RADIXSERVE_GDN_TRITON", "1") != "0"
 
 
@@ -316,23 +315,34 @@ class GatedDeltaNet(nn.Module):
             full[target] = x
             return full.unflatten(0, (count, padded_len))
 
-        start_conv = torch.where(keep[:, None, None], conv_states[rows], 0)
-        conv_out, conv_in = conv_extend(padded(mixed[source]), self.conv1d.weight, start_conv)
-        # each request's new conv state: the last conv_width inputs up to its own end
-        ends = torch.tensor(lens, device=device)[:, None] + \
-            torch.arange(self.conv_width, device=device)
-        conv_states[rows] = conv_in.gather(
-            1, ends[..., None].expand(-1, -1, conv_in.shape[-1]))
-        # padded positions must carry k = v = g = beta = 0; the conv output there is not zero
-        q, k, v = self._split_heads(padded(conv_out.flatten(0, 1)[target]))
+        if mixed.is_cuda and _TRITON:  # one launch, read packed, written padded
+            from radixserve.layers.kernels.causal_conv import (conv_extend_padded,
+                                                               conv_states_after)
+            starts_t = torch.tensor(starts, device=device)
+            lens_t = torch.tensor(lens, device=device)
+            conv_out = conv_extend_padded(mixed, self.conv1d.weight, conv_states, rows,
+                                          starts_t, lens_t, keep, padded_len)
+            conv_states[rows] = conv_states_after(mixed, conv_states, rows, starts_t, lens_t,
+                                                  keep)
+        else:
+            start_conv = torch.where(keep[:, None, None], conv_states[rows], 0)
+            conv_out, conv_in = conv_extend(padded(mixed[source]), self.conv1d.weight,
+                                            start_conv)
+            # each request's new conv state: the last conv_width inputs up to its own end
+            ends = torch.tensor(lens, device=device)[:, None] + \
+                torch.arange(self.conv_width, device=device)
+            conv_states[rows] = conv_in.gather(
+                1, ends[..., None].expand(-1, -1, conv_in.shape[-1]))
+            # padded positions must carry k = v = 0; the conv output there is not zero
+            conv_out = padded(conv_out.flatten(0, 1)[target])
+        q, k, v = self._split_heads(conv_out)
         start_ssm = torch.where(keep[:, None, None, None], ssm_states[rows], 0)
-        scan = scan_chunks
-        if mixed.is_cuda and _TRITON:  # the chunk-to-chunk scan in one launch
-            from radixserve.layers.kernels.gdn_chunk import scan_chunks_triton
-            precise = mixed.dtype == torch.float32
-            scan = functools.partial(scan_chunks_triton, precise=precise)
-        result, ssm_states[rows] = chunked(q, k, v, padded(g[source]), padded(beta[source]),
-                                           start_ssm, scan)
+        rule = chunked
+        if mixed.is_cuda and _TRITON and mixed.dtype != torch.float32:  # two launches
+            from radixserve.layers.kernels.gdn_chunk import chunked_triton
+            rule = chunked_triton
+        result, ssm_states[rows] = rule(q, k, v, padded(g[source]), padded(beta[source]),
+                                        start_ssm)
         out[source] = result.flatten(0, 1)[target]
 
 

@@ -17,7 +17,7 @@ All state arithmetic is float32, as transformers' reference (and FLA's kernels) 
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -107,19 +107,14 @@ def scan_chunks(terms: ChunkTerms, state: torch.Tensor) -> tuple[torch.Tensor, t
     return out, state
 
 
-ChunkScan = Callable[[ChunkTerms, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-            beta: torch.Tensor, state: torch.Tensor, scan: ChunkScan = scan_chunks
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole sequences, padded to a multiple of CHUNK. q, k [R, L, H, Dk] (prepared), v
     [R, L, H, Dv], g, beta [R, L, H] (zero past each sequence's end, as k and v), state
     [R, H, Dk, Dv] float32 (the state before the first token). Returns (o [R, L, H, Dv]
-    float32, the state after the last token). `scan` runs the chunk-to-chunk part (on the
-    GPU a Triton kernel, kernels/gdn_chunk.py)."""
+    float32, the state after the last token). On the GPU, kernels/gdn_chunk.chunked_triton."""
     batch, length, heads, _ = k.shape
-    out, state = scan(chunk_terms(q, k, v, g, beta), state)
+    out, state = scan_chunks(chunk_terms(q, k, v, g, beta), state)
     return out.reshape(batch, heads, length, -1).transpose(1, 2), state
 
 

@@ -38,6 +38,7 @@ branch point.
 """
 from __future__ import annotations
 
+import heapq
 from typing import TYPE_CHECKING
 
 from radixserve.mem.base_cache import MatchResult
@@ -69,6 +70,9 @@ class HybridRadixCache(RadixCache):
         super().reset()
         self._free_snapshots = list(reversed(self.state_pool.snapshot_rows()))
         self._snapshot_nodes: set[TreeNode] = set()
+        # (last access, node id, push count, node) of snapshot nodes, lazily updated
+        # (_take_snapshot_row)
+        self._snapshot_heap: list[tuple[int, int, int, TreeNode]] = []
         self._reserved: set[int] = set()  # rows a pass is writing, not yet at a node
 
     # ---- lookups ----
@@ -184,6 +188,15 @@ class HybridRadixCache(RadixCache):
     def _keep(self, node: TreeNode, slot: int) -> None:
         node.state = slot
         self._snapshot_nodes.add(node)
+        if len(self._snapshot_heap) > 2 * len(self._snapshot_nodes) + 64:  # drop dead entries
+            self._snapshot_heap = [(n.last_access_time, n.node_id, next(self._heap_seq), n)
+                                   for n in self._snapshot_nodes if n is not node]
+            heapq.heapify(self._snapshot_heap)
+        self._push_snapshot(node)
+
+    def _push_snapshot(self, node: TreeNode) -> None:
+        heapq.heappush(self._snapshot_heap,
+                       (node.last_access_time, node.node_id, next(self._heap_seq), node))
 
     def _take_snapshot_row(self) -> int | None:
         """A free snapshot row, dropping the least recently used unpinned snapshot if none is
@@ -191,12 +204,31 @@ class HybridRadixCache(RadixCache):
         a lock on its very node (`cache_handle`: it was admitted on that prefix, or it is
         being chunked and ends there), not while locks lie only below it: a request's states
         are its row's once restored (`restore_states`, at admission), and a copy into a row
-        reused afterwards is queued behind that restore."""
-        if not self._free_snapshots:
-            unpinned = [n for n in self._snapshot_nodes if not self._directly_locked(n)]
-            if not unpinned:
-                return None
-            self._drop_snapshot(min(unpinned, key=lambda n: (n.last_access_time, n.node_id)))
+        reused afterwards is queued behind that restore.
+
+        The snapshot nodes sit in a lazy heap by last access: an entry whose node was touched
+        since is pushed again with the new time, one whose node lost its snapshot is dropped,
+        pinned ones are set aside and pushed back."""
+        if self._free_snapshots:
+            return self._free_snapshots.pop()
+        heap, pinned, chosen = self._snapshot_heap, [], None
+        while heap:
+            entry = heapq.heappop(heap)
+            used_at, _, _, node = entry
+            if node.state is None or node not in self._snapshot_nodes:
+                continue
+            if node.last_access_time != used_at:
+                self._push_snapshot(node)
+            elif self._directly_locked(node):
+                pinned.append(entry)
+            else:
+                chosen = node
+                break
+        for entry in pinned:
+            heapq.heappush(heap, entry)
+        if chosen is None:
+            return None
+        self._drop_snapshot(chosen)
         return self._free_snapshots.pop()
 
     @staticmethod

@@ -1,7 +1,8 @@
-"""kernels/gdn_chunk.py: the chunk-to-chunk scan of the chunked gated delta rule against the
-torch loop of layers/gated_delta_rule.py, on terms built from random sequences (several chunks,
-padded tails, key and value widths below and above the kernel's blocks), and the whole chunked
-rule through it against the token-by-token recurrence."""
+"""kernels/gdn_chunk.py: the chunked gated delta rule in two launches against the torch form of
+layers/gated_delta_rule.py on random sequences (several chunks, padded tails, start states, key
+and value widths below and above the kernels' blocks), and against the token-by-token
+recurrence; kernels/causal_conv.py: the extend's conv + SiLU read from packed tokens and written
+padded, and the conv states after it, against the torch form."""
 from __future__ import annotations
 
 import pytest
@@ -9,9 +10,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from radixserve.layers.gated_delta_rule import (CHUNK, chunk_terms, chunked,  # noqa: E402
-                                                prepare_qk, recurrent_step, scan_chunks)
-from radixserve.layers.kernels.gdn_chunk import scan_chunks_triton  # noqa: E402
+from radixserve.layers.gated_delta_rule import (CHUNK, chunked, conv_extend,  # noqa: E402
+                                                prepare_qk, recurrent_step)
+from radixserve.layers.kernels.causal_conv import (conv_extend_padded,  # noqa: E402
+                                                   conv_states_after)
+from radixserve.layers.kernels.gdn_chunk import chunked_triton  # noqa: E402
 
 pytestmark = pytest.mark.kernel
 
@@ -37,35 +40,58 @@ def _sequences(batch: int, chunks: int, key_heads: int, heads: int, key_dim: int
 
 
 @pytest.mark.parametrize("batch,chunks,key_heads,heads,key_dim,value_dim", [
-    (2, 3, 2, 4, 16, 8),  # widths below the kernel's 16
+    (2, 3, 2, 4, 16, 8),  # widths below the kernels' 16
     (1, 2, 1, 2, 32, 48),  # a masked value tail
     (1, 2, 1, 1, 128, 128)])  # Qwen3-Next's head widths, two value blocks
-@pytest.mark.parametrize("precise", [True, False])
-def test_scan_matches_the_torch_loop(batch, chunks, key_heads, heads, key_dim, value_dim,
-                                     precise) -> None:
+def test_kernels_match_the_torch_form(batch, chunks, key_heads, heads, key_dim,
+                                      value_dim) -> None:
     q, k, v, g, beta, start = _sequences(batch, chunks, key_heads, heads, key_dim,
                                          value_dim, seed=chunks)
-    terms = chunk_terms(q, k, v, g, beta)
-    ref_out, ref_state = scan_chunks(terms, start)
-    out, state = scan_chunks_triton(type(terms)(*(t.to(DEVICE) for t in terms)),
-                                    start.to(DEVICE), precise)
-    # TF32 products (bf16 models on a GPU) keep 10 mantissa bits
-    tol = 1e-4 if precise or DEVICE == "cpu" else 2e-2
+    ref_out, ref_state = chunked(q, k, v, g, beta, start)
+    out, state = chunked_triton(*(x.to(DEVICE) for x in (q, k, v, g, beta, start)))
+    # TF32 products on a GPU keep 10 mantissa bits; the interpreter's are float32
+    tol = 1e-4 if DEVICE == "cpu" else 2e-2
     torch.testing.assert_close(out.cpu(), ref_out, atol=tol, rtol=tol)
     torch.testing.assert_close(state.cpu(), ref_state, atol=tol, rtol=tol)
 
 
-def test_chunked_through_the_kernel_equals_the_recurrence() -> None:
+def test_kernels_equal_the_recurrence() -> None:
     q, k, v, g, beta, start = _sequences(1, 2, 2, 4, 16, 8, seed=5)
     length = q.shape[1] - 10  # sequence 0's real tokens
     state, steps = start, []
     for t in range(length):
         o, state = recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
         steps.append(o)
+    out, final = chunked_triton(*(x.to(DEVICE) for x in (q, k, v, g, beta, start)))
+    tol = 1e-4 if DEVICE == "cpu" else 2e-2
+    torch.testing.assert_close(out[:, :length].cpu(), torch.stack(steps, 1), atol=tol,
+                               rtol=tol)
+    torch.testing.assert_close(final.cpu(), state, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("width", [3, 1])
+def test_conv_kernel_matches_the_torch_form(width: int) -> None:
+    """Three packed sequences (one shorter than the conv's reach, continuing its row's
+    inputs; one from position 0; one of 70 tokens continuing), 200 channels in a wider
+    row, state rows picked out of order."""
+    gen = torch.Generator().manual_seed(width)
+    lens, starts, keep = [2, 70, 9], [3, 5, 75], [True, False, True]
+    channels, padded_len = 200, 128
+    mixed = torch.randn(90, channels + 40, generator=gen)[:, :channels]  # a strided view
+    weight = torch.randn(channels, width + 1, generator=gen) * 0.5
+    conv_states = torch.randn(5, width, channels, generator=gen)
+    rows = torch.tensor([4, 1, 2])
+    expected_out = torch.zeros(3, padded_len, channels)
+    expected_states = []
+    for r, (s, n, k) in enumerate(zip(starts, lens, keep)):
+        start = conv_states[rows[r]] if k else torch.zeros(width, channels)
+        out, full = conv_extend(mixed[None, s:s + n], weight, start[None])
+        expected_out[r, :n] = out[0]
+        expected_states.append(full[0, n:])
     to = {"device": DEVICE}
-    out, final = chunked(q.to(**to), k.to(**to), v.to(**to), g.to(**to), beta.to(**to),
-                         start.to(**to),
-                         scan=lambda terms, s: scan_chunks_triton(terms, s, precise=True))
-    torch.testing.assert_close(out[:, :length].cpu(), torch.stack(steps, 1), atol=1e-4,
-                               rtol=1e-4)
-    torch.testing.assert_close(final.cpu(), state, atol=1e-4, rtol=1e-4)
+    args = (conv_states.to(**to), rows.to(**to), torch.tensor(starts, **to),
+            torch.tensor(lens, **to), torch.tensor(keep, **to))
+    out = conv_extend_padded(mixed.to(**to), weight.to(**to), *args, padded_len)
+    torch.testing.assert_close(out.cpu(), expected_out, atol=1e-5, rtol=1e-5)
+    states = conv_states_after(mixed.to(**to), *args)
+    torch.testing.assert_close(states.cpu(), torch.stack(expected_states))
