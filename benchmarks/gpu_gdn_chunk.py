@@ -5,10 +5,9 @@
 
 Times on random prepared inputs (CUDA events, median of 10 after a warm-up) the torch form's
 pieces: the closed form of every chunk (`gated_delta_rule.chunk_terms`), its triangular solve
-alone, the same solve by repeated squaring of the strictly lower part ((I + A)^-1 = prod
-(I + (-A)^2^j), six batched products, as the kernel does it), the chunk-to-chunk loop; then
-the two Triton launches (`kernels/gdn_chunk.chunked_triton`), with their largest deviation from
-the torch form.
+alone, the chunk-to-chunk loop; then the two Triton launches (`kernels/gdn_chunk.chunked_triton`)
+with their largest deviation from the torch form, each launch alone, and the scan at several
+value-column blocks and pipelining depths.
 """
 from __future__ import annotations
 
@@ -23,24 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from radixserve.layers.gated_delta_rule import (CHUNK, chunk_terms, chunked,  # noqa: E402
                                                 prepare_qk, scan_chunks)
-from radixserve.layers.kernels.gdn_chunk import chunked_triton  # noqa: E402
+from radixserve.layers.kernels.gdn_chunk import (chunk_prep, chunk_scan,  # noqa: E402
+                                                 chunked_triton)
 from benchmarks.gpu_moe import bench  # noqa: E402
 
 
 def _time(fn: Callable[[], object], repeats: int = 10) -> float:
     """Median milliseconds of fn after one warm-up call."""
     return bench(fn, repeats) * 1e3
-
-
-def _solve_by_squaring(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    """(I + L)^-1 rhs, L the strictly lower part of `system` (nilpotent: L^CHUNK = 0)."""
-    neg = -system.tril(-1)
-    eye = torch.eye(system.shape[-1], device=system.device, dtype=system.dtype)
-    inverse, power = eye + neg, neg
-    for _ in range((CHUNK - 1).bit_length() - 1):
-        power = power @ power
-        inverse = inverse + inverse @ power
-    return inverse @ rhs
 
 
 def main() -> int:
@@ -76,11 +65,7 @@ def main() -> int:
     rhs = torch.randn(*system.shape[:-1], args.key_dim + args.value_dim, device="cuda")
     trsm = _time(lambda: torch.linalg.solve_triangular(system, rhs, upper=False,
                                                        unitriangular=True))
-    squaring = _time(lambda: _solve_by_squaring(system, rhs))
-    diff = (_solve_by_squaring(system, rhs) - torch.linalg.solve_triangular(
-        system, rhs, upper=False, unitriangular=True)).abs().max().item()
-    print(f"  its triangular solve: {trsm:.3f} ms; by squaring {squaring:.3f} ms "
-          f"(max diff {diff:.2e})")
+    print(f"  its triangular solve: {trsm:.3f} ms")
     print(f"scan, torch loop: {_time(lambda: scan_chunks(terms, state), 3):.3f} ms")
     ref_out, ref_state = chunked(q, k, v, g, beta, state)
     took = _time(lambda: chunked_triton(q, k, v, g, beta, state))
@@ -88,6 +73,18 @@ def main() -> int:
     err = max((out - ref_out).abs().max().item(), (final - ref_state).abs().max().item())
     print(f"chunked_triton (two launches): {took:.3f} ms (max |diff| {err:.2e} of max |out| "
           f"{ref_out.abs().max().item():.2e})")
+    qc, kc, vc = (x.contiguous() for x in (q, k, v))
+    prep = chunk_prep(kc, vc, g.contiguous(), beta.contiguous())
+    print(f"  launch 1 (prep): {_time(lambda: chunk_prep(kc, vc, g, beta)):.3f} ms")
+    for block_v in (16, 32, 64):
+        for stages in (1, 2):
+            try:
+                took = _time(lambda: chunk_scan(qc, kc, prep, state, block_v, stages))
+                print(f"  launch 2 (scan), {block_v} value columns, {stages} stages: "
+                      f"{took:.3f} ms")
+            except Exception as exc:  # out of shared memory at some settings
+                print(f"  launch 2 (scan), {block_v} value columns, {stages} stages: "
+                      f"{type(exc).__name__}")
     return 0
 
 

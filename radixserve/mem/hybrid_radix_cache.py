@@ -107,9 +107,10 @@ class HybridRadixCache(RadixCache):
             if end == len(req.origin_input_ids) + len(req.output_ids):  # not a chunk: the end
                 wanted.append(end - 1)
             branch = self._branch_point(req.fill_ids[:end], prefix)
-            if branch is not None and branch[0] not in wanted and branch[1] not in branches:
-                wanted.append(branch[0])
+            if branch is not None and branch[1] not in branches:
                 branches.add(branch[1])
+                if branch[0] not in wanted:
+                    wanted.append(branch[0])
             for length in sorted(wanted):
                 slot = self._take_snapshot_row()
                 if slot is None:

@@ -69,6 +69,27 @@ def test_kernels_equal_the_recurrence() -> None:
     torch.testing.assert_close(final.cpu(), state, atol=tol, rtol=tol)
 
 
+def test_kernels_stay_exact_on_a_run_of_one_token() -> None:
+    """One key repeated over a whole chunk (a run of spaces or newlines after the conv) with
+    slow decay: A's powers grow like binomial coefficients (~1e17) before they cancel, which
+    an inverse by repeated squaring lost entirely; forward substitution keeps it."""
+    gen = torch.Generator().manual_seed(3)
+    length, key_dim, value_dim = 2 * CHUNK, 32, 16
+    q, k = prepare_qk(torch.randn(1, length, 1, key_dim, generator=gen),
+                      torch.randn(1, 1, 1, key_dim, generator=gen).expand(
+                          1, length, 1, key_dim).contiguous(), 1)
+    v = torch.randn(1, length, 1, value_dim, generator=gen)
+    g, beta = torch.full((1, length, 1), -0.001), torch.full((1, length, 1), 0.9)
+    start = torch.zeros(1, 1, key_dim, value_dim)
+    state, steps = start, []
+    for t in range(length):
+        o, state = recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        steps.append(o)
+    out, final = chunked_triton(*(x.to(DEVICE) for x in (q, k, v, g, beta, start)))
+    tol = 1e-4 if DEVICE == "cpu" else 2e-2
+    torch.testing.assert_close(out.cpu(), torch.stack(steps, 1), atol=tol, rtol=tol)
+    torch.testing.assert_close(final.cpu(), state, atol=tol, rtol=tol)
+
 @pytest.mark.parametrize("width", [3, 1])
 def test_conv_kernel_matches_the_torch_form(width: int) -> None:
     """Three packed sequences (one shorter than the conv's reach, continuing its row's

@@ -59,8 +59,9 @@ def test_gemv_experts_match_the_reference_with_shared_experts(configs, hidden, i
     # steps over 2 and 4 whole groups (a 128-column block's checkpoint has 128-wide ones),
     # the last step's groups past K scaled by 0
     (64, 200, 72, MoeGemvConfigs(GemvConfig(4, 128, 4, 1), GemvConfig(2, 128, 4, 1))),
-    (64, 448, 200, MoeGemvConfigs(GemvConfig(4, 256, 4, 1, vec=16),
-                                  GemvConfig(2, 256, 4, 1, vec=16)))])
+    pytest.param(64, 448, 200, MoeGemvConfigs(GemvConfig(4, 256, 4, 1, vec=16),
+                                              GemvConfig(2, 256, 4, 1, vec=16)),
+                 marks=pytest.mark.slow)])  # 10 s in the interpreter
 def test_block_scaled_experts(block: int, hidden: int, inter: int,
                               configs: MoeGemvConfigs | None) -> None:
     """FP8 codes with a scale per row and K group: each step stays inside one group or spans

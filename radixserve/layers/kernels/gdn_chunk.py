@@ -4,11 +4,11 @@ Same contract as layers/gated_delta_rule.chunked (sequences padded to a multiple
 tokens, prepared q and k). With `log_decay` the cumulative sum of g inside each chunk:
 
 1. `_chunk_prep_kernel`, one program per (sequence, chunk, value head), everything that does not
-   depend on the state: A = strictly lower (beta_i k_i . k_j decayed from j to i), the inverse of
-   the unit lower-triangular I + A by repeated squaring ((I + A)^-1 = prod_j (I + (-A)^(2^j)),
-   exact after six factors since A^64 = 0: six 64 x 64 products on the tensor cores instead of
-   a triangular solve), and from it u_free = T (beta v) and state_read = T (beta exp(log_decay)
-   k), written chunk-major for the scan, with log_decay.
+   depend on the state: A = strictly lower (beta_i k_i . k_j decayed from j to i), the inverse T
+   of the unit lower-triangular I + A by forward substitution over its 64 rows in registers
+   (repeated squaring, prod_j (I + (-A)^(2^j)) in six tensor-core products, lost all precision
+   on near-identical keys), and from it u_free = T (beta v) and state_read = T (beta
+   exp(log_decay) k), written chunk-major for the scan, with log_decay.
 2. `_chunk_scan_kernel`, one program per (sequence, value head, block of value columns): its
    [key_dim, BLOCK_V] slice of the float32 state in registers across all chunks (the columns of
    the state evolve independently), per chunk
@@ -35,7 +35,7 @@ from radixserve.layers.gated_delta_rule import CHUNK
 @triton.jit
 def _chunk_prep_kernel(K, V, G, Beta, UFree, StateRead, LogDecay, length, heads, key_dim,
                        value_dim, C: tl.constexpr, BLOCK_K: tl.constexpr,
-                       BLOCK_DV: tl.constexpr, SQUARINGS: tl.constexpr):
+                       BLOCK_DV: tl.constexpr):
     seq_chunk = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     chunks = length // C
@@ -54,11 +54,15 @@ def _chunk_prep_kernel(K, V, G, Beta, UFree, StateRead, LogDecay, length, heads,
     pair = tl.where(below, tl.exp(log_decay[:, None] - log_decay[None, :]), 0.0)
     k_beta = k * beta[:, None]
     neg = -tl.dot(k_beta, tl.trans(k)) * pair  # -A, strictly lower
-    inverse = neg + (offs_c[:, None] == offs_c[None, :]).to(tl.float32)
-    power = neg
-    for _ in tl.static_range(SQUARINGS):
-        power = tl.dot(power, power)
-        inverse += tl.dot(inverse, power)
+    # T = (I + A)^-1 by forward substitution, row r = e_r - sum_{j < r} A_rj T_j (rows above
+    # are final): stable where repeated squaring is not (near-identical keys in a chunk, e.g.
+    # a run of one token, make A's powers grow like binomial coefficients before they cancel)
+    rows = offs_c[:, None]
+    inverse = (rows == offs_c[None, :]).to(tl.float32)
+    for r in range(1, C):
+        coeffs = tl.sum(tl.where(rows == r, neg, 0.0), 0)  # row r of -A, over columns j
+        row_r = tl.sum(coeffs[:, None] * inverse, 0) + (offs_c == r).to(tl.float32)
+        inverse = tl.where(rows == r, row_r[None, :], inverse)
     u_free = tl.dot(inverse, v * beta[:, None])
     read = tl.dot(inverse, k_beta * tl.exp(log_decay)[:, None])
     # chunk-major outputs: [R, H, N, C, ...]
@@ -107,29 +111,48 @@ def _chunk_scan_kernel(Q, K, UFree, StateRead, LogDecay, State, Out, length, hea
     tl.store(state_ptrs, state, mask=state_mask)
 
 
-def chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                   beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """gated_delta_rule.chunked in two launches: q, k [R, L, H, Dk] (prepared), v [R, L, H,
-    Dv], g, beta [R, L, H], state [R, H, Dk, Dv]; returns (o [R, L, H, Dv] float32, the final
-    state)."""
+def chunk_prep(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch 1 on float32 contiguous [R, L, H, ...] inputs: (u_free [rows, Dv], state_read
+    [rows, Dk], log_decay [rows]), rows chunk-major (R, H, N, C)."""
     batch, length, heads, key_dim = k.shape
     value_dim = v.shape[-1]
-    assert length % CHUNK == 0, "pad the sequences to a multiple of CHUNK"
-    q, k, v, g, beta = (x.float().contiguous() for x in (q, k, v, g, beta))
     chunks = length // CHUNK
     rows = batch * heads * chunks * CHUNK
     u_free = torch.empty(rows, value_dim, dtype=torch.float32, device=k.device)
     read = torch.empty(rows, key_dim, dtype=torch.float32, device=k.device)
     log_decay = torch.empty(rows, dtype=torch.float32, device=k.device)
-    block_k = max(16, triton.next_power_of_2(key_dim))
     _chunk_prep_kernel[(batch * chunks, heads)](
         k, v, g, beta, u_free, read, log_decay, length, heads, key_dim, value_dim, C=CHUNK,
-        BLOCK_K=block_k, BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
-        SQUARINGS=(CHUNK - 1).bit_length() - 1, num_warps=8, num_stages=1)
+        BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
+        BLOCK_DV=max(16, triton.next_power_of_2(value_dim)), num_warps=8, num_stages=1)
+    return u_free, read, log_decay
+
+
+def chunk_scan(q: torch.Tensor, k: torch.Tensor, prep: tuple[torch.Tensor, ...],
+               state: torch.Tensor, block_v: int | None = None, stages: int = 1
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch 2: (o [R, L, H, Dv] float32, the final state). block_v / stages: the launch's
+    value columns per program and software-pipelining depth (benchmarks/gpu_gdn_chunk.py
+    sweeps them)."""
+    batch, length, heads, key_dim = k.shape
+    value_dim = prep[0].shape[-1]
+    block_k = max(16, triton.next_power_of_2(key_dim))
+    if block_v is None:
+        block_v = max(16, min(64 if block_k <= 128 else 32, triton.next_power_of_2(value_dim)))
     state = state.float().contiguous().clone()
     out = torch.empty(batch, length, heads, value_dim, dtype=torch.float32, device=k.device)
-    block_v = max(16, min(64 if block_k <= 128 else 32, triton.next_power_of_2(value_dim)))
     _chunk_scan_kernel[(batch * heads, triton.cdiv(value_dim, block_v))](
-        q, k, u_free, read, log_decay, state, out, length, heads, key_dim, value_dim, C=CHUNK,
-        BLOCK_K=block_k, BLOCK_V=block_v, num_warps=4, num_stages=1)
+        q, k, *prep, state, out, length, heads, key_dim, value_dim, C=CHUNK,
+        BLOCK_K=block_k, BLOCK_V=block_v, num_warps=4, num_stages=stages)
     return out, state
+
+
+def chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gated_delta_rule.chunked in two launches: q, k [R, L, H, Dk] (prepared), v [R, L, H,
+    Dv], g, beta [R, L, H], state [R, H, Dk, Dv]; returns (o [R, L, H, Dv] float32, the final
+    state)."""
+    assert k.shape[1] % CHUNK == 0, "pad the sequences to a multiple of CHUNK"
+    q, k, v, g, beta = (x.float().contiguous() for x in (q, k, v, g, beta))
+    return chunk_scan(q, k, chunk_prep(k, v, g, beta), state)
