@@ -20,8 +20,9 @@ tokens, prepared q and k). With `log_decay` the cumulative sum of g inside each 
 In torch the same took ~30 kernels a layer over [R, H, N, C, ...] float32 copies, a batched
 triangular solve and a Python loop of seven kernels per chunk (an 8192-token prompt of
 Qwen3-Next-80B's shapes on an H200: 3.7 ms of closed forms and 17.9 ms of loop per layer).
-Products run in TF32, as FLA's chunk kernels run them on bf16 operands; float32 models keep the
-torch path (IEEE float32 products here ran slower than its loop).
+The scan's products run in TF32, as FLA's chunk kernels run theirs on bf16 operands, the prep's
+in tf32x3 (off the serial path; A feeds an inversion); float32 models keep the torch path (IEEE
+float32 products in the scan ran slower than its loop).
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def _chunk_prep_kernel(K, V, G, Beta, UFree, StateRead, LogDecay, length, heads,
     below = offs_c[None, :] < offs_c[:, None]
     pair = tl.where(below, tl.exp(log_decay[:, None] - log_decay[None, :]), 0.0)
     k_beta = k * beta[:, None]
-    neg = -tl.dot(k_beta, tl.trans(k)) * pair  # -A, strictly lower
+    # tf32x3 (three TF32 products, ~float32) off the serial path: A feeds an inversion
+    neg = -tl.dot(k_beta, tl.trans(k), input_precision="tf32x3") * pair  # -A, strictly lower
     # T = (I + A)^-1 by forward substitution, row r = e_r - sum_{j < r} A_rj T_j (rows above
     # are final): stable where repeated squaring is not (near-identical keys in a chunk, e.g.
     # a run of one token, make A's powers grow like binomial coefficients before they cancel)
@@ -63,8 +65,8 @@ def _chunk_prep_kernel(K, V, G, Beta, UFree, StateRead, LogDecay, length, heads,
         coeffs = tl.sum(tl.where(rows == r, neg, 0.0), 0)  # row r of -A, over columns j
         row_r = tl.sum(coeffs[:, None] * inverse, 0) + (offs_c == r).to(tl.float32)
         inverse = tl.where(rows == r, row_r[None, :], inverse)
-    u_free = tl.dot(inverse, v * beta[:, None])
-    read = tl.dot(inverse, k_beta * tl.exp(log_decay)[:, None])
+    u_free = tl.dot(inverse, v * beta[:, None], input_precision="tf32x3")
+    read = tl.dot(inverse, k_beta * tl.exp(log_decay)[:, None], input_precision="tf32x3")
     # chunk-major outputs: [R, H, N, C, ...]
     row = ((seq * heads + head) * chunks + chunk) * C + offs_c
     tl.store(UFree + row[:, None] * value_dim + offs_v[None, :], u_free, mask=mask_v)
