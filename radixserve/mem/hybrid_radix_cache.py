@@ -32,9 +32,10 @@ Snapshot rows are few (as many as request rows). When none is free, the least re
 snapshot no request is locked on is dropped (its KV stays cached, reusable up to a shallower
 snapshot); a node evicted from the tree frees its snapshot.
 
-Prompts admitted together do not wait for each other's prefix (`defers_shared_prompts` is off):
-a shared prefix becomes reusable only once a later prompt's pass has kept the states at the
-branch point.
+Prompts that arrive together part from each other before any is cached: a waiting prompt that
+shares at least BRANCH_MIN_TOKENS past its reused prefix with one admitted to the same prefill
+batch waits for the next batch (`waits_behind`, from the scheduler's in-batch prefix index),
+and the admitted one's pass keeps its states where the two part.
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ from typing import TYPE_CHECKING
 
 from radixserve.mem.base_cache import MatchResult
 from radixserve.mem.kv_pool import KVPool
-from radixserve.mem.radix_cache import RadixCache, TreeNode, _as_node, _require
+from radixserve.mem.radix_cache import (RadixCache, TreeNode, _as_node, _common_prefix_len,
+                                        _require)
 from radixserve.mem.recurrent_state_pool import RecurrentStatePool
 from radixserve.mem.req_to_token_pool import ReqToTokenPool
 
@@ -57,7 +59,6 @@ BRANCH_MIN_TOKENS = 64
 
 
 class HybridRadixCache(RadixCache):
-    defers_shared_prompts = False
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: KVPool,
                  state_pool: RecurrentStatePool) -> None:
@@ -74,6 +75,9 @@ class HybridRadixCache(RadixCache):
         # (_take_snapshot_row)
         self._snapshot_heap: list[tuple[int, int, int, TreeNode]] = []
         self._reserved: set[int] = set()  # rows a pass is writing, not yet at a node
+        # prompt lengths an admitted request's pass is to keep states at, by rid: where a
+        # request waiting behind it parts from it (`waits_behind`)
+        self._wanted: dict[str, set[int]] = {}
 
     # ---- lookups ----
     def match_prefix(self, key: list[int]) -> MatchResult:
@@ -95,17 +99,30 @@ class HybridRadixCache(RadixCache):
                 targets.append(row)
         self.state_pool.copy_rows(sources, targets)  # type: ignore[arg-type]
 
+    def waits_behind(self, req: "Req", admitted: "Req | None") -> bool:
+        """Wait when the two share at least BRANCH_MIN_TOKENS past `req`'s reused prefix;
+        `admitted`'s pass then keeps its states where they part (a row is reserved for it at
+        batch build), so `req` reuses the shared part next batch."""
+        if admitted is None:
+            return False
+        shared = _common_prefix_len(admitted.fill_ids, req.fill_ids, 0)
+        if shared - len(req.prefix_indices) < BRANCH_MIN_TOKENS:
+            return False
+        self._wanted.setdefault(admitted.rid, set()).add(shared)
+        return True
+
     def reserve_prompt_snapshots(self, reqs: list["Req"]) -> list[tuple[int, int, int]]:
         snapshots: list[tuple[int, int, int]] = []
         branches: set[TreeNode] = set()  # one snapshot per branch point in a batch
         for i, req in enumerate(reqs):
+            asked = self._wanted.pop(req.rid, set())
             if req.pending_snapshots or req.extend_input_len < 2:
                 continue
             prefix = len(req.prefix_indices)
             end = prefix + req.extend_input_len
-            wanted = []
-            if end == len(req.origin_input_ids) + len(req.output_ids):  # not a chunk: the end
-                wanted.append(end - 1)
+            wanted = sorted(length for length in asked if prefix < length < end)
+            if end == len(req.origin_input_ids) + len(req.output_ids) and end - 1 not in wanted:
+                wanted.append(end - 1)  # not a chunk: the pass ends the prompt
             branch = self._branch_point(req.fill_ids[:end], prefix)
             if branch is not None and branch[1] not in branches:
                 branches.add(branch[1])

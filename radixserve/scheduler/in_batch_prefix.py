@@ -11,6 +11,7 @@ from radixserve.core.req import Req
 
 # defer when the shared uncached part is at least this long (or the whole uncached prompt)
 MIN_SHARED_TOKENS = 32
+_OWNER = -1  # a trie node's key for the first admitted request through it (tokens are >= 0)
 
 
 class InBatchPrefixIndex:
@@ -27,15 +28,24 @@ class InBatchPrefixIndex:
         node = self.root
         for token in req.fill_ids[:len(req.prefix_indices) + MIN_SHARED_TOKENS]:
             node = node.setdefault(token, {})
+            node.setdefault(_OWNER, req)
 
     def shared_len(self, tokens: list[int]) -> int:
+        return self._walk(tokens)[1]
+
+    def sharing(self, req: Req) -> Req | None:
+        """An admitted request whose indexed prompt shares the most tokens with `req`'s."""
+        node = self._walk(req.fill_ids)[0]
+        return node.get(_OWNER)
+
+    def _walk(self, tokens: list[int]) -> tuple[dict, int]:
         node, length = self.root, 0
         for token in tokens:
             child = node.get(token)
             if child is None:
                 break
             node, length = child, length + 1
-        return length
+        return node, length
 
     def should_defer(self, req: Req) -> bool:
         """True if `req` would recompute an uncached prefix another admitted request computes."""

@@ -298,7 +298,8 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
                 continue
             if not matched:
                 match_prefix(req, self.tree_cache)
-            if in_batch is not None and in_batch.should_defer(req):
+            if in_batch is not None and in_batch.should_defer(req) and \
+                    self.tree_cache.waits_behind(req, in_batch.sharing(req)):
                 continue  # its prefix will be cached after this batch
             if not adder.add_one_req(req):
                 break

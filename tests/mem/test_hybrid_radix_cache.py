@@ -195,3 +195,24 @@ def test_a_prompt_keeps_its_states_where_it_parts_from_a_cached_one(monkeypatch)
     for req in (near, whole):
         cache._keep_pending(req, [])
     cache.check_invariants()
+
+
+def test_a_prompt_waits_behind_an_admitted_one_sharing_its_opening(monkeypatch) -> None:
+    """Nothing cached: a waiting prompt sharing 5 tokens with one admitted to this batch
+    waits (the admitted one's pass is asked for its states at 5, its branch with the other);
+    one sharing fewer than BRANCH_MIN_TOKENS does not."""
+    from radixserve.mem import hybrid_radix_cache
+    monkeypatch.setattr(hybrid_radix_cache, "BRANCH_MIN_TOKENS", 3)
+    cache = new_cache(snapshots=4)
+    admitted = make_req("a", [1, 2, 3, 4, 5, 6, 7])
+    admitted.fill_ids, admitted.extend_input_len = list(admitted.origin_input_ids), 7
+    waiting = make_req("w", [1, 2, 3, 4, 5, 9])
+    waiting.fill_ids = list(waiting.origin_input_ids)
+    assert cache.waits_behind(waiting, admitted)
+    short = make_req("s", [1, 2, 8])
+    short.fill_ids = list(short.origin_input_ids)
+    assert not cache.waits_behind(short, admitted) and not cache.waits_behind(short, None)
+    snapshots = cache.reserve_prompt_snapshots([admitted])
+    assert [s[:2] for s in snapshots] == [(0, 5), (0, 6)]  # where they part, the last token
+    cache._keep_pending(admitted, [])
+    cache.check_invariants()

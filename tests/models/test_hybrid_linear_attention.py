@@ -111,10 +111,11 @@ def test_a_prompt_sent_again_reuses_all_but_its_last_token(tmp_path) -> None:
         engine.shutdown()
 
 
-def test_prompts_sharing_a_system_prompt_reuse_it_from_the_third_on(tmp_path) -> None:
+def test_prompts_sharing_a_system_prompt_reuse_it(tmp_path) -> None:
     """The second prompt with a new 80-token opening parts from the first there: its pass
     runs in two segments and keeps the states at the branch point, so every later prompt
-    with that opening (alone or two in a batch) reuses its 80 tokens; outputs stay
+    with that opening (alone or two in a batch) reuses its 80 tokens. Prompts with another
+    opening sent together: all but the first wait one batch and reuse it. Outputs stay
     transformers'."""
     hf_model = make_checkpoint("qwen3_next_hybrid", tmp_path)
     gen = torch.Generator().manual_seed(11)
@@ -127,8 +128,13 @@ def test_prompts_sharing_a_system_prompt_reuse_it_from_the_third_on(tmp_path) ->
         params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
         outs = [engine.generate(input_ids=p, sampling_params=params) for p in prompts[:3]]
         outs += engine.generate(input_ids=prompts[3:], sampling_params=params)
-        assert [o["output_ids"] for o in outs] == [hf_greedy(hf_model, p, 8) for p in prompts]
-        assert [o["meta_info"]["cached_tokens"] for o in outs] == [0, 0, 80, 80, 80]
+        # a new opening sent by three prompts at once: the first computes it and keeps the
+        # states where the others part from it; they wait one batch and reuse it
+        burst = [system[::-1] + p[80:] for p in prompts[:3]]
+        outs += engine.generate(input_ids=burst, sampling_params=params)
+        assert [o["output_ids"] for o in outs] == \
+            [hf_greedy(hf_model, p, 8) for p in prompts + burst]
+        assert [o["meta_info"]["cached_tokens"] for o in outs] == [0, 0, 80, 80, 80, 0, 80, 80]
         state = engine.get_internal_state()
         assert state["memory_check_ok"] and state["leaked_tokens"] == 0
         engine.scheduler.tree_cache.check_invariants()
