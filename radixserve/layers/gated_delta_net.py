@@ -17,7 +17,9 @@ parallel. Checkpoint layouts:
 """
 from __future__ import annotations
 
+import logging
 import os
+from typing import Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +36,32 @@ from radixserve.mem.recurrent_state_pool import RecurrentStatePool, RecurrentSta
 # one (kernels/gated_rmsnorm.py) and an extend's chunked rule in two (kernels/gdn_chunk.py,
 # not for float32 models); 0: the torch paths
 _TRITON = os.environ.get("RADIXSERVE_GDN_TRITON", "1") != "0"
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class _KernelGuard:
+    """The extend's Triton kernels (kernels/causal_conv.py, kernels/gdn_chunk.py), written and
+    tested in the interpreter before any GPU compiled them: a launch that fails (a compile
+    error, too little shared memory on some board) is logged once and the torch form serves
+    every later extend. Each kernel writes only tensors it allocates, so a failed launch
+    leaves the states untouched."""
+
+    def __init__(self) -> None:
+        self.usable = _TRITON
+
+    def run(self, kernel: Callable[..., T], *args: object) -> T | None:
+        try:
+            return kernel(*args)
+        except Exception as exc:  # noqa: BLE001 (any launch failure: the torch form instead)
+            self.usable = False
+            logger.warning("Gated DeltaNet extend kernel %s failed (%s: %s); extends run in "
+                           "torch from now on", kernel.__name__, type(exc).__name__, exc)
+            return None
+
+
+_extend_kernels = _KernelGuard()
 
 
 class GroupedInProjection(MergedColumnParallelLinear):
@@ -315,13 +343,16 @@ class GatedDeltaNet(nn.Module):
             full[target] = x
             return full.unflatten(0, (count, padded_len))
 
-        if mixed.is_cuda and _TRITON:  # one launch, read packed, written padded
-            from radixserve.layers.kernels.causal_conv import (conv_extend_padded,
-                                                               conv_states_after)
+        conv_out = None
+        if mixed.is_cuda and _extend_kernels.usable:  # one launch, read packed, written padded
+            from radixserve.layers.kernels.causal_conv import conv_extend_padded
             starts_t = torch.tensor(starts, device=device)
             lens_t = torch.tensor(lens, device=device)
-            conv_out = conv_extend_padded(mixed, self.conv1d.weight, conv_states, rows,
-                                          starts_t, lens_t, keep, padded_len)
+            conv_out = _extend_kernels.run(conv_extend_padded, mixed, self.conv1d.weight,
+                                           conv_states, rows, starts_t, lens_t, keep,
+                                           padded_len)
+        if conv_out is not None:
+            from radixserve.layers.kernels.causal_conv import conv_states_after
             conv_states[rows] = conv_states_after(mixed, conv_states, rows, starts_t, lens_t,
                                                   keep)
         else:
@@ -337,12 +368,12 @@ class GatedDeltaNet(nn.Module):
             conv_out = padded(conv_out.flatten(0, 1)[target])
         q, k, v = self._split_heads(conv_out)
         start_ssm = torch.where(keep[:, None, None, None], ssm_states[rows], 0)
-        rule = chunked
-        if mixed.is_cuda and _TRITON and mixed.dtype != torch.float32:  # two launches
+        args = (q, k, v, padded(g[source]), padded(beta[source]), start_ssm)
+        ran = None
+        if mixed.is_cuda and _extend_kernels.usable and mixed.dtype != torch.float32:
             from radixserve.layers.kernels.gdn_chunk import chunked_triton
-            rule = chunked_triton
-        result, ssm_states[rows] = rule(q, k, v, padded(g[source]), padded(beta[source]),
-                                        start_ssm)
+            ran = _extend_kernels.run(chunked_triton, *args)  # two launches
+        result, ssm_states[rows] = ran if ran is not None else chunked(*args)
         out[source] = result.flatten(0, 1)[target]
 
 

@@ -116,3 +116,16 @@ def test_conv_kernel_matches_the_torch_form(width: int) -> None:
     torch.testing.assert_close(out.cpu(), expected_out, atol=1e-5, rtol=1e-5)
     states = conv_states_after(mixed.to(**to), *args)
     torch.testing.assert_close(states.cpu(), torch.stack(expected_states))
+
+
+def test_a_failing_extend_kernel_hands_over_to_the_torch_form(caplog) -> None:
+    from radixserve.layers.gated_delta_net import _KernelGuard
+    guard = _KernelGuard()
+    guard.usable = True
+
+    def broken(x: int) -> int:
+        raise RuntimeError("out of resource: shared memory")
+
+    assert guard.run(lambda x: x + 1, 1) == 2 and guard.usable
+    assert guard.run(broken, 1) is None and not guard.usable
+    assert "broken failed (RuntimeError" in caplog.text
