@@ -52,7 +52,7 @@ def _attention_params(cfg: ModelConfig) -> tuple[int, int]:
         bias = q_dim + 2 * kv_dim + (h if cfg.o_proj_bias else 0)
     model_type = getattr(hf, "model_type", "")
     norms = 2 * cfg.head_dim if model_type.startswith("qwen3") else 0
-    if model_type.startswith("olmo"):  # OLMo-2 / 3 / Hybrid: q/k norms over whole projections
+    if model_type.startswith(("olmo", "minimax_m2")):  # q/k norms over whole projections
         norms = q_dim + kv_dim
     return h * q_dim + 2 * h * kv_dim + q_dim * h, bias + norms
 
@@ -68,7 +68,7 @@ class _Moe(NamedTuple):
 def _moe_shape(cfg: ModelConfig) -> _Moe | None:
     hf = cfg.hf
     arch = cfg.architecture
-    if arch == "MixtralForCausalLM":
+    if arch in ("MixtralForCausalLM", "MiniMaxM2ForCausalLM"):  # every layer, no shared
         return _Moe(hf.num_local_experts, hf.num_experts_per_tok, cfg.intermediate_size, 0,
                     False)
     if arch == "GptOssForCausalLM":  # every layer; the experts' biases are not counted

@@ -131,3 +131,13 @@ class OlmoRMSNorm(GemmaRMSNorm):
             squares = group.all_reduce(squares) / self.replicas
         out = self._scaled(h, squares / self.full_width, x.dtype)
         return out if residual is None else (out, residual)
+
+
+class ProjectionRMSNorm(OlmoRMSNorm):
+    """A q/k norm over a whole projection (OlmoRMSNorm's `full_width`, the ranks' sums of
+    squares all-reduced) in Llama's rounding: the normed values cast to the input dtype before
+    the weight multiplies them (MiniMax-M2)."""
+
+    def _scaled(self, h: torch.Tensor, variance: torch.Tensor, dtype: torch.dtype
+                ) -> torch.Tensor:
+        return self.weight * (h * torch.rsqrt(variance + self.variance_epsilon)).to(dtype)

@@ -28,6 +28,12 @@ def routing_config(config: ModelConfig) -> RoutingConfig:
     arch = config.architecture
     if arch == "MixtralForCausalLM":
         return RoutingConfig(hf.num_local_experts, hf.num_experts_per_tok, renormalize=True)
+    if arch == "MiniMaxM2ForCausalLM":  # sigmoid + correction bias, renormalised, no groups
+        scoring = getattr(hf, "scoring_func", None) or "sigmoid"
+        if scoring != "sigmoid":
+            raise ValueError(f"{arch} routing {scoring!r} is not supported (only sigmoid)")
+        return RoutingConfig(hf.num_local_experts, hf.num_experts_per_tok, renormalize=True,
+                             scoring="sigmoid")
     # transformers' V3 and GLM-4.5 routers: always sigmoid + noaux_tc
     if arch.startswith(("DeepseekV3", "Glm4Moe")):
         scoring = getattr(hf, "scoring_func", None) or "sigmoid"

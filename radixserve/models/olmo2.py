@@ -41,7 +41,8 @@ def _head_slice_loader(head_dim: int, first_head: int, heads: int):
 
 class OlmoAttention(nn.Module):
     def __init__(self, config: ModelConfig, kv_layer_id: int, rotary: RotaryEmbedding | None,
-                 layer_id: int) -> None:
+                 layer_id: int, norm: type[OlmoRMSNorm] = OlmoRMSNorm) -> None:
+        """norm: the whole-projection q/k norms' class (MiniMax-M2 rounds as Llama does)."""
         super().__init__()
         head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim,
@@ -50,11 +51,11 @@ class OlmoAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim,
                                         config.hidden_size, bias=config.attention_bias)
         proj = self.qkv_proj
-        self.q_norm = OlmoRMSNorm(proj.q_size, config.rms_norm_eps,
-                                  full_width=config.num_attention_heads * head_dim)
-        self.k_norm = OlmoRMSNorm(proj.kv_size, config.rms_norm_eps,
-                                  full_width=proj.total_num_kv_heads * head_dim,
-                                  replicas=proj.kv_head_replicas)
+        self.q_norm = norm(proj.q_size, config.rms_norm_eps,
+                           full_width=config.num_attention_heads * head_dim)
+        self.k_norm = norm(proj.kv_size, config.rms_norm_eps,
+                           full_width=proj.total_num_kv_heads * head_dim,
+                           replicas=proj.kv_head_replicas)
         self.q_norm.weight.weight_loader = _head_slice_loader(  # type: ignore[attr-defined]
             head_dim, proj.first_head("q"), proj.num_heads)
         self.k_norm.weight.weight_loader = _head_slice_loader(  # type: ignore[attr-defined]

@@ -9,7 +9,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig,
                           LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PretrainedConfig,
                           Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          Olmo2Config, Olmo2ForCausalLM, OlmoHybridConfig,
+                          MiniMaxM2Config, MiniMaxM2ForCausalLM, Olmo2Config,
+                          Olmo2ForCausalLM, OlmoHybridConfig,
                           OlmoHybridForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
                           Qwen3NextConfig, Qwen3NextForCausalLM)
 
@@ -63,7 +64,14 @@ def _models() -> list[tuple[str, PretrainedConfig, type]]:
                                              layer_types=["linear_attention", "full_attention",
                                                           "linear_attention"],
                                              pad_token_id=0, eos_token_id=1,
-                                             bos_token_id=None), OlmoHybridForCausalLM)]
+                                             bos_token_id=None), OlmoHybridForCausalLM),
+            # every layer MoE, q/k norms over the whole projections (the router's correction
+            # bias is a buffer, not a parameter)
+            ("minimax-m2", MiniMaxM2Config(**SHAPE, head_dim=16,
+                                           num_local_experts=4, num_experts_per_tok=2,
+                                           tie_word_embeddings=False, pad_token_id=0,
+                                           eos_token_id=1, bos_token_id=None),
+             MiniMaxM2ForCausalLM)]
 
 
 def _pair(hf_cfg: PretrainedConfig, cls: type) -> tuple[ModelConfig, torch.nn.Module]:

@@ -118,6 +118,7 @@ def _logits(folder: Path, **kwargs: object) -> list[torch.Tensor]:
                                        ("block", "deepseek_v2_lite_mla"),
                                        ("block", "deepseek_v3_noaux"),
                                        ("block", "glm4_moe_partial_rope"),
+                                       ("block", "minimax_m2_qk_norm"),
                                        ("block", "qwen3_next_hybrid"),
                                        ("channel", "qwen3_next_hybrid"),
                                        ("block", "qwen3_5_dense")])

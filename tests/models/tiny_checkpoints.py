@@ -152,6 +152,13 @@ CONFIGS = {
     # multiplied in float32; one KV head (replicated at tp 2: its norm counted once)
     "olmo2_post_norm": (transformers.Olmo2Config, dict(
         BASE, num_key_value_heads=1, tie_word_embeddings=False)),
+    # MiniMax-M2: q/k normed over the whole projection (Llama's rounding), rope over the first
+    # 8 of 16 per head (the release's legacy `rotary_dim`), sigmoid routing with a correction
+    # bias in every layer
+    "minimax_m2_qk_norm": (transformers.MiniMaxM2Config, dict(
+        BASE, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, rotary_dim=8,
+        intermediate_size=24, num_local_experts=8, num_experts_per_tok=2, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False)),
     # OLMo-3: OLMo-2's layer, a window of 24 on three layers of four, a rope per layer type
     "olmo3_window": (transformers.Olmo3Config, dict(
         BASE, num_hidden_layers=4, num_key_value_heads=2, sliding_window=24,
