@@ -92,6 +92,15 @@ CASES = [
      [("get_weather", {"city": "Oslo", "n": {"x": [1, 2.5]}}), ("get_time", {})]),
     # the tag without a name after it, or an unfinished call: all of it is content
     ("glm45", "Hi <tool_call> not a call", "Hi <tool_call> not a call", []),
+    # MiniMax-M2: two invokes in one block, a JSON value, a quoted and an unquoted name, a
+    # string value on lines of its own
+    ("minimax_m2", 'Let me check.\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+                   '<parameter name="city">\na<b>c\n</parameter>\n<parameter name=n>'
+                   '{"x": [1, 2.5]}</parameter>\n</invoke>\n<invoke name=\'get_time\'>\n'
+                   '</invoke>\n</minimax:tool_call>', "Let me check.",
+     [("get_weather", {"city": "a<b>c", "n": {"x": [1, 2.5]}}), ("get_time", {})]),
+    ("minimax_m2", "Hi <minimax:tool_call> not a call", "Hi <minimax:tool_call> not a call",
+     []),
 ]
 
 
@@ -185,7 +194,7 @@ TWO_CALLS = ONE_CALL + [ToolCall("get_time", '{"zone": "UTC"}')]
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["single", "parallel"])
 @pytest.mark.parametrize("name", ["hermes", "llama3", "mistral", "deepseek_v3",
-                                  "deepseek_v31", "glm45", "glm47"])
+                                  "deepseek_v31", "glm45", "glm47", "minimax_m2"])
 def test_forced_call_grammar_accepts_what_the_parser_reads(name: str, parallel: bool) -> None:
     parser = get_parser(name)
     ebnf = forced_call_ebnf(parser, [WEATHER, TIME], parallel)
@@ -199,7 +208,7 @@ def test_forced_call_grammar_accepts_what_the_parser_reads(name: str, parallel: 
 @pytest.mark.parametrize("name,several", [("hermes", True), ("mistral", True),
                                           ("llama3", False), ("deepseek_v3", True),
                                           ("deepseek_v31", True), ("glm45", True),
-                                          ("glm47", True)])
+                                          ("glm47", True), ("minimax_m2", True)])
 def test_forced_grammar_allows_several_calls_only_when_parallel(name: str,
                                                                 several: bool) -> None:
     """hermes (one <tool_call> block per call), mistral (one JSON array) and deepseek (one
@@ -214,7 +223,7 @@ def test_forced_grammar_allows_several_calls_only_when_parallel(name: str,
     between = text[:text.index("get_time") - len('{"name": "')]
     if name.startswith("deepseek"):  # the first call's end marker, the section's end missing
         between = text[:text.rindex("<｜tool▁call▁begin｜>")]
-    if name.startswith("glm"):  # the first call whole, the second's opening tag only
+    if name.startswith(("glm", "minimax")):  # the first call whole, the second's tag begun
         between = text[:text.rindex("get_time")]
     assert not _accepts(forced_call_ebnf(parser, [WEATHER, TIME], parallel=True), between)
 

@@ -44,10 +44,10 @@ class Glm45Parser(ToolCallParser):
         content_end, pos = self.section_start(text, final)
         scan = Scan(content_end)
         while True:
-            pos = skip_blanks(text, pos)
-            if not text.startswith(CALL_BEGIN, pos):
+            begun = self._call_begin(text, skip_blanks(text, pos))
+            if begun is None:
                 break  # the answer's end, an unfinished tag or something else
-            name, pos = _name(text, pos + len(CALL_BEGIN))
+            name, pos = begun
             if name is None:
                 if pos < 0 and not scan.calls:  # not a call: plain text, as parse() has it
                     scan.content_end = len(text)
@@ -58,6 +58,13 @@ class Glm45Parser(ToolCallParser):
             if not complete:
                 break
         return scan
+
+    def _call_begin(self, text: str, pos: int) -> tuple[str | None, int] | None:
+        """None where no call begins at `pos`; else the call's name and where it ends, as
+        `_name` gives them ((None, pos) unfinished, (None, -1) no name)."""
+        if not text.startswith(CALL_BEGIN, pos):
+            return None
+        return _name(text, pos + len(CALL_BEGIN))
 
     def _pairs(self, name: str, text: str, pos: int) -> tuple[list[str], int, bool]:
         """The complete `"key": value` texts of the call whose name ends at `pos`, where its

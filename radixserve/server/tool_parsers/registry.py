@@ -11,7 +11,7 @@ and SGLang's (deepseekv3, deepseekv31).
 GLM's templates write `<arg_key>` (and `<tool_call>`, so they are told apart from hermes'
 first): glm45 where a newline separates `</arg_key>` from `<arg_value>` (GLM-4.5 / 4.6),
 glm47 where nothing does (GLM-4.7). gpt-oss's (`<|channel|>`) is openai (tool_parsers/harmony.py,
-vLLM's name; also `harmony`)."""
+vLLM's name; also `harmony`). MiniMax-M2's (`<minimax:tool_call>`) is minimax_m2."""
 from __future__ import annotations
 
 import re
@@ -24,6 +24,7 @@ from radixserve.server.tool_parsers.glm import KEY_END, VALUE_BEGIN, Glm45Parser
 from radixserve.server.tool_parsers.harmony import HarmonyToolParser
 from radixserve.server.tool_parsers.hermes import HermesParser
 from radixserve.server.tool_parsers.llama3 import Llama3JsonParser
+from radixserve.server.tool_parsers.minimax import BLOCK_BEGIN, MiniMaxM2Parser
 from radixserve.server.tool_parsers.mistral import MistralParser
 
 PARSERS: dict[str, type[ToolCallParser]] = {
@@ -33,6 +34,7 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "deepseek_v31": DeepSeekV31Parser, "deepseekv31": DeepSeekV31Parser,
     "glm45": Glm45Parser, "glm47": Glm47Parser,
     "openai": HarmonyToolParser, "harmony": HarmonyToolParser,
+    "minimax_m2": MiniMaxM2Parser, "minimax-m2": MiniMaxM2Parser,
 }
 DEFAULT_PARSER = "hermes"
 # V3's type before the sep: the literal "function" or the template's tool['type'] / tool.type
@@ -55,6 +57,8 @@ def detect_parser_name(chat_template: str | None) -> str:
     if CALLS_BEGIN in template:
         v3 = "```json" in template or _DEEPSEEK_V3_SEP.search(template)
         return "deepseek_v3" if v3 else "deepseek_v31"
+    if BLOCK_BEGIN in template:
+        return "minimax_m2"
     if "<arg_key>" in template:  # GLM: 4.5 / 4.6 put a newline between key and value
         between = _GLM_BETWEEN.search(template)
         newline = between is not None and ("\n" in between.group(1) or "\\n" in between.group(1))

@@ -1,0 +1,99 @@
+"""MiniMax-M2 / M2.1 / M2.5 tool calls (`minimax_m2`): one or more invokes in a block,
+
+  <minimax:tool_call>
+  <invoke name="NAME">
+  <parameter name="KEY">VALUE</parameter>
+  ...
+  </invoke>
+  </minimax:tool_call>
+
+Values are written as glm.py's: a string parameter's value is its text, any other is JSON
+(read as JSON where it parses, else kept as text, by the request's tools' schemas). A string
+value loses one newline on each side (the model may put the text on lines of its own); other
+values are read stripped. Names may be quoted with " or ' or not at all. A stream reports a
+call once its name's tag is complete and grows its arguments one complete parameter at a
+time, as glm.py's does. A forced call's grammar writes the block around the invokes and one
+parameter per property in the schema's order."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from radixserve.server.partial_text import skip_blanks
+from radixserve.server.tool_parsers.base import ToolCall
+from radixserve.server.tool_parsers.glm import Glm45Parser, _parameter_schema, is_text_parameter
+
+BLOCK_BEGIN, BLOCK_END = "<minimax:tool_call>", "</minimax:tool_call>"
+INVOKE_BEGIN, INVOKE_END = "<invoke name=", "</invoke>"
+PARAM_BEGIN, PARAM_END = "<parameter name=", "</parameter>"
+
+
+class MiniMaxM2Parser(Glm45Parser):
+    name = "minimax_m2"
+    marker = BLOCK_BEGIN
+    markers = (BLOCK_BEGIN, BLOCK_END, INVOKE_BEGIN, INVOKE_END, PARAM_BEGIN, PARAM_END)
+    grammar_between = ""  # each invoke's literal text ends with its newline
+
+    def _call_begin(self, text: str, pos: int) -> tuple[str | None, int] | None:
+        for tag in (BLOCK_BEGIN, BLOCK_END):  # blocks open and close around invokes
+            if text.startswith(tag, pos):
+                pos = skip_blanks(text, pos + len(tag))
+        if not text.startswith(INVOKE_BEGIN, pos):
+            return None
+        return _tag_name(text, pos + len(INVOKE_BEGIN))
+
+    def _pairs(self, name: str, text: str, pos: int) -> tuple[list[str], int, bool]:
+        """The complete `"key": value` texts of the invoke whose name tag ends at `pos`,
+        where its text so far ends, and whether the invoke is complete."""
+        pairs: list[str] = []
+        while True:
+            pos = skip_blanks(text, pos)
+            if text.startswith(INVOKE_END, pos):
+                return pairs, pos + len(INVOKE_END), True
+            if not text.startswith(PARAM_BEGIN, pos):
+                return pairs, pos, False
+            key, after = _tag_name(text, pos + len(PARAM_BEGIN))
+            stop = text.find(PARAM_END, after) if key is not None else -1
+            if key is None or stop < 0:
+                return pairs, pos, False
+            pairs.append(f"{json.dumps(key, ensure_ascii=False)}: "
+                         f"{json.dumps(self._read(name, key, text[after:stop]), ensure_ascii=False)}")
+            pos = stop + len(PARAM_END)
+
+    def _read(self, function: str, key: str, text: str) -> Any:
+        if is_text_parameter(_parameter_schema(self.tools, function, key)):
+            return text.removeprefix("\n").removesuffix("\n")
+        return self._value(function, key, text.strip())
+
+    def format_calls(self, calls: list[ToolCall]) -> str:
+        invokes = "".join(self._call_text(c.name, json.loads(c.arguments)) for c in calls)
+        before, after = self.grammar_parts()
+        return f"{before}{invokes}{after}"
+
+    def wrap_call(self, call_json: str) -> str:
+        call = json.loads(call_json)
+        before, after = self.grammar_parts()
+        return f"{before}{self._call_text(call['name'], call['arguments'])}{after}"
+
+    def grammar_parts(self) -> tuple[str, str]:
+        return f"{BLOCK_BEGIN}\n", BLOCK_END
+
+    def call_literals(self, name: str) -> tuple[str, str]:
+        return f'{INVOKE_BEGIN}"{name}">\n', f"{INVOKE_END}\n"
+
+    def argument_pairs(self) -> tuple[str, str, str]:
+        return f'{PARAM_BEGIN}"', '">', f"{PARAM_END}\n"
+
+
+def _tag_name(text: str, pos: int) -> tuple[str | None, int]:
+    """(name, past the tag's ">") of a tag whose `name=` ends at `pos`. (None, pos) while the
+    tag is unfinished; (None, -1) where what stands there is no name."""
+    end = text.find(">", pos)
+    if end < 0:
+        return None, pos
+    name = text[pos:end].strip()
+    if len(name) >= 2 and name[0] == name[-1] and name[0] in "\"'":
+        name = name[1:-1]
+    if not name or any(c.isspace() or c in "<\"'" for c in name):
+        return None, -1
+    return name, end + 1
