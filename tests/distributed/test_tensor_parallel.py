@@ -50,12 +50,14 @@ def _run(folder: str, tp_size: int, prompts: list[list[int]], **engine_args: obj
         engine.shutdown()
 
 
-# qwen2_moe_shared carries q/k/v bias too, so qwen2_bias runs with --run-slow
-@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "mistral_gqa",
+# qwen2_moe_shared carries q/k/v bias too, so qwen2_bias runs with --run-slow; llama covers
+# mistral's GQA, and minimax_m2 GLM's partial rope with sigmoid routing
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope",
+                                  pytest.param("mistral_gqa", marks=pytest.mark.slow),
                                   pytest.param("qwen2_bias", marks=pytest.mark.slow),
                                   "gemma2_softcap_window", "qwen2_moe_shared",
-                                  "deepseek_v2_lite_mla",
-                                  "deepseek_v3_noaux", "glm4_moe_partial_rope",
+                                  "deepseek_v2_lite_mla", "deepseek_v3_noaux",
+                                  pytest.param("glm4_moe_partial_rope", marks=pytest.mark.slow),
                                   "gpt_oss_sinks_window", "mistral4_mla_halves",
                                   "qwen3_next_hybrid",
                                   pytest.param("qwen3_5_dense", marks=pytest.mark.slow),
