@@ -71,11 +71,11 @@ class BasePrefixCache(ABC):
         a cache that keeps per-prefix recurrent states (HybridRadixCache) copies each prefix's
         states into its row before the request's first pass. Others keep nothing."""
 
-    def waits_behind(self, req: "Req", admitted: "Req | None") -> bool:
-        """A waiting request sharing an uncached prefix with `admitted` (in this prefill
-        batch): whether it should wait for the next batch, where the prefix is cached. A cache
-        whose prefixes need more than KV (HybridRadixCache) may arrange for `admitted`'s pass
-        to keep it, or say no."""
+    def waits_behind(self, req: "Req", admitted: "list[Req]") -> bool:
+        """A waiting request sharing an uncached prefix with requests `admitted` to this
+        prefill batch: whether it should wait for the next batch, where the prefix is cached.
+        A cache whose prefixes need more than KV (HybridRadixCache) may arrange for one of
+        their passes to keep it, or say no."""
         return True
 
     def reserve_prompt_snapshots(self, reqs: list["Req"]) -> list[tuple[int, int, int]]:

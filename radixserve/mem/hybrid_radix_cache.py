@@ -99,16 +99,21 @@ class HybridRadixCache(RadixCache):
                 targets.append(row)
         self.state_pool.copy_rows(sources, targets)  # type: ignore[arg-type]
 
-    def waits_behind(self, req: "Req", admitted: "Req | None") -> bool:
-        """Wait when the two share at least BRANCH_MIN_TOKENS past `req`'s reused prefix;
-        `admitted`'s pass then keeps its states where they part (a row is reserved for it at
-        batch build), so `req` reuses the shared part next batch."""
-        if admitted is None:
+    def waits_behind(self, req: "Req", admitted: list["Req"]) -> bool:
+        """Wait when `req` shares at least BRANCH_MIN_TOKENS past its reused prefix with one
+        of `admitted` (the one sharing most); that one's pass then keeps its states where
+        they part (a row is reserved for it at batch build), so `req` reuses the shared part
+        next batch. The point stops short of `req`'s last token, which `req` recomputes for
+        its logits (so its match ends before it)."""
+        best, shared = None, 0
+        for other in admitted:
+            length = _common_prefix_len(other.fill_ids, req.fill_ids, 0)
+            if length > shared:
+                best, shared = other, length
+        shared = min(shared, len(req.fill_ids) - 1)
+        if best is None or shared - len(req.prefix_indices) < BRANCH_MIN_TOKENS:
             return False
-        shared = _common_prefix_len(admitted.fill_ids, req.fill_ids, 0)
-        if shared - len(req.prefix_indices) < BRANCH_MIN_TOKENS:
-            return False
-        self._wanted.setdefault(admitted.rid, set()).add(shared)
+        self._wanted.setdefault(best.rid, set()).add(shared)
         return True
 
     def reserve_prompt_snapshots(self, reqs: list["Req"]) -> list[tuple[int, int, int]]:

@@ -11,7 +11,7 @@ from radixserve.core.req import Req
 
 # defer when the shared uncached part is at least this long (or the whole uncached prompt)
 MIN_SHARED_TOKENS = 32
-_OWNER = -1  # a trie node's key for the first admitted request through it (tokens are >= 0)
+_OWNERS = -1  # a trie node's key for the admitted requests through it (tokens are >= 0)
 
 
 class InBatchPrefixIndex:
@@ -28,15 +28,16 @@ class InBatchPrefixIndex:
         node = self.root
         for token in req.fill_ids[:len(req.prefix_indices) + MIN_SHARED_TOKENS]:
             node = node.setdefault(token, {})
-            node.setdefault(_OWNER, req)
+            node.setdefault(_OWNERS, []).append(req)
 
     def shared_len(self, tokens: list[int]) -> int:
         return self._walk(tokens)[1]
 
-    def sharing(self, req: Req) -> Req | None:
-        """An admitted request whose indexed prompt shares the most tokens with `req`'s."""
+    def sharing(self, req: Req) -> list[Req]:
+        """The admitted requests whose indexed prompts share the most tokens with `req`'s
+        (past the indexed depth they may share more: the caller compares whole prompts)."""
         node = self._walk(req.fill_ids)[0]
-        return node.get(_OWNER)
+        return node.get(_OWNERS, [])
 
     def _walk(self, tokens: list[int]) -> tuple[dict, int]:
         node, length = self.root, 0

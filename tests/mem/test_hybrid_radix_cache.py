@@ -208,11 +208,18 @@ def test_a_prompt_waits_behind_an_admitted_one_sharing_its_opening(monkeypatch) 
     admitted.fill_ids, admitted.extend_input_len = list(admitted.origin_input_ids), 7
     waiting = make_req("w", [1, 2, 3, 4, 5, 9])
     waiting.fill_ids = list(waiting.origin_input_ids)
-    assert cache.waits_behind(waiting, admitted)
+    other = make_req("o", [1, 2, 9])
+    other.fill_ids = list(other.origin_input_ids)
+    assert cache.waits_behind(waiting, [other, admitted])  # the one sharing most
     short = make_req("s", [1, 2, 8])
     short.fill_ids = list(short.origin_input_ids)
-    assert not cache.waits_behind(short, admitted) and not cache.waits_behind(short, None)
+    assert not cache.waits_behind(short, [admitted]) and not cache.waits_behind(short, [])
+    # a prompt that is the admitted one's opening: its states before its own last token
+    opening = make_req("p", [1, 2, 3, 4, 5])
+    opening.fill_ids = list(opening.origin_input_ids)
+    assert cache.waits_behind(opening, [admitted])
     snapshots = cache.reserve_prompt_snapshots([admitted])
-    assert [s[:2] for s in snapshots] == [(0, 5), (0, 6)]  # where they part, the last token
+    assert [s[:2] for s in snapshots] == [(0, 4), (0, 5), (0, 6)]  # the opening's end - 1,
+    # where the two part, the admitted one's last token
     cache._keep_pending(admitted, [])
     cache.check_invariants()

@@ -139,3 +139,14 @@ def test_history_through_a_minimax_like_template(smollm_tokenizer: Any) -> None:
     assert json.loads(plan.parser.parse(block)[1][0].arguments) == {
         "code": "12", "nights": 2, "guest": {"name": "Ann"}}
     assert prompt.endswith("<response>booked</response>[e~[\n]~b]ai\n<think>\n")
+
+
+def test_two_blocks_and_names_with_blanks() -> None:
+    """Two blocks in one answer both count; a quoted name may hold blanks and ">"."""
+    text = ('<minimax:tool_call>\n<invoke name="get_time">\n<parameter name="zone">UTC'
+            '</parameter>\n</invoke>\n</minimax:tool_call>\n<minimax:tool_call>\n'
+            '<invoke name="get_time">\n<parameter name="first name">a>b</parameter>\n'
+            '<parameter name=\'x > y\'>1</parameter>\n</invoke>\n</minimax:tool_call>')
+    _, calls = get_parser("minimax_m2").parse(text)
+    assert [json.loads(c.arguments) for c in calls] == [{"zone": "UTC"},
+                                                        {"first name": "a>b", "x > y": 1}]

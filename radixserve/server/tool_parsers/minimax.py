@@ -35,9 +35,11 @@ class MiniMaxM2Parser(Glm45Parser):
     grammar_between = ""  # each invoke's literal text ends with its newline
 
     def _call_begin(self, text: str, pos: int) -> tuple[str | None, int] | None:
-        for tag in (BLOCK_BEGIN, BLOCK_END):  # blocks open and close around invokes
-            if text.startswith(tag, pos):
-                pos = skip_blanks(text, pos + len(tag))
+        while True:  # blocks open and close around invokes, one or several
+            tag = next((t for t in (BLOCK_BEGIN, BLOCK_END) if text.startswith(t, pos)), None)
+            if tag is None:
+                break
+            pos = skip_blanks(text, pos + len(tag))
         if not text.startswith(INVOKE_BEGIN, pos):
             return None
         return _tag_name(text, pos + len(INVOKE_BEGIN))
@@ -86,14 +88,21 @@ class MiniMaxM2Parser(Glm45Parser):
 
 
 def _tag_name(text: str, pos: int) -> tuple[str | None, int]:
-    """(name, past the tag's ">") of a tag whose `name=` ends at `pos`. (None, pos) while the
-    tag is unfinished; (None, -1) where what stands there is no name."""
+    """(name, past the tag's ">") of a tag whose `name=` ends at `pos`: a quoted name holds
+    anything but its quote, an unquoted one no blank, quote or "<". (None, pos) while the tag
+    is unfinished; (None, -1) where what stands there is no name."""
+    pos = skip_blanks(text, pos)
+    if pos < len(text) and text[pos] in "\"'":
+        close = text.find(text[pos], pos + 1)
+        end = skip_blanks(text, close + 1) if close >= 0 else len(text)
+        if end >= len(text):
+            return None, pos
+        name = text[pos + 1:close]
+        return (name, end + 1) if name and text[end] == ">" else (None, -1)
     end = text.find(">", pos)
     if end < 0:
         return None, pos
     name = text[pos:end].strip()
-    if len(name) >= 2 and name[0] == name[-1] and name[0] in "\"'":
-        name = name[1:-1]
     if not name or any(c.isspace() or c in "<\"'" for c in name):
         return None, -1
     return name, end + 1
