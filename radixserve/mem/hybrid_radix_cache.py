@@ -107,7 +107,7 @@ class HybridRadixCache(RadixCache):
         its logits (so its match ends before it)."""
         best, shared = None, 0
         for other in admitted:
-            length = _common_prefix_len(other.fill_ids, req.fill_ids, 0)
+            length = _common_prefix_len(other.all_ids(), req.fill_ids, 0)  # whole, if chunked
             if length > shared:
                 best, shared = other, length
         shared = min(shared, len(req.fill_ids) - 1)
@@ -126,6 +126,9 @@ class HybridRadixCache(RadixCache):
             prefix = len(req.prefix_indices)
             end = prefix + req.extend_input_len
             wanted = sorted(length for length in asked if prefix < length < end)
+            later = {length for length in asked if length >= end}
+            if later:  # in a later chunk of the prompt: that chunk's pass keeps them
+                self._wanted[req.rid] = later
             if end == len(req.origin_input_ids) + len(req.output_ids) and end - 1 not in wanted:
                 wanted.append(end - 1)  # not a chunk: the pass ends the prompt
             branch = self._branch_point(req.fill_ids[:end], prefix)
@@ -161,6 +164,7 @@ class HybridRadixCache(RadixCache):
         if token_ids is None:
             token_ids = req.all_ids()[:-1]
         row = req.req_pool_idx
+        self._wanted.pop(req.rid, None)  # finished, aborted or retracted: asked no more
         super().cache_finished_req(req, token_ids, allocated_len)
         assert row is not None
         if token_ids:

@@ -289,6 +289,8 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
             self.max_total_num_tokens)
         if chunked is not None:
             adder.add_chunked_req(chunked)
+            if in_batch is not None:  # its next chunk's prompt is uncached too
+                in_batch.add(chunked)
         scanned = 0  # requests of `ordered` the loop looked at
         for req in ordered:
             if allowance is not None and adder.admitted_from_queue >= allowance:

@@ -223,3 +223,27 @@ def test_a_prompt_waits_behind_an_admitted_one_sharing_its_opening(monkeypatch) 
     # where the two part, the admitted one's last token
     cache._keep_pending(admitted, [])
     cache.check_invariants()
+
+
+def test_a_point_in_a_later_chunk_waits_for_that_chunk(monkeypatch) -> None:
+    """The admitted prompt is chunked [0, 4) then [4, 7): where the waiting one parts from it
+    (5) is kept by the second chunk's pass; a request cached as finished is asked no more."""
+    from radixserve.mem import hybrid_radix_cache
+    monkeypatch.setattr(hybrid_radix_cache, "BRANCH_MIN_TOKENS", 3)
+    cache = new_cache(snapshots=4)
+    admitted = make_req("a", [1, 2, 3, 4, 5, 6, 7])
+    admitted.fill_ids, admitted.extend_input_len = [1, 2, 3, 4], 4
+    waiting = make_req("w", [1, 2, 3, 4, 5, 9, 9])
+    waiting.fill_ids = list(waiting.origin_input_ids)
+    assert cache.waits_behind(waiting, [admitted])
+    assert cache.reserve_prompt_snapshots([admitted]) == []  # nothing in this chunk
+    admitted.prefix_indices = torch.arange(4)
+    admitted.fill_ids, admitted.extend_input_len = list(admitted.origin_input_ids), 3
+    assert [s[:2] for s in cache.reserve_prompt_snapshots([admitted])] == [(0, 1), (0, 2)]
+    cache._keep_pending(admitted, [])
+    assert cache.waits_behind(waiting, [admitted]) and cache._wanted
+    done = run_request(cache, [8, 8, 8], 1.0, finish=False)
+    done.rid = admitted.rid
+    cache.cache_finished_req(done, token_ids=[8, 8, 8])
+    assert not cache._wanted
+    cache.check_invariants()
