@@ -125,17 +125,16 @@ class HybridRadixCache(RadixCache):
                 continue
             prefix = len(req.prefix_indices)
             end = prefix + req.extend_input_len
-            wanted = sorted(length for length in asked if prefix < length < end)
+            wanted = {length for length in asked if prefix < length < end}
             later = {length for length in asked if length >= end}
             if later:  # in a later chunk of the prompt: that chunk's pass keeps them
                 self._wanted[req.rid] = later
-            if end == len(req.origin_input_ids) + len(req.output_ids) and end - 1 not in wanted:
-                wanted.append(end - 1)  # not a chunk: the pass ends the prompt
+            if end == len(req.origin_input_ids) + len(req.output_ids):
+                wanted.add(end - 1)  # not a chunk: the pass ends the prompt
             branch = self._branch_point(req.fill_ids[:end], prefix)
             if branch is not None and branch[1] not in branches:
                 branches.add(branch[1])
-                if branch[0] not in wanted:
-                    wanted.append(branch[0])
+                wanted.add(branch[0])
             for length in sorted(wanted):
                 slot = self._take_snapshot_row()
                 if slot is None:
@@ -215,15 +214,10 @@ class HybridRadixCache(RadixCache):
     def _keep(self, node: TreeNode, slot: int) -> None:
         node.state = slot
         self._snapshot_nodes.add(node)
-        if len(self._snapshot_heap) > 2 * len(self._snapshot_nodes) + 64:  # drop dead entries
-            self._snapshot_heap = [(n.last_access_time, n.node_id, next(self._heap_seq), n)
-                                   for n in self._snapshot_nodes if n is not node]
-            heapq.heapify(self._snapshot_heap)
         self._push_snapshot(node)
 
     def _push_snapshot(self, node: TreeNode) -> None:
-        heapq.heappush(self._snapshot_heap,
-                       (node.last_access_time, node.node_id, next(self._heap_seq), node))
+        self._push_lazy(self._snapshot_heap, self._snapshot_nodes, node, slack=64)
 
     def _take_snapshot_row(self) -> int | None:
         """A free snapshot row, dropping the least recently used unpinned snapshot if none is

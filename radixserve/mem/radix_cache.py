@@ -101,10 +101,16 @@ class RadixCache(BasePrefixCache):
         self._push_lru(node)
 
     def _push_lru(self, node: TreeNode) -> None:
-        heap = self._lru_heap
-        if len(heap) > 2 * len(self._evictable_leaves) + 4096:  # mostly stale: rebuild
+        self._push_lazy(self._lru_heap, self._evictable_leaves, node, slack=4096)
+
+    def _push_lazy(self, heap: list[tuple[int, int, int, TreeNode]], members: set[TreeNode],
+                   node: TreeNode, slack: int) -> None:
+        """Push `node` by its last access onto a lazy LRU heap of `members`, rebuilt from them
+        first when its entries outnumber them by more than twice plus `slack` (mostly
+        stale)."""
+        if len(heap) > 2 * len(members) + slack:
             heap[:] = [(n.last_access_time, n.node_id, next(self._heap_seq), n)
-                       for n in self._evictable_leaves if n is not node]
+                       for n in members if n is not node]
             heapq.heapify(heap)
         heapq.heappush(heap, (node.last_access_time, node.node_id, next(self._heap_seq), node))
 

@@ -8,6 +8,7 @@ for its cache-aware policies). Identical prompts (n > 1) are the common case.
 from __future__ import annotations
 
 from radixserve.core.req import Req
+from radixserve.mem.base_cache import BasePrefixCache
 
 # defer when the shared uncached part is at least this long (or the whole uncached prompt)
 MIN_SHARED_TOKENS = 32
@@ -17,8 +18,12 @@ _OWNERS = -1  # a trie node's key for the admitted requests through it (tokens a
 class InBatchPrefixIndex:
     """A token trie over the prompts admitted in this prefill batch."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache: BasePrefixCache, chunked: Req | None = None) -> None:
+        """chunked: the request being chunked, whose next chunk's prompt is uncached too."""
+        self.cache = cache
         self.root: dict[int, dict] = {}
+        if chunked is not None:
+            self.add(chunked)
 
     def add(self, req: Req) -> None:
         """Index an admitted request's prompt, as deep as a later query can need: a request
@@ -30,15 +35,6 @@ class InBatchPrefixIndex:
             node = node.setdefault(token, {})
             node.setdefault(_OWNERS, []).append(req)
 
-    def shared_len(self, tokens: list[int]) -> int:
-        return self._walk(tokens)[1]
-
-    def sharing(self, req: Req) -> list[Req]:
-        """The admitted requests whose indexed prompts share the most tokens with `req`'s
-        (past the indexed depth they may share more: the caller compares whole prompts)."""
-        node = self._walk(req.fill_ids)[0]
-        return node.get(_OWNERS, [])
-
     def _walk(self, tokens: list[int]) -> tuple[dict, int]:
         node, length = self.root, 0
         for token in tokens:
@@ -49,10 +45,14 @@ class InBatchPrefixIndex:
         return node, length
 
     def should_defer(self, req: Req) -> bool:
-        """True if `req` would recompute an uncached prefix another admitted request computes."""
+        """True if `req` would recompute an uncached prefix another admitted request computes
+        and the cache agrees it should wait (`BasePrefixCache.waits_behind`, given the
+        admitted requests sharing most of the indexed prompts)."""
         cached = len(req.prefix_indices)
         uncached = len(req.fill_ids) - 1 - cached  # the last token is always recomputed
         if uncached <= 0 or not self.root:
             return False
-        shared_uncached = self.shared_len(req.fill_ids) - cached
-        return shared_uncached >= min(MIN_SHARED_TOKENS, uncached)
+        node, shared = self._walk(req.fill_ids)
+        if shared - cached < min(MIN_SHARED_TOKENS, uncached):
+            return False
+        return self.cache.waits_behind(req, node.get(_OWNERS, []))

@@ -281,7 +281,8 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
             self.ratio.value, self.args.max_prefill_tokens,
             self.args.chunked_prefill_size if self.args.chunked_prefill_enabled else None,
             self.max_running_requests - len(running))
-        in_batch = InBatchPrefixIndex() if self.policy.policy in ("lpm", "dfs-weight") and \
+        in_batch = InBatchPrefixIndex(self.tree_cache, chunked) \
+            if self.policy.policy in ("lpm", "dfs-weight") and \
             self.tree_cache.defers_shared_prompts else None
         allowance = None if self.cohort_gate is None else self.cohort_gate.allowance(
             ordered, running,
@@ -289,8 +290,6 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
             self.max_total_num_tokens)
         if chunked is not None:
             adder.add_chunked_req(chunked)
-            if in_batch is not None:  # its next chunk's prompt is uncached too
-                in_batch.add(chunked)
         scanned = 0  # requests of `ordered` the loop looked at
         for req in ordered:
             if allowance is not None and adder.admitted_from_queue >= allowance:
@@ -300,8 +299,7 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
                 continue
             if not matched:
                 match_prefix(req, self.tree_cache)
-            if in_batch is not None and in_batch.should_defer(req) and \
-                    self.tree_cache.waits_behind(req, in_batch.sharing(req)):
+            if in_batch is not None and in_batch.should_defer(req):
                 continue  # its prefix will be cached after this batch
             if not adder.add_one_req(req):
                 break
