@@ -264,7 +264,7 @@ class GatedDeltaNet(nn.Module):
         for length in lens[:-1]:
             starts.append(starts[-1] + length)
         cuts: list[list[tuple[int, int]]] = [[] for _ in lens]  # (tokens, snapshot row)
-        for i, after, row in batch.state_snapshots or ():
+        for i, after, row in sorted(batch.state_snapshots or ()):
             if 0 < after < lens[i]:
                 cuts[i].append((after, row))
         out = torch.empty(mixed.shape[0], self.num_v_heads, self.value_dim,
@@ -275,17 +275,18 @@ class GatedDeltaNet(nn.Module):
         for round_ in range(1 + max(len(c) for c in cuts)):
             padded, steps, copies = [], [], []
             for i, n in enumerate(lens):
-                bounds = [0] + [after for after, _ in sorted(cuts[i])] + [n]
-                if round_ >= len(bounds) - 1 or n == 0:
+                if n == 0 or round_ > len(cuts[i]):
                     continue
-                begin, end = bounds[round_], bounds[round_ + 1]
+                last = round_ == len(cuts[i])  # the segment after the request's last cut
+                begin = cuts[i][round_ - 1][0] if round_ else 0
+                end = n if last else cuts[i][round_][0]
                 continues = round_ > 0 or prefixes[i] > 0
                 if end - begin == 1 and continues:
-                    (steps if round_ < len(cuts[i]) else stepped).append((i, starts[i] + begin))
+                    (stepped if last else steps).append((i, starts[i] + begin))
                 else:
                     padded.append((i, starts[i] + begin, end - begin, continues))
-                if round_ < len(cuts[i]):
-                    copies.append((i, sorted(cuts[i])[round_][1]))
+                if not last:
+                    copies.append((i, cuts[i][round_][1]))
             self._extend_grouped(mixed, g, beta, padded, rows, conv_states, ssm_states, out)
             self._step(mixed, a, b, steps, rows, conv_states, ssm_states, out)
             if copies:
