@@ -55,9 +55,11 @@ def test_kernels_match_the_torch_form(batch, chunks, key_heads, heads, key_dim,
     torch.testing.assert_close(state.cpu(), ref_state, atol=tol, rtol=tol)
 
 
-def test_kernels_equal_the_recurrence() -> None:
-    q, k, v, g, beta, start = _sequences(1, 2, 2, 4, 16, 8, seed=5)
-    length = q.shape[1] - 10  # sequence 0's real tokens
+def _assert_kernels_equal_the_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                         g: torch.Tensor, beta: torch.Tensor,
+                                         start: torch.Tensor, length: int) -> None:
+    """chunked_triton's outputs over the first `length` tokens and its final state against
+    the token-by-token recurrence (the tokens past `length` are padding)."""
     state, steps = start, []
     for t in range(length):
         o, state = recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
@@ -67,6 +69,11 @@ def test_kernels_equal_the_recurrence() -> None:
     torch.testing.assert_close(out[:, :length].cpu(), torch.stack(steps, 1), atol=tol,
                                rtol=tol)
     torch.testing.assert_close(final.cpu(), state, atol=tol, rtol=tol)
+
+
+def test_kernels_equal_the_recurrence() -> None:
+    q, k, v, g, beta, start = _sequences(1, 2, 2, 4, 16, 8, seed=5)
+    _assert_kernels_equal_the_recurrence(q, k, v, g, beta, start, q.shape[1] - 10)
 
 
 def test_kernels_stay_exact_on_a_run_of_one_token() -> None:
@@ -81,14 +88,8 @@ def test_kernels_stay_exact_on_a_run_of_one_token() -> None:
     v = torch.randn(1, length, 1, value_dim, generator=gen)
     g, beta = torch.full((1, length, 1), -0.001), torch.full((1, length, 1), 0.9)
     start = torch.zeros(1, 1, key_dim, value_dim)
-    state, steps = start, []
-    for t in range(length):
-        o, state = recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
-        steps.append(o)
-    out, final = chunked_triton(*(x.to(DEVICE) for x in (q, k, v, g, beta, start)))
-    tol = 1e-4 if DEVICE == "cpu" else 2e-2
-    torch.testing.assert_close(out.cpu(), torch.stack(steps, 1), atol=tol, rtol=tol)
-    torch.testing.assert_close(final.cpu(), state, atol=tol, rtol=tol)
+    _assert_kernels_equal_the_recurrence(q, k, v, g, beta, start, length)
+
 
 @pytest.mark.parametrize("width", [3, 1])
 def test_conv_kernel_matches_the_torch_form(width: int) -> None:

@@ -67,21 +67,27 @@ def test_flag_names_and_template_detection() -> None:
     assert get_format("glm45").name == "qwen3"  # --reasoning-parser glm45
 
 
-def test_values_read_by_the_tools_schemas() -> None:
-    text = ("<tool_call>book\n<arg_key>code</arg_key>\n<arg_value>007</arg_value>\n"
-            "<arg_key>nights</arg_key>\n<arg_value>3</arg_value>\n<arg_key>late</arg_key>\n"
-            "<arg_value>true</arg_value>\n<arg_key>guest</arg_key>\n<arg_value>"
-            '{"name": "Ann"}</arg_value>\n<arg_key>note</arg_key>\n<arg_value>not JSON'
-            "</arg_value>\n</tool_call>")
-    _, calls = get_parser("glm45", None, [BOOKING]).parse(text)
+def assert_values_read_by_the_tools_schemas(parser: str, text: str) -> None:
+    """`text`: one call of `book` with code "007", nights 3, late true, guest {"name": "Ann"}
+    and a note "not JSON", in `parser`'s format."""
+    _, calls = get_parser(parser, None, [BOOKING]).parse(text)
     assert json.loads(calls[0].arguments) == {"code": "007", "nights": 3, "late": True,
                                               "guest": {"name": "Ann"}, "note": "not JSON"}
     # without the tools, a value is JSON where it parses: the string parameter's "007" is not
-    assert json.loads(get_parser("glm45").parse(text)[1][0].arguments)["code"] == "007"
+    assert json.loads(get_parser(parser).parse(text)[1][0].arguments)["code"] == "007"
     text = text.replace("007", "12")
-    assert json.loads(get_parser("glm45").parse(text)[1][0].arguments)["code"] == 12
-    assert json.loads(get_parser("glm45", None, [BOOKING]).parse(text)[1][0].arguments)[
+    assert json.loads(get_parser(parser).parse(text)[1][0].arguments)["code"] == 12
+    assert json.loads(get_parser(parser, None, [BOOKING]).parse(text)[1][0].arguments)[
         "code"] == "12"
+
+
+def test_values_read_by_the_tools_schemas() -> None:
+    assert_values_read_by_the_tools_schemas("glm45", (
+        "<tool_call>book\n<arg_key>code</arg_key>\n<arg_value>007</arg_value>\n"
+        "<arg_key>nights</arg_key>\n<arg_value>3</arg_value>\n<arg_key>late</arg_key>\n"
+        "<arg_value>true</arg_value>\n<arg_key>guest</arg_key>\n<arg_value>"
+        '{"name": "Ann"}</arg_value>\n<arg_key>note</arg_key>\n<arg_value>not JSON'
+        "</arg_value>\n</tool_call>"))
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 1000])

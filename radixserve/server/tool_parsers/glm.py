@@ -81,18 +81,19 @@ class Glm45Parser(ToolCallParser):
             if value is None:
                 return pairs, pos, False
             key = key.strip()
-            pairs.append(f"{json.dumps(key, ensure_ascii=False)}: "
-                         f"{json.dumps(self._value(name, key, value), ensure_ascii=False)}")
+            pairs.append(self._pair_text(name, key, value))
             pos = after
+
+    def _pair_text(self, function: str, key: str, value: str) -> str:
+        """`"key": value` of the arguments' JSON text, the value read by `_value`."""
+        return f"{json.dumps(key, ensure_ascii=False)}: " \
+            f"{json.dumps(self._value(function, key, value), ensure_ascii=False)}"
 
     def _value(self, function: str, key: str, text: str) -> Any:
         """An argument's value as its parameter's schema reads it (see the module's text)."""
         if is_text_parameter(_parameter_schema(self.tools, function, key)):
             return text
-        try:
-            return json.loads(text)
-        except (json.JSONDecodeError, RecursionError):
-            return text
+        return json_or_text(text)
 
     def format_calls(self, calls: list[ToolCall]) -> str:
         return self.grammar_between.join(self._call_text(c.name, json.loads(c.arguments))
@@ -140,6 +141,14 @@ def _name(text: str, pos: int) -> tuple[str | None, int]:
     if not name or any(c.isspace() for c in name):
         return None, -1
     return name, end
+
+
+def json_or_text(text: str) -> Any:
+    """A non-string argument's value: its JSON where it parses, else its text."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return text
 
 
 def _between(text: str, pos: int, begin: str, end: str) -> tuple[str | None, int]:

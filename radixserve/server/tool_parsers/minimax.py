@@ -21,7 +21,8 @@ from typing import Any
 
 from radixserve.server.partial_text import skip_blanks
 from radixserve.server.tool_parsers.base import ToolCall
-from radixserve.server.tool_parsers.glm import Glm45Parser, _parameter_schema, is_text_parameter
+from radixserve.server.tool_parsers.glm import (Glm45Parser, _parameter_schema,
+                                               is_text_parameter, json_or_text)
 
 BLOCK_BEGIN, BLOCK_END = "<minimax:tool_call>", "</minimax:tool_call>"
 INVOKE_BEGIN, INVOKE_END = "<invoke name=", "</invoke>"
@@ -58,14 +59,13 @@ class MiniMaxM2Parser(Glm45Parser):
             stop = text.find(PARAM_END, after) if key is not None else -1
             if key is None or stop < 0:
                 return pairs, pos, False
-            pairs.append(f"{json.dumps(key, ensure_ascii=False)}: "
-                         f"{json.dumps(self._read(name, key, text[after:stop]), ensure_ascii=False)}")
+            pairs.append(self._pair_text(name, key, text[after:stop]))
             pos = stop + len(PARAM_END)
 
-    def _read(self, function: str, key: str, text: str) -> Any:
+    def _value(self, function: str, key: str, text: str) -> Any:
         if is_text_parameter(_parameter_schema(self.tools, function, key)):
             return text.removeprefix("\n").removesuffix("\n")
-        return self._value(function, key, text.strip())
+        return json_or_text(text.strip())
 
     def format_calls(self, calls: list[ToolCall]) -> str:
         invokes = "".join(self._call_text(c.name, json.loads(c.arguments)) for c in calls)
