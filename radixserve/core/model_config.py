@@ -36,6 +36,7 @@ ARCHITECTURE_MODEL_TYPES = {
     "Olmo3ForCausalLM": "olmo3",
     # hybrid linear + full attention; Qwen3.5 ships multimodal, served text-only
     "OlmoHybridForCausalLM": "olmo_hybrid",
+    "NemotronHForCausalLM": "nemotron_h",
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
@@ -59,12 +60,24 @@ def _architectures_of(model_type: str | None) -> list[str]:
                      f"none of ours ({', '.join(sorted(by_type))})")
 
 
+def _json_floats(value: Any) -> Any:
+    """transformers writes floats JSON cannot hold (Nemotron-H's time_step_limit of [0,
+    inf]) as {"__float__": "Infinity"}; its from_pretrained reads them back, as this does."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"}:
+            return float(value["__float__"])
+        return {key: _json_floats(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_json_floats(item) for item in value]
+    return value
+
+
 def hf_config_from_dict(cfg: dict[str, Any]) -> Any:
     """A transformers config object from a config.json-style dict (HF folder or GGUF
     metadata mapped to HF names)."""
     from transformers import AutoConfig, PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    cfg = dict(cfg)
+    cfg = _json_floats(dict(cfg))
     archs = cfg.get("architectures") or _architectures_of(cfg.get("model_type"))
     cfg["architectures"] = archs
     model_type = cfg.pop("model_type", None)

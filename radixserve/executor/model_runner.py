@@ -25,7 +25,7 @@ from radixserve.executor.memory_budget import hybrid_budget, max_kv_tokens, max_
 from radixserve.executor.pending_step import PendingStep
 from radixserve.executor.sampling_info import SamplingBatchInfo
 from radixserve.layers.cpu_linear import keep_checkpoint_dtype
-from radixserve.layers.gated_delta_net import attach_recurrent_states, recurrent_state_spec
+from radixserve.layers.recurrent_mixer import attach_recurrent_states, recurrent_state_spec
 from radixserve.layers.logits import LogitsOutput
 from radixserve.layers.quantization.fp8 import fp8_config, fp8_linears
 from radixserve.layers.quantization.skipped import keep_unquantized

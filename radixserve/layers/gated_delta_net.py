@@ -17,51 +17,16 @@ parallel. Checkpoint layouts:
 """
 from __future__ import annotations
 
-import logging
-import os
-from typing import Callable, TypeVar
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from radixserve.core.forward_batch import ForwardBatch
-from radixserve.layers.gated_delta_rule import (CHUNK, chunked, conv_extend, conv_step,
-                                                prepare_qk, recurrent_step)
+from radixserve.layers.gated_delta_rule import chunked, conv_step, prepare_qk, recurrent_step
 from radixserve.layers.linear import (MergedColumnParallelLinear, RowParallelLinear,
                                       _rank_and_size, _shard, default_weight_loader)
-from radixserve.mem.recurrent_state_pool import RecurrentStatePool, RecurrentStateSpec
-
-# on the GPU: the decode step in two Triton launches (kernels/gdn_decode.py), the gated norm in
-# one (kernels/gated_rmsnorm.py) and an extend's chunked rule in two (kernels/gdn_chunk.py,
-# not for float32 models); 0: the torch paths
-_TRITON = os.environ.get("RADIXSERVE_GDN_TRITON", "1") != "0"
-
-logger = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-class _KernelGuard:
-    """The extend's Triton kernels (kernels/causal_conv.py, kernels/gdn_chunk.py), written and
-    tested in the interpreter before any GPU compiled them: a launch that fails (a compile
-    error, too little shared memory on some board) is logged once and the torch form serves
-    every later extend. Each kernel writes only tensors it allocates, so a failed launch
-    leaves the states untouched."""
-
-    def __init__(self) -> None:
-        self.usable = _TRITON
-
-    def run(self, kernel: Callable[..., T], *args: object) -> T | None:
-        try:
-            return kernel(*args)
-        except Exception as exc:  # noqa: BLE001 (any launch failure: the torch form instead)
-            self.usable = False
-            logger.warning("Gated DeltaNet extend kernel %s failed (%s: %s); extends run in "
-                           "torch from now on", kernel.__name__, type(exc).__name__, exc)
-            return None
-
-
-_extend_kernels = _KernelGuard()
+from radixserve.layers.recurrent_mixer import TRITON_ON, RecurrentMixer, extend_kernels
+from radixserve.mem.recurrent_state_pool import RecurrentStateSpec
 
 
 class GroupedInProjection(MergedColumnParallelLinear):
@@ -160,7 +125,7 @@ class GatedRMSNorm(nn.Module):
         return (h * F.silu(gate.float())).to(x.dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(RecurrentMixer):
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, key_dim: int,
                  value_dim: int, conv_kernel: int, eps: float, state_index: int,
                  grouped_checkpoint: bool, beta_scale: float = 1.0) -> None:
@@ -190,25 +155,30 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(values, hidden_size)
         self.state_index = state_index
         self.beta_scale = beta_scale
-        self.states: RecurrentStatePool | None = None
 
     def state_spec(self, num_layers: int, dtype: torch.dtype) -> RecurrentStateSpec:
         return RecurrentStateSpec(num_layers, self.conv_channels, self.conv_width,
                                   self.num_v_heads, self.key_dim, self.value_dim, dtype)
 
+    @property
+    def conv_weight(self) -> torch.Tensor:
+        return self.conv1d.weight
+
     def forward(self, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        assert self.states is not None, "no RecurrentStatePool attached"
         tokens = hidden.shape[0]
         values = self.num_v_heads * self.value_dim
         mixed, z = self.in_proj_qkvz(hidden).split([self.conv_channels, values], dim=-1)
         b, a = self.in_proj_ba(hidden).split([self.num_v_heads] * 2, dim=-1)
-        conv_states, ssm_states = self.states.layer(self.state_index)
+        conv_states, ssm_states = self.layer_states()
         if forward_batch.forward_mode.is_decode():
-            out = self._decode(mixed, a, b, forward_batch.req_pool_indices, conv_states,
+            out = self._decode(mixed, (a, b), forward_batch.req_pool_indices, conv_states,
                                ssm_states)
         else:
-            out = self._extend(mixed, a, b, forward_batch, conv_states, ssm_states)
-        if out.is_cuda and _TRITON:
+            out = torch.empty(tokens, self.num_v_heads, self.value_dim, dtype=torch.float32,
+                              device=hidden.device)
+            self._extend(mixed, (a, b), self._gates(a, b), forward_batch, conv_states,
+                         ssm_states, out)
+        if out.is_cuda and TRITON_ON:
             from radixserve.layers.kernels.gated_rmsnorm import gated_rmsnorm
             normed = gated_rmsnorm(out, z, self.norm.weight, self.norm.variance_epsilon,
                                    hidden.dtype)
@@ -231,12 +201,14 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid() if self.beta_scale == 1.0 else b.sigmoid() * self.beta_scale
         return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), beta
 
-    def _decode(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    def _decode(self, mixed: torch.Tensor, step_inputs: tuple[torch.Tensor, ...],
                 rows: torch.Tensor, conv_states: torch.Tensor, ssm_states: torch.Tensor
                 ) -> torch.Tensor:
-        """One token per request, each continuing its row's states (CUDA-graph safe). On the
-        GPU two Triton launches (kernels/gdn_decode.py) unless RADIXSERVE_GDN_TRITON=0."""
-        if mixed.is_cuda and _TRITON:
+        """One token per request (step_inputs: a, b), each continuing its row's states
+        (CUDA-graph safe). On the GPU two Triton launches (kernels/gdn_decode.py) unless
+        RADIXSERVE_GDN_TRITON=0."""
+        a, b = step_inputs
+        if mixed.is_cuda and TRITON_ON:
             from radixserve.layers.kernels.gdn_decode import gdn_decode
             return gdn_decode(mixed, a, b, self.A_log, self.dt_bias, self.conv1d.weight,
                               conv_states, ssm_states, rows, self.num_k_heads, self.key_dim,
@@ -247,145 +219,16 @@ class GatedDeltaNet(nn.Module):
         out, ssm_states[rows] = recurrent_step(q, k, v, g, beta, ssm_states[rows])
         return out
 
-    def _extend(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                batch: ForwardBatch, conv_states: torch.Tensor, ssm_states: torch.Tensor
-                ) -> torch.Tensor:
-        """Each request's extend runs in segments cut where the batch asks for its states
-        (`state_snapshots`: after that many of its tokens, into a snapshot row; the copy
-        follows the segment). Round r runs every request's segment r: padded to a common
-        multiple of CHUNK tokens in groups of similar length, or, one token on top of the
-        row's states, as a decode step. A request's last segment of one such token (a MIXED
-        pass's decodes; a prompt's last token after the states before it were kept) waits for
-        the end, where all of them run in one decode step."""
-        assert batch.extend_seq_lens_cpu is not None and batch.extend_prefix_lens_cpu is not None
-        lens, prefixes = batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu
-        device = mixed.device
-        starts = [0]
-        for length in lens[:-1]:
-            starts.append(starts[-1] + length)
-        cuts: list[list[tuple[int, int]]] = [[] for _ in lens]  # (tokens, snapshot row)
-        for i, after, row in sorted(batch.state_snapshots or ()):
-            if 0 < after < lens[i]:
-                cuts[i].append((after, row))
-        out = torch.empty(mixed.shape[0], self.num_v_heads, self.value_dim,
-                          dtype=torch.float32, device=device)
-        rows = batch.req_pool_indices
-        g, beta = self._gates(a, b)
-        stepped: list[tuple[int, int]] = []  # (request, token offset) run last, in one step
-        for round_ in range(1 + max(len(c) for c in cuts)):
-            padded, steps, copies = [], [], []
-            for i, n in enumerate(lens):
-                if n == 0 or round_ > len(cuts[i]):
-                    continue
-                last = round_ == len(cuts[i])  # the segment after the request's last cut
-                begin = cuts[i][round_ - 1][0] if round_ else 0
-                end = n if last else cuts[i][round_][0]
-                continues = round_ > 0 or prefixes[i] > 0
-                if end - begin == 1 and continues:
-                    (stepped if last else steps).append((i, starts[i] + begin))
-                else:
-                    padded.append((i, starts[i] + begin, end - begin, continues))
-                if not last:
-                    copies.append((i, cuts[i][round_][1]))
-            self._extend_grouped(mixed, g, beta, padded, rows, conv_states, ssm_states, out)
-            self._step(mixed, a, b, steps, rows, conv_states, ssm_states, out)
-            if copies:
-                picked = rows[torch.tensor([i for i, _ in copies], device=device)]
-                kept = torch.tensor([row for _, row in copies], device=device)
-                conv_states[kept] = conv_states[picked]
-                ssm_states[kept] = ssm_states[picked]
-        self._step(mixed, a, b, stepped, rows, conv_states, ssm_states, out)
-        return out
-
-    def _step(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-              tokens: list[tuple[int, int]], rows: torch.Tensor, conv_states: torch.Tensor,
-              ssm_states: torch.Tensor, out: torch.Tensor) -> None:
-        """One token each, (request, position in the pass), on top of its row's states."""
-        if not tokens:
-            return
-        device = mixed.device
-        at = torch.tensor([t for _, t in tokens], device=device)
-        out[at] = self._decode(mixed[at], a[at], b[at],
-                               rows[torch.tensor([i for i, _ in tokens], device=device)],
-                               conv_states, ssm_states)
-
-    def _extend_grouped(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        segments: list[tuple[int, int, int, bool]], rows: torch.Tensor,
-                        conv_states: torch.Tensor, ssm_states: torch.Tensor,
-                        out: torch.Tensor) -> None:
-        """Segments (request, first position in the pass, tokens, continues the row's
-        states) padded: those of 2^(j-1) + 1 .. 2^j chunks together, so padding at most doubles
-        the work (one long segment beside many short ones would multiply it by their count)."""
-        groups: dict[int, list[tuple[int, int, int, bool]]] = {}
-        for segment in segments:
-            groups.setdefault((-(-segment[2] // CHUNK) - 1).bit_length(), []).append(segment)
-        for members in groups.values():
-            self._extend_padded(mixed, g, beta, [s for _, s, _, _ in members],
-                                [n for _, _, n, _ in members], [c for *_, c in members],
-                                rows[torch.tensor([i for i, *_ in members],
-                                                  device=mixed.device)],
-                                conv_states, ssm_states, out)
-
-    def _extend_padded(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       starts: list[int], lens: list[int], continues: list[bool],
-                       rows: torch.Tensor, conv_states: torch.Tensor, ssm_states: torch.Tensor,
-                       out: torch.Tensor) -> None:
-        device, count = mixed.device, len(lens)
-        padded_len = -(-max(lens) // CHUNK) * CHUNK
-        # token t of request r sits at r * padded_len + t of the padded batch
-        source = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(device)
-        target = torch.cat([torch.arange(r * padded_len, r * padded_len + n)
-                            for r, n in enumerate(lens)]).to(device)
-        keep = torch.tensor(continues, device=device)
-
-        def padded(x: torch.Tensor) -> torch.Tensor:
-            """This group's tokens, packed [tokens, ...] -> [requests, padded_len, ...]."""
-            full = x.new_zeros(count * padded_len, *x.shape[1:])
-            full[target] = x
-            return full.unflatten(0, (count, padded_len))
-
-        conv_out = None
-        if mixed.is_cuda and _extend_kernels.usable:  # one launch, read packed, written padded
-            from radixserve.layers.kernels.causal_conv import conv_extend_padded
-            starts_t = torch.tensor(starts, device=device)
-            lens_t = torch.tensor(lens, device=device)
-            conv_out = _extend_kernels.run(conv_extend_padded, mixed, self.conv1d.weight,
-                                           conv_states, rows, starts_t, lens_t, keep,
-                                           padded_len)
-        if conv_out is not None:
-            from radixserve.layers.kernels.causal_conv import conv_states_after
-            conv_states[rows] = conv_states_after(mixed, conv_states, rows, starts_t, lens_t,
-                                                  keep)
-        else:
-            start_conv = torch.where(keep[:, None, None], conv_states[rows], 0)
-            conv_out, conv_in = conv_extend(padded(mixed[source]), self.conv1d.weight,
-                                            start_conv)
-            # each request's new conv state: the last conv_width inputs up to its own end
-            ends = torch.tensor(lens, device=device)[:, None] + \
-                torch.arange(self.conv_width, device=device)
-            conv_states[rows] = conv_in.gather(
-                1, ends[..., None].expand(-1, -1, conv_in.shape[-1]))
-            # padded positions must carry k = v = 0; the conv output there is not zero
-            conv_out = padded(conv_out.flatten(0, 1)[target])
+    def _scan_padded(self, conv_out: torch.Tensor, scan_inputs: tuple[torch.Tensor, ...],
+                     start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunked gated delta rule over q, k, v of the conv output (scan_inputs: g, beta),
+        in two Triton launches on the GPU for models other than float32 (whose IEEE products
+        there lost to the torch loop, PERFORMANCE session 44)."""
         q, k, v = self._split_heads(conv_out)
-        start_ssm = torch.where(keep[:, None, None, None], ssm_states[rows], 0)
-        args = (q, k, v, padded(g[source]), padded(beta[source]), start_ssm)
-        ran = None
-        if mixed.is_cuda and _extend_kernels.usable and mixed.dtype != torch.float32:
+        args = (q, k, v, *scan_inputs, start)
+        if conv_out.is_cuda and extend_kernels.usable and conv_out.dtype != torch.float32:
             from radixserve.layers.kernels.gdn_chunk import chunked_triton
-            ran = _extend_kernels.run(chunked_triton, *args)  # two launches
-        result, ssm_states[rows] = ran if ran is not None else chunked(*args)
-        out[source] = result.flatten(0, 1)[target]
-
-
-def attach_recurrent_states(model: nn.Module, pool: RecurrentStatePool) -> None:
-    """Point every GatedDeltaNet of `model` at `pool`."""
-    for module in model.modules():
-        if isinstance(module, GatedDeltaNet):
-            module.states = pool
-
-
-def recurrent_state_spec(model: nn.Module, dtype: torch.dtype) -> RecurrentStateSpec | None:
-    """The pool a hybrid model needs (None: the model has no linear-attention layer)."""
-    layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
-    return layers[0].state_spec(len(layers), dtype) if layers else None
+            ran = extend_kernels.run(chunked_triton, *args)
+            if ran is not None:
+                return ran
+        return chunked(*args)

@@ -65,23 +65,33 @@ class ChunkTerms(NamedTuple):
     chunk_decay: torch.Tensor
 
 
+def by_chunk(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Padded sequences [R, L, H, ...] (L a multiple of CHUNK) -> float32 [R, H, N, C, ...]
+    (N chunks of C = CHUNK tokens)."""
+    batch, length, heads = tensors[0].shape[:3]
+    assert length % CHUNK == 0, "pad the sequences to a multiple of CHUNK"
+    out = []
+    for x in tensors:
+        x = x.float().transpose(1, 2)
+        out.append(x.reshape(batch, heads, length // CHUNK, CHUNK, *x.shape[3:]))
+    return out
+
+
+def chunk_decays(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """g [R, H, N, C] (log decays) -> (log decay from the chunk's start through token i [R, H,
+    N, C], exp(log_decay_i - log_decay_j) for j <= i and zero above the diagonal [.., C, C])."""
+    log_decay = g.cumsum(-1)
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=g.device).tril()
+    pair_decay = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(
+        ~causal, float("-inf")).exp()
+    return log_decay, pair_decay
+
+
 def chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor) -> ChunkTerms:
     """Every chunk's closed form at once (no sequential dependence). Shapes as `chunked`."""
-    batch, length, heads, _ = k.shape
-    assert length % CHUNK == 0, "pad the sequences to a multiple of CHUNK"
-    chunks = length // CHUNK
-
-    def by_chunk(x: torch.Tensor) -> torch.Tensor:  # [R, L, H, ...] -> [R, H, N, C, ...]
-        x = x.float().transpose(1, 2)
-        return x.reshape(batch, heads, chunks, CHUNK, *x.shape[3:])
-
-    q, k, v, g, beta = map(by_chunk, (q, k, v, g, beta))
-    log_decay = g.cumsum(-1)  # [R, H, N, C]: decay from the chunk's start through token i
-    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-    # exp(log_decay_i - log_decay_j) for j <= i, zero above the diagonal
-    pair_decay = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(
-        ~causal, float("-inf")).exp()
+    q, k, v, g, beta = by_chunk(q, k, v, g, beta)
+    log_decay, pair_decay = chunk_decays(g)
     k_beta = k * beta[..., None]
     # (I + A) u = beta v - beta exp(log_decay) K S0, A strictly lower: A_ij = beta_i k_i.k_j
     # decayed from j to i; solved once for both right-hand sides
@@ -118,23 +128,23 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     return out.reshape(batch, heads, length, -1).transpose(1, 2), state
 
 
-def conv_extend(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def conv_extend(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal depthwise convolution of padded sequences, then SiLU. x [R, L, C], conv_state
     [R, W, C] (the W = kernel - 1 inputs before x; zeros for a sequence from position 0),
-    weight [C, W + 1]. Returns (SiLU(conv) [R, L, C], the whole input [R, W + L, C], from
-    which the caller reads each sequence's new state at its own end)."""
+    weight [C, W + 1], bias [C] or None. Returns (SiLU(conv) [R, L, C], the whole input [R,
+    W + L, C], from which the caller reads each sequence's new state at its own end)."""
     full = torch.cat([conv_state.to(x.dtype), x], dim=1)
-    out = F.conv1d(full.transpose(1, 2).to(weight.dtype), weight[:, None, :],
+    out = F.conv1d(full.transpose(1, 2).to(weight.dtype), weight[:, None, :], bias,
                    groups=weight.shape[0])
     return F.silu(out).transpose(1, 2).to(x.dtype), full
 
 
-def conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+              bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per request: x [B, C], conv_state [B, W, C]. Returns (SiLU(conv) [B, C],
     the new state [B, W, C])."""
     window = torch.cat([conv_state.to(x.dtype), x[:, None, :]], dim=1)
-    out = F.conv1d(window.transpose(1, 2).to(weight.dtype), weight[:, None, :],
+    out = F.conv1d(window.transpose(1, 2).to(weight.dtype), weight[:, None, :], bias,
                    groups=weight.shape[0])
     return F.silu(out[..., 0]).to(x.dtype), window[:, 1:]

@@ -39,9 +39,10 @@ if TYPE_CHECKING:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding | None,
                  scaling: float | None = None, logit_cap: float = 0.0,
                  qk_norm: bool = False) -> None:
+        """rotary None: no positional encoding (Nemotron-H's attention layers)."""
         super().__init__()
         head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim,
@@ -72,7 +73,8 @@ class DecoderAttention(nn.Module):
         whose programs do not hold whole rope pairs)."""
         if dtype not in self._carries_rope:
             self._carries_rope[dtype] = (
-                self.q_norm is None and self.rotary.rotary_dim == self.head_dim
+                self.q_norm is None and self.rotary is not None
+                and self.rotary.rotary_dim == self.head_dim
                 and self.qkv_proj.carries_rope_store(dtype, self.head_dim, norm))
         if not self._carries_rope[dtype]:
             return None
@@ -90,6 +92,8 @@ class DecoderAttention(nn.Module):
         q, k, v = self.qkv_proj.split(qkv)
         if kv_stored:
             return self.attn(q, k, v, forward_batch, kv_stored=True)
+        if self.rotary is None:
+            return self.attn(q, k, v, forward_batch, None)
         qk_norm = None
         if self.q_norm is not None and self.k_norm is not None:
             qk_norm = QKNorm(self.q_norm, self.k_norm, self.head_dim)
@@ -333,15 +337,19 @@ def index_among_type(types: list[str], layer_id: int) -> int:
     return types[:layer_id].count(types[layer_id])
 
 
+# the layer types of hybrid models that keep KV (the others: recurrent mixers, MLPs, MoEs)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "attention")
+
+
 class KVForAttentionLayers:
-    """Mixin in front of a CausalLM whose `layer_types` name linear-attention layers (hybrid
-    models): KV for the other layers only, numbered apart (`index_among_type`)."""
+    """Mixin in front of a CausalLM whose `layer_types` name recurrent layers (hybrid models):
+    KV for the attention layers only, numbered apart (`index_among_type`)."""
 
     @classmethod
     def kv_cache_spec(cls, config: ModelConfig, dtype: torch.dtype,
                       tp_size: int | None = None) -> KVCacheSpec:
         spec = super().kv_cache_spec(config, dtype, tp_size)  # type: ignore[misc]
-        layers = sum(t != "linear_attention" for t in hybrid_layer_types(config))
+        layers = sum(t in ATTENTION_LAYER_TYPES for t in hybrid_layer_types(config))
         return dataclasses.replace(spec, num_layers=layers)
 
 

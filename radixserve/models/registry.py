@@ -36,6 +36,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Olmo3ForCausalLM": ("olmo2", "Olmo3ForCausalLM"),
     "OlmoHybridForCausalLM": ("olmo2", "OlmoHybridForCausalLM"),
     "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
+    "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5ForCausalLM": ("qwen3_next", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("qwen3_next", "Qwen3_5ForCausalLM"),

@@ -61,7 +61,9 @@ def _run(folder: str, tp_size: int, prompts: list[list[int]], **engine_args: obj
                                   "gpt_oss_sinks_window", "mistral4_mla_halves",
                                   "qwen3_next_hybrid",
                                   pytest.param("qwen3_5_dense", marks=pytest.mark.slow),
-                                  "olmo_hybrid", "olmo2_post_norm", "minimax_m2_qk_norm"])
+                                  "olmo_hybrid", "olmo2_post_norm", "minimax_m2_qk_norm",
+                                  pytest.param("nemotron_h", marks=pytest.mark.slow),
+                                  "nemotron_h_one_group"])
 def test_tp2_matches_tp1_and_transformers(name: str, tmp_path) -> None:
     hf_model = make_checkpoint(name, tmp_path)
     prompts = _prompts(hf_model.config.vocab_size)

@@ -120,8 +120,8 @@ def test_conv_kernel_matches_the_torch_form(width: int) -> None:
 
 
 def test_a_failing_extend_kernel_hands_over_to_the_torch_form(caplog) -> None:
-    from radixserve.layers.gated_delta_net import _KernelGuard
-    guard = _KernelGuard()
+    from radixserve.layers.recurrent_mixer import KernelGuard
+    guard = KernelGuard()
     guard.usable = True
 
     def broken(x: int) -> int:

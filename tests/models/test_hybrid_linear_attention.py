@@ -1,12 +1,12 @@
-"""Hybrid models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid): Gated DeltaNet layers with
-per-request recurrent states beside full attention, against transformers on tiny random
-checkpoints it saved itself (fp32). Logits per pass are in test_llama_vs_hf.py (its CONFIGS
-hold the text ones); here the Engine: greedy outputs equal transformers' full forward through
-chunked prefill (states carried from chunk to chunk), batches of decodes, MIXED passes and
-retraction (states restarted from position 0), prefix reuse up to where states were kept,
-with no KV slot leaked; the multimodal Qwen3.5-MoE checkpoint served text-only; the gated
-delta rule's chunked form against its token-by-token recurrence; the memory split between
-states and KV."""
+"""Hybrid models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid: Gated DeltaNet layers;
+Nemotron-H: Mamba-2 mixers) with per-request recurrent states beside full attention, against
+transformers on tiny random checkpoints it saved itself (fp32). Logits per pass are in
+test_llama_vs_hf.py (its CONFIGS hold the text ones); here the Engine: greedy outputs equal
+transformers' full forward through chunked prefill (states carried from chunk to chunk),
+batches of decodes, MIXED passes and retraction (states restarted from position 0), prefix
+reuse up to where states were kept, with no KV slot leaked; the multimodal Qwen3.5-MoE
+checkpoint served text-only; the gated delta rule's chunked form against its token-by-token
+recurrence; the memory split between states and KV."""
 from __future__ import annotations
 
 import pytest
@@ -54,7 +54,8 @@ def _generate(folder: str, prompts: list[list[int]], **engine_args: object
         engine.shutdown()
 
 
-@pytest.mark.parametrize("name", ["qwen3_next_hybrid", "qwen3_5_dense", "olmo_hybrid"])
+@pytest.mark.parametrize("name", ["qwen3_next_hybrid", "qwen3_5_dense", "olmo_hybrid",
+                                  "nemotron_h"])
 def test_greedy_outputs_equal_transformers(name: str, tmp_path) -> None:
     hf_model = make_checkpoint(name, tmp_path)
     prompts = _prompts(hf_model.config.vocab_size)
@@ -111,13 +112,14 @@ def test_a_prompt_sent_again_reuses_all_but_its_last_token(tmp_path) -> None:
         engine.shutdown()
 
 
-def test_prompts_sharing_a_system_prompt_reuse_it(tmp_path) -> None:
+@pytest.mark.parametrize("name", ["qwen3_next_hybrid", "nemotron_h"])
+def test_prompts_sharing_a_system_prompt_reuse_it(name: str, tmp_path) -> None:
     """The second prompt with a new 80-token opening parts from the first there: its pass
     runs in two segments and keeps the states at the branch point, so every later prompt
     with that opening (alone or two in a batch) reuses its 80 tokens. Prompts with another
     opening sent together: all but the first wait one batch and reuse it. Outputs stay
     transformers'."""
-    hf_model = make_checkpoint("qwen3_next_hybrid", tmp_path)
+    hf_model = make_checkpoint(name, tmp_path)
     gen = torch.Generator().manual_seed(11)
     system = torch.randint(0, 150, (80,), generator=gen).tolist()
     prompts = [system + torch.randint(0, 150, (n,), generator=gen).tolist()
@@ -142,12 +144,13 @@ def test_prompts_sharing_a_system_prompt_reuse_it(tmp_path) -> None:
         engine.shutdown()
 
 
-def test_mixed_passes_and_retraction_keep_the_outputs(tmp_path) -> None:
+@pytest.mark.parametrize("name", ["qwen3_next_hybrid", "nemotron_h"])
+def test_mixed_passes_and_retraction_keep_the_outputs(name: str, tmp_path) -> None:
     """Decodes riding in prefill chunks (--enable-mixed-chunk), then a KV pool so small that
     over-admitted requests are retracted and start again from position 0 (their states
     restarted, or restored from the states kept when they were retracted). Each output is
     transformers' up to its EOS, if one came."""
-    hf_model = make_checkpoint("qwen3_next_hybrid", tmp_path)
+    hf_model = make_checkpoint(name, tmp_path)
     prompts = _prompts(hf_model.config.vocab_size)
     expected = [hf_greedy(hf_model, ids, NEW_TOKENS) for ids in prompts]
     got, _, _ = _generate(str(tmp_path), prompts, enable_mixed_chunk=True)

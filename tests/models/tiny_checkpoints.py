@@ -179,6 +179,23 @@ CONFIGS = {
         linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=True,
         layer_types=["linear_attention", "linear_attention", "full_attention",
                      "linear_attention"])),
+    # Nemotron-H: Mamba-2 mixers (8 heads of 8 in 2 groups of B/C, state 16, conv 4 with a
+    # bias), attention without rope, ReLU-squared MLPs, each its own pre-norm layer
+    "nemotron_h": (transformers.NemotronHConfig, dict(
+        {k: v for k, v in BASE.items() if k not in ("num_hidden_layers", "rms_norm_eps")},
+        layers_block_type=["linear_attention", "mlp", "full_attention", "mlp",
+                           "linear_attention", "mlp"],
+        num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=8,
+        ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16, layer_norm_epsilon=1e-5,
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # the same with one group of B/C (Granite-4.0-H's and Bamba's count): at tp 2 each rank
+    # holds it whole and the gated norm's one group spans both ranks
+    "nemotron_h_one_group": (transformers.NemotronHConfig, dict(
+        {k: v for k, v in BASE.items() if k not in ("num_hidden_layers", "rms_norm_eps")},
+        layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"],
+        num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=16,
+        ssm_state_size=8, n_groups=1, conv_kernel=4, chunk_size=16, layer_norm_epsilon=1e-5,
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 
 # multimodal checkpoints, served text-only; kept out of CONFIGS, every entry of which

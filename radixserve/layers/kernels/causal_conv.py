@@ -1,4 +1,4 @@
-"""A Gated DeltaNet extend's causal depthwise conv + SiLU in one Triton launch.
+"""A recurrent mixer's extend: the causal depthwise conv + SiLU in one Triton launch.
 
 Reads each sequence's tokens where the pass holds them (packed, one after another, as the
 in-projection wrote them) and the kernel - 1 inputs before them from its state row (zeros for a
@@ -16,9 +16,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _conv_extend_kernel(Mixed, Weight, ConvState, Rows, Starts, Lens, Continues, Out,
+def _conv_extend_kernel(Mixed, Weight, Bias, ConvState, Rows, Starts, Lens, Continues, Out,
                         channels, padded_len, stride_m, stride_sr, stride_sw,
-                        WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                        WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -28,6 +29,8 @@ def _conv_extend_kernel(Mixed, Weight, ConvState, Rows, Starts, Lens, Continues,
     continues = tl.load(Continues + seq)  # 1: the row's inputs come before, 0: zeros
     state = ConvState + tl.load(Rows + seq).to(tl.int64) * stride_sr
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
     for j in tl.static_range(WIDTH + 1):  # tap j reads the input at t - WIDTH + j
         pos = offs_t - WIDTH + j
         in_seq = (pos >= 0) & (pos < length)
@@ -46,8 +49,10 @@ def _conv_extend_kernel(Mixed, Weight, ConvState, Rows, Starts, Lens, Continues,
 
 def conv_extend_padded(mixed: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
                        rows: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-                       continues: torch.Tensor, padded_len: int) -> torch.Tensor:
-    """mixed [tokens, channels] (row stride free), weight [channels, W + 1], conv_states
+                       continues: torch.Tensor, padded_len: int,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """mixed [tokens, channels] (row stride free), weight [channels, W + 1] (and a bias
+    [channels]: Mamba-2's conv), conv_states
     [rows, W, channels]; per sequence its state row, first token in `mixed`, length, and
     whether it continues its row's inputs (else zeros). Returns SiLU(conv) [R, padded_len,
     channels] in mixed's dtype, zero past each length. conv_states is only read."""
@@ -58,10 +63,12 @@ def conv_extend_padded(mixed: torch.Tensor, weight: torch.Tensor, conv_states: t
     out = torch.empty(count, padded_len, channels, dtype=mixed.dtype, device=mixed.device)
     block_t, block_c = 32, 128
     grid = (count, triton.cdiv(padded_len, block_t), triton.cdiv(channels, block_c))
-    _conv_extend_kernel[grid](mixed, weight, conv_states, rows, starts, lens,
+    _conv_extend_kernel[grid](mixed, weight, weight if bias is None else bias, conv_states,
+                              rows, starts, lens,
                               continues.to(torch.int32), out,
                               channels, padded_len, mixed.stride(0), conv_states.stride(0),
-                              conv_states.stride(1), WIDTH=width, BLOCK_T=block_t,
+                              conv_states.stride(1), WIDTH=width,
+                              HAS_BIAS=bias is not None, BLOCK_T=block_t,
                               BLOCK_C=block_c, num_warps=4)
     return out
 
