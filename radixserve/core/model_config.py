@@ -37,6 +37,7 @@ ARCHITECTURE_MODEL_TYPES = {
     # hybrid linear + full attention; Qwen3.5 ships multimodal, served text-only
     "OlmoHybridForCausalLM": "olmo_hybrid",
     "NemotronHForCausalLM": "nemotron_h",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",

@@ -273,6 +273,34 @@ class DecoderLayer(nn.Module):
         return mlp.down_proj.fused_row_product(act, residual=stream)
 
 
+class PreNormMixerLayer(nn.Module):
+    """A hybrid model's layer: h = x + m * mix(norm(x)); out = h + m * mlp(norm(h)), m the
+    `multiplier` (Granite's residual multiplier, 1 elsewhere), the adds fused into the norms
+    (DecoderModel's convention). Subclasses build `input_layernorm`,
+    `post_attention_layernorm`, `mlp` and the mixer `mix` runs (attention or a recurrent
+    mixer)."""
+
+    multiplier = 1.0
+
+    def mix(self, positions: torch.Tensor, normed: torch.Tensor,
+            forward_batch: ForwardBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, forward_batch: ForwardBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm(hidden, residual)
+        mixed = self.mix(positions, normed, forward_batch)
+        if self.multiplier != 1.0:
+            mixed = mixed * self.multiplier
+        normed, residual = self.post_attention_layernorm(mixed, residual)
+        out = self.mlp(normed)
+        return (out if self.multiplier == 1.0 else out * self.multiplier), residual
+
+
 def one_row_kernels_apply(hidden: torch.Tensor) -> bool:
     """The fused decode-row kernels (one row; FP8 rows quantised beforehand) are GPU kernels
     (tests point this at the interpreter)."""

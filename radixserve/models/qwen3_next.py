@@ -27,8 +27,9 @@ from radixserve.layers.moe.experts import expert_weight_target
 from radixserve.layers.norm import GemmaRMSNorm
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary import RopeInput, RotaryEmbedding
-from radixserve.models.blocks import (CausalLM, DecoderModel, KVForAttentionLayers, dense_mlp,
-                                      hybrid_layer_types, index_among_type)
+from radixserve.models.blocks import (CausalLM, DecoderModel, KVForAttentionLayers,
+                                      PreNormMixerLayer, dense_mlp, hybrid_layer_types,
+                                      index_among_type)
 from radixserve.models.multimodal_text import LanguageModelOfMultimodal
 from radixserve.models.qwen_moe import qwen_mlp
 
@@ -61,7 +62,7 @@ class GatedAttention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)))
 
 
-class HybridDecoderLayer(nn.Module):
+class HybridDecoderLayer(PreNormMixerLayer):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         hf, types = config.hf, hybrid_layer_types(config)
@@ -80,20 +81,11 @@ class HybridDecoderLayer(nn.Module):
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None, forward_batch: ForwardBatch
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual adds fused into the norms (DecoderModel's convention)."""
-        if residual is None:
-            residual, normed = hidden, self.input_layernorm(hidden)
-        else:
-            normed, residual = self.input_layernorm(hidden, residual)
+    def mix(self, positions: torch.Tensor, normed: torch.Tensor,
+            forward_batch: ForwardBatch) -> torch.Tensor:
         if hasattr(self, "linear_attn"):
-            mixed = self.linear_attn(normed, forward_batch)
-        else:
-            mixed = self.self_attn(positions, normed, forward_batch)
-        normed, residual = self.post_attention_layernorm(mixed, residual)
-        return self.mlp(normed), residual
+            return self.linear_attn(normed, forward_batch)
+        return self.self_attn(positions, normed, forward_batch)
 
 
 class Qwen3NextForCausalLM(KVForAttentionLayers, CausalLM):

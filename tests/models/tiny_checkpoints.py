@@ -196,6 +196,26 @@ CONFIGS = {
         num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=16,
         ssm_state_size=8, n_groups=1, conv_kernel=4, chunk_size=16, layer_norm_epsilon=1e-5,
         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Granite-4.0-H (MoE, as H-Tiny / H-Small): Mamba-2 layers (one group of B/C) and
+    # rope-less attention scaled by attention_multiplier, each with top-2-of-4 experts beside
+    # a shared MLP; Granite's embedding, residual and logit multipliers
+    "granite_hybrid_moe": (transformers.GraniteMoeHybridConfig, dict(
+        BASE, num_hidden_layers=4, num_key_value_heads=2, intermediate_size=32,
+        shared_intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["linear_attention", "attention", "linear_attention", "linear_attention"],
+        mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16, mamba_d_head=16, mamba_d_conv=4,
+        mamba_chunk_size=16, embedding_multiplier=2.0, residual_multiplier=0.5,
+        attention_multiplier=0.2, logits_scaling=2.5, position_embedding_type="nope",
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Granite-4.0-H-Micro's kind: no experts (the shared MLP alone), rope in attention
+    "granite_hybrid_dense": (transformers.GraniteMoeHybridConfig, dict(
+        BASE, num_hidden_layers=3, num_key_value_heads=2, shared_intermediate_size=48,
+        num_local_experts=0, layer_types=["linear_attention", "attention", "linear_attention"],
+        mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_head=32, mamba_d_conv=4,
+        mamba_chunk_size=16, embedding_multiplier=3.0, residual_multiplier=0.7,
+        attention_multiplier=0.25, logits_scaling=1.5, position_embedding_type="rope",
+        rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)),
 }
 
 # multimodal checkpoints, served text-only; kept out of CONFIGS, every entry of which

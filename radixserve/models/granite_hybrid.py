@@ -1,0 +1,125 @@
+"""Granite-4.0-H (GraniteMoeHybridForCausalLM: H-Micro, H-Tiny, H-Small): Mamba-2 and attention
+layers, each followed by an MLP.
+
+`layer_types` names each layer's mixer: "linear_attention", a Mamba-2 mixer (layers/
+mamba2_mixer.py, named `mamba` in the checkpoints), or "attention" with rope only where
+`position_embedding_type` is "rope" (the releases use none), scaled by `attention_multiplier`
+rather than head_dim ** -0.5. After it, a shared SwiGLU MLP (`shared_mlp`, gate|up stored merged
+as `input_linear`) plus, where the model has experts, routed ones (`block_sparse_moe`: the
+router `router.layer`, every expert's gate|up in one `input_linear` [E, 2I, H] and down in one
+`output_linear` [E, H, I], top-k softmax). Granite's multipliers: the embeddings scaled by
+`embedding_multiplier`, each mixer's and MLP's output by `residual_multiplier` before its
+residual add, and the logits divided by `logits_scaling`. Llama's RMSNorm throughout.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixserve.core.forward_batch import ForwardBatch
+from radixserve.core.model_config import ModelConfig
+from radixserve.layers.logits import LogitsOutput, compute_logits
+from radixserve.layers.mamba2_mixer import Mamba2Mixer
+from radixserve.layers.moe.experts import expert_weight_target
+from radixserve.layers.norm import RMSNorm
+from radixserve.layers.rotary import RotaryEmbedding
+from radixserve.models.blocks import (CausalLM, DecoderAttention, DecoderModel, GatedMLP,
+                                      KVForAttentionLayers, PreNormMixerLayer, dense_mlp,
+                                      hybrid_layer_types, index_among_type)
+from radixserve.models.moe_blocks import SparseMoeBlock
+
+# Granite's checkpoint names -> ours (the experts' then as FusedMoE's stacked tensors)
+_RENAMES = ((".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
+            (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"),
+            (".block_sparse_moe.router.layer.", ".mlp.gate."),
+            (".shared_mlp.output_linear.", ".shared_mlp.down_proj."),
+            (".shared_mlp.input_linear.", ".shared_mlp.gate_up_proj."))
+_BOTH = "gate|up"  # the shard id of a gate|up tensor holding both pieces
+
+
+def _merged_gate_up(mlp: GatedMLP) -> GatedMLP:
+    """gate|up arriving as one tensor (gate rows, then up rows) loads as its two pieces."""
+    linear = mlp.gate_up_proj
+    piecewise = linear.weight_loader
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+             ) -> set[int] | None:
+        if shard_id != _BOTH:
+            return piecewise(param, loaded, shard_id)
+        for piece, part in enumerate(loaded.chunk(2, dim=0)):
+            piecewise(param, part, piece)
+        return {0, 1}
+
+    linear.weight.weight_loader = load  # type: ignore[attr-defined]
+    return mlp
+
+
+class GraniteHybridLayer(PreNormMixerLayer):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding | None
+                 ) -> None:
+        super().__init__()
+        hf = config.hf
+        types = hybrid_layer_types(config)
+        index = index_among_type(types, layer_id)
+        self.multiplier = float(hf.residual_multiplier)
+        if types[layer_id] == "linear_attention":
+            self.mamba = Mamba2Mixer(
+                config.hidden_size, hf.mamba_n_heads, hf.mamba_d_head, hf.mamba_d_state,
+                hf.mamba_n_groups, hf.mamba_d_conv, config.rms_norm_eps, index,
+                use_conv_bias=hf.mamba_conv_bias, proj_bias=hf.mamba_proj_bias,
+                time_step_limit=tuple(hf.time_step_limit or (0.0, float("inf"))))
+        else:
+            self.self_attn = DecoderAttention(config, index, rotary,
+                                              scaling=float(hf.attention_multiplier))
+        shared = hf.shared_intermediate_size
+        if hf.num_local_experts:  # the shared MLP inside the block, which reduces once
+            self.mlp: nn.Module = SparseMoeBlock(config, config.intermediate_size, shared,
+                                                 shared_name="shared_mlp")
+            _merged_gate_up(self.mlp.shared_mlp)
+        else:
+            self.mlp = _merged_gate_up(dense_mlp(config, shared))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def mix(self, positions: torch.Tensor, normed: torch.Tensor,
+            forward_batch: ForwardBatch) -> torch.Tensor:
+        if hasattr(self, "mamba"):
+            return self.mamba(normed, forward_batch)
+        return self.self_attn(positions, normed, forward_batch)
+
+
+class GraniteMoeHybridForCausalLM(KVForAttentionLayers, CausalLM):
+    def __init__(self, config: ModelConfig) -> None:
+        hf = config.hf
+        rotary = RotaryEmbedding.from_config(config) \
+            if getattr(hf, "position_embedding_type", None) == "rope" else None
+
+        def make_layer(config: ModelConfig, layer_id: int, _: RotaryEmbedding) -> nn.Module:
+            return GraniteHybridLayer(config, layer_id, rotary)
+
+        super().__init__(config, DecoderModel(config, make_layer, RMSNorm,
+                                              embed_scale=float(hf.embedding_multiplier)))
+        self.logits_scaling = float(hf.logits_scaling)
+
+    def weight_target(self, name: str) -> tuple[str, object] | None:
+        for old, new in _RENAMES:
+            if old in name:
+                name = name.replace(old, new)
+                # the shared MLP: inside the MoE block, or the layer's whole MLP
+                name = name.replace(".shared_mlp.", ".mlp.shared_mlp."
+                                    if self.config.hf.num_local_experts else ".mlp.")
+                if name.endswith(".gate_up_proj.weight"):
+                    return name, _BOTH
+                return expert_weight_target(name) or (name, None)
+        return None
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: ForwardBatch) -> LogitsOutput:
+        hidden = self.model(input_ids, positions, forward_batch)
+        if self.logits_scaling != 1.0:  # logits / logits_scaling, through the LM head
+            hidden = hidden / self.logits_scaling
+        return compute_logits(hidden, self._head(), forward_batch, self.final_logit_cap)
+
+
+EntryClass = [GraniteMoeHybridForCausalLM]
