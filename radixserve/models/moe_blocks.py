@@ -34,6 +34,11 @@ def routing_config(config: ModelConfig) -> RoutingConfig:
             raise ValueError(f"{arch} routing {scoring!r} is not supported (only sigmoid)")
         return RoutingConfig(hf.num_local_experts, hf.num_experts_per_tok, renormalize=True,
                              scoring="sigmoid")
+    if arch == "NemotronHForCausalLM":  # V3's routing (sigmoid, groups by their best two)
+        return RoutingConfig(hf.n_routed_experts, hf.num_experts_per_tok,
+                             renormalize=bool(hf.norm_topk_prob), num_groups=hf.n_group or 1,
+                             topk_group=hf.topk_group or 1,
+                             scaling_factor=float(hf.routed_scaling_factor), scoring="sigmoid")
     # transformers' V3 and GLM-4.5 routers: always sigmoid + noaux_tc
     if arch.startswith(("DeepseekV3", "Glm4Moe")):
         scoring = getattr(hf, "scoring_func", None) or "sigmoid"

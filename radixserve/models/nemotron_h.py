@@ -8,36 +8,83 @@ Every layer holds one mixer behind a pre-norm and a residual add; `layers_block_
   * "full_attention": attention without positional encoding (no rope), the only layers with KV,
     numbered 0.. in the KV pool;
   * "mlp": up_proj, ReLU squared, down_proj (no gate);
-  * "moe": Nemotron-3's routed experts, not served yet (refused at build).
+  * "moe" (Nemotron-3-Nano): ungated ReLU-squared experts (layers/moe/ungated_experts.py)
+    chosen by sigmoid scores with a correction bias, in groups (DeepSeek-V3's routing, the
+    router in float32), beside a shared ReLU-squared expert; where `moe_latent_size` is set the
+    routed experts work in a smaller width between two projections (fc1 / fc2_latent_proj).
 Norms multiply by their weight in float32 and round after (OLMo's RMSNorm). Checkpoints keep the
 decoder under `backbone.` (embeddings, norm_f).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.core.model_config import ModelConfig
-from radixserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from radixserve.distributed.parallel_state import get_tp_group
+from radixserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from radixserve.layers.mamba2_mixer import Mamba2Mixer
+from radixserve.layers.moe.experts import expert_weight_target
+from radixserve.layers.moe.router import select_experts
+from radixserve.layers.moe.ungated_experts import UngatedExperts, relu_squared
 from radixserve.layers.norm import OlmoRMSNorm
 from radixserve.layers.rotary import RotaryEmbedding
 from radixserve.models.blocks import (CausalLM, DecoderAttention, DecoderModel,
                                       KVForAttentionLayers, hybrid_layer_types,
                                       index_among_type)
+from radixserve.models.moe_blocks import routing_config
 
 
 class SquaredReluMLP(nn.Module):
-    """down(relu(up(x))^2)."""
+    """down(relu(up(x))^2). `reduce_results=False`: this rank's partial sum."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
+                 reduce_results: bool = True) -> None:
         super().__init__()
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias,
+                                           reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.relu(self.up_proj(x)).square())
+        return self.down_proj(relu_squared(self.up_proj(x)))
+
+
+class NemotronHMoE(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hf = config.hf
+        hidden, latent = config.hidden_size, hf.moe_latent_size
+        self.routing = routing_config(config)
+        self.gate = nn.Module()  # float32, as transformers keeps the router
+        for name, shape in (("weight", (self.routing.num_experts, hidden)),
+                            ("e_score_correction_bias", (self.routing.num_experts,))):
+            param = nn.Parameter(torch.zeros(shape, dtype=torch.float32), requires_grad=False)
+            param.keep_dtype = True  # type: ignore[attr-defined]
+            setattr(self.gate, name, param)
+        self.experts = UngatedExperts(self.routing.num_experts, latent or hidden,
+                                      hf.moe_intermediate_size, hf.mlp_hidden_act)
+        self.shared_experts = SquaredReluMLP(hidden, hf.moe_shared_expert_intermediate_size,
+                                             hf.mlp_bias, reduce_results=False)
+        if latent:  # replicated; fc2's bias added once, after the ranks' sum
+            self.fc1_latent_proj = ReplicatedLinear(hidden, latent, bias=hf.mlp_bias)
+            self.fc2_latent_proj = ReplicatedLinear(latent, hidden, bias=hf.mlp_bias)
+        self.tp_size = get_tp_group().size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden.float(), self.gate.weight)
+        topk = select_experts(logits, self.routing, self.gate.e_score_correction_bias)
+        latent = getattr(self, "fc1_latent_proj", None)
+        routed = self.experts(hidden if latent is None else latent(hidden), topk)
+        bias = None
+        if latent is not None:  # linear: fc2 of the ranks' partial sums adds up
+            routed = F.linear(routed, self.fc2_latent_proj.weight)
+            bias = self.fc2_latent_proj.bias
+        out = routed + self.shared_experts(hidden)
+        if self.tp_size > 1:
+            out = get_tp_group().all_reduce(out)
+        return out if bias is None else out + bias
 
 
 def mamba2_mixer(config: ModelConfig, state_index: int) -> Mamba2Mixer:
@@ -63,6 +110,8 @@ class NemotronHLayer(nn.Module):
         elif kind == "mlp":
             self.mixer = SquaredReluMLP(config.hidden_size, config.intermediate_size,
                                         config.mlp_bias)
+        elif kind == "moe":
+            self.mixer = NemotronHMoE(config)
         else:
             raise ValueError(f"Nemotron-H layer type {kind!r} is not served yet")
 
@@ -74,7 +123,7 @@ class NemotronHLayer(nn.Module):
             residual, normed = hidden, self.norm(hidden)
         else:
             normed, residual = self.norm(hidden, residual)
-        if self.kind == "mlp":
+        if self.kind in ("mlp", "moe"):
             return self.mixer(normed), residual
         if self.kind == "full_attention":
             return self.mixer(positions, normed, forward_batch), residual
@@ -95,6 +144,8 @@ class NemotronHForCausalLM(KVForAttentionLayers, CausalLM):
 
         config.rms_norm_eps = config.hf.layer_norm_epsilon  # the final norm's
         super().__init__(config, DecoderModel(config, make_layer, OlmoRMSNorm))
+
+    weight_target = staticmethod(expert_weight_target)
 
     def skip_weight(self, name: str) -> bool:  # multi-token prediction layers
         return name.startswith("mtp.") or super().skip_weight(name)

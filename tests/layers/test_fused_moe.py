@@ -107,6 +107,29 @@ def test_cpu_expert_loop_matches_reference() -> None:
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_tokens", [3, 40])
+def test_ungated_experts_match_their_loop(num_tokens: int) -> None:
+    """Nemotron-H's experts, down(relu(up x)^2): the fused kernels with the activation between
+    them, and the expert loop, against a per-pair reference."""
+    from radixserve.layers.moe.router import TopK
+    from radixserve.layers.moe.ungated_experts import UngatedExperts, relu_squared
+    x, w13, w2, weights, ids = _problem(num_tokens, 5, 2, 16, 24, torch.float32, 5)
+    up = w13[:, :24]
+    expected = torch.zeros(num_tokens, 16)
+    for t in range(num_tokens):
+        for j in range(2):
+            e = int(ids[t, j])
+            expected[t] += float(weights[t, j]) * (
+                w2[e].cpu() @ relu_squared(up[e].cpu() @ x[t].cpu()))
+    fused = fused_experts(x, up.contiguous(), w2, weights, ids, activation=relu_squared)
+    torch.testing.assert_close(fused.cpu(), expected, atol=1e-4, rtol=1e-4)
+    moe = UngatedExperts(5, 16, 24, "relu2")
+    moe.w13_weight.data.copy_(up.cpu())
+    moe.w2_weight.data.copy_(w2.cpu())
+    loop = moe.forward_native(x.cpu(), TopK(weights.cpu(), ids.cpu()))
+    torch.testing.assert_close(loop, expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [
     (1, 2, 8, 16), (5, 2, 8, 16), (70, 3, 6, 4), (33, 8, 128, 16), (1, 6, 64, 16),
     (8, 10, 512, 16)])  # Qwen3-Next's experts

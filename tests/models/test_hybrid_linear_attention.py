@@ -55,7 +55,7 @@ def _generate(folder: str, prompts: list[list[int]], **engine_args: object
 
 
 @pytest.mark.parametrize("name", ["qwen3_next_hybrid", "qwen3_5_dense", "olmo_hybrid",
-                                  "nemotron_h", "granite_hybrid_moe",
+                                  "nemotron_h", "nemotron_h_moe", "granite_hybrid_moe",
                                   pytest.param("granite_hybrid_dense", marks=pytest.mark.slow)])
 def test_greedy_outputs_equal_transformers(name: str, tmp_path) -> None:
     hf_model = make_checkpoint(name, tmp_path)

@@ -196,6 +196,28 @@ CONFIGS = {
         num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=16,
         ssm_state_size=8, n_groups=1, conv_kernel=4, chunk_size=16, layer_norm_epsilon=1e-5,
         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Nemotron-3-Nano: MoE layers of ungated ReLU-squared experts (top 2 of 8, sigmoid scores
+    # with a correction bias, 4 groups of which 2 are kept) beside a shared expert
+    "nemotron_h_moe": (transformers.NemotronHConfig, dict(
+        {k: v for k, v in BASE.items() if k not in ("num_hidden_layers", "rms_norm_eps")},
+        layers_block_type=["linear_attention", "moe", "full_attention", "moe"],
+        num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=8,
+        ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16, layer_norm_epsilon=1e-5,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+        moe_shared_expert_intermediate_size=32, n_group=4, topk_group=2, norm_topk_prob=True,
+        routed_scaling_factor=2.5, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)),
+    # Nemotron-3-Super's kind: the routed experts in a 32-wide latent space between two
+    # projections, the router and shared expert on the full width
+    "nemotron_h_latent_moe": (transformers.NemotronHConfig, dict(
+        {k: v for k, v in BASE.items() if k not in ("num_hidden_layers", "rms_norm_eps")},
+        layers_block_type=["linear_attention", "moe", "full_attention", "moe"],
+        num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=16,
+        ssm_state_size=8, n_groups=1, conv_kernel=4, chunk_size=16, layer_norm_epsilon=1e-5,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        moe_shared_expert_intermediate_size=32, moe_latent_size=32, n_group=1, topk_group=1,
+        norm_topk_prob=True, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)),
     # Granite-4.0-H (MoE, as H-Tiny / H-Small): Mamba-2 layers (one group of B/C) and
     # rope-less attention scaled by attention_multiplier, each with top-2-of-4 experts beside
     # a shared MLP; Granite's embedding, residual and logit multipliers

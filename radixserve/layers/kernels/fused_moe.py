@@ -23,6 +23,7 @@ ones for prefill.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 import json
 from pathlib import Path
 
@@ -182,23 +183,27 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   fp8_scales: tuple[torch.Tensor, torch.Tensor, int | None] | None = None,
                   biases: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  swiglu: tuple[float, float] | None = None) -> torch.Tensor:
+                  swiglu: tuple[float, float] | None = None,
+                  activation: Callable[[torch.Tensor], torch.Tensor] | None = None
+                  ) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H]: sum over each
     token's k experts of weight * down(silu(gate) * up). FP8 experts: fp8_scales = (w13 scales
     [E, 2I, G1], w2 scales [E, H, G2], block or None). gpt-oss: biases (gate|up [E, 2I],
     down [E, H]) added in the products' epilogues, and swiglu = (alpha, limit) of the clamped
-    SwiGLU (layers/activation.clamped_swiglu) instead of SiLU-mul."""
+    SwiGLU (layers/activation.clamped_swiglu) instead of SiLU-mul. Ungated experts
+    (Nemotron-H): w13 [E, I, H] the up projection alone and `activation` (elementwise, e.g.
+    ReLU squared) between the products."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden_size = w13.shape
     if num_tokens == 0:
         return torch.zeros_like(hidden)
-    gemv = moe_gemv_configs(num_tokens, top_k, w13, w2,
-                            fp8_scales[2] if fp8_scales is not None else None)
+    gemv = None if activation is not None else moe_gemv_configs(
+        num_tokens, top_k, w13, w2, fp8_scales[2] if fp8_scales is not None else None)
     if gemv is not None:  # a few decode tokens: two GEMVs, no alignment (moe_gemv.py)
         return moe_gemv_experts(hidden, w13, w2, topk_weights, topk_ids, gemv, fp8_scales,
                                 biases, swiglu)
     config1 = moe_kernel_config(num_tokens, num_experts, two_i, hidden_size)
-    config2 = moe_kernel_config(num_tokens, num_experts, hidden_size, two_i // 2)
+    config2 = moe_kernel_config(num_tokens, num_experts, hidden_size, w2.shape[2])
     weights = topk_weights.reshape(-1).to(torch.float32)
     align = moe_align_block_size_triton if num_tokens * top_k <= ALIGN_KERNEL_MAX_PAIRS \
         else moe_align_block_size
@@ -208,7 +213,10 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     b13, b2 = biases if biases is not None else (None, None)
     invoke_moe_gemm(hidden, w13, gate_up, weights, aligned, top_k, False, config1, s13, block,
                     b13)
-    act = silu_and_mul(gate_up) if swiglu is None else clamped_swiglu(gate_up, *swiglu)
+    if activation is not None:
+        act = activation(gate_up)
+    else:
+        act = silu_and_mul(gate_up) if swiglu is None else clamped_swiglu(gate_up, *swiglu)
     if config2["BLOCK_M"] != config1["BLOCK_M"]:
         aligned = align(topk_ids, config2["BLOCK_M"], num_experts)
     down = torch.empty(num_tokens * top_k, hidden_size, dtype=hidden.dtype,

@@ -235,20 +235,26 @@ class FusedMoE(nn.Module):
                 self.weight_loader(param, half, (expert, name))
         return {(expert, name) for expert in range(self.num_experts) for name in pieces}
 
+    def fused_options(self) -> dict[str, object] | None:
+        """fused_experts' arguments past the weights and choices, where the fused kernels
+        serve this layer's activation; None otherwise."""
+        swiglu = (self.act.alpha, self.act.limit) if self.activation == "swigluoai" else None
+        if self.activation != "silu" and swiglu is None:
+            return None
+        scales = (self.w13_weight_scale, self.w2_weight_scale, self.group_k) \
+            if self.fp8 is not None else None
+        return {"fp8_scales": scales, "biases": self.biases, "swiglu": swiglu}
+
     def forward(self, hidden: torch.Tensor, topk: TopK) -> torch.Tensor:
-        if hidden.is_cuda:
+        options = self.fused_options() if hidden.is_cuda else None
+        if options is not None:
             try:
                 from radixserve.layers.kernels.fused_moe import fused_experts
             except ImportError:
                 pass
             else:
-                scales = (self.w13_weight_scale, self.w2_weight_scale, self.group_k) \
-                    if self.fp8 is not None else None
-                swiglu = (self.act.alpha, self.act.limit) if self.activation == "swigluoai" \
-                    else None
-                if self.activation == "silu" or swiglu is not None:
-                    return fused_experts(hidden, self.w13_weight, self.w2_weight,
-                                         topk.weights, topk.ids, scales, self.biases, swiglu)
+                return fused_experts(hidden, self.w13_weight, self.w2_weight, topk.weights,
+                                     topk.ids, **options)  # type: ignore[arg-type]
         return self.forward_native(hidden, topk)
 
     def forward_native(self, hidden: torch.Tensor, topk: TopK) -> torch.Tensor:
