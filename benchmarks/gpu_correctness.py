@@ -141,10 +141,33 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], int | None]] = {
                                            norm_topk_prob=True,
                                            layer_types=["linear_attention"] * 3 +
                                            ["full_attention"]), None),
+    # Nemotron-H / Nemotron-3-Nano: Mamba-2 mixers (16 heads of 64 in 2 groups of B/C,
+    # state 128, the conv with a bias) beside rope-less attention, a ReLU-squared MLP and
+    # ungated ReLU-squared experts (sigmoid routing in groups) through the fused-MoE kernels
+    "nemotron-h": ("NemotronHConfig", dict(hidden_size=512, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=128,
+                                           mamba_num_heads=16, mamba_head_dim=64,
+                                           ssm_state_size=128, n_groups=2, conv_kernel=4,
+                                           chunk_size=64, n_routed_experts=16,
+                                           num_experts_per_tok=4, moe_intermediate_size=256,
+                                           moe_shared_expert_intermediate_size=256, n_group=4,
+                                           topk_group=2, layers_block_type=[
+                                               "linear_attention", "moe", "full_attention",
+                                               "mlp", "linear_attention", "moe"]), None),
+    # Granite-4.0-H: Mamba-2 (one group of B/C) and rope-less attention layers, each with top-2
+    # experts beside a shared MLP, Granite's multipliers
+    "granite-h": ("GraniteMoeHybridConfig", dict(
+        hidden_size=512, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+        shared_intermediate_size=512, num_local_experts=8, num_experts_per_tok=2,
+        layer_types=["linear_attention", "attention", "linear_attention", "linear_attention"],
+        mamba_n_heads=16, mamba_n_groups=1, mamba_d_state=64, mamba_d_head=64,
+        mamba_chunk_size=64, embedding_multiplier=12.0, residual_multiplier=0.22,
+        attention_multiplier=0.0078125, logits_scaling=4.0, position_embedding_type="nope"),
+        None),
 }
 DEFAULT_CHECKPOINTS = ["hd128-gqa4", "mistral-swa32", "gemma2-hd64", "gemma3-hd64", "qwen3-hd64"]
 MOE_CHECKPOINTS = ["mixtral-moe", "qwen3-moe", "deepseek-mla", "deepseek-v3", "glm4-moe",
-                   "gpt-oss", "mistral4", "qwen3-next"]
+                   "gpt-oss", "mistral4", "qwen3-next", "nemotron-h", "granite-h"]
 PATHS = (("torch_native", False, 1), ("triton", False, 1), ("triton", True, 1))
 
 

@@ -34,7 +34,7 @@ class ParamCounts(NamedTuple):
         return self.num_experts * (1.0 - unused)
 
 
-def _attention_params(cfg: ModelConfig) -> tuple[int, int]:
+def attention_params(cfg: ModelConfig) -> tuple[int, int]:
     """(linear weights, biases and norms) of one attention block."""
     hf, h = cfg.hf, cfg.hidden_size
     if getattr(hf, "kv_lora_rank", None):  # MLA
@@ -103,12 +103,13 @@ def _is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
 
 
 def _layer_kinds(cfg: ModelConfig) -> list[str]:
-    """Each layer's token mixer: "linear_attention" for the Gated DeltaNet layers of hybrid
-    models (Qwen3-Next, Qwen3.5), else "attention"."""
+    """Each layer's kind: "linear_attention" for the recurrent mixers of hybrid models (Gated
+    DeltaNet, Mamba-2), "mlp" / "moe" for Nemotron-H's layers of an MLP alone, else
+    "attention"."""
     types = cfg.layer_types or ()
     if "linear_attention" not in types:
         return ["attention"] * cfg.num_hidden_layers
-    return ["linear_attention" if t == "linear_attention" else "attention" for t in types]
+    return [t if t in ("linear_attention", "mlp", "moe") else "attention" for t in types]
 
 
 def _linear_attention_params(cfg: ModelConfig) -> tuple[int, int]:
@@ -126,6 +127,9 @@ def _linear_attention_params(cfg: ModelConfig) -> tuple[int, int]:
 def recurrent_state_bytes(cfg: ModelConfig, conv_itemsize: int = 2) -> int:
     """One request's states in all linear-attention layers (float32 recurrent state, the conv's
     last inputs in the model dtype): what a decode step reads and writes per request."""
+    from radixserve.bench.mamba_counts import MAMBA_HYBRIDS, mamba_state_bytes
+    if cfg.architecture in MAMBA_HYBRIDS:
+        return mamba_state_bytes(cfg, conv_itemsize)
     kinds = _layer_kinds(cfg)
     if "linear_attention" not in kinds:
         return 0
@@ -139,7 +143,10 @@ def recurrent_state_bytes(cfg: ModelConfig, conv_itemsize: int = 2) -> int:
 
 def param_counts(cfg: ModelConfig) -> ParamCounts:
     h = cfg.hidden_size
-    attn_linear, attn_other = _attention_params(cfg)
+    from radixserve.bench.mamba_counts import MAMBA_HYBRIDS, mamba_hybrid_counts
+    if cfg.architecture in MAMBA_HYBRIDS:
+        return mamba_hybrid_counts(cfg)
+    attn_linear, attn_other = attention_params(cfg)
     kinds = _layer_kinds(cfg)
     if "linear_attention" in kinds and getattr(cfg.hf, "model_type", "").startswith("qwen3"):
         # Qwen3-Next / Qwen3.5's gated attention: each q head also projects its gate

@@ -12,7 +12,9 @@ from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig,
                           MiniMaxM2Config, MiniMaxM2ForCausalLM, Olmo2Config,
                           Olmo2ForCausalLM, OlmoHybridConfig,
                           OlmoHybridForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
-                          Qwen3NextConfig, Qwen3NextForCausalLM)
+                          Qwen3NextConfig, Qwen3NextForCausalLM, NemotronHConfig,
+                          NemotronHForCausalLM, GraniteMoeHybridConfig,
+                          GraniteMoeHybridForCausalLM)
 
 from radixserve.bench import hardware
 from radixserve.core.model_config import ModelConfig
@@ -71,7 +73,23 @@ def _models() -> list[tuple[str, PretrainedConfig, type]]:
                                            num_local_experts=4, num_experts_per_tok=2,
                                            tie_word_embeddings=False, pad_token_id=0,
                                            eos_token_id=1, bos_token_id=None),
-             MiniMaxM2ForCausalLM)]
+             MiniMaxM2ForCausalLM),
+            # Mamba-2 hybrids: one mixer per layer (Mamba-2, attention, ReLU-squared MLP, MoE
+            # of ungated experts in a latent width), and Granite's mixer + experts and shared MLP
+            ("nemotron-h", NemotronHConfig(
+                vocab_size=320, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+                mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
+                n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                moe_shared_expert_intermediate_size=32, moe_latent_size=40,
+                tie_word_embeddings=False), NemotronHForCausalLM),
+            ("granite-h", GraniteMoeHybridConfig(
+                **SHAPE, shared_intermediate_size=48, num_local_experts=4,
+                num_experts_per_tok=2, mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16,
+                mamba_d_head=16, layer_types=["linear_attention", "attention",
+                                              "linear_attention"], tie_word_embeddings=True),
+             GraniteMoeHybridForCausalLM)]
 
 
 def _pair(hf_cfg: PretrainedConfig, cls: type) -> tuple[ModelConfig, torch.nn.Module]:
