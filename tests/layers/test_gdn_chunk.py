@@ -91,29 +91,31 @@ def test_kernels_stay_exact_on_a_run_of_one_token() -> None:
     _assert_kernels_equal_the_recurrence(q, k, v, g, beta, start, length)
 
 
-@pytest.mark.parametrize("width", [3, 1])
-def test_conv_kernel_matches_the_torch_form(width: int) -> None:
+@pytest.mark.parametrize("width,bias", [(3, False), (1, False), (3, True)])
+def test_conv_kernel_matches_the_torch_form(width: int, bias: bool) -> None:
     """Three packed sequences (one shorter than the conv's reach, continuing its row's
     inputs; one from position 0; one of 70 tokens continuing), 200 channels in a wider
-    row, state rows picked out of order."""
+    row, state rows picked out of order; with a bias (Mamba-2's conv) or without."""
     gen = torch.Generator().manual_seed(width)
     lens, starts, keep = [2, 70, 9], [3, 5, 75], [True, False, True]
     channels, padded_len = 200, 128
     mixed = torch.randn(90, channels + 40, generator=gen)[:, :channels]  # a strided view
     weight = torch.randn(channels, width + 1, generator=gen) * 0.5
     conv_states = torch.randn(5, width, channels, generator=gen)
+    conv_bias = torch.randn(channels, generator=gen) if bias else None
     rows = torch.tensor([4, 1, 2])
     expected_out = torch.zeros(3, padded_len, channels)
     expected_states = []
     for r, (s, n, k) in enumerate(zip(starts, lens, keep)):
         start = conv_states[rows[r]] if k else torch.zeros(width, channels)
-        out, full = conv_extend(mixed[None, s:s + n], weight, start[None])
+        out, full = conv_extend(mixed[None, s:s + n], weight, start[None], conv_bias)
         expected_out[r, :n] = out[0]
         expected_states.append(full[0, n:])
     to = {"device": DEVICE}
     args = (conv_states.to(**to), rows.to(**to), torch.tensor(starts, **to),
             torch.tensor(lens, **to), torch.tensor(keep, **to))
-    out = conv_extend_padded(mixed.to(**to), weight.to(**to), *args, padded_len)
+    out = conv_extend_padded(mixed.to(**to), weight.to(**to), *args, padded_len,
+                             None if conv_bias is None else conv_bias.to(**to))
     torch.testing.assert_close(out.cpu(), expected_out, atol=1e-5, rtol=1e-5)
     states = conv_states_after(mixed.to(**to), *args)
     torch.testing.assert_close(states.cpu(), torch.stack(expected_states))
