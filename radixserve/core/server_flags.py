@@ -95,7 +95,7 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
                                   "template, else hermes)",
                          ("hermes", "qwen25", "qwen3", "llama3", "mistral", "deepseek_v3",
                           "deepseekv3", "deepseek_v31", "deepseekv31", "glm45", "glm47",
-                          "minimax_m2", "minimax-m2", "openai", "harmony")),
+                          "minimax_m2", "minimax-m2", "qwen3_coder", "openai", "harmony")),
     "exclude_tools_when_tool_choice_none": (SERVING, "tool_choice \"none\" leaves the tools out "
                                                      "of the prompt (default: they are "
                                                      "rendered, as vLLM does, but no call is "
@@ -104,7 +104,8 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
                                   "chat response's reasoning_content (default: none, all "
                                   "of it is content; gpt-oss's channels are split without it)",
                          ("deepseek-r1", "deepseek_r1", "qwen3", "glm45", "gpt-oss",
-                          "openai_gptoss", "minimax_m2", "minimax-m2")),
+                          "openai_gptoss", "minimax_m2", "minimax-m2", "nano_v3",
+                          "nemotron_v3")),
     "attention_backend": (KERNELS, "attention kernels (default: triton on GPU, cpu on CPU: "
                                    "torch_native with compiled CPU kernels)",
                           ("cpu", "torch_native", "triton")),

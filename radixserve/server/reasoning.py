@@ -66,7 +66,10 @@ FORMATS = {"deepseek-r1": ReasoningFormat("deepseek-r1", thinks_by_default=True)
 # vLLM spells them with underscores; GLM-4.5 / 4.6 / 4.7 think as Qwen3 does (SGLang's and
 # vLLM's glm45), and so does MiniMax-M2 (its template opens the block in the prompt)
 ALIASES = {"deepseek_r1": "deepseek-r1", "glm45": "qwen3", "openai_gptoss": "gpt-oss",
-           "gpt_oss": "gpt-oss", "minimax_m2": "qwen3", "minimax-m2": "qwen3"}
+           "gpt_oss": "gpt-oss", "minimax_m2": "qwen3", "minimax-m2": "qwen3",
+           # Nemotron-3's template opens the block in the prompt when thinking is on and
+           # writes it closed when off: qwen3's reading of the prompt
+           "nano_v3": "qwen3", "nemotron_v3": "qwen3"}
 
 
 def get_format(name: str) -> ReasoningFormat:

@@ -101,6 +101,14 @@ CASES = [
      [("get_weather", {"city": "a<b>c", "n": {"x": [1, 2.5]}}), ("get_time", {})]),
     ("minimax_m2", "Hi <minimax:tool_call> not a call", "Hi <minimax:tool_call> not a call",
      []),
+    # Qwen3-Coder: a block per call, values on lines of their own (a string keeps its inner
+    # newline and its "<"), a JSON value, a call without parameters
+    ("qwen3_coder", 'Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n'
+                    'a<b\nc\n</parameter>\n<parameter=n>\n{"x": [1, 2.5]}\n</parameter>\n'
+                    '</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n'
+                    '</function>\n</tool_call>', "Checking.",
+     [("get_weather", {"city": "a<b\nc", "n": {"x": [1, 2.5]}}), ("get_time", {})]),
+    ("qwen3_coder", "Hi <tool_call> not a call", "Hi <tool_call> not a call", []),
 ]
 
 
@@ -170,6 +178,7 @@ def test_detect_parser_from_template() -> None:
     assert detect_parser_name("[TOOL_CALLS]") == "mistral"
     assert detect_parser_name("<|python_tag|>{{ x }}") == "llama3"
     assert detect_parser_name("<|im_start|>") == "hermes"  # the default
+    assert detect_parser_name("{{ '<tool_call>\\n<function=' + name }}") == "qwen3_coder"
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         get_parser("nope")
 
@@ -194,7 +203,8 @@ TWO_CALLS = ONE_CALL + [ToolCall("get_time", '{"zone": "UTC"}')]
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["single", "parallel"])
 @pytest.mark.parametrize("name", ["hermes", "llama3", "mistral", "deepseek_v3",
-                                  "deepseek_v31", "glm45", "glm47", "minimax_m2"])
+                                  "deepseek_v31", "glm45", "glm47", "minimax_m2",
+                                  "qwen3_coder"])
 def test_forced_call_grammar_accepts_what_the_parser_reads(name: str, parallel: bool) -> None:
     parser = get_parser(name)
     ebnf = forced_call_ebnf(parser, [WEATHER, TIME], parallel)
@@ -208,7 +218,8 @@ def test_forced_call_grammar_accepts_what_the_parser_reads(name: str, parallel: 
 @pytest.mark.parametrize("name,several", [("hermes", True), ("mistral", True),
                                           ("llama3", False), ("deepseek_v3", True),
                                           ("deepseek_v31", True), ("glm45", True),
-                                          ("glm47", True), ("minimax_m2", True)])
+                                          ("glm47", True), ("minimax_m2", True),
+                                          ("qwen3_coder", True)])
 def test_forced_grammar_allows_several_calls_only_when_parallel(name: str,
                                                                 several: bool) -> None:
     """hermes (one <tool_call> block per call), mistral (one JSON array) and deepseek (one
@@ -223,7 +234,8 @@ def test_forced_grammar_allows_several_calls_only_when_parallel(name: str,
     between = text[:text.index("get_time") - len('{"name": "')]
     if name.startswith("deepseek"):  # the first call's end marker, the section's end missing
         between = text[:text.rindex("<｜tool▁call▁begin｜>")]
-    if name.startswith(("glm", "minimax")):  # the first call whole, the second's tag begun
+    if name.startswith(("glm", "minimax", "qwen3")):  # the first call whole, the second's
+        # tag begun
         between = text[:text.rindex("get_time")]
     assert not _accepts(forced_call_ebnf(parser, [WEATHER, TIME], parallel=True), between)
 

@@ -34,33 +34,39 @@ class MiniMaxM2Parser(Glm45Parser):
     marker = BLOCK_BEGIN
     markers = (BLOCK_BEGIN, BLOCK_END, INVOKE_BEGIN, INVOKE_END, PARAM_BEGIN, PARAM_END)
     grammar_between = ""  # each invoke's literal text ends with its newline
+    # the tags (Qwen3-Coder's format has the same structure under other tags)
+    block_tags = (BLOCK_BEGIN, BLOCK_END)
+    invoke_tags = (INVOKE_BEGIN, INVOKE_END)
+    param_tags = (PARAM_BEGIN, PARAM_END)
 
     def _call_begin(self, text: str, pos: int) -> tuple[str | None, int] | None:
         while True:  # blocks open and close around invokes, one or several
-            tag = next((t for t in (BLOCK_BEGIN, BLOCK_END) if text.startswith(t, pos)), None)
+            tag = next((t for t in self.block_tags if text.startswith(t, pos)), None)
             if tag is None:
                 break
             pos = skip_blanks(text, pos + len(tag))
-        if not text.startswith(INVOKE_BEGIN, pos):
+        if not text.startswith(self.invoke_tags[0], pos):
             return None
-        return _tag_name(text, pos + len(INVOKE_BEGIN))
+        return tag_name(text, pos + len(self.invoke_tags[0]))
 
     def _pairs(self, name: str, text: str, pos: int) -> tuple[list[str], int, bool]:
         """The complete `"key": value` texts of the invoke whose name tag ends at `pos`,
         where its text so far ends, and whether the invoke is complete."""
         pairs: list[str] = []
+        invoke_end = self.invoke_tags[1]
+        param_begin, param_end = self.param_tags
         while True:
             pos = skip_blanks(text, pos)
-            if text.startswith(INVOKE_END, pos):
-                return pairs, pos + len(INVOKE_END), True
-            if not text.startswith(PARAM_BEGIN, pos):
+            if text.startswith(invoke_end, pos):
+                return pairs, pos + len(invoke_end), True
+            if not text.startswith(param_begin, pos):
                 return pairs, pos, False
-            key, after = _tag_name(text, pos + len(PARAM_BEGIN))
-            stop = text.find(PARAM_END, after) if key is not None else -1
+            key, after = tag_name(text, pos + len(param_begin))
+            stop = text.find(param_end, after) if key is not None else -1
             if key is None or stop < 0:
                 return pairs, pos, False
             pairs.append(self._pair_text(name, key, text[after:stop]))
-            pos = stop + len(PARAM_END)
+            pos = stop + len(param_end)
 
     def _value(self, function: str, key: str, text: str) -> Any:
         if is_text_parameter(_parameter_schema(self.tools, function, key)):
@@ -87,7 +93,7 @@ class MiniMaxM2Parser(Glm45Parser):
         return f'{PARAM_BEGIN}"', '">', f"{PARAM_END}\n"
 
 
-def _tag_name(text: str, pos: int) -> tuple[str | None, int]:
+def tag_name(text: str, pos: int) -> tuple[str | None, int]:
     """(name, past the tag's ">") of a tag whose `name=` ends at `pos`: a quoted name holds
     anything but its quote, an unquoted one no blank, quote or "<". (None, pos) while the tag
     is unfinished; (None, -1) where what stands there is no name."""

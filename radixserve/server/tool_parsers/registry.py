@@ -8,10 +8,12 @@ in "```json", V3.1's write the name before the sep and neither: a template with 
 sign is deepseek_v3, any other deepseek_v31. The names are vLLM's (deepseek_v3, deepseek_v31)
 and SGLang's (deepseekv3, deepseekv31).
 
-GLM's templates write `<arg_key>` (and `<tool_call>`, so they are told apart from hermes'
-first): glm45 where a newline separates `</arg_key>` from `<arg_value>` (GLM-4.5 / 4.6),
-glm47 where nothing does (GLM-4.7). gpt-oss's (`<|channel|>`) is openai (tool_parsers/harmony.py,
-vLLM's name; also `harmony`). MiniMax-M2's (`<minimax:tool_call>`) is minimax_m2."""
+Qwen3-Coder's, Qwen3.5's and Nemotron-3's templates write `<function=` inside `<tool_call>`
+(qwen3_coder, so told apart from hermes' JSON calls first). GLM's write `<arg_key>` (and
+`<tool_call>`, so they are told apart from hermes' first): glm45 where a newline separates
+`</arg_key>` from `<arg_value>` (GLM-4.5 / 4.6), glm47 where nothing does (GLM-4.7).
+gpt-oss's (`<|channel|>`) is openai (tool_parsers/harmony.py, vLLM's name; also `harmony`).
+MiniMax-M2's (`<minimax:tool_call>`) is minimax_m2."""
 from __future__ import annotations
 
 import re
@@ -26,6 +28,7 @@ from radixserve.server.tool_parsers.hermes import HermesParser
 from radixserve.server.tool_parsers.llama3 import Llama3JsonParser
 from radixserve.server.tool_parsers.minimax import BLOCK_BEGIN, MiniMaxM2Parser
 from radixserve.server.tool_parsers.mistral import MistralParser
+from radixserve.server.tool_parsers.qwen3_coder import FUNCTION_BEGIN, Qwen3CoderParser
 
 PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesParser, "qwen25": HermesParser, "qwen3": HermesParser,
@@ -35,6 +38,7 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "glm45": Glm45Parser, "glm47": Glm47Parser,
     "openai": HarmonyToolParser, "harmony": HarmonyToolParser,
     "minimax_m2": MiniMaxM2Parser, "minimax-m2": MiniMaxM2Parser,
+    "qwen3_coder": Qwen3CoderParser,
 }
 DEFAULT_PARSER = "hermes"
 # V3's type before the sep: the literal "function" or the template's tool['type'] / tool.type
@@ -63,6 +67,8 @@ def detect_parser_name(chat_template: str | None) -> str:
         between = _GLM_BETWEEN.search(template)
         newline = between is not None and ("\n" in between.group(1) or "\\n" in between.group(1))
         return "glm45" if newline else "glm47"
+    if FUNCTION_BEGIN in template:  # Qwen3-Coder's <function=...> inside <tool_call>
+        return "qwen3_coder"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:

@@ -1,0 +1,44 @@
+"""Qwen3-Coder's tool calls (`qwen3_coder`: Qwen3-Coder, Qwen3.5, Nemotron-3-Nano), a block per
+call:
+
+  <tool_call>
+  <function=NAME>
+  <parameter=KEY>
+  VALUE
+  </parameter>
+  ...
+  </function>
+  </tool_call>
+
+MiniMax-M2's structure under other tags (minimax.py): a string parameter's value is its text
+less one newline on each side, any other is JSON (read as JSON where it parses, else kept as
+text, by the request's tools' schemas); names are unquoted. A stream reports a call once its
+function tag is complete and grows its arguments one complete parameter at a time. A forced
+call's grammar writes each call in its own block, as the chat template does."""
+from __future__ import annotations
+
+from radixserve.server.tool_parsers.glm import CALL_BEGIN, CALL_END, Glm45Parser
+from radixserve.server.tool_parsers.minimax import MiniMaxM2Parser
+
+FUNCTION_BEGIN, FUNCTION_END = "<function=", "</function>"
+PARAM_BEGIN, PARAM_END = "<parameter=", "</parameter>"
+
+
+class Qwen3CoderParser(MiniMaxM2Parser):
+    name = "qwen3_coder"
+    marker = CALL_BEGIN
+    markers = (CALL_BEGIN, CALL_END, FUNCTION_BEGIN, FUNCTION_END, PARAM_BEGIN, PARAM_END)
+    grammar_between = "\n"
+    block_tags = (CALL_BEGIN, CALL_END)
+    invoke_tags = (FUNCTION_BEGIN, FUNCTION_END)
+    param_tags = (PARAM_BEGIN, PARAM_END)
+    # one block per call: GLM's joining of whole calls, not MiniMax's one block around all
+    format_calls = Glm45Parser.format_calls
+    wrap_call = Glm45Parser.wrap_call
+    grammar_parts = Glm45Parser.grammar_parts
+
+    def call_literals(self, name: str) -> tuple[str, str]:
+        return f"{CALL_BEGIN}\n{FUNCTION_BEGIN}{name}>\n", f"{FUNCTION_END}\n{CALL_END}"
+
+    def argument_pairs(self) -> tuple[str, str, str]:
+        return PARAM_BEGIN, ">\n", f"\n{PARAM_END}\n"

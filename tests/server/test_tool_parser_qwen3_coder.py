@@ -1,0 +1,53 @@
+"""Qwen3-Coder's tool calls (tool_parsers/qwen3_coder.py: Qwen3-Coder, Qwen3.5, Nemotron-3)
+beyond the shared cases of test_tool_parsers.py: the flag name, template detection and
+Nemotron-3's reasoning alias, values read by the request's tools' schemas, and the forced
+grammar's text."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from radixserve.server.reasoning import get_format, prompt_block
+from radixserve.server.tool_parsers.base import ToolCall
+from radixserve.server.tool_parsers.grammar import forced_call_ebnf
+from radixserve.server.tool_parsers.qwen3_coder import Qwen3CoderParser
+from radixserve.server.tool_parsers.registry import detect_parser_name, get_parser
+from tests.server.test_tool_parser_glm import BOOKING, assert_values_read_by_the_tools_schemas
+from tests.server.test_tool_parsers import _accepts
+
+# the assistant turn of Qwen3-Coder's chat template, as Qwen3.5's and Nemotron-3's write it
+TEMPLATE = ("{%- for tool_call in message.tool_calls %}{{- '<tool_call>\\n<function=' + "
+            "tool_call.function.name + '>\\n' }}{%- for k, v in tool_call.function.arguments"
+            "|items %}{{- '<parameter=' + k + '>\\n' }}{{- v }}{{- '\\n</parameter>\\n' }}"
+            "{%- endfor %}{{- '</function>\\n</tool_call>' }}{%- endfor %}")
+
+
+def test_flag_name_template_detection_and_reasoning_alias() -> None:
+    assert type(get_parser("qwen3_coder")) is Qwen3CoderParser
+    assert detect_parser_name(TEMPLATE) == "qwen3_coder"
+    fmt = get_format("nano_v3")  # Nemotron-3: the prompt opens <think> when thinking is on
+    assert fmt.name == "qwen3" and prompt_block(fmt, "<|im_start|>assistant\n<think>\n") == \
+        "opened"
+
+
+def test_values_read_by_the_tools_schemas() -> None:
+    assert_values_read_by_the_tools_schemas("qwen3_coder", (
+        "<tool_call>\n<function=book>\n<parameter=code>\n007\n</parameter>\n"
+        "<parameter=nights>\n3\n</parameter>\n<parameter=late>\ntrue\n</parameter>\n"
+        '<parameter=guest>\n{"name": "Ann"}\n</parameter>\n<parameter=note>\nnot JSON\n'
+        "</parameter>\n</function>\n</tool_call>"))
+
+
+def test_forced_grammar_writes_what_the_template_writes() -> None:
+    parser = get_parser("qwen3_coder")
+    ebnf = forced_call_ebnf(parser, [BOOKING], parallel=False)
+
+    def call(arguments: dict[str, Any]) -> str:
+        return parser.format_calls([ToolCall("book", json.dumps(arguments))])
+
+    assert call({"code": "x", "nights": 2}) == (
+        "<tool_call>\n<function=book>\n<parameter=code>\nx\n</parameter>\n<parameter=nights>"
+        "\n2\n</parameter>\n</function>\n</tool_call>")
+    assert _accepts(ebnf, call({"code": "x<y", "nights": 2}))
+    assert not _accepts(ebnf, call({"nights": 2}))  # a required parameter missing
+    assert not _accepts(ebnf, call({"code": "x", "nights": "two"}))  # not an integer
