@@ -26,7 +26,7 @@ from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.gated_delta_net import _head_param
 from radixserve.layers.gated_delta_rule import conv_step
 from radixserve.layers.linear import LinearBase, RowParallelLinear, _rank_and_size
-from radixserve.layers.recurrent_mixer import RecurrentMixer
+from radixserve.layers.recurrent_mixer import TRITON_ON, RecurrentMixer
 from radixserve.layers.ssd_rule import ssd_chunked, ssd_step
 from radixserve.mem.recurrent_state_pool import RecurrentStateSpec
 
@@ -204,8 +204,14 @@ class Mamba2Mixer(RecurrentMixer):
     def _decode(self, mixed: torch.Tensor, step_inputs: tuple[torch.Tensor, ...],
                 rows: torch.Tensor, conv_states: torch.Tensor, ssm_states: torch.Tensor
                 ) -> torch.Tensor:
-        """One token per request (step_inputs: dt), each continuing its row's states."""
+        """One token per request (step_inputs: dt), each continuing its row's states. On the
+        GPU two Triton launches (kernels/ssd_decode.py) unless RADIXSERVE_GDN_TRITON=0."""
         (dt,) = step_inputs
+        if mixed.is_cuda and TRITON_ON:
+            from radixserve.layers.kernels.ssd_decode import ssd_decode
+            return ssd_decode(mixed, dt, self.A_log, self.D, self.conv_weight, self.conv_bias,
+                              conv_states, ssm_states, rows, self.groups, self.state_size,
+                              self.head_dim)
         conv_out, conv_states[rows] = conv_step(mixed, self.conv_weight, conv_states[rows],
                                                 self.conv_bias)
         q, k, v, x = self._qkv(conv_out, dt)

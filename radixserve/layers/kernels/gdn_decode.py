@@ -21,8 +21,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _conv_step_kernel(Mixed, ConvW, ConvState, Rows, ConvOut, channels, stride_m, stride_sr,
-                      stride_sw, stride_o, WIDTH: tl.constexpr, BLOCK_C: tl.constexpr):
+def _conv_step_kernel(Mixed, ConvW, ConvBias, ConvState, Rows, ConvOut, channels, stride_m,
+                      stride_sr, stride_sw, stride_o, WIDTH: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = offs < channels
@@ -30,6 +31,8 @@ def _conv_step_kernel(Mixed, ConvW, ConvState, Rows, ConvOut, channels, stride_m
     x = tl.load(Mixed + token * stride_m + offs, mask=mask, other=0.0)
     acc = x.to(tl.float32) * \
         tl.load(ConvW + offs * (WIDTH + 1) + WIDTH, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:  # Mamba-2's conv (kernels/ssd_decode.py)
+        acc += tl.load(ConvBias + offs, mask=mask, other=0.0).to(tl.float32)
     base = ConvState + row * stride_sr
     for j in tl.static_range(WIDTH):
         prev = tl.load(base + j * stride_sw + offs, mask=mask, other=0.0)
@@ -96,13 +99,7 @@ def gdn_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: tor
     assert mixed.stride(1) == 1 and a.stride(1) == 1 and b.stride(1) == 1
     assert a.stride(0) == b.stride(0), "a and b as two views of one b|a product"
     assert conv_states.stride(2) == 1 and ssm_states.is_contiguous()
-    channels = mixed.shape[1]
-    conv = torch.empty_like(mixed)
-    block_c = 256
-    _conv_step_kernel[(batch, triton.cdiv(channels, block_c))](
-        mixed, conv_weight, conv_states, rows, conv, channels, mixed.stride(0),
-        conv_states.stride(0), conv_states.stride(1), conv.stride(0),
-        WIDTH=conv_states.shape[1], BLOCK_C=block_c, num_warps=4)
+    conv = conv_step_triton(mixed, conv_weight, None, conv_states, rows)
     block_v = min(triton.next_power_of_2(value_dim), 32)
     _rule_step_kernel[(batch, num_v_heads, triton.cdiv(value_dim, block_v))](
         conv, a, b, a_log, dt_bias, ssm_states, rows, out, conv.stride(0), a.stride(0),
@@ -111,3 +108,19 @@ def gdn_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: tor
         GROUP=num_v_heads // num_k_heads,
         BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=block_v, num_warps=4)
     return out
+
+
+def conv_step_triton(mixed: torch.Tensor, conv_weight: torch.Tensor,
+                     conv_bias: torch.Tensor | None, conv_states: torch.Tensor,
+                     rows: torch.Tensor) -> torch.Tensor:
+    """SiLU(conv) [B, C] of one token per request over its row's inputs, which shift by one in
+    place (conv_states [R, W, C] at `rows`)."""
+    batch, channels = mixed.shape
+    conv = torch.empty(batch, channels, dtype=mixed.dtype, device=mixed.device)
+    block_c = 256
+    _conv_step_kernel[(batch, triton.cdiv(channels, block_c))](
+        mixed, conv_weight, conv_weight if conv_bias is None else conv_bias, conv_states, rows,
+        conv, channels, mixed.stride(0), conv_states.stride(0), conv_states.stride(1),
+        conv.stride(0), WIDTH=conv_states.shape[1], HAS_BIAS=conv_bias is not None,
+        BLOCK_C=block_c, num_warps=4)
+    return conv
