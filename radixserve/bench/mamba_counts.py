@@ -13,7 +13,7 @@ from typing import NamedTuple
 from radixserve.bench.param_counts import ParamCounts, attention_params
 from radixserve.core.model_config import ModelConfig
 
-MAMBA_HYBRIDS = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM")
+MAMBA_HYBRIDS = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "BambaForCausalLM")
 
 
 class Mamba2Shape(NamedTuple):
@@ -83,8 +83,8 @@ def _nemotron_mlp_layer(cfg: ModelConfig, kind: str) -> _Layer:
 
 def _granite_mlp(cfg: ModelConfig) -> _Layer:
     hf, h = cfg.hf, cfg.hidden_size
-    shared = 3 * h * hf.shared_intermediate_size
-    if not hf.num_local_experts:
+    shared = 3 * h * getattr(hf, "shared_intermediate_size", cfg.intermediate_size)
+    if not getattr(hf, "num_local_experts", 0):  # Granite-4.0-H-Micro, Bamba
         return _Layer(shared, shared, 0, False)
     routed = 3 * h * cfg.intermediate_size
     router = h * hf.num_local_experts
@@ -118,8 +118,8 @@ def mamba_hybrid_counts(cfg: ModelConfig) -> ParamCounts:
         experts, top_k = hf.n_routed_experts, hf.num_experts_per_tok
         expert = 2 * (hf.moe_latent_size or h) * hf.moe_intermediate_size
     else:
-        experts, top_k = hf.num_local_experts or 0, hf.num_experts_per_tok
-        expert = 3 * h * cfg.intermediate_size
+        experts = getattr(hf, "num_local_experts", 0) or 0
+        top_k, expert = getattr(hf, "num_experts_per_tok", 0), 3 * h * cfg.intermediate_size
     if not moe_layers:
         experts = top_k = expert = 0
     return ParamCounts(embedding, layers, h, lm_head, linear, total, active, expert,

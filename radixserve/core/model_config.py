@@ -38,6 +38,7 @@ ARCHITECTURE_MODEL_TYPES = {
     "OlmoHybridForCausalLM": "olmo_hybrid",
     "NemotronHForCausalLM": "nemotron_h",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "BambaForCausalLM": "bamba",
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",

@@ -1,5 +1,5 @@
-"""Granite-4.0-H (GraniteMoeHybridForCausalLM: H-Micro, H-Tiny, H-Small): Mamba-2 and attention
-layers, each followed by an MLP.
+"""Granite-4.0-H (GraniteMoeHybridForCausalLM: H-Micro, H-Tiny, H-Small) and Bamba: Mamba-2 and
+attention layers, each followed by an MLP.
 
 `layer_types` names each layer's mixer: "linear_attention", a Mamba-2 mixer (layers/
 mamba2_mixer.py, named `mamba` in the checkpoints), or "attention" with rope only where
@@ -61,7 +61,7 @@ class GraniteHybridLayer(PreNormMixerLayer):
         hf = config.hf
         types = hybrid_layer_types(config)
         index = index_among_type(types, layer_id)
-        self.multiplier = float(hf.residual_multiplier)
+        self.multiplier = float(getattr(hf, "residual_multiplier", 1.0))
         if types[layer_id] == "linear_attention":
             self.mamba = Mamba2Mixer(
                 config.hidden_size, hf.mamba_n_heads, hf.mamba_d_head, hf.mamba_d_state,
@@ -69,15 +69,18 @@ class GraniteHybridLayer(PreNormMixerLayer):
                 use_conv_bias=hf.mamba_conv_bias, proj_bias=hf.mamba_proj_bias,
                 time_step_limit=tuple(hf.time_step_limit or (0.0, float("inf"))))
         else:
-            self.self_attn = DecoderAttention(config, index, rotary,
-                                              scaling=float(hf.attention_multiplier))
-        shared = hf.shared_intermediate_size
-        if hf.num_local_experts:  # the shared MLP inside the block, which reduces once
+            scaling = getattr(hf, "attention_multiplier", None)
+            self.self_attn = DecoderAttention(config, index, rotary, scaling=scaling and
+                                              float(scaling))
+        shared = getattr(hf, "shared_intermediate_size", None)
+        if getattr(hf, "num_local_experts", 0):  # the shared MLP in the block, reduced once
             self.mlp: nn.Module = SparseMoeBlock(config, config.intermediate_size, shared,
                                                  shared_name="shared_mlp")
             _merged_gate_up(self.mlp.shared_mlp)
-        else:
+        elif shared is not None:
             self.mlp = _merged_gate_up(dense_mlp(config, shared))
+        else:  # Bamba: gate and up stored apart
+            self.mlp = dense_mlp(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -91,15 +94,19 @@ class GraniteHybridLayer(PreNormMixerLayer):
 class GraniteMoeHybridForCausalLM(KVForAttentionLayers, CausalLM):
     def __init__(self, config: ModelConfig) -> None:
         hf = config.hf
-        rotary = RotaryEmbedding.from_config(config) \
-            if getattr(hf, "position_embedding_type", None) == "rope" else None
+        rotary = RotaryEmbedding.from_config(config) if self.uses_rope(config) else None
 
         def make_layer(config: ModelConfig, layer_id: int, _: RotaryEmbedding) -> nn.Module:
             return GraniteHybridLayer(config, layer_id, rotary)
 
+        scale = float(getattr(hf, "embedding_multiplier", 1.0))
         super().__init__(config, DecoderModel(config, make_layer, RMSNorm,
-                                              embed_scale=float(hf.embedding_multiplier)))
-        self.logits_scaling = float(hf.logits_scaling)
+                                              embed_scale=None if scale == 1.0 else scale))
+        self.logits_scaling = float(getattr(hf, "logits_scaling", 1.0))
+
+    @staticmethod
+    def uses_rope(config: ModelConfig) -> bool:
+        return getattr(config.hf, "position_embedding_type", None) == "rope"
 
     def weight_target(self, name: str) -> tuple[str, object] | None:
         for old, new in _RENAMES:
@@ -122,4 +129,27 @@ class GraniteMoeHybridForCausalLM(KVForAttentionLayers, CausalLM):
         return compute_logits(hidden, self._head(), forward_batch, self.final_logit_cap)
 
 
-EntryClass = [GraniteMoeHybridForCausalLM]
+class BambaForCausalLM(GraniteMoeHybridForCausalLM):
+    """Bamba: Granite-4.0-H-Micro's layers (no experts, no multipliers) under other names (the
+    MLP `feed_forward` with gate and up apart, its norm `pre_ff_layernorm`, the final norm
+    `final_layernorm`), attention with rope over half of each head (partial_rotary_factor)."""
+
+    checkpoint_prefixes = {"model.final_layernorm.": "model.norm."}
+
+    @staticmethod
+    def uses_rope(config: ModelConfig) -> bool:
+        return True
+
+    def weight_target(self, name: str) -> tuple[str, object] | None:
+        if ".feed_forward." not in name and ".pre_ff_layernorm." not in name:
+            return None
+        name = name.replace(".feed_forward.", ".mlp.").replace(
+            ".pre_ff_layernorm.", ".post_attention_layernorm.")
+        part = name.split(".")[-2]
+        if part in self.packed_modules_mapping:  # gate_proj / up_proj into gate_up_proj
+            merged, shard = self.packed_modules_mapping[part]
+            return name.replace(f".{part}.", f".{merged}."), shard
+        return name, None
+
+
+EntryClass = [GraniteMoeHybridForCausalLM, BambaForCausalLM]

@@ -14,7 +14,7 @@ from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig,
                           OlmoHybridForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
                           Qwen3NextConfig, Qwen3NextForCausalLM, NemotronHConfig,
                           NemotronHForCausalLM, GraniteMoeHybridConfig,
-                          GraniteMoeHybridForCausalLM)
+                          GraniteMoeHybridForCausalLM, BambaConfig, BambaForCausalLM)
 
 from radixserve.bench import hardware
 from radixserve.core.model_config import ModelConfig
@@ -89,7 +89,10 @@ def _models() -> list[tuple[str, PretrainedConfig, type]]:
                 num_experts_per_tok=2, mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16,
                 mamba_d_head=16, layer_types=["linear_attention", "attention",
                                               "linear_attention"], tie_word_embeddings=True),
-             GraniteMoeHybridForCausalLM)]
+             GraniteMoeHybridForCausalLM),
+            ("bamba", BambaConfig(**SHAPE, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
+                                  mamba_d_head=16, attn_layer_indices=[1],
+                                  tie_word_embeddings=False), BambaForCausalLM)]
 
 
 def _pair(hf_cfg: PretrainedConfig, cls: type) -> tuple[ModelConfig, torch.nn.Module]:

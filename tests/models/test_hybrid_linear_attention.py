@@ -1,5 +1,5 @@
 """Hybrid models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid: Gated DeltaNet layers;
-Nemotron-H, Granite-4.0-H: Mamba-2 mixers) with per-request recurrent states beside full
+Nemotron-H, Granite-4.0-H, Bamba: Mamba-2 mixers) with per-request recurrent states beside full
 attention, against transformers on tiny random checkpoints it saved itself (fp32). Logits per
 pass are in test_llama_vs_hf.py (its CONFIGS hold the text ones); here the Engine: greedy
 outputs equal transformers' full forward through chunked prefill (states carried from chunk to
@@ -56,7 +56,8 @@ def _generate(folder: str, prompts: list[list[int]], **engine_args: object
 
 @pytest.mark.parametrize("name", ["qwen3_next_hybrid", "qwen3_5_dense", "olmo_hybrid",
                                   "nemotron_h", "nemotron_h_moe", "granite_hybrid_moe",
-                                  pytest.param("granite_hybrid_dense", marks=pytest.mark.slow)])
+                                  pytest.param("granite_hybrid_dense", marks=pytest.mark.slow),
+                                  pytest.param("bamba", marks=pytest.mark.slow)])
 def test_greedy_outputs_equal_transformers(name: str, tmp_path) -> None:
     hf_model = make_checkpoint(name, tmp_path)
     prompts = _prompts(hf_model.config.vocab_size)

@@ -238,6 +238,12 @@ CONFIGS = {
         attention_multiplier=0.25, logits_scaling=1.5, position_embedding_type="rope",
         rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
         eos_token_id=2)),
+    # Bamba: Granite-4.0-H-Micro's layers under other names, rope over half of each head
+    "bamba": (transformers.BambaConfig, dict(
+        BASE, num_hidden_layers=3, num_key_value_heads=2, attn_layer_indices=[1],
+        mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_head=16, mamba_d_conv=4,
+        mamba_chunk_size=16, rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)),
 }
 
 # multimodal checkpoints, served text-only; kept out of CONFIGS, every entry of which
