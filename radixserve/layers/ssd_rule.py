@@ -7,9 +7,10 @@ Per head, with S a [state_size, head_dim] state and for each token t (dt_t > 0 a
 This is linear attention with a scalar decay per token: q = C, k = B, v = dt * x, log decay g =
 dt * A. `ssd_step` runs one token per request (decode); `ssd_chunked` runs whole sequences in
 chunks of CHUNK tokens: the outputs within a chunk in closed form (a causal decayed score
-matrix), each chunk's contribution to the state at once, and only the chunk-to-chunk state
-update in sequence (one multiply-add per chunk). Padded tokens (k = v = 0, g = 0) leave the
-state as it was. All state arithmetic is float32.
+matrix), each chunk's contribution to the state, and the state at every chunk's start as one
+product of those with a lower-triangular matrix of decays between chunks (no loop: the decay
+is a scalar per head and token, so the chunk-to-chunk recurrence is linear). Padded tokens (k
+= v = 0, g = 0) leave the state as it was. All state arithmetic is float32.
 """
 from __future__ import annotations
 
@@ -39,11 +40,16 @@ def ssd_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     chunk_decay = log_decay[..., -1]  # [R, H, N]
     # each chunk's own writes, decayed to its end: [R, H, N, Dk, P]
     written = (k * (chunk_decay[..., None] - log_decay).exp()[..., None]).transpose(-1, -2) @ v
-    starts = torch.empty_like(written)
-    state = state.float()
-    decay = chunk_decay.exp()
-    for n in range(length // CHUNK):
-        starts[:, :, n] = state
-        state = state * decay[:, :, n, None, None] + written[:, :, n]
-    out = within + (q * log_decay.exp()[..., None]) @ starts
-    return out.reshape(batch, heads, length, -1).transpose(1, 2), state
+    # the states at each chunk's start and after the last one, all at once: start n sums the
+    # writes of chunks m < n decayed over chunks m + 1 .. n - 1, and the first state decayed
+    # over chunks 0 .. n - 1 (a lower-triangular [N + 1, N] matrix of decays per head)
+    chunks = length // CHUNK
+    through = chunk_decay.cumsum(-1)  # decay over chunks 0 .. n
+    before = torch.cat([torch.zeros_like(through[..., :1]), through], dim=-1)  # 0 .. n - 1
+    earlier = torch.ones(chunks + 1, chunks, dtype=torch.bool, device=q.device).tril(-1)
+    decays = (before[..., :, None] - through[..., None, :]).masked_fill(
+        ~earlier, float("-inf")).exp()  # [R, H, N + 1, N]
+    states = (decays @ written.flatten(-2)).unflatten(-1, written.shape[-2:]) + \
+        before.exp()[..., None, None] * state.float()[:, :, None]
+    out = within + (q * log_decay.exp()[..., None]) @ states[:, :, :-1]
+    return out.reshape(batch, heads, length, -1).transpose(1, 2), states[:, :, -1]
