@@ -132,3 +132,13 @@ def test_auto_dtype_computes_in_float32_where_the_cpu_lacks_bf16(monkeypatch: py
     assert config.resolve_dtype("bfloat16", "bfloat16", "cpu") == torch.bfloat16
     assert config.resolve_dtype("auto", "bfloat16", "cuda") == torch.bfloat16
     assert config.resolve_dtype("auto", "float32", "cpu") == torch.float32
+
+
+def test_json_encoded_floats_are_read_as_transformers_reads_them() -> None:
+    """transformers writes floats JSON cannot hold as {"__float__": ...} (Nemotron-H's
+    time_step_limit of [0, inf]); other such dicts stay as they are."""
+    from radixserve.core.model_config import _json_floats
+    read = _json_floats({"a": [0.0, {"__float__": "Infinity"}], "b": {"__float__": "-Infinity"},
+                         "c": {"__float__": "foo"}, "d": {"x": {"__float__": "NaN"}}})
+    assert read["a"] == [0.0, float("inf")] and read["b"] == float("-inf")
+    assert read["c"] == {"__float__": "foo"} and read["d"]["x"] != read["d"]["x"]  # NaN

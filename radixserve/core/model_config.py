@@ -66,7 +66,8 @@ def _json_floats(value: Any) -> Any:
     """transformers writes floats JSON cannot hold (Nemotron-H's time_step_limit of [0,
     inf]) as {"__float__": "Infinity"}; its from_pretrained reads them back, as this does."""
     if isinstance(value, dict):
-        if set(value) == {"__float__"}:
+        if set(value) == {"__float__"} and value["__float__"] in ("Infinity", "-Infinity",
+                                                                 "NaN"):
             return float(value["__float__"])
         return {key: _json_floats(item) for key, item in value.items()}
     if isinstance(value, list):

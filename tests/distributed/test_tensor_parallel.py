@@ -119,10 +119,11 @@ def test_online_fp8_with_an_fp8_kv_cache_at_tp2(name: str, tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name, engine_args", [
     ("llama_gqa_llama3_rope", dict(quantization="fp8", kv_cache_dtype="fp8_e4m3")),
-    ("qwen3_moe", {}), ("deepseek_v2_lite_mla", {})])
+    ("qwen3_moe", {}), ("deepseek_v2_lite_mla", {}), ("nemotron_h_moe", {})])
 def test_tp4_matches_tp1(name: str, engine_args: dict, tmp_path) -> None:
     """Four ranks, as issue 18's tp 8 in small: one query head a rank, each of the two KV heads
-    replicated on two ranks (or MLA's latent on all four), experts split four ways."""
+    replicated on two ranks (or MLA's latent on all four), experts split four ways; Mamba-2's
+    two groups of B/C each replicated on two ranks, the gated norm's groups spanning them."""
     make_checkpoint(name, tmp_path)
     prompts = _prompts(160)
     _assert_same_outputs(_run(str(tmp_path), 4, prompts, **engine_args),

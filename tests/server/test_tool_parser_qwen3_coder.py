@@ -51,3 +51,17 @@ def test_forced_grammar_writes_what_the_template_writes() -> None:
     assert _accepts(ebnf, call({"code": "x<y", "nights": 2}))
     assert not _accepts(ebnf, call({"nights": 2}))  # a required parameter missing
     assert not _accepts(ebnf, call({"code": "x", "nights": "two"}))  # not an integer
+
+
+def test_nullable_string_parameters_keep_their_text() -> None:
+    """Optional[str] (anyOf string / null, or a list of types): the value's text, its inner
+    blanks kept, not read as JSON."""
+    tool = {"type": "function", "function": {"name": "edit", "parameters": {
+        "type": "object", "properties": {
+            "old": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            "new": {"type": ["string", "null"]}, "line": {"type": "integer"}}}}}
+    text = ("<tool_call>\n<function=edit>\n<parameter=old>\n42\n</parameter>\n"
+            "<parameter=new>\n    indented\n</parameter>\n<parameter=line>\n7\n"
+            "</parameter>\n</function>\n</tool_call>")
+    _, calls = get_parser("qwen3_coder", None, [tool]).parse(text)
+    assert json.loads(calls[0].arguments) == {"old": "42", "new": "    indented", "line": 7}

@@ -109,6 +109,16 @@ CASES = [
                     '</function>\n</tool_call>', "Checking.",
      [("get_weather", {"city": "a<b\nc", "n": {"x": [1, 2.5]}}), ("get_time", {})]),
     ("qwen3_coder", "Hi <tool_call> not a call", "Hi <tool_call> not a call", []),
+    # as vLLM reads it: end tags left out (a value ends at the next parameter or the
+    # function's end, a function at the block's end), an end tag that text follows kept in
+    # the value, Python literals for non-string values
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+                    "<parameter=n>\n5\n</function>\n</tool_call>", "",
+     [("get_weather", {"city": "Paris", "n": 5})]),
+    ("qwen3_coder", "Ok.\n<tool_call>\n<function=get_time>\n<parameter=zone>\n"
+                    "U</parameter>TC\n</parameter>\n<parameter=flag>\nTrue\n</parameter>\n"
+                    "<parameter=opts>\n{'k': None}\n</parameter>\n</tool_call>", "Ok.",
+     [("get_time", {"zone": "U</parameter>TC", "flag": True, "opts": {"k": None}})]),
 ]
 
 

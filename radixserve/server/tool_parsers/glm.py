@@ -163,11 +163,17 @@ def _between(text: str, pos: int, begin: str, end: str) -> tuple[str | None, int
 
 def is_text_parameter(schema: Any) -> bool:
     """Whether the chat template writes this parameter's values as their text: a string
-    parameter, or one whose `enum` / `const` values are all strings."""
+    parameter (also a nullable one: "string" among its types, or in its anyOf / oneOf), or
+    one whose `enum` / `const` values are all strings."""
     if not isinstance(schema, dict):
         return False
-    if schema.get("type") in ("string", ["string"]):
+    kinds = schema.get("type")
+    if kinds == "string" or (isinstance(kinds, list) and "string" in kinds):
         return True
+    for key in ("anyOf", "oneOf"):
+        options = schema.get(key)
+        if isinstance(options, list) and any(is_text_parameter(o) for o in options):
+            return True
     values = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
     return bool(values) and all(isinstance(v, str) for v in values)
 

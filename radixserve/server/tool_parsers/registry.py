@@ -67,7 +67,7 @@ def detect_parser_name(chat_template: str | None) -> str:
         between = _GLM_BETWEEN.search(template)
         newline = between is not None and ("\n" in between.group(1) or "\\n" in between.group(1))
         return "glm45" if newline else "glm47"
-    if FUNCTION_BEGIN in template:  # Qwen3-Coder's <function=...> inside <tool_call>
+    if FUNCTION_BEGIN in template and "<tool_call>" in template:  # Qwen3-Coder's
         return "qwen3_coder"
     if "<tool_call>" in template:
         return "hermes"
