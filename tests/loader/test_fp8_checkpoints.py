@@ -25,7 +25,7 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
            "q_a_proj", "q_b_proj",  # MLA with q compression (DeepSeek-V3's FP8 release)
            # Gated DeltaNet: Qwen3-Next's grouped projections, Qwen3.5's separate ones
            "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
-           "out_proj")
+           "out_proj", "in_proj")  # Mamba-2 (Nemotron-H; its experts' up / down as above)
 FP8 = torch.float8_e4m3fn
 
 
@@ -149,7 +149,7 @@ def test_a_merged_layer_half_left_unquantised_is_refused(tmp_path) -> None:
         _logits(fp8_folder)
 
 
-@pytest.mark.parametrize("model", ["llama_gqa_llama3_rope", "mixtral_moe"])
+@pytest.mark.parametrize("model", ["llama_gqa_llama3_rope", "mixtral_moe", "nemotron_h_moe"])
 def test_online_quantization_matches_a_per_channel_twin(model: str, tmp_path) -> None:
     make_checkpoint(model, tmp_path / "bf16")
     tensors = load_file(str(tmp_path / "bf16" / "model.safetensors"))

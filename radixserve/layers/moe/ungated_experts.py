@@ -4,7 +4,8 @@
 FusedMoE's layout with w13_weight holding the up projection only: [E, I / tp, H]; the checkpoint
 names each expert's `experts.{e}.up_proj.weight` (piece "w3") and `down_proj.weight`. GPU: the
 fused-MoE kernels with the activation between them (`fused_experts(activation=...)`); elsewhere
-FusedMoE's loop over the chosen experts. FP8 experts are not supported.
+FusedMoE's loop over the chosen experts. FP8: `--quantization fp8` quantises them at load, as
+FusedMoE's (per-row scales, whose rows finish_loading sets); FP8 checkpoints are refused.
 """
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ class UngatedExperts(FusedMoE):
             raise ValueError(f"ungated experts' activation {activation!r} is not supported "
                              "(only relu2)")
         super().__init__(num_experts, hidden_size, intermediate_size)
-        if self.fp8 is not None:
-            raise ValueError("FP8 is not supported for ungated (ReLU-squared) experts")
+        if self.fp8 is not None and not self.fp8.online:
+            raise ValueError("FP8 checkpoints of ungated (ReLU-squared) experts are not "
+                             "supported (--quantization fp8 of a bf16 one is)")
         self.w13_weight = nn.Parameter(torch.empty(num_experts, self.intermediate_size,
                                                    hidden_size), requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -57,4 +59,6 @@ class UngatedExperts(FusedMoE):
         return None
 
     def fused_options(self) -> dict[str, object] | None:
-        return {"activation": relu_squared}
+        scales = (self.w13_weight_scale, self.w2_weight_scale, self.group_k) \
+            if self.fp8 is not None else None
+        return {"fp8_scales": scales, "activation": relu_squared}
