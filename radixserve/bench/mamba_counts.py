@@ -2,9 +2,10 @@
 Nemotron-3, Granite-4.0-H), for the roofline (bench/param_counts.py hands them here).
 
 Nemotron-H: each layer one mixer behind a norm (a Mamba-2 mixer, attention, a ReLU-squared MLP,
-or an MoE of ungated experts with a shared one). Granite-4.0-H: each layer a mixer (Mamba-2 or
-attention) and an MLP (top-k SwiGLU experts beside a shared SwiGLU MLP, or the shared MLP
-alone) behind two norms.
+or an MoE of ungated experts with a shared one). Granite-4.0-H and Bamba: each layer a mixer
+(Mamba-2 or attention) and an MLP (top-k SwiGLU experts beside a shared SwiGLU MLP, or the
+shared MLP alone) behind two norms. Falcon-H1: each layer both mixers side by side, then a
+SwiGLU MLP.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import NamedTuple
 from radixserve.bench.param_counts import ParamCounts, attention_params
 from radixserve.core.model_config import ModelConfig
 
-MAMBA_HYBRIDS = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "BambaForCausalLM")
+MAMBA_HYBRIDS = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "BambaForCausalLM",
+                 "FalconH1ForCausalLM")
 
 
 class Mamba2Shape(NamedTuple):
@@ -43,12 +45,16 @@ def mamba2_shape(cfg: ModelConfig) -> Mamba2Shape:
 def _mamba_params(cfg: ModelConfig) -> tuple[int, int]:
     """(linear weights, the rest) of one Mamba-2 mixer: in_proj (z, x | B | C, dt) and out_proj;
     the conv, dt_bias, A_log, D and the gated norm."""
-    s, h = mamba2_shape(cfg), cfg.hidden_size
+    s, h, hf = mamba2_shape(cfg), cfg.hidden_size, cfg.hf
     inner, channels = s.heads * s.head_dim, s.conv_channels
+    falcon = cfg.architecture == "FalconH1ForCausalLM"
     linear = h * (inner + channels + s.heads) + inner * h
-    other = channels * s.conv_kernel + (channels if s.conv_bias else 0) + 3 * s.heads + inner
+    norm = inner if not falcon or hf.mamba_rms_norm else 0
+    other = channels * s.conv_kernel + (channels if s.conv_bias else 0) + 3 * s.heads + norm
     if s.proj_bias:
-        other += inner + channels + s.heads + h
+        other += inner + channels + s.heads
+    if (hf.projectors_bias if falcon else s.proj_bias):  # out_proj's
+        other += h
     return linear, other
 
 
@@ -58,7 +64,13 @@ def mamba_state_bytes(cfg: ModelConfig, conv_itemsize: int) -> int:
     s = mamba2_shape(cfg)
     per_layer = s.heads * s.state * s.head_dim * 4 + \
         (s.conv_kernel - 1) * s.conv_channels * conv_itemsize
-    return (cfg.layer_types or []).count("linear_attention") * per_layer
+    return len(_mamba_layers(cfg)) * per_layer
+
+
+def _mamba_layers(cfg: ModelConfig) -> list[int]:
+    if cfg.architecture == "FalconH1ForCausalLM":  # a mixer in every layer
+        return list(range(cfg.num_hidden_layers))
+    return [i for i, t in enumerate(cfg.layer_types or []) if t == "linear_attention"]
 
 
 class _Layer(NamedTuple):
@@ -97,9 +109,14 @@ def mamba_hybrid_counts(cfg: ModelConfig) -> ParamCounts:
     nemotron = cfg.architecture == "NemotronHForCausalLM"
     mamba, attention = _mamba_params(cfg), attention_params(cfg)
     layers = linear = active = moe_layers = 0
-    for kind in cfg.layer_types or []:
+    falcon = cfg.architecture == "FalconH1ForCausalLM"
+    kinds = ["falcon"] * cfg.num_hidden_layers if falcon else cfg.layer_types or []
+    for kind in kinds:
         parts = []
-        if kind == "linear_attention":
+        if kind == "falcon":  # both mixers
+            parts += [_Layer(mamba[0], mamba[0], mamba[1], False),
+                      _Layer(attention[0], attention[0], attention[1], False)]
+        elif kind == "linear_attention":
             parts.append(_Layer(mamba[0], mamba[0], mamba[1], False))
         elif kind in ("mlp", "moe"):
             parts.append(_nemotron_mlp_layer(cfg, kind))

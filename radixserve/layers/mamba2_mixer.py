@@ -93,12 +93,14 @@ class PiecewiseConv(nn.Module):
 
 class GroupedGatedRMSNorm(nn.Module):
     """Mamba-2's gated norm: h = y * SiLU(z) in float32, RMS-normed over groups of
-    `group_size` channels, weight * h rounded to the input dtype. `rank_groups`: where this
-    rank's channels start among the full width's groups, and whether a group spans ranks
-    (whose sums of squares are then added over the ranks, by group)."""
+    `group_size` channels, weight * h rounded to the input dtype. A group that spans ranks
+    (fewer groups than ranks) adds its sums of squares over them. `norm_before_gate` (Falcon-H1's
+    default): weight * norm(y) * SiLU(z), all in float32, rounded at the end."""
 
-    def __init__(self, width: int, group_size: int, eps: float) -> None:
+    def __init__(self, width: int, group_size: int, eps: float,
+                 norm_before_gate: bool = False) -> None:
         super().__init__()
+        self.norm_before_gate = norm_before_gate
         rank, size = _rank_and_size(None, None)
         self.width, self.group_size, self.eps = width, group_size, eps
         self.total_groups = width * size // group_size
@@ -108,7 +110,7 @@ class GroupedGatedRMSNorm(nn.Module):
             lambda p, loaded: p.data.copy_(loaded.narrow(0, rank * width, width)))
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        h = y.float() * F.silu(z.float())
+        h = y.float() if self.norm_before_gate else y.float() * F.silu(z.float())
         if self.width % self.group_size == 0:  # whole groups on this rank
             grouped = h.unflatten(-1, (-1, self.group_size))
             variance = grouped.pow(2).mean(-1, keepdim=True)
@@ -118,15 +120,27 @@ class GroupedGatedRMSNorm(nn.Module):
             squares[:, self.first_group] = h.pow(2).sum(-1)
             squares = get_tp_group().all_reduce(squares)[:, self.first_group, None]
             h = h * torch.rsqrt(squares / self.group_size + self.eps)
+        if self.norm_before_gate:
+            return (self.weight.float() * h * F.silu(z.float())).to(y.dtype)
         return self.weight * h.to(y.dtype)
+
+
+class SiluGate(nn.Module):
+    """y * SiLU(z) with no norm (Falcon-H1 without `mamba_rms_norm`)."""
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return y * F.silu(z)
 
 
 class Mamba2Mixer(RecurrentMixer):
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, state_size: int,
                  n_groups: int, conv_kernel: int, eps: float, state_index: int,
                  use_conv_bias: bool = True, proj_bias: bool = False,
-                 time_step_limit: tuple[float, float] = (0.0, float("inf"))) -> None:
-        """state_index: this layer's index among the model's recurrent layers."""
+                 time_step_limit: tuple[float, float] = (0.0, float("inf")),
+                 norm: str = "gate_then_norm", out_bias: bool | None = None) -> None:
+        """state_index: this layer's index among the model's recurrent layers. norm:
+        "gate_then_norm" (Mamba-2's), "norm_then_gate" or "gate" (no norm: Falcon-H1's
+        choices). out_bias: out_proj's bias where it differs from in_proj's (Falcon-H1)."""
         super().__init__()
         rank, tp = _rank_and_size(None, None)
         if num_heads % tp or num_heads % n_groups or (n_groups % tp and tp % n_groups):
@@ -150,8 +164,10 @@ class Mamba2Mixer(RecurrentMixer):
         self.dt_bias = _head_param(num_heads, 1.0)
         self.A_log = _head_param(num_heads, 0.0)
         self.D = _head_param(num_heads, 1.0)
-        self.norm = GroupedGatedRMSNorm(self.inner, inner // n_groups, eps)
-        self.out_proj = RowParallelLinear(inner, hidden_size, bias=proj_bias)
+        self.norm: nn.Module = SiluGate() if norm == "gate" else GroupedGatedRMSNorm(
+            self.inner, inner // n_groups, eps, norm_before_gate=norm == "norm_then_gate")
+        self.out_proj = RowParallelLinear(inner, hidden_size,
+                                          bias=proj_bias if out_bias is None else out_bias)
         self.time_step_limit = (float(time_step_limit[0]), float(time_step_limit[1]))
         self.state_index = state_index
 

@@ -338,6 +338,22 @@ class DecoderModel(nn.Module):
         return hidden
 
 
+def renamed_target(name: str, renames: tuple[tuple[str, str], ...],
+                   packed: dict[str, tuple[str, object]]) -> tuple[str, object] | None:
+    """A model's `weight_target` for checkpoint names that differ from ours by `renames` (old,
+    new pieces): the renamed parameter, into its merged parameter's shard where `packed` maps
+    the module (gate_proj -> gate_up_proj, 0); None for names none of them touch."""
+    if not any(old in name for old, _ in renames):
+        return None
+    for old, new in renames:
+        name = name.replace(old, new)
+    part = name.split(".")[-2]
+    if part in packed:
+        merged, shard = packed[part]
+        return name.replace(f".{part}.", f".{merged}."), shard
+    return name, None
+
+
 class SkipsMtpLayers:
     """Mixin in front of a CausalLM: checkpoint tensors of `model.layers.{i}` with i >=
     num_hidden_layers are skipped, the multi-token prediction layers DeepSeek-V3 and GLM-4.5

@@ -25,7 +25,7 @@ from radixserve.layers.norm import RMSNorm
 from radixserve.layers.rotary import RotaryEmbedding
 from radixserve.models.blocks import (CausalLM, DecoderAttention, DecoderModel, GatedMLP,
                                       KVForAttentionLayers, PreNormMixerLayer, dense_mlp,
-                                      hybrid_layer_types, index_among_type)
+                                      hybrid_layer_types, index_among_type, renamed_target)
 from radixserve.models.moe_blocks import SparseMoeBlock
 
 # Granite's checkpoint names -> ours (the experts' then as FusedMoE's stacked tensors)
@@ -35,6 +35,8 @@ _RENAMES = ((".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj
             (".shared_mlp.output_linear.", ".shared_mlp.down_proj."),
             (".shared_mlp.input_linear.", ".shared_mlp.gate_up_proj."))
 _BOTH = "gate|up"  # the shard id of a gate|up tensor holding both pieces
+# Bamba's (and Falcon-H1's) MLP and its norm
+BAMBA_RENAMES = ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."))
 
 
 def _merged_gate_up(mlp: GatedMLP) -> GatedMLP:
@@ -141,15 +143,7 @@ class BambaForCausalLM(GraniteMoeHybridForCausalLM):
         return True
 
     def weight_target(self, name: str) -> tuple[str, object] | None:
-        if ".feed_forward." not in name and ".pre_ff_layernorm." not in name:
-            return None
-        name = name.replace(".feed_forward.", ".mlp.").replace(
-            ".pre_ff_layernorm.", ".post_attention_layernorm.")
-        part = name.split(".")[-2]
-        if part in self.packed_modules_mapping:  # gate_proj / up_proj into gate_up_proj
-            merged, shard = self.packed_modules_mapping[part]
-            return name.replace(f".{part}.", f".{merged}."), shard
-        return name, None
+        return renamed_target(name, BAMBA_RENAMES, self.packed_modules_mapping)
 
 
 EntryClass = [GraniteMoeHybridForCausalLM, BambaForCausalLM]

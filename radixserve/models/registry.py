@@ -39,6 +39,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("granite_hybrid", "GraniteMoeHybridForCausalLM"),
     "BambaForCausalLM": ("granite_hybrid", "BambaForCausalLM"),
+    "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5ForCausalLM": ("qwen3_next", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("qwen3_next", "Qwen3_5ForCausalLM"),

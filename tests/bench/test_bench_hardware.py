@@ -14,7 +14,8 @@ from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig,
                           OlmoHybridForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
                           Qwen3NextConfig, Qwen3NextForCausalLM, NemotronHConfig,
                           NemotronHForCausalLM, GraniteMoeHybridConfig,
-                          GraniteMoeHybridForCausalLM, BambaConfig, BambaForCausalLM)
+                          GraniteMoeHybridForCausalLM, BambaConfig, BambaForCausalLM,
+                          FalconH1Config, FalconH1ForCausalLM)
 
 from radixserve.bench import hardware
 from radixserve.core.model_config import ModelConfig
@@ -92,7 +93,11 @@ def _models() -> list[tuple[str, PretrainedConfig, type]]:
              GraniteMoeHybridForCausalLM),
             ("bamba", BambaConfig(**SHAPE, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
                                   mamba_d_head=16, attn_layer_indices=[1],
-                                  tie_word_embeddings=False), BambaForCausalLM)]
+                                  tie_word_embeddings=False), BambaForCausalLM),
+            ("falcon-h1", FalconH1Config(**SHAPE, mamba_d_ssm=96, mamba_n_heads=6,
+                                         mamba_n_groups=2, mamba_d_state=16,
+                                         mamba_rms_norm=True, projectors_bias=True,
+                                         tie_word_embeddings=False), FalconH1ForCausalLM)]
 
 
 def _pair(hf_cfg: PretrainedConfig, cls: type) -> tuple[ModelConfig, torch.nn.Module]:

@@ -1,12 +1,12 @@
 """Hybrid models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid: Gated DeltaNet layers;
-Nemotron-H, Granite-4.0-H, Bamba: Mamba-2 mixers) with per-request recurrent states beside full
-attention, against transformers on tiny random checkpoints it saved itself (fp32). Logits per
-pass are in test_llama_vs_hf.py (its CONFIGS hold the text ones); here the Engine: greedy
-outputs equal transformers' full forward through chunked prefill (states carried from chunk to
-chunk), batches of decodes, MIXED passes and retraction (states restarted from position 0),
-prefix reuse up to where states were kept, with no KV slot leaked; the multimodal Qwen3.5-MoE
-checkpoint served text-only; the gated delta rule's chunked form against its token-by-token
-recurrence; the memory split between states and KV."""
+Nemotron-H, Granite-4.0-H, Bamba, Falcon-H1: Mamba-2 mixers) with per-request recurrent states
+beside full attention, against transformers on tiny random checkpoints it saved itself (fp32).
+Logits per pass are in test_llama_vs_hf.py (its CONFIGS hold the text ones); here the Engine:
+greedy outputs equal transformers' full forward through chunked prefill (states carried from
+chunk to chunk), batches of decodes, MIXED passes and retraction (states restarted from
+position 0), prefix reuse up to where states were kept, with no KV slot leaked; the multimodal
+Qwen3.5-MoE checkpoint served text-only; the gated delta rule's chunked form against its
+token-by-token recurrence; the memory split between states and KV."""
 from __future__ import annotations
 
 import pytest
@@ -57,7 +57,8 @@ def _generate(folder: str, prompts: list[list[int]], **engine_args: object
 @pytest.mark.parametrize("name", ["qwen3_next_hybrid", "qwen3_5_dense", "olmo_hybrid",
                                   "nemotron_h", "nemotron_h_moe", "granite_hybrid_moe",
                                   pytest.param("granite_hybrid_dense", marks=pytest.mark.slow),
-                                  pytest.param("bamba", marks=pytest.mark.slow)])
+                                  pytest.param("bamba", marks=pytest.mark.slow),
+                                  pytest.param("falcon_h1", marks=pytest.mark.slow)])
 def test_greedy_outputs_equal_transformers(name: str, tmp_path) -> None:
     hf_model = make_checkpoint(name, tmp_path)
     prompts = _prompts(hf_model.config.vocab_size)

@@ -244,6 +244,17 @@ CONFIGS = {
         mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_head=16, mamba_d_conv=4,
         mamba_chunk_size=16, rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=0,
         bos_token_id=1, eos_token_id=2)),
+    # Falcon-H1: attention and a Mamba-2 mixer side by side in every layer (the mixer's
+    # width mamba_d_ssm, its norm before the gate), every µP multiplier away from 1
+    "falcon_h1": (transformers.FalconH1Config, dict(
+        BASE, num_hidden_layers=3, num_key_value_heads=2, mamba_d_ssm=96, mamba_n_heads=6,
+        mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16,
+        mamba_rms_norm=True, mamba_norm_before_gate=True, rope_theta=10000.0,
+        embedding_multiplier=1.5, lm_head_multiplier=0.7, key_multiplier=0.8,
+        attention_in_multiplier=1.2, attention_out_multiplier=0.9, ssm_in_multiplier=1.1,
+        ssm_out_multiplier=0.6, ssm_multipliers=[0.9, 1.2, 0.8, 1.3, 0.7],
+        mlp_multipliers=[1.4, 0.6], tie_word_embeddings=False, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)),
 }
 
 # multimodal checkpoints, served text-only; kept out of CONFIGS, every entry of which
