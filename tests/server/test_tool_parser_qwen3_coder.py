@@ -65,3 +65,14 @@ def test_nullable_string_parameters_keep_their_text() -> None:
             "</parameter>\n</function>\n</tool_call>")
     _, calls = get_parser("qwen3_coder", None, [tool]).parse(text)
     assert json.loads(calls[0].arguments) == {"old": "42", "new": "    indented", "line": 7}
+
+
+def test_a_stray_block_tag_in_prose_streams_as_content() -> None:
+    """Once what follows `<tool_call>` cannot be a function tag, the text is content and the
+    stream sends it then, not at the end."""
+    from radixserve.server.tool_parsers.streaming import ToolCallStream
+    text = "Use <tool_call> tags, then the function tag. More text follows here."
+    stream = ToolCallStream(get_parser("qwen3_coder"))
+    sent, _ = stream.update(text[:30], final=False)
+    rest, deltas = stream.update(text, final=True)
+    assert sent.startswith("Use <tool_call> tags") and sent + rest == text and not deltas

@@ -45,9 +45,14 @@ class MiniMaxM2Parser(Glm45Parser):
             if tag is None:
                 break
             pos = skip_blanks(text, pos + len(tag))
-        if not text.startswith(self.invoke_tags[0], pos):
+        invoke = self.invoke_tags[0]
+        if not text.startswith(invoke, pos):
+            rest = text[pos:]
+            if rest and not invoke.startswith(rest) and \
+                    not any(t.startswith(rest) for t in self.block_tags):
+                return None, -1  # no invoke can begin here: the block tag was plain text
             return None
-        return tag_name(text, pos + len(self.invoke_tags[0]))
+        return tag_name(text, pos + len(invoke))
 
     def _pairs(self, name: str, text: str, pos: int) -> tuple[list[str], int, bool]:
         """The complete `"key": value` texts of the invoke whose name tag ends at `pos`,
