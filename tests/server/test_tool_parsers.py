@@ -101,6 +101,10 @@ CASES = [
      [("get_weather", {"city": "a<b>c", "n": {"x": [1, 2.5]}}), ("get_time", {})]),
     ("minimax_m2", "Hi <minimax:tool_call> not a call", "Hi <minimax:tool_call> not a call",
      []),
+    # a JSON value holding the end tag, and the invoke's end tag left out
+    ("minimax_m2", '<minimax:tool_call>\n<invoke name="get_time">\n<parameter name="zone">'
+                   '{"a": "</parameter>"}</parameter>\n</minimax:tool_call>', "",
+     [("get_time", {"zone": {"a": "</parameter>"}})]),
     # Qwen3-Coder: a block per call, values on lines of their own (a string keeps its inner
     # newline and its "<"), a JSON value, a call without parameters
     ("qwen3_coder", 'Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n'

@@ -10,7 +10,11 @@
 Values are written as glm.py's: a string parameter's value is its text, any other is JSON
 (read as JSON where it parses, else kept as text, by the request's tools' schemas). A string
 value loses one newline on each side (the model may put the text on lines of its own); other
-values are read stripped. Names may be quoted with " or ' or not at all. A stream reports a
+values are read stripped. The scan reads as loosely as vLLM's parsers: a value ends at its
+`</parameter>` where the next tag follows it (an end tag that other text follows, as inside a
+JSON value that holds one, is the value's text) or, the end tag left out, at the next
+parameter or the invoke's end; an invoke left open ends at the block's end. Names may be
+quoted with " or ' or not at all. A stream reports a
 call once its name's tag is complete and grows its arguments one complete parameter at a
 time, as glm.py's does. A forced call's grammar writes the block around the invokes and one
 parameter per property in the schema's order."""
@@ -56,22 +60,49 @@ class MiniMaxM2Parser(Glm45Parser):
 
     def _pairs(self, name: str, text: str, pos: int) -> tuple[list[str], int, bool]:
         """The complete `"key": value` texts of the invoke whose name tag ends at `pos`,
-        where its text so far ends, and whether the invoke is complete."""
+        where its text so far ends, and whether the invoke is complete (its end tag, or the
+        block's where the model left the invoke's out)."""
         pairs: list[str] = []
-        invoke_end = self.invoke_tags[1]
-        param_begin, param_end = self.param_tags
+        invoke_end, block_end = self.invoke_tags[1], self.block_tags[1]
+        param_begin = self.param_tags[0]
         while True:
             pos = skip_blanks(text, pos)
             if text.startswith(invoke_end, pos):
                 return pairs, pos + len(invoke_end), True
+            if text.startswith(block_end, pos):
+                return pairs, pos, True
             if not text.startswith(param_begin, pos):
                 return pairs, pos, False
             key, after = tag_name(text, pos + len(param_begin))
-            stop = text.find(param_end, after) if key is not None else -1
-            if key is None or stop < 0:
+            ends = self._value_end(text, after) if key is not None else None
+            if key is None or ends is None:
                 return pairs, pos, False
-            pairs.append(self._pair_text(name, key, text[after:stop]))
-            pos = stop + len(param_end)
+            pairs.append(self._pair_text(name, key, text[after:ends[0]]))
+            pos = ends[1]
+
+    def _value_end(self, text: str, start: int) -> tuple[int, int] | None:
+        """(where the value from `start` ends, where the scan goes on), None while it has not
+        ended: at a parameter end tag followed by the next parameter's tag or the invoke's or
+        block's end (blanks between; an end tag that other text follows is the value's own
+        text), or at one of those tags itself (the end tag left out), as vLLM reads them."""
+        param_end = self.param_tags[1]
+        after_value = (self.param_tags[0], self.invoke_tags[1], self.block_tags[1])
+        pos = start
+        while True:
+            found = [(at, tag) for tag in (param_end, *after_value)
+                     if (at := text.find(tag, pos)) >= 0]
+            if not found:
+                return None
+            at, tag = min(found)
+            if tag != param_end:
+                return at, at
+            after = skip_blanks(text, at + len(param_end))
+            rest = text[after:]
+            if any(rest.startswith(t) for t in after_value):
+                return at, after
+            if any(t.startswith(rest) for t in after_value):  # unfinished: wait for more
+                return None
+            pos = at + len(param_end)
 
     def _value(self, function: str, key: str, text: str) -> Any:
         if is_text_parameter(_parameter_schema(self.tools, function, key)):

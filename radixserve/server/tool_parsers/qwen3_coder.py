@@ -10,10 +10,10 @@ call:
   </function>
   </tool_call>
 
-MiniMax-M2's structure under other tags (minimax.py), read as loosely as vLLM's parser reads
-it: a value ends at its `</parameter>` where a tag follows that (else the text is the value's),
-or, the end tag left out, at the next `<parameter=` or `</function>`; a function left open ends
-at `</tool_call>`. A string parameter's value is its text less one newline on each side; any
+MiniMax-M2's structure under other tags, read as loosely (minimax.py: a value ends at its
+`</parameter>` where a tag follows that, else the text is the value's, or, the end tag left
+out, at the next `<parameter=` or `</function>`; a function left open ends at `</tool_call>`).
+A string parameter's value is its text less one newline on each side; any
 other is read stripped as JSON, else as the Python literal the template writes for non-string
 values (True, None, {'k': 1}), else kept as text (by the request's tools' schemas). Names are
 unquoted. A stream reports a call once its function tag is complete and grows its arguments
@@ -24,15 +24,12 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from radixserve.server.partial_text import skip_blanks
 from radixserve.server.tool_parsers.glm import (CALL_BEGIN, CALL_END, Glm45Parser,
                                                _parameter_schema, is_text_parameter)
-from radixserve.server.tool_parsers.minimax import MiniMaxM2Parser, tag_name
+from radixserve.server.tool_parsers.minimax import MiniMaxM2Parser
 
 FUNCTION_BEGIN, FUNCTION_END = "<function=", "</function>"
 PARAM_BEGIN, PARAM_END = "<parameter=", "</parameter>"
-# what may follow a parameter's end tag: the next parameter, the function's or block's end
-_AFTER_VALUE = (PARAM_BEGIN, FUNCTION_END, CALL_END)
 
 
 class Qwen3CoderParser(MiniMaxM2Parser):
@@ -48,23 +45,6 @@ class Qwen3CoderParser(MiniMaxM2Parser):
     wrap_call = Glm45Parser.wrap_call
     grammar_parts = Glm45Parser.grammar_parts
 
-    def _pairs(self, name: str, text: str, pos: int) -> tuple[list[str], int, bool]:
-        pairs: list[str] = []
-        while True:
-            pos = skip_blanks(text, pos)
-            if text.startswith(FUNCTION_END, pos):
-                return pairs, pos + len(FUNCTION_END), True
-            if text.startswith(CALL_END, pos):  # the function's end tag left out
-                return pairs, pos, True
-            if not text.startswith(PARAM_BEGIN, pos):
-                return pairs, pos, False
-            key, after = tag_name(text, pos + len(PARAM_BEGIN))
-            ends = _value_end(text, after) if key is not None else None
-            if key is None or ends is None:
-                return pairs, pos, False
-            pairs.append(self._pair_text(name, key, text[after:ends[0]]))
-            pos = ends[1]
-
     def _value(self, function: str, key: str, text: str) -> Any:
         if is_text_parameter(_parameter_schema(self.tools, function, key)):
             return text.removeprefix("\n").removesuffix("\n")
@@ -75,29 +55,6 @@ class Qwen3CoderParser(MiniMaxM2Parser):
 
     def argument_pairs(self) -> tuple[str, str, str]:
         return PARAM_BEGIN, ">\n", f"\n{PARAM_END}\n"
-
-
-def _value_end(text: str, start: int) -> tuple[int, int] | None:
-    """(where the value from `start` ends, where the scan goes on), None while it has not
-    ended: at a `</parameter>` followed by a tag of _AFTER_VALUE (blanks between; one that
-    text follows is the value's own text), or at one of those tags itself (the end tag left
-    out)."""
-    pos = start
-    while True:
-        found = [(at, tag) for tag in (PARAM_END, *_AFTER_VALUE)
-                 if (at := text.find(tag, pos)) >= 0]
-        if not found:
-            return None
-        at, tag = min(found)
-        if tag != PARAM_END:
-            return at, at
-        after = skip_blanks(text, at + len(PARAM_END))
-        rest = text[after:]
-        if any(rest.startswith(t) for t in _AFTER_VALUE):
-            return at, after
-        if any(t.startswith(rest) for t in _AFTER_VALUE):  # unfinished: wait for more
-            return None
-        pos = at + len(PARAM_END)
 
 
 def _json_or_literal(text: str) -> Any:
