@@ -164,10 +164,18 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], int | None]] = {
         mamba_chunk_size=64, embedding_multiplier=12.0, residual_multiplier=0.22,
         attention_multiplier=0.0078125, logits_scaling=4.0, position_embedding_type="nope"),
         None),
+    # Falcon-H1: attention and a Mamba-2 mixer side by side in every layer (the mixer's norm
+    # before its gate), its µP multipliers away from 1 (folded into the weights at load)
+    "falcon-h1": ("FalconH1Config", dict(
+        hidden_size=512, num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=1024,
+        mamba_n_heads=16, mamba_n_groups=2, mamba_d_state=64, mamba_chunk_size=64,
+        mamba_rms_norm=True, embedding_multiplier=2.0, lm_head_multiplier=0.5,
+        key_multiplier=0.7, attention_out_multiplier=0.8, ssm_out_multiplier=0.6,
+        ssm_multipliers=[0.9, 1.2, 0.8, 1.3, 0.7], mlp_multipliers=[1.4, 0.6]), None),
 }
 DEFAULT_CHECKPOINTS = ["hd128-gqa4", "mistral-swa32", "gemma2-hd64", "gemma3-hd64", "qwen3-hd64"]
 MOE_CHECKPOINTS = ["mixtral-moe", "qwen3-moe", "deepseek-mla", "deepseek-v3", "glm4-moe",
-                   "gpt-oss", "mistral4", "qwen3-next", "nemotron-h", "granite-h"]
+                   "gpt-oss", "mistral4", "qwen3-next", "nemotron-h", "granite-h", "falcon-h1"]
 PATHS = (("torch_native", False, 1), ("triton", False, 1), ("triton", True, 1))
 
 
