@@ -26,7 +26,7 @@ from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.gated_delta_net import _head_param
 from radixserve.layers.gated_delta_rule import conv_step
 from radixserve.layers.linear import LinearBase, RowParallelLinear, _rank_and_size
-from radixserve.layers.recurrent_mixer import TRITON_ON, RecurrentMixer
+from radixserve.layers.recurrent_mixer import TRITON_ON, RecurrentMixer, extend_kernels
 from radixserve.layers.ssd_rule import ssd_chunked, ssd_step
 from radixserve.mem.recurrent_state_pool import RecurrentStateSpec
 
@@ -236,7 +236,16 @@ class Mamba2Mixer(RecurrentMixer):
 
     def _scan_padded(self, conv_out: torch.Tensor, scan_inputs: tuple[torch.Tensor, ...],
                      start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunked SSD rule with D's term: one Triton launch on the GPU for models other
+        than float32 (kernels/ssd_chunk.py, TF32 products), else the torch form."""
         (dt,) = scan_inputs
+        if conv_out.is_cuda and extend_kernels.usable and conv_out.dtype != torch.float32:
+            from radixserve.layers.kernels.ssd_chunk import ssd_chunked_triton
+            ran = extend_kernels.run(ssd_chunked_triton, conv_out, dt, self.A_log, self.D,
+                                     start, self.num_heads, self.head_dim, self.groups,
+                                     self.state_size)
+            if ran is not None:
+                return ran
         q, k, v, x = self._qkv(conv_out, dt)
         y, final = ssd_chunked(q, k, v, dt * self._a(), start)
         return y + self.D.float()[:, None] * x, final

@@ -146,7 +146,7 @@ def chunk_scan(q: torch.Tensor, k: torch.Tensor, prep: tuple[torch.Tensor, ...],
     if block_v is None:
         block_v = max(16, min(64 if block_k <= 128 else 32, triton.next_power_of_2(value_dim)))
         if block_v == 64 and k.is_cuda and \
-                batch * heads * triton.cdiv(value_dim, 64) < _sm_count(k.device):
+                batch * heads * triton.cdiv(value_dim, 64) < sm_count(k.device):
             block_v = 32
     state = state.float().contiguous().clone()
     out = torch.empty(batch, length, heads, value_dim, dtype=torch.float32, device=k.device)
@@ -167,5 +167,5 @@ def chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
