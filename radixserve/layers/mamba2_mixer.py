@@ -110,6 +110,10 @@ class GroupedGatedRMSNorm(nn.Module):
             lambda p, loaded: p.data.copy_(loaded.narrow(0, rank * width, width)))
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if y.is_cuda and TRITON_ON and self.width % self.group_size == 0:
+            from radixserve.layers.kernels.gated_rmsnorm import group_gated_rmsnorm
+            return group_gated_rmsnorm(y, z, self.weight, self.eps, self.group_size,
+                                       self.norm_before_gate)
         h = y.float() if self.norm_before_gate else y.float() * F.silu(z.float())
         if self.width % self.group_size == 0:  # whole groups on this rank
             grouped = h.unflatten(-1, (-1, self.group_size))

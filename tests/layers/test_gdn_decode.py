@@ -2,7 +2,7 @@
 shifted, the gated delta rule on the row's state) against the plain PyTorch step of
 layers/gated_delta_rule.py, on the rows the requests name, with strided inputs as the layer
 passes them (views of its in-projections' outputs); kernels/gated_rmsnorm.py against the
-layer's GatedRMSNorm."""
+layer's GatedRMSNorm and the Mamba-2 mixer's GroupedGatedRMSNorm."""
 from __future__ import annotations
 
 import pytest
@@ -74,3 +74,23 @@ def test_gated_rmsnorm_matches_the_module(dtype: torch.dtype, dim: int) -> None:
     got = gated_rmsnorm(x.to(DEVICE), gate.to(DEVICE), norm.weight.to(DEVICE), 1e-6, dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.cpu(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("groups,group,norm_first,dtype", [
+    (2, 48, False, torch.float32), (3, 16, True, torch.float32), (2, 64, False, torch.float16)])
+def test_group_gated_norm_kernel_matches_the_module(groups, group, norm_first, dtype) -> None:
+    """Mamba-2's norm(y * SiLU(z)) per group (Falcon-H1's norm(y) * SiLU(z)), y and z strided
+    views of one product as the mixer passes them; float16 as the half-precision rounding."""
+    from radixserve.layers.kernels.gated_rmsnorm import group_gated_rmsnorm
+    from radixserve.layers.mamba2_mixer import GroupedGatedRMSNorm
+    gen = torch.Generator().manual_seed(1)
+    width = groups * group
+    norm = GroupedGatedRMSNorm(width, group, 1e-5, norm_before_gate=norm_first)
+    norm.weight.data = (torch.rand(width, generator=gen) + 0.5).to(dtype)
+    both = torch.randn(5, 2 * width + 3, generator=gen).to(dtype)
+    y, z = both[:, :width], both[:, width + 3:]
+    expected = norm(y, z)
+    got = group_gated_rmsnorm(y.to(DEVICE), z.to(DEVICE), norm.weight.to(DEVICE), 1e-5, group,
+                              norm_first)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.cpu(), expected, atol=tol, rtol=tol)
