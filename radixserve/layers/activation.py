@@ -57,6 +57,11 @@ class ClampedSwiglu(nn.Module):
         return clamped_swiglu(x, self.alpha, self.limit)
 
 
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2, ungated (Nemotron-H's MLPs and experts: "relu2")."""
+    return torch.relu(x).square()
+
+
 def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """ClampedSwiglu over a [..., 2I] gate|up (as transformers' gpt-oss computes it)."""
     half = x.shape[-1] // 2

@@ -28,7 +28,8 @@ from radixserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, Row
 from radixserve.layers.mamba2_mixer import Mamba2Mixer
 from radixserve.layers.moe.experts import expert_weight_target
 from radixserve.layers.moe.router import select_experts
-from radixserve.layers.moe.ungated_experts import UngatedExperts, relu_squared
+from radixserve.layers.activation import relu_squared
+from radixserve.layers.moe.ungated_experts import UngatedExperts
 from radixserve.layers.norm import OlmoRMSNorm
 from radixserve.layers.rotary import RotaryEmbedding
 from radixserve.models.blocks import (CausalLM, DecoderAttention, DecoderModel,

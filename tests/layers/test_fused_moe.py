@@ -108,11 +108,13 @@ def test_cpu_expert_loop_matches_reference() -> None:
 
 
 @pytest.mark.parametrize("num_tokens", [3, 40])
-def test_ungated_experts_match_their_loop(num_tokens: int) -> None:
-    """Nemotron-H's experts, down(relu(up x)^2): the fused kernels with the activation between
-    them, and the expert loop, against a per-pair reference."""
+def test_ungated_experts_match_their_loop(num_tokens: int, moe_path) -> None:
+    """Nemotron-H's experts, down(relu(up x)^2): the fused kernels (grouped GEMMs with the
+    activation between them, or the GEMVs' ungated form), and the expert loop, against a
+    per-pair reference."""
+    from radixserve.layers.activation import relu_squared
     from radixserve.layers.moe.router import TopK
-    from radixserve.layers.moe.ungated_experts import UngatedExperts, relu_squared
+    from radixserve.layers.moe.ungated_experts import UngatedExperts
     x, w13, w2, weights, ids = _problem(num_tokens, 5, 2, 16, 24, torch.float32, 5)
     up = w13[:, :24]
     expected = torch.zeros(num_tokens, 16)
@@ -121,7 +123,7 @@ def test_ungated_experts_match_their_loop(num_tokens: int) -> None:
             e = int(ids[t, j])
             expected[t] += float(weights[t, j]) * (
                 w2[e].cpu() @ relu_squared(up[e].cpu() @ x[t].cpu()))
-    fused = fused_experts(x, up.contiguous(), w2, weights, ids, activation=relu_squared)
+    fused = fused_experts(x, up.contiguous(), w2, weights, ids, activation="relu2")
     torch.testing.assert_close(fused.cpu(), expected, atol=1e-4, rtol=1e-4)
     moe = UngatedExperts(5, 16, 24, "relu2")
     moe.w13_weight.data.copy_(up.cpu())

@@ -23,7 +23,6 @@ ones for prefill.
 from __future__ import annotations
 
 import functools
-from typing import Callable
 import json
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.layers.activation import clamped_swiglu
+from radixserve.layers.activation import clamped_swiglu, relu_squared
 from radixserve.layers.kernels import board_tables
 from radixserve.layers.kernels.moe_align import (ALIGN_KERNEL_MAX_PAIRS,
                                                  moe_align_block_size_triton)
@@ -184,24 +183,26 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   fp8_scales: tuple[torch.Tensor, torch.Tensor, int | None] | None = None,
                   biases: tuple[torch.Tensor, torch.Tensor] | None = None,
                   swiglu: tuple[float, float] | None = None,
-                  activation: Callable[[torch.Tensor], torch.Tensor] | None = None
-                  ) -> torch.Tensor:
+                  activation: str | None = None) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H]: sum over each
     token's k experts of weight * down(silu(gate) * up). FP8 experts: fp8_scales = (w13 scales
     [E, 2I, G1], w2 scales [E, H, G2], block or None). gpt-oss: biases (gate|up [E, 2I],
     down [E, H]) added in the products' epilogues, and swiglu = (alpha, limit) of the clamped
     SwiGLU (layers/activation.clamped_swiglu) instead of SiLU-mul. Ungated experts
-    (Nemotron-H): w13 [E, I, H] the up projection alone and `activation` (elementwise, e.g.
-    ReLU squared) between the products."""
+    (Nemotron-H, activation "relu2"): w13 [E, I, H] the up projection alone and ReLU squared
+    between the products."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden_size = w13.shape
     if num_tokens == 0:
         return torch.zeros_like(hidden)
-    gemv = None if activation is not None else moe_gemv_configs(
-        num_tokens, top_k, w13, w2, fp8_scales[2] if fp8_scales is not None else None)
+    if activation not in (None, "relu2"):
+        raise ValueError(f"fused experts' activation {activation!r} is not supported")
+    ungated = activation == "relu2"
+    gemv = moe_gemv_configs(num_tokens, top_k, w13, w2,
+                            fp8_scales[2] if fp8_scales is not None else None, ungated)
     if gemv is not None:  # a few decode tokens: two GEMVs, no alignment (moe_gemv.py)
         return moe_gemv_experts(hidden, w13, w2, topk_weights, topk_ids, gemv, fp8_scales,
-                                biases, swiglu)
+                                biases, swiglu, ungated)
     config1 = moe_kernel_config(num_tokens, num_experts, two_i, hidden_size)
     config2 = moe_kernel_config(num_tokens, num_experts, hidden_size, w2.shape[2])
     weights = topk_weights.reshape(-1).to(torch.float32)
@@ -213,8 +214,8 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     b13, b2 = biases if biases is not None else (None, None)
     invoke_moe_gemm(hidden, w13, gate_up, weights, aligned, top_k, False, config1, s13, block,
                     b13)
-    if activation is not None:
-        act = activation(gate_up)
+    if ungated:
+        act = relu_squared(gate_up)
     else:
         act = silu_and_mul(gate_up) if swiglu is None else clamped_swiglu(gate_up, *swiglu)
     if config2["BLOCK_M"] != config1["BLOCK_M"]:

@@ -101,8 +101,11 @@ def _moe_gate_up_gemv_kernel(X, W, Scale, Ids, Bias, Y, I, K, stride_xm, stride_
                              GROUPED: tl.constexpr, GROUP_K: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
                              EVEN_K: tl.constexpr, STEP_GROUPS: tl.constexpr,
-                             HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr):
+                             HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+                             RELU2: tl.constexpr):
     """Y[pair, n] = silu(x[token] . W[e, n]) * (x[token] . W[e, I + n]), e = Ids[pair].
+    RELU2 (ungated experts, W [E, I, K] the up projection alone): relu(x[token] . W[e, n])^2,
+    the product rounded first as the grouped path stores it.
     STEP_GROUPS: the block scales' K groups one BLOCK_K step spans (gemv.group_scaled).
     gpt-oss: HAS_BIAS adds Bias[e] to gate and up; CLAMPED takes the clamped SwiGLU (alpha,
     limit) instead of SiLU-mul, gate and up rounded first as the grouped path stores them."""
@@ -118,35 +121,44 @@ def _moe_gate_up_gemv_kernel(X, W, Scale, Ids, Bias, Y, I, K, stride_xm, stride_
     s_expert = Scale + expert * stride_se
     s_rows = s_expert + offs_n * stride_sn
     for k_start in range(0, K, BLOCK_K):
-        w, w_up = _weight_tiles(w_ptrs, up_rows, n_mask, offs_k, K - k_start, True, EVEN_K, VEC)
+        w, w_up = _weight_tiles(w_ptrs, up_rows, n_mask, offs_k, K - k_start, not RELU2,
+                                EVEN_K, VEC)
         x = _x_tile(x_row + k_start, offs_k, K - k_start, EVEN_K)
         prod = vec_sum(w.to(tl.float32) * x[None, :], VEC)
-        prod_up = vec_sum(w_up.to(tl.float32) * x[None, :], VEC)
         if HAS_SCALE and GROUPED:
             prod = group_scaled(prod, s_expert, offs_n, n_mask, k_start, K, stride_sn, GROUP_K,
                                 STEP_GROUPS)
-            prod_up = group_scaled(prod_up, s_expert + I * stride_sn, offs_n, n_mask, k_start,
-                                   K, stride_sn, GROUP_K, STEP_GROUPS)
         acc += prod
-        acc_up += prod_up
+        if not RELU2:
+            prod_up = vec_sum(w_up.to(tl.float32) * x[None, :], VEC)
+            if HAS_SCALE and GROUPED:
+                prod_up = group_scaled(prod_up, s_expert + I * stride_sn, offs_n, n_mask,
+                                       k_start, K, stride_sn, GROUP_K, STEP_GROUPS)
+            acc_up += prod_up
         w_ptrs += BLOCK_K
     gate = tl.sum(acc, axis=1)
-    up = tl.sum(acc_up, axis=1)
     if HAS_SCALE and not GROUPED:
         gate = gate * tl.load(s_rows, mask=n_mask, other=0.0)
-        up = up * tl.load(s_rows + I * stride_sn, mask=n_mask, other=0.0)
-    if HAS_BIAS:
-        b_row = Bias + expert * stride_be
-        gate += tl.load(b_row + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        up += tl.load(b_row + I + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     y_row = Y + pair.to(tl.int64) * stride_ym
-    if CLAMPED:
-        gate = tl.minimum(gate.to(Y.dtype.element_ty).to(tl.float32), limit)
-        up = tl.minimum(tl.maximum(up.to(Y.dtype.element_ty).to(tl.float32), -limit), limit)
-        glu = gate / (1.0 + tl.exp(-gate * alpha))
-        tl.store(y_row + offs_n, ((up + 1.0) * glu).to(Y.dtype.element_ty), mask=n_mask)
+    if RELU2:
+        up = tl.maximum(gate.to(Y.dtype.element_ty).to(tl.float32), 0.0)
+        tl.store(y_row + offs_n, (up * up).to(Y.dtype.element_ty), mask=n_mask)
     else:
-        store_row_epilogue(gate, up, y_row, y_row, offs_n, n_mask, True, False)
+        up = tl.sum(acc_up, axis=1)
+        if HAS_SCALE and not GROUPED:
+            up = up * tl.load(s_rows + I * stride_sn, mask=n_mask, other=0.0)
+        if HAS_BIAS:
+            b_row = Bias + expert * stride_be
+            gate += tl.load(b_row + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            up += tl.load(b_row + I + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if CLAMPED:
+            gate = tl.minimum(gate.to(Y.dtype.element_ty).to(tl.float32), limit)
+            up = tl.minimum(tl.maximum(up.to(Y.dtype.element_ty).to(tl.float32), -limit),
+                            limit)
+            glu = gate / (1.0 + tl.exp(-gate * alpha))
+            tl.store(y_row + offs_n, ((up + 1.0) * glu).to(Y.dtype.element_ty), mask=n_mask)
+        else:
+            store_row_epilogue(gate, up, y_row, y_row, offs_n, n_mask, True, False)
 
 
 @triton.jit
@@ -252,17 +264,18 @@ def default_takes(num_tokens: int, top_k: int, num_experts: int) -> bool:
 
 
 def moe_gemv_configs(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor,
-                     group_k: int | None) -> MoeGemvConfigs | None:
+                     group_k: int | None, ungated: bool = False) -> MoeGemvConfigs | None:
     """The two kernels' configurations where the GEMV path takes `num_tokens` tokens, else
     None. Swept table: the entry of the smallest swept count >= num_tokens (None past the
-    largest, or where the grouped path won); no table: `default_takes`."""
+    largest, or where the grouped path won); no table (and ungated experts, whose tables
+    were never swept): `default_takes`."""
     if not ENABLED or num_tokens == 0:
         return None
     num_experts, two_i, hidden = w13.shape
     fp8 = w13.dtype.itemsize == 1
     # the FP8 tables are swept with per-row scales; block scales (group_k) load a scale per
     # row and group of every step, a kernel the sweep never timed: the default rule
-    table = None if group_k is not None else \
+    table = None if group_k is not None or ungated else \
         _swept_table("fp8" if fp8 else "bf16", num_experts, two_i, hidden)
     if table is None:
         if not default_takes(num_tokens, top_k, w13.shape[0]):
@@ -300,11 +313,13 @@ def moe_gemv_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, configs: MoeGemvConfigs,
                      fp8_scales: tuple[torch.Tensor, torch.Tensor, int | None] | None = None,
                      biases: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     swiglu: tuple[float, float] | None = None) -> torch.Tensor:
-    """fused_moe.fused_experts' contract (hidden [T, H] -> [T, H]) through the two GEMVs."""
+                     swiglu: tuple[float, float] | None = None,
+                     ungated: bool = False) -> torch.Tensor:
+    """fused_moe.fused_experts' contract (hidden [T, H] -> [T, H]) through the two GEMVs
+    (ungated: w13 [E, I, H] the up projection alone, ReLU squared after it)."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden_size = w13.shape
-    inter = two_i // 2
+    inter = two_i if ungated else two_i // 2
     assert hidden.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
@@ -321,7 +336,8 @@ def moe_gemv_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         GROUPED=grouped, GROUP_K=group_k or hidden_size, BLOCK_N=up_cfg.block_n,
         BLOCK_K=up_cfg.block_k, VEC=up_cfg.vec, EVEN_K=hidden_size % up_cfg.block_k == 0,
         STEP_GROUPS=step_groups(up_cfg, group_k, grouped), HAS_BIAS=biases is not None,
-        CLAMPED=swiglu is not None, num_warps=up_cfg.num_warps, num_stages=up_cfg.num_stages)
+        CLAMPED=swiglu is not None, RELU2=ungated, num_warps=up_cfg.num_warps,
+        num_stages=up_cfg.num_stages)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     scale2, se2, sn2, grouped = _scale_args(s2, weights)
     _moe_down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, down_cfg.block_n))](

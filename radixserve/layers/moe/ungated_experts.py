@@ -3,7 +3,8 @@
 
 FusedMoE's layout with w13_weight holding the up projection only: [E, I / tp, H]; the checkpoint
 names each expert's `experts.{e}.up_proj.weight` (piece "w3") and `down_proj.weight`. GPU: the
-fused-MoE kernels with the activation between them (`fused_experts(activation=...)`); elsewhere
+fused-MoE kernels with the activation between them (`fused_experts(activation="relu2")`, a few
+decode tokens through the MoE GEMVs' ungated form); elsewhere
 FusedMoE's loop over the chosen experts. FP8: `--quantization fp8` quantises them at load, as
 FusedMoE's (per-row scales, whose rows finish_loading sets); FP8 checkpoints are refused.
 """
@@ -12,11 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from radixserve.layers.activation import relu_squared
 from radixserve.layers.moe.experts import FusedMoE
-
-
-def relu_squared(x: torch.Tensor) -> torch.Tensor:
-    return torch.relu(x).square()
 
 
 class _Ungated(nn.Module):
@@ -61,4 +59,4 @@ class UngatedExperts(FusedMoE):
     def fused_options(self) -> dict[str, object] | None:
         scales = (self.w13_weight_scale, self.w2_weight_scale, self.group_k) \
             if self.fp8 is not None else None
-        return {"fp8_scales": scales, "activation": relu_squared}
+        return {"fp8_scales": scales, "activation": "relu2"}
