@@ -26,7 +26,8 @@ from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.gated_delta_net import _head_param
 from radixserve.layers.gated_delta_rule import conv_step
 from radixserve.layers.linear import LinearBase, RowParallelLinear, _rank_and_size
-from radixserve.layers.recurrent_mixer import TRITON_ON, RecurrentMixer, extend_kernels
+from radixserve.layers.recurrent_mixer import (TRITON_ON, KernelGuard, RecurrentMixer,
+                                              extend_kernels)
 from radixserve.layers.ssd_rule import ssd_chunked, ssd_step
 from radixserve.mem.recurrent_state_pool import RecurrentStateSpec
 
@@ -91,6 +92,10 @@ class PiecewiseConv(nn.Module):
                     lambda p, loaded, shard_id=None: pieces.load(p.data, loaded, shard_id))
 
 
+# the gated norm's kernel (kernels/gated_rmsnorm.py): a launch that fails falls back to torch
+_norm_kernel = KernelGuard()
+
+
 class GroupedGatedRMSNorm(nn.Module):
     """Mamba-2's gated norm: h = y * SiLU(z) in float32, RMS-normed over groups of
     `group_size` channels, weight * h rounded to the input dtype. A group that spans ranks
@@ -110,10 +115,12 @@ class GroupedGatedRMSNorm(nn.Module):
             lambda p, loaded: p.data.copy_(loaded.narrow(0, rank * width, width)))
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        if y.is_cuda and TRITON_ON and self.width % self.group_size == 0:
+        if y.is_cuda and _norm_kernel.usable and self.width % self.group_size == 0:
             from radixserve.layers.kernels.gated_rmsnorm import group_gated_rmsnorm
-            return group_gated_rmsnorm(y, z, self.weight, self.eps, self.group_size,
-                                       self.norm_before_gate)
+            out = _norm_kernel.run(group_gated_rmsnorm, y, z, self.weight, self.eps,
+                                   self.group_size, self.norm_before_gate)
+            if out is not None:
+                return out
         h = y.float() if self.norm_before_gate else y.float() * F.silu(z.float())
         if self.width % self.group_size == 0:  # whole groups on this rank
             grouped = h.unflatten(-1, (-1, self.group_size))

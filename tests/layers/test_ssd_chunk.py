@@ -18,10 +18,11 @@ pytestmark = pytest.mark.kernel
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("lengths,heads,groups,state,head_dim", [
-    ((1, 64, 70), 4, 2, 16, 8),  # two heads per group, a one-token sequence
-    ((130, 5), 3, 1, 12, 24)])  # one group; sizes off their powers of two
-def test_scan_equals_the_recurrence(lengths, heads, groups, state, head_dim) -> None:
+@pytest.mark.parametrize("lengths,heads,groups,state,head_dim,dtype", [
+    ((1, 64, 70), 4, 2, 16, 8, torch.float32),  # two heads per group, a one-token sequence
+    ((130, 5), 3, 1, 12, 24, torch.float32),  # one group; sizes off their powers of two
+    ((70,), 2, 1, 128, 64, torch.float16)])  # Nemotron's state and head sizes, half input
+def test_scan_equals_the_recurrence(lengths, heads, groups, state, head_dim, dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     inner = heads * head_dim
     channels = inner + 2 * groups * state
@@ -34,7 +35,8 @@ def test_scan_equals_the_recurrence(lengths, heads, groups, state, head_dim) -> 
     expected, finals = [], []
     per_group = heads // groups
     for r, n in enumerate(lengths):
-        conv[r, :n] = torch.randn(n, channels, generator=gen) * 0.5
+        # as the kernel reads it: rounded to the conv's dtype
+        conv[r, :n] = (torch.randn(n, channels, generator=gen) * 0.5).to(dtype).float()
         dt[r, :n] = torch.rand(n, heads, generator=gen) * 0.5
         x = conv[r, :n, :inner].unflatten(-1, (heads, head_dim))
         b, c = conv[r, :n, inner:].split(groups * state, dim=-1)
@@ -48,8 +50,8 @@ def test_scan_equals_the_recurrence(lengths, heads, groups, state, head_dim) -> 
         expected.append(torch.stack(ys))
         finals.append(s[0])
     to = {"device": DEVICE}
-    out, final = ssd_chunked_triton(conv.to(**to), dt.to(**to), a_log.to(**to), d.to(**to),
-                                    start.to(**to), heads, head_dim, groups, state)
+    out, final = ssd_chunked_triton(conv.to(dtype).to(**to), dt.to(**to), a_log.to(**to),
+                                    d.to(**to), start.to(**to), heads, head_dim, groups, state)
     tol = 2e-2 if DEVICE == "cuda" else 1e-4  # TF32 products on the GPU
     for r, n in enumerate(lengths):
         torch.testing.assert_close(out[r, :n].cpu(), expected[r], atol=tol, rtol=tol)

@@ -82,5 +82,5 @@ def group_gated_rmsnorm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, 
     _group_gated_rmsnorm_kernel[(tokens, width // group)](
         y, z, weight, out, y.stride(0), z.stride(0), out.stride(0), float(eps), GROUP=group,
         BLOCK=triton.next_power_of_2(group), NORM_FIRST=norm_first,
-        num_warps=1 if group <= 256 else 4)
+        num_warps=1 if group <= 256 else 4 if group <= 2048 else 8 if group <= 4096 else 16)
     return out

@@ -141,7 +141,8 @@ def _moe_gate_up_gemv_kernel(X, W, Scale, Ids, Bias, Y, I, K, stride_xm, stride_
         gate = gate * tl.load(s_rows, mask=n_mask, other=0.0)
     y_row = Y + pair.to(tl.int64) * stride_ym
     if RELU2:
-        up = tl.maximum(gate.to(Y.dtype.element_ty).to(tl.float32), 0.0)
+        up = gate.to(Y.dtype.element_ty).to(tl.float32)
+        up = tl.where(up < 0.0, 0.0, up)  # torch.relu's: NaN stays NaN
         tl.store(y_row + offs_n, (up * up).to(Y.dtype.element_ty), mask=n_mask)
     else:
         up = tl.sum(acc_up, axis=1)
@@ -319,6 +320,8 @@ def moe_gemv_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     (ungated: w13 [E, I, H] the up projection alone, ReLU squared after it)."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden_size = w13.shape
+    assert not (ungated and (biases is not None or swiglu is not None)), \
+        "ungated experts take neither biases nor the clamped SwiGLU"
     inter = two_i if ungated else two_i // 2
     assert hidden.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
     ids = topk_ids.reshape(-1).contiguous()

@@ -80,15 +80,16 @@ def ssd_chunked_triton(conv_out: torch.Tensor, dt: torch.Tensor, a_log: torch.Te
     state = state.float().contiguous().clone()
     out = torch.empty(batch, length, heads, head_dim, dtype=torch.float32,
                       device=conv_out.device)
-    block_p = min(64, max(16, triton.next_power_of_2(head_dim)))
+    block_n = max(16, triton.next_power_of_2(state_size))
+    # as the delta rule's scan: 64 columns, 32 past a state of 128 (Falcon-H1's 256: registers)
+    block_p = min(64 if block_n <= 128 else 32, max(16, triton.next_power_of_2(head_dim)))
     if block_p == 64 and conv_out.is_cuda and \
             batch * heads * triton.cdiv(head_dim, 64) < sm_count(conv_out.device):
         block_p = 32  # programs of 64 columns would leave SMs idle
     _ssd_scan_kernel[(batch * heads, triton.cdiv(head_dim, block_p))](
         conv_out, dt, a_log, d, state, out, length, heads, channels, heads * head_dim,
         groups * state_size, HEAD_DIM=head_dim, STATE=state_size,
-        HEADS_PER_GROUP=heads // groups, C=CHUNK,
-        BLOCK_N=max(16, triton.next_power_of_2(state_size)), BLOCK_P=block_p, num_warps=4,
-        num_stages=1)
+        HEADS_PER_GROUP=heads // groups, C=CHUNK, BLOCK_N=block_n, BLOCK_P=block_p,
+        num_warps=4 if block_n <= 128 else 8, num_stages=1)
     return out, state
 
