@@ -1,9 +1,10 @@
 """Gated RMSNorms in one Triton launch per layer instead of ~10 torch kernels.
 
-`gated_rmsnorm`: after a Gated DeltaNet's rule (layers/gated_delta_net.GatedRMSNorm): per value head, the rule's output rounded
-to the activations' dtype, RMS-normed in float32, rounded again, times the weight (rounded, as
-torch's half-precision product is), times SiLU(gate) in float32, rounded. Each rounding is the
-module's own, so the two paths agree to the last bit but for the order of the mean's sum.
+`gated_rmsnorm`: after a Gated DeltaNet's rule (layers/gated_delta_net.GatedRMSNorm): per
+value head, the rule's output rounded to the activations' dtype, RMS-normed in float32, rounded
+again, times the weight (rounded, as torch's half-precision product is), times SiLU(gate) in
+float32, rounded. Each rounding is the module's own, so the two paths agree to the last bit
+but for the order of the mean's sum.
 `group_gated_rmsnorm`: a Mamba-2 mixer's (layers/mamba2_mixer.GroupedGatedRMSNorm), per group
 of channels, gated before or after the norm, rounded as the module rounds."""
 from __future__ import annotations
