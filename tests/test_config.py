@@ -142,3 +142,17 @@ def test_json_encoded_floats_are_read_as_transformers_reads_them() -> None:
                          "c": {"__float__": "foo"}, "d": {"x": {"__float__": "NaN"}}})
     assert read["a"] == [0.0, float("inf")] and read["b"] == float("-inf")
     assert read["c"] == {"__float__": "foo"} and read["d"]["x"] != read["d"]["x"]  # NaN
+
+
+def test_legacy_layer_type_names_read_as_transformers_5s() -> None:
+    """Granite-4.0-H's released configs say "mamba" / "attention" (transformers 5.25 renames
+    them itself; a config object that kept them, as earlier releases do, is read the same)."""
+    from types import SimpleNamespace
+
+    from radixserve.core.model_config import ModelConfig
+    hf = SimpleNamespace(architectures=["GraniteMoeHybridForCausalLM"], vocab_size=100,
+                         hidden_size=64, num_attention_heads=4, num_hidden_layers=3,
+                         layer_types=["mamba", "attention", "mamba"])
+    hf.get_text_config = lambda decoder=True: hf
+    assert ModelConfig(hf).layer_types == ["linear_attention", "full_attention",
+                                           "linear_attention"]

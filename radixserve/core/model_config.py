@@ -46,6 +46,8 @@ ARCHITECTURE_MODEL_TYPES = {
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
+# layer-type names of older configs -> transformers 5's
+_LEGACY_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
 # rope scaling kinds implemented (layers/rotary.py computes them with transformers' own
 # frequency functions); anything else is refused rather than run with the wrong positions
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -149,7 +151,10 @@ class ModelConfig:
         if self.architecture.startswith("Qwen2") and not get("use_sliding_window", False):
             window = None  # Qwen2 configs name a window they do not use
         self.sliding_window: int | None = int(window) if window else None
-        self.layer_types: list[str] | None = get("layer_types", None)
+        # older configs (Granite-4.0-H's, Bamba's) and transformers releases before the
+        # rename say "mamba" / "attention": read as transformers 5's names
+        self.layer_types: list[str] | None = None if get("layer_types", None) is None else \
+            [_LEGACY_LAYER_TYPES.get(t, t) for t in get("layer_types")]
         self.rope_parameters: dict[str, Any] = dict(get("rope_parameters", None) or {})
         # a rope per layer type, where transformers keys rope_parameters by layer type
         # (Gemma-3: a local base on sliding layers, scaling on full ones; its rope_parameters
