@@ -1,5 +1,5 @@
-"""Nemotron-H (Nemotron-H 8B / 47B / 56B, Nemotron Nano 2 9B / 12B): a hybrid of Mamba-2 and
-attention layers.
+"""Nemotron-H (Nemotron-H 8B / 47B / 56B, Nemotron Nano 2 9B / 12B, Nemotron-3 Nano / Super): a
+hybrid of Mamba-2 and attention layers.
 
 Every layer holds one mixer behind a pre-norm and a residual add; `layers_block_type` (read as
 `layer_types`) names it:
@@ -24,11 +24,11 @@ from torch import nn
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.core.model_config import ModelConfig
 from radixserve.distributed.parallel_state import get_tp_group
+from radixserve.layers.activation import relu_squared
 from radixserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from radixserve.layers.mamba2_mixer import Mamba2Mixer
 from radixserve.layers.moe.experts import expert_weight_target
 from radixserve.layers.moe.router import select_experts
-from radixserve.layers.activation import relu_squared
 from radixserve.layers.moe.ungated_experts import UngatedExperts
 from radixserve.layers.norm import OlmoRMSNorm
 from radixserve.layers.rotary import RotaryEmbedding
@@ -68,9 +68,12 @@ class NemotronHMoE(nn.Module):
                                       hf.moe_intermediate_size, hf.mlp_hidden_act)
         self.shared_experts = SquaredReluMLP(hidden, hf.moe_shared_expert_intermediate_size,
                                              hf.mlp_bias, reduce_results=False)
-        if latent:  # replicated; fc2's bias added once, after the ranks' sum
-            self.fc1_latent_proj = ReplicatedLinear(hidden, latent, bias=hf.mlp_bias)
-            self.fc2_latent_proj = ReplicatedLinear(latent, hidden, bias=hf.mlp_bias)
+        if latent:  # replicated and left unquantised (small; fc2 is applied by hand to the
+            # ranks' partial sums, its bias added once after their sum)
+            self.fc1_latent_proj = ReplicatedLinear(hidden, latent, bias=hf.mlp_bias,
+                                                    quantize=False)
+            self.fc2_latent_proj = ReplicatedLinear(latent, hidden, bias=hf.mlp_bias,
+                                                    quantize=False)
         self.tp_size = get_tp_group().size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -149,7 +149,8 @@ def test_a_merged_layer_half_left_unquantised_is_refused(tmp_path) -> None:
         _logits(fp8_folder)
 
 
-@pytest.mark.parametrize("model", ["llama_gqa_llama3_rope", "mixtral_moe", "nemotron_h_moe"])
+@pytest.mark.parametrize("model", ["llama_gqa_llama3_rope", "mixtral_moe", "nemotron_h_moe",
+                                   "nemotron_h_latent_moe"])
 def test_online_quantization_matches_a_per_channel_twin(model: str, tmp_path) -> None:
     make_checkpoint(model, tmp_path / "bf16")
     tensors = load_file(str(tmp_path / "bf16" / "model.safetensors"))
