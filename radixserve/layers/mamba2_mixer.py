@@ -1,9 +1,11 @@
-"""Mamba2Mixer: the Mamba-2 token mixer of Nemotron-H, Granite-4.0-H and Bamba.
+"""Mamba2Mixer: the Mamba-2 token mixer of Nemotron-H, Granite-4.0-H, Bamba and Falcon-H1.
 
 x -> in_proj -> (z, x | B | C, dt); x | B | C through a causal depthwise conv (with a bias) +
 SiLU; dt = softplus(dt + dt_bias), clamped to `time_step_limit`; the SSD recurrence (layers/
 ssd_rule.py) with A = -exp(A_log), k = B, q = C, v = dt * x, plus D * x; then the gated RMSNorm
-(norm(y * SiLU(z)) over groups of intermediate / n_groups channels) and out_proj.
+(norm(y * SiLU(z)) over groups of intermediate / n_groups channels; Falcon-H1: the gate after
+the norm, or no norm) and out_proj. On the GPU the extend's scan, the decode step and the norm
+run as Triton kernels (kernels/ssd_chunk.py, ssd_decode.py, gated_rmsnorm.py).
 
 B and C come in `n_groups` groups, each shared by num_heads / n_groups consecutive heads (as a
 KV head by its query heads). Tensor parallelism splits the heads (z, x, dt, A_log, D, dt_bias,
