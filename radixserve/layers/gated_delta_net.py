@@ -25,7 +25,8 @@ from radixserve.core.forward_batch import ForwardBatch
 from radixserve.layers.gated_delta_rule import chunked, conv_step, prepare_qk, recurrent_step
 from radixserve.layers.linear import (MergedColumnParallelLinear, RowParallelLinear,
                                       _rank_and_size, _shard, default_weight_loader)
-from radixserve.layers.recurrent_mixer import TRITON_ON, RecurrentMixer, extend_kernels
+from radixserve.layers.recurrent_mixer import (TRITON_ON, PiecewiseConv, RankPieces,
+                                              RecurrentMixer, extend_kernels)
 from radixserve.mem.recurrent_state_pool import RecurrentStateSpec
 
 
@@ -68,38 +69,6 @@ class GroupedInProjection(MergedColumnParallelLinear):
             super().weight_loader(param, part.reshape(-1, *loaded.shape[1:]), piece)
 
 
-class _ConvWeight(nn.Module):
-    """conv1d.weight as the checkpoint names it, [channels, 1, kernel] there, [this rank's
-    channels, kernel] here: q, k and v channels each split over the ranks. It loads whole, or
-    as its q, k and v pieces (shard 0, 1, 2: OLMo-Hybrid's q_conv1d / k_conv1d / v_conv1d)."""
-
-    def __init__(self, piece_sizes: list[int], kernel: int) -> None:
-        super().__init__()
-        self.tp_rank, self.tp_size = _rank_and_size(None, None)
-        self.piece_sizes = piece_sizes
-        self.weight = nn.Parameter(torch.empty(sum(piece_sizes) // self.tp_size, kernel),
-                                   requires_grad=False)
-        self.weight.weight_loader = self.load  # type: ignore[attr-defined]
-
-    def load(self, param: nn.Parameter, loaded: torch.Tensor,
-             shard_id: object = None) -> set[int] | None:
-        """Returns the pieces a whole tensor covered (weight_loading records them)."""
-        loaded = loaded.reshape(loaded.shape[0], -1)
-        if shard_id is None:
-            for piece, part in enumerate(loaded.split(self.piece_sizes, dim=0)):
-                self.load(param, part, piece)
-            return set(range(len(self.piece_sizes)))
-        piece = int(shard_id)  # type: ignore[call-overload]
-        if loaded.shape[0] != self.piece_sizes[piece]:
-            raise ValueError(f"conv piece {piece} of {loaded.shape[0]} channels, expected "
-                             f"{self.piece_sizes[piece]}")
-        offset = sum(self.piece_sizes[:piece]) // self.tp_size
-        size = self.piece_sizes[piece] // self.tp_size
-        default_weight_loader(param.data.narrow(0, offset, size),  # type: ignore[arg-type]
-                              _shard(loaded, 0, self.tp_rank, self.tp_size))
-        return None
-
-
 def _head_param(heads: int, fill: float) -> nn.Parameter:
     """A per-value-head parameter (A_log, dt_bias), split over the ranks."""
     rank, size = _rank_and_size(None, None)
@@ -133,7 +102,7 @@ class GatedDeltaNet(RecurrentMixer):
         RecurrentStatePool layer). grouped_checkpoint: Qwen3-Next's per-key-head layout.
         beta_scale: beta = beta_scale * sigmoid(b) (OLMo-Hybrid's 2: negative eigenvalues)."""
         super().__init__()
-        _, tp_size = _rank_and_size(None, None)
+        rank, tp_size = _rank_and_size(None, None)
         if num_k_heads % tp_size or num_v_heads % num_k_heads:
             raise ValueError(f"{num_k_heads} key heads and {num_v_heads} value heads do not "
                              f"split over {tp_size} ranks")
@@ -147,7 +116,8 @@ class GatedDeltaNet(RecurrentMixer):
                                                 num_k_heads, stacked)
         self.in_proj_ba = GroupedInProjection(hidden_size, [num_v_heads, num_v_heads],
                                               num_k_heads)
-        self.conv1d = _ConvWeight([keys, keys, values], conv_kernel)
+        self.conv1d = PiecewiseConv(RankPieces.split_evenly([keys, keys, values], rank,
+                                                            tp_size), conv_kernel, bias=False)
         self.conv_width = conv_kernel - 1
         self.dt_bias = _head_param(num_v_heads, 1.0)
         self.A_log = _head_param(num_v_heads, 0.0)

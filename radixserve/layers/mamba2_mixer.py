@@ -28,39 +28,10 @@ from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.gated_delta_net import _head_param
 from radixserve.layers.gated_delta_rule import conv_step
 from radixserve.layers.linear import LinearBase, RowParallelLinear, _rank_and_size
-from radixserve.layers.recurrent_mixer import (TRITON_ON, KernelGuard, RecurrentMixer,
-                                              extend_kernels)
+from radixserve.layers.recurrent_mixer import (TRITON_ON, KernelGuard, PiecewiseConv,
+                                              RankPieces, RecurrentMixer, extend_kernels)
 from radixserve.layers.ssd_rule import ssd_chunked, ssd_step
 from radixserve.mem.recurrent_state_pool import RecurrentStateSpec
-
-
-class RankPieces:
-    """Checkpoint rows made of pieces (z | x | B | C | dt), each cut for this rank by its own
-    range: (full rows, first row, rows) per piece."""
-
-    def __init__(self, pieces: list[tuple[int, int, int]]) -> None:
-        self.pieces = pieces
-
-    @property
-    def rows(self) -> int:
-        return sum(size for _, _, size in self.pieces)
-
-    def load(self, target: torch.Tensor, loaded: torch.Tensor, piece: object = None) -> None:
-        """A whole tensor (piece None) or one piece into this rank's rows of `target`."""
-        if piece is None:
-            full = [rows for rows, _, _ in self.pieces]
-            if loaded.shape[0] != sum(full):
-                raise ValueError(f"tensor of {loaded.shape[0]} rows, expected {sum(full)}")
-            for index, part in enumerate(loaded.split(full, dim=0)):
-                self.load(target, part, index)
-            return
-        index = int(piece)  # type: ignore[call-overload]
-        full, first, size = self.pieces[index]
-        if loaded.shape[0] != full:
-            raise ValueError(f"piece {index} of {loaded.shape[0]} rows, expected {full}")
-        offset = sum(s for _, _, s in self.pieces[:index])
-        part = loaded.narrow(0, first, size).reshape(target.narrow(0, offset, size).shape)
-        target.narrow(0, offset, size).copy_(part)
 
 
 class PiecewiseColumnLinear(LinearBase):
@@ -77,21 +48,6 @@ class PiecewiseColumnLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: object = None) -> None:
         self.rank_pieces.load(param.data, loaded, shard_id)
-
-
-class PiecewiseConv(nn.Module):
-    """conv1d.weight ([channels, 1, kernel] in the checkpoint, [this rank's channels, kernel]
-    here) and conv1d.bias, their x | B | C channels cut by RankPieces."""
-
-    def __init__(self, pieces: RankPieces, kernel: int, bias: bool) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(pieces.rows, kernel), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(pieces.rows), requires_grad=False) if bias \
-            else None
-        for param in (self.weight, self.bias):
-            if param is not None:
-                param.weight_loader = (  # type: ignore[attr-defined]
-                    lambda p, loaded, shard_id=None: pieces.load(p.data, loaded, shard_id))
 
 
 # the gated norm's kernel (kernels/gated_rmsnorm.py): a launch that fails falls back to torch

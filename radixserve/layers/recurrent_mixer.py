@@ -20,6 +20,7 @@ from torch import nn
 
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.layers.gated_delta_rule import CHUNK, conv_extend
+from radixserve.layers.linear import default_weight_loader
 from radixserve.mem.recurrent_state_pool import RecurrentStatePool, RecurrentStateSpec
 
 # on the GPU: the mixers' Triton kernels (decode steps, the extend's conv and scans); 0: torch
@@ -50,6 +51,65 @@ class KernelGuard:
 
 
 extend_kernels = KernelGuard()
+
+
+class RankPieces:
+    """Checkpoint rows made of pieces (z | x | B | C | dt), each cut for this rank by its own
+    range: (full rows, first row, rows) per piece."""
+
+    def __init__(self, pieces: list[tuple[int, int, int]]) -> None:
+        self.pieces = pieces
+
+    @classmethod
+    def split_evenly(cls, sizes: list[int], rank: int, tp_size: int) -> "RankPieces":
+        """Pieces of these full sizes, each split evenly over the ranks."""
+        for size in sizes:
+            if size % tp_size:
+                raise ValueError(f"a piece of {size} rows does not split over {tp_size} ranks")
+        return cls([(size, rank * size // tp_size, size // tp_size) for size in sizes])
+
+    @property
+    def rows(self) -> int:
+        return sum(size for _, _, size in self.pieces)
+
+    def load(self, target: torch.Tensor, loaded: torch.Tensor, piece: object = None
+             ) -> set[int] | None:
+        """A whole tensor (piece None: returns the pieces it covered, which weight_loading
+        records) or one piece into this rank's rows of `target`."""
+        if piece is None:
+            full = [rows for rows, _, _ in self.pieces]
+            if loaded.shape[0] != sum(full):
+                raise ValueError(f"tensor of {loaded.shape[0]} rows, expected {sum(full)}")
+            for index, part in enumerate(loaded.split(full, dim=0)):
+                self.load(target, part, index)
+            return set(range(len(self.pieces)))
+        index = int(piece)  # type: ignore[call-overload]
+        full, first, size = self.pieces[index]
+        if loaded.shape[0] != full:
+            raise ValueError(f"piece {index} of {loaded.shape[0]} rows, expected {full}")
+        dest = target.narrow(0, sum(s for _, _, s in self.pieces[:index]), size)
+        part = loaded.narrow(0, first, size)  # a conv's [rows, 1, kernel] as our [rows, kernel]
+        default_weight_loader(dest, part.reshape(dest.shape) if part.numel() == dest.numel()
+                              else part)  # type: ignore[arg-type]
+        return None
+
+
+class PiecewiseConv(nn.Module):
+    """conv1d.weight ([channels, 1, kernel] in the checkpoint, [this rank's channels, kernel]
+    here) and conv1d.bias, their channels' pieces (Mamba-2's x | B | C, the Gated DeltaNet's
+    q | k | v) cut by RankPieces. Each loads whole, or piece by piece (shard 0, 1, 2:
+    OLMo-Hybrid's q_conv1d / k_conv1d / v_conv1d)."""
+
+    def __init__(self, pieces: RankPieces, kernel: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(pieces.rows, kernel), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(pieces.rows), requires_grad=False) if bias \
+            else None
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.weight_loader = (  # type: ignore[attr-defined]
+                    lambda p, loaded, shard_id=None: pieces.load(p.data, loaded, shard_id))
+
 
 # (request, first position in the pass, tokens, continues the row's states)
 Segment = tuple[int, int, int, bool]
