@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import json
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -21,8 +21,8 @@ from radixserve.server.tool_parsers.base import ToolCall
 from radixserve.server.tool_parsers.glm import MARKERS, Glm45Parser, Glm47Parser
 from radixserve.server.tool_parsers.grammar import forced_call_ebnf
 from radixserve.server.tool_parsers.registry import detect_parser_name, get_parser
-from radixserve.server.tool_parsers.streaming import ToolCallStream
-from tests.server.test_tool_parsers import TIME, TWO_CALLS, WEATHER, _accepts, _chat, _matcher
+from tests.server.test_tool_parsers import (TIME, TWO_CALLS, WEATHER, _accepts, _chat, _matcher,
+                                           stream_text)
 from tests.server.conftest import tokenizer_with_special_tokens
 from tests.server.test_tool_special_tokens import _chat_params, _run
 
@@ -100,17 +100,18 @@ def test_output_cut_mid_call(chunk: int) -> None:
     parser = get_parser("glm45", None, [BOOKING])
     assert parser.parse(text) == ("", [])
     assert parser.parse(text, keep_unfinished=True)[1] == [ToolCall("book", '{"code": "A"')]
-    stream, arguments, content = ToolCallStream(parser), "", ""
-    for end in list(range(chunk, len(text), chunk)) + [len(text)]:
-        new_content, deltas = stream.update(text[:end], final=end == len(text))
-        content += new_content
-        arguments += "".join(d["function"]["arguments"] for d in deltas)
-    assert not stream.has_calls
-    assert (arguments, content) == ('{"code": "A"', "")
+    assert stream_text("glm45", text, chunk, [BOOKING]) == (
+        "", [("book", '{"code": "A"')], False)
 
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_forced_grammar_pairs(name: str) -> None:
+    assert_forced_grammar_reads_the_schema(name)
+
+
+def assert_forced_grammar_reads_the_schema(name: str) -> Callable[[dict[str, Any]], str]:
+    """`name`'s forced grammar for `book` takes its calls written by the parser, each
+    parameter by its schema and in the schema's order; returns the call writer."""
     parser = get_parser(name)
     ebnf = forced_call_ebnf(parser, [BOOKING], parallel=False)
 
@@ -125,6 +126,7 @@ def test_forced_grammar_pairs(name: str) -> None:
     assert not _accepts(ebnf, call({"code": "x", "nights": 1, "guest": {}}))  # guest.name
     assert not _accepts(ebnf, call({"nights": 1, "code": "x"}))  # the schema's order
     assert not _matcher(ebnf).accept_string(call({"code": "a</b", "nights": 1}))
+    return call
 
 
 def test_forced_grammar_honours_string_constraints() -> None:

@@ -18,14 +18,13 @@ from radixserve.server.openai_common import OpenAIContext
 from radixserve.server.openai_tools import tool_message
 from radixserve.server.reasoning import get_format, prompt_block
 from radixserve.server.tool_parsers.base import ToolCall
-from radixserve.server.tool_parsers.grammar import forced_call_ebnf
 from radixserve.server.tool_parsers.minimax import MiniMaxM2Parser
 from radixserve.server.tool_parsers.registry import detect_parser_name, get_parser
-from radixserve.server.tool_parsers.streaming import ToolCallStream
 from tests.server.conftest import tokenizer_with_special_tokens
 from tests.server.test_tool_parser_glm import (BOOKING, HISTORY,
+                                               assert_forced_grammar_reads_the_schema,
                                                assert_values_read_by_the_tools_schemas)
-from tests.server.test_tool_parsers import TIME, TWO_CALLS, WEATHER, _accepts, _chat
+from tests.server.test_tool_parsers import TIME, TWO_CALLS, WEATHER, _chat, stream_text
 from tests.server.test_tool_special_tokens import _chat_params, _run
 
 # the tool parts of MiniMax-M2's chat template, its assistant turn opening the reasoning
@@ -72,29 +71,15 @@ def test_output_cut_mid_invoke(chunk: int) -> None:
     parser = get_parser("minimax_m2", None, [BOOKING])
     assert parser.parse(text) == ("Booking.", [])
     assert parser.parse(text, keep_unfinished=True)[1] == [ToolCall("book", '{"code": "A"')]
-    stream, arguments, content = ToolCallStream(parser), "", ""
-    for end in list(range(chunk, len(text), chunk)) + [len(text)]:
-        new_content, deltas = stream.update(text[:end], final=end == len(text))
-        content += new_content
-        arguments += "".join(d["function"]["arguments"] for d in deltas)
-    assert (arguments, content.strip()) == ('{"code": "A"', "Booking.")
+    content, calls, _ = stream_text("minimax_m2", text, chunk, [BOOKING])
+    assert (calls, content.strip()) == ([("book", '{"code": "A"')], "Booking.")
 
 
 def test_forced_grammar_parameters() -> None:
-    parser = get_parser("minimax_m2")
-    ebnf = forced_call_ebnf(parser, [BOOKING], parallel=False)
-
-    def call(arguments: dict[str, Any]) -> str:
-        return parser.format_calls([ToolCall("book", json.dumps(arguments))])
-
+    call = assert_forced_grammar_reads_the_schema("minimax_m2")
     assert call({"code": "x", "nights": 2}) == (
         '<minimax:tool_call>\n<invoke name="book">\n<parameter name="code">x</parameter>\n'
         '<parameter name="nights">2</parameter>\n</invoke>\n</minimax:tool_call>')
-    assert _accepts(ebnf, call({"code": "x<y>", "nights": 2}))
-    assert _accepts(ebnf, call({"code": "", "nights": 0, "late": False,
-                                "guest": {"name": "B"}}))
-    assert not _accepts(ebnf, call({"nights": 2}))  # a required parameter missing
-    assert not _accepts(ebnf, call({"code": "x", "nights": "two"}))  # not an integer
 
 
 @pytest.fixture(scope="module")

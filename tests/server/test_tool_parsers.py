@@ -143,10 +143,11 @@ def test_streaming_chunks_add_up(name: str, text: str, content: str, calls: list
     assert has_calls == bool(calls)
 
 
-def stream_text(name: str, text: str, chunk: int) -> tuple[str, list[tuple[str, str]], bool]:
+def stream_text(name: str, text: str, chunk: int, tools: list[dict] | None = None
+                ) -> tuple[str, list[tuple[str, str]], bool]:
     """(content, [(name, arguments text)], has_calls) that the stream of `text` growing by
-    `chunk` characters sends."""
-    stream = ToolCallStream(get_parser(name))
+    `chunk` characters sends (with the request's `tools`, for formats that read them)."""
+    stream = ToolCallStream(get_parser(name, None, tools))
     streamed_content = ""
     names: dict[int, str] = {}
     arguments: dict[int, str] = {}
