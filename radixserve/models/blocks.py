@@ -436,8 +436,13 @@ class CausalLM(nn.Module):
         return "rotary_emb.inv_freq" in name or \
             (name == "lm_head.weight" and self.lm_head is None)
 
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final hidden states as the LM head takes them: the model's own, or scaled
+        where a family scales its logits (Granite, Falcon-H1: a linear head commutes)."""
+        return hidden
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch) -> LogitsOutput:
-        return compute_logits(self.model(input_ids, positions, forward_batch), self._head(),
-                              forward_batch, self.final_logit_cap)
+        return compute_logits(self.final_hidden(self.model(input_ids, positions, forward_batch)),
+                              self._head(), forward_batch, self.final_logit_cap)

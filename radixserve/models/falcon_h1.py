@@ -27,7 +27,6 @@ from torch import nn
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.core.model_config import ModelConfig
 from radixserve.layers.linear import LinearBase
-from radixserve.layers.logits import LogitsOutput, compute_logits
 from radixserve.layers.mamba2_mixer import Mamba2Mixer
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.quantization.fp8 import current_fp8_config
@@ -122,13 +121,9 @@ class FalconH1ForCausalLM(CausalLM):
     def weight_target(self, name: str) -> tuple[str, object] | None:
         return renamed_target(name, BAMBA_RENAMES, self.packed_modules_mapping)
 
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                forward_batch: ForwardBatch) -> LogitsOutput:
-        hidden = self.model(input_ids, positions, forward_batch)
-        if self.lm_head_multiplier != 1.0:  # logits * lm_head_multiplier, through the head
-            hidden = hidden * self.lm_head_multiplier
-        return compute_logits(hidden, self._head(), forward_batch, self.final_logit_cap)
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        # logits * lm_head_multiplier, through the LM head
+        return hidden if self.lm_head_multiplier == 1.0 else hidden * self.lm_head_multiplier
 
 
 EntryClass = [FalconH1ForCausalLM]

@@ -18,7 +18,6 @@ from torch import nn
 
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.core.model_config import ModelConfig
-from radixserve.layers.logits import LogitsOutput, compute_logits
 from radixserve.layers.mamba2_mixer import Mamba2Mixer
 from radixserve.layers.moe.experts import expert_weight_target
 from radixserve.layers.norm import RMSNorm
@@ -122,13 +121,9 @@ class GraniteMoeHybridForCausalLM(KVForAttentionLayers, CausalLM):
                 return expert_weight_target(name) or (name, None)
         return None
 
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                forward_batch: ForwardBatch) -> LogitsOutput:
-        hidden = self.model(input_ids, positions, forward_batch)
-        if self.logits_scaling != 1.0:  # logits / logits_scaling, through the LM head
-            hidden = hidden / self.logits_scaling
-        return compute_logits(hidden, self._head(), forward_batch, self.final_logit_cap)
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        # logits / logits_scaling, through the LM head
+        return hidden if self.logits_scaling == 1.0 else hidden / self.logits_scaling
 
 
 class BambaForCausalLM(GraniteMoeHybridForCausalLM):
