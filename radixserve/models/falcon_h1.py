@@ -78,8 +78,9 @@ class FalconH1Layer(PreNormMixerLayer):
         def get(name: str) -> object:
             return getattr(hf, name)
 
-        inner, groups = get("mamba_d_ssm") or self.mamba.inner, get("mamba_n_groups")
-        heads, state = get("mamba_n_heads"), get("mamba_d_state")
+        heads, head_dim = get("mamba_n_heads"), get("mamba_d_head")
+        inner = heads * head_dim  # the checkpoint's whole width (mamba_d_ssm or expand * h)
+        groups, state = get("mamba_n_groups"), get("mamba_d_state")
         pieces = [inner, inner, groups * state, groups * state, heads]  # z, x, B, C, dt
         mup = torch.cat([torch.full((n,), float(m)) for n, m in
                          zip(pieces, get("ssm_multipliers"))])

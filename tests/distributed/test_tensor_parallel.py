@@ -73,7 +73,8 @@ def _run(folder: str, tp_size: int, prompts: list[list[int]], **engine_args: obj
                                   pytest.param("nemotron_h_one_group", marks=pytest.mark.slow),
                                   "granite_hybrid_moe",
                                   pytest.param("nemotron_h_moe", marks=pytest.mark.slow),
-                                  "nemotron_h_latent_moe", "falcon_h1"])
+                                  "nemotron_h_latent_moe", "falcon_h1",
+                                  pytest.param("falcon_h1_expand", marks=pytest.mark.slow)])
 def test_tp2_matches_tp1_and_transformers(name: str, tmp_path) -> None:
     hf_model = make_checkpoint(name, tmp_path)
     prompts = _prompts(hf_model.config.vocab_size)

@@ -255,6 +255,14 @@ CONFIGS = {
         ssm_out_multiplier=0.6, ssm_multipliers=[0.9, 1.2, 0.8, 1.3, 0.7],
         mlp_multipliers=[1.4, 0.6], tie_word_embeddings=False, pad_token_id=0,
         bos_token_id=1, eos_token_id=2)),
+    # the same with the mixer's width from mamba_expand (no mamba_d_ssm), the gate before the
+    # norm: at tp 2 the multipliers fold over the checkpoint's whole width
+    "falcon_h1_expand": (transformers.FalconH1Config, dict(
+        BASE, num_hidden_layers=2, num_key_value_heads=2, mamba_d_ssm=None, mamba_n_heads=8,
+        mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16,
+        mamba_rms_norm=True, mamba_norm_before_gate=False, rope_theta=10000.0,
+        ssm_in_multiplier=1.1, ssm_multipliers=[0.9, 1.2, 0.8, 1.3, 0.7],
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 
 # multimodal checkpoints, served text-only; kept out of CONFIGS, every entry of which
