@@ -107,23 +107,23 @@ def _granite_mlp(cfg: ModelConfig) -> _Layer:
 def mamba_hybrid_counts(cfg: ModelConfig) -> ParamCounts:
     hf, h = cfg.hf, cfg.hidden_size
     nemotron = cfg.architecture == "NemotronHForCausalLM"
-    mamba, attention = _mamba_params(cfg), attention_params(cfg)
+    mamba, attention = (_Layer(lin, lin, other, False)
+                        for lin, other in (_mamba_params(cfg), attention_params(cfg)))
+    mlp = None if nemotron else _granite_mlp(cfg)  # after every mixer but Nemotron-H's
     layers = linear = active = moe_layers = 0
     falcon = cfg.architecture == "FalconH1ForCausalLM"
     kinds = ["falcon"] * cfg.num_hidden_layers if falcon else cfg.layer_types or []
     for kind in kinds:
-        parts = []
         if kind == "falcon":  # both mixers
-            parts += [_Layer(mamba[0], mamba[0], mamba[1], False),
-                      _Layer(attention[0], attention[0], attention[1], False)]
+            parts = [mamba, attention]
         elif kind == "linear_attention":
-            parts.append(_Layer(mamba[0], mamba[0], mamba[1], False))
+            parts = [mamba]
         elif kind in ("mlp", "moe"):
-            parts.append(_nemotron_mlp_layer(cfg, kind))
+            parts = [_nemotron_mlp_layer(cfg, kind)]
         else:
-            parts.append(_Layer(attention[0], attention[0], attention[1], False))
-        if not nemotron:
-            parts.append(_granite_mlp(cfg))
+            parts = [attention]
+        if mlp is not None:
+            parts.append(mlp)
         norms = h if nemotron else 2 * h
         layers += sum(p.linear + p.other for p in parts) + norms
         linear += sum(p.linear for p in parts)
