@@ -107,7 +107,10 @@ class MiniMaxM2Parser(Glm45Parser):
     def _value(self, function: str, key: str, text: str) -> Any:
         if is_text_parameter(_parameter_schema(self.tools, function, key)):
             return text.removeprefix("\n").removesuffix("\n")
-        return json_or_text(text.strip())
+        return self.read_non_text(text.strip())
+
+    # a non-string parameter's value (Qwen3-Coder's also takes Python literals)
+    read_non_text = staticmethod(json_or_text)
 
     def format_calls(self, calls: list[ToolCall]) -> str:
         invokes = "".join(self._call_text(c.name, json.loads(c.arguments)) for c in calls)

@@ -24,12 +24,23 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from radixserve.server.tool_parsers.glm import (CALL_BEGIN, CALL_END, Glm45Parser,
-                                               _parameter_schema, is_text_parameter)
+from radixserve.server.tool_parsers.glm import CALL_BEGIN, CALL_END, Glm45Parser, json_or_text
 from radixserve.server.tool_parsers.minimax import MiniMaxM2Parser
 
 FUNCTION_BEGIN, FUNCTION_END = "<function=", "</function>"
 PARAM_BEGIN, PARAM_END = "<parameter=", "</parameter>"
+
+
+def json_or_literal(text: str) -> Any:
+    """A non-string value: JSON, else a Python literal (True / False / None, {'k': 1}), else
+    its text."""
+    value = json_or_text(text)
+    if value is not text:  # it parsed as JSON
+        return value
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, RecursionError, MemoryError, TypeError):
+        return text
 
 
 class Qwen3CoderParser(MiniMaxM2Parser):
@@ -44,28 +55,10 @@ class Qwen3CoderParser(MiniMaxM2Parser):
     format_calls = Glm45Parser.format_calls
     wrap_call = Glm45Parser.wrap_call
     grammar_parts = Glm45Parser.grammar_parts
-
-    def _value(self, function: str, key: str, text: str) -> Any:
-        if is_text_parameter(_parameter_schema(self.tools, function, key)):
-            return text.removeprefix("\n").removesuffix("\n")
-        return _json_or_literal(text.strip())
+    read_non_text = staticmethod(json_or_literal)
 
     def call_literals(self, name: str) -> tuple[str, str]:
         return f"{CALL_BEGIN}\n{FUNCTION_BEGIN}{name}>\n", f"{FUNCTION_END}\n{CALL_END}"
 
     def argument_pairs(self) -> tuple[str, str, str]:
         return PARAM_BEGIN, ">\n", f"\n{PARAM_END}\n"
-
-
-def _json_or_literal(text: str) -> Any:
-    """A non-string value: JSON, else a Python literal (True / False / None, {'k': 1}), else
-    its text."""
-    import json
-    try:
-        return json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        pass
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError, RecursionError, MemoryError, TypeError):
-        return text
