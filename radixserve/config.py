@@ -75,6 +75,11 @@ class ServerArgs:
     exclude_tools_when_tool_choice_none: bool = False
     # thinking models: the chat route returns <think>...</think> as reasoning_content
     reasoning_parser: str | None = None
+    # speculative decoding: None | ngram (drafts from the request's own earlier tokens)
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
+    speculative_ngram_min_match_window_size: int = 2
+    speculative_ngram_max_match_window_size: int = 8
 
     # GPU path
     attention_backend: str | None = None  # cpu | torch_native | triton
@@ -179,6 +184,12 @@ class ServerArgs:
             raise ValueError(f"unknown --schedule-policy {self.schedule_policy!r}")
         if self.admission_plan not in ("greedy", "cohorts"):
             raise ValueError(f"unknown --admission-plan {self.admission_plan!r}")
+        if self.speculative_algorithm not in (None, "ngram"):
+            raise ValueError(f"unknown --speculative-algorithm {self.speculative_algorithm!r}")
+        if self.speculative_ngram_min_match_window_size > \
+                self.speculative_ngram_max_match_window_size:
+            raise ValueError("--speculative-ngram-min-match-window-size must not exceed "
+                             "--speculative-ngram-max-match-window-size")
         if self.disable_radix_cache and self.schedule_policy in ("lpm", "dfs-weight"):
             self.schedule_policy = "fcfs"  # cache-aware policies need the cache
         self.resolved = True
@@ -203,7 +214,9 @@ class ServerArgs:
         fraction, refused before anything is built (0 running requests would hang)."""
         for name in ("context_length", "max_total_tokens", "max_running_requests",
                      "max_prefill_tokens", "stream_interval", "num_continuous_decode_steps",
-                     "cuda_graph_max_bs"):
+                     "cuda_graph_max_bs", "speculative_num_draft_tokens",
+                     "speculative_ngram_min_match_window_size",
+                     "speculative_ngram_max_match_window_size"):
             value = getattr(self, name, None)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value < 1):

@@ -65,6 +65,10 @@ class InternalState:
     num_recomputed_tokens: int = 0  # prefilled again after a retraction
     # decode steps run since the start (each reads the weights once, whatever its batch)
     num_decode_steps: int = 0
+    # speculative decoding (0 without it): tokens a verified request gains per step, and
+    # accepted / proposed drafts
+    spec_accept_length: float = 0.0
+    spec_accept_rate: float = 0.0
 
     @classmethod
     def merge(cls, states: list["InternalState"]) -> "InternalState":
@@ -87,6 +91,8 @@ class InternalState:
             num_recomputed_tokens=sum(s.num_recomputed_tokens for s in states),
             num_decode_steps=sum(s.num_decode_steps for s in states),
             new_token_ratio=sum(s.new_token_ratio for s in states) / n,
+            spec_accept_length=sum(s.spec_accept_length for s in states) / n,
+            spec_accept_rate=sum(s.spec_accept_rate for s in states) / n,
             memory_check_ok=None if None in checks else all(checks),  # type: ignore[arg-type]
             leaked_tokens=sum(s.leaked_tokens for s in states))
 

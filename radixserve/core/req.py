@@ -64,6 +64,9 @@ class Req:
         self.pending_snapshots: list[tuple[int, int]] = []
         self.extend_input_len = 0
         self.is_being_chunked = False
+        # speculative decoding: the n-gram proposer's copy of the request's tokens
+        # (scheduler/ngram_draft.py), made at its first draft
+        self.draft_tokens: Any | None = None
 
         # statistics
         self.cached_tokens = 0  # prompt tokens served from the radix cache (first admission)

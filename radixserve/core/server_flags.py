@@ -106,6 +106,17 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
                          ("deepseek-r1", "deepseek_r1", "qwen3", "glm45", "gpt-oss",
                           "openai_gptoss", "minimax_m2", "minimax-m2", "nano_v3",
                           "nemotron_v3")),
+    "speculative_algorithm": (MEMORY, "speculative decoding; ngram: each step also verifies "
+                                      "tokens that followed an earlier occurrence of the "
+                                      "sequence's last few tokens (prompt lookup), so a step "
+                                      "can emit several; outputs are those of plain decoding "
+                                      "(greedy and seeded sampling alike)", ("ngram",)),
+    "speculative_num_draft_tokens": (MEMORY, "most drafted tokens verified per request and "
+                                             "step", None),
+    "speculative_ngram_min_match_window_size": (MEMORY, "ngram: the shortest suffix that may "
+                                                        "match", None),
+    "speculative_ngram_max_match_window_size": (MEMORY, "ngram: the longest suffix matched",
+                                                None),
     "attention_backend": (KERNELS, "attention kernels (default: triton on GPU, cpu on CPU: "
                                    "torch_native with compiled CPU kernels)",
                           ("cpu", "torch_native", "triton")),

@@ -39,12 +39,14 @@ from radixserve.scheduler.output import OutputSlice, build_token_output, needs_s
 from radixserve.scheduler.policy import SchedulePolicy, match_prefix
 from radixserve.scheduler.retraction import NewTokenRatio
 from radixserve.scheduler.runner_protocol import ModelRunnerLike
+from radixserve.scheduler.spec_decode import SpecDecodeMixin, make_proposer
 from radixserve.scheduler.stats import SchedulerStats, check_memory
 
 
-class Scheduler(OverlapLoopMixin, KVPressureMixin):
-    """The loop of turns, admission and results; the overlapped decode loop and the KV
-    pressure handling are its mixins (overlap_loop.py, kv_pressure.py)."""
+class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin):
+    """The loop of turns, admission and results; the overlapped decode loop, the KV pressure
+    handling and speculative steps are its mixins (overlap_loop.py, kv_pressure.py,
+    spec_decode.py)."""
 
     def __init__(self, server_args: ServerArgs, model_runner: ModelRunnerLike,
                  tokenizer: Detokenizer | None, eos_token_ids: set[int], context_len: int) -> None:
@@ -83,6 +85,7 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
         self.inflight: InflightDecode | None = None
         # a prefill batch launched and not yet read back (its requests join `running` then)
         self.inflight_prefill: InflightPrefill | None = None
+        self.speculator = make_proposer(self.args, model_runner)  # decode steps then verify
         # grammars compile in a worker thread; with TP rank 0 says when each is ready, so
         # every rank admits alike (ReplicatedScheduler)
         self.grammars = GrammarManager(tokenizer, model_runner.vocab_size, eos_token_ids,
@@ -241,7 +244,8 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
     def _run_decode(self, steps: int, keep_prefill: bool = False) -> None:
         """keep_prefill: a decode turn between two chunks; see _run_decode_steps_overlapped."""
         # a grammar's mask needs the previous token on the host: constrained = synchronous
-        if self.launcher is not None and all(r.grammar is None for r in self.running):
+        if self.launcher is not None and self.speculator is None and \
+                all(r.grammar is None for r in self.running):
             self._run_decode_steps_overlapped(self.launcher, steps, keep_prefill)
             return
         self._settle()
@@ -441,6 +445,8 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
 
     # ---- decode ----
     def _run_decode_step(self) -> None:
+        if self.speculator is not None:
+            return self._run_spec_decode_step()
         self._ensure_decode_memory()
         if not self.running:
             return
@@ -483,18 +489,10 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin):
     def get_internal_state(self, check_memory: bool = True) -> InternalState:
         """check_memory: when idle, also check the KV accounting (a walk of the tree)."""
         ok, leaked = self.check_memory() if check_memory and self._idle() else (None, 0)
-        return InternalState(
+        return self.stats.internal_state(
             num_running_reqs=len(self.admitted_reqs()) + (self.chunked_req is not None),
-            num_queued_reqs=len(self.waiting_queue),
-            max_total_num_tokens=self.max_total_num_tokens,
+            num_queued_reqs=len(self.waiting_queue), max_total_num_tokens=self.max_total_num_tokens,
             available_tokens=self.token_to_kv_pool.available_size(),
             evictable_tokens=self.tree_cache.evictable_size(),
-            protected_tokens=self.tree_cache.protected_size(),
-            token_usage=self.token_usage(),
-            cache_hit_rate=self.stats.cache_hit_rate,
-            num_retractions=self.stats.num_retractions,
-            num_recomputed_tokens=self.stats.num_recomputed_tokens,
-            num_decode_steps=self.stats.num_decode_steps,
-            new_token_ratio=self.ratio.value,
-            memory_check_ok=ok,
-            leaked_tokens=leaked)
+            protected_tokens=self.tree_cache.protected_size(), token_usage=self.token_usage(),
+            new_token_ratio=self.ratio.value, memory_check_ok=ok, leaked_tokens=leaked)

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.core.io_struct import InternalState
+
 logger = logging.getLogger("radixserve.scheduler")
 
 DECODE_LOG_INTERVAL = 40
@@ -19,6 +21,13 @@ class SchedulerStats:
     # tokens prefilled again for requests that had been retracted (their KV not in the cache)
     num_recomputed_tokens: int = 0
     num_decode_steps: int = 0
+    # speculative decoding: requests verified (a request per step), drafts proposed, drafts
+    # accepted, since the start, and requests / tokens since the last decode log line
+    spec_verified_reqs: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_reqs_since_log: int = 0
+    spec_accepted_since_log: int = 0
     generated_since_log: int = 0
     last_log_time: float = field(default_factory=time.perf_counter)
 
@@ -35,6 +44,39 @@ class SchedulerStats:
                     num_reqs, new_tokens, cached_tokens, 100 * self.cache_hit_rate, token_usage,
                     num_running, num_queued, ", chunked" if chunked else "")
 
+    @property
+    def spec_accept_length(self) -> float:
+        """Tokens a verified request gained per step (1 + accepted drafts), 0 without
+        speculative decoding (SGLang's "accept len")."""
+        if not self.spec_verified_reqs:
+            return 0.0
+        return 1.0 + self.spec_accepted_tokens / self.spec_verified_reqs
+
+    @property
+    def spec_accept_rate(self) -> float:
+        """Accepted drafts / proposed drafts (0 before any draft)."""
+        if not self.spec_proposed_tokens:
+            return 0.0
+        return self.spec_accepted_tokens / self.spec_proposed_tokens
+
+    def on_verify_step(self, num_reqs: int, proposed: int, accepted: int) -> None:
+        """A speculative step: before on_decode_step, which counts one token per request."""
+        self.spec_verified_reqs += num_reqs
+        self.spec_proposed_tokens += proposed
+        self.spec_accepted_tokens += accepted
+        self.spec_reqs_since_log += num_reqs
+        self.spec_accepted_since_log += accepted
+        self.generated_since_log += accepted
+
+    def internal_state(self, **scheduler_state: Any) -> InternalState:
+        """/get_server_info's and /metrics' state: the scheduler's queues and pool, and these
+        counters."""
+        return InternalState(
+            cache_hit_rate=self.cache_hit_rate, num_retractions=self.num_retractions,
+            num_recomputed_tokens=self.num_recomputed_tokens,
+            num_decode_steps=self.num_decode_steps, spec_accept_length=self.spec_accept_length,
+            spec_accept_rate=self.spec_accept_rate, **scheduler_state)
+
     def on_idle(self) -> None:
         """Nothing runs: the next decode log's throughput counts from when work resumes."""
         self.generated_since_log = 0
@@ -50,10 +92,15 @@ class SchedulerStats:
         throughput = self.generated_since_log / max(now - self.last_log_time, 1e-9)
         self.generated_since_log = 0
         self.last_log_time = now
+        spec = ""
+        if self.spec_reqs_since_log:
+            spec = ", accept len: %.2f" % (1 + self.spec_accepted_since_log
+                                           / self.spec_reqs_since_log)
+            self.spec_reqs_since_log = self.spec_accepted_since_log = 0
         logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
-                    "cache hit rate: %.2f%%, gen throughput (token/s): %.2f, #queue-req: %d",
+                    "cache hit rate: %.2f%%, gen throughput (token/s): %.2f, #queue-req: %d%s",
                     batch_size, num_tokens, token_usage, 100 * self.cache_hit_rate, throughput,
-                    num_queued)
+                    num_queued, spec)
 
 
 def check_memory(max_total_num_tokens: int, token_to_kv_pool: Any, tree_cache: Any,

@@ -59,6 +59,9 @@ class ServerMetrics:
                                  labels, registry=reg)
         self.cache_hit_rate = Gauge(PREFIX + "cache_hit_rate", "Radix cache hit rate (tokens)",
                                     labels, registry=reg)
+        self.spec_accept_length = Gauge(PREFIX + "spec_accept_length",
+                                        "Speculative decoding: tokens a request gains per "
+                                        "verify step (0 without it)", labels, registry=reg)
         # a counter (as vLLM's num_preemptions), fed with the growth of the schedulers' total
         self.retractions = Counter(PREFIX + "num_retractions",
                                    "Requests retracted to the queue (their KV freed)", labels,
@@ -106,6 +109,7 @@ class ServerMetrics:
         self.num_queued.labels(name).set(state.num_queued_reqs)
         self.token_usage.labels(name).set(state.token_usage)
         self.cache_hit_rate.labels(name).set(state.cache_hit_rate)
+        self.spec_accept_length.labels(name).set(state.spec_accept_length)
         if state.num_retractions > self._retractions_seen:
             self.retractions.labels(name).inc(state.num_retractions - self._retractions_seen)
             self._retractions_seen = state.num_retractions

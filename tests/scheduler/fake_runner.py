@@ -7,6 +7,8 @@ or the radix cache fails the test on the spot.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from radixserve.config import ServerArgs
@@ -28,8 +30,16 @@ def next_token(last: int, position: int) -> int:
     return 1 + (31 * last + 7 * position) % (VOCAB - 1)  # never EOS
 
 
+def cyclic_next_token(last: int, position: int) -> int:
+    """A rule without the position: every sequence soon repeats itself (n-gram drafts hit)."""
+    return 1 + (7 * last + 3) % (VOCAB - 1)
+
+
 class FakeRunner:
-    def __init__(self, max_total_tokens: int, max_reqs: int = 16, context_len: int = 256) -> None:
+    def __init__(self, max_total_tokens: int, max_reqs: int = 16, context_len: int = 256,
+                 rule: Callable[[int, int], int] | None = None) -> None:
+        # None: the module's next_token, looked up per call (tests monkeypatch it)
+        self.rule = rule
         self.device = torch.device("cpu")
         self.vocab_size = VOCAB
         self.max_total_num_tokens = max_total_tokens
@@ -85,7 +95,8 @@ class FakeRunner:
             kv_tokens = self.slot_token[slots].tolist()
             assert kv_tokens[-n:] == input_ids[offset:offset + n]
             assert -1 not in kv_tokens, f"row {row} reads an unwritten slot"
-            out.append(next_token(kv_tokens[-1], seq_len - 1))
+            rule = self.rule or next_token
+            out.append(rule(kv_tokens[-1], seq_len - 1))
             self.check_prefix_consistent(kv_tokens)
             offset += n
         return out
@@ -97,16 +108,18 @@ class FakeRunner:
 
 
 def make_scheduler(max_total_tokens: int = 2000, max_reqs: int = 16, context_len: int = 256,
+                   rule: Callable[[int, int], int] | None = None,
                    **args) -> tuple[Scheduler, FakeRunner]:
-    runner = FakeRunner(max_total_tokens, max_reqs, context_len)
+    runner = FakeRunner(max_total_tokens, max_reqs, context_len, rule)
     server_args = ServerArgs(device="cpu", **args)
     return Scheduler(server_args, runner, None, {EOS}, context_len), runner
 
 
-def expected_output(prompt: list[int], n: int) -> list[int]:
+def expected_output(prompt: list[int], n: int,
+                    rule: Callable[[int, int], int] | None = None) -> list[int]:
     seq = list(prompt)
     for _ in range(n):
-        seq.append(next_token(seq[-1], len(seq) - 1))
+        seq.append((rule or next_token)(seq[-1], len(seq) - 1))
     return seq[len(prompt):]
 
 

@@ -1,0 +1,169 @@
+"""Speculative decoding steps (--speculative-algorithm ngram; drafts from ngram_draft.py).
+
+A verify step is one DECODE pass with a row per token: a request with d drafts brings d + 1
+rows, its last output (the token without KV) and the drafts, at positions kv_len ..
+kv_len + d. Row j's seq_len is kv_len + j + 1, so it attends over its request's tokens up to
+itself: the pass is causal across the drafts, writes every row's KV, and runs the decode
+kernels and CUDA graphs as they are (a request's req_to_token row may repeat in a batch).
+
+Each row samples its token as plain decoding would at that position (a seeded request's
+generator is seeded by its output position: row j's by len(output_ids) + j). The sample of
+row j is appended; row j + 1 is read only when that sample equals draft j + 1, since only
+then is row j + 1's input what plain decoding would have fed it. With a draft that is one
+token (not a distribution), drawing t from p and keeping the draft when t equals it accepts
+it with probability p(draft) and otherwise yields p without the draft, renormalised: exactly
+speculative sampling's rule, so outputs keep plain decoding's distribution (greedy is the
+special case where the sample is the argmax; tests compare the two token for token).
+
+The slots of rows past the first mismatch are freed in the same step, and kv_len counts the
+rows kept, so the radix cache only ever sees KV of the request's own tokens. A request that
+cannot draft (a grammar, a penalty that depends on the tokens so far, min_new_tokens not yet
+reached, one token left) takes one row, as in plain decoding. Drafts are optional: when the
+pool cannot hold them the step runs without any (retraction is only for the plain step's
+one slot per request).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixserve.core.forward_batch import ForwardMode, ModelWorkerBatch
+from radixserve.core.req import Req
+from radixserve.scheduler.batch import BatchBuilder, alloc_kv
+from radixserve.scheduler.ngram_draft import NgramProposer
+
+if TYPE_CHECKING:
+    from radixserve.config import ServerArgs
+    from radixserve.mem.kv_pool import KVPool
+    from radixserve.scheduler.runner_protocol import ModelRunnerLike
+    from radixserve.scheduler.stats import SchedulerStats
+
+
+def make_proposer(args: "ServerArgs", runner: Any) -> NgramProposer | None:
+    """The drafter --speculative-algorithm names (None without it); refused for models whose
+    layers keep recurrent states, which a rejected draft would leave advanced."""
+    if args.speculative_algorithm is None:
+        return None
+    if getattr(runner, "state_pool", None) is not None:
+        raise ValueError("--speculative-algorithm needs a model whose past is all KV cache; "
+                         "this model's linear-attention / Mamba layers keep a running state "
+                         "that rejected drafts cannot be taken back from")
+    return NgramProposer(args.speculative_num_draft_tokens,
+                         args.speculative_ngram_min_match_window_size,
+                         args.speculative_ngram_max_match_window_size)
+
+
+def may_draft(req: Req) -> bool:
+    """Whether the request's next tokens can be sampled in one pass from rows built before
+    any of them is known: no grammar (its mask follows each token), no penalty counting the
+    tokens so far, min_new_tokens reached (its stop mask depends on the output's length)."""
+    params = req.sampling_params
+    return (req.grammar is None and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0 and params.repetition_penalty == 1.0
+            and len(req.output_ids) >= params.min_new_tokens)
+
+
+def prepare_verify(builder: BatchBuilder, reqs: list[Req], drafts: list[list[int]]
+                   ) -> ModelWorkerBatch:
+    """The verify pass: one DECODE row per token (see the module docstring); KV slots for
+    every row, recorded in the request table's host copy (the pass writes the device's)."""
+    out_cache_loc = alloc_kv(sum(1 + len(d) for d in drafts), builder.token_to_kv_pool,
+                             builder.tree_cache)
+    row_reqs: list[Req] = []
+    table_rows: list[int] = []
+    positions: list[int] = []
+    input_ids: list[int] = []
+    offsets: list[int] = []
+    for req, draft in zip(reqs, drafts):
+        assert req.req_pool_idx is not None
+        for j, token in enumerate([req.output_ids[-1]] + draft):
+            row_reqs.append(req)
+            table_rows.append(req.req_pool_idx)
+            positions.append(req.kv_len + j)
+            input_ids.append(token)
+            offsets.append(j)
+        req.kv_len += 1 + len(draft)
+    builder.req_to_token_pool.write_host_positions(table_rows, positions, out_cache_loc)
+    info = builder.sampling_info(row_reqs)
+    info.seed_steps = [step + offsets[row] for row, step in zip(info.seed_rows, info.seed_steps)]
+    return ModelWorkerBatch(
+        forward_mode=ForwardMode.DECODE,
+        input_ids=input_ids,
+        req_pool_indices=table_rows,
+        seq_lens=[p + 1 for p in positions],
+        out_cache_loc=out_cache_loc,
+        sampling_info=info,
+        return_logprob=any(r.return_logprob for r in reqs),
+        top_logprobs_nums=[r.top_logprobs_num for r in row_reqs],
+    )
+
+
+class SpecDecodeMixin:
+    """A mixin of `Scheduler` (as kv_pressure.py): the speculative decode step."""
+    running: list[Req]
+    builder: BatchBuilder
+    runner: "ModelRunnerLike"
+    token_to_kv_pool: "KVPool"
+    stats: "SchedulerStats"
+    speculator: NgramProposer | None
+    context_len: int
+
+    if TYPE_CHECKING:
+        def _decode_memory_available(self, need: int) -> bool: ...
+        def _ensure_decode_memory(self, extra_tokens: int = 0) -> None: ...
+        def _take_token(self, req: Req, i: int, out: Any) -> bool: ...
+        def _append_token(self, req: Req, i: int, out: Any) -> int: ...
+        def _finish(self, req: Req, reason: Any = None, release: bool = True) -> None: ...
+        def _after_decode_step(self, batch_size: int, still_running: list[Req]) -> None: ...
+
+    def _drafts_for(self, req: Req) -> list[int]:
+        assert self.speculator is not None
+        if not may_draft(req):
+            return []
+        # every kept row appends a token: stay within max_new_tokens and the context
+        limit = min(req.remaining_new_tokens(), self.context_len - req.seqlen) - 1
+        return self.speculator.propose(req, limit)
+
+    def _run_spec_decode_step(self) -> None:
+        drafts = [self._drafts_for(req) for req in self.running]
+        if not self._decode_memory_available(len(self.running) + sum(map(len, drafts))):
+            self._ensure_decode_memory()  # a plain step's slots, retracting if short
+            drafts = [[] for _ in self.running]
+        if not self.running:
+            return
+        batch = prepare_verify(self.builder, self.running, drafts)
+        self._accept_verified(self.runner.forward(batch), batch.out_cache_loc, drafts)
+
+    def _accept_verified(self, out: Any, out_cache_loc: torch.Tensor,
+                         drafts: list[list[int]]) -> None:
+        still_running: list[Req] = []
+        rejected: list[torch.Tensor] = []
+        row = accepted = 0
+        for req, draft in zip(self.running, drafts):
+            rows = 1 + len(draft)
+            if not draft:  # plain decoding's row (grammars and jump-forward included)
+                if self._take_token(req, row, out):
+                    still_running.append(req)
+                row += 1
+                continue
+            kept = 0
+            while kept < rows:
+                self._append_token(req, row + kept, out)
+                kept += 1
+                if req.finished or kept == rows or out.next_token_ids[row + kept - 1] \
+                        != draft[kept - 1]:
+                    break
+            accepted += kept - 1
+            if kept < rows:  # the KV of rows past the mismatch is not the request's
+                rejected.append(out_cache_loc[row + kept:row + rows])
+                req.kv_len -= rows - kept
+            if req.finished:
+                self._finish(req)
+            else:
+                still_running.append(req)
+            row += rows
+        if rejected:
+            self.token_to_kv_pool.free(torch.cat(rejected))
+        self.stats.on_verify_step(len(self.running), sum(map(len, drafts)), accepted)
+        self._after_decode_step(len(self.running), still_running)
