@@ -50,7 +50,8 @@ def _scale_on_load(linear: LinearBase, weight: Scale, bias: Scale | None = None)
                    load: Callable[..., object] = load, scale: Scale = scale) -> object:
             factor = scale(shard_id)
             if isinstance(factor, torch.Tensor):
-                factor = factor.reshape(-1, *([1] * (loaded.dim() - 1)))
+                # the checkpoint tensor may arrive on the device already (the GPU loader's)
+                factor = factor.to(loaded.device).reshape(-1, *([1] * (loaded.dim() - 1)))
             loaded = loaded.float() * factor
             return load(p, loaded) if shard_id is None else load(p, loaded, shard_id)
 
