@@ -125,7 +125,12 @@ def assert_forced_grammar_reads_the_schema(name: str) -> Callable[[dict[str, Any
     assert not _accepts(ebnf, call({"code": "x", "nights": "two"}))  # not an integer
     assert not _accepts(ebnf, call({"code": "x", "nights": 1, "guest": {}}))  # guest.name
     assert not _accepts(ebnf, call({"nights": 1, "code": "x"}))  # the schema's order
-    assert not _matcher(ebnf).accept_string(call({"code": "a</b", "nights": 1}))
+    # a text value may hold "</" (code, markup), only not the value's own end tag
+    assert _accepts(ebnf, call({"code": "a</b> </div", "nights": 1}))
+    markup = get_parser(name, None, [BOOKING]).parse(call({"code": "a</b> </div", "nights": 1}))
+    assert json.loads(markup[1][0].arguments) == {"code": "a</b> </div", "nights": 1}
+    end_tag = parser.argument_pairs()[2].strip()
+    assert not _matcher(ebnf).accept_string(call({"code": f"a{end_tag}b", "nights": 1}))
     return call
 
 

@@ -18,7 +18,8 @@ The scan reads blanks around the tags loosely. A call is reported once its name 
 prefix of the finished text. Text after `<tool_call>` that is not a name (blanks inside, a
 tag) is plain content where it is the first call. A forced call's grammar writes the pairs
 in the schema's property order, the required ones always, the others optionally
-(`argument_pairs`); a string value there may hold any text but "</" and a final "<"."""
+(`argument_pairs`); a string value there may hold any text without its end tag
+(grammar.text_without)."""
 from __future__ import annotations
 
 import json

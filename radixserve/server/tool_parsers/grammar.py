@@ -82,30 +82,49 @@ def _pairs_grammar(tool: dict[str, Any], pairs: tuple[str, str, str]) -> Any:
     import xgrammar
 
     key_before, key_after, value_after = pairs
+    text_value = text_without(value_after.strip())
     schema = tool["function"].get("parameters") or _ANY_OBJECT
     properties = schema.get("properties") or {}
     if not properties:
         return xgrammar.Grammar.from_ebnf(
-            f"root ::= ({_literal(key_before)} [^<]+ {_literal(key_after)} {_TEXT_VALUE} "
+            f"root ::= ({_literal(key_before)} [^<]+ {_literal(key_after)} {text_value} "
             f"{_literal(value_after)})*")
     required = set(schema.get("required") or ())
     parts = []
     for key, value_schema in properties.items():
         pair = xgrammar.Grammar.concat(_literal_grammar(key_before + key + key_after),
-                                       _value_grammar(value_schema),
+                                       _value_grammar(value_schema, text_value),
                                        _literal_grammar(value_after))
         parts.append(pair if key in required else
                      xgrammar.Grammar.union(pair, _literal_grammar("")))
     return parts[0] if len(parts) == 1 else xgrammar.Grammar.concat(*parts)
 
 
-# a string argument's text: anything but "</" (where the value's end tag starts) and a final
-# "<"
+# a length-bounded string argument's text, counted in units: anything but "</" and a final
+# "<" (a unit is a character, or a "<" run with the character after it)
 _TEXT_UNIT = '[^<] | "<"+ [^/<]'
-_TEXT_VALUE = f"({_TEXT_UNIT})*"
 
 
-def _value_grammar(schema: Any) -> Any:
+def text_without(end_tag: str) -> str:
+    """EBNF of any text that does not hold `end_tag` (a value's closing tag, "<" then no
+    other "<"), so the tag after the value is where the value ends: code with "</div>" or
+    "a </ b" is a value, "</parameter>" inside one is not. After each "<" the text either
+    stops short of the tag's rest (a proper prefix of it, maybe empty) or leaves it at some
+    character and runs on to the next "<"."""
+    if not end_tag.startswith("<") or "<" in end_tag[1:]:
+        raise ValueError(f"not a closing tag: {end_tag!r}")
+    rest = end_tag[1:]
+    branches = [json.dumps(rest[:k]) if k else '""' for k in range(len(rest))]
+    branches += [f"{json.dumps(rest[:k]) if k else ''} [^<{_class_char(rest[k])}] [^<]*"
+                 for k in range(len(rest))]
+    return f'[^<]* ("<" ({" | ".join(branches)}))*'
+
+
+def _class_char(char: str) -> str:
+    return "\\" + char if char in "\\]^-" else char
+
+
+def _value_grammar(schema: Any, text_value: str) -> Any:
     """One argument's value: for a parameter written as text (glm.is_text_parameter) its text,
     one of those listed where the schema lists them, else JSON of its schema."""
     import xgrammar
@@ -114,15 +133,15 @@ def _value_grammar(schema: Any) -> Any:
         values = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
         if values:
             return xgrammar.Grammar.union(*(_literal_grammar(v) for v in values))
-        return _text_grammar(schema)
+        return _text_grammar(schema, text_value)
     return xgrammar.Grammar.from_json_schema(
         json.dumps(schema if isinstance(schema, dict) else _ANY_OBJECT), **JSON_SCHEMA_OPTIONS)
 
 
-def _text_grammar(schema: dict[str, Any]) -> Any:
+def _text_grammar(schema: dict[str, Any], text_value: str) -> Any:
     """A string parameter's text: its `pattern` (anchors dropped: the value is the whole
-    match), else any text (see _TEXT_VALUE) of `minLength`..`maxLength` characters (a "<"
-    run with the character after it counted once)."""
+    match), else any text without the value's end tag (`text_value`, see text_without), or
+    with `minLength` / `maxLength` any text of that many units (_TEXT_UNIT: no "</" there)."""
     import xgrammar
 
     pattern = schema.get("pattern")
@@ -135,7 +154,7 @@ def _text_grammar(schema: dict[str, Any]) -> Any:
         low = low if isinstance(low, int) else 0
         high = high if isinstance(high, int) else -1
         return xgrammar.Grammar.from_ebnf(f"root ::= ({_TEXT_UNIT}){{{low}, {high}}}")
-    return xgrammar.Grammar.from_ebnf(f"root ::= {_TEXT_VALUE}")
+    return xgrammar.Grammar.from_ebnf(f"root ::= {text_value}")
 
 
 def _literal_grammar(text: str) -> Any:
