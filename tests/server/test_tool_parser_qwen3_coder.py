@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 
 from radixserve.server.reasoning import get_format, prompt_block
+from radixserve.server.tool_parsers.base import ToolCall
 from radixserve.server.tool_parsers.qwen3_coder import Qwen3CoderParser
 from radixserve.server.tool_parsers.registry import detect_parser_name, get_parser
-from tests.server.test_tool_parser_glm import (assert_forced_grammar_reads_the_schema,
+from tests.server.test_tool_parser_glm import (BOOKING, assert_forced_grammar_reads_the_schema,
                                                assert_values_read_by_the_tools_schemas)
+from tests.server.test_tool_parsers import stream_text
 
 # the assistant turn of Qwen3-Coder's chat template, as Qwen3.5's and Nemotron-3's write it
 TEMPLATE = ("{%- for tool_call in message.tool_calls %}{{- '<tool_call>\\n<function=' + "
@@ -65,3 +67,18 @@ def test_a_stray_block_tag_in_prose_streams_as_content() -> None:
     sent, _ = stream.update(text[:30], final=False)
     rest, deltas = stream.update(text, final=True)
     assert sent.startswith("Use <tool_call> tags") and sent + rest == text and not deltas
+
+
+def test_a_bare_function_tag_opening_a_line_is_a_call() -> None:
+    """The model left `<tool_call>` out (vLLM reads such calls too): the call is parsed and
+    streamed alike; `<function=` inside a line of prose stays content."""
+    text = ("Sure.\n<function=book>\n<parameter=code>\nx</y\n</parameter>\n"
+            "<parameter=nights>\n2\n</parameter>\n</function>")
+    expected = [ToolCall("book", '{"code": "x</y", "nights": 2}')]
+    assert get_parser("qwen3_coder", None, [BOOKING]).parse(text) == ("Sure.", expected)
+    for chunk in (1, 4):
+        assert stream_text("qwen3_coder", text, chunk, [BOOKING]) == (
+            "Sure.", [("book", '{"code": "x</y", "nights": 2}')], True)
+    prose = "Write <function=book> to call it."
+    assert get_parser("qwen3_coder", None, [BOOKING]).parse(prose) == (prose, [])
+    assert stream_text("qwen3_coder", prose, 1, [BOOKING]) == (prose, [], False)

@@ -18,12 +18,14 @@ other is read stripped as JSON, else as the Python literal the template writes f
 values (True, None, {'k': 1}), else kept as text (by the request's tools' schemas). Names are
 unquoted. A stream reports a call once its function tag is complete and grows its arguments
 one complete parameter at a time. A forced call's grammar writes each call in its own block,
-as the chat template does."""
+as the chat template does. A call whose `<tool_call>` the model left out (a bare
+`<function=NAME>` opening a line) is read too, as vLLM's parser reads it."""
 from __future__ import annotations
 
 import ast
 from typing import Any
 
+from radixserve.server.partial_text import held_back
 from radixserve.server.tool_parsers.glm import CALL_BEGIN, CALL_END, Glm45Parser, json_or_text
 from radixserve.server.tool_parsers.minimax import MiniMaxM2Parser
 
@@ -43,6 +45,18 @@ def json_or_literal(text: str) -> Any:
         return text
 
 
+def _opens_line(text: str, pos: int) -> bool:
+    return not text[text.rfind("\n", 0, pos) + 1:pos].strip()
+
+
+def _bare_function(text: str) -> int:
+    """Where the first `<function=` that opens a line (after blanks) is, else -1."""
+    pos = text.find(FUNCTION_BEGIN)
+    while pos >= 0 and not _opens_line(text, pos):
+        pos = text.find(FUNCTION_BEGIN, pos + 1)
+    return pos
+
+
 class Qwen3CoderParser(MiniMaxM2Parser):
     name = "qwen3_coder"
     marker = CALL_BEGIN
@@ -56,6 +70,18 @@ class Qwen3CoderParser(MiniMaxM2Parser):
     wrap_call = Glm45Parser.wrap_call
     grammar_parts = Glm45Parser.grammar_parts
     read_non_text = staticmethod(json_or_literal)
+
+    def section_start(self, text: str, final: bool) -> tuple[int, int]:
+        """At the first `<tool_call>`, or bare `<function=` opening a line (mid-line it is
+        prose); while the output grows, a tail that may become either is held back."""
+        starts = [at for at in (text.find(CALL_BEGIN), _bare_function(text)) if at >= 0]
+        if starts:
+            return min(starts), min(starts)
+        held = held_back(text, CALL_BEGIN)
+        tail = held_back(text, FUNCTION_BEGIN)
+        if tail and _opens_line(text, len(text) - tail):
+            held = max(held, tail)
+        return (len(text) if final else len(text) - held), len(text)
 
     def call_literals(self, name: str) -> tuple[str, str]:
         return f"{CALL_BEGIN}\n{FUNCTION_BEGIN}{name}>\n", f"{FUNCTION_END}\n{CALL_END}"
