@@ -45,7 +45,7 @@ def _run(folder: str, tp_size: int, prompts: list[list[int]], **engine_args: obj
         return {"ids": [g["output_ids"] for g in greedy],
                 "logprobs": [[lp for lp, _ in g["meta_info"]["output_token_logprobs"]]
                              for g in greedy],
-                "sampled": sampled["output_ids"]}
+                "sampled": sampled["output_ids"], "accept_len": state["spec_accept_length"]}
     finally:
         engine.shutdown()
 
@@ -308,3 +308,15 @@ def test_nodes_started_with_different_models_are_refused(tmp_path) -> None:
         assert node.returncode == 1, log
         assert "node 1 was started unlike rank 0 (node 0): model '" in log, log
         assert "Traceback" not in log, log
+
+
+def test_speculative_decoding_at_tp2_equals_plain_tp1(tmp_path) -> None:
+    """n-gram speculation at tp 2 over gloo: every rank drafts alike from the same tokens
+    (each runs the scheduler), and the outputs are one plain rank's."""
+    hf_model = make_checkpoint("llama_gqa_llama3_rope", tmp_path)
+    prompts = _prompts(hf_model.config.vocab_size)
+    prompts[1] = (prompts[1][:8] * 6)[:40]  # repeats itself: drafts are accepted
+    spec = {"speculative_algorithm": "ngram", "speculative_ngram_min_match_window_size": 1}
+    two = _run(str(tmp_path), 2, prompts, **spec)
+    _assert_same_outputs(two, _run(str(tmp_path), 1, prompts))
+    assert two["accept_len"] > 1.0
