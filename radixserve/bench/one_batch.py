@@ -254,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     batches are seeded, so every rank builds the same ones); rank 0 reports. Decode limits then
     count each GPU's share of the bytes and FLOPs."""
     args = build_parser().parse_args(argv)
+    if args.speculative_algorithm:
+        raise SystemExit("one_batch times plain decode steps; speculative decoding is measured "
+                         "by benchmarks/spec_ngram.py")
     return run_command(lambda: _run_ranks(args))
 
 

@@ -65,10 +65,21 @@ class InternalState:
     num_recomputed_tokens: int = 0  # prefilled again after a retraction
     # decode steps run since the start (each reads the weights once, whatever its batch)
     num_decode_steps: int = 0
-    # speculative decoding (0 without it): tokens a verified request gains per step, and
-    # accepted / proposed drafts
-    spec_accept_length: float = 0.0
-    spec_accept_rate: float = 0.0
+    # speculative decoding: requests that verified drafts (one per step), drafts proposed
+    # and accepted, since the start
+    spec_verified_reqs: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accept_length: float = field(init=False, default=0.0)
+    spec_accept_rate: float = field(init=False, default=0.0)
+
+    def __post_init__(self) -> None:
+        # what /get_server_info shows: tokens a request gains per step it verifies drafts
+        # (SGLang's "accept len"), and accepted / proposed drafts; 0 without speculation
+        verified, proposed = self.spec_verified_reqs, self.spec_proposed_tokens
+        self.spec_accept_length = \
+            1.0 + self.spec_accepted_tokens / verified if verified else 0.0
+        self.spec_accept_rate = self.spec_accepted_tokens / proposed if proposed else 0.0
 
     @classmethod
     def merge(cls, states: list["InternalState"]) -> "InternalState":
@@ -91,8 +102,9 @@ class InternalState:
             num_recomputed_tokens=sum(s.num_recomputed_tokens for s in states),
             num_decode_steps=sum(s.num_decode_steps for s in states),
             new_token_ratio=sum(s.new_token_ratio for s in states) / n,
-            spec_accept_length=sum(s.spec_accept_length for s in states) / n,
-            spec_accept_rate=sum(s.spec_accept_rate for s in states) / n,
+            spec_verified_reqs=sum(s.spec_verified_reqs for s in states),
+            spec_proposed_tokens=sum(s.spec_proposed_tokens for s in states),
+            spec_accepted_tokens=sum(s.spec_accepted_tokens for s in states),
             memory_check_ok=None if None in checks else all(checks),  # type: ignore[arg-type]
             leaked_tokens=sum(s.leaked_tokens for s in states))
 

@@ -113,8 +113,12 @@ class CudaGraphRunner:
         self.model_runner = model_runner
         self.attn_backend = model_runner.attn_backend
         self.device = model_runner.device
-        max_bs_flag = model_runner.server_args.cuda_graph_max_bs or 256  # resolve() sets it
-        sizes = capture_batch_sizes(max_bs_flag, model_runner.max_num_reqs)
+        args = model_runner.server_args
+        max_bs_flag = args.cuda_graph_max_bs or 256  # resolve() sets it
+        # speculative decoding verifies drafts as extra rows: up to 1 + drafts a request
+        rows_per_req = 1 + (args.speculative_num_draft_tokens if args.speculative_algorithm
+                            else 0)
+        sizes = capture_batch_sizes(max_bs_flag, model_runner.max_num_reqs * rows_per_req)
         self.batch_sizes: list[int] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (logits, argmax ids)

@@ -74,7 +74,10 @@ RANK_SHARED_FLAGS = ("tp_size", "nnodes", "load_format", "kv_cache_dtype", "quan
                      "enable_jump_forward", "attention_backend", "prefill_attention_backend",
                      "decode_attention_backend", "disable_cuda_graph",
                      "disable_overlap_schedule", "cuda_graph_max_bs", "stream_interval",
-                     "max_queued_requests", "skip_tokenizer_init", "random_seed")
+                     "max_queued_requests", "skip_tokenizer_init", "random_seed",
+                     "speculative_algorithm", "speculative_num_draft_tokens",
+                     "speculative_ngram_min_match_window_size",
+                     "speculative_ngram_max_match_window_size")
 
 
 class ModelRunner:
@@ -380,6 +383,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+
+    @property
+    def decode_graph_rows(self) -> int | None:
+        """The most rows a DECODE pass replays a CUDA graph for; None: decode runs eagerly."""
+        return getattr(self.cuda_graph_runner, "max_bs", None)
 
     @staticmethod
     def _argmax_is_the_sample(info: SamplingBatchInfo) -> bool:

@@ -4,7 +4,8 @@ n tokens are guessed to come next. Free to make (no draft model), and right ofte
 the answer copies its context: code edits, retrieval answers, summaries that quote.
 
 The match: the longest n in [min_match, max_match] whose last-n-token suffix occurs earlier
-in prompt + output (ties to the latest occurrence), then up to `num_draft` tokens after it.
+in prompt + output (ties to the latest occurrence), then the `num_draft` tokens after it
+(where those run past the sequence's end, the repeat the match implies goes on).
 Each request keeps a growing numpy copy of its tokens (`Req.draft_tokens`), so a step costs
 a vectorised scan of its sequence, not a Python loop or a list-to-array copy.
 """
@@ -68,7 +69,13 @@ def propose_from(tokens: np.ndarray, num_draft: int, min_match: int, max_match: 
     if best < min_match:
         return []
     end = int(ends[np.flatnonzero(matched == best)[-1]])  # the latest of the longest
-    return tokens[end + 1:end + 1 + num_draft].tolist()
+    draft = tokens[end + 1:end + 1 + num_draft].tolist()
+    # a match that reaches into the suffix (a run, a short cycle) predicts the sequence
+    # repeats with period length - 1 - end: its continuation past the end goes on so
+    period = length - 1 - end
+    while len(draft) < num_draft:
+        draft.append(draft[len(draft) - period])
+    return draft
 
 
 class NgramProposer:

@@ -193,9 +193,7 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin):
         self.tree_cache.reset()  # the tree forgets its slots: hand them all back
         self.token_to_kv_pool.clear()
         self.req_to_token_pool.clear()
-        self.stats = SchedulerStats(num_retractions=self.stats.num_retractions,
-                                    num_recomputed_tokens=self.stats.num_recomputed_tokens,
-                                    num_decode_steps=self.stats.num_decode_steps)
+        self.stats = self.stats.after_flush()
         return FlushCacheReply(True, "cache flushed")
 
     def has_work(self) -> bool:

@@ -18,12 +18,14 @@ special case where the sample is the argmax; tests compare the two token for tok
 The slots of rows past the first mismatch are freed in the same step, and kv_len counts the
 rows kept, so the radix cache only ever sees KV of the request's own tokens. A request that
 cannot draft (a grammar, a penalty that depends on the tokens so far, min_new_tokens not yet
-reached, one token left) takes one row, as in plain decoding. Drafts are optional: when the
-pool cannot hold them the step runs without any (retraction is only for the plain step's
-one slot per request).
+reached, one token left) takes one row, as in plain decoding. Drafts are optional: they use
+free slots only (never evicting cached prefixes; retraction is only for the plain step's one
+slot per request), and are cut so that a pass's rows stay within the largest captured CUDA
+graph (trim_drafts).
 """
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,6 +51,13 @@ def make_proposer(args: "ServerArgs", runner: Any) -> NgramProposer | None:
         raise ValueError("--speculative-algorithm needs a model whose past is all KV cache; "
                          "this model's linear-attention / Mamba layers keep a running state "
                          "that rejected drafts cannot be taken back from")
+    spec = os.environ.get("RADIXSERVE_DECODE_CONFIG", "")
+    if spec:
+        from radixserve.attention.kernels.decode_attention import DecodeKernelConfig
+        if DecodeKernelConfig.from_spec(spec).early_kv:
+            raise ValueError("RADIXSERVE_DECODE_CONFIG's early_kv reads a step's earlier "
+                             "positions before its own stores finish; a verify pass writes "
+                             "several positions of a request: drop early_kv")
     return NgramProposer(args.speculative_num_draft_tokens,
                          args.speculative_ngram_min_match_window_size,
                          args.speculative_ngram_max_match_window_size)
@@ -62,6 +71,25 @@ def may_draft(req: Req) -> bool:
     return (req.grammar is None and params.frequency_penalty == 0.0
             and params.presence_penalty == 0.0 and params.repetition_penalty == 1.0
             and len(req.output_ids) >= params.min_new_tokens)
+
+
+def trim_drafts(drafts: list[list[int]], budget: int) -> list[list[int]]:
+    """The drafts cut to at most `budget` tokens in all: every request keeps up to one
+    common length L (the largest that fits), and the first ones longer than L one more while
+    the budget lasts."""
+    if sum(map(len, drafts)) <= budget:
+        return drafts
+    budget = max(budget, 0)
+    length = 0
+    while sum(min(len(d), length + 1) for d in drafts) <= budget:
+        length += 1
+    spare = budget - sum(min(len(d), length) for d in drafts)
+    out = []
+    for draft in drafts:
+        extra = 1 if spare > 0 and len(draft) > length else 0
+        spare -= extra
+        out.append(draft[:length + extra])
+    return out
 
 
 def prepare_verify(builder: BatchBuilder, reqs: list[Req], drafts: list[list[int]]
@@ -110,7 +138,6 @@ class SpecDecodeMixin:
     context_len: int
 
     if TYPE_CHECKING:
-        def _decode_memory_available(self, need: int) -> bool: ...
         def _ensure_decode_memory(self, extra_tokens: int = 0) -> None: ...
         def _take_token(self, req: Req, i: int, out: Any) -> bool: ...
         def _append_token(self, req: Req, i: int, out: Any) -> int: ...
@@ -127,11 +154,18 @@ class SpecDecodeMixin:
 
     def _run_spec_decode_step(self) -> None:
         drafts = [self._drafts_for(req) for req in self.running]
-        if not self._decode_memory_available(len(self.running) + sum(map(len, drafts))):
-            self._ensure_decode_memory()  # a plain step's slots, retracting if short
+        free = self.token_to_kv_pool.available_size()
+        if free < len(self.running):  # drafts never evict: a plain step's slots first
+            self._ensure_decode_memory()
             drafts = [[] for _ in self.running]
+            free = self.token_to_kv_pool.available_size()
         if not self.running:
             return
+        budget = free - len(self.running)
+        rows = getattr(self.runner, "decode_graph_rows", None)
+        if rows is not None:  # keep the pass within the captured CUDA graphs
+            budget = min(budget, rows - len(self.running))
+        drafts = trim_drafts(drafts, budget)
         batch = prepare_verify(self.builder, self.running, drafts)
         self._accept_verified(self.runner.forward(batch), batch.out_cache_loc, drafts)
 
@@ -165,5 +199,5 @@ class SpecDecodeMixin:
             row += rows
         if rejected:
             self.token_to_kv_pool.free(torch.cat(rejected))
-        self.stats.on_verify_step(len(self.running), sum(map(len, drafts)), accepted)
+        self.stats.on_verify_step(sum(1 for d in drafts if d), sum(map(len, drafts)), accepted)
         self._after_decode_step(len(self.running), still_running)

@@ -21,8 +21,9 @@ class SchedulerStats:
     # tokens prefilled again for requests that had been retracted (their KV not in the cache)
     num_recomputed_tokens: int = 0
     num_decode_steps: int = 0
-    # speculative decoding: requests verified (a request per step), drafts proposed, drafts
-    # accepted, since the start, and requests / tokens since the last decode log line
+    # speculative decoding: requests that verified drafts (a request per step), drafts
+    # proposed, drafts accepted, since the start, and requests / tokens since the last decode
+    # log line
     spec_verified_reqs: int = 0
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -44,23 +45,9 @@ class SchedulerStats:
                     num_reqs, new_tokens, cached_tokens, 100 * self.cache_hit_rate, token_usage,
                     num_running, num_queued, ", chunked" if chunked else "")
 
-    @property
-    def spec_accept_length(self) -> float:
-        """Tokens a verified request gained per step (1 + accepted drafts), 0 without
-        speculative decoding (SGLang's "accept len")."""
-        if not self.spec_verified_reqs:
-            return 0.0
-        return 1.0 + self.spec_accepted_tokens / self.spec_verified_reqs
-
-    @property
-    def spec_accept_rate(self) -> float:
-        """Accepted drafts / proposed drafts (0 before any draft)."""
-        if not self.spec_proposed_tokens:
-            return 0.0
-        return self.spec_accepted_tokens / self.spec_proposed_tokens
-
     def on_verify_step(self, num_reqs: int, proposed: int, accepted: int) -> None:
-        """A speculative step: before on_decode_step, which counts one token per request."""
+        """A speculative step (`num_reqs`: those with drafts): before on_decode_step, which
+        counts one token per request."""
         self.spec_verified_reqs += num_reqs
         self.spec_proposed_tokens += proposed
         self.spec_accepted_tokens += accepted
@@ -68,14 +55,23 @@ class SchedulerStats:
         self.spec_accepted_since_log += accepted
         self.generated_since_log += accepted
 
+    def after_flush(self) -> "SchedulerStats":
+        """The counters a cache flush keeps (the cache's hit counts start over)."""
+        return SchedulerStats(
+            num_retractions=self.num_retractions, num_recomputed_tokens=self.num_recomputed_tokens,
+            num_decode_steps=self.num_decode_steps, spec_verified_reqs=self.spec_verified_reqs,
+            spec_proposed_tokens=self.spec_proposed_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens)
+
     def internal_state(self, **scheduler_state: Any) -> InternalState:
         """/get_server_info's and /metrics' state: the scheduler's queues and pool, and these
         counters."""
         return InternalState(
             cache_hit_rate=self.cache_hit_rate, num_retractions=self.num_retractions,
             num_recomputed_tokens=self.num_recomputed_tokens,
-            num_decode_steps=self.num_decode_steps, spec_accept_length=self.spec_accept_length,
-            spec_accept_rate=self.spec_accept_rate, **scheduler_state)
+            num_decode_steps=self.num_decode_steps, spec_verified_reqs=self.spec_verified_reqs,
+            spec_proposed_tokens=self.spec_proposed_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens, **scheduler_state)
 
     def on_idle(self) -> None:
         """Nothing runs: the next decode log's throughput counts from when work resumes."""

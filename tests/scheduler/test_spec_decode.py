@@ -32,7 +32,9 @@ def test_propose_takes_the_longest_match_then_the_latest() -> None:
     assert drafts_of(tokens, k=2) == [3, 4]
     assert drafts_of(tokens, low=3) == []  # [6, 7, 8] never occurred before
     assert drafts_of([1, 2, 3]) == []  # nothing to match
-    assert drafts_of([5, 5, 5]) == [5]  # a run: the match may end right before the suffix
+    # a run, a short cycle: the match ends inside the suffix, and the repeat goes on
+    assert drafts_of([5, 5, 5]) == [5, 5, 5, 5]
+    assert drafts_of([1, 2, 3, 1, 2, 3], k=5) == [1, 2, 3, 1, 2]
 
 
 def test_propose_grows_with_the_request() -> None:
@@ -146,11 +148,58 @@ def test_penalties_and_min_new_tokens_do_not_draft() -> None:
     assert_memory_clean(scheduler)
 
 
-def test_models_with_recurrent_state_are_refused() -> None:
+def test_models_with_recurrent_state_are_refused(monkeypatch) -> None:
     class Hybrid:
         state_pool = object()
     args = ServerArgs(device="cpu", speculative_algorithm="ngram").resolve()
     with pytest.raises(ValueError, match="running state"):
         make_proposer(args, Hybrid())
+    # the decode kernel variant that reads a step's earlier positions before its stores end
+    monkeypatch.setenv("RADIXSERVE_DECODE_CONFIG", "64,2,3,0,0,0,1")
+    with pytest.raises(ValueError, match="early_kv"):
+        make_proposer(args, object())
     with pytest.raises(ValueError, match="speculative-algorithm"):
         ServerArgs(device="cpu", speculative_algorithm="eagle").resolve()
+
+
+def test_trim_drafts_keeps_a_common_length_within_the_budget() -> None:
+    from radixserve.scheduler.spec_decode import trim_drafts
+    drafts = [[1, 2, 3, 4], [5], [6, 7, 8], []]
+    assert trim_drafts(drafts, 99) is drafts
+    assert trim_drafts(drafts, 6) == [[1, 2, 3], [5], [6, 7], []]
+    assert trim_drafts(drafts, 5) == [[1, 2], [5], [6, 7], []]
+    assert trim_drafts(drafts, 0) == [[], [], [], []]
+    assert trim_drafts(drafts, -3) == [[], [], [], []]
+
+
+def test_verify_passes_stay_within_the_captured_graphs() -> None:
+    """With CUDA graphs for up to 6 rows, no pass of 3 requests holds more than 6 rows,
+    and the outputs are unchanged."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 50) for _ in range(12)] for _ in range(3)]
+    scheduler, runner = make_scheduler(rule=cyclic_next_token, **SPEC)
+    runner.decode_graph_rows = 6
+    for i, p in enumerate(prompts):
+        scheduler.add_request(make_req(f"r{i}", p, max_new=40))
+    results = run_all(scheduler)
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"]["ids"] == expected_output(p, 40, cyclic_next_token)
+    decodes = [b for b in runner.batches if b.forward_mode.is_decode()]
+    assert max(len(b.input_ids) for b in decodes) == 6
+    assert_memory_clean(scheduler)
+
+
+def test_accept_counts_survive_a_flush_and_merge_over_replicas() -> None:
+    from radixserve.core.io_struct import InternalState
+    scheduler, _ = make_scheduler(rule=cyclic_next_token, **SPEC)
+    scheduler.add_request(make_req("r", [4, 4, 4], max_new=30))
+    run_all(scheduler)
+    before = scheduler.get_internal_state()
+    assert before.spec_accept_length > 1.5 and 0 < before.spec_accept_rate <= 1
+    assert scheduler.flush_cache().success
+    after = scheduler.get_internal_state()
+    assert after.spec_accept_length == before.spec_accept_length
+    idle = make_scheduler(**SPEC)[0].get_internal_state()  # a replica that verified nothing
+    merged = InternalState.merge([before, idle])
+    assert merged.spec_accept_length == before.spec_accept_length
+    assert merged.spec_accept_rate == before.spec_accept_rate
