@@ -2,6 +2,7 @@
 their prompt (the bundled SmolLM2 by default: repeating a paragraph, editing code).
 
     python3 benchmarks/spec_ngram.py --batch-size 1 4 --max-new-tokens 160
+    python3 benchmarks/spec_ngram.py --task free   # open answers: what failed drafts cost
     python3 benchmarks/spec_ngram.py --model-path benchmarks/configs/llama-3.1-8b \
         --load-format dummy --dtype bfloat16 --synthetic   # GPU: the verify step's cost
 
@@ -34,11 +35,22 @@ CODE = '''def summarize(orders):
 '''
 
 
-def conversations() -> list[list[dict[str, str]]]:
-    tasks = [f"Repeat the following text exactly, word for word:\n\n{p.strip()}"
-             for p in PARAGRAPHS if p.strip()]
-    tasks.append("Rewrite this Python function so that the variable `total` is called "
-                 f"`revenue`. Return only the code.\n\n```python\n{CODE}```")
+FREE_TASKS = ("Write a short story about a lighthouse keeper who finds a message in a bottle.",
+              "Explain why the sky is blue to a ten-year-old.",
+              "Give five ideas for a rainy weekend, with a sentence on each.",
+              "Describe the life cycle of a butterfly.")
+
+
+def conversations(task: str) -> list[list[dict[str, str]]]:
+    """copy: answers that repeat or edit their prompt (where drafts hit); free: open
+    answers (where few do: the cost of verifying drafts that fail)."""
+    if task == "free":
+        tasks = list(FREE_TASKS)
+    else:
+        tasks = [f"Repeat the following text exactly, word for word:\n\n{p.strip()}"
+                 for p in PARAGRAPHS if p.strip()]
+        tasks.append("Rewrite this Python function so that the variable `total` is called "
+                     f"`revenue`. Return only the code.\n\n```python\n{CODE}```")
     return [[{"role": "user", "content": t}] for t in tasks]
 
 
@@ -74,7 +86,7 @@ def run(args: argparse.Namespace, spec: bool, batch: int) -> dict:
         prompts = synthetic_prompts(batch)
         call = lambda ps: engine.generate(input_ids=ps, sampling_params=params)  # noqa: E731
     else:
-        convs = conversations()
+        convs = conversations(args.task)
         prompts = [convs[i % len(convs)] for i in range(batch)]
         call = lambda ps: engine.chat(ps, sampling_params=params)  # noqa: E731
     call(prompts[:1])  # warm-up (graphs, kernels, allocator)
@@ -100,6 +112,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--synthetic", action="store_true",
                         help="token prompts (a repeated motif), no tokenizer")
+    parser.add_argument("--task", choices=("copy", "free"), default="copy")
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--num-draft", type=int, default=4)
