@@ -172,10 +172,16 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], int | None]] = {
         mamba_rms_norm=True, embedding_multiplier=2.0, lm_head_multiplier=0.5,
         key_multiplier=0.7, attention_out_multiplier=0.8, ssm_out_multiplier=0.6,
         ssm_multipliers=[0.9, 1.2, 0.8, 1.3, 0.7], mlp_multipliers=[1.4, 0.6]), None),
+    # Bamba: Granite-H-Micro's layout under Bamba's names, rope over half of each head
+    "bamba": ("BambaConfig", dict(
+        hidden_size=512, num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024,
+        num_hidden_layers=4, attn_layer_indices=[1], mamba_n_heads=16, mamba_n_groups=1,
+        mamba_d_state=64, mamba_d_head=64, mamba_chunk_size=64), None),
 }
 DEFAULT_CHECKPOINTS = ["hd128-gqa4", "mistral-swa32", "gemma2-hd64", "gemma3-hd64", "qwen3-hd64"]
 MOE_CHECKPOINTS = ["mixtral-moe", "qwen3-moe", "deepseek-mla", "deepseek-v3", "glm4-moe",
-                   "gpt-oss", "mistral4", "qwen3-next", "nemotron-h", "granite-h", "falcon-h1"]
+                   "gpt-oss", "mistral4", "qwen3-next", "nemotron-h", "granite-h", "falcon-h1",
+                   "bamba"]
 PATHS = (("torch_native", False, 1), ("triton", False, 1), ("triton", True, 1))
 
 
