@@ -32,6 +32,8 @@ class ServerArgs:
     device: str = "auto"  # auto | cuda | cpu
     context_length: int | None = None
     skip_tokenizer_init: bool = False
+    # an embedding model: requests return the last token's final hidden state, L2-normalised
+    is_embedding: bool = False
     trust_remote_code: bool = False
     # a JSON object whose keys replace the model config's (SGLang's flag), e.g.
     # '{"num_hidden_layers": 5}' for a shape run of a model too large for the device
@@ -135,8 +137,13 @@ class ServerArgs:
         self.decode_attention_backend = self.decode_attention_backend or self.attention_backend
         if self.mem_fraction_static is None:
             self.mem_fraction_static = 0.88
-        if not on_gpu:
+        if not on_gpu or self.is_embedding:  # an embedding model runs no decode step
             self.disable_cuda_graph = True
+        if self.is_embedding:  # its passes return vectors, read synchronously
+            self.disable_overlap_schedule = True
+            if self.speculative_algorithm is not None:
+                raise ValueError("--speculative-algorithm applies to generation, not to an "
+                                 "embedding model (--is-embedding)")
         if self.cuda_graph_max_bs is None:
             # large-memory GPUs (H200: 141 GB) hold 500+ running requests of a few thousand
             # tokens; their decode steps replay graphs too

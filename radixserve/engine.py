@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 from radixserve.config import ServerArgs
 from radixserve.core.io_struct import TokenizedGenerateReq
-from radixserve.core.req import FIRST_TOKEN_TIME_KEY
+from radixserve.core.req import EMBEDDING_KEY, FIRST_TOKEN_TIME_KEY
 from radixserve.core.request_validation import RequestLimits, validate_request
 from radixserve.core.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.distributed.parallel_state import get_tp_group
@@ -265,6 +265,18 @@ class Engine:
             self._end_call(pending)
         results = [pending[r.rid].result() for r in reqs]
         return results[0] if _is_single(prompt, input_ids) and len(results) == 1 else results
+
+    def encode(self, prompt: str | list[str] | None = None,
+               input_ids: list[int] | list[list[int]] | None = None
+               ) -> dict[str, Any] | list[dict[str, Any]]:
+        """An embedding model's vectors (--is-embedding), as SGLang's Engine.encode: one input
+        -> {"embedding": [floats], "meta_info"}; a list -> a list."""
+        if not self.server_args.is_embedding:
+            raise InvalidRequestError("encode needs an embedding model (--is-embedding)")
+        outs = self.generate(prompt, {"max_new_tokens": 0}, input_ids)
+        results = [{"embedding": out["meta_info"].pop(EMBEDDING_KEY), "meta_info": out["meta_info"]}
+                   for out in (outs if isinstance(outs, list) else [outs])]
+        return results if isinstance(outs, list) else results[0]
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: Any = None, *, tools: list[dict[str, Any]] | None = None,

@@ -78,6 +78,8 @@ class ForwardOutput(NamedTuple):
     # per request: (logprob, token) for each prompt position from its logprob start, and top-k
     input_token_logprobs: list[list[tuple[float, int]]] | None = None
     input_top_logprobs: list[list[list[tuple[float, int]]]] | None = None
+    # an embedding model's pass (--is-embedding): each request's pooled vector
+    embeddings: list[list[float]] | None = None
 
 
 @dataclass

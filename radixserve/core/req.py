@@ -22,6 +22,8 @@ from radixserve.core.sampling_params import SamplingParams
 # meta_info's key for the wall-clock time (time.time()) the request's first output token was
 # sampled, set on its last output only
 FIRST_TOKEN_TIME_KEY = "first_token_time"
+# meta_info's key for an embedding model's output vector (--is-embedding), on its last output
+EMBEDDING_KEY = "embedding"
 
 
 class Detokenizer(Protocol):
@@ -67,6 +69,8 @@ class Req:
         # speculative decoding: the n-gram proposer's copy of the request's tokens
         # (scheduler/ngram_draft.py), made at its first draft
         self.draft_tokens: Any | None = None
+        # an embedding model's output (--is-embedding): the prompt's pooled vector
+        self.embedding: list[float] | None = None
 
         # statistics
         self.cached_tokens = 0  # prompt tokens served from the radix cache (first admission)
@@ -153,6 +157,8 @@ class Req:
             # for the HTTP process's time-to-first-token of requests it saw no tokens of
             # before their end (not streamed); it takes the key out of what users see
             meta[FIRST_TOKEN_TIME_KEY] = self.first_token_time
+        if self.finished_reason is not None and self.embedding is not None:
+            meta[EMBEDDING_KEY] = self.embedding
         return meta
 
     def __repr__(self) -> str:

@@ -20,6 +20,8 @@ from radixserve.core.model_config import ModelConfig
 from radixserve.core.forward_batch import (ForwardBatch, ForwardMode, ForwardOutput,
                                            ModelWorkerBatch)
 from radixserve.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from radixserve.executor.embedding import (adapt_for_embedding, configure_for_embedding,
+                                          forward_embedding)
 from radixserve.executor.kv_calibration import calibrate_kv_scales
 from radixserve.executor.memory_budget import hybrid_budget, max_kv_tokens, max_request_slots
 from radixserve.executor.pending_step import PendingStep
@@ -101,6 +103,7 @@ class ModelRunner:
             # dummy weights: build the FP8 parameters directly (no bf16 copy of the model first)
             self.fp8 = dataclasses.replace(self.fp8, online=False)
         check_tensor_parallel(self.model_config, self.tp_size)
+        configure_for_embedding(self.model_config, server_args.is_embedding)
         self.model_config.resolve_context_length(server_args.context_length)
         self.dtype = resolve_dtype(server_args.dtype, self.model_config.torch_dtype,
                                    self.device.type)
@@ -150,6 +153,8 @@ class ModelRunner:
             with torch.device(self.device), fp8_linears(self.fp8):
                 model = model_cls(self.model_config)
                 plain = keep_unquantized(model, self.fp8)
+            if self.server_args.is_embedding:
+                adapt_for_embedding(model)
         finally:
             torch.set_default_dtype(default_dtype)
         if self.fp8 is not None:
@@ -291,6 +296,8 @@ class ModelRunner:
     # ---- forward ----
     @torch.inference_mode()
     def forward(self, batch: ModelWorkerBatch) -> ForwardOutput:
+        if self.server_args.is_embedding:
+            return forward_embedding(self, batch)
         if self._uses_graph(batch):
             logits, greedy_ids = self.cuda_graph_runner.replay(batch)  # type: ignore[union-attr]
             info = batch.sampling_info

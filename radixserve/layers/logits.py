@@ -24,6 +24,13 @@ def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:
     return forward_batch.extend_start_loc + forward_batch.extend_seq_lens - 1
 
 
+def pooled_last_token(hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    """An embedding model's output: [requests, hidden] float32, each request's last position,
+    L2-normalised."""
+    return torch.nn.functional.normalize(hidden[last_token_indices(forward_batch)].float(),
+                                         dim=-1)
+
+
 def _soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
     """cap * tanh(logits / cap) (Gemma-2's final logit soft-capping), in place on the fp32
     logits (a buffer given to project_to_vocab stays the output)."""

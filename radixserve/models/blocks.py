@@ -27,7 +27,7 @@ from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from radixserve.layers.linear import (MAX_FUSED_ROWS, MergedColumnParallelLinear,
                                       QKVParallelLinear, RowParallelLinear)
-from radixserve.layers.logits import LogitsOutput, compute_logits
+from radixserve.layers.logits import LogitsOutput, compute_logits, pooled_last_token
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.quantization.fp8 import Fp8Rows
 from radixserve.layers.radix_attention import RadixAttention
@@ -440,6 +440,14 @@ class CausalLM(nn.Module):
         """The final hidden states as the LM head takes them: the model's own, or scaled
         where a family scales its logits (Granite, Falcon-H1: a linear head commutes)."""
         return hidden
+
+    @torch.no_grad()
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor,
+              forward_batch: ForwardBatch) -> torch.Tensor:
+        """An embedding model's pass (--is-embedding): each request's last-token final hidden
+        state, L2-normalised, [requests, hidden] float32."""
+        return pooled_last_token(
+            self.final_hidden(self.model(input_ids, positions, forward_batch)), forward_batch)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

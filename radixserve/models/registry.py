@@ -48,6 +48,15 @@ _MODELS: dict[str, tuple[str, str]] = {
 }
 
 
+# decoder checkpoints without an LM head (embedding models: e5-mistral's MistralModel,
+# gte-Qwen2's Qwen2Model): served by the ForCausalLM class with --is-embedding, which leaves
+# the head out
+HEADLESS_ARCHITECTURES: dict[str, str] = {
+    "LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM",
+    "GemmaModel": "GemmaForCausalLM", "Gemma2Model": "Gemma2ForCausalLM",
+}
+
 # (architecture, its language model's model_type) -> another class than the architecture's:
 # a multimodal architecture whose checkpoints carry different language models
 _BY_TEXT_MODEL: dict[tuple[str, str], tuple[str, str]] = {
@@ -62,6 +71,7 @@ def supported_architectures() -> list[str]:
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
+    architecture = HEADLESS_ARCHITECTURES.get(architecture, architecture)
     if architecture not in _MODELS:
         raise ValueError(f"unsupported architecture {architecture!r}; "
                          f"supported: {', '.join(supported_architectures())}")

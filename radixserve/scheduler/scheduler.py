@@ -155,6 +155,8 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin):
         return None
 
     def _validate(self, msg: TokenizedGenerateReq) -> str | None:
+        if self.args.is_embedding and msg.sampling_params.max_new_tokens:
+            return "an embedding model generates no tokens: ask /v1/embeddings or /encode"
         try:
             check_prompt(msg.input_ids, self.limits)
         except InvalidRequestError as exc:
@@ -396,6 +398,7 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin):
                     self.tree_cache.cache_unfinished_req(req)
                 continue
             if req.sampling_params.max_new_tokens == 0:
+                req.embedding = out.embeddings[i] if out.embeddings is not None else None
                 self._finish(req, FinishReason.max_length(0))
                 continue
             if req.first_token_time is None:  # every request's first token comes from here

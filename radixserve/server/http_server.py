@@ -53,7 +53,8 @@ def build_app(tm: TokenizerManager, api_key: str | None, model_name: str,
               tool_call_parser: str | None = None,
               incremental_streaming_output: bool = False,
               reasoning_parser: str | None = None,
-              exclude_tools_when_tool_choice_none: bool = False) -> FastAPI:
+              exclude_tools_when_tool_choice_none: bool = False,
+              is_embedding: bool = False) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await tm.start()
@@ -67,7 +68,8 @@ def build_app(tm: TokenizerManager, api_key: str | None, model_name: str,
     ctx = OpenAIContext(tokenizer_manager=tm, model_name=model_name, model_aliases=model_aliases,
                         tool_call_parser=tool_call_parser,
                         exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
-                        reasoning=reasoning_format(reasoning_parser, tm.tokenizer))
+                        reasoning=reasoning_format(reasoning_parser, tm.tokenizer),
+                        is_embedding=is_embedding)
     routers = [native_router(tm, server_info, is_ready, incremental_streaming_output),
                openai_router(ctx, tm.limits.context_len)]
     for router in routers:

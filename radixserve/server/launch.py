@@ -307,7 +307,7 @@ def _serve(server_args: ServerArgs, port_args: PortArgs, group: ProcessGroup,
     app = build_app(tm, server_args.api_key, name, aliases, server_info, lambda: state.ready,
                     server_args.max_request_bytes, server_args.tool_call_parser,
                     server_args.incremental_streaming_output, server_args.reasoning_parser,
-                    server_args.exclude_tools_when_tool_choice_none)
+                    server_args.exclude_tools_when_tool_choice_none, server_args.is_embedding)
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                             log_level=server_args.log_level, timeout_keep_alive=5,
                             timeout_graceful_shutdown=5, access_log=server_args.log_requests)
@@ -328,7 +328,10 @@ def _warm_up(server_args: ServerArgs, state: ServerState, ids_only: bool) -> Non
         time.sleep(0.05)
     host = "127.0.0.1" if server_args.host in ("0.0.0.0", "") else server_args.host
     host = "[::1]" if host == "::" else host
-    payload: dict[str, Any] = {"sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+    # an embedding model generates nothing: its warm-up is a prompt's pass alone
+    new_tokens = 0 if server_args.is_embedding else 4
+    payload: dict[str, Any] = {"sampling_params": {"max_new_tokens": new_tokens,
+                                                   "temperature": 0.0}}
     if ids_only:
         payload["input_ids"] = [10, 11, 12, 13]
     else:

@@ -1,5 +1,5 @@
-"""Routes of the OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions, and
-vLLM's /tokenize, /detokenize and /version."""
+"""Routes of the OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions,
+/v1/embeddings (with SGLang's /encode), and vLLM's /tokenize, /detokenize and /version."""
 from __future__ import annotations
 
 from fastapi import APIRouter
@@ -11,6 +11,7 @@ from radixserve.server.http_utils import read_json
 from radixserve.server.openai_chat import create_chat_completion
 from radixserve.server.openai_common import OpenAIContext, now_s
 from radixserve.server.openai_completions import create_completion
+from radixserve.server.openai_embeddings import create_embedding, encode
 from radixserve.server.openai_tokenize import detokenize, tokenize
 
 
@@ -37,6 +38,15 @@ def openai_router(ctx: OpenAIContext, context_len: int) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(ctx, request, await read_json(request))
+
+    @router.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await create_embedding(ctx, request, await read_json(request))
+
+    @router.post("/encode")
+    async def encode_route(request: Request) -> Response:
+        return await encode(ctx.tokenizer_manager, ctx.is_embedding, request,
+                            await read_json(request))
 
     @router.post("/tokenize")
     async def tokenize_route(request: Request) -> JSONResponse:

@@ -27,6 +27,7 @@ class OpenAIContext:
     tool_call_parser: str | None = None  # --tool-call-parser; None: from the chat template
     exclude_tools_when_tool_choice_none: bool = False  # --exclude-tools-when-tool-choice-none
     reasoning: ReasoningFormat | None = None  # --reasoning-parser
+    is_embedding: bool = False  # --is-embedding: /v1/embeddings serves, generation does not
 
     def check_model(self, requested: str | None) -> str:
         if requested is None or requested in self.model_aliases:
