@@ -19,7 +19,7 @@ from radixserve.core.req import EMBEDDING_KEY
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.server.errors import APIError
 from radixserve.server.openai_common import OpenAIContext
-from radixserve.server.openai_protocol import PromptType, StrictModel, parse_model
+from radixserve.server.openai_protocol import PromptType, StrictModel, parse_model, prompt_list
 from radixserve.server.request_state import GenerateRequest, ReqOutput
 from radixserve.server.tokenizer_manager import TokenizerManager
 
@@ -35,12 +35,7 @@ class EmbeddingRequest(StrictModel):
     user: str | None = None
 
     def inputs(self) -> list[str | list[int]]:
-        value = self.input
-        if isinstance(value, str):
-            return [value]
-        if value and isinstance(value[0], int):
-            return [list(value)]  # type: ignore[arg-type]
-        return list(value)  # type: ignore[arg-type]
+        return prompt_list(self.input)
 
 
 def build_requests(tm: TokenizerManager, inputs: list[str | list[int]],

@@ -201,6 +201,15 @@ class SamplingFields(StrictModel):
 PromptType = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
 
 
+def prompt_list(prompt: Any) -> list[str | list[int]]:
+    """A PromptType value as a list of prompts (strings or token id lists)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [list(prompt)]
+    return list(prompt)
+
+
 class CompletionRequest(SamplingFields):
     prompt: PromptType
     echo: StrictBool = False
@@ -221,12 +230,7 @@ class CompletionRequest(SamplingFields):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts (strings or token id lists)."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if prompt and isinstance(prompt[0], int):
-            return [list(prompt)]  # type: ignore[arg-type]
-        return list(prompt)  # type: ignore[arg-type]
+        return prompt_list(self.prompt)
 
 
 class ContentPart(BaseModel):
