@@ -320,3 +320,22 @@ def test_speculative_decoding_at_tp2_equals_plain_tp1(tmp_path) -> None:
     two = _run(str(tmp_path), 2, prompts, **spec)
     _assert_same_outputs(two, _run(str(tmp_path), 1, prompts))
     assert two["accept_len"] > 1.0
+
+
+@pytest.mark.slow
+def test_embeddings_at_tp2_equal_tp1(tmp_path) -> None:
+    """--is-embedding at tp 2 over gloo: the final hidden states are whole on every rank after
+    the all-reduces, so rank 0's vectors are one rank's."""
+    from tests.models.test_embedding_models import save
+    save("qwen3_headless", tmp_path)
+    prompts = _prompts(160)
+    vectors = {}
+    for tp_size in (1, 2):
+        engine = radixserve.Engine(str(tmp_path), dtype="float32", skip_tokenizer_init=True,
+                                   is_embedding=True, tp_size=tp_size, max_total_tokens=2048)
+        try:
+            vectors[tp_size] = [o["embedding"] for o in engine.encode(input_ids=prompts)]
+        finally:
+            engine.shutdown()
+    torch.testing.assert_close(torch.tensor(vectors[2]), torch.tensor(vectors[1]),
+                               atol=1e-5, rtol=1e-5)
