@@ -108,7 +108,8 @@ def test_backend_without_graphs_disables_runner() -> None:
     """torch_native raises NotImplementedError: the runner captures nothing and never runs."""
     stand_in = SimpleNamespace(attn_backend=TorchNativeAttnBackend(_cpu_context()),
                                device=torch.device("cpu"),
-                               server_args=SimpleNamespace(cuda_graph_max_bs=16),
+                               server_args=SimpleNamespace(cuda_graph_max_bs=16,
+                                                           speculative_algorithm=None),
                                max_num_reqs=32)
     graphs = CudaGraphRunner(stand_in)  # type: ignore[arg-type]
     assert graphs.batch_sizes == []
