@@ -310,6 +310,7 @@ def test_nodes_started_with_different_models_are_refused(tmp_path) -> None:
         assert "Traceback" not in log, log
 
 
+@pytest.mark.slow
 def test_speculative_decoding_at_tp2_equals_plain_tp1(tmp_path) -> None:
     """n-gram speculation at tp 2 over gloo: every rank drafts alike from the same tokens
     (each runs the scheduler), and the outputs are one plain rank's."""
