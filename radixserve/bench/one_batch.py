@@ -257,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.speculative_algorithm:
         raise SystemExit("one_batch times plain decode steps; speculative decoding is measured "
                          "by benchmarks/spec_ngram.py")
+    if args.is_embedding:
+        raise SystemExit("one_batch times generation; embedding models are measured by "
+                         "benchmarks/embed_throughput.py")
     return run_command(lambda: _run_ranks(args))
 
 

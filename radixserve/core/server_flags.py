@@ -46,8 +46,8 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
                               "max_position_embeddings; more is refused unless "
                               "RADIXSERVE_ALLOW_LONGER_CONTEXT=1)", None),
     "skip_tokenizer_init": (MODEL, "no tokenizer: requests send input_ids", None),
-    "is_embedding": (MODEL, "serve an embedding model (Qwen3-Embedding, gte-Qwen2, "
-                            "e5-mistral: decoder checkpoints pooled at the last token): "
+    "is_embedding": (MODEL, "serve an embedding model (Qwen3-Embedding, e5-mistral: causal "
+                            "decoder checkpoints pooled at the last token): "
                             "/v1/embeddings and /encode give each input's last-token final "
                             "hidden state, L2-normalised; no generation", None),
     "trust_remote_code": (MODEL, "accepted for compatibility; remote code is never run", None),

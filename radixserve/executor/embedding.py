@@ -1,6 +1,7 @@
 """Embedding models (--is-embedding): a decoder checkpoint whose output is the final hidden
-state of each input's last token, L2-normalised (Qwen3-Embedding, gte-Qwen2, e5-mistral pool
-this way; SGLang's and vLLM's decoder embedding models default to it).
+state of each input's last token, L2-normalised (Qwen3-Embedding and e5-mistral pool this
+way; SGLang's and vLLM's decoder embedding models default to it). A config asking for
+bidirectional attention (`is_causal: false`, as some gte-Qwen2 releases) is refused.
 
 Such checkpoints often lack the LM head and keep the decoder's tensors at the top level
 (`layers.0...`, `embed_tokens.weight`, saved from `Qwen3Model` / `MistralModel`): the model is
@@ -28,6 +29,9 @@ def configure_for_embedding(config: ModelConfig, is_embedding: bool) -> None:
     """Before the model is built: no LM head for an embedding model; a headless checkpoint
     without --is-embedding is refused with the flag to use."""
     if is_embedding:
+        if getattr(config.hf, "is_causal", True) is False:
+            raise ValueError("this embedding model's config asks for bidirectional attention "
+                             "(is_causal: false); radixserve serves causal decoders only")
         config.tie_word_embeddings = True  # the head is the embedding's: nothing to load
     elif config.architecture in HEADLESS_ARCHITECTURES:
         raise ValueError(f"{config.architecture} is a checkpoint without an LM head (an "
@@ -39,8 +43,8 @@ def adapt_for_embedding(model: "nn.Module") -> None:
     if not hasattr(model, "embed"):
         raise ValueError(f"{type(model).__name__} cannot serve as an embedding model "
                          "(--is-embedding takes Llama, Mistral, Qwen2/3 and Gemma decoders)")
-    model.checkpoint_prefixes = {**HEADLESS_PREFIXES,  # type: ignore[assignment]
-                                 **getattr(model, "checkpoint_prefixes", {})}
+    model.checkpoint_prefixes = {**getattr(model, "checkpoint_prefixes", {}),  # type: ignore
+                                 **HEADLESS_PREFIXES}
 
 
 def forward_embedding(runner: "ModelRunner", batch: ModelWorkerBatch) -> ForwardOutput:

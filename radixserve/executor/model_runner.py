@@ -77,7 +77,7 @@ RANK_SHARED_FLAGS = ("tp_size", "nnodes", "load_format", "kv_cache_dtype", "quan
                      "decode_attention_backend", "disable_cuda_graph",
                      "disable_overlap_schedule", "cuda_graph_max_bs", "stream_interval",
                      "max_queued_requests", "skip_tokenizer_init", "random_seed",
-                     "speculative_algorithm", "speculative_num_draft_tokens",
+                     "is_embedding", "speculative_algorithm", "speculative_num_draft_tokens",
                      "speculative_ngram_min_match_window_size",
                      "speculative_ngram_max_match_window_size")
 

@@ -49,7 +49,7 @@ _MODELS: dict[str, tuple[str, str]] = {
 
 
 # decoder checkpoints without an LM head (embedding models: e5-mistral's MistralModel,
-# gte-Qwen2's Qwen2Model): served by the ForCausalLM class with --is-embedding, which leaves
+# Qwen2Model, ...): served by the ForCausalLM class with --is-embedding, which leaves
 # the head out
 HEADLESS_ARCHITECTURES: dict[str, str] = {
     "LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",

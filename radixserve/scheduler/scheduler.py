@@ -155,7 +155,7 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin):
         return None
 
     def _validate(self, msg: TokenizedGenerateReq) -> str | None:
-        if self.args.is_embedding and msg.sampling_params.max_new_tokens:
+        if self.args.is_embedding and (msg.sampling_params.max_new_tokens or msg.return_logprob):
             return "an embedding model generates no tokens: ask /v1/embeddings or /encode"
         try:
             check_prompt(msg.input_ids, self.limits)

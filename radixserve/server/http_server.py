@@ -70,7 +70,8 @@ def build_app(tm: TokenizerManager, api_key: str | None, model_name: str,
                         exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
                         reasoning=reasoning_format(reasoning_parser, tm.tokenizer),
                         is_embedding=is_embedding)
-    routers = [native_router(tm, server_info, is_ready, incremental_streaming_output),
+    routers = [native_router(tm, server_info, is_ready, incremental_streaming_output,
+                             is_embedding),
                openai_router(ctx, tm.limits.context_len)]
     for router in routers:
         app.include_router(router)

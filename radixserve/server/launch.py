@@ -261,6 +261,7 @@ def _check_model(server_args: ServerArgs) -> Any:
     """The model's config loads, names an architecture we have, a quantisation we read, and
     the tensor-parallel split is possible; its weight files are there (the index's shards):
     what would otherwise fail in the children, after they start. Returns its ModelSource."""
+    from radixserve.executor.embedding import configure_for_embedding
     from radixserve.executor.model_runner import check_tensor_parallel
     from radixserve.layers.quantization.fp8 import fp8_config
     from radixserve.loader import load_model_source
@@ -270,6 +271,7 @@ def _check_model(server_args: ServerArgs) -> Any:
         source = load_model_source(server_args.model_path, server_args.load_format,
                                    server_args.model_overrides())
         model_class(source.model_config)
+        configure_for_embedding(source.model_config, server_args.is_embedding)
         fp8_config(source.hf_config.get("quantization_config"), server_args.quantization)
         check_tensor_parallel(source.model_config, server_args.tp_size)
         source.model_config.resolve_context_length(server_args.context_length)
@@ -328,16 +330,17 @@ def _warm_up(server_args: ServerArgs, state: ServerState, ids_only: bool) -> Non
         time.sleep(0.05)
     host = "127.0.0.1" if server_args.host in ("0.0.0.0", "") else server_args.host
     host = "[::1]" if host == "::" else host
-    # an embedding model generates nothing: its warm-up is a prompt's pass alone
-    new_tokens = 0 if server_args.is_embedding else 4
-    payload: dict[str, Any] = {"sampling_params": {"max_new_tokens": new_tokens,
-                                                   "temperature": 0.0}}
+    payload: dict[str, Any] = {"sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
     if ids_only:
         payload["input_ids"] = [10, 11, 12, 13]
     else:
         payload["text"] = "The capital city of France is"
+    route = "/generate"
+    if server_args.is_embedding:  # it generates nothing: a prompt's pass, through /encode
+        route = "/encode"
+        del payload["sampling_params"]
     request = urllib.request.Request(
-        f"http://{host}:{server_args.port}/generate", data=json.dumps(payload).encode(),
+        f"http://{host}:{server_args.port}{route}", data=json.dumps(payload).encode(),
         headers={"Content-Type": "application/json", WARM_UP_HEADER: "1",
                  **({"Authorization": f"Bearer {server_args.api_key}"}
                     if server_args.api_key else {})})

@@ -27,6 +27,7 @@ from radixserve.server.errors import APIError
 from radixserve.server.http_utils import read_json
 from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.openai_common import sample_copies, sse, sse_response
+from radixserve.server.openai_embeddings import NOT_A_GENERATION_MODEL
 from radixserve.server.openai_protocol import StrictModel, parse_model
 from radixserve.server.request_state import GenerateRequest
 from radixserve.server.tokenizer_manager import TokenizerManager
@@ -166,11 +167,14 @@ async def _stream_chunks(tm: TokenizerManager, reqs: list[GenerateRequest], is_b
 
 def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]],
                   is_ready: Callable[[], bool],
-                  incremental_streaming_output: bool = False) -> APIRouter:
+                  incremental_streaming_output: bool = False,
+                  is_embedding: bool = False) -> APIRouter:
     router = APIRouter()
 
     @router.post("/generate")
     async def generate(request: Request) -> Response:
+        if is_embedding:
+            raise APIError(NOT_A_GENERATION_MODEL)
         raw = await read_json(request)
         # validation and tokenisation off the event loop: a huge prompt must not stall /health
         lane = await tm.lanes.lane_for(request, raw)
@@ -198,7 +202,7 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
         ids = [tm.limits.vocab_size // 2 if tm.limits.vocab_size else 1] * 4
         # internal: a probe that polls this route does not count as requests in the metrics
         req = dataclasses.replace(tm.make_request(input_ids=ids, sampling_params=SamplingParams(
-            max_new_tokens=1, temperature=0.0)), internal=True)
+            max_new_tokens=0 if is_embedding else 1, temperature=0.0)), internal=True)
         try:
             await asyncio.wait_for(tm.generate_final(req, request), HEALTH_GENERATE_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -211,7 +215,7 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
         return JSONResponse({"model_path": info["server_args"]["model_path"],
                              "served_model_name": info["served_model_name"],
                              "tokenizer_path": info["server_args"]["tokenizer_path"],
-                             "is_generation": True, **tm.model_info})
+                             "is_generation": not is_embedding, **tm.model_info})
 
     @router.get("/get_server_info")
     async def get_server_info() -> JSONResponse:

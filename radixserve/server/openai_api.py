@@ -11,7 +11,8 @@ from radixserve.server.http_utils import read_json
 from radixserve.server.openai_chat import create_chat_completion
 from radixserve.server.openai_common import OpenAIContext, now_s
 from radixserve.server.openai_completions import create_completion
-from radixserve.server.openai_embeddings import create_embedding, encode
+from radixserve.server.errors import APIError
+from radixserve.server.openai_embeddings import NOT_A_GENERATION_MODEL, create_embedding, encode
 from radixserve.server.openai_tokenize import detokenize, tokenize
 
 
@@ -33,10 +34,14 @@ def openai_router(ctx: OpenAIContext, context_len: int) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        if ctx.is_embedding:
+            raise APIError(NOT_A_GENERATION_MODEL, param="model")
         return await create_completion(ctx, request, await read_json(request))
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        if ctx.is_embedding:
+            raise APIError(NOT_A_GENERATION_MODEL, param="model")
         return await create_chat_completion(ctx, request, await read_json(request))
 
     @router.post("/v1/embeddings")

@@ -12,6 +12,8 @@ import math
 import struct
 from typing import Any, Literal
 
+from pydantic import StrictInt
+
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
@@ -25,13 +27,15 @@ from radixserve.server.tokenizer_manager import TokenizerManager
 
 NOT_AN_EMBEDDING_MODEL = ("this server serves a generation model; start it with --is-embedding "
                           "to serve an embedding model")
+NOT_A_GENERATION_MODEL = ("this server serves an embedding model (--is-embedding), which "
+                          "generates no text: ask /v1/embeddings or /encode")
 
 
 class EmbeddingRequest(StrictModel):
     input: PromptType
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: StrictInt | None = None
     user: str | None = None
 
     def inputs(self) -> list[str | list[int]]:
@@ -105,6 +109,11 @@ async def encode(tm: TokenizerManager, is_embedding: bool, request: Request,
     value = raw[param]
     single = isinstance(value, str) or (isinstance(value, list) and bool(value)
                                         and isinstance(value[0], int))
+    texts = isinstance(value, str) or (isinstance(value, list) and bool(value)
+                                       and all(isinstance(v, str) for v in value))
+    if (param == "text") != texts:
+        raise APIError("text takes a string or a list of strings, input_ids token ids or "
+                       "lists of token ids", param=param)
     try:
         body = EmbeddingRequest(input=value)
     except Exception:  # noqa: BLE001 - pydantic's verdict on the input's type

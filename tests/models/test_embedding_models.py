@@ -71,3 +71,8 @@ def test_what_is_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match="embedding model"):
         radixserve.Engine(str(tmp_path), skip_tokenizer_init=True, is_embedding=True,
                           speculative_algorithm="ngram")
+    import json
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "is_causal": False}))
+    with pytest.raises(ValueError, match="bidirectional"):  # gte-style configs
+        radixserve.Engine(str(tmp_path), skip_tokenizer_init=True, is_embedding=True)

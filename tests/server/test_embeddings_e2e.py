@@ -69,11 +69,19 @@ def test_bad_requests_get_400s(embedding_server, server) -> None:
                        ("/v1/embeddings", {"input": "x", "dimensions": 0}),
                        ("/v1/embeddings", {"input": "x", "dimensions": 65}),
                        ("/v1/embeddings", {"input": "x", "encoding_format": "int8"}),
+                       ("/v1/embeddings", {"input": "x", "dimensions": True}),
                        ("/encode", {"text": 5}),
-                       ("/v1/completions", {"prompt": "x", "max_tokens": 3})):
+                       ("/encode", {"text": [1, 2, 3]}),
+                       ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 0}}),
+                       ("/v1/completions", {"prompt": "x", "max_tokens": 0, "echo": True,
+                                            "logprobs": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                               "content": "x"}]})):
         reply = requests.post(proc.url(path), json=body, timeout=60)
         assert reply.status_code == 400, (path, body, reply.text)
         assert reply.json()["error"]["message"]
+    assert requests.get(proc.url("/health_generate"), timeout=60).status_code == 200
+    assert requests.get(proc.url("/get_model_info"), timeout=60).json()["is_generation"] is False
     reply = requests.post(server.url("/v1/embeddings"), json={"input": "x"},
                           headers=server.headers, timeout=60)
     assert reply.status_code == 400 and "--is-embedding" in reply.json()["error"]["message"]
