@@ -500,7 +500,8 @@ def test_a_chunk_whose_memory_the_decodes_took_makes_them_step_aside():
 
 
 @pytest.mark.parametrize("chunk,overlap,decoded", [(2, False, 40), (2, True, 300),
-                                                    (3, True, 300)])
+                                                    pytest.param(3, True, 300,
+                                                                 marks=pytest.mark.slow)])
 def test_a_request_being_chunked_steps_aside_for_a_running_request_that_must_grow(
         chunk, overlap, decoded):
     """A prompt being chunked holds KV between its chunks. When a running request alone
@@ -550,7 +551,7 @@ def _prompt_logprobs(scheduler, msg) -> list:  # type: ignore[no-untyped-def]
     return got
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_a_prompt_set_aside_returns_its_prompt_logprobs_once(overlap, monkeypatch) -> None:
     """A chunked prompt asking for prompt logprobs and set aside for a running request
     computes them again from its logprob start: they are returned once (3864 entries came
