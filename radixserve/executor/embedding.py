@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from radixserve.core.forward_batch import ForwardBatch, ForwardOutput, ModelWorkerBatch
+from radixserve.core.forward_batch import ForwardOutput, ModelWorkerBatch
 from radixserve.core.model_config import ModelConfig
 from radixserve.models.registry import HEADLESS_ARCHITECTURES
 
@@ -50,7 +50,6 @@ def adapt_for_embedding(model: "nn.Module") -> None:
 def forward_embedding(runner: "ModelRunner", batch: ModelWorkerBatch) -> ForwardOutput:
     """One EXTEND pass of an embedding model: each request's pooled vector (its last
     position's; a chunk before the prompt's last gives one the scheduler drops)."""
-    fb = ForwardBatch.from_worker_batch(batch, runner.device, runner.attn_backend)
-    runner.attn_backend.init_forward_metadata(fb)
+    fb = runner.prepare_forward(batch)
     vectors = runner.model.embed(fb.input_ids, fb.positions, fb)  # type: ignore[operator]
     return ForwardOutput([0] * batch.batch_size, embeddings=vectors.tolist())

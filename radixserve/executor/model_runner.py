@@ -416,12 +416,19 @@ class ModelRunner:
 
     def _forward_eager(self, batch: ModelWorkerBatch,
                        input_ids: torch.Tensor | None = None) -> LogitsOutput:
+        fb = self.prepare_forward(batch, input_ids)
+        return self.model(fb.input_ids, fb.positions, fb)
+
+    def prepare_forward(self, batch: ModelWorkerBatch,
+                        input_ids: torch.Tensor | None = None) -> ForwardBatch:
+        """The eager pass's ForwardBatch, its decode slots recorded and the backend's
+        metadata built (`input_ids` on the device replaces the batch's)."""
         fb = ForwardBatch.from_worker_batch(batch, self.device, self.attn_backend)
         if input_ids is not None:
             fb.input_ids = input_ids
         self.record_decode_slots(fb)  # before the metadata: a backend may read the table then
         self.attn_backend.init_forward_metadata(fb)
-        return self.model(fb.input_ids, fb.positions, fb)
+        return fb
 
     def record_decode_slots(self, fb: ForwardBatch) -> None:
         """A DECODE pass records its new KV slots in req_to_token on the device (the host copy
