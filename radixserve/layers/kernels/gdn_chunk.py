@@ -77,6 +77,26 @@ def _chunk_prep_kernel(K, V, G, Beta, UFree, StateRead, LogDecay, length, heads,
 
 
 @triton.jit
+def state_tile(State, seq_head, offs_r, offs_c, mask_r, mask_c, rows, cols):
+    """Pointers and mask of one (sequence, head)'s [rows, cols] slice (a program's columns)
+    of a contiguous [sequences * heads, rows, cols] float32 state: a chunk scan loads it
+    first and stores it last."""
+    ptrs = State + seq_head * rows * cols + offs_r[:, None] * cols + offs_c[None, :]
+    return ptrs, mask_r[:, None] & mask_c[None, :]
+
+
+def scan_columns(block_rows: int, width: int, programs: int, device: torch.device) -> int:
+    """State columns per program of a chunk scan (programs: sequences x heads): 64, or 32
+    past 128 state rows (registers) and where programs of 64 would leave SMs idle (one
+    sequence of 32 heads on an H100: 1.56 against 1.75 ms at 8192 tokens); 16 at least."""
+    block = max(16, min(64 if block_rows <= 128 else 32, triton.next_power_of_2(width)))
+    if block == 64 and device.type == "cuda" and \
+            programs * triton.cdiv(width, 64) < sm_count(device):
+        block = 32
+    return block
+
+
+@triton.jit
 def _chunk_scan_kernel(Q, K, UFree, StateRead, LogDecay, State, Out, length, heads, key_dim,
                        value_dim, C: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_V: tl.constexpr):
@@ -87,9 +107,8 @@ def _chunk_scan_kernel(Q, K, UFree, StateRead, LogDecay, State, Out, length, hea
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k, mask_v = offs_k < key_dim, offs_v < value_dim
-    state_ptrs = State + seq_head * key_dim * value_dim + offs_k[:, None] * value_dim + \
-        offs_v[None, :]
-    state_mask = mask_k[:, None] & mask_v[None, :]
+    state_ptrs, state_mask = state_tile(State, seq_head, offs_k, offs_v, mask_k, mask_v,
+                                        key_dim, value_dim)
     state = tl.load(state_ptrs, mask=state_mask, other=0.0)
     causal = offs_c[None, :] <= offs_c[:, None]
     last = offs_c == C - 1
@@ -138,16 +157,12 @@ def chunk_scan(q: torch.Tensor, k: torch.Tensor, prep: tuple[torch.Tensor, ...],
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch 2: (o [R, L, H, Dv] float32, the final state). block_v / stages: the launch's
     value columns per program and software-pipelining depth (benchmarks/gpu_gdn_chunk.py
-    sweeps them). By default 64 columns, or 32 where programs of 64 would not fill the SMs
-    (one sequence of 32 heads on an H100: 1.56 against 1.75 ms at 8192 tokens)."""
+    sweeps them; by default scan_columns')."""
     batch, length, heads, key_dim = k.shape
     value_dim = prep[0].shape[-1]
     block_k = max(16, triton.next_power_of_2(key_dim))
     if block_v is None:
-        block_v = max(16, min(64 if block_k <= 128 else 32, triton.next_power_of_2(value_dim)))
-        if block_v == 64 and k.is_cuda and \
-                batch * heads * triton.cdiv(value_dim, 64) < sm_count(k.device):
-            block_v = 32
+        block_v = scan_columns(block_k, value_dim, batch * heads, k.device)
     state = state.float().contiguous().clone()
     out = torch.empty(batch, length, heads, value_dim, dtype=torch.float32, device=k.device)
     _chunk_scan_kernel[(batch * heads, triton.cdiv(value_dim, block_v))](

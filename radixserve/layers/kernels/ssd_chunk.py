@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from radixserve.layers.gated_delta_rule import CHUNK
-from radixserve.layers.kernels.gdn_chunk import sm_count
+from radixserve.layers.kernels.gdn_chunk import scan_columns, state_tile
 
 
 @triton.jit
@@ -37,9 +37,8 @@ def _ssd_scan_kernel(Conv, Dt, ALog, D, State, Out, length, heads, channels, inn
     offs_n = tl.arange(0, BLOCK_N)
     offs_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     mask_n, mask_p = offs_n < STATE, offs_p < HEAD_DIM
-    state_ptrs = State + seq_head * STATE * HEAD_DIM + offs_n[:, None] * HEAD_DIM + \
-        offs_p[None, :]
-    state_mask = mask_n[:, None] & mask_p[None, :]
+    state_ptrs, state_mask = state_tile(State, seq_head, offs_n, offs_p, mask_n, mask_p, STATE,
+                                        HEAD_DIM)
     state = tl.load(state_ptrs, mask=state_mask, other=0.0)
     a = -tl.exp(tl.load(ALog + head).to(tl.float32))
     d = tl.load(D + head).to(tl.float32)
@@ -81,11 +80,8 @@ def ssd_chunked_triton(conv_out: torch.Tensor, dt: torch.Tensor, a_log: torch.Te
     out = torch.empty(batch, length, heads, head_dim, dtype=torch.float32,
                       device=conv_out.device)
     block_n = max(16, triton.next_power_of_2(state_size))
-    # as the delta rule's scan: 64 columns, 32 past a state of 128 (Falcon-H1's 256: registers)
-    block_p = min(64 if block_n <= 128 else 32, max(16, triton.next_power_of_2(head_dim)))
-    if block_p == 64 and conv_out.is_cuda and \
-            batch * heads * triton.cdiv(head_dim, 64) < sm_count(conv_out.device):
-        block_p = 32  # programs of 64 columns would leave SMs idle
+    # as the delta rule's scan (Falcon-H1's state of 256: 32 columns)
+    block_p = scan_columns(block_n, head_dim, batch * heads, conv_out.device)
     _ssd_scan_kernel[(batch * heads, triton.cdiv(head_dim, block_p))](
         conv_out, dt, a_log, d, state, out, length, heads, channels, heads * head_dim,
         groups * state_size, HEAD_DIM=head_dim, STATE=state_size,
