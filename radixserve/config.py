@@ -28,7 +28,7 @@ class ServerArgs:
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     kv_cache_dtype: str = "auto"  # auto (the compute dtype) | fp8_e4m3 | fp8_e5m2
-    quantization: str | None = None  # None (the checkpoint's own, if any) | fp8
+    quantization: str | None = None  # None (the checkpoint's own, if any) | fp8 | awq | gptq ...
     device: str = "auto"  # auto | cuda | cpu
     context_length: int | None = None
     skip_tokenizer_init: bool = False

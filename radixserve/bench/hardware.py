@@ -64,18 +64,22 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
 
 def weight_bytes_per_forward(cfg: ModelConfig, dtype: torch.dtype | str,
                              num_tokens: int | None = None,
-                             linear_dtype: torch.dtype | None = None) -> float:
+                             linear_dtype: torch.dtype | float | None = None) -> float:
     """Every weight read once per forward pass, except the embedding table (LM head included).
     MoE with `num_tokens` given: of each MoE layer's routed experts only the ones those tokens
-    use (counts.distinct_experts, uniform routing). `linear_dtype` (FP8 weights): the decoder
-    layers' linear weights at that size, the rest (norms, LM head) at `dtype`."""
+    use (counts.distinct_experts, uniform routing). `linear_dtype` (FP8 weights; a float:
+    bytes per weight, int4's with its scales): the decoder layers' linear weights at that size,
+    the rest (norms, LM head) at `dtype`."""
     counts = param_counts(cfg)
     linear = float(counts.linear)
     if counts.num_experts and num_tokens is not None:
         unused = counts.num_experts - counts.distinct_experts(num_tokens)
         linear -= counts.moe_layers * unused * counts.routed_expert
     other = counts.layers - counts.linear + counts.final_norm + counts.lm_head
-    linear_size = dtype_bytes(linear_dtype) if linear_dtype is not None else dtype_bytes(dtype)
+    if isinstance(linear_dtype, float):
+        linear_size = linear_dtype
+    else:
+        linear_size = dtype_bytes(linear_dtype if linear_dtype is not None else dtype)
     return float(int(linear) * linear_size + other * dtype_bytes(dtype))
 
 
@@ -92,7 +96,7 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype | str,
 
 
 def decode_step_bytes(cfg: ModelConfig, batch: int, context: float,
-                      dtype: torch.dtype | str, linear_dtype: torch.dtype | None = None,
+                      dtype: torch.dtype | str, linear_dtype: torch.dtype | float | None = None,
                       kv_dtype: torch.dtype | None = None) -> float:
     """One decode step of `batch` sequences that each attend to `context` tokens (the new one
     included): weights + KV read of batch x context tokens + KV written for batch tokens (+ a

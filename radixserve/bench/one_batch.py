@@ -134,7 +134,11 @@ def run_one_batch(runner: Any, batch_size: int, input_len: int, output_len: int,
     pre = hardware.roofline(hardware.prefill_bytes(cfg, batch_size, input_len, dtype),
                             hardware.prefill_flops(cfg, batch_size, input_len), peak)
     # decode step k writes position input_len + k, so each sequence attends to input_len + k + 1
-    linear_dtype = torch.float8_e4m3fn if getattr(runner, "fp8", None) is not None else None
+    linear_dtype: torch.dtype | float | None = None
+    if getattr(runner, "fp8", None) is not None:
+        linear_dtype = torch.float8_e4m3fn
+    elif getattr(runner, "int4", None) is not None:
+        linear_dtype = runner.int4.bytes_per_weight(hardware.dtype_bytes(dtype))
     kv_dtype = runner.kv_cache_spec.storage_dtype
     limits = [hardware.roofline(hardware.decode_step_bytes(cfg, batch_size, input_len + k + 1,
                                                            dtype, linear_dtype, kv_dtype),

@@ -39,8 +39,12 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
                               "per layer (the checkpoint's, else calibrated at startup)",
                        ("auto", "fp8_e4m3", "fp8_e5m2")),
     "quantization": (MODEL, "fp8: quantise a bf16/fp16 checkpoint's linear weights to FP8 at "
-                            "load (per-channel scales, dynamic per-token activations); FP8 "
-                            "checkpoints are detected from their config", ("fp8",)),
+                            "load (per-channel scales, dynamic per-token activations); FP8, "
+                            "AWQ, GPTQ and compressed-tensors checkpoints are detected from "
+                            "their config (awq / gptq / compressed-tensors, and vLLM's "
+                            "awq_marlin / gptq_marlin, only name the checkpoint's method; with "
+                            "--load-format dummy, awq / gptq build int4 layers)",
+                     ("fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors")),
     "device": (MODEL, "auto: cuda when present", ("auto", "cuda", "cpu")),
     "context_length": (MODEL, "the context length in tokens (default: the model's "
                               "max_position_embeddings; more is refused unless "

@@ -30,6 +30,8 @@ from radixserve.layers.cpu_linear import keep_checkpoint_dtype
 from radixserve.layers.recurrent_mixer import attach_recurrent_states, recurrent_state_spec
 from radixserve.layers.logits import LogitsOutput
 from radixserve.layers.quantization.fp8 import fp8_config, fp8_linears
+from radixserve.layers.quantization.int4 import int4_config, int4_linears
+from radixserve.layers.quantization.int4_support import check_int4_support
 from radixserve.layers.quantization.skipped import keep_unquantized
 from radixserve.executor.sampler import (Sampler, compute_input_logprobs, compute_logprobs,
                                          compute_logprobs_on_device)
@@ -102,6 +104,8 @@ class ModelRunner:
         if self.fp8 is not None and self.fp8.online and self.source.weights is None:
             # dummy weights: build the FP8 parameters directly (no bf16 copy of the model first)
             self.fp8 = dataclasses.replace(self.fp8, online=False)
+        self.int4 = int4_config(self.source.hf_config.get("quantization_config"),
+                                server_args.quantization, dummy=self.source.weights is None)
         check_tensor_parallel(self.model_config, self.tp_size)
         configure_for_embedding(self.model_config, server_args.is_embedding)
         self.model_config.resolve_context_length(server_args.context_length)
@@ -150,15 +154,17 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device), fp8_linears(self.fp8):
+            with torch.device(self.device), fp8_linears(self.fp8), int4_linears(self.int4):
                 model = model_cls(self.model_config)
-                plain = keep_unquantized(model, self.fp8)
+                plain = keep_unquantized(model, self.fp8 or self.int4)
+                check_int4_support(model, self.int4)
             if self.server_args.is_embedding:
                 adapt_for_embedding(model)
         finally:
             torch.set_default_dtype(default_dtype)
-        if self.fp8 is not None:
-            logger.info("FP8 weights: %s%s", self.fp8.source,
+        if self.fp8 is not None or self.int4 is not None:
+            logger.info("%s weights: %s%s", "FP8" if self.fp8 else "int4",
+                        (self.fp8 or self.int4).source,  # type: ignore[union-attr]
                         f"; {len(plain)} layers left unquantised by the checkpoint"
                         if plain else "")
         if self.source.weights is None:

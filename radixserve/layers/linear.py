@@ -24,6 +24,9 @@ from radixserve.layers.quantization.fp8 import (FP8_DTYPE, Fp8Config, Fp8Rows,
 from radixserve.layers.quantization.fp8_linear import (add_fp8_params, finish_fp8_loading,
                                                        fp8_linear, fp8_rows_linear,
                                                        takes_fp8_rows)
+from radixserve.layers.quantization.int4 import Int4Config, current_int4_config
+from radixserve.layers.quantization.int4_linear import (add_int4_params, finish_int4_loading,
+                                                        int4_linear)
 
 if TYPE_CHECKING:
     from radixserve.layers.kernels.gemv_rope import RopeStore
@@ -141,10 +144,13 @@ class LinearBase(nn.Module):
         self.tp_rank, self.tp_size = _rank_and_size(tp_rank, tp_size)
         self.input_size, self.output_size = input_size, output_size
         self.fp8: Fp8Config | None = current_fp8_config() if quantize else None
-        dtype = FP8_DTYPE if self.fp8 is not None and not self.fp8.online else None
-        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype),
-                                   requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        # int4 (W4A16): packed codes instead of `weight` (layers/quantization/int4_linear.py)
+        self.int4: Int4Config | None = current_int4_config() if quantize else None
+        if self.int4 is None:
+            dtype = FP8_DTYPE if self.fp8 is not None and not self.fp8.online else None
+            self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype),
+                                       requires_grad=False)
+            self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -152,6 +158,8 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         if self.fp8 is not None:
             add_fp8_params(self, self.fp8)
+        if self.int4 is not None:
+            add_int4_params(self, self.int4)
 
     def full_rows(self, shard_id: object = None) -> int:
         """Rows of the checkpoint tensor (or of its piece `shard_id`) before the rank split."""
@@ -162,8 +170,10 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded)
 
     def finish_loading(self) -> None:
-        """After every tensor is loaded (--quantization fp8 quantises here)."""
+        """After every tensor is loaded (--quantization fp8 quantises here; int4 codes are
+        packed, or dequantised where the packed product cannot serve)."""
         finish_fp8_loading(self)
+        finish_int4_loading(self)
 
     def product(self, x: "torch.Tensor | Fp8Rows", bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W.T (+ bias) with this rank's weight, FP8 or not. x may be rows quantised
@@ -173,6 +183,9 @@ class LinearBase(nn.Module):
             return fp8_rows_linear(x, self.weight, self.weight_scale, self.group_k, bias)
         if self.fp8 is not None:
             return fp8_linear(x, self.weight, self.weight_scale, self.group_k, bias)
+        if self.int4 is not None:
+            return int4_linear(x, self.int4_qweight, self.int4_scales, self.int4_zeros,
+                               self.int4_group_k, self.int4_perm, bias)
         return linear(x, self.weight, bias)
 
     def forward(self, x: "torch.Tensor | Fp8Rows") -> torch.Tensor:
@@ -193,6 +206,8 @@ class LinearBase(nn.Module):
                 dtype not in (torch.float16, torch.bfloat16):
             return None
         if residual and self.tp_size > 1:  # the ranks' partial sums are reduced before the add
+            return None
+        if self.int4 is not None:  # packed int4 codes: the int4 kernels only
             return None
         if self.weight.stride(1) != 1:
             return None
@@ -340,9 +355,11 @@ class RowParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: object = None) -> None:
         # 2-D: the weight's columns split; an FP8 scale arrives cut to this rank's groups
-        # already (fp8_linear.load_scale), and a scale of one group (per row) stays whole
-        if param.dim() == 2 and param is not getattr(self, "weight_scale", None):
-            if param is self.weight and self.fp8 is not None and self.fp8.online \
+        # already (fp8_linear.load_scale), and a scale of one group (per row) stays whole, as
+        # do int4 scales every rank keeps whole (int4_linear.add_int4_params)
+        if param.dim() == 2 and param is not getattr(self, "weight_scale", None) \
+                and not getattr(param, "whole_columns", False):
+            if self.fp8 is not None and self.fp8.online and param is self.weight \
                     and self.tp_size > 1:  # --quantization fp8 scales whole rows, as at tp 1
                 self.checkpoint_row_amax = row_amax(loaded)
             loaded = _shard(loaded, 1, self.tp_rank, self.tp_size)

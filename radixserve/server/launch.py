@@ -264,6 +264,7 @@ def _check_model(server_args: ServerArgs) -> Any:
     from radixserve.executor.embedding import configure_for_embedding
     from radixserve.executor.model_runner import check_tensor_parallel
     from radixserve.layers.quantization.fp8 import fp8_config
+    from radixserve.layers.quantization.int4 import int4_config
     from radixserve.loader import load_model_source
     from radixserve.loader.model_resolution import no_tokenizer_files
     from radixserve.models.registry import model_class
@@ -273,6 +274,8 @@ def _check_model(server_args: ServerArgs) -> Any:
         model_class(source.model_config)
         configure_for_embedding(source.model_config, server_args.is_embedding)
         fp8_config(source.hf_config.get("quantization_config"), server_args.quantization)
+        int4_config(source.hf_config.get("quantization_config"), server_args.quantization,
+                    dummy=source.weights is None)
         check_tensor_parallel(source.model_config, server_args.tp_size)
         source.model_config.resolve_context_length(server_args.context_length)
         if not server_args.skip_tokenizer_init and not server_args.tokenizer_path and \

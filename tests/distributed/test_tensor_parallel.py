@@ -17,6 +17,7 @@ import torch
 
 import radixserve
 from tests.loader.test_fp8_checkpoints import _write_pair
+from tests.models.int4_checkpoints import write_int4_pair
 from tests.models.test_greedy_vs_hf import hf_greedy
 from tests.models.tiny_checkpoints import make_checkpoint
 from tests.server.server_process import ServerProcess, wait_gone
@@ -106,6 +107,21 @@ def test_fp8_blocks_split_inside_a_block_at_tp2(name: str, tmp_path) -> None:
     one, two = _run(str(fp8_folder), 1, prompts), _run(str(fp8_folder), 2, prompts)
     _assert_same_outputs(two, one)
     assert one["ids"] == _run(str(twin_folder), 1, prompts)["ids"]
+
+
+@pytest.mark.parametrize("method,act_order", [("gptq", True),
+                                               pytest.param("awq", False,
+                                                            marks=pytest.mark.slow)])
+def test_int4_checkpoints_at_tp2(method: str, act_order: bool, tmp_path) -> None:
+    """Groups of 16: at tp 2 the down projection's 48 input features a rank are 3 groups.
+    GPTQ act-order: the row-parallel ranks hold features of every group (dequantised after
+    loading), the column-parallel ones permute their input."""
+    folder, twin = write_int4_pair(tmp_path, method, group=16, symmetric=method == "gptq",
+                                   act_order=act_order)
+    prompts = _prompts(160)
+    one = _run(str(folder), 1, prompts)
+    _assert_same_outputs(_run(str(folder), 2, prompts), one)
+    assert one["ids"] == _run(str(twin), 1, prompts)["ids"]
 
 
 @pytest.mark.slow

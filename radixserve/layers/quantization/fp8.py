@@ -24,12 +24,15 @@ but not used.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
+
+from radixserve.layers.quantization.build_setting import BuildSetting
+from radixserve.layers.quantization.compressed_tensors import single_scheme
+from radixserve.layers.quantization.int4 import INT4_FLAGS, is_int4_checkpoint
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
@@ -74,6 +77,13 @@ class Fp8Config:
 def fp8_config(quantization_config: dict[str, Any] | None, flag: str | None) -> Fp8Config | None:
     """The FP8 setting of a checkpoint's `quantization_config` and the --quantization flag."""
     method = (quantization_config or {}).get("quant_method")
+    if is_int4_checkpoint(quantization_config):  # int4.py reads it
+        if flag == "fp8":
+            raise ValueError("--quantization fp8 cannot requantise an int4 checkpoint; serve "
+                             "it without the flag, or serve its unquantised original")
+        return None
+    if flag in INT4_FLAGS:  # int4.py checks the flag against the checkpoint
+        flag = None
     if method == "mxfp4":
         # gpt-oss: only its experts are MXFP4, dequantised at load (layers/moe/stacked_experts.py;
         # a model without a place for their blocks is refused by the loader); --quantization
@@ -92,23 +102,20 @@ def fp8_config(quantization_config: dict[str, Any] | None, flag: str | None) -> 
     if method == "compressed-tensors":
         return _compressed_tensors_config(quantization_config)  # type: ignore[arg-type]
     if method is not None:
-        raise ValueError(f"quantization method {method!r} is not supported (fp8, "
-                         "compressed-tensors float8, gpt-oss's mxfp4)")
+        raise ValueError(f"quantization method {method!r} is not supported (fp8, awq, gptq, "
+                         "compressed-tensors float8 / int4, gpt-oss's mxfp4)")
     if flag == "fp8":
         return Fp8Config(online=True, source="--quantization fp8 (per-channel, at load)")
     if flag is not None:
-        raise ValueError(f"--quantization {flag!r} is not supported (fp8)")
+        raise ValueError(f"--quantization {flag!r} is not supported (fp8; awq, gptq and "
+                         "compressed-tensors name the checkpoint's own method)")
     return None
 
 
 def _compressed_tensors_config(raw: dict[str, Any]) -> Fp8Config:
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStrategy
-    config = QuantizationConfig.model_validate(raw)
-    groups = list(config.config_groups.values())
-    if len(groups) != 1:
-        raise ValueError("compressed-tensors checkpoints with several config groups are not "
-                         "supported")
-    weights, inputs = groups[0].weights, groups[0].input_activations
+    from compressed_tensors.quantization import QuantizationStrategy
+    config, scheme, _ = single_scheme(raw)
+    weights, inputs = scheme.weights, scheme.input_activations
     if weights is None or weights.num_bits != 8 or str(weights.type) not in ("float",
                                                                               "QuantizationType.FLOAT"):
         raise ValueError(f"compressed-tensors weights {weights} are not FP8 (8-bit float)")
@@ -124,21 +131,9 @@ def _compressed_tensors_config(raw: dict[str, Any]) -> Fp8Config:
                             f"{'static' if static else 'dynamic'} activations)")
 
 
-_CURRENT: list[Fp8Config | None] = [None]
-
-
-@contextlib.contextmanager
-def fp8_linears(config: Fp8Config | None) -> Iterator[None]:
-    """Linear layers built inside take this FP8 setting (model construction only)."""
-    _CURRENT.append(config)
-    try:
-        yield
-    finally:
-        _CURRENT.pop()
-
-
-def current_fp8_config() -> Fp8Config | None:
-    return _CURRENT[-1]
+_SETTING: BuildSetting[Fp8Config] = BuildSetting()
+fp8_linears = _SETTING.use  # with fp8_linears(config): layers built inside take this FP8 setting
+current_fp8_config = _SETTING.current
 
 
 def row_amax(weight: torch.Tensor) -> torch.Tensor:

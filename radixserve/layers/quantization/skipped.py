@@ -1,4 +1,5 @@
-"""The linear layers an FP8 checkpoint leaves unquantised (`Fp8Config.skipped`).
+"""The linear layers a quantised checkpoint leaves unquantised (`Fp8Config.skipped`,
+`Int4Config.skipped`).
 
 Checkpoints name them by substrings of their module names (transformers' reading of
 `modules_to_not_convert`: "lm_head", "linear_attn.in_proj_ba", "mlp.gate") or by "re:" regular
@@ -17,6 +18,7 @@ from torch import nn
 
 from radixserve.layers.linear import LinearBase
 from radixserve.layers.quantization.fp8 import Fp8Config
+from radixserve.layers.quantization.int4 import Int4Config
 
 
 def _matches(entry: str, name: str) -> bool:
@@ -39,7 +41,7 @@ def _checkpoint_modules(name: str, mapping: dict[str, tuple[str, object]],
     return variants
 
 
-def keep_unquantized(model: nn.Module, config: Fp8Config | None) -> list[str]:
+def keep_unquantized(model: nn.Module, config: Fp8Config | Int4Config | None) -> list[str]:
     """Make the skipped layers of a just-built model plain ones (compute dtype, no scales);
     returns their names."""
     if config is None or not config.skipped:
@@ -48,7 +50,7 @@ def keep_unquantized(model: nn.Module, config: Fp8Config | None) -> list[str]:
     prefixes = getattr(model, "checkpoint_prefixes", {})
     kept = []
     for name, module in model.named_modules():
-        if not isinstance(module, LinearBase) or module.fp8 is None:
+        if not isinstance(module, LinearBase) or (module.fp8 is None and module.int4 is None):
             continue
         skipped = [any(_matches(entry, n) for entry in config.skipped for n in names)
                    for names in _checkpoint_modules(name, mapping, prefixes)]
@@ -63,13 +65,22 @@ def keep_unquantized(model: nn.Module, config: Fp8Config | None) -> list[str]:
 
 
 def _make_plain(layer: LinearBase) -> None:
-    old = layer.weight
-    weight = nn.Parameter(torch.empty(old.shape, dtype=torch.get_default_dtype(),
-                                      device=old.device), requires_grad=False)
+    device = next(layer.parameters()).device
+    weight = nn.Parameter(torch.empty(layer.output_size, layer.input_size,
+                                      dtype=torch.get_default_dtype(), device=device),
+                          requires_grad=False)
     weight.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
     layer.weight = weight
     for scale in ("weight_scale", "input_scale"):
         if hasattr(layer, scale):
             delattr(layer, scale)
+    if layer.int4 is not None:
+        for name in (*layer.int4.names.values(), "weight_shape"):
+            if hasattr(layer, name):
+                delattr(layer, name)
+        if getattr(layer, "int4_bias_from_checkpoint", False):
+            layer.bias = None
+            layer.int4_bias_from_checkpoint = False
     layer.fp8 = None
+    layer.int4 = None
     layer.group_k = None

@@ -1,0 +1,243 @@
+"""Int4 (W4A16) parameters of a linear layer: creation, checkpoint loading, the after-load
+step, and the product.
+
+While loading, a layer built under an int4 setting (int4.py) holds the checkpoint's tensors in
+the layers' orientation, under the checkpoint's own names so the generic loader finds them:
+codes uint8 [N, K] (unpacked), scales [N, G], zero points uint8 [N, G] (where the format has
+them), g_idx int32 [K] (act-order formats). Each tensor goes through the layer's own weight
+loader after being unpacked and turned, so tensor-parallel and merged-piece placement apply
+unchanged. `finish_int4_loading` then packs the codes into int32 words ([N, K / 8]) and keeps
+`int4_qweight`, `int4_scales`, `int4_zeros` (None when every zero point is 8) and `int4_perm`
+(the act-order permutation of the input features, or None).
+
+Where the packed product cannot serve, the layer is dequantised once into an ordinary weight in
+the compute dtype (same values, 4x the memory): on the CPU (RADIXSERVE_INT4_CPU=packed keeps the
+packed form there, through a reference product), for layers whose weight other kernels read
+directly, and for act-order layers whose input features are split over ranks (each rank's
+features then belong to groups of all sizes).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from radixserve.layers.quantization.int4 import (PACK, SYMMETRIC_ZERO, Int4Config,
+                                                 codes_to_rows, dequantize_int4, pack_int32,
+                                                 scales_to_rows, unpack_int32, zeros_to_rows)
+
+if TYPE_CHECKING:
+    from radixserve.layers.linear import LinearBase
+
+logger = logging.getLogger(__name__)
+
+PACKED_ON_CPU = os.environ.get("RADIXSERVE_INT4_CPU", "dense") == "packed"
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype | None, loader, *, optional: bool = False,
+           whole_columns: bool = False) -> nn.Parameter:
+    param = nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    param.keep_dtype = dtype is not None  # type: ignore[attr-defined]
+    param.optional = optional  # type: ignore[attr-defined]
+    param.whole_columns = whole_columns  # type: ignore[attr-defined]  # not split over ranks
+    return param
+
+
+def add_int4_params(layer: "LinearBase", config: Int4Config) -> None:
+    """Called by LinearBase.__init__ (which makes no `weight` for an int4 layer)."""
+    k_rank, n = layer.input_size, layer.output_size
+    split = layer.input_is_split and layer.tp_size > 1
+    k_full = k_rank * (layer.tp_size if layer.input_is_split else 1)
+    group = config.group_of(k_full)
+    if k_rank % PACK:
+        raise ValueError(f"int4 layer with {k_rank} input features on a rank (not a multiple "
+                         f"of {PACK})")
+    # act-order groups hold features from anywhere in the row: a rank of split input features
+    # keeps every group's scale (and is dequantised after loading, see finish_int4_loading)
+    whole = config.group_size == -1 or (config.act_order and split)
+    if not whole and k_rank % group:
+        raise ValueError(f"int4 groups of {group} input features: each tensor-parallel rank "
+                         f"holds {k_rank} of this layer's, which splits groups; choose a "
+                         "--tp-size that splits the layer's input at group boundaries")
+    if config.group_size == -1:
+        groups = 1
+    else:
+        groups = -(-k_full // group) if whole else k_rank // group
+    names = config.names
+    load = functools.partial(load_int4_tensor, layer)
+    setattr(layer, names["codes"], _param((n, k_rank), torch.uint8,
+                                          functools.partial(load, "codes")))
+    setattr(layer, names["scales"], _param((n, groups), None, functools.partial(load, "scales"),
+                                           whole_columns=whole))
+    if not config.symmetric:
+        setattr(layer, names["zeros"], _param((n, groups), torch.uint8,
+                                              functools.partial(load, "zeros"),
+                                              whole_columns=whole))
+    if config.method == "gptq" or config.act_order:
+        # GPTQ files carry g_idx with or without act-order (trivial without)
+        setattr(layer, names["g_idx"], _param((k_rank,), torch.int32,
+                                              functools.partial(load_g_idx, layer),
+                                              optional=not config.act_order))
+    if config.method == "compressed-tensors":
+        layer.weight_shape = _param((2,), torch.int64, functools.partial(check_shape, layer),
+                                    optional=True)
+    if config.method == "gptq" and layer.bias is None:
+        # AutoGPTQ saves a bias for every layer, zeros where the model has none
+        layer.bias = _param((n,), None, layer.weight_loader, optional=True)
+        layer.int4_bias_from_checkpoint = True
+    layer.int4_group = group
+    layer.int4_g_idx_pieces = set()
+
+
+def load_int4_tensor(layer: "LinearBase", kind: str, param: nn.Parameter,
+                     loaded: torch.Tensor, shard_id: object = None) -> None:
+    """A checkpoint's codes / scales / zeros, unpacked and turned to [rows, columns], then
+    placed by the layer's own loader."""
+    config = layer.int4
+    assert config is not None
+    if kind == "codes":
+        rows = codes_to_rows(config, loaded)
+    elif kind == "scales":
+        rows = scales_to_rows(config, loaded)
+    else:
+        rows = zeros_to_rows(config, loaded, layer.full_rows(shard_id))
+    layer.weight_loader(param, rows, shard_id)
+
+
+def load_g_idx(layer: "LinearBase", param: nn.Parameter, loaded: torch.Tensor,
+               shard_id: object = None) -> None:
+    """Each input feature's group; the pieces of a merged layer share their input, and must
+    share its order."""
+    k_rank = param.shape[0]
+    k_full = k_rank * (layer.tp_size if layer.input_is_split else 1)
+    if loaded.shape != (k_full,):
+        raise ValueError(f"g_idx of shape {tuple(loaded.shape)}, expected ({k_full},)")
+    if layer.input_is_split:
+        loaded = loaded.narrow(0, layer.tp_rank * k_rank, k_rank)
+    loaded = loaded.to(torch.int32)
+    if layer.int4_g_idx_pieces and not torch.equal(param.data, loaded.to(param.device)):
+        raise ValueError("the pieces of this merged layer were quantised in different input "
+                         "orders (g_idx differs)")
+    layer.int4_g_idx_pieces.add(shard_id)
+    param.data.copy_(loaded)
+
+
+def check_shape(layer: "LinearBase", param: nn.Parameter, loaded: torch.Tensor,
+                shard_id: object = None) -> None:
+    """compressed-tensors' weight_shape: the piece's unquantised [rows, input features]."""
+    k_full = layer.input_size * (layer.tp_size if layer.input_is_split else 1)
+    expected = [layer.full_rows(shard_id), k_full]
+    if [int(v) for v in loaded.reshape(-1).tolist()] != expected:
+        raise ValueError(f"weight_shape {loaded.tolist()} does not match the layer's piece "
+                         f"{expected}")
+
+
+def _scales_param(layer: "LinearBase") -> nn.Parameter:
+    assert layer.int4 is not None
+    return getattr(layer, layer.int4.names["scales"])
+
+
+def _column_groups(layer: "LinearBase", g_idx: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    """Each of this rank's input features' column in the scales, and whether the features
+    arrived out of group order (act-order)."""
+    k_rank, group = layer.input_size, layer.int4_group
+    config = layer.int4
+    assert config is not None
+    device = _scales_param(layer).device
+    groups = _scales_param(layer).shape[1]
+    offset = layer.tp_rank * k_rank if layer.input_is_split else 0
+    in_order = (torch.arange(k_rank, device=device) + offset) // group
+    if groups == 1:
+        return torch.zeros(k_rank, dtype=torch.long, device=device), False
+    if g_idx is None or torch.equal(g_idx.long(), in_order):
+        local = in_order - (0 if getattr(_scales_param(layer), "whole_columns", False)
+                            else offset // group)
+        return local, False
+    if not getattr(_scales_param(layer), "whole_columns", False):
+        local = g_idx.long() - offset // group
+        if local.min() < 0 or local.max() >= groups:
+            raise ValueError("g_idx names groups outside this rank's input features; the "
+                             "checkpoint's config does not declare act-order (desc_act)")
+        return local, True
+    return g_idx.long(), True
+
+
+def finish_int4_loading(layer: "LinearBase") -> None:
+    """Pack the loaded codes, or dequantise the layer where the packed product cannot serve."""
+    config = layer.int4
+    if config is None:
+        return
+    names = config.names
+    codes = getattr(layer, names["codes"]).data
+    scales = _scales_param(layer).data
+    zeros_param = getattr(layer, names["zeros"], None)
+    zeros = None if zeros_param is None else zeros_param.data
+    g_idx_param = getattr(layer, names["g_idx"], None)
+    g_idx = None if g_idx_param is None or not layer.int4_g_idx_pieces else g_idx_param.data
+    columns, out_of_order = _column_groups(layer, g_idx)
+    if zeros is not None and bool((zeros == SYMMETRIC_ZERO).all()):
+        zeros = None
+    if getattr(layer, "int4_bias_from_checkpoint", False):
+        if bool((layer.bias == 0).all()):
+            layer.bias = None
+        elif not getattr(layer, "reduce_results", True):
+            raise ValueError("a GPTQ bias on an unreduced row-parallel layer")
+    for name in ("codes", "scales", "zeros", "g_idx"):
+        if hasattr(layer, names[name]):
+            delattr(layer, names[name])
+    if hasattr(layer, "weight_shape"):
+        del layer.weight_shape
+    contiguous = bool(torch.equal(columns.sort().values,
+                                  torch.arange(codes.shape[1], device=columns.device)
+                                  // layer.int4_group)) or scales.shape[1] == 1
+    if (codes.device.type == "cpu" and not PACKED_ON_CPU) or \
+            getattr(layer, "weight_read_directly", False) or not contiguous:
+        _make_dense(layer, dequantize_int4(codes, scales, zeros, columns, scales.dtype))
+        return
+    perm = None
+    if out_of_order:
+        perm = torch.argsort(columns, stable=True)
+        codes = codes[:, perm]
+    layer.int4_qweight = _runtime(pack_int32(codes))
+    layer.int4_scales = nn.Parameter(scales, requires_grad=False)
+    layer.int4_zeros = None if zeros is None else _runtime(zeros.contiguous())
+    layer.int4_perm = None if perm is None else _runtime(perm.to(torch.int64))
+    layer.int4_group_k = codes.shape[1] if scales.shape[1] == 1 else layer.int4_group
+
+
+def _runtime(tensor: torch.Tensor) -> nn.Parameter:
+    param = nn.Parameter(tensor, requires_grad=False)
+    param.keep_dtype = True  # type: ignore[attr-defined]
+    return param
+
+
+def _make_dense(layer: "LinearBase", weight: torch.Tensor) -> None:
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    layer.weight.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
+    layer.int4 = None
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                zeros: torch.Tensor | None, group_k: int, perm: torch.Tensor | None,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ dequant(W).T (+ bias) from the packed weight. GPU: Triton kernels that unpack the
+    codes in registers (kernels/int4_gemm.py); elsewhere the weight dequantised per call (the
+    reference path)."""
+    if perm is not None:
+        x = x.index_select(-1, perm)
+    if x.is_cuda:
+        try:
+            from radixserve.layers.kernels.int4_gemm import int4_matmul
+        except ImportError:
+            pass
+        else:
+            return int4_matmul(x, qweight, scales, zeros, group_k, bias)
+    codes = unpack_int32(qweight)
+    columns = torch.arange(codes.shape[1], device=codes.device) // group_k
+    weight = dequantize_int4(codes, scales, zeros, columns, x.dtype)
+    return nn.functional.linear(x, weight, bias)

@@ -1,0 +1,117 @@
+"""Int4 layers under tensor parallelism: every rank's product equals its slice of the
+checkpoint's dequantised layer (tp 1's), for row-parallel layers (scales split with their
+groups; act-order ranks keep every group's scale and are dequantised), merged column-parallel
+pieces (act-order: the permutation shared by the pieces), q|k|v with replicated KV heads, in
+both the CPU's dense form and the GPU's packed form; splits that cut groups are refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                      RowParallelLinear)
+from radixserve.layers.quantization import int4_linear
+from radixserve.layers.quantization.int4 import int4_config, int4_linears
+from tests.models.int4_checkpoints import (dequantized, fake_quantize, gptq_tensors,
+                                           awq_tensors)
+
+GPTQ_ACT = int4_config({"quant_method": "gptq", "bits": 4, "group_size": 16,
+                        "desc_act": True, "sym": True}, None)
+AWQ = int4_config({"quant_method": "awq", "bits": 4, "group_size": 16}, None)
+
+
+def _checkpoint(n: int, k: int, method: str, act_order: bool, seed: int,
+                order_seed: int | None = None):
+    """A layer's checkpoint tensors, dequantised weight and g_idx; act-order: the features'
+    groups in an order drawn from order_seed (default: seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.1
+    g_idx = torch.arange(k) // 16
+    if act_order:
+        order = torch.Generator().manual_seed(seed if order_seed is None else order_seed)
+        g_idx = g_idx[torch.randperm(k, generator=order)]
+    codes, scales, zeros = fake_quantize(w, g_idx, k // 16, symmetric=method == "gptq")
+    tensors = gptq_tensors(codes, scales, zeros, g_idx) if method == "gptq" else \
+        awq_tensors(codes, scales, zeros)
+    return tensors, dequantized(codes, scales, zeros, g_idx), g_idx
+
+
+def _load(layer, tensors: dict, shard_id=None) -> None:
+    for name, tensor in tensors.items():
+        param = getattr(layer, name)
+        param.weight_loader(param, tensor, *(() if shard_id is None else (shard_id,)))
+
+
+def _check(layer, x: torch.Tensor, want: torch.Tensor) -> None:
+    layer.finish_loading()
+    torch.testing.assert_close(layer(x), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(params=["dense", "packed"])
+def form(request, monkeypatch):
+    monkeypatch.setattr(int4_linear, "PACKED_ON_CPU", request.param == "packed")
+    return request.param
+
+
+@pytest.mark.parametrize("method,act_order", [("awq", False), ("gptq", True)])
+def test_row_parallel_ranks_compute_their_slice(method, act_order, form) -> None:
+    tensors, dense, _ = _checkpoint(24, 64, method, act_order, 0)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    tensors.pop("bias", None)
+    for rank in range(2):
+        with int4_linears(GPTQ_ACT if method == "gptq" else AWQ):
+            layer = RowParallelLinear(64, 24, tp_rank=rank, tp_size=2, reduce_results=False)
+        _load(layer, tensors)
+        part = slice(rank * 32, rank * 32 + 32)
+        _check(layer, x[:, part], x[:, part] @ dense[:, part].t())
+        if act_order:  # features of every group on each rank: dequantised after loading
+            assert layer.int4 is None and layer.weight.shape == (24, 32)
+
+
+@pytest.mark.parametrize("method,act_order", [("awq", False), ("gptq", True)])
+def test_merged_pieces_share_the_input_order(method, act_order, form) -> None:
+    # gate and up read one input: GPTQ ordered both the same way
+    (gate, gate_w, _), (up, up_w, _) = [_checkpoint(32, 48, method, act_order, s, order_seed=9)
+                                        for s in (2, 3)]
+    x = torch.randn(2, 48, generator=torch.Generator().manual_seed(4))
+    for rank in range(2):
+        with int4_linears(GPTQ_ACT if method == "gptq" else AWQ):
+            layer = MergedColumnParallelLinear(48, [32, 32], tp_rank=rank, tp_size=2)
+        _load(layer, gate, 0)
+        _load(layer, up, 1)
+        rows = slice(rank * 16, rank * 16 + 16)
+        want = torch.cat([x @ gate_w[rows].t(), x @ up_w[rows].t()], dim=1)
+        _check(layer, x, want)
+        if form == "packed":
+            assert layer.int4 is not None and (layer.int4_perm is not None) == act_order
+
+
+def test_pieces_quantised_in_different_orders_are_refused() -> None:
+    gate, _, _ = _checkpoint(32, 48, "gptq", True, 2)
+    up, _, _ = _checkpoint(32, 48, "gptq", True, 3)
+    with int4_linears(GPTQ_ACT):
+        layer = MergedColumnParallelLinear(48, [32, 32], tp_rank=0, tp_size=1)
+    _load(layer, gate, 0)
+    with pytest.raises(ValueError, match="different input orders"):
+        _load(layer, up, 1)
+
+
+def test_qkv_with_replicated_kv_heads(form) -> None:
+    """4 query heads and 1 KV head of 16 over 2 ranks: each rank loads the one KV head."""
+    pieces = {p: _checkpoint(rows, 64, "awq", False, s)
+              for p, rows, s in (("q", 64, 5), ("k", 16, 6), ("v", 16, 7))}
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(8))
+    for rank in range(2):
+        with int4_linears(AWQ):
+            layer = QKVParallelLinear(64, 16, 4, 1, tp_rank=rank, tp_size=2)
+        for piece, (tensors, _, _) in pieces.items():
+            _load(layer, tensors, piece)
+        q_rows = slice(rank * 32, rank * 32 + 32)
+        want = torch.cat([x @ pieces["q"][1][q_rows].t(), x @ pieces["k"][1].t(),
+                          x @ pieces["v"][1].t()], dim=1)
+        _check(layer, x, want)
+
+
+def test_splits_that_cut_groups_are_refused() -> None:
+    with int4_linears(AWQ), pytest.raises(ValueError, match="splits groups"):
+        RowParallelLinear(48, 16, tp_rank=0, tp_size=2)  # 24 features a rank, groups of 16
