@@ -100,10 +100,10 @@ def main() -> int:
                     f"rel err {error:.1e} | {tuple(default)}")
             if args.sweep and m < int4_gemm.DEQUANT_MIN_ROWS:
                 best = (ms, default)
-                for block_n, split, warps, stages in itertools.product(
-                        (32, 64, 128), (1, 2, 4, 8), (4, 8), (3, 4)):
-                    block_m = default.block_m
-                    shape = int4_gemm.GemmShape(block_m, block_n, split, warps, stages)
+                block_ms = (1, 16) if m == 1 else (default.block_m,)
+                for block_m, block_n, split, warps, repeat in itertools.product(
+                        block_ms, (32, 64, 128), (1, 2, 4, 8), (4, 8), (False, True)):
+                    shape = int4_gemm.GemmShape(block_m, block_n, split, warps, 3, repeat)
                     try:
                         t = _graph_ms(lambda: [int4_gemm.int4_matmul(x, *w, GROUP, None, shape)
                                                for w in weights])

@@ -59,7 +59,21 @@ def pack_to_codes(qweight: torch.Tensor) -> torch.Tensor:
 def test_a_long_k_splits_over_programs() -> None:
     """One output tile over 2048 input features: split K fills the (interpreter's 4) SMs."""
     shape = int4_gemm._gemm_shape(1, 64, 2048, 128, 4)
-    assert (shape.block_m, shape.block_n, shape.split_k) == (16, 64, 4)
+    assert (shape.block_m, shape.block_n, shape.split_k) == (1, 64, 4)
+
+
+@pytest.mark.parametrize("shape", [int4_gemm.GemmShape(1, 32, 2, repeat_loads=True),
+                                   int4_gemm.GemmShape(16, 32, 1, repeat_loads=True),
+                                   int4_gemm.GemmShape(16, 64, 4)])
+def test_every_launch_shape_computes_the_same_product(shape) -> None:
+    """The sweep's variants: the GEMV (BLOCK_M 1) or tensor cores, split K, repeated loads."""
+    n, k, group = 80, 512, 128
+    qweight, scales, z, dense = _weight(n, k, group, True, 9)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(6))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(7))
+    got = int4_gemm.int4_matmul(x.to(DEVICE), qweight.to(DEVICE), scales.to(DEVICE),
+                                z.to(DEVICE), group, bias.to(DEVICE), shape)
+    torch.testing.assert_close(got.cpu(), x @ dense.t() + bias, atol=1e-4, rtol=1e-4)
 
 
 def test_many_rows_dequantise_then_multiply() -> None:

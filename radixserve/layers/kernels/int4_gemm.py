@@ -7,8 +7,9 @@ scales [N, G] and zero points [N, G] (uint8, or none: 8) over groups of `group_k
   * Up to DEQUANT_MIN_ROWS rows (decode, small prefills): one Triton kernel unpacks each
     [BLOCK_K, BLOCK_N] tile of codes in registers ((q - z) * s, in float32, then the
     activations' dtype) and feeds the tensor cores; the weight is read once, at half a byte per
-    value. Few output tiles (a decode batch over a narrow layer) split K over more programs,
-    whose float32 partial sums are added afterwards.
+    value. One row runs a multiply-add GEMV over the same tiles instead. Few output tiles (a
+    decode batch over a narrow layer) split K over more programs, whose float32 partial sums
+    are added afterwards.
   * More rows (prefill): the weight is dequantised once into a scratch [N, K] in the
     activations' dtype and cuBLAS multiplies; the product's compute dwarfs the extra pass.
 """
@@ -27,14 +28,23 @@ BLOCK_KS = (128, 64, 32, 16)  # K steps tried, widest first: each must divide K 
 
 @triton.jit
 def _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups, group_k,
-                   HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The weight's [BLOCK_K, BLOCK_N] tile at input feature k0 (transposed), float32."""
-    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    words = tl.load(qw_ptr + offs_n[None, :] * k_words + offs_w[:, None],
-                    mask=mask_n[None, :], other=0)  # [BLOCK_K / 8, BLOCK_N]
-    shifts = tl.arange(0, 8) * 4
-    codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]
-    codes = tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
+                   HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                   REPEAT_LOADS: tl.constexpr = False):
+    """The weight's [BLOCK_K, BLOCK_N] tile at input feature k0 (transposed), float32.
+    REPEAT_LOADS: each feature loads its own word (8 loads of one address, served by L1) and
+    shifts it, instead of one load per word whose 8 nibbles are spread by a reshape."""
+    if REPEAT_LOADS:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        words = tl.load(qw_ptr + offs_n[None, :] * k_words + (offs_k // 8)[:, None],
+                        mask=mask_n[None, :], other=0)  # [BLOCK_K, BLOCK_N]
+        codes = ((words >> ((offs_k % 8) * 4)[:, None]) & 0xF).to(tl.float32)
+    else:
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(qw_ptr + offs_n[None, :] * k_words + offs_w[:, None],
+                        mask=mask_n[None, :], other=0)  # [BLOCK_K / 8, BLOCK_N]
+        shifts = tl.arange(0, 8) * 4
+        codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]
+        codes = tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
     group = k0 // group_k  # group_k is a multiple of BLOCK_K: one group per tile
     scale = tl.load(s_ptr + offs_n * groups + group, mask=mask_n, other=0.0).to(tl.float32)
     if HAS_ZEROS:
@@ -45,10 +55,38 @@ def _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups, gr
 
 
 @triton.jit
+def _int4_gemv_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, N, K, groups, group_k,
+                      HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                      REPEAT_LOADS: tl.constexpr):
+    """One row: c = a @ dequant(w).T (+ bias) as multiply-adds, no tensor cores; with
+    SPLIT_K > 1, c is float32 [SPLIT_K, 1, N] partial sums (no bias)."""
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    k_words = K // 8
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        a = tl.load(a_ptr + k0 + offs_k).to(tl.float32)
+        w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups, group_k,
+                           HAS_ZEROS, BLOCK_K, BLOCK_N, REPEAT_LOADS)
+        acc += tl.sum(w * a[:, None], axis=0)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(c_ptr + offs_n, acc.to(c_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        tl.store(c_ptr + pid_k * N + offs_n, acc, mask=mask_n)
+
+
+@triton.jit
 def _int4_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K, stride_am,
                       groups, group_k, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                       IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                      REPEAT_LOADS: tl.constexpr):
     """c = a @ dequant(w).T (+ bias); with SPLIT_K > 1, c is float32 [SPLIT_K, M, N]
     partial sums (no bias)."""
     pid_m = tl.program_id(0)
@@ -65,7 +103,7 @@ def _int4_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K, str
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :],
                     mask=mask_m[:, None], other=0.0)
         w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups, group_k,
-                           HAS_ZEROS, BLOCK_K, BLOCK_N).to(a.dtype)
+                           HAS_ZEROS, BLOCK_K, BLOCK_N, REPEAT_LOADS).to(a.dtype)
         if IEEE:
             acc += tl.dot(a, w, input_precision="ieee")
         else:
@@ -117,16 +155,17 @@ def _sm_count(device: torch.device) -> int:
 
 
 class GemmShape(NamedTuple):
-    block_m: int
+    block_m: int  # 1: the multiply-add GEMV (one row); else the tensor-core kernel's row tile
     block_n: int
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
+    repeat_loads: bool = False  # _unpacked_tile's REPEAT_LOADS
 
 
 def _gemm_shape(m: int, n: int, k: int, block_k: int, sms: int) -> GemmShape:
     """The launch shape for M rows (a default, not yet swept on a GPU)."""
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    block_m = 1 if m == 1 else (16 if m <= 16 else (32 if m <= 32 else 64))
     block_n = 64 if m <= 16 else 128
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = 1
@@ -169,16 +208,23 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return torch.nn.functional.linear(x, weight, bias)
     if shape is None:
         shape = _gemm_shape(m, n, k, block_k, _sm_count(x.device))
-    block_m, block_n, split, warps, stages = shape
+    block_m, block_n, split, warps, stages, repeat = shape
     out_dtype = x.dtype if split == 1 else torch.float32
     out = torch.empty((split, m, n) if split > 1 else (m, n), dtype=out_dtype, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
-    _int4_gemm_kernel[grid](
-        x2, qweight, scales, zeros if zeros is not None else qweight,
-        bias if bias is not None else scales, out, m, n, k, x2.stride(0), scales.shape[1],
-        group_k, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None and split == 1,
-        IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split, num_warps=warps, num_stages=stages)
+    zeros_or_any = zeros if zeros is not None else qweight
+    bias_or_any = bias if bias is not None else scales
+    common = dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None and split == 1,
+                  BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, REPEAT_LOADS=repeat,
+                  num_warps=warps, num_stages=stages)
+    if block_m == 1:
+        assert m == 1, "the GEMV takes one row"
+        _int4_gemv_kernel[grid](x2, qweight, scales, zeros_or_any, bias_or_any, out, n, k,
+                                scales.shape[1], group_k, **common)
+    else:
+        _int4_gemm_kernel[grid](x2, qweight, scales, zeros_or_any, bias_or_any, out, m, n, k,
+                                x2.stride(0), scales.shape[1], group_k,
+                                IEEE=x.dtype == torch.float32, BLOCK_M=block_m, **common)
     if split > 1:
         summed = out.sum(dim=0)
         if bias is not None:
