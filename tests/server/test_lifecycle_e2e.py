@@ -187,6 +187,17 @@ def test_checkpoint_problems_are_one_line_each(tmp_path) -> None:
     assert "'model.layers.0.bogus.weight' has no place in LlamaForCausalLM" in output
 
 
+def test_a_quantization_flag_against_the_checkpoint_fails_before_loading(tmp_path) -> None:
+    from tests.models.int4_checkpoints import write_int4_pair
+    folder, _ = write_int4_pair(tmp_path, "awq")
+    result = _launch("--port", str(free_port()), "--model-path", str(folder),
+                     "--skip-tokenizer-init", "--quantization", "gptq")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in output, output[-3000:]
+    assert "--quantization gptq does not match the checkpoint's awq quantization" in output
+    assert "loading the model" not in output
+
+
 def test_missing_model_and_busy_port_fail_before_loading() -> None:
     """Resolved in the server process before any child starts: one error line, no traceback."""
     result = _launch("--port", str(free_port()), "--model-path", "/nonexistent/model.gguf")
