@@ -124,7 +124,8 @@ def keep_checkpoint_dtype(model: nn.Module, dtype: torch.dtype) -> int:
         return 0
     saved = 0
     for module in model.modules():
-        linear = isinstance(module, LinearBase) and getattr(module, "fp8", None) is None
+        linear = isinstance(module, LinearBase) and getattr(module, "fp8", None) is None \
+            and getattr(module, "int4", None) is None
         if not (linear or isinstance(module, VocabParallelEmbedding)):
             continue
         if getattr(module, "weight_read_directly", False):

@@ -357,8 +357,8 @@ class RowParallelLinear(LinearBase):
         # 2-D: the weight's columns split; an FP8 scale arrives cut to this rank's groups
         # already (fp8_linear.load_scale), and a scale of one group (per row) stays whole, as
         # do int4 scales every rank keeps whole (int4_linear.add_int4_params)
-        if param.dim() == 2 and param is not getattr(self, "weight_scale", None) \
-                and not getattr(param, "whole_columns", False):
+        fp8_scale = self.fp8 is not None and param is getattr(self, "weight_scale", None)
+        if param.dim() == 2 and not fp8_scale and not getattr(param, "whole_columns", False):
             if self.fp8 is not None and self.fp8.online and param is self.weight \
                     and self.tp_size > 1:  # --quantization fp8 scales whole rows, as at tp 1
                 self.checkpoint_row_amax = row_amax(loaded)

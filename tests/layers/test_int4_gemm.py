@@ -25,7 +25,7 @@ def _weight(n: int, k: int, group: int, zeros: bool, seed: int):
     scales = torch.rand(n, k // group, generator=gen) * 0.02 + 0.005
     z = torch.randint(0, 16, (n, k // group), generator=gen, dtype=torch.uint8) if zeros else None
     dense = dequantize_int4(codes, scales, z, torch.arange(k) // group, torch.float32)
-    return pack_int32(codes), scales, z, dense
+    return pack_int32(codes), scales, z, dense, codes
 
 
 @pytest.mark.parametrize("m,n,k,group", [(1, 48, 128, 32), (3, 80, 256, 128), (16, 64, 64, 64),
@@ -35,25 +35,21 @@ def _weight(n: int, k: int, group: int, zeros: bool, seed: int):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_int4_matmul_matches_the_dequantised_product(m, n, k, group, zeros, with_bias,
                                                      dtype) -> None:
-    qweight, scales, z, dense = _weight(n, k, group, zeros, m * n + k)
+    qweight, scales, z, _, codes = _weight(n, k, group, zeros, m * n + k)
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen) if with_bias else None
     got = int4_gemm.int4_matmul(x.to(DEVICE, dtype), qweight.to(DEVICE),
                                 scales.to(DEVICE, dtype), None if z is None else z.to(DEVICE),
                                 group, None if bias is None else bias.to(DEVICE, dtype))
+    # the reference reads the codes as drawn, not through pack / unpack
     want = x.to(dtype).float() @ dequantize_int4(
-        pack_to_codes(qweight), scales.to(dtype), z, torch.arange(k) // group,
+        codes, scales.to(dtype), z, torch.arange(k) // group,
         torch.float32).t() + (0 if bias is None else bias.to(dtype).float())
     assert got.dtype == dtype and got.shape == (m, n)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float().cpu(), want, atol=tol * want.abs().max().item(),
                                rtol=tol)
-
-
-def pack_to_codes(qweight: torch.Tensor) -> torch.Tensor:
-    from radixserve.layers.quantization.int4 import unpack_int32
-    return unpack_int32(qweight)
 
 
 def test_a_long_k_splits_over_programs() -> None:
@@ -68,7 +64,7 @@ def test_a_long_k_splits_over_programs() -> None:
 def test_every_launch_shape_computes_the_same_product(shape) -> None:
     """The sweep's variants: the GEMV (BLOCK_M 1) or tensor cores, split K, repeated loads."""
     n, k, group = 80, 512, 128
-    qweight, scales, z, dense = _weight(n, k, group, True, 9)
+    qweight, scales, z, dense, _ = _weight(n, k, group, True, 9)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(6))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(7))
     got = int4_gemm.int4_matmul(x.to(DEVICE), qweight.to(DEVICE), scales.to(DEVICE),
@@ -78,7 +74,7 @@ def test_every_launch_shape_computes_the_same_product(shape) -> None:
 
 def test_many_rows_dequantise_then_multiply() -> None:
     m, n, k, group = int4_gemm.DEQUANT_MIN_ROWS, 32, 64, 32
-    qweight, scales, z, dense = _weight(n, k, group, True, 5)
+    qweight, scales, z, dense, _ = _weight(n, k, group, True, 5)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
     got = int4_gemm.int4_matmul(x.to(DEVICE), qweight.to(DEVICE), scales.to(DEVICE),
                                 z.to(DEVICE), group, None)

@@ -12,12 +12,17 @@ from radixserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLin
                                       RowParallelLinear)
 from radixserve.layers.quantization import int4_linear
 from radixserve.layers.quantization.int4 import int4_config, int4_linears
-from tests.models.int4_checkpoints import (dequantized, fake_quantize, gptq_tensors,
-                                           awq_tensors)
+from tests.models.int4_checkpoints import (awq_tensors, ct_tensors, dequantized,
+                                           fake_quantize, gptq_tensors)
 
 GPTQ_ACT = int4_config({"quant_method": "gptq", "bits": 4, "group_size": 16,
                         "desc_act": True, "sym": True}, None)
 AWQ = int4_config({"quant_method": "awq", "bits": 4, "group_size": 16}, None)
+CT = int4_config({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                  "config_groups": {"g": {"targets": ["Linear"], "weights": {
+                      "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+                      "group_size": 16}}}}, None)
+CONFIGS = {"awq": AWQ, "gptq": GPTQ_ACT, "compressed-tensors": CT}
 
 
 def _checkpoint(n: int, k: int, method: str, act_order: bool, seed: int,
@@ -31,8 +36,12 @@ def _checkpoint(n: int, k: int, method: str, act_order: bool, seed: int,
         order = torch.Generator().manual_seed(seed if order_seed is None else order_seed)
         g_idx = g_idx[torch.randperm(k, generator=order)]
     codes, scales, zeros = fake_quantize(w, g_idx, k // 16, symmetric=method == "gptq")
-    tensors = gptq_tensors(codes, scales, zeros, g_idx) if method == "gptq" else \
-        awq_tensors(codes, scales, zeros)
+    if method == "gptq":
+        tensors = gptq_tensors(codes, scales, zeros, g_idx)
+    elif method == "awq":
+        tensors = awq_tensors(codes, scales, zeros)
+    else:
+        tensors = ct_tensors(codes, scales, zeros, g_idx, symmetric=False, act_order=act_order)
     return tensors, dequantized(codes, scales, zeros, g_idx), g_idx
 
 
@@ -53,13 +62,14 @@ def form(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("method,act_order", [("awq", False), ("gptq", True)])
+@pytest.mark.parametrize("method,act_order", [("awq", False), ("gptq", True),
+                                              ("compressed-tensors", False)])
 def test_row_parallel_ranks_compute_their_slice(method, act_order, form) -> None:
     tensors, dense, _ = _checkpoint(24, 64, method, act_order, 0)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
     tensors.pop("bias", None)
     for rank in range(2):
-        with int4_linears(GPTQ_ACT if method == "gptq" else AWQ):
+        with int4_linears(CONFIGS[method]):
             layer = RowParallelLinear(64, 24, tp_rank=rank, tp_size=2, reduce_results=False)
         _load(layer, tensors)
         part = slice(rank * 32, rank * 32 + 32)
@@ -75,7 +85,7 @@ def test_merged_pieces_share_the_input_order(method, act_order, form) -> None:
                                         for s in (2, 3)]
     x = torch.randn(2, 48, generator=torch.Generator().manual_seed(4))
     for rank in range(2):
-        with int4_linears(GPTQ_ACT if method == "gptq" else AWQ):
+        with int4_linears(CONFIGS[method]):
             layer = MergedColumnParallelLinear(48, [32, 32], tp_rank=rank, tp_size=2)
         _load(layer, gate, 0)
         _load(layer, up, 1)
@@ -84,6 +94,28 @@ def test_merged_pieces_share_the_input_order(method, act_order, form) -> None:
         _check(layer, x, want)
         if form == "packed":
             assert layer.int4 is not None and (layer.int4_perm is not None) == act_order
+
+
+def test_act_order_ranks_holding_whole_groups_stay_packed(monkeypatch) -> None:
+    """Act-order whose groups each fall on one rank (each rank's features a permutation of
+    whole groups): the ranks keep their own groups' scales and stay int4."""
+    monkeypatch.setattr(int4_linear, "PACKED_ON_CPU", True)
+    gen = torch.Generator().manual_seed(11)
+    g_idx = torch.cat([torch.randperm(32, generator=gen) // 16,
+                       torch.randperm(32, generator=gen) // 16 + 2])
+    w = torch.randn(24, 64, generator=gen) * 0.1
+    codes, scales, zeros = fake_quantize(w, g_idx, 4, symmetric=True)
+    tensors = gptq_tensors(codes, scales, zeros, g_idx)
+    tensors.pop("bias")
+    dense = dequantized(codes, scales, zeros, g_idx)
+    x = torch.randn(3, 64, generator=gen)
+    for rank in range(2):
+        with int4_linears(GPTQ_ACT):
+            layer = RowParallelLinear(64, 24, tp_rank=rank, tp_size=2, reduce_results=False)
+        _load(layer, tensors)
+        part = slice(rank * 32, rank * 32 + 32)
+        _check(layer, x[:, part], x[:, part] @ dense[:, part].t())
+        assert layer.int4 is not None and layer.int4_scales.shape == (24, 2)
 
 
 def test_pieces_quantised_in_different_orders_are_refused() -> None:
@@ -115,3 +147,23 @@ def test_qkv_with_replicated_kv_heads(form) -> None:
 def test_splits_that_cut_groups_are_refused() -> None:
     with int4_linears(AWQ), pytest.raises(ValueError, match="splits groups"):
         RowParallelLinear(48, 16, tp_rank=0, tp_size=2)  # 24 features a rank, groups of 16
+
+
+def test_the_decode_mlp_kernel_steps_aside_for_int4_layers(monkeypatch) -> None:
+    """GatedMLP's one-launch decode MLP reads bf16 weights: with int4 layers (packed form, as
+    on a GPU) its check must not touch them, and the MLP runs its products."""
+    from radixserve.models import blocks
+    monkeypatch.setattr(int4_linear, "PACKED_ON_CPU", True)
+    monkeypatch.setattr(blocks, "one_row_kernels_apply", lambda rows: True)
+    with int4_linears(AWQ):
+        mlp = blocks.GatedMLP(48, 32)
+    (gate, gate_w, _), (up, up_w, _) = [_checkpoint(32, 48, "awq", False, s) for s in (2, 3)]
+    down, down_w, _ = _checkpoint(48, 32, "awq", False, 4)
+    _load(mlp.gate_up_proj, gate, 0)
+    _load(mlp.gate_up_proj, up, 1)
+    _load(mlp.down_proj, down)
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        layer.finish_loading()
+    x = torch.randn(2, 48, generator=torch.Generator().manual_seed(5))
+    want = (torch.nn.functional.silu(x @ gate_w.t()) * (x @ up_w.t())) @ down_w.t()
+    torch.testing.assert_close(mlp(x), want, atol=1e-4, rtol=1e-4)

@@ -143,10 +143,22 @@ def test_the_quantization_flag_names_the_checkpoints_method(tmp_path) -> None:
         int4_config({**qc, "bits": 8}, None)
     with pytest.raises(ValueError, match="version 'gemv'"):
         int4_config({"quant_method": "awq", "bits": 4, "version": "gemv"}, None)
+    with pytest.raises(ValueError, match="per-module overrides"):
+        int4_config({**qc, "dynamic": {"-:.*down_proj": {}}}, None)
     from radixserve.layers.quantization.fp8 import fp8_config
     with pytest.raises(ValueError, match="cannot requantise an int4 checkpoint"):
         fp8_config(qc, "fp8")
     assert fp8_config(qc, None) is None
+    # compressed-tensors names an FP8 checkpoint's method too
+    from tests.loader.test_fp8_checkpoints import _quant_config
+    assert int4_config(_quant_config("channel"), "compressed-tensors") is None
+    assert fp8_config(_quant_config("channel"), "compressed-tensors").block is None
+    # older llm-compressor spellings of group act-order
+    from tests.models.int4_checkpoints import quant_config
+    for spelling in ("dynamic", True):
+        ct = quant_config("compressed-tensors", 32, True, True)
+        ct["config_groups"]["group_0"]["weights"]["actorder"] = spelling
+        assert int4_config(ct, None).act_order
 
 
 def test_int4_moe_and_hybrid_checkpoints_are_refused(tmp_path) -> None:

@@ -47,6 +47,7 @@ class Int4Config:
     zeros_minus_one: bool = False  # GPTQ's original format stores z - 1
     skipped: tuple[str, ...] = ()  # checkpoint modules left unquantised (see skipped.py)
     source: str = ""  # for the log
+    dummy: bool = False  # --quantization on dummy weights: no checkpoint tensors to expect
 
     @property
     def names(self) -> dict[str, str]:
@@ -90,10 +91,12 @@ def int4_config(quantization_config: dict[str, Any] | None, flag: str | None,
     setting (groups of 128; AWQ asymmetric, GPTQ symmetric) for shape-only runs."""
     wanted = INT4_FLAGS.get(flag or "")
     if not is_int4_checkpoint(quantization_config):
-        if wanted is None:
+        method = (quantization_config or {}).get("quant_method")
+        if wanted is None or wanted == method:  # compressed-tensors FP8: fp8.py's
             return None
         if dummy and not quantization_config:
             return Int4Config(method=wanted, group_size=128, symmetric=wanted != "awq",
+                              dummy=True,
                               source=f"--quantization {flag} on dummy weights (groups of 128)")
         raise ValueError(f"--quantization {flag} needs a checkpoint quantised that way; this "
                          "one is not")
@@ -141,6 +144,11 @@ def _gptq_config(raw: dict[str, Any]) -> Int4Config:
     fmt = str(raw.get("checkpoint_format", "gptq")).lower()
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
+    if raw.get("dynamic"):
+        raise ValueError("GPTQ checkpoints with per-module overrides (GPTQModel's `dynamic`) "
+                         "are not supported")
+    if str(raw.get("pack_dtype", "int32")).replace("torch.", "") != "int32":
+        raise ValueError(f"GPTQ pack_dtype {raw['pack_dtype']!r} is not supported (int32)")
     group = int(raw.get("group_size", 128))
     act_order = bool(raw.get("desc_act", False))
     sym = bool(raw.get("sym", True))

@@ -86,7 +86,7 @@ def add_int4_params(layer: "LinearBase", config: Int4Config) -> None:
     if config.method == "compressed-tensors":
         layer.weight_shape = _param((2,), torch.int64, functools.partial(check_shape, layer),
                                     optional=True)
-    if config.method == "gptq" and layer.bias is None:
+    if config.method == "gptq" and layer.bias is None and not config.dummy:
         # AutoGPTQ saves a bias for every layer, zeros where the model has none
         layer.bias = _param((n,), None, layer.weight_loader, optional=True)
         layer.int4_bias_from_checkpoint = True
@@ -143,28 +143,24 @@ def _scales_param(layer: "LinearBase") -> nn.Parameter:
 
 
 def _column_groups(layer: "LinearBase", g_idx: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
-    """Each of this rank's input features' column in the scales, and whether the features
-    arrived out of group order (act-order)."""
+    """Each of this rank's input features' column in the scales as loaded (this rank's groups,
+    or every group where the rank keeps them all), and whether the features arrived out of
+    group order (act-order)."""
     k_rank, group = layer.input_size, layer.int4_group
-    config = layer.int4
-    assert config is not None
     device = _scales_param(layer).device
     groups = _scales_param(layer).shape[1]
     offset = layer.tp_rank * k_rank if layer.input_is_split else 0
     in_order = (torch.arange(k_rank, device=device) + offset) // group
     if groups == 1:
         return torch.zeros(k_rank, dtype=torch.long, device=device), False
-    if g_idx is None or torch.equal(g_idx.long(), in_order):
-        local = in_order - (0 if getattr(_scales_param(layer), "whole_columns", False)
-                            else offset // group)
-        return local, False
-    if not getattr(_scales_param(layer), "whole_columns", False):
-        local = g_idx.long() - offset // group
-        if local.min() < 0 or local.max() >= groups:
+    whole = getattr(_scales_param(layer), "whole_columns", False)
+    columns = in_order if g_idx is None else g_idx.long()
+    if not whole:  # this rank's groups only
+        columns = columns - offset // group
+        if columns.min() < 0 or columns.max() >= groups:
             raise ValueError("g_idx names groups outside this rank's input features; the "
                              "checkpoint's config does not declare act-order (desc_act)")
-        return local, True
-    return g_idx.long(), True
+    return columns, g_idx is not None and not torch.equal(g_idx.long(), in_order)
 
 
 def finish_int4_loading(layer: "LinearBase") -> None:
@@ -192,9 +188,19 @@ def finish_int4_loading(layer: "LinearBase") -> None:
             delattr(layer, names[name])
     if hasattr(layer, "weight_shape"):
         del layer.weight_shape
-    contiguous = bool(torch.equal(columns.sort().values,
-                                  torch.arange(codes.shape[1], device=columns.device)
-                                  // layer.int4_group)) or scales.shape[1] == 1
+    contiguous = scales.shape[1] == 1
+    if not contiguous:  # each group's features all here, groups in a row: the packed product's
+        first = int(columns.min())
+        span = codes.shape[1] // layer.int4_group
+        contiguous = bool(torch.equal(columns.sort().values - first,
+                                      torch.arange(codes.shape[1], device=columns.device)
+                                      // layer.int4_group))
+        if contiguous:  # a rank keeping every group's scale uses its own groups' only
+            columns = columns - first
+            scales = scales[:, first:first + span].contiguous()
+            zeros = None if zeros is None else zeros[:, first:first + span].contiguous()
+    if not contiguous and not (codes.device.type == "cpu" and not PACKED_ON_CPU):
+        _warn_dense_once()
     if (codes.device.type == "cpu" and not PACKED_ON_CPU) or \
             getattr(layer, "weight_read_directly", False) or not contiguous:
         _make_dense(layer, dequantize_int4(codes, scales, zeros, columns, scales.dtype))
@@ -208,6 +214,18 @@ def finish_int4_loading(layer: "LinearBase") -> None:
     layer.int4_zeros = None if zeros is None else _runtime(zeros.contiguous())
     layer.int4_perm = None if perm is None else _runtime(perm.to(torch.int64))
     layer.int4_group_k = codes.shape[1] if scales.shape[1] == 1 else layer.int4_group
+
+
+_WARNED: list[bool] = []
+
+
+def _warn_dense_once() -> None:
+    if not _WARNED:
+        _WARNED.append(True)
+        logger.warning("int4 act-order layers whose input features are split over ranks hold "
+                       "features of every group on each rank: they are dequantised to the "
+                       "compute dtype (4x their int4 memory); --tp-size 1, or a checkpoint "
+                       "without desc_act, keeps them int4")
 
 
 def _runtime(tensor: torch.Tensor) -> nn.Parameter:
