@@ -208,6 +208,38 @@ def test_fused_experts_with_fp8_weights_match_the_dequantised_experts(block, moe
     torch.testing.assert_close(got.cpu(), ref, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("num_tokens,zeros,dtype", [(3, True, torch.float32),
+                                                    (40, False, torch.float16),
+                                                    (300, True, torch.float32)])
+def test_fused_experts_with_int4_weights_match_the_dequantised_experts(num_tokens, zeros,
+                                                                       dtype) -> None:
+    """Packed int4 stacks (groups of 16, zero points or 8) through the grouped GEMMs."""
+    from radixserve.layers.moe.int4_experts import Int4ExpertStacks
+    from radixserve.layers.quantization.int4 import dequantize_int4, pack_int32
+    x, w13, w2, weights, ids = _problem(num_tokens, 4, 2, 32, 48, dtype, seed=6)
+    gen = torch.Generator().manual_seed(8)
+
+    def stack(e: int, n: int, k: int):
+        codes = torch.randint(0, 16, (e, n, k), generator=gen, dtype=torch.uint8)
+        scales = (torch.rand(e, n, k // 16, generator=gen) * 0.02 + 0.005).to(dtype)
+        z = torch.randint(0, 16, (e, n, k // 16), generator=gen, dtype=torch.uint8) \
+            if zeros else None
+        dense = torch.stack([dequantize_int4(codes[i], scales[i], None if z is None else z[i],
+                                             torch.arange(k) // 16, torch.float32)
+                             for i in range(e)])
+        packed = pack_int32(codes.reshape(e * n, k)).view(e, n, k // 8)
+        return packed, scales, z, dense
+
+    q13, s13, z13, d13 = stack(4, 96, 32)
+    q2, s2, z2, d2 = stack(4, 32, 48)
+    on = (lambda t: None if t is None else t.to(DEVICE))
+    got = fused_experts(x, q13.to(DEVICE), q2.to(DEVICE), weights, ids,
+                        int4=Int4ExpertStacks(on(s13), on(z13), on(s2), on(z2), 16, 16)).float()
+    ref = fused_experts_reference(x.cpu().float(), d13, d2, weights.cpu(), ids.cpu())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.cpu(), ref, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("kind,num_experts", [("softmax", 64), ("sigmoid", 72),
                                               ("sigmoid", 384)])
 def test_router_kernels_keep_ids_in_range_on_nan_logits(kind: str, num_experts: int) -> None:

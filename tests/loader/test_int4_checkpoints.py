@@ -161,14 +161,31 @@ def test_the_quantization_flag_names_the_checkpoints_method(tmp_path) -> None:
         assert int4_config(ct, None).act_order
 
 
-def test_int4_moe_and_hybrid_checkpoints_are_refused(tmp_path) -> None:
-    from tests.models.tiny_checkpoints import make_checkpoint
+@pytest.mark.parametrize("method,symmetric,model", [
+    ("awq", False, "mixtral_moe"), ("gptq", True, "qwen3_moe"),
+    ("compressed-tensors", False, "qwen2_moe_shared")])
+@pytest.mark.parametrize("form", ["dense", "packed"])
+def test_int4_experts_match_their_dequantised_twin(method, symmetric, model, form, tmp_path,
+                                                   monkeypatch) -> None:
+    """Routed experts (and Qwen2-MoE's shared expert) from int4 checkpoints; "packed": the
+    GPU's stacks through the reference expert loop."""
+    monkeypatch.setattr(int4_linear, "PACKED_ON_CPU", form == "packed")
+    folder, twin = write_int4_pair(tmp_path, method, model, group=16, symmetric=symmetric)
+    _assert_twins(folder, twin)
+
+
+def test_int4_checkpoints_the_kernels_cannot_serve_are_refused(tmp_path) -> None:
+    folder, _ = write_int4_pair(tmp_path, "gptq", "qwen3_moe", group=16, symmetric=True,
+                                act_order=True)
+    with pytest.raises(ValueError, match="act-order .* experts are not supported"):
+        _logits(folder)
     from radixserve.config import ServerArgs
     from radixserve.executor.model_runner import ModelRunner
-    make_checkpoint("mixtral_moe", tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="mixture-of-experts models are not supported yet"):
-        ModelRunner(ServerArgs(model_path=str(tmp_path), dtype="float32", device="cpu",
-                               max_total_tokens=256, max_running_requests=2))
+    from tests.models.tiny_checkpoints import make_checkpoint
+    make_checkpoint("qwen3_next_hybrid", tmp_path / "hybrid")
+    config = json.loads((tmp_path / "hybrid" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 8}
+    (tmp_path / "hybrid" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="hybrid recurrent models are not supported yet"):
+        ModelRunner(ServerArgs(model_path=str(tmp_path / "hybrid"), dtype="float32",
+                               device="cpu", max_total_tokens=256, max_running_requests=2))

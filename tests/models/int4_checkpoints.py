@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.models.tiny_checkpoints import make_checkpoint
 
-DENSE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DENSE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                 "w1", "w2", "w3")  # the last three: Mixtral's experts
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
@@ -128,6 +129,7 @@ def write_int4_pair(root: Path, method: str, model: str = "llama_gqa_llama3_rope
             continue
         w = t.float()
         k = w.shape[1]
+        assert k % group == 0, f"{name}: {k} input features, groups of {group}"
         if act_order:  # q|k|v share their input's order, as do gate|up
             reader = "attn_in" if parts[-2] in ("q_proj", "k_proj", "v_proj") else \
                 "mlp_in" if parts[-2] in ("gate_proj", "up_proj") else parts[-2]

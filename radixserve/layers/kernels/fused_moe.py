@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import torch
@@ -32,10 +33,14 @@ import triton.language as tl
 
 from radixserve.layers.activation import clamped_swiglu, relu_squared
 from radixserve.layers.kernels import board_tables
+from radixserve.layers.kernels.int4_gemm import _unpacked_tile
 from radixserve.layers.kernels.moe_align import (ALIGN_KERNEL_MAX_PAIRS,
                                                  moe_align_block_size_triton)
 from radixserve.layers.kernels.moe_gemv import moe_gemv_configs, moe_gemv_experts
 from radixserve.layers.kernels.silu_and_mul import silu_and_mul
+
+if TYPE_CHECKING:
+    from radixserve.layers.moe.int4_experts import Int4ExpertStacks
 
 CONFIG_DIR = Path(__file__).parent / "moe_configs"  # per board: kernels/board_tables.py
 
@@ -43,14 +48,19 @@ CONFIG_DIR = Path(__file__).parent / "moe_configs"  # per board: kernels/board_t
 @triton.jit
 def _fused_moe_kernel(
     A, B, C, Topk_weights, Sorted_token_ids, Expert_ids, Num_tokens_post_padded, B_scale,
-    Bias, N, K, num_valid_tokens,
+    Bias, Zeros, N, K, num_valid_tokens,
     stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn, stride_bias_e,
+    stride_ze, num_groups,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, TOP_K: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8_W: tl.constexpr, GROUPED: tl.constexpr,
-    GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr, INT4_W: tl.constexpr = False,
+    HAS_ZEROS: tl.constexpr = False,
 ):
-    """HAS_BIAS: each expert's bias row [N] is added before the routing weight multiplies."""
+    """HAS_BIAS: each expert's bias row [N] is added before the routing weight multiplies.
+    INT4_W: B is int4 codes in int32 words [E, N, K / 8] with scales (and zero points, where
+    HAS_ZEROS) [E, N, num_groups] over GROUP_K features, unpacked per tile in registers
+    (int4_gemm._unpacked_tile); K is then a multiple of BLOCK_K, which divides GROUP_K."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(tl.num_programs(0), tl.cdiv(N, BLOCK_N))
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -77,7 +87,13 @@ def _fused_moe_kernel(
     for k_start in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k_start
         a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        if INT4_W:
+            b = _unpacked_tile(B + expert * stride_be, B_scale + expert * stride_se,
+                               Zeros + expert * stride_ze, offs_bn, offs_bn < N, k_start,
+                               K // 8, num_groups, GROUP_K, HAS_ZEROS, BLOCK_K,
+                               BLOCK_N).to(a.dtype)
+        else:
+            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
         if FP8_W:  # FP8 codes, exact in a's dtype; scales per row (and per K group)
             b = b.to(a.dtype)
         if GROUPED:
@@ -148,11 +164,13 @@ def invoke_moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
                     topk_weights: torch.Tensor, aligned: tuple[torch.Tensor, ...],
                     top_k: int, mul_routed_weight: bool, config: dict[str, int],
                     w_scale: torch.Tensor | None = None, group_k: int | None = None,
-                    bias: torch.Tensor | None = None) -> None:
+                    bias: torch.Tensor | None = None,
+                    int4: tuple[torch.Tensor, torch.Tensor | None, int] | None = None) -> None:
     """out[pair] = a[pair // top_k] @ w[expert(pair)].T (+ bias[expert(pair)]) (x the pair's
-    weight). FP8 w: codes with w_scale [E, N, G] (G = 1, or one per group_k columns of K)."""
+    weight). FP8 w: codes with w_scale [E, N, G] (G = 1, or one per group_k columns of K).
+    int4 = (scales [E, N, G], zeros [E, N, G] or None, group_k): w is int4 words [E, N, K / 8]."""
     sorted_ids, expert_ids, num_post_padded = aligned
-    n, k = w.shape[1], w.shape[2]
+    n, k = w.shape[1], w.shape[2] * (8 if int4 is not None else 1)
     assert a.stride(1) == 1 and w.stride(2) == 1 and out.stride(1) == 1
     block_m, num_pairs, num_experts = config["BLOCK_M"], topk_weights.numel(), w.shape[0]
     # padded runs fill at most cdiv(pairs, BLOCK_M) blocks plus one partial block per expert
@@ -162,19 +180,28 @@ def invoke_moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
     grid = (blocks_m * triton.cdiv(n, config["BLOCK_N"]),)
     grouped = w_scale is not None and w_scale.shape[2] > 1
     block_k = min(config["BLOCK_K"], group_k) if grouped and group_k else config["BLOCK_K"]
+    zeros = None
+    if int4 is not None:
+        w_scale, zeros, group_k = int4
+        block_k = max(b for b in (128, 64, 32, 16)
+                      if b <= max(config["BLOCK_K"], 16) and k % b == 0 and group_k % b == 0)
     scale = w_scale if w_scale is not None else topk_weights
     _fused_moe_kernel[grid](
         a, w, out, topk_weights, sorted_ids, expert_ids, num_post_padded, scale,
-        bias if bias is not None else topk_weights,
+        bias if bias is not None else topk_weights, zeros if zeros is not None else scale,
         n, k, topk_weights.numel(), a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         scale.stride(0) if w_scale is not None else 0,
         scale.stride(1) if w_scale is not None else 0,
         bias.stride(0) if bias is not None else 0,
+        zeros.stride(0) if zeros is not None else 0,
+        w_scale.shape[2] if int4 is not None else 1,
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=block_k,
         GROUP_M=config["GROUP_M"], TOP_K=top_k, MUL_ROUTED_WEIGHT=mul_routed_weight,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        FP8_W=w_scale is not None, GROUPED=grouped, GROUP_K=group_k or k,
-        HAS_BIAS=bias is not None, num_warps=config["num_warps"], num_stages=config["num_stages"],
+        FP8_W=w_scale is not None and int4 is None, GROUPED=grouped and int4 is None,
+        GROUP_K=group_k or k, HAS_BIAS=bias is not None, INT4_W=int4 is not None,
+        HAS_ZEROS=zeros is not None, num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
     )
 
 
@@ -183,28 +210,32 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   fp8_scales: tuple[torch.Tensor, torch.Tensor, int | None] | None = None,
                   biases: tuple[torch.Tensor, torch.Tensor] | None = None,
                   swiglu: tuple[float, float] | None = None,
-                  activation: str | None = None) -> torch.Tensor:
+                  activation: str | None = None,
+                  int4: "Int4ExpertStacks | None" = None) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H]: sum over each
     token's k experts of weight * down(silu(gate) * up). FP8 experts: fp8_scales = (w13 scales
     [E, 2I, G1], w2 scales [E, H, G2], block or None). gpt-oss: biases (gate|up [E, 2I],
     down [E, H]) added in the products' epilogues, and swiglu = (alpha, limit) of the clamped
     SwiGLU (layers/activation.clamped_swiglu) instead of SiLU-mul. Ungated experts
     (Nemotron-H, activation "relu2"): w13 [E, I, H] the up projection alone and ReLU squared
-    between the products."""
+    between the products. int4 experts: w13 / w2 int4 words [E, 2I, H / 8] / [E, H, I / 8],
+    `int4` their scales, zero points and groups (moe/int4_experts.py)."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden_size = w13.shape
+    hidden_size = hidden.shape[1]  # int4 stacks hold K / 8 words
     if num_tokens == 0:
         return torch.zeros_like(hidden)
     if activation not in (None, "relu2"):
         raise ValueError(f"fused experts' activation {activation!r} is not supported")
     ungated = activation == "relu2"
-    gemv = moe_gemv_configs(num_tokens, top_k, w13, w2,
-                            fp8_scales[2] if fp8_scales is not None else None, ungated)
+    gemv = None if int4 is not None else moe_gemv_configs(
+        num_tokens, top_k, w13, w2, fp8_scales[2] if fp8_scales is not None else None, ungated)
     if gemv is not None:  # a few decode tokens: two GEMVs, no alignment (moe_gemv.py)
         return moe_gemv_experts(hidden, w13, w2, topk_weights, topk_ids, gemv, fp8_scales,
                                 biases, swiglu, ungated)
     config1 = moe_kernel_config(num_tokens, num_experts, two_i, hidden_size)
-    config2 = moe_kernel_config(num_tokens, num_experts, hidden_size, w2.shape[2])
+    intermediate = w2.shape[2] * (8 if int4 is not None else 1)
+    config2 = moe_kernel_config(num_tokens, num_experts, hidden_size, intermediate)
     weights = topk_weights.reshape(-1).to(torch.float32)
     align = moe_align_block_size_triton if num_tokens * top_k <= ALIGN_KERNEL_MAX_PAIRS \
         else moe_align_block_size
@@ -212,8 +243,10 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     gate_up = torch.empty(num_tokens * top_k, two_i, dtype=hidden.dtype, device=hidden.device)
     s13, s2, block = fp8_scales if fp8_scales is not None else (None, None, None)
     b13, b2 = biases if biases is not None else (None, None)
+    int4_13 = (int4.w13_scales, int4.w13_zeros, int4.w13_group_k) if int4 is not None else None
+    int4_2 = (int4.w2_scales, int4.w2_zeros, int4.w2_group_k) if int4 is not None else None
     invoke_moe_gemm(hidden, w13, gate_up, weights, aligned, top_k, False, config1, s13, block,
-                    b13)
+                    b13, int4_13)
     if ungated:
         act = relu_squared(gate_up)
     else:
@@ -222,7 +255,7 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         aligned = align(topk_ids, config2["BLOCK_M"], num_experts)
     down = torch.empty(num_tokens * top_k, hidden_size, dtype=hidden.dtype,
                        device=hidden.device)
-    invoke_moe_gemm(act, w2, down, weights, aligned, 1, True, config2, s2, block, b2)
+    invoke_moe_gemm(act, w2, down, weights, aligned, 1, True, config2, s2, block, b2, int4_2)
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
 
 

@@ -25,16 +25,23 @@ from torch import nn
 
 from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.activation import gated_activation
+from radixserve.layers.moe.int4_experts import (add_int4_expert_params, finish_int4_experts,
+                                                int4_expert_weights, int4_stacks)
 from radixserve.layers.moe.router import TopK
 from radixserve.layers.quantization.fp8 import (FP8_DTYPE, current_fp8_config,
                                                 dequantize_weight, expand_scale,
                                                 quantize_per_channel, rank_block_columns,
                                                 rank_group_k, row_amax)
+from radixserve.layers.quantization.int4 import current_int4_config
 
 # checkpoint piece names -> our piece ids (gate = w1, up = w3, down = w2, as Mixtral names them)
 _PIECES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2",
            "w1": "w1", "w3": "w3", "w2": "w2"}
-_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale)$")
+# a leaf "weight" / "weight_scale" names the w13_weight / w2_weight stacks and their FP8
+# scales; int4 checkpoints' leaves (AWQ / GPTQ, compressed-tensors) name int4_experts.py's
+_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale|qweight|qzeros"
+                          r"|scales|g_idx|weight_packed|weight_zero_point|weight_shape"
+                          r"|weight_g_idx|bias)$")
 
 
 def expert_weight_target(name: str) -> tuple[str, tuple[int | str, str]] | None:
@@ -54,9 +61,8 @@ def expert_weight_target(name: str) -> tuple[str, tuple[int | str, str]] | None:
     if found is None or found.group(3) not in _PIECES:
         return None
     prefix, expert, piece = found.group(1), int(found.group(2)), _PIECES[found.group(3)]
-    param = "w2_weight" if piece == "w2" else "w13_weight"
-    suffix = "_scale" if found.group(4) == "weight_scale" else ""
-    return f"{prefix}.{param}{suffix}", (expert, piece)
+    stack = "w2" if piece == "w2" else "w13"
+    return f"{prefix}.{stack}_{found.group(4)}", (expert, piece)
 
 
 class FusedMoE(nn.Module):
@@ -74,17 +80,21 @@ class FusedMoE(nn.Module):
         self.intermediate_size = intermediate_size // self.tp_size  # this rank's
         size = self.intermediate_size
         self.fp8 = current_fp8_config()
+        self.int4 = current_int4_config()  # int4_experts.py: packed stacks, no w13_weight
         self._w2_row_amax: dict[int, torch.Tensor] = {}  # --quantization fp8 at tp > 1
         dtype = FP8_DTYPE if self.fp8 is not None and not self.fp8.online else None
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size,
-                                                   dtype=dtype), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, size, dtype=dtype),
-                                      requires_grad=False)
-        for param, pieces in ((self.w13_weight, ("w1", "w3")), (self.w2_weight, ("w2",))):
-            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-            param.expected_shards = {(e, p) for e in range(num_experts)  # type: ignore
-                                     for p in pieces}
-            param.keep_dtype = dtype is not None  # type: ignore[attr-defined]
+        if self.int4 is not None:
+            add_int4_expert_params(self, self.int4)
+        else:
+            self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size,
+                                                       dtype=dtype), requires_grad=False)
+            self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, size,
+                                                      dtype=dtype), requires_grad=False)
+            for param, pieces in ((self.w13_weight, ("w1", "w3")), (self.w2_weight, ("w2",))):
+                param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+                param.expected_shards = {(e, p) for e in range(num_experts)  # type: ignore
+                                         for p in pieces}
+                param.keep_dtype = dtype is not None  # type: ignore[attr-defined]
         if self.fp8 is not None:
             self._add_fp8_scales(size)
         self.activation = activation
@@ -160,7 +170,9 @@ class FusedMoE(nn.Module):
             target.copy_(expanded.narrow(0, rank * size, size))
 
     def finish_loading(self) -> None:
-        """--quantization fp8: each expert's weights become FP8 codes with per-row scales."""
+        """--quantization fp8: each expert's weights become FP8 codes with per-row scales; int4
+        stacks are packed (or dequantised on the CPU)."""
+        finish_int4_experts(self)
         if self.fp8 is None or not self.fp8.online:
             return
         for name in ("w13_weight", "w2_weight"):
@@ -176,6 +188,8 @@ class FusedMoE(nn.Module):
 
     def _expert_weights(self, expert: int, dtype: torch.dtype
                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.int4 is not None:
+            return int4_expert_weights(self, expert, dtype)
         if self.fp8 is None:
             return self.w13_weight[expert], self.w2_weight[expert]
         block = self.group_k
@@ -243,7 +257,8 @@ class FusedMoE(nn.Module):
             return None
         scales = (self.w13_weight_scale, self.w2_weight_scale, self.group_k) \
             if self.fp8 is not None else None
-        return {"fp8_scales": scales, "biases": self.biases, "swiglu": swiglu}
+        int4 = int4_stacks(self) if self.int4 is not None else None
+        return {"fp8_scales": scales, "biases": self.biases, "swiglu": swiglu, "int4": int4}
 
     def forward(self, hidden: torch.Tensor, topk: TopK) -> torch.Tensor:
         options = self.fused_options() if hidden.is_cuda else None
@@ -253,8 +268,10 @@ class FusedMoE(nn.Module):
             except ImportError:
                 pass
             else:
-                return fused_experts(hidden, self.w13_weight, self.w2_weight, topk.weights,
-                                     topk.ids, **options)  # type: ignore[arg-type]
+                w13, w2 = (self.w13_int4_qweight, self.w2_int4_qweight) \
+                    if self.int4 is not None else (self.w13_weight, self.w2_weight)
+                return fused_experts(hidden, w13, w2, topk.weights, topk.ids,
+                                     **options)  # type: ignore[arg-type]
         return self.forward_native(hidden, topk)
 
     def forward_native(self, hidden: torch.Tensor, topk: TopK) -> torch.Tensor:
