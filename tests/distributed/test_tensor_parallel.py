@@ -109,15 +109,16 @@ def test_fp8_blocks_split_inside_a_block_at_tp2(name: str, tmp_path) -> None:
     assert one["ids"] == _run(str(twin_folder), 1, prompts)["ids"]
 
 
-@pytest.mark.parametrize("method,act_order", [("gptq", True),
-                                               pytest.param("awq", False,
-                                                            marks=pytest.mark.slow)])
-def test_int4_checkpoints_at_tp2(method: str, act_order: bool, tmp_path) -> None:
-    """Groups of 16: at tp 2 the down projection's 48 input features a rank are 3 groups.
-    GPTQ act-order: the row-parallel ranks hold features of every group (dequantised after
-    loading), the column-parallel ones permute their input."""
-    folder, twin = write_int4_pair(tmp_path, method, group=16, symmetric=method == "gptq",
-                                   act_order=act_order)
+@pytest.mark.parametrize("method,act_order,model", [
+    ("gptq", True, "llama_gqa_llama3_rope"),
+    pytest.param("awq", False, "llama_gqa_llama3_rope", marks=pytest.mark.slow),
+    pytest.param("compressed-tensors", False, "qwen3_moe", marks=pytest.mark.slow)])
+def test_int4_checkpoints_at_tp2(method: str, act_order: bool, model: str, tmp_path) -> None:
+    """Groups of 16: at tp 2 the down projection's 48 input features a rank are 3 groups (an
+    expert's 32: one each). GPTQ act-order: the row-parallel ranks hold features of every
+    group (dequantised after loading), the column-parallel ones permute their input."""
+    folder, twin = write_int4_pair(tmp_path, method, model, group=16,
+                                   symmetric=method == "gptq", act_order=act_order)
     prompts = _prompts(160)
     one = _run(str(folder), 1, prompts)
     _assert_same_outputs(_run(str(folder), 2, prompts), one)
