@@ -6,8 +6,8 @@ their natural scale instead of shrinking them 1000x per norm, so runs stay numer
 (finite logits, no underflow) for any depth. Buffers (rotary tables, ...) are left alone.
 
 FP8 weights (`--load-format dummy` of an FP8 checkpoint) get codes over the FP8 range and
-scales of weight_range / 448, so their values fall in the same range. Int4 codes and zero
-points (uint8 while loading) are drawn from 0..15.
+scales of weight_range / 448, so their values fall in the same range. Int4 zero points are
+drawn from 0..15 and int4 codes as whole int32 words.
 
 Reproducible: each parameter draws from its own generator seeded from (seed, parameter name), so
 the values do not depend on parameter order; they do depend on the device type (CPU and CUDA
@@ -36,10 +36,14 @@ def init_dummy_weights(model: torch.nn.Module, seed: int,
                        weight_range: float = DUMMY_WEIGHT_RANGE) -> None:
     """Fill every floating-point parameter of `model` in place (see module docstring)."""
     for name, param in model.named_parameters():
-        if param.dtype == torch.uint8:  # int4 codes and zero points, unpacked while loading
+        if param.dtype == torch.uint8 or name.endswith(("qweight", "weight_packed")):
+            # int4 zero points (uint8, 0..15) and codes (int32 words of eight)
             generator = torch.Generator(device=param.device)
             generator.manual_seed(_param_seed(seed, name))
-            param.random_(0, 16, generator=generator)
+            if param.dtype == torch.uint8:
+                param.random_(0, 16, generator=generator)
+            else:
+                param.random_(-2 ** 31, 2 ** 31, generator=generator)
             continue
         if not param.dtype.is_floating_point:
             continue

@@ -167,3 +167,11 @@ def test_the_decode_mlp_kernel_steps_aside_for_int4_layers(monkeypatch) -> None:
     x = torch.randn(2, 48, generator=torch.Generator().manual_seed(5))
     want = (torch.nn.functional.silu(x @ gate_w.t()) * (x @ up_w.t())) @ down_w.t()
     torch.testing.assert_close(mlp(x), want, atol=1e-4, rtol=1e-4)
+
+
+def test_codes_load_packed_so_loading_stays_within_the_int4_footprint() -> None:
+    """Before loading, a layer's codes are int32 words of eight (no unpacked staging copy)."""
+    with int4_linears(AWQ):
+        layer = RowParallelLinear(64, 24, tp_rank=1, tp_size=2)
+    assert layer.qweight.dtype == torch.int32 and layer.qweight.shape == (24, 4)
+    assert layer.scales.shape == (24, 2) and layer.qzeros.dtype == torch.uint8

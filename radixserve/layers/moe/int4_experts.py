@@ -2,12 +2,13 @@
 compressed-tensors checkpoints (layers/quantization/int4.py reads the formats).
 
 While loading, the stacks hold each expert's tensors in the layers' orientation under the
-checkpoint's names (`w13_qweight` codes uint8 [E, 2I / tp, H], `w13_scales` [E, 2I / tp, G],
+checkpoint's names (`w13_qweight` codes, already packed as int4.py's int32 words,
+[E, 2I / tp, H / 8], `w13_scales` [E, 2I / tp, G],
 `w13_qzeros` uint8 [E, 2I / tp, G], the same for w2 over [E, H, I / tp]; compressed-tensors'
 names for its checkpoints). A rank takes its rows of gate and up, and its input features of down
-with their groups, so a split must fall on group boundaries. `finish_int4_experts` packs the
-codes into int32 words ([E, N, K / 8], `w13_int4_qweight`), and drops zero points that are all
-8; on the CPU (unless RADIXSERVE_INT4_CPU=packed) it dequantises both stacks into FusedMoE's
+with their groups, so a split must fall on group boundaries. `finish_int4_experts` keeps the
+packed codes ([E, N, K / 8], `w13_int4_qweight`) and drops zero points that are all 8; on the
+CPU (unless RADIXSERVE_INT4_CPU=packed) it dequantises both stacks into FusedMoE's
 plain `w13_weight` / `w2_weight` instead. The fused Triton kernels take the packed stacks and
 unpack each tile in registers (kernels/fused_moe.py). Act-order experts (a permutation per
 expert) and experts stored all in one tensor are refused.
@@ -62,7 +63,8 @@ def add_int4_expert_params(moe: "FusedMoE", config: Int4Config) -> None:
         moe.int4_group_k[stack] = k_rank if config.group_size == -1 else group
         groups = k_rank // moe.int4_group_k[stack]
         pieces = ("w2",) if stack == "w2" else ("w1", "w3")
-        specs = [("codes", (rows, k_rank), torch.uint8), ("scales", (rows, groups), None)]
+        specs = [("codes", (rows, k_rank // PACK), torch.int32),
+                 ("scales", (rows, groups), None)]
         if not config.symmetric:
             specs.append(("zeros", (rows, groups), torch.uint8))
         for kind, shape, dtype in specs:
@@ -113,8 +115,8 @@ def load_int4_piece(moe: "FusedMoE", kind: str, param: nn.Parameter, loaded: tor
             raise ValueError(f"weight_shape {loaded.tolist()}, expected {[full_rows, k_full]}")
         return
     if kind == "codes":
-        rows = codes_to_rows(config, loaded)
-        columns = k_full
+        rows = pack_int32(codes_to_rows(config, loaded))
+        columns = k_full // PACK
     elif kind == "scales":
         rows = scales_to_rows(config, loaded)
         columns = k_full // group
@@ -145,7 +147,7 @@ def finish_int4_experts(moe: "FusedMoE") -> None:
     dense = next(iter(moe.parameters())).device.type == "cpu" and \
         not int4_linear.PACKED_ON_CPU
     for stack in ("w13", "w2"):
-        codes = getattr(moe, f"{stack}_{names['codes']}").data
+        packed = getattr(moe, f"{stack}_{names['codes']}").data
         scales = getattr(moe, f"{stack}_{names['scales']}").data
         zeros_param = getattr(moe, f"{stack}_{names['zeros']}", None)
         zeros = None if zeros_param is None else zeros_param.data
@@ -154,17 +156,16 @@ def finish_int4_experts(moe: "FusedMoE") -> None:
         for name in (*names.values(), "weight_shape", "bias"):
             if hasattr(moe, f"{stack}_{name}"):
                 delattr(moe, f"{stack}_{name}")
-        experts, rows, k = codes.shape
+        experts, k = packed.shape[0], packed.shape[2] * PACK
         group = moe.int4_group_k[stack]
         if dense:
-            columns = torch.arange(k, device=codes.device) // group
-            weight = torch.stack([dequantize_int4(codes[e], scales[e],
+            columns = torch.arange(k, device=packed.device) // group
+            weight = torch.stack([dequantize_int4(unpack_int32(packed[e]), scales[e],
                                                   None if zeros is None else zeros[e],
                                                   columns, scales.dtype)
                                   for e in range(experts)])
             setattr(moe, f"{stack}_weight", nn.Parameter(weight, requires_grad=False))
             continue
-        packed = pack_int32(codes.reshape(experts * rows, k)).view(experts, rows, k // PACK)
         setattr(moe, f"{stack}_int4_qweight", int4_linear._runtime(packed))
         setattr(moe, f"{stack}_int4_scales", nn.Parameter(scales, requires_grad=False))
         setattr(moe, f"{stack}_int4_zeros",

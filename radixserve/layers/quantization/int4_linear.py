@@ -3,10 +3,12 @@ step, and the product.
 
 While loading, a layer built under an int4 setting (int4.py) holds the checkpoint's tensors in
 the layers' orientation, under the checkpoint's own names so the generic loader finds them:
-codes uint8 [N, K] (unpacked), scales [N, G], zero points uint8 [N, G] (where the format has
-them), g_idx int32 [K] (act-order formats). Each tensor goes through the layer's own weight
-loader after being unpacked and turned, so tensor-parallel and merged-piece placement apply
-unchanged. `finish_int4_loading` then packs the codes into int32 words ([N, K / 8]) and keeps
+codes int32 words [N, K / 8] in the one layout (int4.py), scales [N, G], zero points uint8
+[N, G] (where the format has them), g_idx int32 [K] (act-order formats). Each tensor goes
+through the layer's own weight loader after being unpacked, turned and (codes) packed again, so
+tensor-parallel and merged-piece placement apply unchanged (a split of the input features takes
+whole words) and the codes never take more memory than their packed size (a 70B model loads
+within its int4 footprint). `finish_int4_loading` then keeps
 `int4_qweight`, `int4_scales`, `int4_zeros` (None when every zero point is 8) and `int4_perm`
 (the act-order permutation of the input features, or None).
 
@@ -70,7 +72,7 @@ def add_int4_params(layer: "LinearBase", config: Int4Config) -> None:
         groups = -(-k_full // group) if whole else k_rank // group
     names = config.names
     load = functools.partial(load_int4_tensor, layer)
-    setattr(layer, names["codes"], _param((n, k_rank), torch.uint8,
+    setattr(layer, names["codes"], _param((n, k_rank // PACK), torch.int32,
                                           functools.partial(load, "codes")))
     setattr(layer, names["scales"], _param((n, groups), None, functools.partial(load, "scales"),
                                            whole_columns=whole))
@@ -96,12 +98,12 @@ def add_int4_params(layer: "LinearBase", config: Int4Config) -> None:
 
 def load_int4_tensor(layer: "LinearBase", kind: str, param: nn.Parameter,
                      loaded: torch.Tensor, shard_id: object = None) -> None:
-    """A checkpoint's codes / scales / zeros, unpacked and turned to [rows, columns], then
-    placed by the layer's own loader."""
+    """A checkpoint's codes / scales / zeros, unpacked and turned to [rows, columns] (codes
+    packed again along the columns, in order), then placed by the layer's own loader."""
     config = layer.int4
     assert config is not None
     if kind == "codes":
-        rows = codes_to_rows(config, loaded)
+        rows = pack_int32(codes_to_rows(config, loaded))
     elif kind == "scales":
         rows = scales_to_rows(config, loaded)
     else:
@@ -169,7 +171,7 @@ def finish_int4_loading(layer: "LinearBase") -> None:
     if config is None:
         return
     names = config.names
-    codes = getattr(layer, names["codes"]).data
+    packed = getattr(layer, names["codes"]).data
     scales = _scales_param(layer).data
     zeros_param = getattr(layer, names["zeros"], None)
     zeros = None if zeros_param is None else zeros_param.data
@@ -188,32 +190,34 @@ def finish_int4_loading(layer: "LinearBase") -> None:
             delattr(layer, names[name])
     if hasattr(layer, "weight_shape"):
         del layer.weight_shape
+    k = packed.shape[1] * PACK
     contiguous = scales.shape[1] == 1
     if not contiguous:  # each group's features all here, groups in a row: the packed product's
         first = int(columns.min())
-        span = codes.shape[1] // layer.int4_group
+        span = k // layer.int4_group
         contiguous = bool(torch.equal(columns.sort().values - first,
-                                      torch.arange(codes.shape[1], device=columns.device)
+                                      torch.arange(k, device=columns.device)
                                       // layer.int4_group))
         if contiguous:  # a rank keeping every group's scale uses its own groups' only
             columns = columns - first
             scales = scales[:, first:first + span].contiguous()
             zeros = None if zeros is None else zeros[:, first:first + span].contiguous()
-    if not contiguous and not (codes.device.type == "cpu" and not PACKED_ON_CPU):
+    dense_on_cpu = packed.device.type == "cpu" and not PACKED_ON_CPU
+    if not contiguous and not dense_on_cpu:
         _warn_dense_once()
-    if (codes.device.type == "cpu" and not PACKED_ON_CPU) or \
-            getattr(layer, "weight_read_directly", False) or not contiguous:
-        _make_dense(layer, dequantize_int4(codes, scales, zeros, columns, scales.dtype))
+    if dense_on_cpu or getattr(layer, "weight_read_directly", False) or not contiguous:
+        _make_dense(layer, dequantize_int4(unpack_int32(packed), scales, zeros, columns,
+                                           scales.dtype))
         return
     perm = None
     if out_of_order:
         perm = torch.argsort(columns, stable=True)
-        codes = codes[:, perm]
-    layer.int4_qweight = _runtime(pack_int32(codes))
+        packed = pack_int32(unpack_int32(packed)[:, perm])
+    layer.int4_qweight = _runtime(packed)
     layer.int4_scales = nn.Parameter(scales, requires_grad=False)
     layer.int4_zeros = None if zeros is None else _runtime(zeros.contiguous())
     layer.int4_perm = None if perm is None else _runtime(perm.to(torch.int64))
-    layer.int4_group_k = codes.shape[1] if scales.shape[1] == 1 else layer.int4_group
+    layer.int4_group_k = k if scales.shape[1] == 1 else layer.int4_group
 
 
 _WARNED: list[bool] = []
