@@ -26,16 +26,16 @@ CONFIGS = {"awq": AWQ, "gptq": GPTQ_ACT, "compressed-tensors": CT}
 
 
 def _checkpoint(n: int, k: int, method: str, act_order: bool, seed: int,
-                order_seed: int | None = None):
+                order_seed: int | None = None, group: int = 16):
     """A layer's checkpoint tensors, dequantised weight and g_idx; act-order: the features'
     groups in an order drawn from order_seed (default: seed)."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) * 0.1
-    g_idx = torch.arange(k) // 16
+    g_idx = torch.arange(k) // group
     if act_order:
         order = torch.Generator().manual_seed(seed if order_seed is None else order_seed)
         g_idx = g_idx[torch.randperm(k, generator=order)]
-    codes, scales, zeros = fake_quantize(w, g_idx, k // 16, symmetric=method == "gptq")
+    codes, scales, zeros = fake_quantize(w, g_idx, k // group, symmetric=method == "gptq")
     if method == "gptq":
         tensors = gptq_tensors(codes, scales, zeros, g_idx)
     elif method == "awq":
@@ -144,8 +144,26 @@ def test_qkv_with_replicated_kv_heads(form) -> None:
         _check(layer, x, want)
 
 
-def test_splits_that_cut_groups_are_refused() -> None:
-    with int4_linears(AWQ), pytest.raises(ValueError, match="splits groups"):
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_ranks_splitting_groups_keep_finer_ones(method, form) -> None:
+    """Groups of 32 over 96 features at tp 2: 48 a rank, so each rank keeps groups of 16,
+    each with its checkpoint group's scale and zero point (GPTQ: its trivial g_idx too)."""
+    config = int4_config({"quant_method": method, "bits": 4, "group_size": 32,
+                          "desc_act": False, "sym": False}, None)
+    tensors, dense, _ = _checkpoint(24, 96, method, False, 3, group=32)
+    tensors.pop("bias", None)
+    x = torch.randn(2, 96, generator=torch.Generator().manual_seed(4))
+    for rank in range(2):
+        with int4_linears(config):
+            layer = RowParallelLinear(96, 24, tp_rank=rank, tp_size=2, reduce_results=False)
+        assert layer.int4_group == 16
+        _load(layer, tensors)
+        part = slice(rank * 48, rank * 48 + 48)
+        _check(layer, x[:, part], x[:, part] @ dense[:, part].t())
+
+
+def test_splits_that_cut_groups_too_fine_are_refused() -> None:
+    with int4_linears(AWQ), pytest.raises(ValueError, match="cuts the groups into pieces of 8"):
         RowParallelLinear(48, 16, tp_rank=0, tp_size=2)  # 24 features a rank, groups of 16
 
 
@@ -175,3 +193,41 @@ def test_codes_load_packed_so_loading_stays_within_the_int4_footprint() -> None:
         layer = RowParallelLinear(64, 24, tp_rank=1, tp_size=2)
     assert layer.qweight.dtype == torch.int32 and layer.qweight.shape == (24, 4)
     assert layer.scales.shape == (24, 2) and layer.qzeros.dtype == torch.uint8
+
+
+class _Group:
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+
+@pytest.mark.parametrize("method", ["awq", "compressed-tensors"])
+def test_expert_down_projections_split_inside_groups(method, form, monkeypatch) -> None:
+    """Experts of 96 intermediate features, groups of 32, at tp 2: each rank's down
+    projection keeps groups of 16; both stacks of each rank dequantise to its slice."""
+    from radixserve.layers.moe import experts as experts_module
+    config = int4_config({"quant_method": "awq", "bits": 4, "group_size": 32}, None) \
+        if method == "awq" else CT
+    group = 32 if method == "awq" else 16
+    hidden, inter, tp_size = 64, 96, 2
+    pieces = {"w1": _checkpoint(inter, hidden, method, False, 20, group=group),
+              "w3": _checkpoint(inter, hidden, method, False, 21, group=group),
+              "w2": _checkpoint(hidden, inter, method, False, 22, group=group)}
+    size = inter // tp_size
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(5))
+    for rank in range(tp_size):
+        monkeypatch.setattr(experts_module, "get_tp_group", lambda: _Group(rank, tp_size))
+        with int4_linears(config):
+            moe = experts_module.FusedMoE(1, hidden, inter)
+        for piece, (tensors, _, _) in pieces.items():
+            stack = "w2" if piece == "w2" else "w13"
+            for name, tensor in tensors.items():
+                if name == "weight_shape":
+                    continue
+                param = getattr(moe, f"{stack}_{name}")
+                param.weight_loader(param, tensor, (0, piece))
+        moe.finish_loading()
+        w13, w2 = moe._expert_weights(0, torch.float32)
+        rows = slice(rank * size, (rank + 1) * size)
+        want13 = torch.cat((pieces["w1"][1][rows], pieces["w3"][1][rows]))
+        torch.testing.assert_close(x @ w13.t(), x @ want13.t(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(w2, pieces["w2"][1][:, rows], atol=1e-6, rtol=1e-6)

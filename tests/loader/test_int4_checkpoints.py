@@ -174,6 +174,13 @@ def test_int4_experts_match_their_dequantised_twin(method, symmetric, model, for
     _assert_twins(folder, twin)
 
 
+def test_experts_left_unquantised_load_as_they_are(tmp_path) -> None:
+    """AWQ's modules_to_not_convert naming a layer's whole MoE block: plain expert stacks."""
+    folder, twin = write_int4_pair(tmp_path, "awq", "qwen3_moe", group=16,
+                                   skipped=("layers.1.mlp",))
+    _assert_twins(folder, twin)
+
+
 def test_int4_checkpoints_the_kernels_cannot_serve_are_refused(tmp_path) -> None:
     folder, _ = write_int4_pair(tmp_path, "gptq", "qwen3_moe", group=16, symmetric=True,
                                 act_order=True)
@@ -182,10 +189,17 @@ def test_int4_checkpoints_the_kernels_cannot_serve_are_refused(tmp_path) -> None
     from radixserve.config import ServerArgs
     from radixserve.executor.model_runner import ModelRunner
     from tests.models.tiny_checkpoints import make_checkpoint
-    make_checkpoint("qwen3_next_hybrid", tmp_path / "hybrid")
+    make_checkpoint("qwen3_5_dense", tmp_path / "hybrid")
     config = json.loads((tmp_path / "hybrid" / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 8}
     (tmp_path / "hybrid" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="hybrid recurrent models are not supported yet"):
         ModelRunner(ServerArgs(model_path=str(tmp_path / "hybrid"), dtype="float32",
+                               device="cpu", max_total_tokens=256, max_running_requests=2))
+    make_checkpoint("gpt_oss_sinks_window", tmp_path / "gpt_oss")
+    config = json.loads((tmp_path / "gpt_oss" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 16}
+    (tmp_path / "gpt_oss" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"experts \(StackedExperts\) are not supported yet"):
+        ModelRunner(ServerArgs(model_path=str(tmp_path / "gpt_oss"), dtype="float32",
                                device="cpu", max_total_tokens=256, max_running_requests=2))

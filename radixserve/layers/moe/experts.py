@@ -25,7 +25,8 @@ from torch import nn
 
 from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.activation import gated_activation
-from radixserve.layers.moe.int4_experts import (add_int4_expert_params, finish_int4_experts,
+from radixserve.layers.moe.int4_experts import (add_int4_expert_params,
+                                                drop_int4_expert_params, finish_int4_experts,
                                                 int4_expert_weights, int4_stacks)
 from radixserve.layers.moe.router import TopK
 from radixserve.layers.quantization.fp8 import (FP8_DTYPE, current_fp8_config,
@@ -67,6 +68,7 @@ def expert_weight_target(name: str) -> tuple[str, tuple[int | str, str]] | None:
 
 class FusedMoE(nn.Module):
     group_k: int | None = None  # FP8 block scales: input columns per scale group (both GEMMs)
+    supports_int4 = True  # subclasses whose kernels have no int4 form say False
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  activation: str = "silu", **activation_options: float) -> None:
@@ -84,21 +86,34 @@ class FusedMoE(nn.Module):
         self._w2_row_amax: dict[int, torch.Tensor] = {}  # --quantization fp8 at tp > 1
         dtype = FP8_DTYPE if self.fp8 is not None and not self.fp8.online else None
         if self.int4 is not None:
+            if not self.supports_int4:
+                raise ValueError(f"int4 ({self.int4.method}) checkpoints of this model's "
+                                 f"experts ({type(self).__name__}) are not supported yet")
             add_int4_expert_params(self, self.int4)
         else:
-            self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size,
-                                                       dtype=dtype), requires_grad=False)
-            self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, size,
-                                                      dtype=dtype), requires_grad=False)
-            for param, pieces in ((self.w13_weight, ("w1", "w3")), (self.w2_weight, ("w2",))):
-                param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-                param.expected_shards = {(e, p) for e in range(num_experts)  # type: ignore
-                                         for p in pieces}
-                param.keep_dtype = dtype is not None  # type: ignore[attr-defined]
+            self._add_stacks(dtype)
         if self.fp8 is not None:
             self._add_fp8_scales(size)
         self.activation = activation
         self.act = gated_activation(activation, **activation_options)
+
+    def _add_stacks(self, dtype: torch.dtype | None) -> None:
+        """w13_weight / w2_weight (in `dtype`, default the compute dtype)."""
+        size, experts = self.intermediate_size, self.num_experts
+        self.w13_weight = nn.Parameter(torch.empty(experts, 2 * size, self.hidden_size,
+                                                   dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(experts, self.hidden_size, size, dtype=dtype),
+                                      requires_grad=False)
+        for param, pieces in ((self.w13_weight, ("w1", "w3")), (self.w2_weight, ("w2",))):
+            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            param.expected_shards = {(e, p) for e in range(experts)  # type: ignore
+                                     for p in pieces}
+            param.keep_dtype = dtype is not None  # type: ignore[attr-defined]
+
+    def keep_unquantized(self) -> None:
+        """The checkpoint leaves these experts unquantised: plain stacks instead of int4's."""
+        drop_int4_expert_params(self)
+        self._add_stacks(None)
 
     @property
     def biases(self) -> tuple[torch.Tensor, torch.Tensor] | None:

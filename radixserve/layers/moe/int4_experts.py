@@ -6,7 +6,8 @@ checkpoint's names (`w13_qweight` codes, already packed as int4.py's int32 words
 [E, 2I / tp, H / 8], `w13_scales` [E, 2I / tp, G],
 `w13_qzeros` uint8 [E, 2I / tp, G], the same for w2 over [E, H, I / tp]; compressed-tensors'
 names for its checkpoints). A rank takes its rows of gate and up, and its input features of down
-with their groups, so a split must fall on group boundaries. `finish_int4_experts` keeps the
+with their groups (a split inside groups keeps finer ones, each with its checkpoint group's
+scale, as int4.rank_group_size does for dense layers). `finish_int4_experts` keeps the
 packed codes ([E, N, K / 8], `w13_int4_qweight`) and drops zero points that are all 8; on the
 CPU (unless RADIXSERVE_INT4_CPU=packed) it dequantises both stacks into FusedMoE's
 plain `w13_weight` / `w2_weight` instead. The fused Triton kernels take the packed stacks and
@@ -22,9 +23,11 @@ import torch
 from torch import nn
 
 from radixserve.layers.quantization import int4_linear
-from radixserve.layers.quantization.int4 import (PACK, SYMMETRIC_ZERO, Int4Config,
-                                                 codes_to_rows, dequantize_int4, pack_int32,
-                                                 scales_to_rows, unpack_int32, zeros_to_rows)
+from radixserve.layers.quantization.int4 import (MIN_RANK_GROUP, PACK, SYMMETRIC_ZERO,
+                                                 Int4Config, codes_to_rows, dequantize_int4,
+                                                 pack_int32, rank_group_columns,
+                                                 rank_group_size, scales_to_rows, unpack_int32,
+                                                 zeros_to_rows)
 
 if TYPE_CHECKING:
     from radixserve.layers.moe.experts import FusedMoE
@@ -53,14 +56,17 @@ def add_int4_expert_params(moe: "FusedMoE", config: Int4Config) -> None:
         raise ValueError("int4 act-order (desc_act) experts are not supported: each expert "
                          "would need its own permutation of the activations")
     names = config.names
-    moe.int4_group_k = {}
+    moe.int4_group_k, moe.int4_checkpoint_group = {}, {}
     for stack, (rows, k_rank, k_full) in _stack_shapes(moe).items():
-        group = config.group_of(k_full)
-        if k_rank % PACK or (config.group_size != -1 and k_rank % group):
+        if k_rank % MIN_RANK_GROUP:
             raise ValueError(f"int4 experts: {k_rank} input features of {stack} on each rank "
-                             f"do not hold whole groups of {group}; choose a --tp-size that "
-                             "splits the experts' intermediate size at group boundaries")
-        moe.int4_group_k[stack] = k_rank if config.group_size == -1 else group
+                             f"(the fused kernels step through multiples of {MIN_RANK_GROUP}); "
+                             "choose another --tp-size")
+        group = config.group_of(k_full)
+        moe.int4_checkpoint_group[stack] = group
+        # a down projection split inside groups keeps finer ones (int4.rank_group_size)
+        moe.int4_group_k[stack] = k_rank if config.group_size == -1 else \
+            rank_group_size(k_rank, group)
         groups = k_rank // moe.int4_group_k[stack]
         pieces = ("w2",) if stack == "w2" else ("w1", "w3")
         specs = [("codes", (rows, k_rank // PACK), torch.int32),
@@ -89,6 +95,16 @@ def add_int4_expert_params(moe: "FusedMoE", config: Int4Config) -> None:
                 setattr(moe, f"{stack}_{extra}", param)
 
 
+def drop_int4_expert_params(moe: "FusedMoE") -> None:
+    """Remove the int4 stacks' parameters (the checkpoint leaves these experts unquantised)."""
+    assert moe.int4 is not None
+    for stack in ("w13", "w2"):
+        for name in (*moe.int4.names.values(), "weight_shape", "bias"):
+            if hasattr(moe, f"{stack}_{name}"):
+                delattr(moe, f"{stack}_{name}")
+    moe.int4 = None
+
+
 def load_int4_piece(moe: "FusedMoE", kind: str, param: nn.Parameter, loaded: torch.Tensor,
                     shard_id: object = None) -> None:
     """One expert's codes / scales / zeros of one piece, turned to [rows, columns] and placed
@@ -101,7 +117,7 @@ def load_int4_piece(moe: "FusedMoE", kind: str, param: nn.Parameter, loaded: tor
     stack = "w2" if piece == "w2" else "w13"
     rows_rank, k_rank, k_full = _stack_shapes(moe)[stack]
     full_rows = moe.hidden_size if piece == "w2" else rows_rank // 2 * moe.tp_size
-    group = moe.int4_group_k[stack] if config.group_size != -1 else k_full
+    group = moe.int4_checkpoint_group[stack]
     if kind == "g_idx":
         if not torch.equal(loaded.long().cpu(), torch.arange(k_full) // group):
             raise ValueError("int4 act-order (desc_act) experts are not supported")
@@ -127,12 +143,15 @@ def load_int4_piece(moe: "FusedMoE", kind: str, param: nn.Parameter, loaded: tor
         raise ValueError(f"expert {expert} {piece} {kind} of shape {tuple(rows.shape)} "
                          f"(unpacked), expected {(full_rows, columns)}")
     size, rank = moe.intermediate_size, moe.tp_rank
-    if piece == "w2":  # input features split: this rank's columns (whole groups)
-        if kind != "codes" and config.group_size == -1:  # per channel: one group, whole
+    if piece == "w2":  # input features split: this rank's words, and its groups' scales
+        if kind == "codes":
+            part_cols = columns // moe.tp_size
+            param.data[expert].copy_(rows.narrow(1, rank * part_cols, part_cols))
+        elif config.group_size == -1:  # per channel: one group, whole
             param.data[expert].copy_(rows)
-            return
-        part_cols = columns // moe.tp_size
-        param.data[expert].copy_(rows.narrow(1, rank * part_cols, part_cols))
+        else:
+            param.data[expert].copy_(rows[:, rank_group_columns(
+                rank * k_rank, k_rank, moe.int4_group_k[stack], group, rows.device)])
     else:
         target = param.data[expert].narrow(0, 0 if piece == "w1" else size, size)
         target.copy_(rows.narrow(0, rank * size, size))

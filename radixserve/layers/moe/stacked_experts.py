@@ -45,6 +45,8 @@ def stacked_expert_target(name: str) -> tuple[str, tuple[str, str]] | None:
 
 
 class StackedExperts(FusedMoE):
+    supports_int4 = False  # no int4 form of its kernels (int4_support.py)
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  activation: str, mxfp4: bool = False, **activation_options: float) -> None:
         super().__init__(num_experts, hidden_size, intermediate_size, activation,

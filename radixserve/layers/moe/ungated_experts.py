@@ -23,6 +23,8 @@ class _Ungated(nn.Module):
 
 
 class UngatedExperts(FusedMoE):
+    supports_int4 = False  # no int4 form of its kernels (int4_support.py)
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  activation: str) -> None:
         if activation != "relu2":

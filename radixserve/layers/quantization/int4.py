@@ -20,6 +20,7 @@ permuted so that each group is contiguous, and permutes the activations to match
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,6 +235,31 @@ def zeros_to_rows(config: Int4Config, loaded: torch.Tensor, rows: int) -> torch.
         return zeros + 1 if config.zeros_minus_one else zeros
     # compressed-tensors: [cdiv(N, 8), groups] along N (zero + 8, as the codes)
     return unpack_int32(loaded.t().contiguous()).t()[:rows].contiguous()
+
+
+MIN_RANK_GROUP = 16  # the narrowest group a rank may keep (the kernels' smallest K step)
+
+
+def rank_group_size(k_rank: int, group: int) -> int:
+    """Input features per scale group on a rank holding k_rank of a layer's input features:
+    the checkpoint's group, or where the rank's share starts or ends inside groups the largest
+    width dividing both (each such group lies in one checkpoint group and takes its scale;
+    Qwen2.5-72B's 29,568 features at tp 8 are 3,696 a rank: groups of 16 against 128)."""
+    if k_rank % group == 0:
+        return group
+    sub = math.gcd(k_rank, group)
+    if sub < MIN_RANK_GROUP or sub % PACK:
+        raise ValueError(f"int4 groups of {group} input features: each tensor-parallel rank "
+                         f"holds {k_rank} of this layer's, which cuts the groups into pieces "
+                         f"of {sub} (at least {MIN_RANK_GROUP} needed); choose a --tp-size "
+                         "that splits the layer's input at multiples of that")
+    return sub
+
+
+def rank_group_columns(offset: int, k_rank: int, rank_group: int, group: int,
+                       device: torch.device | None = None) -> torch.Tensor:
+    """The checkpoint group of each of a rank's groups (its features from `offset`)."""
+    return (offset + torch.arange(0, k_rank, rank_group, device=device)) // group
 
 
 def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,

@@ -30,6 +30,7 @@ from torch import nn
 
 from radixserve.layers.quantization.int4 import (PACK, SYMMETRIC_ZERO, Int4Config,
                                                  codes_to_rows, dequantize_int4, pack_int32,
+                                                 rank_group_columns, rank_group_size,
                                                  scales_to_rows, unpack_int32, zeros_to_rows)
 
 if TYPE_CHECKING:
@@ -61,15 +62,15 @@ def add_int4_params(layer: "LinearBase", config: Int4Config) -> None:
                          f"of {PACK})")
     # act-order groups hold features from anywhere in the row: a rank of split input features
     # keeps every group's scale (and is dequantised after loading, see finish_int4_loading)
-    whole = config.group_size == -1 or (config.act_order and split)
-    if not whole and k_rank % group:
-        raise ValueError(f"int4 groups of {group} input features: each tensor-parallel rank "
-                         f"holds {k_rank} of this layer's, which splits groups; choose a "
-                         "--tp-size that splits the layer's input at group boundaries")
+    every_group = config.group_size != -1 and config.act_order and split
+    rank_group = group if every_group or config.group_size == -1 else \
+        rank_group_size(k_rank, group)
     if config.group_size == -1:
         groups = 1
     else:
-        groups = -(-k_full // group) if whole else k_rank // group
+        groups = -(-k_full // group) if every_group else k_rank // rank_group
+    # scales placed by their loader (every group, one per row, or regrouped), not split again
+    whole = config.group_size == -1 or every_group or rank_group != group
     names = config.names
     load = functools.partial(load_int4_tensor, layer)
     setattr(layer, names["codes"], _param((n, k_rank // PACK), torch.int32,
@@ -92,7 +93,9 @@ def add_int4_params(layer: "LinearBase", config: Int4Config) -> None:
         # AutoGPTQ saves a bias for every layer, zeros where the model has none
         layer.bias = _param((n,), None, layer.weight_loader, optional=True)
         layer.int4_bias_from_checkpoint = True
-    layer.int4_group = group
+    layer.int4_group = rank_group  # input features per scale column on this rank
+    layer.int4_checkpoint_group = group
+    layer.int4_every_group = every_group
     layer.int4_g_idx_pieces = set()
 
 
@@ -108,6 +111,12 @@ def load_int4_tensor(layer: "LinearBase", kind: str, param: nn.Parameter,
         rows = scales_to_rows(config, loaded)
     else:
         rows = zeros_to_rows(config, loaded, layer.full_rows(shard_id))
+    if kind != "codes" and layer.int4_group != layer.int4_checkpoint_group:
+        # a rank whose input features start or end inside groups: finer groups, each holding
+        # its checkpoint group's scale and zero point
+        offset = layer.tp_rank * layer.input_size
+        rows = rows[:, rank_group_columns(offset, layer.input_size, layer.int4_group,
+                                          layer.int4_checkpoint_group, rows.device)]
     layer.weight_loader(param, rows, shard_id)
 
 
@@ -146,23 +155,27 @@ def _scales_param(layer: "LinearBase") -> nn.Parameter:
 
 def _column_groups(layer: "LinearBase", g_idx: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
     """Each of this rank's input features' column in the scales as loaded (this rank's groups,
-    or every group where the rank keeps them all), and whether the features arrived out of
-    group order (act-order)."""
-    k_rank, group = layer.input_size, layer.int4_group
+    or every checkpoint group where the rank keeps them all), and whether the features arrived
+    out of group order (act-order)."""
+    k_rank, rank_group = layer.input_size, layer.int4_group
     device = _scales_param(layer).device
     groups = _scales_param(layer).shape[1]
     offset = layer.tp_rank * k_rank if layer.input_is_split else 0
-    in_order = (torch.arange(k_rank, device=device) + offset) // group
     if groups == 1:
         return torch.zeros(k_rank, dtype=torch.long, device=device), False
-    whole = getattr(_scales_param(layer), "whole_columns", False)
-    columns = in_order if g_idx is None else g_idx.long()
-    if not whole:  # this rank's groups only
-        columns = columns - offset // group
-        if columns.min() < 0 or columns.max() >= groups:
-            raise ValueError("g_idx names groups outside this rank's input features; the "
-                             "checkpoint's config does not declare act-order (desc_act)")
-    return columns, g_idx is not None and not torch.equal(g_idx.long(), in_order)
+    in_order = (torch.arange(k_rank, device=device) + offset) // layer.int4_checkpoint_group
+    out_of_order = g_idx is not None and not torch.equal(g_idx.long(), in_order)
+    if layer.int4_every_group:
+        return (g_idx.long() if out_of_order else in_order), out_of_order  # type: ignore
+    if not out_of_order:
+        return torch.arange(k_rank, device=device) // rank_group, False
+    assert g_idx is not None
+    columns = g_idx.long() - offset // layer.int4_checkpoint_group
+    if rank_group != layer.int4_checkpoint_group or columns.min() < 0 or \
+            columns.max() >= groups:
+        raise ValueError("g_idx names groups outside this rank's input features; the "
+                         "checkpoint's config does not declare act-order (desc_act)")
+    return columns, True
 
 
 def finish_int4_loading(layer: "LinearBase") -> None:

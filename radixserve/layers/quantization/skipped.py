@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from radixserve.layers.linear import LinearBase
+from radixserve.layers.moe.experts import FusedMoE
 from radixserve.layers.quantization.fp8 import Fp8Config
 from radixserve.layers.quantization.int4 import Int4Config
 
@@ -50,6 +51,11 @@ def keep_unquantized(model: nn.Module, config: Fp8Config | Int4Config | None) ->
     prefixes = getattr(model, "checkpoint_prefixes", {})
     kept = []
     for name, module in model.named_modules():
+        if isinstance(module, FusedMoE) and module.int4 is not None:
+            if _experts_skipped(name, module, config):
+                module.keep_unquantized()
+                kept.append(name)
+            continue
         if not isinstance(module, LinearBase) or (module.fp8 is None and module.int4 is None):
             continue
         skipped = [any(_matches(entry, n) for entry in config.skipped for n in names)
@@ -62,6 +68,21 @@ def keep_unquantized(model: nn.Module, config: Fp8Config | Int4Config | None) ->
         _make_plain(module)
         kept.append(name)
     return kept
+
+
+_EXPERT_PIECES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def _experts_skipped(name: str, moe: FusedMoE, config: Fp8Config | Int4Config) -> bool:
+    """Whether the checkpoint leaves every routed expert of `moe` unquantised (some but not
+    all: refused), by its pieces' names in either naming (gate_proj / w1, ...)."""
+    skipped = [any(_matches(entry, f"{name}.{e}.{piece}") for entry in config.skipped
+                   for pieces in _EXPERT_PIECES for piece in pieces)
+               for e in range(moe.num_experts)]
+    if any(skipped) and not all(skipped):
+        raise ValueError(f"{name}: the checkpoint quantises some of these experts and leaves "
+                         "others unquantised")
+    return all(skipped)
 
 
 def _make_plain(layer: LinearBase) -> None:
