@@ -95,15 +95,18 @@ def main() -> int:
                                     for w in weights])
             bf16_ms = _graph_ms(lambda: [torch.nn.functional.linear(x, w) for w in dense])
             default = int4_gemm._gemm_shape(m, n, k, int4_gemm.block_k_for(k, GROUP), sms)
-            line = (f"{name:8s} M={m:<4d} int4 {ms * 1e3:8.1f} us {int4_bytes / ms / 1e9:7.0f}"
+            line = (f"{name:8s} M={m:<4d} int4 {ms * 1e3:8.1f} us {int4_bytes / ms / 1e6:7.0f}"
                     f" GB/s | bf16 cuBLAS {bf16_ms * 1e3:8.1f} us ({bf16_ms / ms:4.2f}x) | "
                     f"rel err {error:.1e} | {tuple(default)}")
             if args.sweep and m < int4_gemm.DEQUANT_MIN_ROWS:
                 best = (ms, default)
                 block_ms = (1, 16) if m == 1 else (default.block_m,)
-                for block_m, block_n, split, warps, repeat in itertools.product(
-                        block_ms, (32, 64, 128), (1, 2, 4, 8), (4, 8), (False, True)):
-                    shape = int4_gemm.GemmShape(block_m, block_n, split, warps, 3, repeat)
+                for block_m, block_n, split, warps, repeat, rows in itertools.product(
+                        block_ms, (16, 32, 64, 128), (1, 2, 4, 8), (4, 8), (False, True),
+                        (False, True)):
+                    if rows and (block_m != 1 or repeat):
+                        continue
+                    shape = int4_gemm.GemmShape(block_m, block_n, split, warps, 3, repeat, rows)
                     try:
                         t = _graph_ms(lambda: [int4_gemm.int4_matmul(x, *w, GROUP, None, shape)
                                                for w in weights])

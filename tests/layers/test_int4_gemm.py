@@ -59,6 +59,8 @@ def test_a_long_k_splits_over_programs() -> None:
 
 
 @pytest.mark.parametrize("shape", [int4_gemm.GemmShape(1, 32, 2, repeat_loads=True),
+                                   int4_gemm.GemmShape(1, 16, 1, row_major=True),
+                                   int4_gemm.GemmShape(1, 32, 4, row_major=True),
                                    int4_gemm.GemmShape(16, 32, 1, repeat_loads=True),
                                    int4_gemm.GemmShape(16, 64, 4)])
 def test_every_launch_shape_computes_the_same_product(shape) -> None:

@@ -82,6 +82,46 @@ def _int4_gemv_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, N, K, groups
 
 
 @triton.jit
+def _int4_gemv_rows_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, N, K, groups,
+                           group_k, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           SPLIT_K: tl.constexpr):
+    """One row, the weight read as the bf16 GEMV reads it (kernels/gemv.py): [BLOCK_N, BLOCK_K
+    / 8] words with K contiguous last (vector loads along each weight row), unpacked to
+    [BLOCK_N, BLOCK_K] and reduced along K. The scale and zero point leave the inner product:
+    per row sum(q * x) - z * sum(x), times s, once per step (BLOCK_K divides the group)."""
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    k_words = K // 8
+    shifts = tl.arange(0, 8) * 4
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        a = tl.load(a_ptr + k0 + offs_k).to(tl.float32)
+        words = tl.load(qw_ptr + offs_n[:, None] * k_words + (k0 // 8 + offs_w)[None, :],
+                        mask=mask_n[:, None], other=0)  # [BLOCK_N, BLOCK_K / 8]
+        codes = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_K / 8, 8]
+        codes = tl.reshape(codes, (BLOCK_N, BLOCK_K)).to(tl.float32)
+        dot = tl.sum(codes * a[None, :], axis=1)
+        group = k0 // group_k
+        scale = tl.load(s_ptr + offs_n * groups + group, mask=mask_n, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            zero = tl.load(z_ptr + offs_n * groups + group, mask=mask_n, other=8).to(tl.float32)
+        else:
+            zero = tl.full((BLOCK_N,), 8.0, tl.float32)
+        acc += scale * (dot - zero * tl.sum(a, axis=0))
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(c_ptr + offs_n, acc.to(c_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        tl.store(c_ptr + pid_k * N + offs_n, acc, mask=mask_n)
+
+
+@triton.jit
 def _int4_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K, stride_am,
                       groups, group_k, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                       IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -161,6 +201,7 @@ class GemmShape(NamedTuple):
     num_warps: int = 4
     num_stages: int = 3
     repeat_loads: bool = False  # _unpacked_tile's REPEAT_LOADS
+    row_major: bool = False  # one row: _int4_gemv_rows_kernel (weight rows, K last)
 
 
 def _gemm_shape(m: int, n: int, k: int, block_k: int, sms: int) -> GemmShape:
@@ -208,7 +249,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return torch.nn.functional.linear(x, weight, bias)
     if shape is None:
         shape = _gemm_shape(m, n, k, block_k, _sm_count(x.device))
-    block_m, block_n, split, warps, stages, repeat = shape
+    block_m, block_n, split, warps, stages, repeat, row_major = shape
     out_dtype = x.dtype if split == 1 else torch.float32
     out = torch.empty((split, m, n) if split > 1 else (m, n), dtype=out_dtype, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
@@ -217,7 +258,12 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     common = dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None and split == 1,
                   BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, REPEAT_LOADS=repeat,
                   num_warps=warps, num_stages=stages)
-    if block_m == 1:
+    if block_m == 1 and row_major:
+        assert m == 1, "the GEMV takes one row"
+        common.pop("REPEAT_LOADS")
+        _int4_gemv_rows_kernel[grid](x2, qweight, scales, zeros_or_any, bias_or_any, out, n, k,
+                                     scales.shape[1], group_k, **common)
+    elif block_m == 1:
         assert m == 1, "the GEMV takes one row"
         _int4_gemv_kernel[grid](x2, qweight, scales, zeros_or_any, bias_or_any, out, n, k,
                                 scales.shape[1], group_k, **common)
