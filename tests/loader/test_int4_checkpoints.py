@@ -181,6 +181,15 @@ def test_experts_left_unquantised_load_as_they_are(tmp_path) -> None:
     _assert_twins(folder, twin)
 
 
+def test_int4_experts_stored_in_one_tensor_are_refused_by_name() -> None:
+    from radixserve.layers.moe.experts import FusedMoE
+    from radixserve.layers.quantization.int4 import int4_linears
+    with int4_linears(int4_config({"quant_method": "awq", "bits": 4, "group_size": 16}, None)):
+        moe = FusedMoE(2, 32, 32)
+    with pytest.raises(ValueError, match="stored all in one tensor are not supported"):
+        moe.w13_weight.weight_loader(moe.w13_weight, torch.zeros(2, 64, 32), ("all", "w13"))
+
+
 def test_int4_checkpoints_the_kernels_cannot_serve_are_refused(tmp_path) -> None:
     folder, _ = write_int4_pair(tmp_path, "gptq", "qwen3_moe", group=16, symmetric=True,
                                 act_order=True)

@@ -86,6 +86,11 @@ def add_int4_expert_params(moe: "FusedMoE", config: Int4Config) -> None:
         bias.weight_loader = functools.partial(load_int4_piece, moe, "bias")  # type: ignore
         bias.optional = True  # type: ignore[attr-defined]
         setattr(moe, f"{stack}_bias", bias)
+        # all experts in one tensor (`experts.gate_up_proj`) names the plain stack: refused
+        stacked = nn.Parameter(torch.zeros(0), requires_grad=False)
+        stacked.weight_loader = functools.partial(load_int4_piece, moe, "stacked")  # type: ignore
+        stacked.optional = True  # type: ignore[attr-defined]
+        setattr(moe, f"{stack}_weight", stacked)
         for extra, kind in ((names["g_idx"], "g_idx"), ("weight_shape", "shape")):
             if config.method == "compressed-tensors" or kind == "g_idx":
                 param = nn.Parameter(torch.zeros(0), requires_grad=False)
@@ -99,7 +104,7 @@ def drop_int4_expert_params(moe: "FusedMoE") -> None:
     """Remove the int4 stacks' parameters (the checkpoint leaves these experts unquantised)."""
     assert moe.int4 is not None
     for stack in ("w13", "w2"):
-        for name in (*moe.int4.names.values(), "weight_shape", "bias"):
+        for name in (*moe.int4.names.values(), "weight_shape", "bias", "weight"):
             if hasattr(moe, f"{stack}_{name}"):
                 delattr(moe, f"{stack}_{name}")
     moe.int4 = None
@@ -112,7 +117,7 @@ def load_int4_piece(moe: "FusedMoE", kind: str, param: nn.Parameter, loaded: tor
     config = moe.int4
     assert config is not None and isinstance(shard_id, tuple)
     expert, piece = shard_id
-    if expert == "all":
+    if expert == "all" or kind == "stacked":
         raise ValueError("int4 experts stored all in one tensor are not supported")
     stack = "w2" if piece == "w2" else "w13"
     rows_rank, k_rank, k_full = _stack_shapes(moe)[stack]
@@ -172,7 +177,7 @@ def finish_int4_experts(moe: "FusedMoE") -> None:
         zeros = None if zeros_param is None else zeros_param.data
         if zeros is not None and bool((zeros == SYMMETRIC_ZERO).all()):
             zeros = None
-        for name in (*names.values(), "weight_shape", "bias"):
+        for name in (*names.values(), "weight_shape", "bias", "weight"):
             if hasattr(moe, f"{stack}_{name}"):
                 delattr(moe, f"{stack}_{name}")
         experts, k = packed.shape[0], packed.shape[2] * PACK
