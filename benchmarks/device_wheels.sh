@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Wheels the HTTP server needs on the lent GPU machines, whose image lacks them (it has aiohttp,
 # anyio, h11, prometheus-client, but no FastAPI stack or pyzmq; fastapi 0.165 also imports
-# opentelemetry-api and annotated-doc, uvicorn click), into .whl/ (git-ignored), for
-# Python 3.12 manylinux. Run here, from the repository root:
+# opentelemetry-api and annotated-doc, uvicorn click; compressed-tensors, for its checkpoints'
+# configs, with loguru), into .whl/ (git-ignored), for Python 3.12 manylinux. Run here, from the repository root:
 #   bash benchmarks/device_wheels.sh
 # then name ".whl" in the device call's carry and start its command with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -14,7 +14,7 @@ rm -rf .whl
 version() { python3 -m pip show "$1" 2>/dev/null | sed -n "s/^Version: //p" || true; }
 PACKAGES=(fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
           pyzmq opentelemetry-api annotated-doc click orjson httptools
-          py-spy)
+          py-spy compressed-tensors loguru)
 specs=()
 for name in "${PACKAGES[@]}"; do
     v="$(version "$name")"
