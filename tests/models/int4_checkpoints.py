@@ -10,6 +10,7 @@ packing comes from the compressed-tensors library itself (`pack_to_int32`).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -111,12 +112,15 @@ def quant_config(method: str, group: int, symmetric: bool, act_order: bool,
 
 def write_int4_pair(root: Path, method: str, model: str = "llama_gqa_llama3_rope",
                     group: int = 32, symmetric: bool = False, act_order: bool = False,
-                    skipped: tuple[str, ...] = (), seed: int = 0) -> tuple[Path, Path]:
-    """(int4 checkpoint, its dequantised twin) of one tiny model. Act-order checkpoints group
+                    skipped: tuple[str, ...] = (), seed: int = 0,
+                    base: Path | None = None) -> tuple[Path, Path]:
+    """(int4 checkpoint, its dequantised twin) of one tiny model (or of the checkpoint already
+    in `base`; its other files, a tokenizer's, are copied to both). Act-order checkpoints group
     the input features of each layer in a random order (shared by the layers that read the
     same input, as GPTQ's order follows the input's statistics)."""
-    base = root / "base"
-    make_checkpoint(model, base, seed)
+    if base is None:
+        base = root / "base"
+        make_checkpoint(model, base, seed)
     tensors = load_file(str(base / "model.safetensors"))
     gen = torch.Generator().manual_seed(seed + 7)
     orders: dict[tuple[str, int], torch.Tensor] = {}
@@ -156,6 +160,9 @@ def write_int4_pair(root: Path, method: str, model: str = "llama_gqa_llama3_rope
     for label, state, extra in ((method, quant, {"quantization_config": qc}), ("twin", twin, {})):
         folder = root / label
         folder.mkdir()
+        for other in base.iterdir():  # tokenizer files, generation config
+            if other.is_file() and other.name not in ("model.safetensors", "config.json"):
+                shutil.copy(other, folder / other.name)
         save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
         (folder / "config.json").write_text(json.dumps({**config, **extra}))
         folders.append(folder)
