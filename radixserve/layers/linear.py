@@ -354,11 +354,11 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: object = None) -> None:
-        # 2-D: the weight's columns split; an FP8 scale arrives cut to this rank's groups
-        # already (fp8_linear.load_scale), and a scale of one group (per row) stays whole, as
-        # do int4 scales every rank keeps whole (int4_linear.add_int4_params)
-        fp8_scale = self.fp8 is not None and param is getattr(self, "weight_scale", None)
-        if param.dim() == 2 and not fp8_scale and not getattr(param, "whole_columns", False):
+        # 2-D: the weight's columns split, unless the parameter's own loader placed this
+        # rank's columns already (`columns_placed`: an FP8 scale cut to the rank's groups by
+        # fp8_linear.load_scale, or kept whole for one group per row; int4 scales kept whole
+        # or regrouped by int4_linear.load_int4_tensor)
+        if param.dim() == 2 and not getattr(param, "columns_placed", False):
             if self.fp8 is not None and self.fp8.online and param is self.weight \
                     and self.tp_size > 1:  # --quantization fp8 scales whole rows, as at tp 1
                 self.checkpoint_row_amax = row_amax(loaded)

@@ -23,11 +23,10 @@ import torch
 from torch import nn
 
 from radixserve.layers.quantization import int4_linear
-from radixserve.layers.quantization.int4 import (MIN_RANK_GROUP, PACK, SYMMETRIC_ZERO,
-                                                 Int4Config, codes_to_rows, dequantize_int4,
-                                                 pack_int32, rank_group_columns,
-                                                 rank_group_size, scales_to_rows, unpack_int32,
-                                                 zeros_to_rows)
+from radixserve.layers.quantization.int4 import (MIN_RANK_GROUP, PACK, Int4Config,
+                                                 check_weight_shape, checkpoint_rows,
+                                                 dequantize_packed, drop_symmetric_zeros,
+                                                 rank_group_columns, rank_group_size)
 
 if TYPE_CHECKING:
     from radixserve.layers.moe.experts import FusedMoE
@@ -100,13 +99,18 @@ def add_int4_expert_params(moe: "FusedMoE", config: Int4Config) -> None:
                 setattr(moe, f"{stack}_{extra}", param)
 
 
+def _drop_stack_params(moe: "FusedMoE", stack: str) -> None:
+    """Remove one stack's loading-time int4 parameters (and its placeholders)."""
+    assert moe.int4 is not None
+    for name in (*moe.int4.names.values(), "weight_shape", "bias", "weight"):
+        if hasattr(moe, f"{stack}_{name}"):
+            delattr(moe, f"{stack}_{name}")
+
+
 def drop_int4_expert_params(moe: "FusedMoE") -> None:
     """Remove the int4 stacks' parameters (the checkpoint leaves these experts unquantised)."""
-    assert moe.int4 is not None
     for stack in ("w13", "w2"):
-        for name in (*moe.int4.names.values(), "weight_shape", "bias", "weight"):
-            if hasattr(moe, f"{stack}_{name}"):
-                delattr(moe, f"{stack}_{name}")
+        _drop_stack_params(moe, stack)
     moe.int4 = None
 
 
@@ -132,18 +136,10 @@ def load_int4_piece(moe: "FusedMoE", kind: str, param: nn.Parameter, loaded: tor
             raise ValueError("int4 experts with biases are not supported")
         return
     if kind == "shape":
-        if [int(v) for v in loaded.reshape(-1).tolist()] != [full_rows, k_full]:
-            raise ValueError(f"weight_shape {loaded.tolist()}, expected {[full_rows, k_full]}")
+        check_weight_shape(loaded, full_rows, k_full)
         return
-    if kind == "codes":
-        rows = pack_int32(codes_to_rows(config, loaded))
-        columns = k_full // PACK
-    elif kind == "scales":
-        rows = scales_to_rows(config, loaded)
-        columns = k_full // group
-    else:
-        rows = zeros_to_rows(config, loaded, full_rows)
-        columns = k_full // group
+    rows = checkpoint_rows(config, kind, loaded, full_rows)
+    columns = k_full // (PACK if kind == "codes" else group)
     if tuple(rows.shape) != (full_rows, columns):
         raise ValueError(f"expert {expert} {piece} {kind} of shape {tuple(rows.shape)} "
                          f"(unpacked), expected {(full_rows, columns)}")
@@ -174,20 +170,14 @@ def finish_int4_experts(moe: "FusedMoE") -> None:
         packed = getattr(moe, f"{stack}_{names['codes']}").data
         scales = getattr(moe, f"{stack}_{names['scales']}").data
         zeros_param = getattr(moe, f"{stack}_{names['zeros']}", None)
-        zeros = None if zeros_param is None else zeros_param.data
-        if zeros is not None and bool((zeros == SYMMETRIC_ZERO).all()):
-            zeros = None
-        for name in (*names.values(), "weight_shape", "bias", "weight"):
-            if hasattr(moe, f"{stack}_{name}"):
-                delattr(moe, f"{stack}_{name}")
-        experts, k = packed.shape[0], packed.shape[2] * PACK
-        group = moe.int4_group_k[stack]
+        zeros = drop_symmetric_zeros(None if zeros_param is None else zeros_param.data)
+        _drop_stack_params(moe, stack)
         if dense:
-            columns = torch.arange(k, device=packed.device) // group
-            weight = torch.stack([dequantize_int4(unpack_int32(packed[e]), scales[e],
-                                                  None if zeros is None else zeros[e],
-                                                  columns, scales.dtype)
-                                  for e in range(experts)])
+            group = moe.int4_group_k[stack]
+            weight = torch.stack([dequantize_packed(packed[e], scales[e],
+                                                    None if zeros is None else zeros[e],
+                                                    group, scales.dtype)
+                                  for e in range(packed.shape[0])])
             setattr(moe, f"{stack}_weight", nn.Parameter(weight, requires_grad=False))
             continue
         setattr(moe, f"{stack}_int4_qweight", int4_linear._runtime(packed))
@@ -208,9 +198,9 @@ def int4_expert_weights(moe: "FusedMoE", expert: int, dtype: torch.dtype
     """One expert's gate|up and down dequantised from the packed stacks (reference path)."""
     out = []
     for stack in ("w13", "w2"):
-        codes = unpack_int32(getattr(moe, f"{stack}_int4_qweight")[expert])
         zeros = getattr(moe, f"{stack}_int4_zeros")
-        columns = torch.arange(codes.shape[1], device=codes.device) // moe.int4_group_k[stack]
-        out.append(dequantize_int4(codes, getattr(moe, f"{stack}_int4_scales")[expert],
-                                   None if zeros is None else zeros[expert], columns, dtype))
+        out.append(dequantize_packed(getattr(moe, f"{stack}_int4_qweight")[expert],
+                                     getattr(moe, f"{stack}_int4_scales")[expert],
+                                     None if zeros is None else zeros[expert],
+                                     moe.int4_group_k[stack], dtype))
     return out[0], out[1]

@@ -38,6 +38,8 @@ def add_fp8_params(layer: "LinearBase", config: Fp8Config) -> None:
     scale.weight_loader = functools.partial(load_scale, layer)  # type: ignore[attr-defined]
     scale.keep_dtype = True  # type: ignore[attr-defined]
     scale.optional = config.online  # type: ignore[attr-defined]  # computed at load
+    # load_scale cuts it to this rank's groups: RowParallelLinear does not split it again
+    scale.columns_placed = True  # type: ignore[attr-defined]
     layer.weight_scale = scale
     layer.weight.keep_dtype = not config.online  # type: ignore[attr-defined]
     if config.static_input_scale:

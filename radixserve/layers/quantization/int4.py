@@ -272,6 +272,38 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     return ((codes.float() - zero) * scale).to(dtype)
 
 
+def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                      group_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] in dtype from the layers' packed words [N, K / 8] over groups of
+    group_k input features in order (the reference path)."""
+    codes = unpack_int32(qweight)
+    columns = torch.arange(codes.shape[1], device=codes.device) // group_k
+    return dequantize_int4(codes, scales, zeros, columns, dtype)
+
+
+def drop_symmetric_zeros(zeros: torch.Tensor | None) -> torch.Tensor | None:
+    """Zero points that are all 8 are the symmetric case's: the kernels need none."""
+    return None if zeros is None or bool((zeros == SYMMETRIC_ZERO).all()) else zeros
+
+
+def checkpoint_rows(config: Int4Config, kind: str, loaded: torch.Tensor,
+                    rows: int) -> torch.Tensor:
+    """A checkpoint's codes ("codes": packed again as the layers' int32 words [N, K / 8]),
+    scales or zero points ("scales" / "zeros": [N, groups]) of a piece of `rows` rows."""
+    if kind == "codes":
+        return pack_int32(codes_to_rows(config, loaded))
+    if kind == "scales":
+        return scales_to_rows(config, loaded)
+    return zeros_to_rows(config, loaded, rows)
+
+
+def check_weight_shape(loaded: torch.Tensor, rows: int, features: int) -> None:
+    """compressed-tensors' weight_shape: the piece's unquantised [rows, input features]."""
+    if [int(v) for v in loaded.reshape(-1).tolist()] != [rows, features]:
+        raise ValueError(f"weight_shape {loaded.tolist()} does not match the piece's "
+                         f"{[rows, features]}")
+
+
 _SETTING: BuildSetting[Int4Config] = BuildSetting()
 int4_linears = _SETTING.use  # with int4_linears(config): layers built inside take this int4 setting
 current_int4_config = _SETTING.current

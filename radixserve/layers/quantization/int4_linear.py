@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from radixserve.layers.quantization.int4 import (PACK, SYMMETRIC_ZERO, Int4Config,
-                                                 codes_to_rows, dequantize_int4, pack_int32,
-                                                 rank_group_columns, rank_group_size,
-                                                 scales_to_rows, unpack_int32, zeros_to_rows)
+from radixserve.layers.quantization.int4 import (PACK, Int4Config, check_weight_shape,
+                                                 checkpoint_rows, dequantize_int4,
+                                                 dequantize_packed, drop_symmetric_zeros,
+                                                 pack_int32, rank_group_columns,
+                                                 rank_group_size, unpack_int32)
 
 if TYPE_CHECKING:
     from radixserve.layers.linear import LinearBase
@@ -42,20 +43,26 @@ PACKED_ON_CPU = os.environ.get("RADIXSERVE_INT4_CPU", "dense") == "packed"
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype | None, loader, *, optional: bool = False,
-           whole_columns: bool = False) -> nn.Parameter:
+           columns_placed: bool = False) -> nn.Parameter:
     param = nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
     param.weight_loader = loader  # type: ignore[attr-defined]
     param.keep_dtype = dtype is not None  # type: ignore[attr-defined]
     param.optional = optional  # type: ignore[attr-defined]
-    param.whole_columns = whole_columns  # type: ignore[attr-defined]  # not split over ranks
+    # its loader places the rank's columns: RowParallelLinear does not split them again
+    param.columns_placed = columns_placed  # type: ignore[attr-defined]
     return param
+
+
+def _checkpoint_features(layer: "LinearBase") -> int:
+    """The layer's input features in the checkpoint (all ranks' where they are split)."""
+    return layer.input_size * (layer.tp_size if layer.input_is_split else 1)
 
 
 def add_int4_params(layer: "LinearBase", config: Int4Config) -> None:
     """Called by LinearBase.__init__ (which makes no `weight` for an int4 layer)."""
     k_rank, n = layer.input_size, layer.output_size
     split = layer.input_is_split and layer.tp_size > 1
-    k_full = k_rank * (layer.tp_size if layer.input_is_split else 1)
+    k_full = _checkpoint_features(layer)
     group = config.group_of(k_full)
     if k_rank % PACK:
         raise ValueError(f"int4 layer with {k_rank} input features on a rank (not a multiple "
@@ -76,11 +83,11 @@ def add_int4_params(layer: "LinearBase", config: Int4Config) -> None:
     setattr(layer, names["codes"], _param((n, k_rank // PACK), torch.int32,
                                           functools.partial(load, "codes")))
     setattr(layer, names["scales"], _param((n, groups), None, functools.partial(load, "scales"),
-                                           whole_columns=whole))
+                                           columns_placed=whole))
     if not config.symmetric:
         setattr(layer, names["zeros"], _param((n, groups), torch.uint8,
                                               functools.partial(load, "zeros"),
-                                              whole_columns=whole))
+                                              columns_placed=whole))
     if config.method == "gptq" or config.act_order:
         # GPTQ files carry g_idx with or without act-order (trivial without)
         setattr(layer, names["g_idx"], _param((k_rank,), torch.int32,
@@ -103,14 +110,8 @@ def load_int4_tensor(layer: "LinearBase", kind: str, param: nn.Parameter,
                      loaded: torch.Tensor, shard_id: object = None) -> None:
     """A checkpoint's codes / scales / zeros, unpacked and turned to [rows, columns] (codes
     packed again along the columns, in order), then placed by the layer's own loader."""
-    config = layer.int4
-    assert config is not None
-    if kind == "codes":
-        rows = pack_int32(codes_to_rows(config, loaded))
-    elif kind == "scales":
-        rows = scales_to_rows(config, loaded)
-    else:
-        rows = zeros_to_rows(config, loaded, layer.full_rows(shard_id))
+    assert layer.int4 is not None
+    rows = checkpoint_rows(layer.int4, kind, loaded, layer.full_rows(shard_id))
     if kind != "codes" and layer.int4_group != layer.int4_checkpoint_group:
         # a rank whose input features start or end inside groups: finer groups, each holding
         # its checkpoint group's scale and zero point
@@ -124,8 +125,7 @@ def load_g_idx(layer: "LinearBase", param: nn.Parameter, loaded: torch.Tensor,
                shard_id: object = None) -> None:
     """Each input feature's group; the pieces of a merged layer share their input, and must
     share its order."""
-    k_rank = param.shape[0]
-    k_full = k_rank * (layer.tp_size if layer.input_is_split else 1)
+    k_rank, k_full = param.shape[0], _checkpoint_features(layer)
     if loaded.shape != (k_full,):
         raise ValueError(f"g_idx of shape {tuple(loaded.shape)}, expected ({k_full},)")
     if layer.input_is_split:
@@ -141,11 +141,7 @@ def load_g_idx(layer: "LinearBase", param: nn.Parameter, loaded: torch.Tensor,
 def check_shape(layer: "LinearBase", param: nn.Parameter, loaded: torch.Tensor,
                 shard_id: object = None) -> None:
     """compressed-tensors' weight_shape: the piece's unquantised [rows, input features]."""
-    k_full = layer.input_size * (layer.tp_size if layer.input_is_split else 1)
-    expected = [layer.full_rows(shard_id), k_full]
-    if [int(v) for v in loaded.reshape(-1).tolist()] != expected:
-        raise ValueError(f"weight_shape {loaded.tolist()} does not match the layer's piece "
-                         f"{expected}")
+    check_weight_shape(loaded, layer.full_rows(shard_id), _checkpoint_features(layer))
 
 
 def _scales_param(layer: "LinearBase") -> nn.Parameter:
@@ -191,18 +187,13 @@ def finish_int4_loading(layer: "LinearBase") -> None:
     g_idx_param = getattr(layer, names["g_idx"], None)
     g_idx = None if g_idx_param is None or not layer.int4_g_idx_pieces else g_idx_param.data
     columns, out_of_order = _column_groups(layer, g_idx)
-    if zeros is not None and bool((zeros == SYMMETRIC_ZERO).all()):
-        zeros = None
+    zeros = drop_symmetric_zeros(zeros)
     if getattr(layer, "int4_bias_from_checkpoint", False):
         if bool((layer.bias == 0).all()):
             layer.bias = None
         elif not getattr(layer, "reduce_results", True):
             raise ValueError("a GPTQ bias on an unreduced row-parallel layer")
-    for name in ("codes", "scales", "zeros", "g_idx"):
-        if hasattr(layer, names[name]):
-            delattr(layer, names[name])
-    if hasattr(layer, "weight_shape"):
-        del layer.weight_shape
+    drop_int4_params(layer, keep_bias=True)
     k = packed.shape[1] * PACK
     contiguous = scales.shape[1] == 1
     if not contiguous:  # each group's features all here, groups in a row: the packed product's
@@ -231,6 +222,18 @@ def finish_int4_loading(layer: "LinearBase") -> None:
     layer.int4_zeros = None if zeros is None else _runtime(zeros.contiguous())
     layer.int4_perm = None if perm is None else _runtime(perm.to(torch.int64))
     layer.int4_group_k = k if scales.shape[1] == 1 else layer.int4_group
+
+
+def drop_int4_params(layer: "LinearBase", keep_bias: bool = False) -> None:
+    """Remove the loading-time int4 parameters (after packing them, or where the checkpoint
+    leaves the layer unquantised: then GPTQ's placeholder bias goes too, unless keep_bias)."""
+    assert layer.int4 is not None
+    for name in (*layer.int4.names.values(), "weight_shape"):
+        if hasattr(layer, name):
+            delattr(layer, name)
+    if not keep_bias and getattr(layer, "int4_bias_from_checkpoint", False):
+        layer.bias = None
+        layer.int4_bias_from_checkpoint = False
 
 
 _WARNED: list[bool] = []
@@ -272,7 +275,5 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             pass
         else:
             return int4_matmul(x, qweight, scales, zeros, group_k, bias)
-    codes = unpack_int32(qweight)
-    columns = torch.arange(codes.shape[1], device=codes.device) // group_k
-    weight = dequantize_int4(codes, scales, zeros, columns, x.dtype)
-    return nn.functional.linear(x, weight, bias)
+    return nn.functional.linear(x, dequantize_packed(qweight, scales, zeros, group_k, x.dtype),
+                                bias)

@@ -20,6 +20,7 @@ from radixserve.layers.linear import LinearBase
 from radixserve.layers.moe.experts import FusedMoE
 from radixserve.layers.quantization.fp8 import Fp8Config
 from radixserve.layers.quantization.int4 import Int4Config
+from radixserve.layers.quantization.int4_linear import drop_int4_params
 
 
 def _matches(entry: str, name: str) -> bool:
@@ -96,12 +97,7 @@ def _make_plain(layer: LinearBase) -> None:
         if hasattr(layer, scale):
             delattr(layer, scale)
     if layer.int4 is not None:
-        for name in (*layer.int4.names.values(), "weight_shape"):
-            if hasattr(layer, name):
-                delattr(layer, name)
-        if getattr(layer, "int4_bias_from_checkpoint", False):
-            layer.bias = None
-            layer.int4_bias_from_checkpoint = False
+        drop_int4_params(layer)
     layer.fp8 = None
     layer.int4 = None
     layer.group_k = None
