@@ -22,8 +22,35 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.layers.quantization.int4 import dequantize_packed
+
 DEQUANT_MIN_ROWS = 256  # from here on: dequantise, then cuBLAS (vLLM's AWQ threshold too)
 BLOCK_KS = (128, 64, 32, 16)  # K steps tried, widest first: each must divide K and the group
+
+
+@triton.jit
+def _group_scale_zero(s_ptr, z_ptr, offs_n, mask_n, group, groups, HAS_ZEROS: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """Rows offs_n's scale and zero point (8 without zero points) of one group, float32."""
+    scale = tl.load(s_ptr + offs_n * groups + group, mask=mask_n, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + offs_n * groups + group, mask=mask_n, other=8).to(tl.float32)
+    else:
+        zero = tl.full((BLOCK_N,), 8.0, tl.float32)
+    return scale, zero
+
+
+@triton.jit
+def _store_row(acc, bias_ptr, c_ptr, offs_n, mask_n, pid_k, N, HAS_BIAS: tl.constexpr,
+               SPLIT_K: tl.constexpr):
+    """A one-row kernel's output: c (+ bias) in c's dtype, or with SPLIT_K > 1 this program's
+    float32 partial sums at [pid_k, 0, :] (the bias is added after their sum)."""
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(c_ptr + offs_n, acc.to(c_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        tl.store(c_ptr + pid_k * N + offs_n, acc, mask=mask_n)
 
 
 @triton.jit
@@ -45,12 +72,9 @@ def _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups, gr
         shifts = tl.arange(0, 8) * 4
         codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]
         codes = tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
-    group = k0 // group_k  # group_k is a multiple of BLOCK_K: one group per tile
-    scale = tl.load(s_ptr + offs_n * groups + group, mask=mask_n, other=0.0).to(tl.float32)
-    if HAS_ZEROS:
-        zero = tl.load(z_ptr + offs_n * groups + group, mask=mask_n, other=8).to(tl.float32)
-    else:
-        zero = tl.full((BLOCK_N,), 8.0, tl.float32)
+    # group_k is a multiple of BLOCK_K: one group per tile
+    scale, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, mask_n, k0 // group_k, groups,
+                                    HAS_ZEROS, BLOCK_N)
     return (codes - zero[None, :]) * scale[None, :]
 
 
@@ -73,12 +97,7 @@ def _int4_gemv_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, N, K, groups
         w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups, group_k,
                            HAS_ZEROS, BLOCK_K, BLOCK_N, REPEAT_LOADS)
         acc += tl.sum(w * a[:, None], axis=0)
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        tl.store(c_ptr + offs_n, acc.to(c_ptr.dtype.element_ty), mask=mask_n)
-    else:
-        tl.store(c_ptr + pid_k * N + offs_n, acc, mask=mask_n)
+    _store_row(acc, bias_ptr, c_ptr, offs_n, mask_n, pid_k, N, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
@@ -106,19 +125,10 @@ def _int4_gemv_rows_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, N, K, g
         codes = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_K / 8, 8]
         codes = tl.reshape(codes, (BLOCK_N, BLOCK_K)).to(tl.float32)
         dot = tl.sum(codes * a[None, :], axis=1)
-        group = k0 // group_k
-        scale = tl.load(s_ptr + offs_n * groups + group, mask=mask_n, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            zero = tl.load(z_ptr + offs_n * groups + group, mask=mask_n, other=8).to(tl.float32)
-        else:
-            zero = tl.full((BLOCK_N,), 8.0, tl.float32)
+        scale, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, mask_n, k0 // group_k, groups,
+                                        HAS_ZEROS, BLOCK_N)
         acc += scale * (dot - zero * tl.sum(a, axis=0))
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        tl.store(c_ptr + offs_n, acc.to(c_ptr.dtype.element_ty), mask=mask_n)
-    else:
-        tl.store(c_ptr + pid_k * N + offs_n, acc, mask=mask_n)
+    _store_row(acc, bias_ptr, c_ptr, offs_n, mask_n, pid_k, N, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
@@ -245,7 +255,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     block_k = block_k_for(k, group_k)
     if m >= DEQUANT_MIN_ROWS or block_k is None or m == 0:
         weight = int4_dequantize(qweight, scales, zeros, group_k, x.dtype) if block_k else \
-            _dequantize_torch(qweight, scales, zeros, group_k, x.dtype)
+            dequantize_packed(qweight, scales, zeros, group_k, x.dtype)
         return torch.nn.functional.linear(x, weight, bias)
     if shape is None:
         shape = _gemm_shape(m, n, k, block_k, _sm_count(x.device))
@@ -278,10 +288,3 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         out = summed.to(x.dtype)
     return out.reshape(*lead, n)
 
-
-def _dequantize_torch(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                      group_k: int, dtype: torch.dtype) -> torch.Tensor:
-    from radixserve.layers.quantization.int4 import dequantize_int4, unpack_int32
-    codes = unpack_int32(qweight)
-    columns = torch.arange(codes.shape[1], device=codes.device) // group_k
-    return dequantize_int4(codes, scales, zeros, columns, dtype)
