@@ -12,6 +12,7 @@ from radixserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLin
                                       RowParallelLinear)
 from radixserve.layers.quantization import int4_linear
 from radixserve.layers.quantization.int4 import int4_config, int4_linears
+from tests.layers.test_fp8_tp_scales import _Group
 from tests.models.int4_checkpoints import (awq_tensors, ct_tensors, dequantized,
                                            fake_quantize, gptq_tensors)
 
@@ -193,11 +194,6 @@ def test_codes_load_packed_so_loading_stays_within_the_int4_footprint() -> None:
         layer = RowParallelLinear(64, 24, tp_rank=1, tp_size=2)
     assert layer.qweight.dtype == torch.int32 and layer.qweight.shape == (24, 4)
     assert layer.scales.shape == (24, 2) and layer.qzeros.dtype == torch.uint8
-
-
-class _Group:
-    def __init__(self, rank: int, size: int) -> None:
-        self.rank, self.size = rank, size
 
 
 @pytest.mark.parametrize("method", ["awq", "compressed-tensors"])

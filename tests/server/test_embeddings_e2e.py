@@ -12,23 +12,16 @@ import requests
 import torch
 import transformers
 
+from tests.server.bundled_tokenizer_models import save_tiny_model
 from tests.server.server_process import ServerProcess
 
 
 @pytest.fixture(scope="module")
 def embedding_server(tmp_path_factory) -> Iterator[tuple[ServerProcess, Any]]:
-    from radixserve.loader.tokenizer import get_tokenizer
-
     folder = tmp_path_factory.mktemp("qwen3_embedding")
-    tokenizer = get_tokenizer(None)  # the bundled model's
-    config = transformers.Qwen3Config(vocab_size=len(tokenizer), hidden_size=64,
-                                      intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                      max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = transformers.AutoModel.from_config(config)  # headless, as Qwen3-Embedding's
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    # headless, as Qwen3-Embedding's
+    model = save_tiny_model(folder, transformers.Qwen3Config, transformers.AutoModel,
+                            head_dim=16)
     proc = ServerProcess("--model-path", str(folder), "--is-embedding", "--dtype", "float32")
     yield proc, model
     assert proc.stop() == 0, proc.log_text()[-3000:]

@@ -8,32 +8,20 @@ from typing import Any, Iterator
 import openai
 import pytest
 import requests
-import torch
 import transformers
 
 from tests.models.int4_checkpoints import write_int4_pair
 from tests.models.test_greedy_vs_hf import hf_greedy
+from tests.server.bundled_tokenizer_models import save_tiny_model
 from tests.server.server_process import ServerProcess
 
 
 @pytest.fixture(scope="module")
 def awq_server(tmp_path_factory) -> Iterator[tuple[ServerProcess, Any]]:
-    from radixserve.loader.tokenizer import get_tokenizer
-
     root = tmp_path_factory.mktemp("awq")
-    tokenizer = get_tokenizer(None)  # the bundled model's
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64,
-                                      intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=512, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0, 0.08)
-    model.save_pretrained(root / "base")
-    tokenizer.save_pretrained(root / "base")
+    save_tiny_model(root / "base", transformers.LlamaConfig,
+                    transformers.AutoModelForCausalLM, matrix_std=0.08,
+                    tie_word_embeddings=False)
     folder, twin = write_int4_pair(root, "awq", base=root / "base")
     proc = ServerProcess("--model-path", str(folder), "--dtype", "float32")
     yield proc, transformers.AutoModelForCausalLM.from_pretrained(twin).eval()
