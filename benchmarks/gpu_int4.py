@@ -2,7 +2,7 @@
 shapes, against cuBLAS on the same weight in bf16, and sweep its launch shapes.
 
   python benchmarks/gpu_int4.py                 # the default shapes' table
-  python benchmarks/gpu_int4.py --sweep         # also every BLOCK_N x SPLIT_K x warps x stages
+  python benchmarks/gpu_int4.py --sweep         # also the launch shapes of _candidates
 
 Each product is checked against the dequantised weight first. Times are CUDA-graph replays of
 ten products over ten different weights (so weights come from HBM, not L2), per product;
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from radixserve.layers.kernels import int4_gemm  # noqa: E402
+from radixserve.layers.kernels import gemv, int4_gemm  # noqa: E402
 from radixserve.layers.quantization.int4 import dequantize_int4, unpack_int32  # noqa: E402
 
 # (name, N, K) of Llama-3.1-8B's decoder products at tp 1
@@ -71,6 +71,24 @@ def _check(x, weights) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
+def _candidates(m: int, default: int4_gemm.GemmShape) -> list[int4_gemm.GemmShape]:
+    """The launch shapes --sweep times for m rows: at one row the row-major GEMV (codes through
+    the exponent bits or converted) and the K-major one (word- or nibble-major tiles); else the
+    tensor-core kernel's tiles, split K, and the same two unpacking choices."""
+    shape = int4_gemm.GemmShape
+    if m == 1:
+        rows = [shape(1, block_n, split, warps, 3, row_major=True, magic=True, step_spans=spans)
+                for block_n, split, warps, spans in itertools.product(
+                    (8, 16, 32), (1, 2), (1, 2, 4), (4, 8))]
+        converted = [shape(1, 16, 1, 4, 3, row_major=True, step_spans=8)]
+        k_major = [shape(1, 64, split, 4, 3, magic=True) for split in (1, 4)]
+        return rows + converted + k_major
+    return [shape(default.block_m, block_n, split, 4, 3, magic=True, nibble_major=nibble,
+                  step_spans=spans)
+            for block_n, split, nibble, spans in itertools.product(
+                (32, 64, 128), (1, 2, 4), (False, True), (1, 2))]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,22 +118,22 @@ def main() -> int:
                     f"rel err {error:.1e} | {tuple(default)}")
             if args.sweep and m < int4_gemm.DEQUANT_MIN_ROWS:
                 best = (ms, default)
-                block_ms = (1, 16) if m == 1 else (default.block_m,)
-                for block_m, block_n, split, warps, repeat, rows in itertools.product(
-                        block_ms, (16, 32, 64, 128), (1, 2, 4, 8), (4, 8), (False, True),
-                        (False, True)):
-                    if rows and (block_m != 1 or repeat):
-                        continue
-                    shape = int4_gemm.GemmShape(block_m, block_n, split, warps, 3, repeat, rows)
+                for shape in _candidates(m, default):
                     try:
                         t = _graph_ms(lambda: [int4_gemm.int4_matmul(x, *w, GROUP, None, shape)
                                                for w in weights])
                     except Exception as exc:  # noqa: BLE001  (out of resources)
                         print(f"   {tuple(shape)}: {type(exc).__name__}")
                         continue
+                    print(f"   {name} M={m} {t * 1e3:8.1f} us {tuple(shape)}")
                     if t < best[0]:
                         best = (t, shape)
                 line += f" | best {best[0] * 1e3:.1f} us {tuple(best[1])}"
+            if m == 1:  # the floor: the bf16 GEMV over a weight of the codes' bytes
+                same_bytes = [w[:, : k // 4].contiguous() for w in dense]
+                x_quarter = x[:, : k // 4].contiguous()
+                floor = _graph_ms(lambda: [gemv.gemv(x_quarter, w) for w in same_bytes])
+                line += f" | bf16 GEMV over as many bytes {floor * 1e3:.1f} us"
             print(line, flush=True)
     return 0
 

@@ -53,18 +53,31 @@ def test_int4_matmul_matches_the_dequantised_product(m, n, k, group, zeros, with
 
 
 def test_a_long_k_splits_over_programs() -> None:
-    """One output tile over 2048 input features: split K fills the (interpreter's 4) SMs."""
-    shape = int4_gemm._gemm_shape(1, 64, 2048, 128, 4)
-    assert (shape.block_m, shape.block_n, shape.split_k) == (1, 64, 4)
+    """Few output tiles over long rows: split K fills the (interpreter's 4) SMs twice over."""
+    shape = int4_gemm._gemm_shape(16, 64, 2048, 128, 4)
+    assert (shape.block_m, shape.block_n, shape.split_k) == (16, 64, 4)
+    one_row = int4_gemm._gemm_shape(1, 64, 8192, 128, 4)  # 8 spans of 128 a step: 8 steps
+    assert one_row.row_major and one_row.magic
+    assert (one_row.block_n, one_row.step_spans, one_row.split_k) == (8, 8, 1)
+    wide = int4_gemm._gemm_shape(1, 16384, 4096, 128, 4)
+    assert (wide.block_n, wide.step_spans, wide.num_warps) == (8, 4, 1)
 
 
 @pytest.mark.parametrize("shape", [int4_gemm.GemmShape(1, 32, 2, repeat_loads=True),
+                                   int4_gemm.GemmShape(1, 32, 2, magic=True, nibble_major=True),
                                    int4_gemm.GemmShape(1, 16, 1, row_major=True),
-                                   int4_gemm.GemmShape(1, 32, 4, row_major=True),
-                                   int4_gemm.GemmShape(16, 32, 1, repeat_loads=True),
-                                   int4_gemm.GemmShape(16, 64, 4)])
+                                   int4_gemm.GemmShape(1, 32, 4, row_major=True, magic=True),
+                                   int4_gemm.GemmShape(1, 16, 1, row_major=True, magic=True,
+                                                       step_spans=4),
+                                   int4_gemm.GemmShape(1, 8, 2, row_major=True, step_spans=2),
+                                   int4_gemm.GemmShape(16, 32, 1, repeat_loads=True,
+                                                       magic=True),
+                                   int4_gemm.GemmShape(16, 64, 4, nibble_major=True),
+                                   int4_gemm.GemmShape(16, 64, 1, magic=True),
+                                   int4_gemm.GemmShape(16, 32, 2, magic=True, step_spans=2)])
 def test_every_launch_shape_computes_the_same_product(shape) -> None:
-    """The sweep's variants: the GEMV (BLOCK_M 1) or tensor cores, split K, repeated loads."""
+    """The sweep's variants: the GEMV (BLOCK_M 1, K-major or row-major) or tensor cores, split
+    K, repeated loads, codes through the exponent bits, nibble-major tiles."""
     n, k, group = 80, 512, 128
     qweight, scales, z, dense, _ = _weight(n, k, group, True, 9)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(6))
@@ -72,6 +85,15 @@ def test_every_launch_shape_computes_the_same_product(shape) -> None:
     got = int4_gemm.int4_matmul(x.to(DEVICE), qweight.to(DEVICE), scales.to(DEVICE),
                                 z.to(DEVICE), group, bias.to(DEVICE), shape)
     torch.testing.assert_close(got.cpu(), x @ dense.t() + bias, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("magic", [False, True])
+def test_the_dequantise_kernel_writes_the_dense_weight(magic) -> None:
+    n, k, group = 48, 256, 64
+    qweight, scales, z, dense, _ = _weight(n, k, group, True, 4)
+    got = int4_gemm.int4_dequantize(qweight.to(DEVICE), scales.to(DEVICE), z.to(DEVICE), group,
+                                    torch.float32, magic)
+    torch.testing.assert_close(got.cpu(), dense, atol=0, rtol=0)
 
 
 def test_many_rows_dequantise_then_multiply() -> None:

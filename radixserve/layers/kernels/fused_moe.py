@@ -90,7 +90,7 @@ def _fused_moe_kernel(
         if INT4_W:
             b = _unpacked_tile(B + expert * stride_be, B_scale + expert * stride_se,
                                Zeros + expert * stride_ze, offs_bn, offs_bn < N, k_start,
-                               K // 8, num_groups, GROUP_K, HAS_ZEROS, BLOCK_K,
+                               stride_bn, num_groups, GROUP_K, HAS_ZEROS, BLOCK_K,
                                BLOCK_N).to(a.dtype)
         else:
             b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)

@@ -4,12 +4,15 @@ The weight arrives as layers/quantization/int4.py keeps it: int32 words [N, K / 
 row holds input features 8c .. 8c + 7, feature 8c + i in bits 4i .. 4i + 3, unsigned 0..15),
 scales [N, G] and zero points [N, G] (uint8, or none: 8) over groups of `group_k` features.
 
+  * One row (decode at batch 1): a GEMV that reads the words as the bf16 GEMV reads weights
+    (kernels/gemv.py: a few rows a program, 512 contiguous bytes of each a step, 16-byte loads)
+    and turns codes into float32 through the exponent bits (_code_values); its speed is bound
+    by the unpacking's instructions, not by HBM (see the H100 figures in `_gemm_shape`).
   * Up to DEQUANT_MIN_ROWS rows (decode, small prefills): one Triton kernel unpacks each
     [BLOCK_K, BLOCK_N] tile of codes in registers ((q - z) * s, in float32, then the
     activations' dtype) and feeds the tensor cores; the weight is read once, at half a byte per
-    value. One row runs a multiply-add GEMV over the same tiles instead. Few output tiles (a
-    decode batch over a narrow layer) split K over more programs, whose float32 partial sums
-    are added afterwards.
+    value. Few output tiles (a decode batch over a narrow layer) split K over more programs,
+    whose float32 partial sums are added afterwards.
   * More rows (prefill): the weight is dequantised once into a scratch [N, K] in the
     activations' dtype and cuBLAS multiplies; the product's compute dwarfs the extra pass.
 """
@@ -54,110 +57,171 @@ def _store_row(acc, bias_ptr, c_ptr, offs_n, mask_n, pid_k, N, HAS_BIAS: tl.cons
 
 
 @triton.jit
+def _code_values(bits, offset, MAGIC: tl.constexpr):
+    """The low 4 bits of each int32 in bits as float32, minus offset (the zero point, with
+    MAGIC plus 2**23). MAGIC: the code is OR-ed into the mantissa of 2**23 (0x4B000000) and the
+    word read as float32, so one add takes 2**23 and the zero point off, exactly: bit
+    operations and adds at full rate instead of an int-to-float conversion, a quarter-rate
+    instruction on Ampere and Hopper that bounds a one-row product (8 per word read)."""
+    if MAGIC:
+        values = ((bits & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - offset
+    else:
+        values = (bits & 0xF).to(tl.float32) - offset
+    return values
+
+
+@triton.jit
+def _zero_offset(zero, MAGIC: tl.constexpr):
+    """What _code_values subtracts for zero point zero."""
+    if MAGIC:
+        offset = zero + 8388608.0
+    else:
+        offset = zero
+    return offset
+
+
+@triton.jit
+def _tile_features(k0, BLOCK_K: tl.constexpr, NIBBLE_MAJOR: tl.constexpr):
+    """The input feature of each row of _unpacked_tile's tile at k0: k0, k0 + 1, ... or, with
+    NIBBLE_MAJOR, nibble i of every word before nibble i + 1 (row i * BLOCK_K / 8 + w holds
+    feature k0 + 8w + i). A product is the same in any feature order, as long as the
+    activations are read in the tile's."""
+    rows = tl.arange(0, BLOCK_K)
+    if NIBBLE_MAJOR:
+        features = k0 + (rows % (BLOCK_K // 8)) * 8 + rows // (BLOCK_K // 8)
+    else:
+        features = k0 + rows
+    return features
+
+
+@triton.jit
 def _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups, group_k,
                    HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                   REPEAT_LOADS: tl.constexpr = False):
-    """The weight's [BLOCK_K, BLOCK_N] tile at input feature k0 (transposed), float32.
-    REPEAT_LOADS: each feature loads its own word (8 loads of one address, served by L1) and
-    shifts it, instead of one load per word whose 8 nibbles are spread by a reshape."""
+                   REPEAT_LOADS: tl.constexpr = False, MAGIC: tl.constexpr = False,
+                   NIBBLE_MAJOR: tl.constexpr = False):
+    """The weight's [BLOCK_K, BLOCK_N] tile at input feature k0 (transposed), float32, its rows
+    in _tile_features' order. REPEAT_LOADS: each feature loads its own word (8 loads of one
+    address, served by L1) and shifts it, instead of one load per word whose 8 nibbles are
+    spread by a reshape: word-major (row 8w + i is word w's nibble i), or NIBBLE_MAJOR (the 8
+    shifted copies of the words tile stacked, which merges leading axes only). MAGIC: see
+    _code_values."""
     if REPEAT_LOADS:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         words = tl.load(qw_ptr + offs_n[None, :] * k_words + (offs_k // 8)[:, None],
                         mask=mask_n[None, :], other=0)  # [BLOCK_K, BLOCK_N]
-        codes = ((words >> ((offs_k % 8) * 4)[:, None]) & 0xF).to(tl.float32)
+        bits = words >> ((offs_k % 8) * 4)[:, None]
     else:
         offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         words = tl.load(qw_ptr + offs_n[None, :] * k_words + offs_w[:, None],
                         mask=mask_n[None, :], other=0)  # [BLOCK_K / 8, BLOCK_N]
         shifts = tl.arange(0, 8) * 4
-        codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]
-        codes = tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(tl.float32)
+        if NIBBLE_MAJOR:
+            bits = words[None, :, :] >> shifts[:, None, None]  # [8, BLOCK_K / 8, BLOCK_N]
+        else:
+            bits = words[:, None, :] >> shifts[None, :, None]  # [BLOCK_K / 8, 8, BLOCK_N]
+        bits = tl.reshape(bits, (BLOCK_K, BLOCK_N))
     # group_k is a multiple of BLOCK_K: one group per tile
     scale, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, mask_n, k0 // group_k, groups,
                                     HAS_ZEROS, BLOCK_N)
-    return (codes - zero[None, :]) * scale[None, :]
+    return _code_values(bits, _zero_offset(zero, MAGIC)[None, :], MAGIC) * scale[None, :]
 
 
 @triton.jit
-def _int4_gemv_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, N, K, groups, group_k,
+def _int4_gemv_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, N, K, k_words, groups,
+                      group_k,
                       HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                      REPEAT_LOADS: tl.constexpr):
-    """One row: c = a @ dequant(w).T (+ bias) as multiply-adds, no tensor cores; with
-    SPLIT_K > 1, c is float32 [SPLIT_K, 1, N] partial sums (no bias)."""
+                      REPEAT_LOADS: tl.constexpr, MAGIC: tl.constexpr,
+                      NIBBLE_MAJOR: tl.constexpr):
+    """One row: c = a @ dequant(w).T (+ bias) as multiply-adds over _unpacked_tile's
+    [BLOCK_K, BLOCK_N] tiles, no tensor cores; with SPLIT_K > 1, c is float32 [SPLIT_K, 1, N]
+    partial sums (no bias)."""
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
-    k_words = K // 8
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-        a = tl.load(a_ptr + k0 + offs_k).to(tl.float32)
+        a = tl.load(a_ptr + _tile_features(k0, BLOCK_K, NIBBLE_MAJOR)).to(tl.float32)
         w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups, group_k,
-                           HAS_ZEROS, BLOCK_K, BLOCK_N, REPEAT_LOADS)
+                           HAS_ZEROS, BLOCK_K, BLOCK_N, REPEAT_LOADS, MAGIC, NIBBLE_MAJOR)
         acc += tl.sum(w * a[:, None], axis=0)
     _store_row(acc, bias_ptr, c_ptr, offs_n, mask_n, pid_k, N, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
-def _int4_gemv_rows_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, N, K, groups,
-                           group_k, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           SPLIT_K: tl.constexpr):
-    """One row, the weight read as the bf16 GEMV reads it (kernels/gemv.py): [BLOCK_N, BLOCK_K
-    / 8] words with K contiguous last (vector loads along each weight row), unpacked to
-    [BLOCK_N, BLOCK_K] and reduced along K. The scale and zero point leave the inner product:
-    per row sum(q * x) - z * sum(x), times s, once per step (BLOCK_K divides the group)."""
+def _int4_gemv_rows_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, N, K, k_words,
+                           groups, group_k, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           BLOCK_N: tl.constexpr, SPAN: tl.constexpr, STEP_SPANS: tl.constexpr,
+                           SPLIT_K: tl.constexpr, MAGIC: tl.constexpr):
+    """One row, the weight read as the bf16 GEMV reads it (kernels/gemv.py): each step a
+    [BLOCK_N, STEP_SPANS, SPAN / 8] tile of words, K contiguous along each weight row (vector
+    loads, STEP_SPANS * SPAN / 2 bytes a row), where a span of SPAN features lies in one group
+    (SPAN divides the group). No reshape: nibble i of every word meets activations 8w + i (a
+    strided load from L1); each span's products are scaled by its group's scale and reduced
+    over K only at the end. k_words (K / 8, the row stride) is an argument rather than computed
+    so that Triton sees its divisibility by 16 and loads 16 bytes a thread (computed in the
+    kernel, it let Triton prove 8)."""
+    BLOCK_K: tl.constexpr = SPAN * STEP_SPANS
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_w = tl.arange(0, BLOCK_K // 8)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_s = tl.arange(0, STEP_SPANS)
+    offs_w = tl.arange(0, SPAN // 8)
     mask_n = offs_n < N
-    k_words = K // 8
-    shifts = tl.arange(0, 8) * 4
-    acc = tl.zeros((BLOCK_N,), tl.float32)
+    step_words = offs_s[:, None] * (SPAN // 8) + offs_w[None, :]  # [STEP_SPANS, SPAN / 8]
+    w_ptrs = qw_ptr + offs_n[:, None, None] * k_words + step_words[None, :, :]
+    acc = tl.zeros((BLOCK_N, STEP_SPANS, SPAN // 8), tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-        a = tl.load(a_ptr + k0 + offs_k).to(tl.float32)
-        words = tl.load(qw_ptr + offs_n[:, None] * k_words + (k0 // 8 + offs_w)[None, :],
-                        mask=mask_n[:, None], other=0)  # [BLOCK_N, BLOCK_K / 8]
-        codes = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_K / 8, 8]
-        codes = tl.reshape(codes, (BLOCK_N, BLOCK_K)).to(tl.float32)
-        dot = tl.sum(codes * a[None, :], axis=1)
-        scale, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, mask_n, k0 // group_k, groups,
-                                        HAS_ZEROS, BLOCK_N)
-        acc += scale * (dot - zero * tl.sum(a, axis=0))
-    _store_row(acc, bias_ptr, c_ptr, offs_n, mask_n, pid_k, N, HAS_BIAS, SPLIT_K)
+        words = tl.load(w_ptrs + k0 // 8, mask=mask_n[:, None, None], other=0,
+                        eviction_policy="evict_first")
+        span_groups = (k0 + offs_s * SPAN) // group_k  # [STEP_SPANS]
+        where = offs_n[:, None] * groups + span_groups[None, :]
+        scale = tl.load(s_ptr + where, mask=mask_n[:, None], other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            zero = tl.load(z_ptr + where, mask=mask_n[:, None], other=8).to(tl.float32)
+        else:
+            zero = tl.full((BLOCK_N, STEP_SPANS), 8.0, tl.float32)
+        offset = _zero_offset(zero, MAGIC)[:, :, None]
+        part = tl.zeros((BLOCK_N, STEP_SPANS, SPAN // 8), tl.float32)
+        for i in tl.static_range(8):
+            a = tl.load(a_ptr + k0 + step_words * 8 + i).to(tl.float32)
+            part += _code_values(words >> (4 * i), offset, MAGIC) * a[None, :, :]
+        acc += part * scale[:, :, None]
+    _store_row(tl.sum(tl.sum(acc, axis=2), axis=1), bias_ptr, c_ptr, offs_n, mask_n, pid_k, N,
+               HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
-def _int4_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K, stride_am,
-                      groups, group_k, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _int4_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K, k_words,
+                      stride_am, groups, group_k, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                       IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                      REPEAT_LOADS: tl.constexpr):
+                      REPEAT_LOADS: tl.constexpr, MAGIC: tl.constexpr,
+                      NIBBLE_MAJOR: tl.constexpr, STEP_SPANS: tl.constexpr):
     """c = a @ dequant(w).T (+ bias); with SPLIT_K > 1, c is float32 [SPLIT_K, M, N]
-    partial sums (no bias)."""
+    partial sums (no bias). Each K step takes STEP_SPANS tiles of BLOCK_K features."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    k_words = K // 8
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-        a = tl.load(a_ptr + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :],
-                    mask=mask_m[:, None], other=0.0)
-        w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups, group_k,
-                           HAS_ZEROS, BLOCK_K, BLOCK_N, REPEAT_LOADS).to(a.dtype)
-        if IEEE:
-            acc += tl.dot(a, w, input_precision="ieee")
-        else:
-            acc += tl.dot(a, w)
+    for k_step in range(pid_k * BLOCK_K * STEP_SPANS, K, BLOCK_K * STEP_SPANS * SPLIT_K):
+        for j in tl.static_range(STEP_SPANS):  # spans side by side: longer reads of each row
+            k0 = k_step + j * BLOCK_K
+            features = _tile_features(k0, BLOCK_K, NIBBLE_MAJOR)
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + features[None, :],
+                        mask=mask_m[:, None], other=0.0)
+            w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups,
+                               group_k, HAS_ZEROS, BLOCK_K, BLOCK_N, REPEAT_LOADS, MAGIC,
+                               NIBBLE_MAJOR).to(a.dtype)
+            if IEEE:
+                acc += tl.dot(a, w, input_precision="ieee")
+            else:
+                acc += tl.dot(a, w)
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -169,16 +233,16 @@ def _int4_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K, str
 
 
 @triton.jit
-def _int4_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, groups, group_k,
+def _int4_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, k_words, groups, group_k,
                          HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, MAGIC: tl.constexpr):
     """w [N, K] = dequant(codes), in w's dtype."""
     pid_n = tl.program_id(0)
     k0 = tl.program_id(1) * BLOCK_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    tile = _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, K // 8, groups, group_k,
-                          HAS_ZEROS, BLOCK_K, BLOCK_N)  # [BLOCK_K, BLOCK_N]
+    tile = _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups, group_k,
+                          HAS_ZEROS, BLOCK_K, BLOCK_N, False, MAGIC)  # [BLOCK_K, BLOCK_N]
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + offs_n[None, :] * K + offs_k[:, None], tile.to(w_ptr.dtype.element_ty),
              mask=mask_n[None, :])
@@ -212,32 +276,46 @@ class GemmShape(NamedTuple):
     num_stages: int = 3
     repeat_loads: bool = False  # _unpacked_tile's REPEAT_LOADS
     row_major: bool = False  # one row: _int4_gemv_rows_kernel (weight rows, K last)
+    magic: bool = False  # codes to float32 through the exponent bits (_code_values)
+    nibble_major: bool = False  # _unpacked_tile's NIBBLE_MAJOR
+    step_spans: int = 1  # row-major GEMV, tensor cores: BLOCK_K-feature spans per K step
 
 
 def _gemm_shape(m: int, n: int, k: int, block_k: int, sms: int) -> GemmShape:
-    """The launch shape for M rows (a default, not yet swept on a GPU)."""
-    block_m = 1 if m == 1 else (16 if m <= 16 else (32 if m <= 32 else 64))
-    block_n = 64 if m <= 16 else 128
+    """The launch shape for M rows. One row: the row-major GEMV, 8 rows a program, over 8
+    spans a step (512 bytes of each weight row), or for wide products (gate|up) 4 spans and one
+    warp; the best of benchmarks/gpu_int4.py --sweep on an H100 at Llama-3.1-8B's products
+    (q|k|v 12.9, o 10.0, gate|up 43.0, down 28.0 us). More rows: tensor-core tiles, codes
+    through the exponent bits (the sweep's best tiles at 16 rows, within 5%)."""
+    if m == 1:
+        wide = n >= 16384
+        spans = next(s for s in ((4, 2, 1) if wide else (8, 4, 2, 1)) if k % (block_k * s) == 0)
+        block_m, block_n, step_k, warps = 1, 8, block_k * spans, 1 if wide else 4
+    else:
+        spans, warps = 1, 4
+        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+        block_n, step_k = (64 if m <= 16 else 128), block_k
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = 1
-    steps = k // block_k
+    steps = k // step_k
     while tiles * split < 2 * sms and split * 2 <= steps // 4 and split < 16:
         split *= 2  # fill the SMs twice over, keeping at least 4 K steps per program
-    return GemmShape(block_m, block_n, split)
+    return GemmShape(block_m, block_n, split, warps, row_major=m == 1, magic=True,
+                     step_spans=spans)
 
 
 def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                    group_k: int, dtype: torch.dtype) -> torch.Tensor:
-    """The weight [N, K] in dtype."""
+                    group_k: int, dtype: torch.dtype, magic: bool = False) -> torch.Tensor:
+    """The weight [N, K] in dtype (magic: _code_values' MAGIC)."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     block_k = block_k_for(k, group_k)
     assert block_k is not None
     weight = torch.empty(n, k, dtype=dtype, device=qweight.device)
     block_n = 64
     _int4_dequant_kernel[(triton.cdiv(n, block_n), k // block_k)](
-        qweight, scales, zeros if zeros is not None else qweight, weight, n, k,
+        qweight, scales, zeros if zeros is not None else qweight, weight, n, k, k // 8,
         scales.shape[1], group_k, HAS_ZEROS=zeros is not None, BLOCK_N=block_n,
-        BLOCK_K=block_k)
+        BLOCK_K=block_k, MAGIC=magic)
     return weight
 
 
@@ -259,28 +337,33 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return torch.nn.functional.linear(x, weight, bias)
     if shape is None:
         shape = _gemm_shape(m, n, k, block_k, _sm_count(x.device))
-    block_m, block_n, split, warps, stages, repeat, row_major = shape
+    block_m, block_n, split, warps, stages, repeat, row_major, magic, nibble_major, spans = shape
     out_dtype = x.dtype if split == 1 else torch.float32
     out = torch.empty((split, m, n) if split > 1 else (m, n), dtype=out_dtype, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
     zeros_or_any = zeros if zeros is not None else qweight
     bias_or_any = bias if bias is not None else scales
     common = dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None and split == 1,
-                  BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, REPEAT_LOADS=repeat,
+                  BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, MAGIC=magic,
                   num_warps=warps, num_stages=stages)
+    tiles = dict(REPEAT_LOADS=repeat, NIBBLE_MAJOR=nibble_major)
+    assert k % (block_k * spans) == 0 or (block_m == 1 and not row_major), \
+        "a K step's spans must divide K"
     if block_m == 1 and row_major:
         assert m == 1, "the GEMV takes one row"
-        common.pop("REPEAT_LOADS")
+        del common["BLOCK_K"]
         _int4_gemv_rows_kernel[grid](x2, qweight, scales, zeros_or_any, bias_or_any, out, n, k,
-                                     scales.shape[1], group_k, **common)
+                                     k // 8, scales.shape[1], group_k, SPAN=block_k,
+                                     STEP_SPANS=spans, **common)
     elif block_m == 1:
         assert m == 1, "the GEMV takes one row"
         _int4_gemv_kernel[grid](x2, qweight, scales, zeros_or_any, bias_or_any, out, n, k,
-                                scales.shape[1], group_k, **common)
+                                k // 8, scales.shape[1], group_k, **common, **tiles)
     else:
         _int4_gemm_kernel[grid](x2, qweight, scales, zeros_or_any, bias_or_any, out, m, n, k,
-                                x2.stride(0), scales.shape[1], group_k,
-                                IEEE=x.dtype == torch.float32, BLOCK_M=block_m, **common)
+                                k // 8, x2.stride(0), scales.shape[1], group_k,
+                                IEEE=x.dtype == torch.float32, BLOCK_M=block_m, **common,
+                                **tiles, STEP_SPANS=spans)
     if split > 1:
         summed = out.sum(dim=0)
         if bias is not None:
