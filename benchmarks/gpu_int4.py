@@ -73,15 +73,16 @@ def _check(x, weights) -> float:
 
 def _candidates(m: int, default: int4_gemm.GemmShape) -> list[int4_gemm.GemmShape]:
     """The launch shapes --sweep times for m rows: at one row the row-major GEMV (codes through
-    the exponent bits or converted) and the K-major one (word- or nibble-major tiles); else the
-    tensor-core kernel's tiles, split K, and the same two unpacking choices."""
+    the exponent bits, shifted or in place, or converted) and the K-major one; else the
+    tensor-core kernel's tiles, split K, word- or nibble-major tiles, one or two spans a step."""
     shape = int4_gemm.GemmShape
     if m == 1:
-        rows = [shape(1, block_n, split, warps, 3, row_major=True, magic=True, step_spans=spans)
-                for block_n, split, warps, spans in itertools.product(
-                    (8, 16, 32), (1, 2), (1, 2, 4), (4, 8))]
+        rows = [shape(1, block_n, split, warps, 3, row_major=True, magic=True, step_spans=spans,
+                      in_place=in_place)
+                for block_n, split, warps, spans, in_place in itertools.product(
+                    (8, 16), (1,), (1, 2, 4), (4, 8), (False, True))]
         converted = [shape(1, 16, 1, 4, 3, row_major=True, step_spans=8)]
-        k_major = [shape(1, 64, split, 4, 3, magic=True) for split in (1, 4)]
+        k_major = [shape(1, 64, 4, 4, 3, magic=True)]
         return rows + converted + k_major
     return [shape(default.block_m, block_n, split, 4, 3, magic=True, nibble_major=nibble,
                   step_spans=spans)

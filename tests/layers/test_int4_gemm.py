@@ -57,10 +57,10 @@ def test_a_long_k_splits_over_programs() -> None:
     shape = int4_gemm._gemm_shape(16, 64, 2048, 128, 4)
     assert (shape.block_m, shape.block_n, shape.split_k) == (16, 64, 4)
     one_row = int4_gemm._gemm_shape(1, 64, 8192, 128, 4)  # 8 spans of 128 a step: 8 steps
-    assert one_row.row_major and one_row.magic
+    assert one_row.row_major and one_row.magic and one_row.in_place
     assert (one_row.block_n, one_row.step_spans, one_row.split_k) == (8, 8, 1)
     wide = int4_gemm._gemm_shape(1, 16384, 4096, 128, 4)
-    assert (wide.block_n, wide.step_spans, wide.num_warps) == (8, 4, 1)
+    assert (wide.block_n, wide.step_spans, wide.num_warps) == (16, 4, 1)
 
 
 @pytest.mark.parametrize("shape", [int4_gemm.GemmShape(1, 32, 2, repeat_loads=True),
@@ -70,6 +70,8 @@ def test_a_long_k_splits_over_programs() -> None:
                                    int4_gemm.GemmShape(1, 16, 1, row_major=True, magic=True,
                                                        step_spans=4),
                                    int4_gemm.GemmShape(1, 8, 2, row_major=True, step_spans=2),
+                                   int4_gemm.GemmShape(1, 8, 1, row_major=True, magic=True,
+                                                       step_spans=4, in_place=True),
                                    int4_gemm.GemmShape(16, 32, 1, repeat_loads=True,
                                                        magic=True),
                                    int4_gemm.GemmShape(16, 64, 4, nibble_major=True),

@@ -6,8 +6,10 @@ scales [N, G] and zero points [N, G] (uint8, or none: 8) over groups of `group_k
 
   * One row (decode at batch 1): a GEMV that reads the words as the bf16 GEMV reads weights
     (kernels/gemv.py: a few rows a program, 512 contiguous bytes of each a step, 16-byte loads)
-    and turns codes into float32 through the exponent bits (_code_values); its speed is bound
-    by the unpacking's instructions, not by HBM (see the H100 figures in `_gemm_shape`).
+    and turns codes into float32 through the exponent bits where they lie (_nibbles_in_place).
+    Its speed is bound by issued instructions (an AND-OR, an add and a multiply-add per code,
+    and the activations' moves into the tile's layout), not by HBM: on an H100 it takes 2.1-2.7x
+    the time of the bf16 GEMV over as many bytes (figures in `_gemm_shape`).
   * Up to DEQUANT_MIN_ROWS rows (decode, small prefills): one Triton kernel unpacks each
     [BLOCK_K, BLOCK_N] tile of codes in registers ((q - z) * s, in float32, then the
     activations' dtype) and feeds the tensor cores; the weight is read once, at half a byte per
@@ -150,10 +152,34 @@ def _int4_gemv_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, N, K, k_word
 
 
 @triton.jit
+def _nibbles_in_place(words, a_ptr, x_offs, zero, nibble_mask):
+    """sum over the 8 nibbles of each word of (q - z) * x, float32 (the shape of words), codes
+    read where they lie: nibble j (j < 4) of words and of words >> 16, masked in place and
+    OR-ed into the mantissa of 2**23, is 2**23 + q * 16**j exactly; less 2**23 + z * 16**j it
+    is (q - z) * 16**j, which meets x * 16**-j. One AND-OR (LOP3) per code, where a shift and
+    a bit-field extract came first. nibble_mask (15) is an argument so that the four masks stay
+    in registers (as constants each AND-OR would need its own move: LOP3 takes one
+    immediate). x_offs: word w's first feature, 8w (+ the step's start)."""
+    high = words >> 16
+    part = tl.zeros(words.shape, tl.float32)
+    for j in tl.static_range(4):
+        mask = nibble_mask << (4 * j)
+        offset = (zero * (16.0 ** j) + 8388608.0)[:, :, None]
+        x_low = tl.load(a_ptr + x_offs + j).to(tl.float32) * (1.0 / 16.0 ** j)
+        x_high = tl.load(a_ptr + x_offs + j + 4).to(tl.float32) * (1.0 / 16.0 ** j)
+        low = ((words & mask) | 0x4B000000).to(tl.float32, bitcast=True) - offset
+        part += low * x_low[None, :, :]
+        upper = ((high & mask) | 0x4B000000).to(tl.float32, bitcast=True) - offset
+        part += upper * x_high[None, :, :]
+    return part
+
+
+@triton.jit
 def _int4_gemv_rows_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, N, K, k_words,
                            groups, group_k, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                            BLOCK_N: tl.constexpr, SPAN: tl.constexpr, STEP_SPANS: tl.constexpr,
-                           SPLIT_K: tl.constexpr, MAGIC: tl.constexpr):
+                           SPLIT_K: tl.constexpr, MAGIC: tl.constexpr, nibble_mask=15,
+                           IN_PLACE: tl.constexpr = False):
     """One row, the weight read as the bf16 GEMV reads it (kernels/gemv.py): each step a
     [BLOCK_N, STEP_SPANS, SPAN / 8] tile of words, K contiguous along each weight row (vector
     loads, STEP_SPANS * SPAN / 2 bytes a row), where a span of SPAN features lies in one group
@@ -161,7 +187,7 @@ def _int4_gemv_rows_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, N, K, k
     strided load from L1); each span's products are scaled by its group's scale and reduced
     over K only at the end. k_words (K / 8, the row stride) is an argument rather than computed
     so that Triton sees its divisibility by 16 and loads 16 bytes a thread (computed in the
-    kernel, it let Triton prove 8)."""
+    kernel, it let Triton prove 8). IN_PLACE: _nibbles_in_place (MAGIC implied)."""
     BLOCK_K: tl.constexpr = SPAN * STEP_SPANS
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -182,11 +208,14 @@ def _int4_gemv_rows_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, N, K, k
             zero = tl.load(z_ptr + where, mask=mask_n[:, None], other=8).to(tl.float32)
         else:
             zero = tl.full((BLOCK_N, STEP_SPANS), 8.0, tl.float32)
-        offset = _zero_offset(zero, MAGIC)[:, :, None]
-        part = tl.zeros((BLOCK_N, STEP_SPANS, SPAN // 8), tl.float32)
-        for i in tl.static_range(8):
-            a = tl.load(a_ptr + k0 + step_words * 8 + i).to(tl.float32)
-            part += _code_values(words >> (4 * i), offset, MAGIC) * a[None, :, :]
+        if IN_PLACE:
+            part = _nibbles_in_place(words, a_ptr, k0 + step_words * 8, zero, nibble_mask)
+        else:
+            offset = _zero_offset(zero, MAGIC)[:, :, None]
+            part = tl.zeros((BLOCK_N, STEP_SPANS, SPAN // 8), tl.float32)
+            for i in tl.static_range(8):
+                a = tl.load(a_ptr + k0 + step_words * 8 + i).to(tl.float32)
+                part += _code_values(words >> (4 * i), offset, MAGIC) * a[None, :, :]
         acc += part * scale[:, :, None]
     _store_row(tl.sum(tl.sum(acc, axis=2), axis=1), bias_ptr, c_ptr, offs_n, mask_n, pid_k, N,
                HAS_BIAS, SPLIT_K)
@@ -279,18 +308,21 @@ class GemmShape(NamedTuple):
     magic: bool = False  # codes to float32 through the exponent bits (_code_values)
     nibble_major: bool = False  # _unpacked_tile's NIBBLE_MAJOR
     step_spans: int = 1  # row-major GEMV, tensor cores: BLOCK_K-feature spans per K step
+    in_place: bool = False  # the row-major GEMV: _nibbles_in_place
 
 
 def _gemm_shape(m: int, n: int, k: int, block_k: int, sms: int) -> GemmShape:
-    """The launch shape for M rows. One row: the row-major GEMV, 8 rows a program, over 8
-    spans a step (512 bytes of each weight row), or for wide products (gate|up) 4 spans and one
-    warp; the best of benchmarks/gpu_int4.py --sweep on an H100 at Llama-3.1-8B's products
-    (q|k|v 12.9, o 10.0, gate|up 43.0, down 28.0 us). More rows: tensor-core tiles, codes
-    through the exponent bits (the sweep's best tiles at 16 rows, within 5%)."""
+    """The launch shape for M rows. One row: the row-major GEMV with codes read in place, 8
+    rows a program over 8 spans a step (512 bytes of each weight row), or for wide products
+    (gate|up) 16 rows, 4 spans and one warp; the best of benchmarks/gpu_int4.py --sweep on an
+    H100 at Llama-3.1-8B's products (q|k|v 13.3, o 10.1, gate|up 39.9, down 28.8 us). More
+    rows: tensor-core tiles, codes through the exponent bits (the sweep's best tiles at 16
+    rows, within 5%)."""
     if m == 1:
         wide = n >= 16384
         spans = next(s for s in ((4, 2, 1) if wide else (8, 4, 2, 1)) if k % (block_k * s) == 0)
-        block_m, block_n, step_k, warps = 1, 8, block_k * spans, 1 if wide else 4
+        block_m, step_k = 1, block_k * spans
+        block_n, warps = (16, 1) if wide else (8, 4)
     else:
         spans, warps = 1, 4
         block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
@@ -301,7 +333,7 @@ def _gemm_shape(m: int, n: int, k: int, block_k: int, sms: int) -> GemmShape:
     while tiles * split < 2 * sms and split * 2 <= steps // 4 and split < 16:
         split *= 2  # fill the SMs twice over, keeping at least 4 K steps per program
     return GemmShape(block_m, block_n, split, warps, row_major=m == 1, magic=True,
-                     step_spans=spans)
+                     step_spans=spans, in_place=m == 1)
 
 
 def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -337,7 +369,8 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return torch.nn.functional.linear(x, weight, bias)
     if shape is None:
         shape = _gemm_shape(m, n, k, block_k, _sm_count(x.device))
-    block_m, block_n, split, warps, stages, repeat, row_major, magic, nibble_major, spans = shape
+    (block_m, block_n, split, warps, stages, repeat, row_major, magic, nibble_major, spans,
+     in_place) = shape
     out_dtype = x.dtype if split == 1 else torch.float32
     out = torch.empty((split, m, n) if split > 1 else (m, n), dtype=out_dtype, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
@@ -354,7 +387,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         del common["BLOCK_K"]
         _int4_gemv_rows_kernel[grid](x2, qweight, scales, zeros_or_any, bias_or_any, out, n, k,
                                      k // 8, scales.shape[1], group_k, SPAN=block_k,
-                                     STEP_SPANS=spans, **common)
+                                     STEP_SPANS=spans, IN_PLACE=in_place, **common)
     elif block_m == 1:
         assert m == 1, "the GEMV takes one row"
         _int4_gemv_kernel[grid](x2, qweight, scales, zeros_or_any, bias_or_any, out, n, k,
