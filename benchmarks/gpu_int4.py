@@ -72,22 +72,21 @@ def _check(x, weights) -> float:
 
 
 def _candidates(m: int, default: int4_gemm.GemmShape) -> list[int4_gemm.GemmShape]:
-    """The launch shapes --sweep times for m rows: at one row the row-major GEMV (codes through
-    the exponent bits, shifted or in place, or converted) and the K-major one; else the
-    tensor-core kernel's tiles, split K, word- or nibble-major tiles, one or two spans a step."""
+    """The launch shapes --sweep times for m rows: at one row the GEMV (codes through the
+    exponent bits, shifted or in place, or converted); else the tensor-core kernel's tiles,
+    split K, one or two spans a step, zero points and scales before or after (fold) each
+    tile's product."""
     shape = int4_gemm.GemmShape
     if m == 1:
-        rows = [shape(1, block_n, split, warps, 3, row_major=True, magic=True, step_spans=spans,
+        rows = [shape(1, block_n, split, warps, 3, magic=True, step_spans=spans,
                       in_place=in_place)
                 for block_n, split, warps, spans, in_place in itertools.product(
                     (8, 16), (1,), (1, 2, 4), (4, 8), (False, True))]
-        converted = [shape(1, 16, 1, 4, 3, row_major=True, step_spans=8)]
-        k_major = [shape(1, 64, 4, 4, 3, magic=True)]
-        return rows + converted + k_major
-    return [shape(default.block_m, block_n, split, 4, 3, magic=True, nibble_major=nibble,
-                  step_spans=spans)
-            for block_n, split, nibble, spans in itertools.product(
-                (32, 64, 128), (1, 2, 4), (False, True), (1, 2))]
+        return rows + [shape(1, 16, 1, 4, 3, step_spans=8)]  # codes converted
+    return [shape(default.block_m, block_n, split, 4, 3, magic=True, step_spans=spans,
+                  fold=fold)
+            for block_n, split, spans, fold in itertools.product(
+                (32, 64, 128), (1, 2, 4), (1, 2), (False, True))]
 
 
 def main() -> int:

@@ -89,45 +89,19 @@ def _zero_offset(zero, MAGIC: tl.constexpr):
 
 
 @triton.jit
-def _tile_features(k0, BLOCK_K: tl.constexpr, NIBBLE_MAJOR: tl.constexpr):
-    """The input feature of each row of _unpacked_tile's tile at k0: k0, k0 + 1, ... or, with
-    NIBBLE_MAJOR, nibble i of every word before nibble i + 1 (row i * BLOCK_K / 8 + w holds
-    feature k0 + 8w + i). A product is the same in any feature order, as long as the
-    activations are read in the tile's."""
-    rows = tl.arange(0, BLOCK_K)
-    if NIBBLE_MAJOR:
-        features = k0 + (rows % (BLOCK_K // 8)) * 8 + rows // (BLOCK_K // 8)
-    else:
-        features = k0 + rows
-    return features
-
-
-@triton.jit
 def _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups, group_k,
                    HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                   REPEAT_LOADS: tl.constexpr = False, MAGIC: tl.constexpr = False,
-                   NIBBLE_MAJOR: tl.constexpr = False):
-    """The weight's [BLOCK_K, BLOCK_N] tile at input feature k0 (transposed), float32, its rows
-    in _tile_features' order. REPEAT_LOADS: each feature loads its own word (8 loads of one
-    address, served by L1) and shifts it, instead of one load per word whose 8 nibbles are
-    spread by a reshape: word-major (row 8w + i is word w's nibble i), or NIBBLE_MAJOR (the 8
-    shifted copies of the words tile stacked, which merges leading axes only). MAGIC: see
-    _code_values."""
-    if REPEAT_LOADS:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        words = tl.load(qw_ptr + offs_n[None, :] * k_words + (offs_k // 8)[:, None],
-                        mask=mask_n[None, :], other=0)  # [BLOCK_K, BLOCK_N]
-        bits = words >> ((offs_k % 8) * 4)[:, None]
-    else:
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(qw_ptr + offs_n[None, :] * k_words + offs_w[:, None],
-                        mask=mask_n[None, :], other=0)  # [BLOCK_K / 8, BLOCK_N]
-        shifts = tl.arange(0, 8) * 4
-        if NIBBLE_MAJOR:
-            bits = words[None, :, :] >> shifts[:, None, None]  # [8, BLOCK_K / 8, BLOCK_N]
-        else:
-            bits = words[:, None, :] >> shifts[None, :, None]  # [BLOCK_K / 8, 8, BLOCK_N]
-        bits = tl.reshape(bits, (BLOCK_K, BLOCK_N))
+                   MAGIC: tl.constexpr = False):
+    """The weight's [BLOCK_K, BLOCK_N] tile at input feature k0 (transposed), float32: one load
+    per word, its 8 nibbles spread by a reshape (row 8w + i is word w's nibble i). MAGIC: see
+    _code_values. (Session 47-48 sweeps: a load per feature, or the nibbles stacked
+    nibble-major with the activations read to match, were never faster.)"""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(qw_ptr + offs_n[None, :] * k_words + offs_w[:, None],
+                    mask=mask_n[None, :], other=0)  # [BLOCK_K / 8, BLOCK_N]
+    shifts = tl.arange(0, 8) * 4
+    bits = words[:, None, :] >> shifts[None, :, None]  # [BLOCK_K / 8, 8, BLOCK_N]
+    bits = tl.reshape(bits, (BLOCK_K, BLOCK_N))
     # group_k is a multiple of BLOCK_K: one group per tile
     scale, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, mask_n, k0 // group_k, groups,
                                     HAS_ZEROS, BLOCK_N)
@@ -148,29 +122,6 @@ def _biased_code_tile(qw_ptr, offs_n, mask_n, k0, k_words, BLOCK_K: tl.constexpr
     bits = ((words[:, None, :] >> shifts[None, :, None]) & 0xF) | FOLD_BITS
     tile = bits.to(tl.int16).to(DTYPE, bitcast=True)
     return tl.reshape(tile, (BLOCK_K, BLOCK_N))
-
-
-@triton.jit
-def _int4_gemv_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, N, K, k_words, groups,
-                      group_k,
-                      HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                      REPEAT_LOADS: tl.constexpr, MAGIC: tl.constexpr,
-                      NIBBLE_MAJOR: tl.constexpr):
-    """One row: c = a @ dequant(w).T (+ bias) as multiply-adds over _unpacked_tile's
-    [BLOCK_K, BLOCK_N] tiles, no tensor cores; with SPLIT_K > 1, c is float32 [SPLIT_K, 1, N]
-    partial sums (no bias)."""
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_N,), tl.float32)
-    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-        a = tl.load(a_ptr + _tile_features(k0, BLOCK_K, NIBBLE_MAJOR)).to(tl.float32)
-        w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups, group_k,
-                           HAS_ZEROS, BLOCK_K, BLOCK_N, REPEAT_LOADS, MAGIC, NIBBLE_MAJOR)
-        acc += tl.sum(w * a[:, None], axis=0)
-    _store_row(acc, bias_ptr, c_ptr, offs_n, mask_n, pid_k, N, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
@@ -248,8 +199,7 @@ def _int4_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K, k_w
                       stride_am, groups, group_k, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                       IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                      REPEAT_LOADS: tl.constexpr, MAGIC: tl.constexpr,
-                      NIBBLE_MAJOR: tl.constexpr, STEP_SPANS: tl.constexpr,
+                      MAGIC: tl.constexpr, STEP_SPANS: tl.constexpr,
                       FOLD: tl.constexpr = False, FOLD_BITS: tl.constexpr = 0,
                       FOLD_BASE: tl.constexpr = 0.0):
     """c = a @ dequant(w).T (+ bias); with SPLIT_K > 1, c is float32 [SPLIT_K, M, N]
@@ -264,6 +214,7 @@ def _int4_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K, k_w
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
@@ -271,8 +222,7 @@ def _int4_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K, k_w
     for k_step in range(pid_k * BLOCK_K * STEP_SPANS, K, BLOCK_K * STEP_SPANS * SPLIT_K):
         for j in tl.static_range(STEP_SPANS):  # spans side by side: longer reads of each row
             k0 = k_step + j * BLOCK_K
-            features = _tile_features(k0, BLOCK_K, NIBBLE_MAJOR)
-            a = tl.load(a_ptr + offs_m[:, None] * stride_am + features[None, :],
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :],
                         mask=mask_m[:, None], other=0.0)
             if FOLD:
                 part = tl.dot(a, _biased_code_tile(qw_ptr, offs_n, mask_n, k0, k_words, BLOCK_K,
@@ -283,13 +233,11 @@ def _int4_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K, k_w
                 acc += (part - a_sum[:, None] * (zero + FOLD_BASE)[None, :]) * scale[None, :]
             elif IEEE:
                 w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups,
-                                   group_k, HAS_ZEROS, BLOCK_K, BLOCK_N, REPEAT_LOADS, MAGIC,
-                                   NIBBLE_MAJOR).to(a.dtype)
+                                   group_k, HAS_ZEROS, BLOCK_K, BLOCK_N, MAGIC).to(a.dtype)
                 acc += tl.dot(a, w, input_precision="ieee")
             else:
                 w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups,
-                                   group_k, HAS_ZEROS, BLOCK_K, BLOCK_N, REPEAT_LOADS, MAGIC,
-                                   NIBBLE_MAJOR).to(a.dtype)
+                                   group_k, HAS_ZEROS, BLOCK_K, BLOCK_N, MAGIC).to(a.dtype)
                 acc += tl.dot(a, w)
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -311,7 +259,7 @@ def _int4_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, k_words, groups, gro
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     tile = _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups, group_k,
-                          HAS_ZEROS, BLOCK_K, BLOCK_N, False, MAGIC)  # [BLOCK_K, BLOCK_N]
+                          HAS_ZEROS, BLOCK_K, BLOCK_N, MAGIC)  # [BLOCK_K, BLOCK_N]
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + offs_n[None, :] * K + offs_k[:, None], tile.to(w_ptr.dtype.element_ty),
              mask=mask_n[None, :])
@@ -338,15 +286,12 @@ def _sm_count(device: torch.device) -> int:
 
 
 class GemmShape(NamedTuple):
-    block_m: int  # 1: the multiply-add GEMV (one row); else the tensor-core kernel's row tile
+    block_m: int  # 1: the row-major GEMV (one row); else the tensor-core kernel's row tile
     block_n: int
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
-    repeat_loads: bool = False  # _unpacked_tile's REPEAT_LOADS
-    row_major: bool = False  # one row: _int4_gemv_rows_kernel (weight rows, K last)
     magic: bool = False  # codes to float32 through the exponent bits (_code_values)
-    nibble_major: bool = False  # _unpacked_tile's NIBBLE_MAJOR
     step_spans: int = 1  # row-major GEMV, tensor cores: BLOCK_K-feature spans per K step
     in_place: bool = False  # the row-major GEMV: _nibbles_in_place
     fold: bool = False  # tensor cores, half precision: _int4_gemm_kernel's FOLD
@@ -373,8 +318,8 @@ def _gemm_shape(m: int, n: int, k: int, block_k: int, sms: int) -> GemmShape:
     steps = k // step_k
     while tiles * split < 2 * sms and split * 2 <= steps // 4 and split < 16:
         split *= 2  # fill the SMs twice over, keeping at least 4 K steps per program
-    return GemmShape(block_m, block_n, split, warps, row_major=m == 1, magic=True,
-                     step_spans=spans, in_place=m == 1, fold=m > 1 and FOLD_BY_DEFAULT)
+    return GemmShape(block_m, block_n, split, warps, magic=True, step_spans=spans,
+                     in_place=m == 1, fold=m > 1 and FOLD_BY_DEFAULT)
 
 
 # FOLD's base per activation dtype: its bit pattern (a code OR-ed in is base + code) and value
@@ -422,34 +367,26 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return torch.nn.functional.linear(x, weight, bias)
     if shape is None:
         shape = _gemm_shape(m, n, k, block_k, _sm_count(x.device))
-    (block_m, block_n, split, warps, stages, repeat, row_major, magic, nibble_major, spans,
-     in_place, fold) = shape
+    block_m, block_n, split, warps, stages, magic, spans, in_place, fold = shape
+    assert k % (block_k * spans) == 0, "a K step's spans must divide K"
+    assert block_m > 1 or m == 1, "the GEMV takes one row"
     out_dtype = x.dtype if split == 1 else torch.float32
     out = torch.empty((split, m, n) if split > 1 else (m, n), dtype=out_dtype, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
     zeros_or_any = zeros if zeros is not None else qweight
     bias_or_any = bias if bias is not None else scales
     common = dict(HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None and split == 1,
-                  BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, MAGIC=magic,
+                  BLOCK_N=block_n, SPLIT_K=split, MAGIC=magic, STEP_SPANS=spans,
                   num_warps=warps, num_stages=stages)
-    tiles = dict(REPEAT_LOADS=repeat, NIBBLE_MAJOR=nibble_major)
-    assert k % (block_k * spans) == 0 or (block_m == 1 and not row_major), \
-        "a K step's spans must divide K"
-    if block_m == 1 and row_major:
-        assert m == 1, "the GEMV takes one row"
-        del common["BLOCK_K"]
+    if block_m == 1:
         _int4_gemv_rows_kernel[grid](x2, qweight, scales, zeros_or_any, bias_or_any, out, n, k,
                                      k // 8, scales.shape[1], group_k, SPAN=block_k,
-                                     STEP_SPANS=spans, IN_PLACE=in_place, **common)
-    elif block_m == 1:
-        assert m == 1, "the GEMV takes one row"
-        _int4_gemv_kernel[grid](x2, qweight, scales, zeros_or_any, bias_or_any, out, n, k,
-                                k // 8, scales.shape[1], group_k, **common, **tiles)
+                                     IN_PLACE=in_place, **common)
     else:
         _int4_gemm_kernel[grid](x2, qweight, scales, zeros_or_any, bias_or_any, out, m, n, k,
                                 k // 8, x2.stride(0), scales.shape[1], group_k,
-                                IEEE=x.dtype == torch.float32, BLOCK_M=block_m, **common,
-                                **tiles, STEP_SPANS=spans, **_fold_args(fold, x.dtype))
+                                IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
+                                BLOCK_K=block_k, **common, **_fold_args(fold, x.dtype))
     if split > 1:
         summed = out.sum(dim=0)
         if bias is not None:
