@@ -34,6 +34,8 @@ class ServerArgs:
     skip_tokenizer_init: bool = False
     # an embedding model: requests return the last token's final hidden state, L2-normalised
     is_embedding: bool = False
+    # LoRA adapters served beside the base model: NAME=PATH or PATH entries (lora_adapters())
+    lora_paths: list[str] | None = None
     trust_remote_code: bool = False
     # a JSON object whose keys replace the model config's (SGLang's flag), e.g.
     # '{"num_hidden_layers": 5}' for a shape run of a model too large for the device
@@ -197,10 +199,29 @@ class ServerArgs:
                 self.speculative_ngram_max_match_window_size:
             raise ValueError("--speculative-ngram-min-match-window-size must not exceed "
                              "--speculative-ngram-max-match-window-size")
+        if self.lora_adapters():  # per-request adapters: eager passes, no shared prefixes
+            if self.speculative_algorithm is not None or self.is_embedding:
+                raise ValueError("--lora-paths serves generation without speculative decoding")
+            self.disable_cuda_graph = True
+            self.disable_radix_cache = True
         if self.disable_radix_cache and self.schedule_policy in ("lpm", "dfs-weight"):
             self.schedule_policy = "fcfs"  # cache-aware policies need the cache
         self.resolved = True
         return self
+
+    def lora_adapters(self) -> dict[str, str]:
+        """--lora-paths as name -> path (an entry without NAME= is named by its path);
+        ValueError for an empty or repeated name."""
+        adapters: dict[str, str] = {}
+        for entry in self.lora_paths or ():
+            name, sep, path = entry.partition("=")
+            if not sep:
+                name, path = entry, entry
+            if not name or not path or name in adapters:
+                raise ValueError(f"--lora-paths entry {entry!r}: give NAME=PATH with a new "
+                                 "name, or a PATH")
+            adapters[name] = path
+        return adapters
 
     def model_overrides(self) -> dict[str, Any]:
         """--json-model-override-args as a dict ({} without it); ValueError unless it is a

@@ -63,6 +63,8 @@ class ModelWorkerBatch:
     # row, for the prefix cache to keep there (mem/hybrid_radix_cache.py: before a prompt's
     # last token, and where a prompt parts from a cached one)
     state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
+    # per request, its LoRA adapter's name or None (empty: none in the pass)
+    lora_names: list[str | None] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:

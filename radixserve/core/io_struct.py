@@ -22,6 +22,7 @@ class TokenizedGenerateReq:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
+    lora_name: str | None = None  # a --lora-paths adapter, or the base model
 
 
 @dataclass

@@ -34,8 +34,9 @@ class Req:
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
                  input_text: str | None = None, return_logprob: bool = False,
                  logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                 stream: bool = False) -> None:
+                 stream: bool = False, lora_name: str | None = None) -> None:
         self.rid = rid
+        self.lora_name = lora_name  # its LoRA adapter (--lora-paths), or None: the base model
         self.origin_input_text = input_text
         self.origin_input_ids = list(input_ids)
         self.sampling_params = sampling_params

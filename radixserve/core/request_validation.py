@@ -22,6 +22,7 @@ class RequestLimits:
     vocab_size: int
     max_total_tokens: int | None = None  # KV cache size, in tokens
     max_prefill_tokens: int | None = None  # the longest prompt when chunked prefill is off
+    lora_names: tuple[str, ...] = ()  # the LoRA adapters served (--lora-paths)
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -35,7 +36,15 @@ class RequestLimits:
     @classmethod
     def from_model_info(cls, info: dict[str, Any]) -> "RequestLimits":
         return cls(int(info["context_len"]), int(info.get("vocab_size") or 0),
-                   info.get("max_total_num_tokens"), info.get("max_prefill_tokens"))
+                   info.get("max_total_num_tokens"), info.get("max_prefill_tokens"),
+                   tuple(info.get("lora_adapters") or ()))
+
+
+def check_lora_name(name: str | None, limits: RequestLimits) -> None:
+    """A request's LoRA adapter must be one the server loaded (None: the base model)."""
+    if name is not None and name not in limits.lora_names:
+        served = ", ".join(repr(n) for n in limits.lora_names) or "none"
+        raise InvalidRequestError(f"unknown LoRA adapter {name!r} (served: {served})")
 
 
 def _ids_in_range(input_ids: list[int], vocab_size: int) -> bool:

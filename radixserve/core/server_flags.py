@@ -26,6 +26,10 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
     "tokenizer_path": (MODEL, "tokenizer folder, when not the model's", None),
     "revision": (MODEL, "branch, tag or commit of a hub model (the same as "
                         "--model-path org/name@revision)", None),
+    "lora_paths": (MODEL, "LoRA adapters (PEFT folders) served beside the base model, each "
+                          "NAME=PATH or PATH (named by itself); a request picks one by name "
+                          "(native lora_path, OpenAI model); runs without CUDA graphs and "
+                          "without the radix cache", None),
     "json_model_override_args": (MODEL, "a JSON object whose keys replace the model "
                                         "config's (config.json, or a GGUF's mapped config), "
                                         "e.g. '{\"num_hidden_layers\": 5}' for a shape run "
@@ -178,7 +182,8 @@ def add_flags(parser: argparse.ArgumentParser, fields: Iterable[dataclasses.Fiel
         if isinstance(default, bool):
             sections[group].add_argument(flag, action="store_true", default=default, help=text)
             continue
-        sections[group].add_argument(flag, type=_type_of(field), default=default,
+        nargs = "+" if str(field.type).startswith("list[") else None
+        sections[group].add_argument(flag, type=_type_of(field), default=default, nargs=nargs,
                                      choices=choices, help=_with_default(text, default))
 
 

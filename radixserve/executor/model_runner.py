@@ -23,6 +23,7 @@ from radixserve.distributed.parallel_state import destroy_tensor_parallel, init_
 from radixserve.executor.embedding import (adapt_for_embedding, configure_for_embedding,
                                           forward_embedding)
 from radixserve.executor.kv_calibration import calibrate_kv_scales
+from radixserve.executor.lora_manager import LoRAManager
 from radixserve.executor.memory_budget import hybrid_budget, max_kv_tokens, max_request_slots
 from radixserve.executor.pending_step import PendingStep
 from radixserve.executor.sampling_info import SamplingBatchInfo
@@ -118,6 +119,9 @@ class ModelRunner:
             timeout_s=self.server_args.dist_timeout, nnodes=self.server_args.nnodes,
             fingerprint=self._rank_fingerprint() if self.tp_size > 1 else None)
         self.model = self._load_model()
+        adapters = server_args.lora_adapters()  # --lora-paths: each into its slot, once
+        self.lora = LoRAManager(self.model, adapters, self.dtype, self.device) if adapters \
+            else None
         # hybrid models (Qwen3-Next, Qwen3.5): per-request states of the linear attention
         self.state_spec = recurrent_state_spec(self.model, self.dtype)
         self.state_pool: RecurrentStatePool | None = None
@@ -432,6 +436,8 @@ class ModelRunner:
         fb = ForwardBatch.from_worker_batch(batch, self.device, self.attn_backend)
         if input_ids is not None:
             fb.input_ids = input_ids
+        if self.lora is not None:
+            self.lora.prepare(batch)
         self.record_decode_slots(fb)  # before the metadata: a backend may read the table then
         self.attn_backend.init_forward_metadata(fb)
         return fb

@@ -24,6 +24,7 @@ from radixserve.layers.quantization.fp8 import (FP8_DTYPE, Fp8Config, Fp8Rows,
 from radixserve.layers.quantization.fp8_linear import (add_fp8_params, finish_fp8_loading,
                                                        fp8_linear, fp8_rows_linear,
                                                        takes_fp8_rows)
+from radixserve.layers.lora import LoRAStacks, add_lora
 from radixserve.layers.quantization.int4 import Int4Config, current_int4_config
 from radixserve.layers.quantization.int4_linear import (add_int4_params, finish_int4_loading,
                                                         int4_linear)
@@ -134,6 +135,7 @@ class LinearBase(nn.Module):
     group_k: int | None = None  # FP8 block scales: input columns per scale group on this rank
     # --quantization fp8 at tp > 1: the checkpoint's whole rows' maxima, until finish_loading
     checkpoint_row_amax: torch.Tensor | None = None
+    lora: "LoRAStacks | None" = None  # LoRA adapters' stacks (layers/lora.py), if adapted
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  tp_rank: int | None = None, tp_size: int | None = None,
@@ -189,7 +191,14 @@ class LinearBase(nn.Module):
         return linear(x, self.weight, bias)
 
     def forward(self, x: "torch.Tensor | Fp8Rows") -> torch.Tensor:
-        return self.product(x, self.bias)
+        return self.with_lora(x, self.product(x, self.bias))
+
+    def with_lora(self, x: "torch.Tensor | Fp8Rows", out: torch.Tensor) -> torch.Tensor:
+        """out plus the LoRA adapters' deltas of the pass's adapted rows, if any."""
+        if self.lora is None:
+            return out
+        assert isinstance(x, torch.Tensor), "LoRA layers take unquantised rows"
+        return add_lora(self, x, out)
 
     def takes_fp8_rows(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether rows of `dtype` activations quantised beforehand (per token, e4m3) go to
@@ -208,6 +217,8 @@ class LinearBase(nn.Module):
         if residual and self.tp_size > 1:  # the ranks' partial sums are reduced before the add
             return None
         if self.int4 is not None:  # packed int4 codes: the int4 kernels only
+            return None
+        if self.lora is not None:  # the adapters' deltas need the layer's own output
             return None
         if self.weight.stride(1) != 1:
             return None
@@ -367,8 +378,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1 or not self.reduce_results:
-            return self.product(x, self.bias)
-        return self.reduce_partial(self.product(x, None))
+            return self.with_lora(x, self.product(x, self.bias))
+        return self.reduce_partial(self.with_lora(x, self.product(x, None)))
 
     def reduce_partial(self, partial: torch.Tensor) -> torch.Tensor:
         """This layer's output from this rank's product without its bias, computed elsewhere

@@ -140,7 +140,8 @@ class GatedMLP(nn.Module):
             gate_up, down = self.gate_up_proj, self.down_proj
             if isinstance(self.act, SiluAndMul) and gate_up.bias is None and \
                     down.bias is None and gate_up.fp8 is None and down.fp8 is None and \
-                    gate_up.int4 is None and down.int4 is None:
+                    gate_up.int4 is None and down.int4 is None and \
+                    gate_up.lora is None and down.lora is None:
                 from radixserve.layers.kernels.dataflow_mlp import env_choice
                 self._dataflow = env_choice(down.weight.shape[0], down.weight.shape[1])
         if self._dataflow is None:

@@ -103,6 +103,7 @@ class BatchBuilder:
             sampling_info=self.sampling_info(reqs) if with_sampling else None,
             return_logprob=return_logprob,
             top_logprobs_nums=[r.top_logprobs_num for r in reqs],
+            lora_names=[r.lora_name for r in reqs],
         )
         if return_logprob:
             self._add_input_logprob_targets(batch, reqs)
@@ -147,6 +148,7 @@ class BatchBuilder:
             sampling_info=self.sampling_info(reqs) if with_sampling else None,
             return_logprob=any(r.return_logprob for r in reqs),
             top_logprobs_nums=[r.top_logprobs_num for r in reqs],
+            lora_names=[r.lora_name for r in reqs],
         )
 
 
@@ -165,4 +167,5 @@ def merge_mixed(extend: ModelWorkerBatch, decode: ModelWorkerBatch,
         sampling_info=sampling_info,
         top_logprobs_nums=extend.top_logprobs_nums + decode.top_logprobs_nums,
         state_snapshots=extend.state_snapshots,  # the extend requests keep their indices
+        lora_names=extend.lora_names + decode.lora_names,
     )

@@ -24,7 +24,7 @@ from radixserve.core.finish_reason import FinishReason
 from radixserve.core.io_struct import (BatchTokenIDOut, FlushCacheReply, InternalState,
                                        ReqError, TokenizedGenerateReq)
 from radixserve.core.req import Detokenizer, Req
-from radixserve.core.request_validation import RequestLimits, check_prompt
+from radixserve.core.request_validation import RequestLimits, check_lora_name, check_prompt
 from radixserve.core.sampling_params import InvalidRequestError
 from radixserve.mem.base_cache import BasePrefixCache
 from radixserve.scheduler.admission import PrefillAdder
@@ -127,8 +127,8 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin):
         return {"context_len": self.context_len, "max_total_num_tokens": self.max_total_num_tokens,
                 "vocab_size": self.runner.vocab_size, "eos_token_ids": sorted(self.eos_token_ids),
                 "max_running_requests": self.max_running_requests,
-                "max_prefill_tokens": None if self.args.chunked_prefill_enabled
-                else self.args.max_prefill_tokens}
+                "lora_adapters": list(self.args.lora_adapters()), "max_prefill_tokens":
+                None if self.args.chunked_prefill_enabled else self.args.max_prefill_tokens}
 
     # ---- requests in ----
     def add_request(self, msg: TokenizedGenerateReq) -> ReqError | None:
@@ -146,8 +146,8 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin):
             # hold up the queue behind it)
             params = dataclasses.replace(params, max_new_tokens=most,
                                          min_new_tokens=min(params.min_new_tokens, most))
-        req = Req(msg.rid, msg.input_ids, params, msg.input_text,
-                  msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num, msg.stream)
+        req = Req(msg.rid, msg.input_ids, params, msg.input_text, msg.return_logprob,
+                  msg.logprob_start_len, msg.top_logprobs_num, msg.stream, msg.lora_name)
         error = self.grammars.on_add(req)
         if error is not None:
             return ReqError(msg.rid, error)
@@ -159,6 +159,7 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin):
             return "an embedding model generates no tokens: ask /v1/embeddings or /encode"
         try:
             check_prompt(msg.input_ids, self.limits)
+            check_lora_name(msg.lora_name, self.limits)
         except InvalidRequestError as exc:
             return str(exc)
         return None

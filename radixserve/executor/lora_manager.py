@@ -1,0 +1,88 @@
+"""The LoRA adapters of --lora-paths on a built model: every adapter read at start-up and placed
+in its slot of the adapted layers' stacks (layers/lora.py), and before each pass the grouping of
+its tokens by the adapter their request named (ModelWorkerBatch.lora_names).
+
+An adapter's module names are the checkpoint's (q_proj, gate_proj, ...); the model's
+`packed_modules_mapping` and `checkpoint_prefixes` take them to the merged layers and shard ids
+the base weights load into, so a module of q|k|v or gate|up is a piece of the merged layer.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from radixserve.core.forward_batch import ModelWorkerBatch
+from radixserve.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+from radixserve.layers.lora import LoRABatch, attach_lora, load_lora_piece
+from radixserve.loader.checkpoint_error import CheckpointError
+from radixserve.loader.lora_adapter import LoRAAdapter, read_lora_adapter
+from radixserve.loader.weight_loading import renamed
+
+logger = logging.getLogger(__name__)
+
+
+def _pieces(layer: LinearBase) -> tuple[object, ...]:
+    """The shard ids a layer's weight loads in (None: one unmerged weight)."""
+    if isinstance(layer, QKVParallelLinear):
+        return ("q", "k", "v")
+    if isinstance(layer, MergedColumnParallelLinear):
+        return tuple(range(len(layer.output_sizes)))
+    return (None,)
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, adapter_paths: dict[str, str], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.slots = {name: slot for slot, name in enumerate(adapter_paths)}
+        self.batch = LoRABatch()
+        self.device = device
+        adapters = [read_lora_adapter(name, path) for name, path in adapter_paths.items()]
+        r_max = max(adapter.rank for adapter in adapters)
+        layers: dict[str, nn.Module] = dict(model.named_modules())
+        for slot, adapter in enumerate(adapters):
+            for module, (a, b) in adapter.modules.items():
+                layer, piece = self._target(model, layers, adapter, module)
+                if layer.lora is None:
+                    attach_lora(layer, len(adapters), r_max, _pieces(layer), self.batch,
+                                dtype, device)
+                load_lora_piece(layer, slot, piece, a.to(dtype), b.to(dtype))
+                layer.lora.scale[slot] = adapter.scale
+            logger.info("LoRA adapter %r: rank %d, scale %g, %d modules", adapter.name,
+                        adapter.rank, adapter.scale, len(adapter.modules))
+
+    @staticmethod
+    def _target(model: nn.Module, layers: dict[str, nn.Module], adapter: LoRAAdapter,
+                module: str) -> tuple[LinearBase, object]:
+        """The layer (and its shard id) that checkpoint module `module` loads into."""
+        name = renamed(module + ".", getattr(model, "checkpoint_prefixes", {}))[:-1]
+        parent, _, last = name.rpartition(".")
+        mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
+        piece = None
+        if last in mapping:
+            merged, piece = mapping[last]
+            name = f"{parent}.{merged}" if parent else merged
+        layer = layers.get(name)
+        if not isinstance(layer, LinearBase):
+            raise CheckpointError(f"LoRA adapter {adapter.name!r} adapts {module!r}, which is "
+                                  f"not a linear layer of {type(model).__name__}")
+        if layer.fp8 is not None or layer.int4 is not None:
+            raise CheckpointError(f"LoRA adapter {adapter.name!r}: {module!r} is quantised; "
+                                  "adapters apply to unquantised models only")
+        return layer, piece
+
+    def prepare(self, batch: ModelWorkerBatch) -> None:
+        """Group the pass's token rows by their request's adapter (tokens per request: its
+        extend length, or one in a decode step)."""
+        groups: dict[int, list[int]] = {}
+        names = batch.lora_names
+        if any(name is not None for name in names):
+            lens = batch.extend_seq_lens or [1] * batch.batch_size
+            start = 0
+            for name, length in zip(names, lens):
+                if name is not None:
+                    groups.setdefault(self.slots[name], []).extend(range(start, start + length))
+                start += length
+        self.batch.groups = [(slot, torch.tensor(rows, dtype=torch.long, device=self.device))
+                             for slot, rows in groups.items()]

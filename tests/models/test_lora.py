@@ -1,0 +1,126 @@
+"""LoRA adapters (--lora-paths) against transformers with each adapter merged into the weights
+(W + scale B A, the definition of LoRA): one batch mixes requests of two adapters and of the
+base model, and every request's greedy tokens equal its own merged model's (fp32)."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import radixserve
+from radixserve.core.request_validation import InvalidRequestError
+from radixserve.loader.checkpoint_error import CheckpointError
+from tests.models.tiny_checkpoints import make_checkpoint
+
+CHECKPOINT = "llama_gqa_llama3_rope"  # GQA: q, k and v pieces of different sizes
+ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapter(folder: Path, hf_model, modules: tuple[str, ...], rank: int, alpha: float,
+                  seed: int, rslora: bool = False, bin_file: bool = False,
+                  extra_config: dict | None = None) -> dict[str, tuple[torch.Tensor, ...]]:
+    """A PEFT-style adapter folder for `hf_model`; returns {module name: (A, B)}."""
+    folder.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors, pairs = {}, {}
+    for name, module in hf_model.named_modules():
+        if name.rsplit(".", 1)[-1] not in modules:
+            continue
+        out_features, in_features = module.weight.shape
+        a = torch.randn(rank, in_features, generator=gen) * 0.2
+        b = torch.randn(out_features, rank, generator=gen) * 0.2
+        tensors[f"base_model.model.{name}.lora_A.weight"] = a
+        tensors[f"base_model.model.{name}.lora_B.weight"] = b
+        pairs[name] = (a, b)
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_rslora": rslora,
+              "target_modules": list(modules), "bias": "none", "fan_in_fan_out": False,
+              **(extra_config or {})}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    if bin_file:
+        torch.save(tensors, folder / "adapter_model.bin")
+    else:
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return pairs
+
+
+def merged(hf_model, pairs, scale: float):
+    model = copy.deepcopy(hf_model)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name, (a, b) in pairs.items():
+            modules[name].weight += scale * (b @ a)
+    return model
+
+
+def hf_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
+                         min_new_tokens=new_tokens, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    hf_model = make_checkpoint(CHECKPOINT, root / "base")
+    every = write_adapter(root / "every", hf_model, ALL_MODULES, rank=4, alpha=8.0, seed=1)
+    qv = write_adapter(root / "qv", hf_model, ("q_proj", "v_proj"), rank=2, alpha=4.0, seed=2,
+                       rslora=True, bin_file=True)
+    references = {"every": merged(hf_model, every, 8.0 / 4), "qv":
+                  merged(hf_model, qv, 4.0 / math.sqrt(2)), None: hf_model}
+    engine = radixserve.Engine(str(root / "base"), skip_tokenizer_init=True, dtype="float32",
+                               device="cpu", max_total_tokens=2000,
+                               lora_paths=[f"every={root / 'every'}", f"qv={root / 'qv'}"])
+    yield engine, references, root
+    engine.shutdown()
+
+
+def test_a_batch_of_adapters_and_the_base_model_matches_each_merged_model(served) -> None:
+    engine, references, _ = served
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 160, (n,), generator=gen).tolist() for n in (9, 17, 5, 9, 30)]
+    names = ["every", "qv", None, None, "every"]
+    prompts[3] = prompts[0]  # the same prompt with and without an adapter
+    outs = engine.generate(input_ids=prompts, lora_path=names, sampling_params={
+        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+    got = [out["output_ids"] for out in outs]
+    want = [hf_greedy(references[name], ids, 6) for ids, name in zip(prompts, names)]
+    assert got == want
+    assert got[0] != got[3], "the adapter changes nothing: the test cannot tell"
+    state = engine.get_internal_state()
+    assert state["memory_check_ok"] and state["leaked_tokens"] == 0
+
+
+def test_an_unknown_adapter_is_refused_by_name(served) -> None:
+    engine, _, _ = served
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'nope'"):
+        engine.generate(input_ids=[1, 2, 3], lora_path="nope")
+
+
+@pytest.mark.parametrize("extra,message", [({"use_dora": True}, "DoRA"),
+                                           ({"bias": "all"}, "trained biases"),
+                                           ({"modules_to_save": ["lm_head"]}, "saved whole")])
+def test_adapters_this_server_cannot_apply_fail_at_start(served, extra, message) -> None:
+    _, references, root = served
+    folder = root / f"refused_{message.split()[0]}"
+    write_adapter(folder, references[None], ("q_proj",), rank=2, alpha=2.0, seed=3,
+                  extra_config=extra)
+    with pytest.raises(CheckpointError, match=message):
+        radixserve.Engine(str(root / "base"), skip_tokenizer_init=True, dtype="float32",
+                          device="cpu", max_total_tokens=500, lora_paths=[f"x={folder}"])
+
+
+def test_an_adapter_of_a_module_that_is_not_a_linear_layer_fails_at_start(served) -> None:
+    _, references, root = served
+    folder = root / "norm"
+    write_adapter(folder, references[None], ("q_proj",), rank=2, alpha=2.0, seed=4)
+    tensors = {"base_model.model.model.norm.lora_A.weight": torch.zeros(2, 64),
+               "base_model.model.model.norm.lora_B.weight": torch.zeros(64, 2)}
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    with pytest.raises(CheckpointError, match="not a linear layer"):
+        radixserve.Engine(str(root / "base"), skip_tokenizer_init=True, dtype="float32",
+                          device="cpu", max_total_tokens=500, lora_paths=[f"x={folder}"])
