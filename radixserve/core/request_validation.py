@@ -44,7 +44,8 @@ def check_lora_name(name: str | None, limits: RequestLimits) -> None:
     """A request's LoRA adapter must be one the server loaded (None: the base model)."""
     if name is not None and name not in limits.lora_names:
         served = ", ".join(repr(n) for n in limits.lora_names) or "none"
-        raise InvalidRequestError(f"unknown LoRA adapter {name!r} (served: {served})")
+        raise InvalidRequestError(f"unknown LoRA adapter {name!r} (served: {served})",
+                                  param="lora_path")
 
 
 def _ids_in_range(input_ids: list[int], vocab_size: int) -> bool:

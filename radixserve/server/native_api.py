@@ -44,7 +44,7 @@ def is_warm_up(scope: Scope, is_ready: Callable[[], bool]) -> bool:
 
 
 UNSUPPORTED_NATIVE_FIELDS = (
-    "input_embeds", "image_data", "audio_data", "video_data", "modalities", "lora_path",
+    "input_embeds", "image_data", "audio_data", "video_data", "modalities",
     "lora_id", "session_params", "custom_logit_processor", "return_hidden_states",
     "token_ids_logprob", "data_parallel_rank", "bootstrap_host", "bootstrap_port",
     "bootstrap_room")
@@ -68,7 +68,7 @@ class GenerateReqInput(StrictModel):
     audio_data: Any = None
     video_data: Any = None
     modalities: Any = None
-    lora_path: Any = None
+    lora_path: StrictStr | list[StrictStr | None] | None = None  # a --lora-paths name
     lora_id: Any = None
     session_params: Any = None
     custom_logit_processor: Any = None
@@ -137,7 +137,8 @@ def build_requests(tm: TokenizerManager, obj: GenerateReqInput) -> tuple[list[Ge
             logprob_start_len=obj.item("logprob_start_len", i, size or 1),
             top_logprobs_num=obj.item("top_logprobs_num", i, size or 1),
             return_text_in_logprobs=obj.return_text_in_logprobs, stream=obj.stream,
-            param="text" if obj.text is not None else "input_ids")
+            param="text" if obj.text is not None else "input_ids",
+            lora_name=obj.item("lora_path", i, size or 1))
         copies = sample_copies(req, n)
         if n > 1 and req.rid is not None and obj.rid is not None:
             copies = [dataclasses.replace(c, rid=f"{req.rid}-{j}") for j, c in enumerate(copies)]

@@ -22,9 +22,13 @@ def openai_router(ctx: OpenAIContext, context_len: int) -> APIRouter:
 
     @router.get("/v1/models")
     async def list_models() -> JSONResponse:
+        adapters = [{"id": name, "object": "model", "created": created,
+                     "owned_by": "radixserve", "parent": ctx.model_name,
+                     "max_model_len": context_len}
+                    for name in ctx.tokenizer_manager.limits.lora_names]
         return JSONResponse({"object": "list", "data": [{
             "id": ctx.model_name, "object": "model", "created": created,
-            "owned_by": "radixserve", "max_model_len": context_len}]})
+            "owned_by": "radixserve", "max_model_len": context_len}, *adapters]})
 
     @router.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> JSONResponse:

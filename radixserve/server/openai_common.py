@@ -30,11 +30,20 @@ class OpenAIContext:
     is_embedding: bool = False  # --is-embedding: /v1/embeddings serves, generation does not
 
     def check_model(self, requested: str | None) -> str:
+        """The model a request names: the base model (its name or an alias), or a LoRA
+        adapter by its --lora-paths name (as vLLM serves them); else 404."""
         if requested is None or requested in self.model_aliases:
             return self.model_name
+        if self.lora_name(requested) is not None:
+            return requested
         raise APIError(f"The model `{requested}` does not exist. This server serves "
                        f"`{self.model_name}`.", status_code=404, param="model",
                        code="model_not_found")
+
+    def lora_name(self, requested: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names, or None (the base model)."""
+        lora_names = self.tokenizer_manager.limits.lora_names
+        return requested if requested is not None and requested in lora_names else None
 
 
 def new_id(prefix: str) -> str:

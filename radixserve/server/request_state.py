@@ -35,6 +35,7 @@ class GenerateRequest:
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
+    lora_name: str | None = None  # a --lora-paths adapter, or the base model
     # the server's own request (n > 1's shared-prefix prefill): no client asked, so the
     # request metrics leave it out
     internal: bool = False

@@ -27,7 +27,8 @@ from radixserve.core.io_struct import (AbortReq, BatchStrOut, FlushCacheReply, F
                                        GetInternalStateReq, InternalState, ReqError,
                                        SchedulerStateUpdate, TokenizedGenerateReq)
 from radixserve.core.req import FIRST_TOKEN_TIME_KEY
-from radixserve.core.request_validation import RequestLimits, validate_request
+from radixserve.core.request_validation import (RequestLimits, check_lora_name,
+                                                 validate_request)
 from radixserve.core.sampling_params import (GRAMMAR_KINDS, MAX_N, InvalidRequestError,
                                              SamplingParams)
 from radixserve.scheduler.grammar.validation import check_grammar
@@ -114,7 +115,8 @@ class TokenizerManager:
                      top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
                      stream: bool = False, param: str = "prompt",
                      grammar_param: str | None = None,
-                     field_names: Mapping[str, str] | None = None) -> GenerateRequest:
+                     field_names: Mapping[str, str] | None = None,
+                     lora_name: str | None = None) -> GenerateRequest:
         """Validate everything (core/request_validation.py, as the Engine does; a grammar's
         syntax too) and tokenize; raises APIError(400) for bad input (`grammar_param` names
         the field a bad grammar came from, when not the sampling parameter's own name;
@@ -130,6 +132,7 @@ class TokenizerManager:
             validate_request(input_ids, sampling_params, self.limits, logprob_start_len,
                              top_logprobs_num)
             check_grammar(sampling_params, has_tokenizer=self.tokenizer is not None)
+            check_lora_name(lora_name, self.limits)
         except InvalidRequestError as exc:
             field, message = param if exc.param == "prompt" else exc.param, str(exc)
             if grammar_param is not None and exc.param in GRAMMAR_KINDS:
@@ -145,7 +148,8 @@ class TokenizerManager:
             rid=rid or uuid.uuid4().hex, input_ids=list(input_ids), input_text=text,
             sampling_params=sampling_params, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs, stream=stream)
+            return_text_in_logprobs=return_text_in_logprobs, stream=stream,
+            lora_name=lora_name)
 
     # ---- generation ----
     async def generate(self, req: GenerateRequest,
@@ -381,7 +385,7 @@ class TokenizerManager:
             rid=req.rid, input_text=req.input_text, input_ids=req.input_ids,
             sampling_params=req.sampling_params, return_logprob=req.return_logprob,
             logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num,
-            stream=req.stream))
+            stream=req.stream, lora_name=req.lora_name))
         return state
 
     async def _wait(self, state: ReqState) -> None:
