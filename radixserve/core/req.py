@@ -11,6 +11,7 @@ Memory fields and who owns them:
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any, Protocol
 
@@ -30,6 +31,15 @@ class Detokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+def lora_key_offset(lora_name: str | None) -> int:
+    """0 for the base model; for an adapter a multiple of 2**32 (past every token id) from a
+    64-bit digest of its name, the same in every process (tensor-parallel ranks agree)."""
+    if lora_name is None:
+        return 0
+    digest = hashlib.blake2b(lora_name.encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") + 1) << 32
+
+
 class Req:
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
                  input_text: str | None = None, return_logprob: bool = False,
@@ -37,6 +47,7 @@ class Req:
                  stream: bool = False, lora_name: str | None = None) -> None:
         self.rid = rid
         self.lora_name = lora_name  # its LoRA adapter (--lora-paths), or None: the base model
+        self._key_offset = lora_key_offset(lora_name)
         self.origin_input_text = input_text
         self.origin_input_ids = list(input_ids)
         self.sampling_params = sampling_params
@@ -101,6 +112,14 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    def cache_key(self, token_ids: list[int]) -> list[int]:
+        """The prefix cache's key for these tokens of this request: the tokens themselves,
+        or with a LoRA adapter each moved past every token id by the adapter's offset, so
+        that requests share KV only with requests of the same adapter (or none)."""
+        if not self._key_offset:
+            return token_ids
+        return [token + self._key_offset for token in token_ids]
 
     def all_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids

@@ -16,6 +16,7 @@ from torch import nn
 from radixserve.core.forward_batch import ModelWorkerBatch
 from radixserve.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
 from radixserve.layers.lora import LoRABatch, attach_lora, load_lora_piece
+from radixserve.layers.recurrent_mixer import RecurrentMixer
 from radixserve.loader.checkpoint_error import CheckpointError
 from radixserve.loader.lora_adapter import LoRAAdapter, read_lora_adapter
 from radixserve.loader.weight_loading import renamed
@@ -38,6 +39,9 @@ class LoRAManager:
         self.slots = {name: slot for slot, name in enumerate(adapter_paths)}
         self.batch = LoRABatch()
         self.device = device
+        if any(isinstance(m, RecurrentMixer) for m in model.modules()):
+            raise ValueError("LoRA adapters on hybrid (recurrent-mixer) models are not "
+                             "supported yet")
         adapters = [read_lora_adapter(name, path) for name, path in adapter_paths.items()]
         r_max = max(adapter.rank for adapter in adapters)
         layers: dict[str, nn.Module] = dict(model.named_modules())

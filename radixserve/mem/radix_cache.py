@@ -201,6 +201,7 @@ class RadixCache(BasePrefixCache):
                            allocated_len: int | None = None) -> None:
         if token_ids is None:
             token_ids = req.all_ids()[:-1]
+        token_ids = req.cache_key(token_ids)
         kv_len = len(token_ids)
         allocated_len = kv_len if allocated_len is None else allocated_len
         prefix_len = len(req.prefix_indices)
@@ -223,6 +224,7 @@ class RadixCache(BasePrefixCache):
     def cache_unfinished_req(self, req: "Req", token_ids: list[int] | None = None) -> None:
         if token_ids is None:
             token_ids = req.fill_ids
+        token_ids = req.cache_key(token_ids)
         kv_len = len(token_ids)
         prefix_len = len(req.prefix_indices)
         _require(prefix_len <= kv_len, f"prefix {prefix_len} longer than kv {kv_len}")

@@ -31,7 +31,7 @@ class InBatchPrefixIndex:
         radix cache too, so this request matched at least c' and a query looks at most
         MIN_SHARED_TOKENS past that."""
         node = self.root
-        for token in req.fill_ids[:len(req.prefix_indices) + MIN_SHARED_TOKENS]:
+        for token in req.cache_key(req.fill_ids[:len(req.prefix_indices) + MIN_SHARED_TOKENS]):
             node = node.setdefault(token, {})
             node.setdefault(_OWNERS, []).append(req)
 
@@ -52,7 +52,7 @@ class InBatchPrefixIndex:
         uncached = len(req.fill_ids) - 1 - cached  # the last token is always recomputed
         if uncached <= 0 or not self.root:
             return False
-        node, shared = self._walk(req.fill_ids)
+        node, shared = self._walk(req.cache_key(req.fill_ids))
         if shared - cached < min(MIN_SHARED_TOKENS, uncached):
             return False
         return self.cache.waits_behind(req, node.get(_OWNERS, []))

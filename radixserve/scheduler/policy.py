@@ -25,12 +25,12 @@ def match_prefix(req: Req, tree_cache: "BasePrefixCache") -> None:
     """Fill req.prefix_indices / cache_handle / extend_input_len from the cache."""
     req.init_next_round_input()
     # the last token must be recomputed to produce logits, so never match the whole sequence
-    indices, cache_handle = tree_cache.match_prefix(req.fill_ids[:-1])
+    indices, cache_handle = tree_cache.match_prefix(req.cache_key(req.fill_ids[:-1]))
     if req.return_logprob and req.logprob_start_len >= 0:
         # input logprobs are computed only for extended positions: keep those uncached
         keep = min(len(indices), req.logprob_start_len)
         if keep < len(indices):
-            indices, cache_handle = tree_cache.match_prefix(req.fill_ids[:keep])
+            indices, cache_handle = tree_cache.match_prefix(req.cache_key(req.fill_ids[:keep]))
     req.prefix_indices = indices
     req.cache_handle = cache_handle
     req.extend_input_len = len(req.fill_ids) - len(indices)

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 import radixserve
 from radixserve.core.request_validation import InvalidRequestError
 from radixserve.loader.checkpoint_error import CheckpointError
+from tests.models.test_greedy_vs_hf import hf_greedy
 from tests.models.tiny_checkpoints import make_checkpoint
 
 CHECKPOINT = "llama_gqa_llama3_rope"  # GQA: q, k and v pieces of different sizes
@@ -55,12 +56,6 @@ def merged(hf_model, pairs, scale: float):
         for name, (a, b) in pairs.items():
             modules[name].weight += scale * (b @ a)
     return model
-
-
-def hf_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
-                         min_new_tokens=new_tokens, pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +119,17 @@ def test_an_adapter_of_a_module_that_is_not_a_linear_layer_fails_at_start(served
     with pytest.raises(CheckpointError, match="not a linear layer"):
         radixserve.Engine(str(root / "base"), skip_tokenizer_init=True, dtype="float32",
                           device="cpu", max_total_tokens=500, lora_paths=[f"x={folder}"])
+
+
+def test_requests_share_cached_prefixes_with_their_own_adapter_only(served) -> None:
+    """One prompt three times in turn: with an adapter (cached), without one (its own KV, not
+    the adapter's), with the adapter again (a hit on the first request's KV)."""
+    engine, references, _ = served
+    prompt = torch.randint(0, 160, (40,), generator=torch.Generator().manual_seed(8)).tolist()
+    greedy = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    outs = [engine.generate(input_ids=prompt, lora_path=name, sampling_params=greedy)
+            for name in ("every", None, "every")]
+    for out, name in zip(outs, ("every", None, "every")):
+        assert out["output_ids"] == hf_greedy(references[name], prompt, 5)
+    cached = [out["meta_info"]["cached_tokens"] for out in outs]
+    assert cached[0] == 0 and cached[1] == 0 and cached[2] >= len(prompt) - 1, cached
