@@ -360,3 +360,25 @@ def test_embeddings_at_tp2_equal_tp1(tmp_path) -> None:
             engine.shutdown()
     torch.testing.assert_close(torch.tensor(vectors[2]), torch.tensor(vectors[1]),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_lora_adapters_at_tp2_match_the_merged_models(tmp_path) -> None:
+    """LoRA at tp 2 over gloo: column-parallel layers hold B's rows of their rank (q|k|v by
+    heads, gate|up by pieces), row-parallel ones A's columns, their delta joining the partial
+    product before the all-reduce; each request's greedy tokens are its merged model's."""
+    from tests.models.test_lora import ALL_MODULES, merged, write_adapter
+    hf_model = make_checkpoint("llama_gqa_llama3_rope", tmp_path / "base")
+    pairs = write_adapter(tmp_path / "every", hf_model, ALL_MODULES, rank=4, alpha=8.0, seed=1)
+    tuned = merged(hf_model, pairs, 2.0)
+    prompts = _prompts(hf_model.config.vocab_size)
+    names = ["every", None, "every"]
+    engine = radixserve.Engine(str(tmp_path / "base"), dtype="float32", tp_size=2,
+                               skip_tokenizer_init=True, max_total_tokens=2048,
+                               lora_paths=[f"every={tmp_path / 'every'}"])
+    try:
+        outs = engine.generate(input_ids=prompts, lora_path=names, sampling_params={
+            "max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+    finally:
+        engine.shutdown()
+    for out, ids, name in zip(outs, prompts, names):
+        assert out["output_ids"] == hf_greedy(tuned if name else hf_model, ids, 6)
