@@ -199,10 +199,8 @@ class ServerArgs:
                 self.speculative_ngram_max_match_window_size:
             raise ValueError("--speculative-ngram-min-match-window-size must not exceed "
                              "--speculative-ngram-max-match-window-size")
-        if self.lora_adapters():  # per-request adapters: eager passes
-            if self.speculative_algorithm is not None or self.is_embedding:
-                raise ValueError("--lora-paths serves generation without speculative decoding")
-            self.disable_cuda_graph = True
+        if self.lora_adapters() and (self.speculative_algorithm is not None or self.is_embedding):
+            raise ValueError("--lora-paths serves generation without speculative decoding")
         if self.disable_radix_cache and self.schedule_policy in ("lpm", "dfs-weight"):
             self.schedule_policy = "fcfs"  # cache-aware policies need the cache
         self.resolved = True

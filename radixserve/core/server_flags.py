@@ -28,8 +28,9 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
                         "--model-path org/name@revision)", None),
     "lora_paths": (MODEL, "LoRA adapters (PEFT folders) served beside the base model, each "
                           "NAME=PATH or PATH (named by itself); a request picks one by name "
-                          "(native lora_path, OpenAI model); runs without CUDA graphs; "
-                          "requests share cached prefixes with their own adapter's only",
+                          "(native lora_path, OpenAI model); steps with adapters run without "
+                          "CUDA graphs; requests share cached prefixes with their own "
+                          "adapter's only",
                    None),
     "json_model_override_args": (MODEL, "a JSON object whose keys replace the model "
                                         "config's (config.json, or a GGUF's mapped config), "

@@ -133,3 +133,18 @@ def test_requests_share_cached_prefixes_with_their_own_adapter_only(served) -> N
         assert out["output_ids"] == hf_greedy(references[name], prompt, 5)
     cached = [out["meta_info"]["cached_tokens"] for out in outs]
     assert cached[0] == 0 and cached[1] == 0 and cached[2] >= len(prompt) - 1, cached
+
+
+def test_decode_steps_with_adapters_never_replay_a_cuda_graph() -> None:
+    """The graphs are captured with no adapter rows: base-only steps replay them, a step with
+    any adapter runs eager."""
+    from types import SimpleNamespace
+
+    from radixserve.core.forward_batch import ForwardMode, ModelWorkerBatch
+    from radixserve.executor.model_runner import ModelRunner
+    runner = SimpleNamespace(cuda_graph_runner=SimpleNamespace(can_run=lambda batch: True))
+    batch = ModelWorkerBatch(ForwardMode.DECODE, [1, 2], [0, 1], [5, 6], torch.zeros(2),
+                             lora_names=[None, None])
+    assert ModelRunner._uses_graph(runner, batch)
+    batch.lora_names = [None, "every"]
+    assert not ModelRunner._uses_graph(runner, batch)
