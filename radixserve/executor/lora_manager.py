@@ -51,8 +51,7 @@ class LoRAManager:
                 if layer.lora is None:
                     attach_lora(layer, len(adapters), r_max, _pieces(layer), self.batch,
                                 dtype, device)
-                load_lora_piece(layer, slot, piece, a.to(dtype), b.to(dtype))
-                layer.lora.scale[slot] = adapter.scale
+                load_lora_piece(layer, slot, piece, a.to(dtype), b.to(dtype), adapter.scale)
             logger.info("LoRA adapter %r: rank %d, scale %g, %d modules", adapter.name,
                         adapter.rank, adapter.scale, len(adapter.modules))
 
@@ -77,16 +76,14 @@ class LoRAManager:
         return layer, piece
 
     def prepare(self, batch: ModelWorkerBatch) -> None:
-        """Group the pass's token rows by their request's adapter (tokens per request: its
-        extend length, or one in a decode step)."""
-        groups: dict[int, list[int]] = {}
+        """Each token's adapter slot for the pass (tokens per request: its extend length, or
+        one in a decode step)."""
         names = batch.lora_names
-        if any(name is not None for name in names):
+        if not any(names):
+            self.batch.set(None, None)
+        elif all(name == names[0] for name in names):  # one adapter for the whole pass
+            self.batch.set(self.slots[names[0]], None)
+        else:
             lens = batch.extend_seq_lens or [1] * batch.batch_size
-            start = 0
-            for name, length in zip(names, lens):
-                if name is not None:
-                    groups.setdefault(self.slots[name], []).extend(range(start, start + length))
-                start += length
-        self.batch.groups = [(slot, torch.tensor(rows, dtype=torch.long, device=self.device))
-                             for slot, rows in groups.items()]
+            slots = torch.tensor([-1 if name is None else self.slots[name] for name in names])
+            self.batch.set(None, slots.repeat_interleave(torch.tensor(lens)).to(self.device))

@@ -3,20 +3,20 @@ every adapted linear adds scale * (x A^T) B^T for that request's rows to its out
 [r, in] and B [out, r] (PEFT's lora_A / lora_B), scale = lora_alpha / r (lora_alpha / sqrt(r)
 with rsLoRA).
 
-Every adapter lives in a slot of stacks on the layer, loaded once at start-up:
-  * `lora_a` [slots, pieces x r_max, in]: a merged layer (q|k|v, gate|up) holds one A per piece,
-    piece p in rows p * r_max ..; a smaller rank leaves zero rows;
-  * `lora_b` [slots, out, pieces x r_max]: piece p's B in its own output rows (placed by the
-    layer's own weight loader, so tensor-parallel slices and replicated KV heads come out as
-    the base weight's) and in columns p * r_max ..: block-diagonal, so one pair of products
-    serves every piece;
-  * `lora_scale` [slots].
+Every adapter lives in a slot of two stacks on the layer, loaded once at start-up (width =
+pieces x r_max, slot s in the s-th `width` rows / columns):
+  * `a` [slots x width, in]: a merged layer (q|k|v, gate|up) holds one A per piece, piece p in
+    rows p * r_max .. of its slot; a smaller rank leaves zero rows;
+  * `b` [out, slots x width]: piece p's B times the adapter's scale in its own output rows
+    (placed by the layer's own weight loader, so tensor-parallel slices and replicated KV
+    heads come out as the base weight's) and in columns p * r_max .. of its slot:
+    block-diagonal, so one pair of products serves every piece.
 Under tensor parallelism a column-parallel layer keeps A whole and B's rows of this rank; a
 row-parallel one A's columns of this rank and B whole, and its delta joins the partial product
 before the all-reduce (the sum over ranks of x_r A_r^T is x A^T).
 
-The pass's grouping (`LoRABatch`: for each adapter slot present, the token rows that take it)
-is shared by every adapted layer of the model and set before each forward by
+The pass's adapters (`LoRABatch`: one slot for every token, or each token's slot) are shared
+by every adapted layer of the model and set before each forward by
 executor/lora_manager.py.
 """
 from __future__ import annotations
@@ -28,15 +28,32 @@ import torch
 
 @dataclass
 class LoRABatch:
-    """The current pass's token rows per adapter slot (rows without an adapter are in none)."""
-    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    """The current pass's adapters: `single`, the slot of every token when they all share one,
+    else `token_slots` (each token's slot, -1 without an adapter), or neither (no adapter)."""
+    single: int | None = None
+    token_slots: torch.Tensor | None = None
+    _masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    def set(self, single: int | None, token_slots: torch.Tensor | None) -> None:
+        self.single, self.token_slots, self._masks = single, token_slots, {}
+
+    def mask(self, slots: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """[tokens, slots x width]: 1 where a column belongs to the token's adapter (each slot
+        owns `width` consecutive columns), built once per pass and layer width."""
+        key = (slots, width, dtype)
+        if key not in self._masks:
+            assert self.token_slots is not None
+            columns = torch.arange(slots * width, device=self.token_slots.device) // width
+            self._masks[key] = (self.token_slots[:, None] == columns[None, :]).to(dtype)
+        return self._masks[key]
 
 
 @dataclass
 class LoRAStacks:
-    a: torch.Tensor  # [slots, pieces x r_max, in]
-    b: torch.Tensor  # [slots, out, pieces x r_max]
-    scale: list[float]  # per slot
+    a: torch.Tensor  # [slots x width, in]: slot s's A in rows s * width ..
+    b: torch.Tensor  # [out, slots x width]: slot s's B (scale folded in) in columns s * width ..
+    slots: int
+    width: int  # pieces x r_max
     pieces: tuple[object, ...]  # the layer's shard ids (None: one unmerged weight)
     r_max: int
     batch: LoRABatch
@@ -47,16 +64,17 @@ def attach_lora(layer: torch.nn.Module, slots: int, r_max: int, pieces: tuple[ob
     """Zeroed stacks for `slots` adapters of rank <= r_max on a linear layer."""
     width = len(pieces) * r_max
     stacks = LoRAStacks(
-        a=torch.zeros(slots, width, layer.input_size, dtype=dtype, device=device),
-        b=torch.zeros(slots, layer.output_size, width, dtype=dtype, device=device),
-        scale=[0.0] * slots, pieces=pieces, r_max=r_max, batch=batch)
+        a=torch.zeros(slots * width, layer.input_size, dtype=dtype, device=device),
+        b=torch.zeros(layer.output_size, slots * width, dtype=dtype, device=device),
+        slots=slots, width=width, pieces=pieces, r_max=r_max, batch=batch)
     layer.lora = stacks
     return stacks
 
 
 def load_lora_piece(layer: torch.nn.Module, slot: int, piece: object, a: torch.Tensor,
-                    b: torch.Tensor) -> None:
-    """One adapter's A [r, in] and B [out, r] for one piece of the layer, into `slot`."""
+                    b: torch.Tensor, scale: float) -> None:
+    """One adapter's A [r, in] and B [out, r] for one piece of the layer, into `slot` (B
+    times the adapter's scale)."""
     stacks: LoRAStacks = layer.lora
     if piece not in stacks.pieces:
         raise ValueError(f"{type(layer).__name__} has no piece {piece!r}")
@@ -64,15 +82,16 @@ def load_lora_piece(layer: torch.nn.Module, slot: int, piece: object, a: torch.T
     if b.shape[1] != rank or rank > stacks.r_max:
         raise ValueError(f"lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not make a "
                          f"rank <= {stacks.r_max} pair")
-    start = stacks.pieces.index(piece) * stacks.r_max
-    a_rows = stacks.a[slot, start:start + rank]
+    start = slot * stacks.width + stacks.pieces.index(piece) * stacks.r_max
+    a_rows = stacks.a[start:start + rank]
     if layer.input_is_split and layer.tp_size > 1:  # this rank's input columns
         part = a.shape[1] // layer.tp_size
         a = a.narrow(1, layer.tp_rank * part, part)
     if a.shape != a_rows.shape:
         raise ValueError(f"lora_A of shape {tuple(a.shape)} does not fit {tuple(a_rows.shape)}")
     a_rows.copy_(a)
-    b_columns = torch.nn.Parameter(stacks.b[slot, :, start:start + rank], requires_grad=False)
+    b = b * scale
+    b_columns = torch.nn.Parameter(stacks.b[:, start:start + rank], requires_grad=False)
     if layer.input_is_split:  # row-parallel: B whole on every rank
         b_columns.data.copy_(b)
     elif piece is None:
@@ -82,15 +101,22 @@ def load_lora_piece(layer: torch.nn.Module, slot: int, piece: object, a: torch.T
 
 
 def add_lora(layer: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out (x's product with the layer's own weight, [tokens, out]) plus each adapted row's
-    delta; a pass without adapters returns out as it is."""
+    """out (x's product with the layer's own weight, [tokens, out]) plus the adapters' deltas:
+    with one adapter for the pass, that slot's A and B alone; with several (or some tokens on
+    none), every slot's low-rank products at once, each token's row masked to its own slot's
+    columns before B: three operations whatever the mix (the products of the other slots'
+    columns are the price, small next to the layer's own at the ranks adapters use)."""
     stacks: LoRAStacks = layer.lora
-    if not stacks.batch.groups:
+    batch = stacks.batch
+    if batch.single is None and batch.token_slots is None:
         return out
     x2 = x.reshape(-1, x.shape[-1])
     out2 = out.reshape(-1, out.shape[-1])
-    for slot, rows in stacks.batch.groups:
-        low = x2.index_select(0, rows) @ stacks.a[slot].t()
-        delta = (low @ stacks.b[slot].t()) * stacks.scale[slot]
-        out2.index_add_(0, rows, delta.to(out2.dtype))
+    if batch.single is not None:
+        cols = slice(batch.single * stacks.width, (batch.single + 1) * stacks.width)
+        out2.addmm_(x2 @ stacks.a[cols].t(), stacks.b[:, cols].t())
+        return out
+    low = x2 @ stacks.a.t()
+    low.mul_(batch.mask(stacks.slots, stacks.width, low.dtype))
+    out2.addmm_(low, stacks.b.t())
     return out
