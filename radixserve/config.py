@@ -210,7 +210,8 @@ class ServerArgs:
         """--lora-paths as name -> path (an entry without NAME= is named by its path);
         ValueError for an empty or repeated name."""
         adapters: dict[str, str] = {}
-        for entry in self.lora_paths or ():
+        entries = [self.lora_paths] if isinstance(self.lora_paths, str) else self.lora_paths
+        for entry in entries or ():
             name, sep, path = entry.partition("=")
             if not sep:
                 name, path = entry, entry

@@ -73,6 +73,10 @@ class LoRAManager:
         if layer.fp8 is not None or layer.int4 is not None:
             raise CheckpointError(f"LoRA adapter {adapter.name!r}: {module!r} is quantised; "
                                   "adapters apply to unquantised models only")
+        if getattr(layer, "weight_read_directly", False):  # MLA's kv_b_proj, fp32 routers
+            raise CheckpointError(f"LoRA adapter {adapter.name!r}: {module!r} is a weight the "
+                                  "model reads directly, not through its layer; adapters on it "
+                                  "are not supported")
         return layer, piece
 
     def prepare(self, batch: ModelWorkerBatch) -> None:
@@ -86,4 +90,7 @@ class LoRAManager:
         else:
             lens = batch.extend_seq_lens or [1] * batch.batch_size
             slots = torch.tensor([-1 if name is None else self.slots[name] for name in names])
-            self.batch.set(None, slots.repeat_interleave(torch.tensor(lens)).to(self.device))
+            token_slots = slots.repeat_interleave(torch.tensor(lens))
+            if self.device.type == "cuda":  # no wait on the step in flight (overlap)
+                token_slots = token_slots.pin_memory().to(self.device, non_blocking=True)
+            self.batch.set(None, token_slots)

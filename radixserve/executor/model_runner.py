@@ -72,6 +72,7 @@ def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
 
 # flags every tensor-parallel rank must be started with alike (the scheduler runs on every rank)
 RANK_SHARED_FLAGS = ("tp_size", "nnodes", "load_format", "kv_cache_dtype", "quantization",
+                     "lora_paths",
                      "max_total_tokens", "max_running_requests", "max_prefill_tokens",
                      "chunked_prefill_size", "enable_mixed_chunk", "schedule_policy",
                      "admission_plan", "schedule_conservativeness",

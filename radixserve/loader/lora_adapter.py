@@ -39,7 +39,7 @@ def read_lora_adapter(name: str, path: str) -> LoRAAdapter:
     config = json.loads(config_file.read_text())
     _check_config(name, config)
     rank = int(config["r"])
-    alpha = float(config.get("lora_alpha") or rank)
+    alpha = float(config.get("lora_alpha", 8))  # PEFT's LoraConfig default
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     pairs: dict[str, list[torch.Tensor | None]] = {}
     for tensor_name, tensor in _tensors(name, folder):

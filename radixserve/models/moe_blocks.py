@@ -88,6 +88,8 @@ class SparseMoeBlock(nn.Module):
             bias.keep_dtype = True  # type: ignore[attr-defined]
             self.gate.e_score_correction_bias = bias
         self.router_fp32 = router_fp32
+        if router_fp32:  # forward reads the router's weight itself
+            self.gate.weight_read_directly = True
         self.experts = FusedMoE(self.routing.num_experts, hidden, expert_intermediate_size,
                                 getattr(config.hf, "hidden_act", "silu"))
         self.shared_name = shared_name if shared_intermediate_size else None

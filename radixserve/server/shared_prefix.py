@@ -11,12 +11,19 @@ from dataclasses import replace
 from radixserve.server.request_state import GenerateRequest
 
 
-def plan_warmups(reqs: list[GenerateRequest]) -> dict[tuple[int, ...], GenerateRequest]:
+PromptKey = tuple  # (LoRA adapter or None, prompt ids...): KV is shared within an adapter
+
+
+def prompt_key(req: GenerateRequest) -> PromptKey:
+    return (req.lora_name, *req.input_ids)
+
+
+def plan_warmups(reqs: list[GenerateRequest]) -> dict[PromptKey, GenerateRequest]:
     """The warm-up of each prompt that more than one of `reqs` has, by prompt."""
-    first_of: dict[tuple[int, ...], GenerateRequest] = {}
-    repeated: dict[tuple[int, ...], GenerateRequest] = {}
+    first_of: dict[PromptKey, GenerateRequest] = {}
+    repeated: dict[PromptKey, GenerateRequest] = {}
     for req in reqs:
-        key = tuple(req.input_ids)
+        key = prompt_key(req)
         if key in first_of:
             repeated[key] = first_of[key]
         else:
@@ -38,9 +45,9 @@ class WaitingCopies:
         return rid in self._warmup_of
 
     def wait(self, reqs: list[GenerateRequest],
-             warmups: dict[tuple[int, ...], GenerateRequest]) -> None:
+             warmups: dict[PromptKey, GenerateRequest]) -> None:
         for req in reqs:
-            warmup = warmups.get(tuple(req.input_ids))
+            warmup = warmups.get(prompt_key(req))
             self._warmup_of[req.rid] = None if warmup is None else warmup.rid
 
     def sent(self, rid: str) -> bool:

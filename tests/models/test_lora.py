@@ -148,3 +148,16 @@ def test_decode_steps_with_adapters_never_replay_a_cuda_graph() -> None:
     assert ModelRunner._uses_graph(runner, batch)
     batch.lora_names = [None, "every"]
     assert not ModelRunner._uses_graph(runner, batch)
+
+
+@pytest.mark.parametrize("module,checkpoint", [("kv_b_proj", "deepseek_v2_lite_mla")])
+def test_adapters_on_weights_the_model_reads_directly_fail_at_start(module, checkpoint,
+                                                                    tmp_path) -> None:
+    """MLA's kv_b_proj is read as a weight by the absorbed decode, not through its layer: an
+    adapter there would be skipped in decode, so it is refused."""
+    hf_model = make_checkpoint(checkpoint, tmp_path / "base")
+    write_adapter(tmp_path / "adapter", hf_model, (module,), rank=2, alpha=2.0, seed=5)
+    with pytest.raises(CheckpointError, match="reads directly"):
+        radixserve.Engine(str(tmp_path / "base"), skip_tokenizer_init=True, dtype="float32",
+                          device="cpu", max_total_tokens=500,
+                          lora_paths=[f"x={tmp_path / 'adapter'}"])

@@ -65,3 +65,23 @@ def test_unknown_adapters_are_refused_by_name(lora_server) -> None:
     reply = requests.post(proc.url("/generate"), json={
         "text": "Hi", "sampling_params": GREEDY, "lora_path": "nope"}, timeout=30)
     assert reply.status_code == 400 and "unknown LoRA adapter 'nope'" in reply.text
+
+
+def test_prompt_warm_ups_are_per_adapter() -> None:
+    """n > 1 (or a batch repeating a prompt) prefills each repeated prompt once first; copies on
+    different adapters share no KV, so only a prompt repeated on the same adapter warms up."""
+    from radixserve.core.sampling_params import SamplingParams
+    from radixserve.server.request_state import GenerateRequest
+    from radixserve.server.shared_prefix import WaitingCopies, plan_warmups
+
+    def req(rid: str, lora: str | None) -> GenerateRequest:
+        return GenerateRequest(rid, [5, 6, 7], None, SamplingParams(), lora_name=lora)
+
+    reqs = [req("a1", "a"), req("b1", "b"), req("a2", "a"), req("base", None)]
+    warmups = plan_warmups(reqs)
+    assert [w.lora_name for w in warmups.values()] == ["a"]
+    waiting = WaitingCopies()
+    waiting.wait(reqs, warmups)
+    assert "a1" in waiting and "a2" in waiting and "b1" in waiting
+    warm_rid = next(iter(warmups.values())).rid
+    assert waiting._warmup_of == {"a1": warm_rid, "b1": None, "a2": warm_rid, "base": None}
