@@ -24,13 +24,15 @@ ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 def write_adapter(folder: Path, hf_model, modules: tuple[str, ...], rank: int, alpha: float,
                   seed: int, rslora: bool = False, bin_file: bool = False,
-                  extra_config: dict | None = None) -> dict[str, tuple[torch.Tensor, ...]]:
-    """A PEFT-style adapter folder for `hf_model`; returns {module name: (A, B)}."""
+                  extra_config: dict | None = None, skip: str | None = None
+                  ) -> dict[str, tuple[torch.Tensor, ...]]:
+    """A PEFT-style adapter folder for `hf_model` on the modules named `modules` (less those
+    whose path contains `skip`); returns {module name: (A, B)}."""
     folder.mkdir(parents=True)
     gen = torch.Generator().manual_seed(seed)
     tensors, pairs = {}, {}
     for name, module in hf_model.named_modules():
-        if name.rsplit(".", 1)[-1] not in modules:
+        if name.rsplit(".", 1)[-1] not in modules or (skip is not None and skip in name):
             continue
         out_features, in_features = module.weight.shape
         a = torch.randn(rank, in_features, generator=gen) * 0.2
@@ -161,3 +163,28 @@ def test_adapters_on_weights_the_model_reads_directly_fail_at_start(module, chec
         radixserve.Engine(str(tmp_path / "base"), skip_tokenizer_init=True, dtype="float32",
                           device="cpu", max_total_tokens=500,
                           lora_paths=[f"x={tmp_path / 'adapter'}"])
+
+
+@pytest.mark.parametrize("checkpoint,modules,skip", [
+    ("qwen3_qk_norm", ("q_proj", "k_proj", "v_proj", "o_proj"), None),
+    ("gemma2_softcap_window", ALL_MODULES, None),
+    ("qwen2_moe_shared", ALL_MODULES, ".experts."),  # attention and the shared expert
+])
+def test_other_families_match_their_merged_models(checkpoint, modules, skip, tmp_path) -> None:
+    hf_model = make_checkpoint(checkpoint, tmp_path / "base")
+    pairs = write_adapter(tmp_path / "adapter", hf_model, modules, rank=4, alpha=8.0, seed=6,
+                          skip=skip)
+    tuned = merged(hf_model, pairs, 2.0)
+    engine = radixserve.Engine(str(tmp_path / "base"), skip_tokenizer_init=True,
+                               dtype="float32", device="cpu", max_total_tokens=1000,
+                               lora_paths=[f"x={tmp_path / 'adapter'}"])
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 160, (n,), generator=gen).tolist() for n in (12, 33)]
+    try:
+        outs = engine.generate(input_ids=prompts, lora_path=["x", None], sampling_params={
+            "max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
+    finally:
+        engine.shutdown()
+    assert outs[0]["output_ids"] == hf_greedy(tuned, prompts[0], 5)
+    assert outs[1]["output_ids"] == hf_greedy(hf_model, prompts[1], 5)
+    assert outs[0]["output_ids"] != hf_greedy(hf_model, prompts[0], 5), "the adapter is inert"
