@@ -43,10 +43,9 @@ class OpenAIContext:
     def lora_name(self, requested: str | None) -> str | None:
         """The LoRA adapter a request's `model` names, or None (the base model, whose names
         win over an adapter named alike, as in check_model)."""
-        lora_names = self.tokenizer_manager.limits.lora_names
         if requested is None or requested in self.model_aliases:
             return None
-        return requested if requested in lora_names else None
+        return requested if requested in self.tokenizer_manager.limits.lora_names else None
 
 
 def new_id(prefix: str) -> str:

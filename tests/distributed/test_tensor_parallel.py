@@ -362,12 +362,14 @@ def test_embeddings_at_tp2_equal_tp1(tmp_path) -> None:
                                atol=1e-5, rtol=1e-5)
 
 
-def test_lora_adapters_at_tp2_match_the_merged_models(tmp_path) -> None:
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "gemma_mqa"])
+def test_lora_adapters_at_tp2_match_the_merged_models(name: str, tmp_path) -> None:
     """LoRA at tp 2 over gloo: column-parallel layers hold B's rows of their rank (q|k|v by
-    heads, gate|up by pieces), row-parallel ones A's columns, their delta joining the partial
-    product before the all-reduce; each request's greedy tokens are its merged model's."""
+    heads, the one KV head of an MQA model on both ranks; gate|up by pieces), row-parallel
+    ones A's columns, their delta joining the partial product before the all-reduce; each
+    request's greedy tokens are its merged model's."""
     from tests.models.test_lora import ALL_MODULES, merged, write_adapter
-    hf_model = make_checkpoint("llama_gqa_llama3_rope", tmp_path / "base")
+    hf_model = make_checkpoint(name, tmp_path / "base")
     pairs = write_adapter(tmp_path / "every", hf_model, ALL_MODULES, rank=4, alpha=8.0, seed=1)
     tuned = merged(hf_model, pairs, 2.0)
     prompts = _prompts(hf_model.config.vocab_size)
