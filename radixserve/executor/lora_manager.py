@@ -70,9 +70,6 @@ class LoRAManager:
         if not isinstance(layer, LinearBase):
             raise CheckpointError(f"LoRA adapter {adapter.name!r} adapts {module!r}, which is "
                                   f"not a linear layer of {type(model).__name__}")
-        if layer.fp8 is not None or layer.int4 is not None:
-            raise CheckpointError(f"LoRA adapter {adapter.name!r}: {module!r} is quantised; "
-                                  "adapters apply to unquantised models only")
         if getattr(layer, "weight_read_directly", False):  # MLA's kv_b_proj, fp32 routers
             raise CheckpointError(f"LoRA adapter {adapter.name!r}: {module!r} is a weight the "
                                   "model reads directly, not through its layer; adapters on it "

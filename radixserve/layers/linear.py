@@ -204,8 +204,8 @@ class LinearBase(nn.Module):
         """Whether rows of `dtype` activations quantised beforehand (per token, e4m3) go to
         the tensor cores as they are here: an FP8 weight with a swept configuration for that
         many rows, or a batch _scaled_mm takes."""
-        return self.fp8 is not None and self.weight.stride(1) == 1 and \
-            takes_fp8_rows(self.weight, self.weight_scale, self.group_k, rows, dtype)
+        return self.fp8 is not None and self.lora is None and self.weight.stride(1) == 1 \
+            and takes_fp8_rows(self.weight, self.weight_scale, self.group_k, rows, dtype)
 
     def _row_fusion_kernels(self, dtype: torch.dtype, residual: bool):
         """The Triton kernels (`_triton_kernels()`) when rows of `dtype` through this layer may

@@ -101,7 +101,8 @@ def load_lora_piece(layer: torch.nn.Module, slot: int, piece: object, a: torch.T
 
 
 def add_lora(layer: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out (x's product with the layer's own weight, [tokens, out]) plus the adapters' deltas:
+    """out (x's product with the layer's own weight, [tokens, out]: bf16, FP8 or int4 codes
+    alike, the adapters' A and B stay in the compute dtype) plus the adapters' deltas:
     with one adapter for the pass, that slot's A and B alone; with several (or some tokens on
     none), every slot's low-rank products at once, each token's row masked to its own slot's
     columns before B: three operations whatever the mix (the products of the other slots'

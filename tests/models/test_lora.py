@@ -188,3 +188,36 @@ def test_other_families_match_their_merged_models(checkpoint, modules, skip, tmp
     assert outs[0]["output_ids"] == hf_greedy(tuned, prompts[0], 5)
     assert outs[1]["output_ids"] == hf_greedy(hf_model, prompts[1], 5)
     assert outs[0]["output_ids"] != hf_greedy(hf_model, prompts[0], 5), "the adapter is inert"
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq_act_order", "fp8_block"])
+def test_adapters_on_quantised_bases_match_the_merged_dequantised_model(fmt, tmp_path,
+                                                                         monkeypatch) -> None:
+    """QLoRA-style serving: an int4 (AWQ; GPTQ act-order, whose layers permute their inputs;
+    kept packed as on a GPU) or FP8 base checkpoint with a LoRA adapter in the compute dtype
+    gives the greedy tokens of its dequantised twin with the adapter merged."""
+    from transformers import AutoModelForCausalLM
+
+    from radixserve.layers.quantization import int4_linear
+    monkeypatch.setattr(int4_linear, "PACKED_ON_CPU", True)
+    if fmt == "fp8_block":
+        from tests.loader.test_fp8_checkpoints import _write_pair
+        folder, twin_path = _write_pair(tmp_path, "block")
+    else:
+        from tests.models.int4_checkpoints import write_int4_pair
+        folder, twin_path = write_int4_pair(tmp_path, fmt.split("_")[0],
+                                            act_order=fmt.endswith("act_order"))
+    twin = AutoModelForCausalLM.from_pretrained(twin_path, dtype=torch.float32).eval()
+    pairs = write_adapter(tmp_path / "adapter", twin, ALL_MODULES, rank=4, alpha=8.0, seed=2)
+    engine = radixserve.Engine(str(folder), skip_tokenizer_init=True, dtype="float32",
+                               device="cpu", max_total_tokens=1000,
+                               lora_paths=[f"x={tmp_path / 'adapter'}"])
+    prompt = torch.randint(0, 160, (21,), generator=torch.Generator().manual_seed(4)).tolist()
+    try:
+        out = engine.generate(input_ids=[prompt, prompt], lora_path=["x", None],
+                              sampling_params={"max_new_tokens": 5, "temperature": 0,
+                                               "ignore_eos": True})
+    finally:
+        engine.shutdown()
+    assert out[0]["output_ids"] == hf_greedy(merged(twin, pairs, 2.0), prompt, 5)
+    assert out[1]["output_ids"] == hf_greedy(twin, prompt, 5)
