@@ -48,6 +48,7 @@ class Req:
         self.rid = rid
         self.lora_name = lora_name  # its LoRA adapter (--lora-paths), or None: the base model
         self._key_offset = lora_key_offset(lora_name)
+        self._shifted_prompt: list[int] = []  # cache_key's memo: the prompt, moved
         self.origin_input_text = input_text
         self.origin_input_ids = list(input_ids)
         self.sampling_params = sampling_params
@@ -114,12 +115,20 @@ class Req:
         return self.finished_reason is not None
 
     def cache_key(self, token_ids: list[int]) -> list[int]:
-        """The prefix cache's key for these tokens of this request: the tokens themselves,
-        or with a LoRA adapter each moved past every token id by the adapter's offset, so
-        that requests share KV only with requests of the same adapter (or none)."""
+        """The prefix cache's key for `token_ids`, a prefix of this request's all_ids(): the
+        tokens themselves, or with a LoRA adapter each moved past every token id by the
+        adapter's offset, so that requests share KV only with requests of the same adapter
+        (or none). The prompt's part is moved once (prompts never change; outputs may, as
+        jump-forward replaces a last token)."""
         if not self._key_offset:
             return token_ids
-        return [token + self._key_offset for token in token_ids]
+        if not self._shifted_prompt:
+            self._shifted_prompt = [token + self._key_offset for token in self.origin_input_ids]
+        prompt_len = len(self._shifted_prompt)
+        if len(token_ids) <= prompt_len:
+            return self._shifted_prompt[:len(token_ids)]
+        return self._shifted_prompt + [token + self._key_offset
+                                       for token in token_ids[prompt_len:]]
 
     def all_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids

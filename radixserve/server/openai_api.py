@@ -33,8 +33,9 @@ def openai_router(ctx: OpenAIContext, context_len: int) -> APIRouter:
     @router.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> JSONResponse:
         name = ctx.check_model(model_id)
+        parent = {"parent": ctx.model_name} if ctx.lora_name(model_id) is not None else {}
         return JSONResponse({"id": name, "object": "model", "created": created,
-                             "owned_by": "radixserve", "max_model_len": context_len})
+                             "owned_by": "radixserve", "max_model_len": context_len, **parent})
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -221,3 +221,24 @@ def test_adapters_on_quantised_bases_match_the_merged_dequantised_model(fmt, tmp
         engine.shutdown()
     assert out[0]["output_ids"] == hf_greedy(merged(twin, pairs, 2.0), prompt, 5)
     assert out[1]["output_ids"] == hf_greedy(twin, prompt, 5)
+
+
+def test_cache_keys_move_an_adapters_tokens_and_follow_a_replaced_last_token() -> None:
+    """Req.cache_key: the base model's keys are its tokens; an adapter's are moved past every
+    token id (its prompt's part kept, its outputs' moved afresh: jump-forward may replace the
+    last output token)."""
+    from radixserve.core.req import Req, lora_key_offset
+    from radixserve.core.sampling_params import SamplingParams
+    base = Req("b", [1, 2, 3], SamplingParams())
+    ids = [1, 2, 3]
+    assert base.cache_key(ids) is ids
+    req, other = (Req(rid, [1, 2, 3], SamplingParams(), lora_name=name)
+                  for rid, name in (("a", "every"), ("q", "qv")))
+    offset = lora_key_offset("every")
+    assert offset >= 2 ** 32 and lora_key_offset("qv") not in (0, offset)
+    assert other.cache_key([1, 2]) != req.cache_key([1, 2]) != [1, 2]
+    req.output_ids = [7, 8]
+    assert req.cache_key(req.all_ids()) == [t + offset for t in (1, 2, 3, 7, 8)]
+    req.output_ids[-1] = 9  # replaced, as jump-forward does
+    assert req.cache_key(req.all_ids()) == [t + offset for t in (1, 2, 3, 7, 9)]
+    assert req.cache_key([1, 2]) == [1 + offset, 2 + offset]

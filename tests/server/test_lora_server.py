@@ -38,6 +38,7 @@ def test_the_adapter_is_listed_and_served_by_both_apis(lora_server) -> None:
     models = {m.id: m for m in client.models.list().data}
     base_name = next(name for name in models if name != "tuned")
     assert models["tuned"].model_dump()["parent"] == base_name
+    assert client.models.retrieve("tuned").model_dump()["parent"] == base_name
     ids = requests.post(proc.url("/tokenize"), json={"prompt": "Once upon a time"},
                         timeout=30).json()["tokens"]
     out = {}
