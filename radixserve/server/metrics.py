@@ -41,6 +41,12 @@ class ServerMetrics:
         self.cached_tokens = Counter(PREFIX + "cached_prompt_tokens",
                                      "Prompt tokens served from the radix cache", labels,
                                      registry=reg)
+        self.lora_requests = Counter(PREFIX + "lora_requests", "Finished requests on each LoRA "
+                                     "adapter (--lora-paths)", labels + ["lora_name"],
+                                     registry=reg)
+        self.lora_generation_tokens = Counter(PREFIX + "lora_generation_tokens",
+                                              "Tokens generated on each LoRA adapter",
+                                              labels + ["lora_name"], registry=reg)
         # streamed requests as their tokens arrive; non-streamed ones (whose tokens reach this
         # process at their end) from the scheduler's time of their first token
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
@@ -95,8 +101,12 @@ class ServerMetrics:
         self._ttft_child.observe(latency)
 
     def observe_finish(self, finish_type: str, prompt_tokens: int, completion_tokens: int,
-                       cached_tokens: int, e2e_latency: float) -> None:
+                       cached_tokens: int, e2e_latency: float,
+                       lora_name: str | None = None) -> None:
         name = self.model_name
+        if lora_name is not None:
+            self.lora_requests.labels(name, lora_name).inc()
+            self.lora_generation_tokens.labels(name, lora_name).inc(completion_tokens)
         self.requests.labels(name, finish_type).inc()
         self.prompt_tokens.labels(name).inc(prompt_tokens)
         self.generation_tokens.labels(name).inc(completion_tokens)

@@ -459,7 +459,8 @@ class TokenizerManager:
                 self.metrics.observe_finish(
                     str((meta.get("finish_reason") or {}).get("type", "unknown")),
                     len(state.req.input_ids), len(state.output_ids),
-                    int(meta.get("cached_tokens", 0) or 0), now - state.created_time)
+                    int(meta.get("cached_tokens", 0) or 0), now - state.created_time,
+                    state.req.lora_name)
             state.event.set()
 
     def _token_text_fn(self, state: ReqState) -> Any:

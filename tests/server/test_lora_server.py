@@ -86,3 +86,16 @@ def test_prompt_warm_ups_are_per_adapter() -> None:
     assert "a1" in waiting and "a2" in waiting and "b1" in waiting
     warm_rid = next(iter(warmups.values())).rid
     assert waiting._warmup_of == {"a1": warm_rid, "b1": None, "a2": warm_rid, "base": None}
+
+
+def test_metrics_count_each_adapters_requests(lora_server) -> None:
+    proc, _, _ = lora_server
+    requests.post(proc.url("/generate"), json={"text": "Hi", "sampling_params": GREEDY,
+                                               "lora_path": "tuned"}, timeout=60).raise_for_status()
+    text = requests.get(proc.url("/metrics"), timeout=30).text
+    lines = [line for line in text.splitlines()
+             if line.startswith("radixserve:lora_requests_total{") and 'lora_name="tuned"' in line]
+    assert lines and float(lines[0].rsplit(" ", 1)[1]) >= 1, text[-2000:]
+    tokens = [line for line in text.splitlines() if line.startswith(
+        "radixserve:lora_generation_tokens_total{") and 'lora_name="tuned"' in line]
+    assert tokens and float(tokens[0].rsplit(" ", 1)[1]) >= 8
