@@ -34,6 +34,9 @@ def _pieces(layer: LinearBase) -> tuple[object, ...]:
 
 
 class LoRAManager:
+    """The adapters of one model runner: `slots` maps each name to its slot in every adapted
+    layer's stacks; `batch` is the pass's grouping those layers read."""
+
     def __init__(self, model: nn.Module, adapter_paths: dict[str, str], dtype: torch.dtype,
                  device: torch.device) -> None:
         self.slots = {name: slot for slot, name in enumerate(adapter_paths)}
