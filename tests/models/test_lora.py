@@ -242,3 +242,27 @@ def test_cache_keys_move_an_adapters_tokens_and_follow_a_replaced_last_token() -
     req.output_ids[-1] = 9  # replaced, as jump-forward does
     assert req.cache_key(req.all_ids()) == [t + offset for t in (1, 2, 3, 7, 9)]
     assert req.cache_key([1, 2]) == [1 + offset, 2 + offset]
+
+
+def test_chunked_and_mixed_passes_keep_each_requests_adapter(served) -> None:
+    """Prompts split into 16-token chunks and decode steps riding in the chunks' passes
+    (--enable-mixed-chunk), over a small KV cache: every request's greedy tokens are still its
+    merged model's."""
+    _, references, root = served
+    engine = radixserve.Engine(str(root / "base"), skip_tokenizer_init=True, dtype="float32",
+                               device="cpu", max_total_tokens=160, chunked_prefill_size=16,
+                               enable_mixed_chunk=True,
+                               lora_paths=[f"every={root / 'every'}", f"qv={root / 'qv'}"])
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, 160, (n,), generator=gen).tolist()
+               for n in (20, 9, 23, 11, 14, 17, 8, 12)]
+    names = ["qv", "every", None, "every", "qv", None, "every", "qv"]
+    try:
+        outs = engine.generate(input_ids=prompts, lora_path=names, sampling_params={
+            "max_new_tokens": 24, "temperature": 0, "ignore_eos": True})
+        state = engine.get_internal_state()
+    finally:
+        engine.shutdown()
+    for out, ids, name in zip(outs, prompts, names):
+        assert out["output_ids"] == hf_greedy(references[name], ids, 24)
+    assert state["memory_check_ok"] and state["leaked_tokens"] == 0
