@@ -40,14 +40,16 @@ BLOCK_KS = (128, 64, 32, 16)  # K steps tried, widest first: each must divide K 
 
 
 @triton.jit
-def _group_scale_zero(s_ptr, z_ptr, offs_n, mask_n, group, groups, HAS_ZEROS: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
-    """Rows offs_n's scale and zero point (8 without zero points) of one group, float32."""
-    scale = tl.load(s_ptr + offs_n * groups + group, mask=mask_n, other=0.0).to(tl.float32)
+def _group_scale_zero(s_ptr, z_ptr, offs_n, mask_n, group, groups, HAS_ZEROS: tl.constexpr):
+    """Rows offs_n's scale and zero point (8 without zero points) of group `group`, float32,
+    in the shape offs_n and group broadcast to (rows [BLOCK_N] and one group, or rows
+    [BLOCK_N, 1] and groups [1, G])."""
+    where = offs_n * groups + group
+    scale = tl.load(s_ptr + where, mask=mask_n, other=0.0).to(tl.float32)
     if HAS_ZEROS:
-        zero = tl.load(z_ptr + offs_n * groups + group, mask=mask_n, other=8).to(tl.float32)
+        zero = tl.load(z_ptr + where, mask=mask_n, other=8).to(tl.float32)
     else:
-        zero = tl.full((BLOCK_N,), 8.0, tl.float32)
+        zero = tl.full(scale.shape, 8.0, tl.float32)
     return scale, zero
 
 
@@ -89,6 +91,18 @@ def _zero_offset(zero, MAGIC: tl.constexpr):
 
 
 @triton.jit
+def _word_nibbles(qw_ptr, offs_n, mask_n, k0, k_words, BLOCK_K: tl.constexpr):
+    """The [BLOCK_K / 8, BLOCK_N] words at input feature k0 (transposed), each shifted by 0, 4,
+    ..., 28 bits along a middle axis: [BLOCK_K / 8, 8, BLOCK_N], nibble i of word w in the low
+    bits of [w, i] (the rest above it)."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(qw_ptr + offs_n[None, :] * k_words + offs_w[:, None],
+                    mask=mask_n[None, :], other=0)
+    shifts = tl.arange(0, 8) * 4
+    return words[:, None, :] >> shifts[None, :, None]
+
+
+@triton.jit
 def _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups, group_k,
                    HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                    MAGIC: tl.constexpr = False):
@@ -96,15 +110,11 @@ def _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups, gr
     per word, its 8 nibbles spread by a reshape (row 8w + i is word w's nibble i). MAGIC: see
     _code_values. (Session 47-48 sweeps: a load per feature, or the nibbles stacked
     nibble-major with the activations read to match, were never faster.)"""
-    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    words = tl.load(qw_ptr + offs_n[None, :] * k_words + offs_w[:, None],
-                    mask=mask_n[None, :], other=0)  # [BLOCK_K / 8, BLOCK_N]
-    shifts = tl.arange(0, 8) * 4
-    bits = words[:, None, :] >> shifts[None, :, None]  # [BLOCK_K / 8, 8, BLOCK_N]
-    bits = tl.reshape(bits, (BLOCK_K, BLOCK_N))
+    bits = tl.reshape(_word_nibbles(qw_ptr, offs_n, mask_n, k0, k_words, BLOCK_K),
+                      (BLOCK_K, BLOCK_N))
     # group_k is a multiple of BLOCK_K: one group per tile
     scale, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, mask_n, k0 // group_k, groups,
-                                    HAS_ZEROS, BLOCK_N)
+                                    HAS_ZEROS)
     return _code_values(bits, _zero_offset(zero, MAGIC)[None, :], MAGIC) * scale[None, :]
 
 
@@ -115,11 +125,7 @@ def _biased_code_tile(qw_ptr, offs_n, mask_n, k0, k_words, BLOCK_K: tl.constexpr
     DTYPE, exactly: each code OR-ed into the mantissa of the base's bit pattern FOLD_BITS
     (bf16 0x4300: 128; fp16 0x6400: 1024) and the low 16 bits read as DTYPE. A shift and one
     AND-OR per code; the zero point and scale wait for the product (_int4_gemm_kernel FOLD)."""
-    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    words = tl.load(qw_ptr + offs_n[None, :] * k_words + offs_w[:, None],
-                    mask=mask_n[None, :], other=0)  # [BLOCK_K / 8, BLOCK_N]
-    shifts = tl.arange(0, 8) * 4
-    bits = ((words[:, None, :] >> shifts[None, :, None]) & 0xF) | FOLD_BITS
+    bits = (_word_nibbles(qw_ptr, offs_n, mask_n, k0, k_words, BLOCK_K) & 0xF) | FOLD_BITS
     tile = bits.to(tl.int16).to(DTYPE, bitcast=True)
     return tl.reshape(tile, (BLOCK_K, BLOCK_N))
 
@@ -175,12 +181,8 @@ def _int4_gemv_rows_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, N, K, k
         words = tl.load(w_ptrs + k0 // 8, mask=mask_n[:, None, None], other=0,
                         eviction_policy="evict_first")
         span_groups = (k0 + offs_s * SPAN) // group_k  # [STEP_SPANS]
-        where = offs_n[:, None] * groups + span_groups[None, :]
-        scale = tl.load(s_ptr + where, mask=mask_n[:, None], other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            zero = tl.load(z_ptr + where, mask=mask_n[:, None], other=8).to(tl.float32)
-        else:
-            zero = tl.full((BLOCK_N, STEP_SPANS), 8.0, tl.float32)
+        scale, zero = _group_scale_zero(s_ptr, z_ptr, offs_n[:, None], mask_n[:, None],
+                                        span_groups[None, :], groups, HAS_ZEROS)
         if IN_PLACE:
             part = _nibbles_in_place(words, a_ptr, k0 + step_words * 8, zero, nibble_mask)
         else:
@@ -228,17 +230,16 @@ def _int4_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K, k_w
                 part = tl.dot(a, _biased_code_tile(qw_ptr, offs_n, mask_n, k0, k_words, BLOCK_K,
                                                    BLOCK_N, FOLD_BITS, a.dtype))
                 scale, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, mask_n, k0 // group_k,
-                                                groups, HAS_ZEROS, BLOCK_N)
+                                                groups, HAS_ZEROS)
                 a_sum = tl.sum(a.to(tl.float32), axis=1)
                 acc += (part - a_sum[:, None] * (zero + FOLD_BASE)[None, :]) * scale[None, :]
-            elif IEEE:
-                w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups,
-                                   group_k, HAS_ZEROS, BLOCK_K, BLOCK_N, MAGIC).to(a.dtype)
-                acc += tl.dot(a, w, input_precision="ieee")
             else:
                 w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups,
                                    group_k, HAS_ZEROS, BLOCK_K, BLOCK_N, MAGIC).to(a.dtype)
-                acc += tl.dot(a, w)
+                if IEEE:
+                    acc += tl.dot(a, w, input_precision="ieee")
+                else:
+                    acc += tl.dot(a, w)
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
