@@ -28,8 +28,7 @@ from typing import Any, Iterator
 from radixserve.config import ServerArgs
 from radixserve.core.io_struct import TokenizedGenerateReq
 from radixserve.core.req import EMBEDDING_KEY, FIRST_TOKEN_TIME_KEY
-from radixserve.core.request_validation import (RequestLimits, check_lora_name,
-                                                 validate_request)
+from radixserve.core.request_validation import RequestLimits, validate_request
 from radixserve.core.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.scheduler.grammar.validation import check_grammar
@@ -174,8 +173,8 @@ class Engine:
                 ids = ids_list[i]
             # the server's rules (core/request_validation.py): the same request is refused or
             # accepted alike by both
-            validate_request(ids, params, limits, logprob_start_len, top_logprobs_num)
-            check_lora_name(loras[i], limits)
+            validate_request(ids, params, limits, logprob_start_len, top_logprobs_num,
+                             loras[i])
             check_grammar(params, has_tokenizer=self.tokenizer is not None)
             for j in range(params.n):
                 reqs.append(TokenizedGenerateReq(

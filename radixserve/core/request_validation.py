@@ -86,9 +86,9 @@ def check_prompt(input_ids: list[int], limits: RequestLimits) -> None:
 
 def validate_request(input_ids: list[int], sampling_params: SamplingParams,
                      limits: RequestLimits, logprob_start_len: int = -1,
-                     top_logprobs_num: int = 0) -> None:
-    """Everything about one request; normalises `sampling_params` in place. Raises
-    InvalidRequestError with a message for the user."""
+                     top_logprobs_num: int = 0, lora_name: str | None = None) -> None:
+    """Everything about one request (its LoRA adapter too); normalises `sampling_params` in
+    place. Raises InvalidRequestError with a message for the user."""
     sampling_params.verify()
     sampling_params.normalize()
     SamplingParams.check_top_logprobs_num(top_logprobs_num)
@@ -113,3 +113,4 @@ def validate_request(input_ids: list[int], sampling_params: SamplingParams,
     if logprob_start_len >= n:
         raise InvalidRequestError(f"logprob_start_len must be < the prompt length ({n})",
                                   param="logprob_start_len")
+    check_lora_name(lora_name, limits)

@@ -2,6 +2,8 @@
 /v1/embeddings (with SGLang's /encode), and vLLM's /tokenize, /detokenize and /version."""
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
@@ -20,22 +22,22 @@ def openai_router(ctx: OpenAIContext, context_len: int) -> APIRouter:
     router = APIRouter()
     created = now_s()
 
+    def model_card(name: str) -> dict[str, Any]:
+        """/v1/models' entry for the base model or a LoRA adapter (with its parent)."""
+        card = {"id": name, "object": "model", "created": created, "owned_by": "radixserve",
+                "max_model_len": context_len}
+        if ctx.lora_name(name) is not None:
+            card["parent"] = ctx.model_name
+        return card
+
     @router.get("/v1/models")
     async def list_models() -> JSONResponse:
-        adapters = [{"id": name, "object": "model", "created": created,
-                     "owned_by": "radixserve", "parent": ctx.model_name,
-                     "max_model_len": context_len}
-                    for name in ctx.tokenizer_manager.limits.lora_names]
-        return JSONResponse({"object": "list", "data": [{
-            "id": ctx.model_name, "object": "model", "created": created,
-            "owned_by": "radixserve", "max_model_len": context_len}, *adapters]})
+        names = [ctx.model_name, *ctx.tokenizer_manager.limits.lora_names]
+        return JSONResponse({"object": "list", "data": [model_card(name) for name in names]})
 
     @router.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> JSONResponse:
-        name = ctx.check_model(model_id)
-        parent = {"parent": ctx.model_name} if ctx.lora_name(model_id) is not None else {}
-        return JSONResponse({"id": name, "object": "model", "created": created,
-                             "owned_by": "radixserve", "max_model_len": context_len, **parent})
+        return JSONResponse(model_card(ctx.check_model(model_id)))
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:

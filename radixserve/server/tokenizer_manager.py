@@ -27,8 +27,7 @@ from radixserve.core.io_struct import (AbortReq, BatchStrOut, FlushCacheReply, F
                                        GetInternalStateReq, InternalState, ReqError,
                                        SchedulerStateUpdate, TokenizedGenerateReq)
 from radixserve.core.req import FIRST_TOKEN_TIME_KEY
-from radixserve.core.request_validation import (RequestLimits, check_lora_name,
-                                                 validate_request)
+from radixserve.core.request_validation import RequestLimits, validate_request
 from radixserve.core.sampling_params import (GRAMMAR_KINDS, MAX_N, InvalidRequestError,
                                              SamplingParams)
 from radixserve.scheduler.grammar.validation import check_grammar
@@ -130,9 +129,8 @@ class TokenizerManager:
             input_ids = self.tokenize(text)
         try:
             validate_request(input_ids, sampling_params, self.limits, logprob_start_len,
-                             top_logprobs_num)
+                             top_logprobs_num, lora_name)
             check_grammar(sampling_params, has_tokenizer=self.tokenizer is not None)
-            check_lora_name(lora_name, self.limits)
         except InvalidRequestError as exc:
             field, message = param if exc.param == "prompt" else exc.param, str(exc)
             if grammar_param is not None and exc.param in GRAMMAR_KINDS:
