@@ -52,11 +52,18 @@ class LoRABatch:
 class LoRAStacks:
     a: torch.Tensor  # [slots x width, in]: slot s's A in rows s * width ..
     b: torch.Tensor  # [out, slots x width]: slot s's B (scale folded in) in columns s * width ..
-    slots: int
-    width: int  # pieces x r_max
     pieces: tuple[object, ...]  # the layer's shard ids (None: one unmerged weight)
     r_max: int
     batch: LoRABatch
+
+    @property
+    def width(self) -> int:
+        """Columns (of B; rows of A) a slot owns: pieces x r_max."""
+        return len(self.pieces) * self.r_max
+
+    @property
+    def slots(self) -> int:
+        return self.a.shape[0] // self.width
 
 
 def attach_lora(layer: torch.nn.Module, slots: int, r_max: int, pieces: tuple[object, ...],
@@ -66,7 +73,7 @@ def attach_lora(layer: torch.nn.Module, slots: int, r_max: int, pieces: tuple[ob
     stacks = LoRAStacks(
         a=torch.zeros(slots * width, layer.input_size, dtype=dtype, device=device),
         b=torch.zeros(layer.output_size, slots * width, dtype=dtype, device=device),
-        slots=slots, width=width, pieces=pieces, r_max=r_max, batch=batch)
+        pieces=pieces, r_max=r_max, batch=batch)
     layer.lora = stacks
     return stacks
 
@@ -83,18 +90,17 @@ def load_lora_piece(layer: torch.nn.Module, slot: int, piece: object, a: torch.T
         raise ValueError(f"lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not make a "
                          f"rank <= {stacks.r_max} pair")
     start = slot * stacks.width + stacks.pieces.index(piece) * stacks.r_max
-    a_rows = stacks.a[start:start + rank]
-    if layer.input_is_split and layer.tp_size > 1:  # this rank's input columns
-        part = a.shape[1] // layer.tp_size
-        a = a.narrow(1, layer.tp_rank * part, part)
-    if a.shape != a_rows.shape:
-        raise ValueError(f"lora_A of shape {tuple(a.shape)} does not fit {tuple(a_rows.shape)}")
-    a_rows.copy_(a)
-    b = b * scale
+    a_rows = torch.nn.Parameter(stacks.a[start:start + rank], requires_grad=False)
     b_columns = torch.nn.Parameter(stacks.b[:, start:start + rank], requires_grad=False)
-    if layer.input_is_split:  # row-parallel: B whole on every rank
-        b_columns.data.copy_(b)
-    elif piece is None:
+    b = b * scale
+    if layer.input_is_split:  # row-parallel: A's columns of this rank (the layer's own split)
+        layer.weight_loader(a_rows, a)
+        b_columns.data.copy_(b)  # and B whole on every rank
+        return
+    if a.shape != a_rows.shape:  # column-parallel: A whole on every rank
+        raise ValueError(f"lora_A of shape {tuple(a.shape)} does not fit {tuple(a_rows.shape)}")
+    a_rows.data.copy_(a)
+    if piece is None:
         layer.weight_loader(b_columns, b)
     else:
         layer.weight_loader(b_columns, b, piece)
