@@ -14,6 +14,10 @@ Invariants:
   `req_to_token_pool.padding_row`, seq_len `attn_backend.get_cuda_graph_seq_len_fill_value()`
   and out_cache_loc 0: their K/V land in KV slot 0 (the padding sink, never handed out), their
   table write in the padding row, and their outputs are dropped.
+- LoRA adapters (--lora-paths): every size is captured twice, without adapter code (steps of
+  the base model alone pay nothing for the adapters) and with the per-row LoRA kernels
+  (layers/kernels/lora_rows.py) reading a sixth input row, each request's adapter slot (-1:
+  none, and for the padding rows).
 - A graph is the whole decode step short of sampling: the write of the new KV slots into
   req_to_token, the model, and the argmax of the logits (greedy batches need nothing else).
 - One memory pool (`torch.cuda.graph_pool_handle()`) is shared by all graphs, captured largest
@@ -51,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 NUM_INPUT_ROWS = 5  # input_ids, positions, req_pool_indices, seq_lens, out_cache_loc
 INPUT_IDS, POSITIONS, REQ_POOL_INDICES, SEQ_LENS, OUT_CACHE_LOC = range(NUM_INPUT_ROWS)
+LORA_SLOTS = NUM_INPUT_ROWS  # the sixth row, with LoRA adapters: each request's slot
 NUM_WARMUP_RUNS = 2
 LOGITS_IN_MODEL_DTYPE = os.environ.get("RADIXSERVE_GRAPH_BF16_LOGITS", "1") == "1"
 
@@ -86,9 +91,11 @@ class PaddingPlan(NamedTuple):
 
 
 def fill_padded_inputs(batch: ModelWorkerBatch, graph_bs: int, seq_len_fill: int,
-                       padding_row: int, out: torch.Tensor) -> PaddingPlan:
+                       padding_row: int, out: torch.Tensor,
+                       lora_slots: list[int] | None = None) -> PaddingPlan:
     """Write the batch's decode inputs into `out[:, :graph_bs]` (a CPU int64 `[5, >= graph_bs]`
-    tensor, rows in the order of the module constants), padding rows after the real ones."""
+    tensor, rows in the order of the module constants; a sixth row takes `lora_slots`, the
+    requests' adapter slots), padding rows after the real ones."""
     bs = batch.batch_size
     if bs > graph_bs:
         raise ValueError(f"batch of {bs} does not fit a graph of {graph_bs}")
@@ -101,6 +108,9 @@ def fill_padded_inputs(batch: ModelWorkerBatch, graph_bs: int, seq_len_fill: int
     rows[:, bs:graph_bs] = 0
     rows[SEQ_LENS, bs:graph_bs] = seq_len_fill
     rows[REQ_POOL_INDICES, bs:graph_bs] = padding_row
+    if lora_slots is not None:
+        rows[LORA_SLOTS, :bs] = lora_slots
+        rows[LORA_SLOTS, bs:graph_bs] = -1
     num_padding = graph_bs - bs
     return PaddingPlan(graph_bs, num_padding, sum(batch.seq_lens) + num_padding * seq_len_fill)
 
@@ -120,8 +130,12 @@ class CudaGraphRunner:
                             else 0)
         sizes = capture_batch_sizes(max_bs_flag, model_runner.max_num_reqs * rows_per_req)
         self.batch_sizes: list[int] = []
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (logits, argmax ids)
+        # keyed by (batch size, with the LoRA kernels)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.lora = getattr(model_runner, "lora", None)  # its LoRAManager, if it has adapters
+        if self.lora is not None and not self.lora.rows_kernel:
+            self.lora = None  # RADIXSERVE_LORA_ROWS_KERNEL=0: adapter steps run eager
         if not sizes:
             return
         try:
@@ -132,12 +146,15 @@ class CudaGraphRunner:
         self.max_bs = sizes[-1]
         self.padding_row = model_runner.req_to_token_pool.padding_row
         self.seq_len_fill = self.attn_backend.get_cuda_graph_seq_len_fill_value()
+        num_rows = NUM_INPUT_ROWS + (self.lora is not None)
         with torch.inference_mode():
-            self.inputs = torch.zeros((NUM_INPUT_ROWS, self.max_bs), dtype=torch.int64,
+            self.inputs = torch.zeros((num_rows, self.max_bs), dtype=torch.int64,
                                       device=self.device)
             self.inputs[SEQ_LENS].fill_(self.seq_len_fill)
             self.inputs[REQ_POOL_INDICES].fill_(self.padding_row)
-            self.staging = torch.zeros((NUM_INPUT_ROWS, self.max_bs), dtype=torch.int64,
+            if self.lora is not None:
+                self.inputs[LORA_SLOTS].fill_(-1)
+            self.staging = torch.zeros((num_rows, self.max_bs), dtype=torch.int64,
                                        pin_memory=True)
         self.copy_done = torch.cuda.Event()
         self.copy_done.record()
@@ -163,33 +180,43 @@ class CudaGraphRunner:
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
-        for bs in progress(list(reversed(sizes)), "capturing CUDA graphs", "graph"):
-            # largest first: the others reuse its memory
+        # largest first: the others reuse its memory
+        keys = [(bs, with_lora) for with_lora in (False, True)[:1 + (self.lora is not None)]
+                for bs in reversed(sizes)]
+        for key in progress(keys, "capturing CUDA graphs", "graph"):
             try:
-                self.graphs[bs], self.outputs[bs] = self._capture_one(bs, pool)
+                self.graphs[key], self.outputs[key] = self._capture_one(*key, pool)
             except RuntimeError as exc:
-                if bs != sizes[-1] or os.environ.get("RADIXSERVE_PDL") == "0":
+                if key != keys[0] or os.environ.get("RADIXSERVE_PDL") == "0":
                     raise
                 # a driver that cannot capture programmatic launches: capture without them
                 from radixserve.core.triton_pdl import disable_pdl
                 logger.warning("CUDA graph capture failed (%s); retrying without PDL", exc)
                 disable_pdl()
                 torch.cuda.synchronize(self.device)
-                self.graphs[bs], self.outputs[bs] = self._capture_one(bs, pool)
+                self.graphs[key], self.outputs[key] = self._capture_one(*key, pool)
         self.batch_sizes = sorted(sizes)
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        logger.info("captured decode CUDA graphs for %d batch sizes (%s) in %.1f s, %.2f GiB",
-                    len(sizes), ", ".join(map(str, sizes)), time.perf_counter() - start,
-                    used / 2**30)
+        logger.info("captured decode CUDA graphs for %d batch sizes (%s)%s in %.1f s, %.2f GiB",
+                    len(sizes), ", ".join(map(str, sizes)),
+                    ", with and without the LoRA kernels" if self.lora is not None else "",
+                    time.perf_counter() - start, used / 2**30)
 
     def _decode_step(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         self.model_runner.record_decode_slots(fb)
         logits = self.model_runner.model(fb.input_ids, fb.positions, fb).next_token_logits
         return logits, logits.argmax(dim=-1)
 
-    def _capture_one(self, bs: int, pool: Any
+    def _capture_one(self, bs: int, with_lora: bool, pool: Any
                      ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
+        if self.lora is None:
+            return self._capture_step(bs, pool)
+        with self.lora.capturing(self.inputs[LORA_SLOTS, :bs] if with_lora else None):
+            return self._capture_step(bs, pool)
+
+    def _capture_step(self, bs: int, pool: Any
+                      ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
         forward_batch = self._forward_batch(bs)
         self.attn_backend.init_forward_metadata_capture_cuda_graph(
             bs, self.inputs[REQ_POOL_INDICES], self.inputs[SEQ_LENS])
@@ -210,6 +237,9 @@ class CudaGraphRunner:
 
     # ---- replay ----
     def can_run(self, batch: ModelWorkerBatch) -> bool:
+        """A captured size fits the batch, and its adapters (if any) have graphs."""
+        if any(batch.lora_names) and self.lora is None:
+            return False
         return bool(self.batch_sizes) and 1 <= batch.batch_size <= self.batch_sizes[-1]
 
     @torch.inference_mode()
@@ -220,9 +250,12 @@ class CudaGraphRunner:
         `input_ids` (device, [bs]) replaces batch.input_ids (the overlap path)."""
         bs = batch.batch_size
         graph_bs = pick_graph_batch_size(self.batch_sizes, bs)
+        lora_slots = None
+        if self.lora is not None and any(batch.lora_names):
+            lora_slots = [self.lora.slot_of(name) for name in batch.lora_names]
         self.copy_done.synchronize()  # the previous copy out of `staging` has finished
         plan = fill_padded_inputs(batch, graph_bs, self.seq_len_fill, self.padding_row,
-                                  self.staging)
+                                  self.staging, lora_slots)
         # the whole buffer (a few KiB) in one contiguous copy; rows past graph_bs are not read
         self.inputs.copy_(self.staging, non_blocking=True)
         self.copy_done.record()
@@ -231,6 +264,7 @@ class CudaGraphRunner:
         self.attn_backend.init_forward_metadata_replay_cuda_graph(
             graph_bs, self.inputs[REQ_POOL_INDICES, :graph_bs], self.inputs[SEQ_LENS, :graph_bs],
             plan.seq_lens_sum)
-        self.graphs[graph_bs].replay()
-        logits, ids = self.outputs[graph_bs]
+        key = (graph_bs, lora_slots is not None)
+        self.graphs[key].replay()
+        logits, ids = self.outputs[key]
         return logits[:bs], ids[:bs]

@@ -5,10 +5,18 @@ its tokens by the adapter their request named (ModelWorkerBatch.lora_names).
 An adapter's module names are the checkpoint's (q_proj, gate_proj, ...); the model's
 `packed_modules_mapping` and `checkpoint_prefixes` take them to the merged layers and shard ids
 the base weights load into, so a module of q|k|v or gate|up is a piece of the merged layer.
+
+Decode steps on a GPU go to the per-row kernels (each request's slot read on the device), the
+form the decode CUDA graphs capture (executor/cuda_graph_runner.py); prefill and mixed passes
+use torch's products. RADIXSERVE_LORA_ROWS_KERNEL=1 / 0 turns the kernels on (the Triton
+interpreter on a CPU) / off (eager torch decode steps on a GPU, and no adapter graphs).
 """
 from __future__ import annotations
 
 import logging
+import os
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -42,6 +50,8 @@ class LoRAManager:
         self.slots = {name: slot for slot, name in enumerate(adapter_paths)}
         self.batch = LoRABatch()
         self.device = device
+        choice = os.environ.get("RADIXSERVE_LORA_ROWS_KERNEL", "auto")
+        self.rows_kernel = device.type == "cuda" if choice == "auto" else choice == "1"
         if any(isinstance(m, RecurrentMixer) for m in model.modules()):
             raise ValueError("LoRA adapters on hybrid (recurrent-mixer) models are not "
                              "supported yet")
@@ -79,18 +89,37 @@ class LoRAManager:
                                   "are not supported")
         return layer, piece
 
+    def slot_of(self, name: str | None) -> int:
+        """A request's slot in the stacks (-1: the base model)."""
+        return -1 if name is None else self.slots[name]
+
+    @contextmanager
+    def capturing(self, token_slots: torch.Tensor | None) -> Iterator[None]:
+        """A decode graph's capture: its layers launch the per-row kernels on `token_slots`
+        (the graph's input row, refilled before each replay), or no adapter code (None)."""
+        self.batch.set(None, token_slots, rows_kernel=token_slots is not None)
+        try:
+            yield
+        finally:
+            self.batch.set(None, None)
+
     def prepare(self, batch: ModelWorkerBatch) -> None:
         """Each token's adapter slot for the pass (tokens per request: its extend length, or
         one in a decode step)."""
         names = batch.lora_names
         if not any(names):
             self.batch.set(None, None)
+        elif self.rows_kernel and batch.forward_mode.is_decode():
+            slots = torch.tensor([self.slot_of(name) for name in names])
+            self.batch.set(None, self._to_device(slots), rows_kernel=True)
         elif all(name == names[0] for name in names):  # one adapter for the whole pass
             self.batch.set(self.slots[names[0]], None)
         else:
             lens = batch.extend_seq_lens or [1] * batch.batch_size
-            slots = torch.tensor([-1 if name is None else self.slots[name] for name in names])
-            token_slots = slots.repeat_interleave(torch.tensor(lens))
-            if self.device.type == "cuda":  # no wait on the step in flight (overlap)
-                token_slots = token_slots.pin_memory().to(self.device, non_blocking=True)
-            self.batch.set(None, token_slots)
+            slots = torch.tensor([self.slot_of(name) for name in names])
+            self.batch.set(None, self._to_device(slots.repeat_interleave(torch.tensor(lens))))
+
+    def _to_device(self, slots: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":  # no wait on the step in flight (overlap)
+            return slots.pin_memory().to(self.device, non_blocking=True)
+        return slots

@@ -413,9 +413,8 @@ class ModelRunner:
         return info.is_all_greedy and not info.modifies_logits
 
     def _uses_graph(self, batch: ModelWorkerBatch) -> bool:
-        # a step with LoRA adapters runs eager (the graphs hold the base model's products only)
         return (self.cuda_graph_runner is not None and batch.forward_mode.is_decode()
-                and self.cuda_graph_runner.can_run(batch) and not any(batch.lora_names))
+                and self.cuda_graph_runner.can_run(batch))
 
     @torch.inference_mode()
     def forward_logits(self, batch: ModelWorkerBatch) -> LogitsOutput:

@@ -17,7 +17,10 @@ before the all-reduce (the sum over ranks of x_r A_r^T is x A^T).
 
 The pass's adapters (`LoRABatch`: one slot for every token, or each token's slot) are shared
 by every adapted layer of the model and set before each forward by
-executor/lora_manager.py.
+executor/lora_manager.py. Each token's slot goes to one of two forms of the products: torch's
+(one adapter: its A and B; several: every slot's low-rank product, masked) or, for decode steps
+on a GPU and in every CUDA graph (`rows_kernel`), the per-row Triton kernels of
+layers/kernels/lora_rows.py, which read each token's slot on the device.
 """
 from __future__ import annotations
 
@@ -25,17 +28,25 @@ from dataclasses import dataclass, field
 
 import torch
 
+from radixserve.layers.kernels.lora_rows import add_lora_rows
+
 
 @dataclass
 class LoRABatch:
     """The current pass's adapters: `single`, the slot of every token when they all share one,
-    else `token_slots` (each token's slot, -1 without an adapter), or neither (no adapter)."""
+    else `token_slots` (each token's slot, -1 without an adapter), or neither (no adapter).
+    `rows_kernel`: token_slots go to the per-row kernels (a device tensor a CUDA graph may
+    hold: its values change between replays, the launches do not)."""
     single: int | None = None
     token_slots: torch.Tensor | None = None
+    rows_kernel: bool = False
     _masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
-    def set(self, single: int | None, token_slots: torch.Tensor | None) -> None:
-        self.single, self.token_slots, self._masks = single, token_slots, {}
+    def set(self, single: int | None, token_slots: torch.Tensor | None,
+            rows_kernel: bool = False) -> None:
+        assert not rows_kernel or token_slots is not None
+        self.single, self.token_slots, self.rows_kernel = single, token_slots, rows_kernel
+        self._masks = {}
 
     def mask(self, slots: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """[tokens, slots x width]: 1 where a column belongs to the token's adapter (each slot
@@ -108,17 +119,22 @@ def load_lora_piece(layer: torch.nn.Module, slot: int, piece: object, a: torch.T
 
 def add_lora(layer: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out (x's product with the layer's own weight, [tokens, out]: bf16, FP8 or int4 codes
-    alike, the adapters' A and B stay in the compute dtype) plus the adapters' deltas:
-    with one adapter for the pass, that slot's A and B alone; with several (or some tokens on
-    none), every slot's low-rank products at once, each token's row masked to its own slot's
-    columns before B: three operations whatever the mix (the products of the other slots'
-    columns are the price, small next to the layer's own at the ranks adapters use)."""
+    alike, the adapters' A and B stay in the compute dtype) plus the adapters' deltas: in
+    `rows_kernel` passes the per-row kernels; else with one adapter for the pass, that slot's
+    A and B alone; with several (or some tokens on none), every slot's low-rank products at
+    once, each token's row masked to its own slot's columns before B: three operations
+    whatever the mix (the products of the other slots' columns are the price, small next to
+    the layer's own at the ranks adapters use)."""
     stacks: LoRAStacks = layer.lora
     batch = stacks.batch
     if batch.single is None and batch.token_slots is None:
         return out
     x2 = x.reshape(-1, x.shape[-1])
     out2 = out.reshape(-1, out.shape[-1])
+    if batch.rows_kernel:
+        assert batch.token_slots is not None and out2.data_ptr() == out.data_ptr()
+        add_lora_rows(x2, stacks.a, stacks.b, batch.token_slots, stacks.width, out2)
+        return out
     if batch.single is not None:
         cols = slice(batch.single * stacks.width, (batch.single + 1) * stacks.width)
         out2.addmm_(x2 @ stacks.a[cols].t(), stacks.b[:, cols].t())

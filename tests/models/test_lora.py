@@ -1,11 +1,15 @@
 """LoRA adapters (--lora-paths) against transformers with each adapter merged into the weights
 (W + scale B A, the definition of LoRA): one batch mixes requests of two adapters and of the
-base model, and every request's greedy tokens equal its own merged model's (fp32)."""
+base model, and every request's greedy tokens equal its own merged model's (fp32).
+
+RADIXSERVE_TEST_DEVICE=cuda runs the engines of the comparisons on a GPU (the references stay
+on the CPU): adapter steps eager beside the base model's CUDA graph replays."""
 from __future__ import annotations
 
 import copy
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,7 @@ from tests.models.test_greedy_vs_hf import hf_greedy
 from tests.models.tiny_checkpoints import make_checkpoint
 
 CHECKPOINT = "llama_gqa_llama3_rope"  # GQA: q, k and v pieces of different sizes
+DEVICE = os.environ.get("RADIXSERVE_TEST_DEVICE", "cpu")
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -70,7 +75,7 @@ def served(tmp_path_factory):
     references = {"every": merged(hf_model, every, 8.0 / 4), "qv":
                   merged(hf_model, qv, 4.0 / math.sqrt(2)), None: hf_model}
     engine = radixserve.Engine(str(root / "base"), skip_tokenizer_init=True, dtype="float32",
-                               device="cpu", max_total_tokens=2000,
+                               device=DEVICE, max_total_tokens=2000,
                                lora_paths=[f"every={root / 'every'}", f"qv={root / 'qv'}"])
     yield engine, references, root
     engine.shutdown()
@@ -137,19 +142,51 @@ def test_requests_share_cached_prefixes_with_their_own_adapter_only(served) -> N
     assert cached[0] == 0 and cached[1] == 0 and cached[2] >= len(prompt) - 1, cached
 
 
-def test_decode_steps_with_adapters_never_replay_a_cuda_graph() -> None:
-    """The graphs are captured with no adapter rows: base-only steps replay them, a step with
-    any adapter runs eager."""
+def test_decode_steps_through_the_per_row_kernels_match_each_merged_model(
+        served, monkeypatch) -> None:
+    """RADIXSERVE_LORA_ROWS_KERNEL=1 (the default on a GPU, the Triton interpreter here):
+    decode steps mixing two adapters and the base model add each request's delta in the
+    per-row kernels, and every request's greedy tokens are still its merged model's."""
+    _, references, root = served
+    monkeypatch.setenv("RADIXSERVE_LORA_ROWS_KERNEL", "1")
+    engine = radixserve.Engine(str(root / "base"), skip_tokenizer_init=True, dtype="float32",
+                               device=DEVICE, max_total_tokens=1000,
+                               lora_paths=[f"every={root / 'every'}", f"qv={root / 'qv'}"])
+    gen = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(0, 160, (n,), generator=gen).tolist() for n in (7, 12, 9, 15)]
+    names = ["qv", None, "every", "qv"]
+    try:
+        outs = engine.generate(input_ids=prompts, lora_path=names, sampling_params={
+            "max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
+    finally:
+        engine.shutdown()
+    for out, ids, name in zip(outs, prompts, names):
+        assert out["output_ids"] == hf_greedy(references[name], ids, 5)
+
+
+def test_decode_graphs_take_each_requests_adapter_slot_in_a_sixth_input_row() -> None:
+    """The graph runner's inputs: with adapters, a sixth row of slots (-1 for the base model
+    and the padding rows) picks the graphs captured with the per-row kernels; a runner
+    without them (RADIXSERVE_LORA_ROWS_KERNEL=0) leaves adapter steps to the eager path."""
     from types import SimpleNamespace
 
     from radixserve.core.forward_batch import ForwardMode, ModelWorkerBatch
-    from radixserve.executor.model_runner import ModelRunner
-    runner = SimpleNamespace(cuda_graph_runner=SimpleNamespace(can_run=lambda batch: True))
-    batch = ModelWorkerBatch(ForwardMode.DECODE, [1, 2], [0, 1], [5, 6], torch.zeros(2),
-                             lora_names=[None, None])
-    assert ModelRunner._uses_graph(runner, batch)
-    batch.lora_names = [None, "every"]
-    assert not ModelRunner._uses_graph(runner, batch)
+    from radixserve.executor.cuda_graph_runner import (LORA_SLOTS, NUM_INPUT_ROWS,
+                                                       CudaGraphRunner, fill_padded_inputs)
+    batch = ModelWorkerBatch(ForwardMode.DECODE, [1, 2, 3], [0, 1, 2], [5, 6, 7],
+                             torch.zeros(3, dtype=torch.int64),
+                             lora_names=[None, "every", "qv"])
+    staging = torch.full((NUM_INPUT_ROWS + 1, 4), 99, dtype=torch.int64)
+    fill_padded_inputs(batch, 4, seq_len_fill=1, padding_row=9, out=staging,
+                       lora_slots=[-1, 0, 1])
+    assert staging[LORA_SLOTS].tolist() == [-1, 0, 1, -1]
+    runner = SimpleNamespace(batch_sizes=[1, 2, 4], lora=None)
+    assert not CudaGraphRunner.can_run(runner, batch)
+    runner.lora = object()
+    assert CudaGraphRunner.can_run(runner, batch)
+    batch.lora_names = [None] * 3
+    runner.lora = None
+    assert CudaGraphRunner.can_run(runner, batch)
 
 
 @pytest.mark.parametrize("module,checkpoint", [("kv_b_proj", "deepseek_v2_lite_mla")])
@@ -176,7 +213,7 @@ def test_other_families_match_their_merged_models(checkpoint, modules, skip, tmp
                           skip=skip)
     tuned = merged(hf_model, pairs, 2.0)
     engine = radixserve.Engine(str(tmp_path / "base"), skip_tokenizer_init=True,
-                               dtype="float32", device="cpu", max_total_tokens=1000,
+                               dtype="float32", device=DEVICE, max_total_tokens=1000,
                                lora_paths=[f"x={tmp_path / 'adapter'}"])
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, 160, (n,), generator=gen).tolist() for n in (12, 33)]
@@ -210,7 +247,7 @@ def test_adapters_on_quantised_bases_match_the_merged_dequantised_model(fmt, tmp
     twin = AutoModelForCausalLM.from_pretrained(twin_path, dtype=torch.float32).eval()
     pairs = write_adapter(tmp_path / "adapter", twin, ALL_MODULES, rank=4, alpha=8.0, seed=2)
     engine = radixserve.Engine(str(folder), skip_tokenizer_init=True, dtype="float32",
-                               device="cpu", max_total_tokens=1000,
+                               device=DEVICE, max_total_tokens=1000,
                                lora_paths=[f"x={tmp_path / 'adapter'}"])
     prompt = torch.randint(0, 160, (21,), generator=torch.Generator().manual_seed(4)).tolist()
     try:
@@ -250,7 +287,7 @@ def test_chunked_and_mixed_passes_keep_each_requests_adapter(served) -> None:
     merged model's."""
     _, references, root = served
     engine = radixserve.Engine(str(root / "base"), skip_tokenizer_init=True, dtype="float32",
-                               device="cpu", max_total_tokens=160, chunked_prefill_size=16,
+                               device=DEVICE, max_total_tokens=160, chunked_prefill_size=16,
                                enable_mixed_chunk=True,
                                lora_paths=[f"every={root / 'every'}", f"qv={root / 'qv'}"])
     gen = torch.Generator().manual_seed(12)
