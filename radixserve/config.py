@@ -36,6 +36,11 @@ class ServerArgs:
     is_embedding: bool = False
     # LoRA adapters served beside the base model: NAME=PATH or PATH entries (lora_adapters())
     lora_paths: list[str] | None = None
+    # adapter slots (loaded at once; more may be loaded at run time up to it); None: as many
+    # as --lora-paths; rank and checkpoint modules the slots take (None: --lora-paths')
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    lora_target_modules: list[str] | None = None
     trust_remote_code: bool = False
     # a JSON object whose keys replace the model config's (SGLang's flag), e.g.
     # '{"num_hidden_layers": 5}' for a shape run of a model too large for the device
@@ -199,12 +204,32 @@ class ServerArgs:
                 self.speculative_ngram_max_match_window_size:
             raise ValueError("--speculative-ngram-min-match-window-size must not exceed "
                              "--speculative-ngram-max-match-window-size")
-        if self.lora_adapters() and (self.speculative_algorithm is not None or self.is_embedding):
-            raise ValueError("--lora-paths serves generation without speculative decoding")
+        self._check_lora()
         if self.disable_radix_cache and self.schedule_policy in ("lpm", "dfs-weight"):
             self.schedule_policy = "fcfs"  # cache-aware policies need the cache
         self.resolved = True
         return self
+
+    def _check_lora(self) -> None:
+        count = len(self.lora_adapters())
+        if self.max_loras is None:
+            self.max_loras = count
+        if self.max_loras < count:
+            raise ValueError(f"--max-loras {self.max_loras} is fewer than the {count} adapters "
+                             "of --lora-paths")
+        if not self.lora_enabled():
+            return
+        if self.speculative_algorithm is not None or self.is_embedding:
+            raise ValueError("LoRA adapters serve generation without speculative decoding")
+        if count == 0 and not self.max_lora_rank:
+            raise ValueError("--max-loras without --lora-paths needs --max-lora-rank (and "
+                             "--lora-target-modules, default all)")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError("--max-lora-rank must be at least 1")
+
+    def lora_enabled(self) -> bool:
+        """LoRA slots exist: --lora-paths, or --max-loras for adapters loaded at run time."""
+        return bool(self.lora_paths) or bool(self.max_loras)
 
     def lora_adapters(self) -> dict[str, str]:
         """--lora-paths as name -> path (an entry without NAME= is named by its path);

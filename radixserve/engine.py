@@ -28,7 +28,7 @@ from typing import Any, Iterator
 from radixserve.config import ServerArgs
 from radixserve.core.io_struct import TokenizedGenerateReq
 from radixserve.core.req import EMBEDDING_KEY, FIRST_TOKEN_TIME_KEY
-from radixserve.core.request_validation import RequestLimits, validate_request
+from radixserve.core.request_validation import validate_request
 from radixserve.core.sampling_params import InvalidRequestError, SamplingParams
 from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.scheduler.grammar.validation import check_grammar
@@ -160,7 +160,7 @@ class Engine:
         loras = lora_path if isinstance(lora_path, list) else [lora_path] * n_items
         if len(loras) != n_items:
             raise InvalidRequestError("lora_path list must match the number of prompts")
-        limits = RequestLimits.from_model_info(self.scheduler.model_info)
+        limits = self.scheduler.limits  # its LoRA adapters of the moment
         reqs: list[TokenizedGenerateReq] = []
         for i in range(n_items):
             params = _to_params(params_list[i], self.generation_defaults)
@@ -351,6 +351,24 @@ class Engine:
         self._check_open()
         with self._lock:
             self.scheduler.abort_request(rid)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Load the PEFT LoRA adapter folder `lora_path` into a free slot (--max-loras) under
+        `lora_name`, which requests name as their lora_path from then on; ValueError with the
+        reason when the slots cannot take it."""
+        self._check_open()
+        with self._lock:
+            reply = self.scheduler.load_lora(lora_name, lora_path)
+        if not reply.success:
+            raise ValueError(reply.message)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Free `lora_name`'s slot; ValueError while requests of it are open (streams)."""
+        self._check_open()
+        with self._lock:
+            reply = self.scheduler.unload_lora(lora_name)
+        if not reply.success:
+            raise ValueError(reply.message)
 
     def get_internal_state(self) -> dict[str, Any]:
         self._check_open()

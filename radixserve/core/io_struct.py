@@ -1,6 +1,7 @@
 """Every message that crosses a process boundary. Sent with pickle over ZMQ (send_pyobj).
 
-  TokenizerManager --(TokenizedGenerateReq, AbortReq, FlushCacheReq, GetInternalStateReq)--> Scheduler
+  TokenizerManager --(TokenizedGenerateReq, AbortReq, FlushCacheReq, GetInternalStateReq,
+                      LoadLoRAReq, UnloadLoRAReq)--> Scheduler
   Scheduler --(BatchTokenIDOut, and pass-through replies)--> DetokenizerManager
   DetokenizerManager --(BatchStrOut, and the replies unchanged)--> TokenizerManager
 """
@@ -40,6 +41,26 @@ class FlushCacheReply:
     success: bool
     message: str = ""
     dp_rank: int = 0  # the data-parallel replica that answers
+
+
+@dataclass
+class LoadLoRAReq:
+    """Load the LoRA adapter folder `path` into a free slot under `name`."""
+    name: str
+    path: str
+
+
+@dataclass
+class UnloadLoRAReq:
+    """Free `name`'s slot (the front end has waited for its requests to finish)."""
+    name: str
+
+
+@dataclass
+class LoRAUpdateReply:
+    success: bool
+    message: str = ""
+    dp_rank: int = 0
 
 
 @dataclass

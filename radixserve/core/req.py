@@ -44,10 +44,12 @@ class Req:
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
                  input_text: str | None = None, return_logprob: bool = False,
                  logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                 stream: bool = False, lora_name: str | None = None) -> None:
+                 stream: bool = False, lora_name: str | None = None,
+                 lora_cache_id: str | None = None) -> None:
         self.rid = rid
         self.lora_name = lora_name  # its LoRA adapter (--lora-paths), or None: the base model
-        self._key_offset = lora_key_offset(lora_name)
+        # its cached prefixes' key: the adapter's name, or a loaded adapter's own id
+        self._key_offset = lora_key_offset(lora_cache_id or lora_name)
         self._shifted_prompt: list[int] = []  # cache_key's memo: the prompt, moved
         self.origin_input_text = input_text
         self.origin_input_ids = list(input_ids)

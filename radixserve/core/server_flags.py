@@ -28,10 +28,18 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
                         "--model-path org/name@revision)", None),
     "lora_paths": (MODEL, "LoRA adapters (PEFT folders) served beside the base model, each "
                           "NAME=PATH or PATH (named by itself); a request picks one by name "
-                          "(native lora_path, OpenAI model); steps with adapters run without "
-                          "CUDA graphs; requests share cached prefixes with their own "
-                          "adapter's only",
+                          "(native lora_path, OpenAI model); requests share cached prefixes "
+                          "with their own adapter's only",
                    None),
+    "max_loras": (MODEL, "LoRA adapter slots: adapters loaded at once, those of --lora-paths "
+                         "and those loaded at run time (POST /load_lora_adapter); default: "
+                         "as many as --lora-paths", None),
+    "max_lora_rank": (MODEL, "the largest LoRA rank the slots take (default: the largest of "
+                             "--lora-paths)", None),
+    "lora_target_modules": (MODEL, "the checkpoint modules the slots adapt (q_proj, k_proj, "
+                                   "v_proj, o_proj, gate_proj, up_proj, down_proj, ...), or "
+                                   "all (those seven where the model has them); default: "
+                                   "those --lora-paths adapt, else all", None),
     "json_model_override_args": (MODEL, "a JSON object whose keys replace the model "
                                         "config's (config.json, or a GGUF's mapped config), "
                                         "e.g. '{\"num_hidden_layers\": 5}' for a shape run "

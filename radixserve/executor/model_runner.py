@@ -72,7 +72,7 @@ def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
 
 # flags every tensor-parallel rank must be started with alike (the scheduler runs on every rank)
 RANK_SHARED_FLAGS = ("tp_size", "nnodes", "load_format", "kv_cache_dtype", "quantization",
-                     "lora_paths",
+                     "lora_paths", "max_loras", "max_lora_rank", "lora_target_modules",
                      "max_total_tokens", "max_running_requests", "max_prefill_tokens",
                      "chunked_prefill_size", "enable_mixed_chunk", "schedule_policy",
                      "admission_plan", "schedule_conservativeness",
@@ -120,9 +120,8 @@ class ModelRunner:
             timeout_s=self.server_args.dist_timeout, nnodes=self.server_args.nnodes,
             fingerprint=self._rank_fingerprint() if self.tp_size > 1 else None)
         self.model = self._load_model()
-        adapters = server_args.lora_adapters()  # --lora-paths: each into its slot, once
-        self.lora = LoRAManager(self.model, adapters, self.dtype, self.device) if adapters \
-            else None
+        self.lora = LoRAManager(self.model, server_args, self.dtype, self.device) \
+            if server_args.lora_enabled() else None
         # hybrid models (Qwen3-Next, Qwen3.5): per-request states of the linear attention
         self.state_spec = recurrent_state_spec(self.model, self.dtype)
         self.state_pool: RecurrentStatePool | None = None

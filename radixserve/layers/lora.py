@@ -89,6 +89,15 @@ def attach_lora(layer: torch.nn.Module, slots: int, r_max: int, pieces: tuple[ob
     return stacks
 
 
+def clear_lora_slot(layer: torch.nn.Module, slot: int) -> None:
+    """Zero `slot`'s A rows and B columns (an adapter unloaded, or one about to load there:
+    a smaller rank leaves rows of the last one otherwise)."""
+    stacks: LoRAStacks = layer.lora
+    cols = slice(slot * stacks.width, (slot + 1) * stacks.width)
+    stacks.a[cols].zero_()
+    stacks.b[:, cols].zero_()
+
+
 def load_lora_piece(layer: torch.nn.Module, slot: int, piece: object, a: torch.Tensor,
                     b: torch.Tensor, scale: float) -> None:
     """One adapter's A [r, in] and B [out, r] for one piece of the layer, into `slot` (B

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.core.io_struct import BatchTokenIDOut, FlushCacheReply, ReqError, \
-    TokenizedGenerateReq
+from radixserve.core.io_struct import BatchTokenIDOut, FlushCacheReply, LoRAUpdateReply, \
+    ReqError, TokenizedGenerateReq
 from radixserve.distributed.parallel_state import TensorParallelGroup
 from radixserve.scheduler.scheduler import Scheduler
 
 # ("add", req) | ("abort", rid) | ("flush",) | ("grammars", done rids, late rids) | ("turn",)
-# | ("stop",)
+# | ("lora_load", name, path) | ("lora_unload", name) | ("stop",)
 Command = tuple[Any, ...]
 
 
@@ -46,6 +46,18 @@ class ReplicatedScheduler:
     def flush_cache(self) -> FlushCacheReply:
         self._log.append(("flush",))
         return self.scheduler.flush_cache()
+
+    def load_lora(self, name: str, path: str) -> LoRAUpdateReply:
+        reply = self.scheduler.load_lora(name, path)
+        if reply.success:  # the other ranks load it too (a rank that cannot fails loudly)
+            self._log.append(("lora_load", name, path))
+        return reply
+
+    def unload_lora(self, name: str) -> LoRAUpdateReply:
+        reply = self.scheduler.unload_lora(name)
+        if reply.success:
+            self._log.append(("lora_unload", name))
+        return reply
 
     def run_turn(self) -> list[BatchTokenIDOut]:
         # grammars compile on each rank's own clock: rank 0's view of which are ready decides
@@ -83,6 +95,12 @@ def follow(scheduler: Scheduler, group: TensorParallelGroup) -> None:
                 scheduler.flush_cache()
             elif kind == "grammars":
                 _settle_grammars(scheduler, command[1], command[2])
+            elif kind in ("lora_load", "lora_unload"):
+                update = scheduler.load_lora if kind == "lora_load" else scheduler.unload_lora
+                reply = update(*command[1:])
+                if not reply.success:  # rank 0 did it: this rank would serve another model
+                    raise RuntimeError(f"tensor-parallel rank: {kind} {command[1]!r} failed "
+                                       f"where rank 0's succeeded: {reply.message}")
             elif kind == "turn":
                 scheduler.run_turn()
             elif kind == "stop":

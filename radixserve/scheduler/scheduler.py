@@ -33,6 +33,7 @@ from radixserve.scheduler.cohort_gate import CohortGate
 from radixserve.scheduler.grammar.manager import GrammarManager
 from radixserve.scheduler.in_batch_prefix import InBatchPrefixIndex
 from radixserve.scheduler.kv_pressure import KVPressureMixin
+from radixserve.scheduler.lora_updates import LoRAUpdatesMixin
 from radixserve.scheduler.overlap import DecodeLauncher, InflightDecode, InflightPrefill
 from radixserve.scheduler.overlap_loop import OverlapLoopMixin
 from radixserve.scheduler.output import OutputSlice, build_token_output, needs_send
@@ -43,10 +44,10 @@ from radixserve.scheduler.spec_decode import SpecDecodeMixin, make_proposer
 from radixserve.scheduler.stats import SchedulerStats, check_memory
 
 
-class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin):
+class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesMixin):
     """The loop of turns, admission and results; the overlapped decode loop, the KV pressure
-    handling and speculative steps are its mixins (overlap_loop.py, kv_pressure.py,
-    spec_decode.py)."""
+    handling, speculative steps and LoRA updates are its mixins (overlap_loop.py,
+    kv_pressure.py, spec_decode.py, lora_updates.py)."""
 
     def __init__(self, server_args: ServerArgs, model_runner: ModelRunnerLike,
                  tokenizer: Detokenizer | None, eos_token_ids: set[int], context_len: int) -> None:
@@ -61,7 +62,7 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin):
         self.max_running_requests = min(self.args.max_running_requests or model_runner.max_num_reqs,
                                          model_runner.max_num_reqs)
         self.tree_cache = self._make_cache()
-        self.limits = RequestLimits.from_model_info(self.model_info)  # fixed for its life
+        self.limits = RequestLimits.from_model_info(self.model_info)  # LoRA: lora_updates.py
         self.policy = SchedulePolicy(self.args.schedule_policy, self.tree_cache,
                                      self.args.random_seed)
         self.builder = BatchBuilder(self.req_to_token_pool, self.token_to_kv_pool,
@@ -78,16 +79,14 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin):
         self.last_turn_was_chunk = False
         self.outbox: list[Req] = []
         self.last_memory_check: tuple[bool, int] | None = None
-        # overlap: decode steps launched before the previous one's ids are read back; the
-        # step launched last and not yet read back, with its requests
+        # overlap: steps launched before the last one's ids are read; the last, unread one
         self.launcher = None if self.args.disable_overlap_schedule else \
             DecodeLauncher(model_runner, self.builder)
         self.inflight: InflightDecode | None = None
         # a prefill batch launched and not yet read back (its requests join `running` then)
         self.inflight_prefill: InflightPrefill | None = None
         self.speculator = make_proposer(self.args, model_runner)  # decode steps then verify
-        # grammars compile in a worker thread; with TP rank 0 says when each is ready, so
-        # every rank admits alike (ReplicatedScheduler)
+        # grammars compile in a worker thread (with TP rank 0 says when: ReplicatedScheduler)
         self.grammars = GrammarManager(tokenizer, model_runner.vocab_size, eos_token_ids,
                                        context_len, self.args.enable_jump_forward,
                                        replicated=self.args.tp_size > 1)
@@ -147,7 +146,8 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin):
             params = dataclasses.replace(params, max_new_tokens=most,
                                          min_new_tokens=min(params.min_new_tokens, most))
         req = Req(msg.rid, msg.input_ids, params, msg.input_text, msg.return_logprob,
-                  msg.logprob_start_len, msg.top_logprobs_num, msg.stream, msg.lora_name)
+                  msg.logprob_start_len, msg.top_logprobs_num, msg.stream, msg.lora_name,
+                  self.lora_cache_id(msg.lora_name))
         error = self.grammars.on_add(req)
         if error is not None:
             return ReqError(msg.rid, error)

@@ -21,6 +21,7 @@ from radixserve.server.asgi_guards import BodyLimitMiddleware, CatchAllMiddlewar
 from radixserve.server.errors import APIError, ClientDisconnected, status_phrase
 from radixserve.server.http_metrics import HTTPMetricsMiddleware
 from radixserve.server.http_utils import check_api_key
+from radixserve.server.lora_control import lora_router
 from radixserve.server.native_api import is_warm_up, native_router
 from radixserve.server.openai_api import openai_router
 from radixserve.server.openai_common import OpenAIContext
@@ -72,7 +73,7 @@ def build_app(tm: TokenizerManager, api_key: str | None, model_name: str,
                         is_embedding=is_embedding)
     routers = [native_router(tm, server_info, is_ready, incremental_streaming_output,
                              is_embedding),
-               openai_router(ctx, tm.limits.context_len)]
+               openai_router(ctx, tm.limits.context_len), lora_router(tm)]
     for router in routers:
         app.include_router(router)
     app.add_middleware(APIKeyMiddleware, api_key=api_key)

@@ -5,8 +5,9 @@ requests are seen between two model steps), then runs one scheduler turn if ther
 only blocks on the socket (with a timeout) when the scheduler is idle.
 
 Messages in (from the TokenizerManager): TokenizedGenerateReq, AbortReq, FlushCacheReq,
-GetInternalStateReq, or a list of them. Messages out (to the detokenizer): BatchTokenIDOut from
-each turn, ReqError for refused requests, FlushCacheReply and InternalState replies, and a
+GetInternalStateReq, LoadLoRAReq, UnloadLoRAReq, or a list of them. Messages out (to the
+detokenizer): BatchTokenIDOut from each turn, ReqError for refused requests, FlushCacheReply,
+LoRAUpdateReply and InternalState replies, and a
 SchedulerStateUpdate every STATE_UPDATE_INTERVAL_S of work and on going idle (the detokenizer
 passes everything that is not BatchTokenIDOut through unchanged).
 """
@@ -24,7 +25,8 @@ import zmq
 
 from radixserve.config import ServerArgs
 from radixserve.core.io_struct import (AbortReq, FlushCacheReq, GetInternalStateReq,
-                                       SchedulerStateUpdate, TokenizedGenerateReq)
+                                       LoadLoRAReq, SchedulerStateUpdate, TokenizedGenerateReq,
+                                       UnloadLoRAReq)
 from radixserve.server.ipc import PortArgs, pull_socket, push_socket
 from radixserve.server.process_utils import (on_parent_stop, prepare_child_process,
                                              report_failure, send_status)
@@ -127,6 +129,12 @@ class SchedulerLoop:
             self.scheduler.abort_request(message.rid)
         elif isinstance(message, FlushCacheReq):
             self.send_sock.send_pyobj(replace(self.scheduler.flush_cache(), dp_rank=self.dp_rank))
+        elif isinstance(message, LoadLoRAReq):
+            reply = self.scheduler.load_lora(message.name, message.path)
+            self.send_sock.send_pyobj(replace(reply, dp_rank=self.dp_rank))
+        elif isinstance(message, UnloadLoRAReq):
+            reply = self.scheduler.unload_lora(message.name)
+            self.send_sock.send_pyobj(replace(reply, dp_rank=self.dp_rank))
         elif isinstance(message, GetInternalStateReq):
             self.send_sock.send_pyobj(replace(self.scheduler.get_internal_state(),
                                               dp_rank=self.dp_rank))

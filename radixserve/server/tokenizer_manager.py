@@ -24,8 +24,8 @@ import zmq.asyncio
 from starlette.requests import Request
 
 from radixserve.core.io_struct import (AbortReq, BatchStrOut, FlushCacheReply, FlushCacheReq,
-                                       GetInternalStateReq, InternalState, ReqError,
-                                       SchedulerStateUpdate, TokenizedGenerateReq)
+                                       GetInternalStateReq, InternalState, LoRAUpdateReply,
+                                       ReqError, SchedulerStateUpdate, TokenizedGenerateReq)
 from radixserve.core.req import FIRST_TOKEN_TIME_KEY
 from radixserve.core.request_validation import RequestLimits, validate_request
 from radixserve.core.sampling_params import (GRAMMAR_KINDS, MAX_N, InvalidRequestError,
@@ -66,7 +66,7 @@ class TokenizerManager:
         self.waiting = WaitingCopies()
         # (replica, future) of each control request awaiting its reply
         self.pending_replies: dict[type, deque[tuple[int, asyncio.Future[Any]]]] = {
-            FlushCacheReply: deque(), InternalState: deque()}
+            FlushCacheReply: deque(), InternalState: deque(), LoRAUpdateReply: deque()}
         # each replica's latest state sent unasked (SchedulerStateUpdate): the gauges of /metrics
         self.latest_states: dict[int, InternalState] = {}
         # one socket per data-parallel replica; the router picks one for each request

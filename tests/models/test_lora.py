@@ -303,3 +303,51 @@ def test_chunked_and_mixed_passes_keep_each_requests_adapter(served) -> None:
     for out, ids, name in zip(outs, prompts, names):
         assert out["output_ids"] == hf_greedy(references[name], ids, 24)
     assert state["memory_check_ok"] and state["leaked_tokens"] == 0
+
+
+def test_adapters_load_into_free_slots_and_unload_while_serving(served, tmp_path) -> None:
+    """Engine.load_lora_adapter / unload_lora_adapter with slots made at start (--max-loras 1,
+    --max-lora-rank 4, q and v only): an adapter the slots cannot take is refused with the
+    reason, a loaded one serves its merged model's tokens, an unloaded one is refused, and one
+    loaded later under the same name gets none of the old one's cached KV."""
+    _, references, root = served
+    hf_model = references[None]
+    engine = radixserve.Engine(str(root / "base"), skip_tokenizer_init=True, dtype="float32",
+                               device=DEVICE, max_total_tokens=1000, max_loras=1,
+                               max_lora_rank=4, lora_target_modules=["q_proj", "v_proj"])
+    prompt = torch.randint(0, 160, (30,), generator=torch.Generator().manual_seed(31)).tolist()
+    greedy = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    write_adapter(tmp_path / "rank8", hf_model, ("q_proj",), rank=8, alpha=8.0, seed=12)
+    later = write_adapter(tmp_path / "later", hf_model, ("q_proj", "v_proj"), rank=4,
+                          alpha=8.0, seed=13)
+    try:
+        for path, reason in ((root / "every", "not among the LoRA target modules"),
+                             (tmp_path / "rank8", "above --max-lora-rank 4"),
+                             (tmp_path / "missing", "no adapter_config.json")):
+            with pytest.raises(ValueError, match=reason):
+                engine.load_lora_adapter("x", str(path))
+        engine.load_lora_adapter("x", str(root / "qv"))
+        with pytest.raises(ValueError, match="slots are taken"):
+            engine.load_lora_adapter("y", str(root / "qv"))
+        first = engine.generate(input_ids=prompt, lora_path="x", sampling_params=greedy)
+        assert first["output_ids"] == hf_greedy(references["qv"], prompt, 5)
+        engine.unload_lora_adapter("x")
+        with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'x'"):
+            engine.generate(input_ids=prompt, lora_path="x", sampling_params=greedy)
+        engine.load_lora_adapter("x", str(tmp_path / "later"))
+        again = engine.generate(input_ids=prompt, lora_path="x", sampling_params=greedy)
+        state = engine.get_internal_state()
+    finally:
+        engine.shutdown()
+    assert again["output_ids"] == hf_greedy(merged(hf_model, later, 2.0), prompt, 5)
+    assert again["output_ids"] != first["output_ids"], "the two adapters agree: no test"
+    assert again["meta_info"]["cached_tokens"] == 0  # the old adapter's KV is not its own
+    assert state["memory_check_ok"] and state["leaked_tokens"] == 0
+
+
+def test_lora_slots_without_adapters_need_a_rank() -> None:
+    from radixserve.config import ServerArgs
+    with pytest.raises(ValueError, match="--max-lora-rank"):
+        ServerArgs(device="cpu", max_loras=2).resolve()
+    with pytest.raises(ValueError, match="fewer than the 2 adapters"):
+        ServerArgs(device="cpu", max_loras=1, lora_paths=["a=x", "b=y"]).resolve()
