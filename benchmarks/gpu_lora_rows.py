@@ -5,9 +5,9 @@ masked), at decode batch sizes, with the rows spread over 4 adapters (and one).
 
   python benchmarks/gpu_lora_rows.py [--rank 16] [--rows 1 8 32 64]
 
-Each form is checked against the definition first. Times are CUDA-graph replays (triton's do_bench_cudagraph) of
-ten calls (different adapter stacks each, so they come from HBM), per call; bytes are the A
-and B of the slots the rows use. Figures only.
+Each form is checked against the definition first. Times are CUDA-graph replays (triton's
+do_bench_cudagraph) of ten calls (different adapter stacks each, so they come from HBM), per
+call; bytes are the A and B of the slots the rows use. Figures only.
 """
 from __future__ import annotations
 

@@ -1,9 +1,14 @@
 """A real server with a LoRA adapter (--lora-paths) on a tiny Llama with the bundled tokenizer:
 the openai client lists the adapter and picks it by `model`, /generate by `lora_path`; both give
 the greedy tokens of transformers with the adapter merged, and the base model's stay its own;
-unknown adapters are a 404 (OpenAI) and a 400 (native) naming them."""
+unknown adapters are a 404 (OpenAI) and a 400 (native) naming them. A second adapter is loaded
+into the spare slot (--max-loras 2) and unloaded again over HTTP while the server runs."""
 from __future__ import annotations
 
+import json
+import threading
+import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import openai
@@ -27,7 +32,8 @@ def lora_server(tmp_path_factory) -> Iterator[tuple[ServerProcess, Any, Any]]:
                            tie_word_embeddings=False).eval()
     pairs = write_adapter(root / "adapter", base, ALL_MODULES, rank=4, alpha=16.0, seed=7)
     proc = ServerProcess("--model-path", str(root / "base"), "--dtype", "float32",
-                         "--lora-paths", f"tuned={root / 'adapter'}")
+                         "--lora-paths", f"tuned={root / 'adapter'}", "--max-loras", "2")
+    proc.root = root
     yield proc, base, merged(base, pairs, 16.0 / 4).eval()
     assert proc.stop() == 0, proc.log_text()[-3000:]
 
@@ -99,3 +105,67 @@ def test_metrics_count_each_adapters_requests(lora_server) -> None:
     tokens = [line for line in text.splitlines() if line.startswith(
         "radixserve:lora_generation_tokens_total{") and 'lora_name="tuned"' in line]
     assert tokens and float(tokens[0].rsplit(" ", 1)[1]) >= 8
+
+
+def _post(proc: ServerProcess, path: str, body: dict) -> requests.Response:
+    return requests.post(proc.url(path), json=body, timeout=60)
+
+
+def test_an_adapter_loads_and_unloads_while_serving(lora_server) -> None:
+    """POST /load_lora_adapter puts a second adapter in the spare slot: /v1/models lists it and
+    it serves its merged model's tokens; a full set of slots, a taken name and a folder
+    without an adapter are refused with the reason; /v1/unload_lora_adapter waits for the
+    adapter's stream in flight to finish, then its requests are refused and a second unload
+    is a 404."""
+    proc, base, _ = lora_server
+    root: Path = proc.root
+    pairs = write_adapter(root / "second", base, ("q_proj", "v_proj", "down_proj"), rank=2,
+                          alpha=4.0, seed=9)
+    reply = _post(proc, "/load_lora_adapter", {"lora_name": "second",
+                                               "lora_path": str(root / "second")})
+    assert reply.status_code == 200 and reply.json()["loaded_adapters"] == ["tuned", "second"]
+    client = openai.OpenAI(base_url=proc.url("/v1"), api_key="none", max_retries=0)
+    assert "second" in {m.id for m in client.models.list().data}
+    for body, reason in (({"lora_name": "third", "lora_path": str(root / "second")},
+                          "slots are taken"),
+                         ({"lora_name": "second", "lora_path": str(root / "second")},
+                          "loaded already"),
+                         ({"lora_name": "x"}, "'lora_path'")):
+        refused = _post(proc, "/v1/load_lora_adapter", body)
+        assert refused.status_code == 400 and reason in refused.text, refused.text
+    ids = list(range(20, 36))
+    out = _post(proc, "/generate", {"input_ids": ids, "sampling_params": GREEDY,
+                                    "lora_path": "second"}).json()
+    assert out["output_ids"] == hf_greedy(merged(base, pairs, 2.0).eval(), ids, 8)
+
+    streamed: dict[str, Any] = {}
+    first_chunk = threading.Event()
+
+    def stream() -> None:
+        body = {"input_ids": ids, "stream": True, "lora_path": "second",
+                "sampling_params": {**GREEDY, "max_new_tokens": 400}}
+        with requests.post(proc.url("/generate"), json=body, stream=True, timeout=120) as r:
+            lines = []
+            for line in r.iter_lines():
+                first_chunk.set()
+                lines.append(line)
+        streamed["at"] = time.monotonic()
+        streamed["last"] = json.loads([x for x in lines if x][-2].removeprefix(b"data: "))
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    assert first_chunk.wait(timeout=60)
+    asked_at = time.monotonic()  # the stream is open: its request runs on the adapter
+    reply = _post(proc, "/v1/unload_lora_adapter", {"lora_name": "second"})
+    streamer.join(timeout=120)
+    assert reply.status_code == 200 and reply.json()["loaded_adapters"] == ["tuned"]
+    # the unload waited: the stream ran to its length on the adapter, not cut or failed
+    assert asked_at < streamed["at"], "the stream ended before the unload was asked"
+    assert streamed["last"]["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(streamed["last"]["output_ids"]) == 400
+    refused = _post(proc, "/generate", {"input_ids": ids, "sampling_params": GREEDY,
+                                        "lora_path": "second"})
+    assert refused.status_code == 400 and "unknown LoRA adapter 'second'" in refused.text
+    assert _post(proc, "/unload_lora_adapter", {"lora_name": "second"}).status_code == 404
+    state = proc.wait_idle_memory_check()["internal_state"]
+    assert state["memory_check_ok"] and state["leaked_tokens"] == 0
