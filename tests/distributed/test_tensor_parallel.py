@@ -362,22 +362,28 @@ def test_embeddings_at_tp2_equal_tp1(tmp_path) -> None:
                                atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope", "gemma_mqa"])
-def test_lora_adapters_at_tp2_match_the_merged_models(name: str, tmp_path) -> None:
+@pytest.mark.parametrize("name,at_run_time", [("llama_gqa_llama3_rope", False),
+                                               ("gemma_mqa", True)])
+def test_lora_adapters_at_tp2_match_the_merged_models(name: str, at_run_time: bool,
+                                                      tmp_path) -> None:
     """LoRA at tp 2 over gloo: column-parallel layers hold B's rows of their rank (q|k|v by
     heads, the one KV head of an MQA model on both ranks; gate|up by pieces), row-parallel
     ones A's columns, their delta joining the partial product before the all-reduce; each
-    request's greedy tokens are its merged model's."""
+    request's greedy tokens are its merged model's. The MQA case loads its adapter while
+    serving (Engine.load_lora_adapter: rank 0's load is mirrored to rank 1 with the turn)."""
     from tests.models.test_lora import ALL_MODULES, merged, write_adapter
     hf_model = make_checkpoint(name, tmp_path / "base")
     pairs = write_adapter(tmp_path / "every", hf_model, ALL_MODULES, rank=4, alpha=8.0, seed=1)
     tuned = merged(hf_model, pairs, 2.0)
     prompts = _prompts(hf_model.config.vocab_size)
     names = ["every", None, "every"]
+    slots = dict(max_loras=1, max_lora_rank=4, lora_target_modules=["all"]) if at_run_time \
+        else dict(lora_paths=[f"every={tmp_path / 'every'}"])
     engine = radixserve.Engine(str(tmp_path / "base"), dtype="float32", tp_size=2,
-                               skip_tokenizer_init=True, max_total_tokens=2048,
-                               lora_paths=[f"every={tmp_path / 'every'}"])
+                               skip_tokenizer_init=True, max_total_tokens=2048, **slots)
     try:
+        if at_run_time:
+            engine.load_lora_adapter("every", str(tmp_path / "every"))
         outs = engine.generate(input_ids=prompts, lora_path=names, sampling_params={
             "max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
     finally:
