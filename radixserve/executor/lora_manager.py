@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# passes of at most this many tokens (decode steps without the per-row kernels, short mixes)
+# take every slot's products masked: on a CPU, SmolLM2-135M shapes at batch 16 over 4 adapters
+# ran 0.64-0.67x the base model's decode so and 0.45x with each adapter's rows gathered
+MASKED_MAX_TOKENS = 64
 # --lora-target-modules all: the projections of a decoder layer, where the model has them
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -207,29 +211,44 @@ class LoRAManager:
     def capturing(self, token_slots: torch.Tensor | None) -> Iterator[None]:
         """A decode graph's capture: its layers launch the per-row kernels on `token_slots`
         (the graph's input row, refilled before each replay), or no adapter code (None)."""
-        self.batch.set(None, token_slots, rows_kernel=token_slots is not None)
+        if token_slots is not None:
+            self.batch.use_token_slots(token_slots, rows_kernel=True)
         try:
             yield
         finally:
-            self.batch.set(None, None)
+            self.batch.clear()
 
     def prepare(self, batch: ModelWorkerBatch) -> None:
-        """Each token's adapter slot for the pass (tokens per request: its extend length, or
-        one in a decode step)."""
+        """The pass's adapter rows (tokens per request: its extend length, or one in a decode
+        step)."""
         names = batch.lora_names
         if not any(names):
-            self.batch.set(None, None)
-        elif self.rows_kernel and batch.forward_mode.is_decode():
-            slots = torch.tensor([self.slot_of(name) for name in names])
-            self.batch.set(None, self._to_device(slots), rows_kernel=True)
-        elif all(name == names[0] for name in names):  # one adapter for the whole pass
-            self.batch.set(self.slots[names[0]], None)
-        else:
-            lens = batch.extend_seq_lens or [1] * batch.batch_size
-            slots = torch.tensor([self.slot_of(name) for name in names])
-            self.batch.set(None, self._to_device(slots.repeat_interleave(torch.tensor(lens))))
+            self.batch.clear()
+            return
+        slots = torch.tensor([self.slot_of(name) for name in names])
+        if self.rows_kernel and batch.forward_mode.is_decode():
+            self.batch.use_token_slots(self._to_device(slots), rows_kernel=True)
+            return
+        if all(name == names[0] for name in names):  # one adapter for the whole pass
+            self.batch.use_single(self.slots[names[0]])
+            return
+        lens = batch.extend_seq_lens or [1] * batch.batch_size
+        token_slots = slots.repeat_interleave(torch.tensor(lens))
+        if len(token_slots) <= MASKED_MAX_TOKENS:
+            self.batch.use_token_slots(self._to_device(token_slots), rows_kernel=False)
+            return
+        # each adapter's token rows: one copy of them all, sorted by slot
+        order = torch.argsort(token_slots, stable=True)
+        kinds, counts = torch.unique_consecutive(token_slots[order], return_counts=True)
+        rows = self._to_device(order)
+        groups, start = [], 0
+        for slot, count in zip(kinds.tolist(), counts.tolist()):
+            if slot >= 0:
+                groups.append((slot, rows[start:start + count]))
+            start += count
+        self.batch.use_groups(groups)
 
-    def _to_device(self, slots: torch.Tensor) -> torch.Tensor:
+    def _to_device(self, indices: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":  # no wait on the step in flight (overlap)
-            return slots.pin_memory().to(self.device, non_blocking=True)
-        return slots
+            return indices.pin_memory().to(self.device, non_blocking=True)
+        return indices

@@ -17,9 +17,9 @@ before the all-reduce (the sum over ranks of x_r A_r^T is x A^T).
 
 The pass's adapters (`LoRABatch`: one slot for every token, or each token's slot) are shared
 by every adapted layer of the model and set before each forward by
-executor/lora_manager.py. Each token's slot goes to one of two forms of the products: torch's
-(one adapter: its A and B; several: every slot's low-rank product, masked) or, for decode steps
-on a GPU and in every CUDA graph (`rows_kernel`), the per-row Triton kernels of
+executor/lora_manager.py. The products take torch's forms (one adapter: its A and B; several:
+each adapter's rows gathered, or in passes of a few tokens every slot's products masked) or, for
+decode steps on a GPU and in every CUDA graph, the per-row Triton kernels of
 layers/kernels/lora_rows.py, which read each token's slot on the device.
 """
 from __future__ import annotations
@@ -33,20 +33,36 @@ from radixserve.layers.kernels.lora_rows import add_lora_rows
 
 @dataclass
 class LoRABatch:
-    """The current pass's adapters: `single`, the slot of every token when they all share one,
-    else `token_slots` (each token's slot, -1 without an adapter), or neither (no adapter).
-    `rows_kernel`: token_slots go to the per-row kernels (a device tensor a CUDA graph may
-    hold: its values change between replays, the launches do not)."""
+    """The current pass's adapters, in one of four forms (none set: no adapter):
+      * `single`: the slot of every token, when they all share one;
+      * `groups`: (slot, the rows of x on it, a device index tensor) for each adapter of the
+        pass, tokens without an adapter in none (passes of many tokens);
+      * `token_slots`: each token's slot (-1: none) on the device, with `rows_kernel` for the
+        per-row kernels (a tensor a CUDA graph may hold: its values change between replays,
+        the launches do not), else for every slot's products masked to each token's own
+        (passes of a few tokens, where the count of operations costs more than the
+        products)."""
     single: int | None = None
+    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     token_slots: torch.Tensor | None = None
     rows_kernel: bool = False
     _masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
-    def set(self, single: int | None, token_slots: torch.Tensor | None,
-            rows_kernel: bool = False) -> None:
-        assert not rows_kernel or token_slots is not None
-        self.single, self.token_slots, self.rows_kernel = single, token_slots, rows_kernel
+    def clear(self) -> None:
+        self.single, self.groups, self.token_slots, self.rows_kernel = None, [], None, False
         self._masks = {}
+
+    def use_single(self, slot: int) -> None:
+        self.clear()
+        self.single = slot
+
+    def use_groups(self, groups: list[tuple[int, torch.Tensor]]) -> None:
+        self.clear()
+        self.groups = groups
+
+    def use_token_slots(self, token_slots: torch.Tensor, rows_kernel: bool) -> None:
+        self.clear()
+        self.token_slots, self.rows_kernel = token_slots, rows_kernel
 
     def mask(self, slots: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """[tokens, slots x width]: 1 where a column belongs to the token's adapter (each slot
@@ -128,27 +144,32 @@ def load_lora_piece(layer: torch.nn.Module, slot: int, piece: object, a: torch.T
 
 def add_lora(layer: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out (x's product with the layer's own weight, [tokens, out]: bf16, FP8 or int4 codes
-    alike, the adapters' A and B stay in the compute dtype) plus the adapters' deltas: in
-    `rows_kernel` passes the per-row kernels; else with one adapter for the pass, that slot's
-    A and B alone; with several (or some tokens on none), every slot's low-rank products at
-    once, each token's row masked to its own slot's columns before B: three operations
-    whatever the mix (the products of the other slots' columns are the price, small next to
-    the layer's own at the ranks adapters use)."""
+    alike, the adapters' A and B stay in the compute dtype) plus the adapters' deltas, in the
+    pass's form (LoRABatch): the per-row kernels; one adapter's A and B over every row; each
+    adapter's rows gathered, their two low-rank products, the delta added back into those rows
+    (four operations an adapter, products of its own rows only); or every slot's low-rank
+    products at once, each row masked to its own slot's columns before B (three operations
+    whatever the mix)."""
     stacks: LoRAStacks = layer.lora
     batch = stacks.batch
-    if batch.single is None and batch.token_slots is None:
+    if batch.single is None and not batch.groups and batch.token_slots is None:
         return out
     x2 = x.reshape(-1, x.shape[-1])
     out2 = out.reshape(-1, out.shape[-1])
-    if batch.rows_kernel:
-        assert batch.token_slots is not None and out2.data_ptr() == out.data_ptr()
-        add_lora_rows(x2, stacks.a, stacks.b, batch.token_slots, stacks.width, out2)
-        return out
+    assert out2.data_ptr() == out.data_ptr(), "the deltas must land in `out` itself"
+    width = stacks.width
     if batch.single is not None:
-        cols = slice(batch.single * stacks.width, (batch.single + 1) * stacks.width)
+        cols = slice(batch.single * width, (batch.single + 1) * width)
         out2.addmm_(x2 @ stacks.a[cols].t(), stacks.b[:, cols].t())
-        return out
-    low = x2 @ stacks.a.t()
-    low.mul_(batch.mask(stacks.slots, stacks.width, low.dtype))
-    out2.addmm_(low, stacks.b.t())
+    elif batch.groups:
+        for slot, rows in batch.groups:
+            cols = slice(slot * width, (slot + 1) * width)
+            low = x2.index_select(0, rows) @ stacks.a[cols].t()
+            out2.index_add_(0, rows, low @ stacks.b[:, cols].t())
+    elif batch.rows_kernel:
+        add_lora_rows(x2, stacks.a, stacks.b, batch.token_slots, width, out2)
+    else:
+        low = x2 @ stacks.a.t()
+        low.mul_(batch.mask(stacks.slots, width, low.dtype))
+        out2.addmm_(low, stacks.b.t())
     return out

@@ -59,3 +59,35 @@ def test_rows_of_a_wider_tensor_and_int32_slots() -> None:
     add_lora_rows(x, a, b, slots, width, out)
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
     assert torch.equal(out_buffer[:, out_features:], tail)
+
+
+def test_every_form_of_a_pass_adds_the_same_deltas() -> None:
+    """layers/lora.add_lora on one layer: the rows of three adapters and of the base model, as
+    gathered groups, as masked slot products and through the per-row kernels, each equal to
+    the definition; and one adapter for all rows as its single product."""
+    from radixserve.layers.linear import ReplicatedLinear
+    from radixserve.layers.lora import LoRABatch, add_lora, attach_lora
+
+    gen = torch.Generator().manual_seed(11)
+    layer = ReplicatedLinear(40, 24)
+    batch = LoRABatch()
+    stacks = attach_lora(layer, 3, 4, (None,), batch, torch.float32, torch.device("cpu"))
+    stacks.a.copy_(torch.randn(stacks.a.shape, generator=gen))
+    stacks.b.copy_(torch.randn(stacks.b.shape, generator=gen))
+    x = torch.randn(9, 40, generator=gen)
+    out = torch.randn(9, 24, generator=gen)
+    slots = torch.tensor([2, -1, 0, 0, 1, -1, 2, 1, 0])
+    want = reference(x, stacks.a, stacks.b, slots, 4, out)
+    groups = [(s, (slots == s).nonzero().flatten()) for s in range(3)]
+    for use in (lambda: batch.use_groups(groups),
+                lambda: batch.use_token_slots(slots, rows_kernel=False),
+                lambda: batch.use_token_slots(slots, rows_kernel=True)):
+        use()
+        got = add_lora(layer, x, out.clone())
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    batch.use_single(1)
+    want = reference(x, stacks.a, stacks.b, torch.ones(9, dtype=torch.int64), 4, out)
+    torch.testing.assert_close(add_lora(layer, x, out.clone()).double(), want,
+                               rtol=1e-5, atol=1e-5)
+    batch.clear()
+    assert torch.equal(add_lora(layer, x, out.clone()), out)
