@@ -33,6 +33,7 @@ class RequestInput:
     stream: bool = True
     headers: dict[str, str] = field(default_factory=dict)
     extra_body: dict[str, Any] = field(default_factory=dict)
+    lora_name: str | None = None  # an adapter: radixserve's lora_path, OpenAI's model
 
 
 class TokenClock:
@@ -141,6 +142,8 @@ async def request_radixserve(session: aiohttp.ClientSession, req: RequestInput) 
         body["input_ids"] = req.prompt_ids
     else:
         body["text"] = req.prompt_text
+    if req.lora_name is not None:
+        body["lora_path"] = req.lora_name
 
     async def handle(response: aiohttp.ClientResponse, out: RequestOutput,
                      clock: TokenClock) -> None:
@@ -178,8 +181,8 @@ async def request_radixserve(session: aiohttp.ClientSession, req: RequestInput) 
 def _openai_body(req: RequestInput) -> dict[str, Any]:
     body: dict[str, Any] = {"max_tokens": req.output_len, "temperature": 0.0,
                             "ignore_eos": True, "stream": req.stream}
-    if req.model:
-        body["model"] = req.model
+    if req.lora_name or req.model:
+        body["model"] = req.lora_name or req.model
     if req.stream:
         body["stream_options"] = {"include_usage": True}
     return body

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import sys
@@ -45,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "or HF id (ShareGPT lengths, chat prompts, random ids without special "
                    "tokens); radixserve backend default: the server's bundled model's")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--lora-name", nargs="+", default=None,
+                   help="LoRA adapters the requests name, in turn (radixserve: lora_path; "
+                        "OpenAI backends: the model field), as SGLang's bench_serving")
     add_dataset_args(p)
     p.add_argument("--request-rate", type=request_rate, default=float("inf"),
                    help="requests/s, Poisson arrivals; inf sends all at once")
@@ -101,12 +105,16 @@ class Client:
         self.model = model
         self.stream = not args.disable_stream
         self.extra_body = args.extra_request_body or {}
+        # --lora-name: each request names the next adapter in turn (the warm-up none)
+        self.lora_names = itertools.cycle(args.lora_name) if args.lora_name else None
 
-    def make_input(self, req: SampleRequest) -> RequestInput:
+    def make_input(self, req: SampleRequest, warm_up: bool = False) -> RequestInput:
+        lora = None if warm_up or self.lora_names is None else next(self.lora_names)
         return RequestInput(api_url=self.api_url, prompt_len=req.prompt_len,
                             output_len=req.output_len, prompt_ids=req.prompt_ids,
                             prompt_text=req.prompt_text, model=self.model, stream=self.stream,
-                            extra_body=self.extra_body)  # (--api-key: the session's header)
+                            extra_body=self.extra_body,  # (--api-key: the session's header)
+                            lora_name=lora)
 
 
 def auth_headers(args: argparse.Namespace) -> dict[str, str]:
@@ -215,7 +223,7 @@ async def run_benchmark(args: argparse.Namespace, requests: list[SampleRequest],
         if args.flush_cache:
             await flush_cache(session, base_url)
         if warmup is not None:
-            warm = await client.send(session, client.make_input(warmup))
+            warm = await client.send(session, client.make_input(warmup, warm_up=True))
             if not warm.success:
                 raise BenchError(f"warm-up request failed: {warm.error}")
 
@@ -244,7 +252,7 @@ async def run_benchmark(args: argparse.Namespace, requests: list[SampleRequest],
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "label": args.label or f"{args.backend}@{base_url}",
         "backend": args.backend, "base_url": base_url, "model": model,
-        "dataset_name": args.dataset_name, "num_prompts": len(requests),
+        "lora_names": args.lora_name, "dataset_name": args.dataset_name, "num_prompts": len(requests),
         "request_rate": None if math.isinf(rate) else rate,
         "max_concurrency": args.max_concurrency, "seed": seed,
         "stream": not args.disable_stream, "server_cache_hit_rate": server_hit_rate,

@@ -125,6 +125,24 @@ def test_openai_backends(tmp_path: Path, tokenizer_dir: str, backend: str) -> No
             sorted(r.prompt_ids for r in dataset)
 
 
+@pytest.mark.parametrize("backend", ["radixserve", "openai-chat"])
+def test_lora_names_go_to_the_requests_in_turn(tmp_path: Path, tokenizer_dir: str,
+                                               backend: str) -> None:
+    """--lora-name a b: the requests name a, b, a, ... (radixserve's lora_path, OpenAI's
+    model); the warm-up names none."""
+    state = FakeServerState()
+    with FakeServer(state) as server:
+        (record,) = _run(server, tmp_path / "l.jsonl", tokenizer_dir, "--backend", backend,
+                         "--num-prompts", "4", "--random-input-len", "8",
+                         "--random-output-len", "3", "--lora-name", "a", "b",
+                         "--max-concurrency", "1")
+    assert record["completed"] == 4 and record["lora_names"] == ["a", "b"]
+    key = "lora_path" if backend == "radixserve" else "model"
+    warm_up, *sent = state.bodies
+    assert [body[key] for body in sent] == ["a", "b", "a", "b"]
+    assert warm_up.get(key) in (None, "fake-model")
+
+
 def test_disable_stream(tmp_path: Path, tokenizer_dir: str) -> None:
     with FakeServer() as server:
         (record,) = _run(server, tmp_path / "n.jsonl", tokenizer_dir, "--disable-stream",
