@@ -30,7 +30,6 @@ from torch import nn
 from radixserve.core.forward_batch import ModelWorkerBatch
 from radixserve.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
 from radixserve.layers.lora import LoRABatch, attach_lora, clear_lora_slot, load_lora_piece
-from radixserve.layers.recurrent_mixer import RecurrentMixer
 from radixserve.loader.checkpoint_error import CheckpointError
 from radixserve.loader.lora_adapter import LoRAAdapter, read_lora_adapter
 from radixserve.loader.weight_loading import renamed
@@ -71,9 +70,6 @@ class LoRAManager:
 
     def __init__(self, model: nn.Module, server_args: "ServerArgs", dtype: torch.dtype,
                  device: torch.device) -> None:
-        if any(isinstance(m, RecurrentMixer) for m in model.modules()):
-            raise ValueError("LoRA adapters on hybrid (recurrent-mixer) models are not "
-                             "supported yet")
         self.model, self.dtype, self.device = model, dtype, device
         self.batch = LoRABatch()
         choice = os.environ.get("RADIXSERVE_LORA_ROWS_KERNEL", "auto")

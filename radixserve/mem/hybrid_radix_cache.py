@@ -107,7 +107,9 @@ class HybridRadixCache(RadixCache):
         its logits (so its match ends before it)."""
         best, shared = None, 0
         for other in admitted:
-            length = _common_prefix_len(other.all_ids(), req.fill_ids, 0)  # whole, if chunked
+            # whole, if chunked; keyed (a LoRA adapter's requests share with their own only)
+            length = _common_prefix_len(other.cache_key(other.all_ids()),
+                                        req.cache_key(req.fill_ids), 0)
             if length > shared:
                 best, shared = other, length
         shared = min(shared, len(req.fill_ids) - 1)
@@ -131,7 +133,7 @@ class HybridRadixCache(RadixCache):
                 self._wanted[req.rid] = later
             if end == len(req.origin_input_ids) + len(req.output_ids):
                 wanted.add(end - 1)  # not a chunk: the pass ends the prompt
-            branch = self._branch_point(req.fill_ids[:end], prefix)
+            branch = self._branch_point(req.cache_key(req.fill_ids[:end]), prefix)
             if branch is not None and branch[1] not in branches:
                 branches.add(branch[1])
                 wanted.add(branch[0])
@@ -167,7 +169,7 @@ class HybridRadixCache(RadixCache):
         super().cache_finished_req(req, token_ids, allocated_len)
         assert row is not None
         if token_ids:
-            self._snapshot(self._walk(token_ids), len(token_ids), row)
+            self._snapshot(self._walk(req.cache_key(token_ids)), len(token_ids), row)
         self._keep_pending(req, token_ids)
 
     def cache_unfinished_req(self, req: "Req", token_ids: list[int] | None = None) -> None:
@@ -185,11 +187,12 @@ class HybridRadixCache(RadixCache):
         ending there, where those tokens are cached and the node keeps none yet; else the
         row is free."""
         pending, req.pending_snapshots = req.pending_snapshots, []
+        keys = req.cache_key(token_ids) if pending else []
         for slot, length in pending:
             self._reserved.discard(slot)
             node = None
             if 0 < length <= len(token_ids):
-                indices, handle = self._walk(token_ids[:length])
+                indices, handle = self._walk(keys[:length])
                 node = _as_node(handle) if len(indices) == length else None
             if node is None or node.state is not None:
                 self._free_snapshots.append(slot)

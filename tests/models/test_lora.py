@@ -206,6 +206,7 @@ def test_adapters_on_weights_the_model_reads_directly_fail_at_start(module, chec
     ("qwen3_qk_norm", ("q_proj", "k_proj", "v_proj", "o_proj"), None),
     ("gemma2_softcap_window", ALL_MODULES, None),
     ("qwen2_moe_shared", ALL_MODULES, ".experts."),  # attention and the shared expert
+    ("qwen3_5_dense", ALL_MODULES, None),  # a hybrid: Gated DeltaNet layers between them
 ])
 def test_other_families_match_their_merged_models(checkpoint, modules, skip, tmp_path) -> None:
     hf_model = make_checkpoint(checkpoint, tmp_path / "base")
@@ -351,3 +352,30 @@ def test_lora_slots_without_adapters_need_a_rank() -> None:
         ServerArgs(device="cpu", max_loras=2).resolve()
     with pytest.raises(ValueError, match="fewer than the 2 adapters"):
         ServerArgs(device="cpu", max_loras=1, lora_paths=["a=x", "b=y"]).resolve()
+
+
+def test_a_hybrid_models_adapter_requests_share_cached_prefixes_with_their_own_only(
+        tmp_path) -> None:
+    """Qwen3.5 (Gated DeltaNet layers, whose states the cache keeps at snapshots): one prompt
+    with an adapter, without, with again; each output is its merged model's and only the
+    third reuses a cached prefix (the snapshot the first one's pass kept)."""
+    hf_model = make_checkpoint("qwen3_5_dense", tmp_path / "base")
+    pairs = write_adapter(tmp_path / "adapter", hf_model, ("q_proj", "v_proj", "down_proj"),
+                          rank=4, alpha=8.0, seed=14)
+    references = {"x": merged(hf_model, pairs, 2.0), None: hf_model}
+    engine = radixserve.Engine(str(tmp_path / "base"), skip_tokenizer_init=True,
+                               dtype="float32", device=DEVICE, max_total_tokens=1000,
+                               lora_paths=[f"x={tmp_path / 'adapter'}"])
+    prompt = torch.randint(0, 160, (40,), generator=torch.Generator().manual_seed(15)).tolist()
+    greedy = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    try:
+        outs = [engine.generate(input_ids=prompt, lora_path=name, sampling_params=greedy)
+                for name in ("x", None, "x")]
+        state = engine.get_internal_state()
+    finally:
+        engine.shutdown()
+    for out, name in zip(outs, ("x", None, "x")):
+        assert out["output_ids"] == hf_greedy(references[name], prompt, 5)
+    cached = [out["meta_info"]["cached_tokens"] for out in outs]
+    assert cached[0] == 0 and cached[1] == 0 and cached[2] > 0, cached
+    assert state["memory_check_ok"] and state["leaked_tokens"] == 0
