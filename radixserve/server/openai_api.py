@@ -1,5 +1,6 @@
 """Routes of the OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions,
-/v1/embeddings (with SGLang's /encode), and vLLM's /tokenize, /detokenize and /version."""
+/v1/responses, /v1/embeddings (with SGLang's /encode), and vLLM's /tokenize, /detokenize and
+/version."""
 from __future__ import annotations
 
 from typing import Any
@@ -13,6 +14,7 @@ from radixserve.server.http_utils import read_json
 from radixserve.server.openai_chat import create_chat_completion
 from radixserve.server.openai_common import OpenAIContext, now_s
 from radixserve.server.openai_completions import create_completion
+from radixserve.server.openai_responses import create_response
 from radixserve.server.errors import APIError
 from radixserve.server.openai_embeddings import NOT_A_GENERATION_MODEL, create_embedding, encode
 from radixserve.server.openai_tokenize import detokenize, tokenize
@@ -50,6 +52,12 @@ def openai_router(ctx: OpenAIContext, context_len: int) -> APIRouter:
         if ctx.is_embedding:
             raise APIError(NOT_A_GENERATION_MODEL, param="model")
         return await create_chat_completion(ctx, request, await read_json(request))
+
+    @router.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        if ctx.is_embedding:
+            raise APIError(NOT_A_GENERATION_MODEL, param="model")
+        return await create_response(ctx, request, await read_json(request))
 
     @router.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:

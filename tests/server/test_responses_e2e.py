@@ -1,0 +1,160 @@
+"""POST /v1/responses (OpenAI's Responses API) through the real `openai` SDK against the shared
+server (bundled SmolLM2-135M, CPU, --reasoning-parser qwen3): its answers are the chat route's
+for the same conversation (greedy), whole or streamed as OpenAI's event sequence; forced
+function calls come back as function_call items (and stream their arguments), function
+call outputs go back in as tool turns, text.format constrains the text, the reasoning of a
+continued <think> block is a reasoning item, and what the server does not do is a 400
+naming the field."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from tests.server.test_openai_e2e import CHAT
+from tests.server.test_structured_output_e2e import SCHEMAS, WEATHER
+
+FLAT_WEATHER = {"type": "function", **WEATHER["function"]}
+QUESTION = "What is the weather like in Paris today?"
+
+
+def _chat_text(client: Any, model: str, messages: list[dict], max_tokens: int) -> Any:
+    """The chat route's greedy answer, asked twice: the second takes its prompt from the
+    radix cache, as a request after it does (a cold prefill's rounding can differ from a
+    cached prefix's and flip a greedy token)."""
+    args = dict(model=model, messages=messages, temperature=0, max_tokens=max_tokens)
+    client.chat.completions.create(**args)
+    return client.chat.completions.create(**args)
+
+
+def test_text_answers_equal_the_chat_routes(openai_client: Any, model_name: str) -> None:
+    chat = _chat_text(openai_client, model_name, CHAT, 12)
+    response = openai_client.responses.create(
+        model=model_name, instructions=CHAT[0]["content"], max_output_tokens=12,
+        temperature=0, input=[{"role": "user", "content": [
+            {"type": "input_text", "text": CHAT[1]["content"]}]}])
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.output_text == chat.choices[0].message.content
+    assert [item.type for item in response.output] == ["message"]
+    expected = "incomplete" if chat.choices[0].finish_reason == "length" else "completed"
+    assert response.status == expected
+    if expected == "incomplete":
+        assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    # a plain string input is one user turn
+    chat = _chat_text(openai_client, model_name, CHAT[1:], 8)
+    plain = openai_client.responses.create(model=model_name, input=CHAT[1]["content"],
+                                           max_output_tokens=8, temperature=0)
+    assert plain.output_text == chat.choices[0].message.content
+
+
+def test_a_stream_sends_openais_events_and_the_same_answer(openai_client: Any,
+                                                           model_name: str) -> None:
+    args = dict(model=model_name, input=CHAT[1]["content"], instructions=CHAT[0]["content"],
+                max_output_tokens=12, temperature=0)
+    openai_client.responses.create(**args)  # its prompt cached for both below
+    whole = openai_client.responses.create(**args)
+    events = list(openai_client.responses.create(stream=True, **args))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", f"response.{whole.status}"]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_forced_function_calls_are_function_call_items(openai_client: Any, model_name: str,
+                                                       stream: bool) -> None:
+    args = dict(model=model_name, input=QUESTION, tools=[FLAT_WEATHER], tool_choice="required",
+                parallel_tool_calls=False, max_output_tokens=60, temperature=0)
+    if not stream:
+        output = openai_client.responses.create(**args).output
+    else:
+        events = list(openai_client.responses.create(stream=True, **args))
+        output = events[-1].response.output
+        deltas = "".join(e.delta for e in events
+                         if e.type == "response.function_call_arguments.delta")
+        done = [e for e in events if e.type == "response.function_call_arguments.done"]
+        assert len(done) == 1 and done[0].arguments == deltas == output[-1].arguments
+    calls = [item for item in output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
+    named = openai_client.responses.create(**{**args, "tool_choice": {
+        "type": "function", "name": "get_weather"}}).output
+    assert [item.name for item in named if item.type == "function_call"] == ["get_weather"]
+
+
+def test_function_call_outputs_go_back_as_tool_turns(openai_client: Any,
+                                                     model_name: str) -> None:
+    arguments = '{"city": "Paris", "unit": "celsius"}'
+    history = [{"role": "user", "content": QUESTION},
+               {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                "arguments": arguments},
+               {"type": "function_call_output", "call_id": "call_1",
+                "output": "21 degrees and sunny"}]
+    for _ in range(2):  # the second of each takes its prompt from the cache
+        response = openai_client.responses.create(model=model_name, input=history,
+                                                  tools=[FLAT_WEATHER], max_output_tokens=16,
+                                                  temperature=0)
+    chat = openai_client.chat.completions.create(
+        model=model_name, tools=[WEATHER], max_tokens=16, temperature=0, messages=[
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees and sunny"}])
+    assert response.usage.input_tokens == chat.usage.prompt_tokens > 100
+    assert response.output_text == (chat.choices[0].message.content or "")
+
+
+def test_text_format_json_schema_constrains_the_answer(openai_client: Any,
+                                                       model_name: str) -> None:
+    response = openai_client.responses.create(
+        model=model_name, input="Give an example as JSON.", max_output_tokens=80,
+        temperature=0, text={"format": {"type": "json_schema", "name": "nested",
+                                        "schema": SCHEMAS["nested"]}})
+    jsonschema.validate(json.loads(response.output_text), SCHEMAS["nested"])
+
+
+def test_a_continued_think_block_is_a_reasoning_item(openai_client: Any,
+                                                     model_name: str) -> None:
+    turns = CHAT + [{"role": "assistant", "content": "<think>\nThe user asks about"}]
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    openai_client.chat.completions.create(model=model_name, messages=turns, max_tokens=8,
+                                          temperature=0, extra_body=cont)  # cached for both
+    chat = openai_client.chat.completions.create(model=model_name, messages=turns,
+                                                 max_tokens=8, temperature=0,
+                                                 extra_body=cont).choices[0].message
+    response = openai_client.responses.create(model=model_name, input=turns,
+                                              max_output_tokens=8, temperature=0,
+                                              extra_body=cont)
+    reasoning = [item for item in response.output if item.type == "reasoning"]
+    assert len(reasoning) == 1 and reasoning[0].content[0].text == chat.reasoning_content
+    assert response.usage.output_tokens_details.reasoning_tokens > 0
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input"),
+    ({"modalities": ["text"]}, "modalities"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format"),
+    ({"max_output_tokens": -1}, "max_output_tokens"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objec"}}}},
+     "text.format"),
+])
+def test_what_the_server_does_not_do_is_a_400_naming_it(openai_client: Any, model_name: str,
+                                                        extra: dict, param: str) -> None:
+    body = {"model": model_name, "input": "Hi", "max_output_tokens": 4, **extra}
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client.post("/responses", body=body, cast_to=object)
+    assert info.value.body["param"] == param, info.value.body
