@@ -60,6 +60,13 @@ def _pieces(layer: LinearBase) -> tuple[object, ...]:
     return (None,)
 
 
+def _read_directly(layer: LinearBase) -> bool:
+    """A weight the model reads itself, not through its layer, and that applies no adapter
+    itself (MLA's kv_b_proj does: `applies_own_lora`)."""
+    return getattr(layer, "weight_read_directly", False) and \
+        not getattr(layer, "applies_own_lora", False)
+
+
 def _leaf(module: str) -> str:
     return module.rsplit(".", 1)[-1]
 
@@ -82,6 +89,10 @@ class LoRAManager:
         targets = server_args.lora_target_modules or \
             sorted({_leaf(module) for a in initial for module in a.modules}) or ["all"]
         self._attach(targets)
+        # layers that apply their adapters to latent entries themselves (MLA's kv_b_proj)
+        self.entry_layers = any(getattr(layer, "applies_own_lora", False) and
+                                getattr(layer, "lora", None) is not None
+                                for layer in self.layers.values())
         self.slots: dict[str, int] = {}  # loaded adapter -> its slot
         # a loaded adapter -> the name its cached prefixes are keyed by (Req.cache_key): one
         # loaded at run time under a name used before gets a new key, not the old KV
@@ -106,7 +117,7 @@ class LoRAManager:
             hit = sources & wanted
             if not hit:
                 continue
-            if getattr(layer, "weight_read_directly", False):  # MLA's kv_b_proj, fp32 routers
+            if _read_directly(layer):  # fp32 routers
                 if hit - every:  # named, not only reached through "all"
                     raise CheckpointError(f"LoRA: {name} is a weight the model reads directly, "
                                           "not through its layer; adapters on it are not "
@@ -189,7 +200,7 @@ class LoRAManager:
         if not isinstance(layer, LinearBase):
             raise CheckpointError(f"LoRA adapter {adapter.name!r} adapts {module!r}, which is "
                                   f"not a linear layer of {type(model).__name__}")
-        if getattr(layer, "weight_read_directly", False):  # MLA's kv_b_proj, fp32 routers
+        if _read_directly(layer):  # fp32 routers
             raise CheckpointError(f"LoRA adapter {adapter.name!r}: {module!r} is a weight the "
                                   "model reads directly, not through its layer; adapters on it "
                                   "are not supported")
@@ -225,24 +236,25 @@ class LoRAManager:
         if self.rows_kernel and batch.forward_mode.is_decode():
             self.batch.use_token_slots(self._to_device(slots), rows_kernel=True)
             return
-        if all(name == names[0] for name in names):  # one adapter for the whole pass
-            self.batch.use_single(self.slots[names[0]])
-            return
         lens = batch.extend_seq_lens or [1] * batch.batch_size
         token_slots = slots.repeat_interleave(torch.tensor(lens))
-        if len(token_slots) <= MASKED_MAX_TOKENS:
+        if all(name == names[0] for name in names):  # one adapter for the whole pass
+            self.batch.use_single(self.slots[names[0]])
+        elif len(token_slots) <= MASKED_MAX_TOKENS:
             self.batch.use_token_slots(self._to_device(token_slots), rows_kernel=False)
-            return
-        # each adapter's token rows: one copy of them all, sorted by slot
-        order = torch.argsort(token_slots, stable=True)
-        kinds, counts = torch.unique_consecutive(token_slots[order], return_counts=True)
-        rows = self._to_device(order)
-        groups, start = [], 0
-        for slot, count in zip(kinds.tolist(), counts.tolist()):
-            if slot >= 0:
-                groups.append((slot, rows[start:start + count]))
-            start += count
-        self.batch.use_groups(groups)
+        else:  # each adapter's token rows: one copy of them all, sorted by slot
+            order = torch.argsort(token_slots, stable=True)
+            kinds, counts = torch.unique_consecutive(token_slots[order], return_counts=True)
+            rows = self._to_device(order)
+            groups, start = [], 0
+            for slot, count in zip(kinds.tolist(), counts.tolist()):
+                if slot >= 0:
+                    groups.append((slot, rows[start:start + count]))
+                start += count
+            self.batch.use_groups(groups)
+        if self.entry_layers and batch.extend_seq_lens:
+            prefix = slots.repeat_interleave(torch.tensor(batch.extend_prefix_lens))
+            self.batch.entry_slots = self._to_device(torch.cat((prefix, token_slots)))
 
     def _to_device(self, indices: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":  # no wait on the step in flight (overlap)

@@ -46,11 +46,14 @@ class LoRABatch:
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     token_slots: torch.Tensor | None = None
     rows_kernel: bool = False
+    # an MLA extend pass: the slot of each latent entry it decompresses (every request's cached
+    # prefix, then the new tokens), for layers that apply their adapter themselves
+    entry_slots: torch.Tensor | None = None
     _masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     def clear(self) -> None:
         self.single, self.groups, self.token_slots, self.rows_kernel = None, [], None, False
-        self._masks = {}
+        self.entry_slots, self._masks = None, {}
 
     def use_single(self, slot: int) -> None:
         self.clear()
@@ -70,9 +73,27 @@ class LoRABatch:
         key = (slots, width, dtype)
         if key not in self._masks:
             assert self.token_slots is not None
-            columns = torch.arange(slots * width, device=self.token_slots.device) // width
-            self._masks[key] = (self.token_slots[:, None] == columns[None, :]).to(dtype)
+            self._masks[key] = _slot_mask(self.token_slots, slots, width, dtype)
         return self._masks[key]
+
+    def any_form_mask(self, tokens: int, slots: int, width: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor | None:
+        """`mask` whatever the pass's form (None: no adapter)."""
+        if self.token_slots is not None:
+            return self.mask(slots, width, dtype)
+        if self.single is None and not self.groups:
+            return None
+        token_slots = torch.full((tokens,), -1 if self.groups else self.single,
+                                 dtype=torch.int64, device=device)
+        for slot, rows in self.groups:
+            token_slots[rows] = slot
+        return _slot_mask(token_slots, slots, width, dtype)
+
+
+def _slot_mask(token_slots: torch.Tensor, slots: int, width: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    columns = torch.arange(slots * width, device=token_slots.device) // width
+    return (token_slots[:, None] == columns[None, :]).to(dtype)
 
 
 @dataclass
@@ -173,3 +194,56 @@ def add_lora(layer: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> torc
         low.mul_(batch.mask(stacks.slots, width, low.dtype))
         out2.addmm_(low, stacks.b.t())
     return out
+
+
+# ---- MLA's kv_b_proj (models/deepseek_v2.py): the model reads its weight itself ----
+def add_lora_entries(layer: torch.nn.Module, latent: torch.Tensor,
+                     out: torch.Tensor) -> torch.Tensor:
+    """An extend pass's decompression: out [N, out] (latent entries [N, latent] times the
+    weight) plus each entry's adapter delta, by `LoRABatch.entry_slots` (the entries of
+    every cached prefix, then the new tokens)."""
+    stacks: LoRAStacks | None = layer.lora
+    if stacks is None or stacks.batch.entry_slots is None:
+        return out
+    low = latent @ stacks.a.t()
+    low.mul_(_slot_mask(stacks.batch.entry_slots, stacks.slots, stacks.width, low.dtype))
+    return out.addmm_(low, stacks.b.t())
+
+
+def _head_mask(layer: torch.nn.Module, tokens: int, like: torch.Tensor
+               ) -> tuple["LoRAStacks", torch.Tensor] | None:
+    stacks: LoRAStacks | None = layer.lora
+    if stacks is None:
+        return None
+    mask = stacks.batch.any_form_mask(tokens, stacks.slots, stacks.width, like.dtype,
+                                      like.device)
+    return None if mask is None else (stacks, mask[:, None, :])
+
+
+def add_lora_absorbed_query(layer: torch.nn.Module, q_nope: torch.Tensor,
+                            q_latent: torch.Tensor) -> torch.Tensor:
+    """Decode with kv_b_proj absorbed into the query: q_latent [T, H, latent] = q_nope
+    [T, H, nope] W_UK per head, plus (q_nope B_UK) A for each token's adapter (B's rows of
+    each head's keys, [H, nope, slots x r])."""
+    found = _head_mask(layer, q_nope.shape[0], q_nope)
+    if found is None:
+        return q_latent
+    stacks, mask = found
+    heads, nope = q_nope.shape[1], q_nope.shape[2]
+    b_keys = stacks.b.view(heads, -1, stacks.b.shape[1])[:, :nope]
+    low = torch.einsum("thn,hnr->thr", q_nope, b_keys) * mask
+    return q_latent + low @ stacks.a
+
+
+def add_lora_absorbed_output(layer: torch.nn.Module, out_latent: torch.Tensor,
+                             out: torch.Tensor, nope: int) -> torch.Tensor:
+    """Decode's output through W_UV per head: out [T, H, v] plus (out_latent A^T) B_UV^T for
+    each token's adapter."""
+    found = _head_mask(layer, out_latent.shape[0], out_latent)
+    if found is None:
+        return out
+    stacks, mask = found
+    heads = out_latent.shape[1]
+    b_values = stacks.b.view(heads, -1, stacks.b.shape[1])[:, nope:]
+    low = (out_latent @ stacks.a.t()) * mask
+    return out + torch.einsum("thr,hvr->thv", low, b_values)

@@ -25,6 +25,8 @@ from radixserve.core.model_config import ModelConfig
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from radixserve.layers.lora import (add_lora_absorbed_output, add_lora_absorbed_query,
+                                    add_lora_entries)
 from radixserve.layers.moe.experts import expert_weight_target
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.radix_attention import RadixAttention
@@ -108,6 +110,7 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank,
                                               total_heads * (self.nope_dim + self.v_dim))
         self.kv_b_proj.weight_read_directly = True  # _up_weights views it in the compute dtype
+        self.kv_b_proj.applies_own_lora = True  # LoRA: the add_lora_* calls below
         self.o_proj = RowParallelLinear(total_heads * self.v_dim, hidden, bias=bias)
         self.rotary = rotary
         # DeepSeek's rope pairs adjacent dims; Mistral-4 may pair the two halves instead
@@ -154,7 +157,9 @@ class MLAAttention(nn.Module):
     def decompress(self, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent entries [N, latent + rope] -> K [N, H, nope + rope], V [N, H, v]."""
         latent, k_pe = entries.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(latent).view(-1, self.num_heads, self.nope_dim + self.v_dim)
+        kv = add_lora_entries(self.kv_b_proj, latent,
+                              self.kv_b_proj.product(latent, self.kv_b_proj.bias))
+        kv = kv.view(-1, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)), dim=-1)
         return k, v.contiguous()
@@ -178,9 +183,11 @@ class MLAAttention(nn.Module):
         if forward_batch.forward_mode.is_decode():
             w_uk, w_uv = self._up_weights()
             q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+            q_latent = add_lora_absorbed_query(self.kv_b_proj, q_nope, q_latent)
             out_latent = self.attn.forward_mla_decode(torch.cat((q_latent, q_pe), dim=-1),
                                                       entries, forward_batch)
             out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+            out = add_lora_absorbed_output(self.kv_b_proj, out_latent, out, self.nope_dim)
         else:
             out = self.attn.forward_mla_extend(torch.cat((q_nope, q_pe), dim=-1), entries,
                                                self.decompress, forward_batch)

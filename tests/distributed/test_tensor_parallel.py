@@ -363,17 +363,21 @@ def test_embeddings_at_tp2_equal_tp1(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("name,at_run_time", [("llama_gqa_llama3_rope", False),
-                                               ("gemma_mqa", True)])
+                                               ("gemma_mqa", True),
+                                               ("deepseek_v2_lite_mla", False)])
 def test_lora_adapters_at_tp2_match_the_merged_models(name: str, at_run_time: bool,
                                                       tmp_path) -> None:
     """LoRA at tp 2 over gloo: column-parallel layers hold B's rows of their rank (q|k|v by
     heads, the one KV head of an MQA model on both ranks; gate|up by pieces), row-parallel
     ones A's columns, their delta joining the partial product before the all-reduce; each
     request's greedy tokens are its merged model's. The MQA case loads its adapter while
-    serving (Engine.load_lora_adapter: rank 0's load is mirrored to rank 1 with the turn)."""
+    serving (Engine.load_lora_adapter: rank 0's load is mirrored to rank 1 with the turn);
+    the MLA case adapts kv_b_proj too (each rank's heads of B)."""
     from tests.models.test_lora import ALL_MODULES, merged, write_adapter
     hf_model = make_checkpoint(name, tmp_path / "base")
-    pairs = write_adapter(tmp_path / "every", hf_model, ALL_MODULES, rank=4, alpha=8.0, seed=1)
+    mla = ("kv_a_proj_with_mqa", "kv_b_proj") if name.startswith("deepseek") else ()
+    pairs = write_adapter(tmp_path / "every", hf_model, ALL_MODULES + mla, rank=4, alpha=8.0,
+                          seed=1, skip=".experts.")
     tuned = merged(hf_model, pairs, 2.0)
     prompts = _prompts(hf_model.config.vocab_size)
     names = ["every", None, "every"]

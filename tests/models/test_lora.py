@@ -189,17 +189,51 @@ def test_decode_graphs_take_each_requests_adapter_slot_in_a_sixth_input_row() ->
     assert CudaGraphRunner.can_run(runner, batch)
 
 
-@pytest.mark.parametrize("module,checkpoint", [("kv_b_proj", "deepseek_v2_lite_mla")])
+@pytest.mark.parametrize("module,checkpoint", [("gate", "deepseek_v2_lite_mla")])
 def test_adapters_on_weights_the_model_reads_directly_fail_at_start(module, checkpoint,
                                                                     tmp_path) -> None:
-    """MLA's kv_b_proj is read as a weight by the absorbed decode, not through its layer: an
-    adapter there would be skipped in decode, so it is refused."""
+    """DeepSeek's float32 router is read as a weight, not through its layer: an adapter
+    there would be skipped, so it is refused."""
     hf_model = make_checkpoint(checkpoint, tmp_path / "base")
-    write_adapter(tmp_path / "adapter", hf_model, (module,), rank=2, alpha=2.0, seed=5)
+    write_adapter(tmp_path / "adapter", hf_model, (module,), rank=2, alpha=2.0, seed=5,
+                  skip=".experts.")
     with pytest.raises(CheckpointError, match="reads directly"):
         radixserve.Engine(str(tmp_path / "base"), skip_tokenizer_init=True, dtype="float32",
                           device="cpu", max_total_tokens=500,
                           lora_paths=[f"x={tmp_path / 'adapter'}"])
+
+
+@pytest.mark.parametrize("checkpoint", ["deepseek_v2_lite_mla", "deepseek_v2_q_lora"])
+def test_mla_adapters_with_kv_b_proj_match_their_merged_models(checkpoint, tmp_path) -> None:
+    """MLA with adapters on every attention projection, kv_b_proj included: its decode absorbs
+    kv_b_proj per head (the adapter's low-rank terms added beside the absorbed weight) and its
+    extends decompress cached prefixes and new tokens entry by entry with each request's
+    adapter. A batch mixing the adapter and the base model, then the same prompts again
+    (their prefixes from the cache), each equal to its merged model's greedy tokens."""
+    hf_model = make_checkpoint(checkpoint, tmp_path / "base")
+    modules = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    pairs = write_adapter(tmp_path / "adapter", hf_model, modules, rank=4, alpha=8.0, seed=16)
+    references = {"x": merged(hf_model, pairs, 2.0), None: hf_model}
+    engine = radixserve.Engine(str(tmp_path / "base"), skip_tokenizer_init=True,
+                               dtype="float32", device=DEVICE, max_total_tokens=1000,
+                               lora_paths=[f"x={tmp_path / 'adapter'}"])
+    gen = torch.Generator().manual_seed(17)
+    prompts = [torch.randint(0, 160, (n,), generator=gen).tolist() for n in (21, 13, 21)]
+    names = ["x", None, None]
+    prompts[2] = prompts[0]
+    greedy = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    try:
+        first = engine.generate(input_ids=prompts, lora_path=names, sampling_params=greedy)
+        again = engine.generate(input_ids=prompts[:2], lora_path=names[:2],
+                                sampling_params=greedy)
+        state = engine.get_internal_state()
+    finally:
+        engine.shutdown()
+    for out, ids, name in zip(first + again, prompts + prompts[:2], names + names[:2]):
+        assert out["output_ids"] == hf_greedy(references[name], ids, 6)
+    assert first[0]["output_ids"] != first[2]["output_ids"], "the adapter changes nothing"
+    assert again[0]["meta_info"]["cached_tokens"] > 0
+    assert state["memory_check_ok"] and state["leaked_tokens"] == 0
 
 
 @pytest.mark.parametrize("checkpoint,modules,skip", [
