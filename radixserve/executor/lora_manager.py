@@ -147,8 +147,9 @@ class LoRAManager:
             adapter = read_lora_adapter(name, path)
         except CheckpointError as exc:
             raise LoRALoadError(str(exc)) from None
-        except (OSError, ValueError, RuntimeError) as exc:  # unreadable files
-            raise LoRALoadError(f"LoRA adapter {name!r}: cannot read {path}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a caller's folder: unreadable in any way
+            raise LoRALoadError(f"LoRA adapter {name!r}: cannot read {path}: "
+                                f"{type(exc).__name__}: {exc}") from None
         try:
             self._place(adapter)
         except CheckpointError as exc:
@@ -177,7 +178,7 @@ class LoRAManager:
                 layer, piece = targets[module]
                 load_lora_piece(layer, slot, piece, a.to(self.dtype), b.to(self.dtype),
                                 adapter.scale)
-        except (ValueError, RuntimeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - tensors of any shape or dtype
             for layer in self._adapted():
                 clear_lora_slot(layer, slot)
             raise CheckpointError(f"LoRA adapter {adapter.name!r}: {exc}") from None

@@ -69,10 +69,14 @@ class LoRABatch:
 
     def mask(self, slots: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """[tokens, slots x width]: 1 where a column belongs to the token's adapter (each slot
-        owns `width` consecutive columns), built once per pass and layer width."""
+        owns `width` consecutive columns), built once per pass and layer width; built anew
+        by every call for the per-row kernels' slots (a CUDA graph's row: the capture must
+        record the mask's own operations on it, not reuse a tensor a warm-up made)."""
+        assert self.token_slots is not None
+        if self.rows_kernel:
+            return _slot_mask(self.token_slots, slots, width, dtype)
         key = (slots, width, dtype)
         if key not in self._masks:
-            assert self.token_slots is not None
             self._masks[key] = _slot_mask(self.token_slots, slots, width, dtype)
         return self._masks[key]
 

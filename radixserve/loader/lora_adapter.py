@@ -36,7 +36,14 @@ def read_lora_adapter(name: str, path: str) -> LoRAAdapter:
     config_file = folder / "adapter_config.json"
     if not config_file.is_file():
         raise CheckpointError(f"LoRA adapter {name!r}: no adapter_config.json in {path}")
-    config = json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"LoRA adapter {name!r}: unreadable adapter_config.json in "
+                              f"{path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"LoRA adapter {name!r}: adapter_config.json in {path} is not "
+                              "a JSON object")
     _check_config(name, config)
     rank = int(config["r"])
     alpha = float(config.get("lora_alpha", 8))  # PEFT's LoraConfig default

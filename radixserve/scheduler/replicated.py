@@ -23,7 +23,7 @@ from radixserve.distributed.parallel_state import TensorParallelGroup
 from radixserve.scheduler.scheduler import Scheduler
 
 # ("add", req) | ("abort", rid) | ("flush",) | ("grammars", done rids, late rids) | ("turn",)
-# | ("lora_load", name, path) | ("lora_unload", name) | ("stop",)
+# | ("lora_load", name, path) | ("lora_unload", name, rank 0's success) | ("stop",)
 Command = tuple[Any, ...]
 
 
@@ -54,9 +54,10 @@ class ReplicatedScheduler:
         return reply
 
     def unload_lora(self, name: str) -> LoRAUpdateReply:
+        # logged even when refused: the unload settles the step in flight, which the other
+        # ranks must do too (as a flush)
         reply = self.scheduler.unload_lora(name)
-        if reply.success:
-            self._log.append(("lora_unload", name))
+        self._log.append(("lora_unload", name, reply.success))
         return reply
 
     def run_turn(self) -> list[BatchTokenIDOut]:
@@ -82,6 +83,14 @@ def _settle_grammars(scheduler: Scheduler, done: list[str], late: list[str]) -> 
     scheduler.grammars.settle(scheduler.waiting_queue, done, late)
 
 
+def _expect(kind: str, name: str, reply: LoRAUpdateReply, success: bool) -> None:
+    """A rank's LoRA update must end as rank 0's did, or it would serve another model."""
+    if reply.success != success:
+        raise RuntimeError(f"tensor-parallel rank: {kind} {name!r} "
+                           f"{'failed' if success else 'succeeded'} where rank 0's did not: "
+                           f"{reply.message}")
+
+
 def follow(scheduler: Scheduler, group: TensorParallelGroup) -> None:
     """Ranks > 0: apply rank 0's calls in order until it says stop."""
     while True:
@@ -95,12 +104,10 @@ def follow(scheduler: Scheduler, group: TensorParallelGroup) -> None:
                 scheduler.flush_cache()
             elif kind == "grammars":
                 _settle_grammars(scheduler, command[1], command[2])
-            elif kind in ("lora_load", "lora_unload"):
-                update = scheduler.load_lora if kind == "lora_load" else scheduler.unload_lora
-                reply = update(*command[1:])
-                if not reply.success:  # rank 0 did it: this rank would serve another model
-                    raise RuntimeError(f"tensor-parallel rank: {kind} {command[1]!r} failed "
-                                       f"where rank 0's succeeded: {reply.message}")
+            elif kind == "lora_load":
+                _expect(kind, command[1], scheduler.load_lora(*command[1:]), True)
+            elif kind == "lora_unload":
+                _expect(kind, command[1], scheduler.unload_lora(command[1]), command[2])
             elif kind == "turn":
                 scheduler.run_turn()
             elif kind == "stop":

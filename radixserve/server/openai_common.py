@@ -34,7 +34,7 @@ class OpenAIContext:
         adapter by its --lora-paths name (as vLLM serves them); else 404."""
         if requested is None or requested in self.model_aliases:
             return self.model_name
-        if self.lora_name(requested) is not None:
+        if requested in self.tokenizer_manager.limits.lora_names:
             return requested
         raise APIError(f"The model `{requested}` does not exist. This server serves "
                        f"`{self.model_name}`.", status_code=404, param="model",
@@ -42,10 +42,13 @@ class OpenAIContext:
 
     def lora_name(self, requested: str | None) -> str | None:
         """The LoRA adapter a request's `model` names, or None (the base model, whose names
-        win over an adapter named alike, as in check_model)."""
+        win over an adapter named alike, as in check_model). Not checked against the loaded
+        adapters again: check_model did, and the request's validation does once more when
+        it is built, so an adapter unloaded in between is a 400, never the base model's
+        answer under the adapter's name."""
         if requested is None or requested in self.model_aliases:
             return None
-        return requested if requested in self.tokenizer_manager.limits.lora_names else None
+        return requested
 
 
 def new_id(prefix: str) -> str:

@@ -45,6 +45,18 @@ def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def _part(kind: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text} if kind == "reasoning" else text_part(text)
+
+
+def with_status(output: list[dict[str, Any]], status: str) -> list[dict[str, Any]]:
+    """A cut answer's message items are "incomplete", as OpenAI marks them."""
+    if status != "incomplete":
+        return output
+    return [dict(item, status="incomplete") if item["type"] == "message" else item
+            for item in output]
+
+
 def message_item(item_id: str, text: str | None, status: str = "completed") -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [] if text is None else [text_part(text)]}
@@ -121,13 +133,14 @@ async def create_response(ctx: OpenAIContext, request: Request, raw: Any) -> Res
     message = choice["message"]
     thought = message.get("reasoning_content") or ""
     output = [reasoning_item(_id("rs"), thought)] if thought else []
-    if message.get("content") or not message.get("tool_calls"):
+    calls = message.get("tool_calls") or []
+    if message.get("content") or not (output or calls):  # an empty answer: one empty item
         output.append(message_item(_id("msg"), message.get("content") or ""))
-    for call in message.get("tool_calls") or []:
+    for call in calls:
         output.append(call_item(_id("fc"), call["id"], call["function"]["name"],
                                 call["function"]["arguments"]))
     status, reason = _status(choice["finish_reason"])
-    return JSONResponse(shape.build(status, output,
+    return JSONResponse(shape.build(status, with_status(output, status),
                                     responses_usage(out, _token_count(tm.tokenizer, thought)),
                                     reason))
 
@@ -149,11 +162,17 @@ class _Items:
         self.open = kind
         events.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
                                   item=item))
-        if kind == "message":
+        if kind in ("message", "reasoning"):
             events.append(self.event("response.content_part.added", item_id=item["id"],
                                      output_index=len(self.items) - 1, content_index=0,
-                                     part=text_part("")))
+                                     part=_part(kind, "")))
         return events
+
+    def ensure_message(self) -> list[bytes]:
+        """An answer with no output at all still has its (empty) message item."""
+        if self.items:
+            return []
+        return self._add(message_item(_id("msg"), None, "in_progress"), "message")
 
     def text(self, kind: str, delta: str) -> list[bytes]:
         events: list[bytes] = []
@@ -203,8 +222,8 @@ class _Items:
             item = message_item(item["id"], text)
             events.append(self.event("response.output_text.done", content_index=0, text=text,
                                      logprobs=[], **at))
-            events.append(self.event("response.content_part.done", content_index=0,
-                                     part=text_part(text), **at))
+        events.append(self.event("response.content_part.done", content_index=0,
+                                 part=_part(kind, text), **at))
         self.items[index] = item
         events.append(self.event("response.output_item.done", output_index=index, item=item))
         return events
@@ -226,6 +245,9 @@ class _Items:
 async def stream_response(ctx: OpenAIContext, shape: ResponseShape, plan: ToolPlan,
                           split: ReasoningSplit | None, reqs: list[GenerateRequest],
                           request: Request) -> AsyncIterator[bytes]:
+    """The events of a streamed response. The first ones wait for the first output, so a
+    request refused before it (a full queue, a bad prompt) gets its own HTTP status; an error
+    after them is an `error` event and `response.failed`."""
     tm = ctx.tokenizer_manager
     sequence = itertools.count()
 
@@ -233,37 +255,51 @@ async def stream_response(ctx: OpenAIContext, shape: ResponseShape, plan: ToolPl
         return b"event: " + kind.encode() + b"\n" + sse(
             {"type": kind, "sequence_number": next(sequence), **fields})
 
-    started = shape.build("in_progress", [], None)
-    yield event("response.created", response=started)
-    yield event("response.in_progress", response=started)
     items = _Items(event)
     tool_stream = ToolCallStream(plan.parser, plan.max_calls) if plan.parse_output else None
     thought_stream = ReasoningStream(split) if split else None
-    sent, thoughts, final = 0, "", None
+    sent, thoughts, final, started = 0, "", None, False
     merged = tm.generate_merged(reqs, request)
     async with contextlib.aclosing(merged) as outputs:
-        async for _, out in outputs:
-            thought, answer = "", out.text
-            if thought_stream is not None:
-                thought, answer = thought_stream.update(output_text(out, split), out.finished)
-            if tool_stream is None:
-                text, deltas = answer[sent:], []
-                sent = len(answer)
-            else:
-                text, deltas = tool_stream.update(answer, out.finished)
-            thoughts += thought
-            for chunk in ([items.text("reasoning", thought)] if thought else []) + \
-                    ([items.text("message", text)] if text else []) + \
-                    [items.call(delta) for delta in deltas]:
-                for data in chunk:
+        try:
+            async for _, out in outputs:
+                if not started:
+                    started = True
+                    yield event("response.created", response=shape.build("in_progress", [],
+                                                                         None))
+                    yield event("response.in_progress",
+                                response=shape.build("in_progress", [], None))
+                thought, answer = "", out.text
+                if thought_stream is not None:
+                    thought, answer = thought_stream.update(output_text(out, split),
+                                                            out.finished)
+                if tool_stream is None:
+                    text, deltas = answer[sent:], []
+                    sent = len(answer)
+                else:
+                    text, deltas = tool_stream.update(answer, out.finished)
+                thoughts += thought
+                events = items.text("reasoning", thought) if thought else []
+                events += items.text("message", text) if text else []
+                for delta in deltas:
+                    events += items.call(delta)
+                for data in events:
                     yield data
-            if out.finished:
-                final = out
-    for data in items.finish():
+                if out.finished:
+                    final = out
+        except APIError as exc:
+            if not started:
+                raise
+            yield event("error", code=exc.code, message=exc.message, param=exc.param)
+            failed = shape.build("failed", items.items, None)
+            failed["error"] = {"code": exc.code or "server_error", "message": exc.message}
+            yield event("response.failed", response=failed)
+            return
+    for data in items.ensure_message() + items.finish():
         yield data
     assert final is not None
     called = tool_stream is not None and tool_stream.has_calls
     status, reason = _status(chat_finish_reason(final, called))
     usage = responses_usage(final, _token_count(tm.tokenizer, thoughts))
     yield event("response.completed" if status == "completed" else "response.incomplete",
-                response=shape.build(status, items.items, usage, reason))
+                response=shape.build(status, with_status(items.items, status), usage, reason))

@@ -29,8 +29,7 @@ from radixserve.server.errors import APIError
 RESPONSES_FIELDS = frozenset({
     "input", "instructions", "tools", "tool_choice", "text", "max_output_tokens", "reasoning",
     "store", "metadata", "truncation", "include", "previous_response_id", "conversation",
-    "background", "service_tier", "prompt_cache_key", "safety_identifier", "max_tool_calls",
-    "top_logprobs", "stream_options"})
+    "background", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options"})
 # chat fields a Responses body may carry as extensions (vLLM's and SGLang's extra_body)
 CHAT_EXTENSIONS = frozenset({
     "model", "temperature", "top_p", "stream", "user", "parallel_tool_calls", "seed", "stop",

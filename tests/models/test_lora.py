@@ -355,10 +355,18 @@ def test_adapters_load_into_free_slots_and_unload_while_serving(served, tmp_path
     write_adapter(tmp_path / "rank8", hf_model, ("q_proj",), rank=8, alpha=8.0, seed=12)
     later = write_adapter(tmp_path / "later", hf_model, ("q_proj", "v_proj"), rank=4,
                           alpha=8.0, seed=13)
+    for folder, config, weights in (("truncated", {"r": 4}, b"\x10" + b"\x00" * 7 + b"{"),
+                                    ("listed", [], None)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "adapter_config.json").write_text(json.dumps(config))
+        if weights is not None:
+            (tmp_path / folder / "adapter_model.safetensors").write_bytes(weights)
     try:
         for path, reason in ((root / "every", "not among the LoRA target modules"),
                              (tmp_path / "rank8", "above --max-lora-rank 4"),
-                             (tmp_path / "missing", "no adapter_config.json")):
+                             (tmp_path / "missing", "no adapter_config.json"),
+                             (tmp_path / "truncated", "cannot read"),
+                             (tmp_path / "listed", "not a JSON object")):
             with pytest.raises(ValueError, match=reason):
                 engine.load_lora_adapter("x", str(path))
         engine.load_lora_adapter("x", str(root / "qv"))

@@ -158,3 +158,42 @@ def test_what_the_server_does_not_do_is_a_400_naming_it(openai_client: Any, mode
     with pytest.raises(openai.BadRequestError) as info:
         openai_client.post("/responses", body=body, cast_to=object)
     assert info.value.body["param"] == param, info.value.body
+
+
+def test_a_stream_refused_before_its_first_output_keeps_its_status_and_later_errors_are_events(
+        ) -> None:
+    """No event goes out before the first output: a refusal then (a full queue) propagates as
+    the route's HTTP error; an error after it ends the stream with `error` and
+    `response.failed`."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from radixserve.server.errors import APIError
+    from radixserve.server.openai_responses import ResponseShape, stream_response
+    from radixserve.server.request_state import ReqOutput
+
+    class Manager:
+        tokenizer = None
+
+        def __init__(self, outputs: int) -> None:
+            self.outputs = outputs
+
+        async def generate_merged(self, reqs: list, request: Any):
+            for i in range(self.outputs):
+                yield 0, ReqOutput("r", "ab"[:i + 1], [1] * (i + 1), {}, False)
+            raise APIError("the waiting queue is full", status_code=429)
+
+    def run(outputs: int) -> list[bytes]:
+        ctx = SimpleNamespace(tokenizer_manager=Manager(outputs))
+        plan = SimpleNamespace(parse_output=False, parser=None, max_calls=None)
+
+        async def collect() -> list[bytes]:
+            return [chunk async for chunk in stream_response(
+                ctx, ResponseShape({}, "m"), plan, None, [], None)]
+        return asyncio.run(collect())
+
+    with pytest.raises(APIError, match="queue is full"):
+        run(0)
+    kinds = [json.loads(chunk.split(b"data: ", 1)[1])["type"] for chunk in run(2)]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-2:] == ["error", "response.failed"]
