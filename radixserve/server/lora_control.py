@@ -5,7 +5,8 @@ request is checked against, name the adapters served.
 
 A load reaches every replica or none (one that loaded it unloads it again when another could
 not). An unload first stops taking the adapter's requests, then waits for those in flight to
-finish, then frees the slots. One update at a time.
+finish (and for copies of an n > 1 request still waiting to be sent), then frees the slots.
+One update at a time.
 """
 from __future__ import annotations
 
@@ -59,8 +60,9 @@ class LoRAControl:
                 raise APIError(f"no LoRA adapter named {name!r} is loaded", status_code=404,
                                param="lora_name")
             self._set_names(tuple(n for n in names if n != name))  # no new requests of it
-            while any(state.req.lora_name == name and not state.finished
-                      for state in self.tm.rid_to_state.values()):
+            while self.tm.waiting.uses_adapter(name) or any(
+                    state.req.lora_name == name and not state.finished
+                    for state in self.tm.rid_to_state.values()):
                 await asyncio.sleep(DRAIN_POLL_S)
             replies = await self.tm._request_replies(UnloadLoRAReq(name), LoRAUpdateReply)
             failed = [reply for reply in replies if not reply.success]

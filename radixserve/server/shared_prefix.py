@@ -40,19 +40,27 @@ class WaitingCopies:
     def __init__(self) -> None:
         self._warmup_of: dict[str, str | None] = {}  # rid -> its warm-up's (None: none)
         self._aborted: set[str] = set()  # aborted while waiting: aborted when sent
+        self._lora_of: dict[str, str] = {}  # rid -> its LoRA adapter, where it has one
 
     def __contains__(self, rid: str) -> bool:
         return rid in self._warmup_of
+
+    def uses_adapter(self, lora_name: str) -> bool:
+        """Whether a waiting request names this LoRA adapter (an unload waits for it)."""
+        return lora_name in self._lora_of.values()
 
     def wait(self, reqs: list[GenerateRequest],
              warmups: dict[PromptKey, GenerateRequest]) -> None:
         for req in reqs:
             warmup = warmups.get(prompt_key(req))
             self._warmup_of[req.rid] = None if warmup is None else warmup.rid
+            if req.lora_name is not None:
+                self._lora_of[req.rid] = req.lora_name
 
     def sent(self, rid: str) -> bool:
         """`rid` is being sent: no longer waiting; whether it was aborted while it waited."""
         self._warmup_of.pop(rid, None)
+        self._lora_of.pop(rid, None)
         aborted = rid in self._aborted
         self._aborted.discard(rid)
         return aborted

@@ -92,6 +92,11 @@ def test_prompt_warm_ups_are_per_adapter() -> None:
     assert "a1" in waiting and "a2" in waiting and "b1" in waiting
     warm_rid = next(iter(warmups.values())).rid
     assert waiting._warmup_of == {"a1": warm_rid, "b1": None, "a2": warm_rid, "base": None}
+    # an unload of "a" waits while a copy of it waits to be sent
+    assert waiting.uses_adapter("a") and waiting.uses_adapter("b")
+    waiting.sent("a1")
+    waiting.forget([reqs[2]])
+    assert not waiting.uses_adapter("a") and waiting.uses_adapter("b")
 
 
 def test_metrics_count_each_adapters_requests(lora_server) -> None:
