@@ -21,8 +21,8 @@ from typing import Any
 
 from radixserve.config import ServerArgs
 from radixserve.core.finish_reason import FinishReason
-from radixserve.core.io_struct import (BatchTokenIDOut, FlushCacheReply, InternalState,
-                                       ReqError, TokenizedGenerateReq)
+from radixserve.core.io_struct import (BatchTokenIDOut, FlushCacheReply, ReqError,
+                                       TokenizedGenerateReq)
 from radixserve.core.req import Detokenizer, Req
 from radixserve.core.request_validation import RequestLimits, check_lora_name, check_prompt
 from radixserve.core.sampling_params import InvalidRequestError
@@ -32,6 +32,7 @@ from radixserve.scheduler.batch import BatchBuilder, merge_mixed, wants_prompt_l
 from radixserve.scheduler.cohort_gate import CohortGate
 from radixserve.scheduler.grammar.manager import GrammarManager
 from radixserve.scheduler.in_batch_prefix import InBatchPrefixIndex
+from radixserve.scheduler.accounting import AccountingMixin
 from radixserve.scheduler.kv_pressure import KVPressureMixin
 from radixserve.scheduler.lora_updates import LoRAUpdatesMixin
 from radixserve.scheduler.overlap import DecodeLauncher, InflightDecode, InflightPrefill
@@ -41,13 +42,14 @@ from radixserve.scheduler.policy import SchedulePolicy, match_prefix
 from radixserve.scheduler.retraction import NewTokenRatio
 from radixserve.scheduler.runner_protocol import ModelRunnerLike
 from radixserve.scheduler.spec_decode import SpecDecodeMixin, make_proposer
-from radixserve.scheduler.stats import SchedulerStats, check_memory
+from radixserve.scheduler.stats import SchedulerStats
 
 
-class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesMixin):
+class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesMixin,
+                AccountingMixin):
     """The loop of turns, admission and results; the overlapped decode loop, the KV pressure
-    handling, speculative steps and LoRA updates are its mixins (overlap_loop.py,
-    kv_pressure.py, spec_decode.py, lora_updates.py)."""
+    handling, speculative steps, LoRA updates and the KV accounting are its mixins
+    (overlap_loop.py, kv_pressure.py, spec_decode.py, lora_updates.py, accounting.py)."""
 
     def __init__(self, server_args: ServerArgs, model_runner: ModelRunnerLike,
                  tokenizer: Detokenizer | None, eos_token_ids: set[int], context_len: int) -> None:
@@ -467,34 +469,3 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesM
                                   len(self.waiting_queue))
         self.running = still_running
         self.ratio.decay()
-
-    # ---- idle, memory accounting ----
-    def tokens_in_use(self) -> int:
-        """KV slots held by requests (a shared prefix counts once); the cache's evictable
-        slots are not."""
-        return self.max_total_num_tokens - self.token_to_kv_pool.available_size() \
-            - self.tree_cache.evictable_size()
-
-    def token_usage(self) -> float:
-        return self.tokens_in_use() / self.max_total_num_tokens
-
-    def check_memory(self) -> tuple[bool, int]:
-        """When idle: free + cached == total, nothing locked, every request row free."""
-        return check_memory(self.max_total_num_tokens, self.token_to_kv_pool, self.tree_cache,
-                            self.req_to_token_pool)
-
-    def _on_idle(self) -> None:
-        self.ratio.reset()
-        self.stats.on_idle()
-        self.last_memory_check = self.check_memory()
-
-    def get_internal_state(self, check_memory: bool = True) -> InternalState:
-        """check_memory: when idle, also check the KV accounting (a walk of the tree)."""
-        ok, leaked = self.check_memory() if check_memory and self._idle() else (None, 0)
-        return self.stats.internal_state(
-            num_running_reqs=len(self.admitted_reqs()) + (self.chunked_req is not None),
-            num_queued_reqs=len(self.waiting_queue), max_total_num_tokens=self.max_total_num_tokens,
-            available_tokens=self.token_to_kv_pool.available_size(),
-            evictable_tokens=self.tree_cache.evictable_size(),
-            protected_tokens=self.tree_cache.protected_size(), token_usage=self.token_usage(),
-            new_token_ratio=self.ratio.value, memory_check_ok=ok, leaked_tokens=leaked)
