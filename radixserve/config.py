@@ -73,6 +73,11 @@ class ServerArgs:
     # greedy | cohorts (bursts of known-length requests in whole cohorts, the leftover first)
     admission_plan: str = "greedy"
     schedule_conservativeness: float = 1.0
+    # requests' `priority` orders the queue (higher values first unless the flag below) and
+    # preempts running requests it outranks by at least the threshold (SGLang's flags)
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
     num_continuous_decode_steps: int = 10
     disable_radix_cache: bool = False
     stream_interval: int = 1

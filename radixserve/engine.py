@@ -136,7 +136,8 @@ class Engine:
     # ---- inputs ----
     def _make_reqs(self, prompt: str | list[str] | None, input_ids: Any, sampling_params: Any,
                    return_logprob: bool, logprob_start_len: int, top_logprobs_num: int,
-                   stream: bool, lora_path: str | list[str | None] | None = None
+                   stream: bool, lora_path: str | list[str | None] | None = None,
+                   priority: int | list[int | None] | None = None
                    ) -> list[TokenizedGenerateReq]:
         if (prompt is None) == (input_ids is None):
             raise InvalidRequestError("give exactly one of prompt and input_ids")
@@ -158,8 +159,10 @@ class Engine:
         if len(params_list) != n_items:
             raise InvalidRequestError("sampling_params list must match the number of prompts")
         loras = lora_path if isinstance(lora_path, list) else [lora_path] * n_items
-        if len(loras) != n_items:
-            raise InvalidRequestError("lora_path list must match the number of prompts")
+        priorities = priority if isinstance(priority, list) else [priority] * n_items
+        if len(loras) != n_items or len(priorities) != n_items:
+            raise InvalidRequestError("lora_path and priority lists must match the number of "
+                                      "prompts")
         limits = self.scheduler.limits  # its LoRA adapters of the moment
         reqs: list[TokenizedGenerateReq] = []
         for i in range(n_items):
@@ -174,7 +177,7 @@ class Engine:
             # the server's rules (core/request_validation.py): the same request is refused or
             # accepted alike by both
             validate_request(ids, params, limits, logprob_start_len, top_logprobs_num,
-                             loras[i])
+                             loras[i], priorities[i])
             check_grammar(params, has_tokenizer=self.tokenizer is not None)
             for j in range(params.n):
                 reqs.append(TokenizedGenerateReq(
@@ -182,7 +185,7 @@ class Engine:
                     sampling_params=params.for_sample(j),
                     return_logprob=return_logprob,
                     logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                    stream=stream, lora_name=loras[i]))
+                    stream=stream, lora_name=loras[i], priority=priorities[i]))
         return reqs
 
     def _submit(self, reqs: list[TokenizedGenerateReq]) -> dict[str, _Pending]:
@@ -256,15 +259,17 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None, sampling_params: Any = None,
                  input_ids: list[int] | list[list[int]] | None = None,
                  return_logprob: bool = False, logprob_start_len: int = -1,
-                 top_logprobs_num: int = 0, lora_path: str | list[str | None] | None = None
+                 top_logprobs_num: int = 0, lora_path: str | list[str | None] | None = None,
+                 priority: int | list[int | None] | None = None
                  ) -> dict[str, Any] | list[dict[str, Any]]:
         """Run to completion. One prompt -> one dict (a list when n > 1); a list -> a list.
         lora_path: a --lora-paths adapter's name for every prompt, or one per prompt (None:
-        the base model). Safe from several threads (their requests share the batch)."""
+        the base model); priority (--enable-priority-scheduling) likewise. Safe from several
+        threads (their requests share the batch)."""
         self._check_open()
         reqs = self._make_reqs(prompt, input_ids, sampling_params, return_logprob,
                                logprob_start_len, top_logprobs_num, stream=False,
-                               lora_path=lora_path)
+                               lora_path=lora_path, priority=priority)
         pending = self._submit(reqs)
         try:
             while not all(p.finished for p in pending.values()):
@@ -321,13 +326,14 @@ class Engine:
 
     def generate_stream(self, prompt: str | None = None, sampling_params: Any = None,
                         input_ids: list[int] | None = None,
-                        lora_path: str | None = None) -> Iterator[dict[str, Any]]:
+                        lora_path: str | None = None,
+                        priority: int | None = None) -> Iterator[dict[str, Any]]:
         """Yield {"text": delta, "output_ids": ids so far, "meta_info", "finished"}. The
         request runs while anything drives the scheduler (this iterator, `generate`, another
         stream), and its chunks wait here until read; closing the iterator early aborts it."""
         self._check_open()
         reqs = self._make_reqs(prompt, input_ids, sampling_params, False, -1, 0, stream=True,
-                               lora_path=lora_path)
+                               lora_path=lora_path, priority=priority)
         if len(reqs) != 1:
             raise InvalidRequestError("generate_stream takes one prompt with n = 1")
         return self._stream(self._submit(reqs), reqs[0].rid)

@@ -24,6 +24,7 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0
     stream: bool = False
     lora_name: str | None = None  # a --lora-paths adapter, or the base model
+    priority: int | None = None  # with --enable-priority-scheduling
 
 
 @dataclass

@@ -59,6 +59,7 @@ class Req:
         self.logprob_start_len = logprob_start_len
         self.top_logprobs_num = top_logprobs_num
         self.stream = stream
+        self.priority = 0  # --enable-priority-scheduling (its order: scheduler/priority.py)
 
         self.output_ids: list[int] = []
         self.finished_reason: FinishReason | None = None

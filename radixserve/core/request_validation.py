@@ -23,6 +23,7 @@ class RequestLimits:
     max_total_tokens: int | None = None  # KV cache size, in tokens
     max_prefill_tokens: int | None = None  # the longest prompt when chunked prefill is off
     lora_names: tuple[str, ...] = ()  # the LoRA adapters served (--lora-paths)
+    priority_scheduling: bool = False  # --enable-priority-scheduling: requests may set priority
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -37,7 +38,8 @@ class RequestLimits:
     def from_model_info(cls, info: dict[str, Any]) -> "RequestLimits":
         return cls(int(info["context_len"]), int(info.get("vocab_size") or 0),
                    info.get("max_total_num_tokens"), info.get("max_prefill_tokens"),
-                   tuple(info.get("lora_adapters") or ()))
+                   tuple(info.get("lora_adapters") or ()),
+                   bool(info.get("priority_scheduling")))
 
 
 def check_lora_name(name: str | None, limits: RequestLimits) -> None:
@@ -86,9 +88,15 @@ def check_prompt(input_ids: list[int], limits: RequestLimits) -> None:
 
 def validate_request(input_ids: list[int], sampling_params: SamplingParams,
                      limits: RequestLimits, logprob_start_len: int = -1,
-                     top_logprobs_num: int = 0, lora_name: str | None = None) -> None:
-    """Everything about one request (its LoRA adapter too); normalises `sampling_params` in
-    place. Raises InvalidRequestError with a message for the user."""
+                     top_logprobs_num: int = 0, lora_name: str | None = None,
+                     priority: int | None = None) -> None:
+    """Everything about one request (its LoRA adapter and priority too); normalises
+    `sampling_params` in place. Raises InvalidRequestError with a message for the user."""
+    if priority is not None and not limits.priority_scheduling:
+        raise InvalidRequestError("priority needs a server started with "
+                                  "--enable-priority-scheduling", param="priority")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise InvalidRequestError("priority must be an integer", param="priority")
     sampling_params.verify()
     sampling_params.normalize()
     SamplingParams.check_top_logprobs_num(top_logprobs_num)

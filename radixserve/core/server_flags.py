@@ -104,6 +104,18 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
                                "(ignore_eos) in whole cohorts, the leftover first, so cohorts "
                                "overlap (offline batch jobs; delays the first requests)",
                        ("greedy", "cohorts")),
+    "enable_priority_scheduling": (MEMORY, "requests' priority (native /generate, OpenAI "
+                                           "extra field, Engine.generate) orders the waiting "
+                                           "queue, picks retraction victims, and a waiting "
+                                           "request preempts running ones it outranks by "
+                                           "--priority-scheduling-preemption-threshold",
+                                   None),
+    "schedule_low_priority_values_first": (MEMORY, "with priority scheduling, lower priority "
+                                                   "values go first (vLLM's order; default: "
+                                                   "higher first, as SGLang)", None),
+    "priority_scheduling_preemption_threshold": (MEMORY, "how far a waiting request must "
+                                                         "outrank a running one to preempt it",
+                                                 None),
     "schedule_conservativeness": (MEMORY, "scales the admission estimate of future tokens",
                                   None),
     "num_continuous_decode_steps": (MEMORY, "decode steps per scheduler turn", None),

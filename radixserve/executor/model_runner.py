@@ -76,6 +76,8 @@ RANK_SHARED_FLAGS = ("tp_size", "nnodes", "load_format", "kv_cache_dtype", "quan
                      "max_total_tokens", "max_running_requests", "max_prefill_tokens",
                      "chunked_prefill_size", "enable_mixed_chunk", "schedule_policy",
                      "admission_plan", "schedule_conservativeness",
+                     "enable_priority_scheduling", "schedule_low_priority_values_first",
+                     "priority_scheduling_preemption_threshold",
                      "num_continuous_decode_steps", "disable_radix_cache",
                      "enable_jump_forward", "attention_backend", "prefill_attention_backend",
                      "decode_attention_backend", "disable_cuda_graph",

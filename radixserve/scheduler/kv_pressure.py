@@ -61,7 +61,9 @@ class KVPressureMixin:
         if not extra_tokens and self._set_chunked_req_aside():
             self._ensure_decode_memory()
             return
-        keep, retract = pick_retractions(self.running, self._free_after_retraction, extra_tokens)
+        order = getattr(self, "priority_order", None)
+        keep, retract = pick_retractions(self.running, self._free_after_retraction, extra_tokens,
+                                         order.rank if order is not None else None)
         self._retract(retract)
         self.running = keep
         self.ratio.after_retraction(keep)

@@ -17,6 +17,7 @@ from radixserve.core.req import Req
 
 if TYPE_CHECKING:
     from radixserve.mem.base_cache import BasePrefixCache
+    from radixserve.scheduler.priority import PriorityOrder
 
 LPM_MAX_QUEUE_LEN = 128
 
@@ -37,10 +38,12 @@ def match_prefix(req: Req, tree_cache: "BasePrefixCache") -> None:
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache: "BasePrefixCache", seed: int = 0) -> None:
+    def __init__(self, policy: str, tree_cache: "BasePrefixCache", seed: int = 0,
+                 priority: "PriorityOrder | None" = None) -> None:
         self.policy = policy
         self.tree_cache = tree_cache
         self.rng = random.Random(seed)
+        self.priority = priority  # --enable-priority-scheduling: its order comes first
 
     def matches_all(self, queue_len: int) -> bool:
         """Does `order` match every request of a queue this long against the cache?"""
@@ -55,11 +58,16 @@ class SchedulePolicy:
 
     def keeps_queue_order(self, queue_len: int) -> bool:
         """Does `order` return a queue this long as it stands (fcfs, or lpm's fallback)?"""
-        return self._policy_for(queue_len) == "fcfs"
+        return self._policy_for(queue_len) == "fcfs" and self.priority is None
 
     def order(self, waiting_queue: list[Req]) -> list[Req]:
-        """Return the queue in admission order. With `matches_all`, every request's prefix is
-        matched; otherwise none is (the caller matches as it admits)."""
+        """Return the queue in admission order (by priority first, with priority
+        scheduling). With `matches_all`, every request's prefix is matched; otherwise none is
+        (the caller matches as it admits)."""
+        ordered = self._policy_order(waiting_queue)
+        return ordered if self.priority is None else self.priority.sort(ordered)
+
+    def _policy_order(self, waiting_queue: list[Req]) -> list[Req]:
         policy = self._policy_for(len(waiting_queue))
         if self.matches_all(len(waiting_queue)):
             for req in waiting_queue:

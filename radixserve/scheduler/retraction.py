@@ -39,12 +39,15 @@ class NewTokenRatio:
 
 
 def pick_retractions(running: list[Req], free_after: Callable[[list[Req]], int],
-                     extra_tokens: int = 0) -> tuple[list[Req], list[Req]]:
+                     extra_tokens: int = 0, rank: Callable[[Req], int] | None = None
+                     ) -> tuple[list[Req], list[Req]]:
     """Retract requests with the fewest output tokens (longest prompt first among equals) until
     the rest have room for RETRACT_DECODE_STEPS steps plus `extra_tokens` (a prefill chunk
     sharing the pass). Without extra tokens at least one request is kept; with them, all may
-    go, since the chunk's own memory was promised at its admission."""
-    order = sorted(running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+    go, since the chunk's own memory was promised at its admission. With priority scheduling
+    (`rank`: smaller is more important) the least important go first."""
+    order = sorted(running, key=lambda r: (-rank(r) if rank else 0, len(r.output_ids),
+                                           -len(r.origin_input_ids)))
     retract: list[Req] = []
     min_keep = 0 if extra_tokens else 1
     while len(retract) < len(running) - min_keep:

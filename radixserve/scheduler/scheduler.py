@@ -39,6 +39,7 @@ from radixserve.scheduler.overlap import DecodeLauncher, InflightDecode, Infligh
 from radixserve.scheduler.overlap_loop import OverlapLoopMixin
 from radixserve.scheduler.output import OutputSlice, build_token_output, needs_send
 from radixserve.scheduler.policy import SchedulePolicy, match_prefix
+from radixserve.scheduler.priority import PriorityMixin, PriorityOrder
 from radixserve.scheduler.retraction import NewTokenRatio
 from radixserve.scheduler.runner_protocol import ModelRunnerLike
 from radixserve.scheduler.spec_decode import SpecDecodeMixin, make_proposer
@@ -46,10 +47,11 @@ from radixserve.scheduler.stats import SchedulerStats
 
 
 class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesMixin,
-                AccountingMixin):
+                AccountingMixin, PriorityMixin):
     """The loop of turns, admission and results; the overlapped decode loop, the KV pressure
-    handling, speculative steps, LoRA updates and the KV accounting are its mixins
-    (overlap_loop.py, kv_pressure.py, spec_decode.py, lora_updates.py, accounting.py)."""
+    handling, speculative steps, LoRA updates, the KV accounting and priority preemption are
+    its mixins (overlap_loop.py, kv_pressure.py, spec_decode.py, lora_updates.py,
+    accounting.py, priority.py)."""
 
     def __init__(self, server_args: ServerArgs, model_runner: ModelRunnerLike,
                  tokenizer: Detokenizer | None, eos_token_ids: set[int], context_len: int) -> None:
@@ -65,8 +67,11 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesM
                                          model_runner.max_num_reqs)
         self.tree_cache = self._make_cache()
         self.limits = RequestLimits.from_model_info(self.model_info)  # LoRA: lora_updates.py
+        self.priority_order = PriorityOrder(self.args.schedule_low_priority_values_first,
+                                            self.args.priority_scheduling_preemption_threshold) \
+            if self.args.enable_priority_scheduling else None
         self.policy = SchedulePolicy(self.args.schedule_policy, self.tree_cache,
-                                     self.args.random_seed)
+                                     self.args.random_seed, self.priority_order)
         self.builder = BatchBuilder(self.req_to_token_pool, self.token_to_kv_pool,
                                     self.tree_cache, model_runner.vocab_size, eos_token_ids,
                                     model_runner.device)
@@ -129,7 +134,8 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesM
                 "vocab_size": self.runner.vocab_size, "eos_token_ids": sorted(self.eos_token_ids),
                 "max_running_requests": self.max_running_requests,
                 "lora_adapters": list(self.args.lora_adapters()), "max_prefill_tokens":
-                None if self.args.chunked_prefill_enabled else self.args.max_prefill_tokens}
+                None if self.args.chunked_prefill_enabled else self.args.max_prefill_tokens,
+                "priority_scheduling": self.args.enable_priority_scheduling}
 
     # ---- requests in ----
     def add_request(self, msg: TokenizedGenerateReq) -> ReqError | None:
@@ -150,6 +156,7 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesM
         req = Req(msg.rid, msg.input_ids, params, msg.input_text, msg.return_logprob,
                   msg.logprob_start_len, msg.top_logprobs_num, msg.stream, msg.lora_name,
                   self.lora_cache_id(msg.lora_name))
+        req.priority = msg.priority or 0
         error = self.grammars.on_add(req)
         if error is not None:
             return ReqError(msg.rid, error)
@@ -276,6 +283,7 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesM
         self._end_failed_grammars()
         running = self.admitted_reqs()
         if len(running) >= self.max_running_requests:
+            self._preempt_for_priority(self.waiting_queue)
             return None
         chunked = self.chunked_req
         if chunked is not None:
@@ -313,6 +321,7 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesM
             if in_batch is not None:
                 in_batch.add(req)
         if not adder.can_run:
+            self._preempt_for_priority(ordered)
             return None
         if self.cohort_gate is not None:
             self.cohort_gate.admitted(adder.admitted_from_queue)

@@ -69,6 +69,7 @@ class GenerateReqInput(StrictModel):
     video_data: Any = None
     modalities: Any = None
     lora_path: StrictStr | list[StrictStr | None] | None = None  # a --lora-paths name
+    priority: StrictInt | list[StrictInt | None] | None = None  # priority scheduling
     lora_id: Any = None
     session_params: Any = None
     custom_logit_processor: Any = None
@@ -138,7 +139,8 @@ def build_requests(tm: TokenizerManager, obj: GenerateReqInput) -> tuple[list[Ge
             top_logprobs_num=obj.item("top_logprobs_num", i, size or 1),
             return_text_in_logprobs=obj.return_text_in_logprobs, stream=obj.stream,
             param="text" if obj.text is not None else "input_ids",
-            lora_name=obj.item("lora_path", i, size or 1))
+            lora_name=obj.item("lora_path", i, size or 1),
+            priority=obj.item("priority", i, size or 1))
         copies = sample_copies(req, n)
         if n > 1 and req.rid is not None and obj.rid is not None:
             copies = [dataclasses.replace(c, rid=f"{req.rid}-{j}") for j, c in enumerate(copies)]

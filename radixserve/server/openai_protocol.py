@@ -97,6 +97,7 @@ class SamplingFields(StrictModel):
     logit_bias: dict[str, Number] | None = None
     user: StrictStr | None = None
     # extensions
+    priority: StrictInt | None = None  # vLLM's, with --enable-priority-scheduling
     top_k: StrictInt | None = None
     min_p: Number | None = None
     repetition_penalty: Number | None = None

@@ -36,6 +36,7 @@ class GenerateRequest:
     return_text_in_logprobs: bool = False
     stream: bool = False
     lora_name: str | None = None  # a --lora-paths adapter, or the base model
+    priority: int | None = None  # with --enable-priority-scheduling
     # the server's own request (n > 1's shared-prefix prefill): no client asked, so the
     # request metrics leave it out
     internal: bool = False

@@ -115,7 +115,8 @@ class TokenizerManager:
                      stream: bool = False, param: str = "prompt",
                      grammar_param: str | None = None,
                      field_names: Mapping[str, str] | None = None,
-                     lora_name: str | None = None) -> GenerateRequest:
+                     lora_name: str | None = None,
+                     priority: int | None = None) -> GenerateRequest:
         """Validate everything (core/request_validation.py, as the Engine does; a grammar's
         syntax too) and tokenize; raises APIError(400) for bad input (`grammar_param` names
         the field a bad grammar came from, when not the sampling parameter's own name;
@@ -129,7 +130,7 @@ class TokenizerManager:
             input_ids = self.tokenize(text)
         try:
             validate_request(input_ids, sampling_params, self.limits, logprob_start_len,
-                             top_logprobs_num, lora_name)
+                             top_logprobs_num, lora_name, priority)
             check_grammar(sampling_params, has_tokenizer=self.tokenizer is not None)
         except InvalidRequestError as exc:
             field, message = param if exc.param == "prompt" else exc.param, str(exc)
@@ -147,7 +148,7 @@ class TokenizerManager:
             sampling_params=sampling_params, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             return_text_in_logprobs=return_text_in_logprobs, stream=stream,
-            lora_name=lora_name)
+            lora_name=lora_name, priority=priority)
 
     # ---- generation ----
     async def generate(self, req: GenerateRequest,
@@ -383,7 +384,7 @@ class TokenizerManager:
             rid=req.rid, input_text=req.input_text, input_ids=req.input_ids,
             sampling_params=req.sampling_params, return_logprob=req.return_logprob,
             logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num,
-            stream=req.stream, lora_name=req.lora_name))
+            stream=req.stream, lora_name=req.lora_name, priority=req.priority))
         return state
 
     async def _wait(self, state: ReqState) -> None:
