@@ -133,7 +133,8 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesM
         return {"context_len": self.context_len, "max_total_num_tokens": self.max_total_num_tokens,
                 "vocab_size": self.runner.vocab_size, "eos_token_ids": sorted(self.eos_token_ids),
                 "max_running_requests": self.max_running_requests,
-                "lora_adapters": list(self.args.lora_adapters()), "max_prefill_tokens":
+                "lora_adapters": list(self.args.lora_adapters()),
+                "lora_paths": self.args.lora_adapters(), "max_prefill_tokens":
                 None if self.args.chunked_prefill_enabled else self.args.max_prefill_tokens,
                 "priority_scheduling": self.args.enable_priority_scheduling}
 

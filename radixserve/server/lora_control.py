@@ -4,9 +4,10 @@ frees a slot (scheduler/lora_updates.py), and the tokenizer manager's limits, wh
 request is checked against, name the adapters served.
 
 A load reaches every replica or none (one that loaded it unloads it again when another could
-not). An unload first stops taking the adapter's requests, then waits for those in flight to
-finish (and for copies of an n > 1 request still waiting to be sent), then frees the slots.
-One update at a time.
+not, or when the answers did not come in time). An unload first stops taking the adapter's
+requests, then waits for those in flight to finish (and for copies of an n > 1 request still
+waiting to be sent), then frees the slots, on every replica or none (one that unloaded it
+loads it again from its folder). One update at a time.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ class LoRAControl:
     def __init__(self, tm: "TokenizerManager") -> None:
         self.tm = tm
         self._lock: asyncio.Lock | None = None  # made in the event loop
+        # each loaded adapter's folder: a failed unload loads it again where it went
+        self.paths: dict[str, str] = dict(tm.model_info.get("lora_paths") or {})
 
     def _set_names(self, names: tuple[str, ...]) -> None:
         self.tm.limits = dataclasses.replace(self.tm.limits, lora_names=names)
@@ -43,14 +46,27 @@ class LoRAControl:
             if name in names:
                 raise APIError(f"a LoRA adapter named {name!r} is loaded already",
                                param="lora_name")
-            replies = await self.tm._request_replies(LoadLoRAReq(name, path), LoRAUpdateReply)
+            try:
+                replies = await self.tm._request_replies(LoadLoRAReq(name, path),
+                                                         LoRAUpdateReply)
+            except APIError:  # no answer in time: a replica may still load it, so it unloads
+                await self._best_effort(UnloadLoRAReq(name))
+                raise
             failed = [reply for reply in replies if not reply.success]
             if failed:
                 if len(failed) < len(replies):  # all or none: the others unload it again
-                    await self.tm._request_replies(UnloadLoRAReq(name), LoRAUpdateReply)
+                    await self._best_effort(UnloadLoRAReq(name))
                 raise APIError(failed[0].message, param="lora_path")
             self._set_names((*names, name))
+            self.paths[name] = path
             return replies[0].message
+
+    async def _best_effort(self, message: object) -> None:
+        """Send `message` to every replica; answers (refusals, a timeout) do not matter."""
+        try:
+            await self.tm._request_replies(message, LoRAUpdateReply)
+        except APIError:
+            pass
 
     async def unload(self, name: str) -> str:
         self._lock = self._lock or asyncio.Lock()
@@ -66,9 +82,12 @@ class LoRAControl:
                 await asyncio.sleep(DRAIN_POLL_S)
             replies = await self.tm._request_replies(UnloadLoRAReq(name), LoRAUpdateReply)
             failed = [reply for reply in replies if not reply.success]
-            if failed:
+            if failed:  # all or none: the replicas that unloaded it load it again
+                if len(failed) < len(replies) and name in self.paths:
+                    await self._best_effort(LoadLoRAReq(name, self.paths[name]))
                 self._set_names(self.tm.limits.lora_names + (name,))
                 raise APIError(failed[0].message, status_code=409, param="lora_name")
+            self.paths.pop(name, None)
             return replies[0].message
 
 
