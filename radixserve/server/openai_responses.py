@@ -22,7 +22,7 @@ from starlette.requests import Request
 
 from radixserve.server.errors import APIError
 from radixserve.server.openai_chat import (build_requests, chat_finish_reason, choice_of,
-                                           output_text, reasoning_of)
+                                           logprob_content, output_text, reasoning_of)
 from radixserve.server.openai_common import OpenAIContext, now_s, sse, sse_response, usage_of
 from radixserve.server.openai_protocol import ChatCompletionRequest, parse_model
 from radixserve.server.openai_responses_input import chat_body, renamed
@@ -41,8 +41,8 @@ def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[s
             "content": [{"type": "reasoning_text", "text": text}] if text else []}
 
 
-def text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _part(kind: str, text: str) -> dict[str, Any]:
@@ -57,9 +57,10 @@ def with_status(output: list[dict[str, Any]], status: str) -> list[dict[str, Any
             for item in output]
 
 
-def message_item(item_id: str, text: str | None, status: str = "completed") -> dict[str, Any]:
+def message_item(item_id: str, text: str | None, status: str = "completed",
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [] if text is None else [text_part(text)]}
+            "content": [] if text is None else [text_part(text, logprobs)]}
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str,
@@ -126,7 +127,8 @@ async def create_response(ctx: OpenAIContext, request: Request, raw: Any) -> Res
     except APIError as exc:
         raise renamed(exc) from None
     if chat.stream:
-        return await sse_response(stream_response(ctx, shape, plan, split, reqs, request))
+        return await sse_response(stream_response(ctx, shape, chat, plan, split, reqs,
+                                                  request))
     out = (await tm.generate_all(reqs, request))[0]
     choice = choice_of(chat, plan, 0, out, tm.tokenizer, split,
                        reasoning_of(ctx, chat) is not None)
@@ -135,7 +137,9 @@ async def create_response(ctx: OpenAIContext, request: Request, raw: Any) -> Res
     output = [reasoning_item(_id("rs"), thought)] if thought else []
     calls = message.get("tool_calls") or []
     if message.get("content") or not (output or calls):  # an empty answer: one empty item
-        output.append(message_item(_id("msg"), message.get("content") or ""))
+        logprobs = (choice["logprobs"] or {}).get("content")
+        output.append(message_item(_id("msg"), message.get("content") or "",
+                                   logprobs=logprobs))
     for call in calls:
         output.append(call_item(_id("fc"), call["id"], call["function"]["name"],
                                 call["function"]["arguments"]))
@@ -154,6 +158,7 @@ class _Items:
         self.open: str | None = None  # kind of the last item while it takes deltas
         self.texts: list[str] = []  # the text (or arguments) of each item so far
         self.calls: dict[int, int] = {}  # tool call index -> its item's position
+        self.logprobs: list[dict[str, Any]] = []  # the open message's, with `include`
 
     def _add(self, item: dict[str, Any], kind: str) -> list[bytes]:
         events = self.close()
@@ -174,7 +179,8 @@ class _Items:
             return []
         return self._add(message_item(_id("msg"), None, "in_progress"), "message")
 
-    def text(self, kind: str, delta: str) -> list[bytes]:
+    def text(self, kind: str, delta: str,
+             logprobs: list[dict[str, Any]] | None = None) -> list[bytes]:
         events: list[bytes] = []
         if self.open != kind:
             item = reasoning_item(_id("rs"), "", "in_progress") if kind == "reasoning" else \
@@ -184,7 +190,9 @@ class _Items:
         self.texts[index] += delta
         name = "response.reasoning_text.delta" if kind == "reasoning" else \
             "response.output_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra = {"logprobs": logprobs or []} if kind == "message" else {}
+        if kind == "message":
+            self.logprobs += logprobs or []
         events.append(self.event(name, item_id=self.items[index]["id"], output_index=index,
                                  content_index=0, delta=delta, **extra))
         return events
@@ -219,11 +227,13 @@ class _Items:
             events.append(self.event("response.reasoning_text.done", content_index=0,
                                      text=text, **at))
         else:
-            item = message_item(item["id"], text)
+            item = message_item(item["id"], text, logprobs=self.logprobs)
             events.append(self.event("response.output_text.done", content_index=0, text=text,
-                                     logprobs=[], **at))
-        events.append(self.event("response.content_part.done", content_index=0,
-                                 part=_part(kind, text), **at))
+                                     logprobs=self.logprobs, **at))
+        part = item["content"][0] if kind == "message" else _part(kind, text)
+        events.append(self.event("response.content_part.done", content_index=0, part=part,
+                                 **at))
+        self.logprobs = []
         self.items[index] = item
         events.append(self.event("response.output_item.done", output_index=index, item=item))
         return events
@@ -242,9 +252,10 @@ class _Items:
         return events
 
 
-async def stream_response(ctx: OpenAIContext, shape: ResponseShape, plan: ToolPlan,
-                          split: ReasoningSplit | None, reqs: list[GenerateRequest],
-                          request: Request) -> AsyncIterator[bytes]:
+async def stream_response(ctx: OpenAIContext, shape: ResponseShape, chat: ChatCompletionRequest,
+                          plan: ToolPlan, split: ReasoningSplit | None,
+                          reqs: list[GenerateRequest], request: Request
+                          ) -> AsyncIterator[bytes]:
     """The events of a streamed response. The first ones wait for the first output, so a
     request refused before it (a full queue, a bad prompt) gets its own HTTP status; an error
     after them is an `error` event and `response.failed`."""
@@ -258,7 +269,8 @@ async def stream_response(ctx: OpenAIContext, shape: ResponseShape, plan: ToolPl
     items = _Items(event)
     tool_stream = ToolCallStream(plan.parser, plan.max_calls) if plan.parse_output else None
     thought_stream = ReasoningStream(split) if split else None
-    sent, thoughts, final, started = 0, "", None, False
+    sent, thoughts, final, started, scored = 0, "", None, False, 0
+    pending: list[dict[str, Any]] = []  # logprobs not yet sent with a text delta
     merged = tm.generate_merged(reqs, request)
     async with contextlib.aclosing(merged) as outputs:
         try:
@@ -279,8 +291,15 @@ async def stream_response(ctx: OpenAIContext, shape: ResponseShape, plan: ToolPl
                 else:
                     text, deltas = tool_stream.update(answer, out.finished)
                 thoughts += thought
+                if chat.logprobs:
+                    tokens = out.meta_info.get("output_token_logprobs") or []
+                    tops = out.meta_info.get("output_top_logprobs") or []
+                    pending += logprob_content(tm.tokenizer, tokens[scored:], tops[scored:])
+                    scored = len(tokens)
                 events = items.text("reasoning", thought) if thought else []
-                events += items.text("message", text) if text else []
+                if text:
+                    events += items.text("message", text, pending)
+                    pending = []
                 for delta in deltas:
                     events += items.call(delta)
                 for data in events:

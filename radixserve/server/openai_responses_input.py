@@ -15,9 +15,12 @@ checked and refused by name where they mean something this server does not do.
   min_p, repetition_penalty, stop, seed, ignore_eos, chat_template_kwargs,
   continue_final_message, ...) as they are.
 
+  include ["message.output_text.logprobs"] / top_logprobs -> logprobs / top_logprobs (each
+                          output_text part's logprobs, as chat's)
+
 Stored responses are not kept: previous_response_id, conversation and background are refused
 (400); store and metadata are accepted (metadata is echoed back), truncation "disabled" /
-"auto" and include are accepted and change nothing.
+"auto" and the other include values are accepted and change nothing.
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ from radixserve.server.errors import APIError
 RESPONSES_FIELDS = frozenset({
     "input", "instructions", "tools", "tool_choice", "text", "max_output_tokens", "reasoning",
     "store", "metadata", "truncation", "include", "previous_response_id", "conversation",
-    "background", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options"})
+    "background", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options",
+    "top_logprobs"})
 # chat fields a Responses body may carry as extensions (vLLM's and SGLang's extra_body)
 CHAT_EXTENSIONS = frozenset({
     "model", "temperature", "top_p", "stream", "user", "parallel_tool_calls", "seed", "stop",
@@ -177,6 +181,12 @@ def chat_body(body: Any) -> dict[str, Any]:
         "max_completion_tokens": body.get("max_output_tokens"),
         "reasoning_effort": _effort(body.get("reasoning"))}
     chat.update({k: v for k, v in extra.items() if v is not None})
+    include = body.get("include") or []
+    if not isinstance(include, list):
+        raise APIError("include must be a list", param="include")
+    if "message.output_text.logprobs" in include or body.get("top_logprobs"):
+        chat["logprobs"] = True  # each output_text part's logprobs (and top_logprobs)
+        chat["top_logprobs"] = body.get("top_logprobs") or 0
     if chat.get("stream"):
         chat["stream_options"] = {"include_usage": True}
     return chat

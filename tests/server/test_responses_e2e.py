@@ -70,6 +70,26 @@ def test_a_stream_sends_openais_events_and_the_same_answer(openai_client: Any,
     assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
 
 
+def test_output_text_logprobs_are_the_chat_routes(openai_client: Any, model_name: str) -> None:
+    """include ["message.output_text.logprobs"] with top_logprobs: each output_text part
+    carries its tokens' logprobs, as the chat route reports them, whole or streamed."""
+    args = dict(model=model_name, input=CHAT[1]["content"], max_output_tokens=6,
+                temperature=0, top_logprobs=2, include=["message.output_text.logprobs"])
+    openai_client.responses.create(**args)  # its prompt cached for all below
+    whole = openai_client.responses.create(**args)
+    chat = openai_client.chat.completions.create(
+        model=model_name, messages=CHAT[1:], max_tokens=6, temperature=0, logprobs=True,
+        top_logprobs=2).choices[0].logprobs.content
+    got = whole.output[0].content[0].logprobs
+    assert [(e.token, len(e.top_logprobs)) for e in got] == \
+        [(e.token, len(e.top_logprobs)) for e in chat]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(got, chat))
+    events = list(openai_client.responses.create(stream=True, **args))
+    streamed = [entry for e in events if e.type == "response.output_text.delta"
+                for entry in e.logprobs]
+    assert [e.token for e in streamed] == [e.token for e in got]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_forced_function_calls_are_function_call_items(openai_client: Any, model_name: str,
                                                        stream: bool) -> None:
@@ -188,8 +208,9 @@ def test_a_stream_refused_before_its_first_output_keeps_its_status_and_later_err
         plan = SimpleNamespace(parse_output=False, parser=None, max_calls=None)
 
         async def collect() -> list[bytes]:
+            chat = SimpleNamespace(logprobs=False)
             return [chunk async for chunk in stream_response(
-                ctx, ResponseShape({}, "m"), plan, None, [], None)]
+                ctx, ResponseShape({}, "m"), chat, plan, None, [], None)]
         return asyncio.run(collect())
 
     with pytest.raises(APIError, match="queue is full"):
