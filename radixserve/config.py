@@ -38,6 +38,7 @@ class ServerArgs:
     lora_paths: list[str] | None = None
     # adapter slots (loaded at once; more may be loaded at run time up to it); None: as many
     # as --lora-paths; rank and checkpoint modules the slots take (None: --lora-paths')
+    enable_lora: bool = False  # vLLM's flag: slots for run-time adapters at its defaults
     max_loras: int | None = None
     max_lora_rank: int | None = None
     lora_target_modules: list[str] | None = None
@@ -217,6 +218,9 @@ class ServerArgs:
 
     def _check_lora(self) -> None:
         count = len(self.lora_adapters())
+        if self.enable_lora and not count:  # vLLM's defaults
+            self.max_loras = self.max_loras or 1
+            self.max_lora_rank = self.max_lora_rank or 16
         if self.max_loras is None:
             self.max_loras = count
         if self.max_loras < count:

@@ -156,3 +156,17 @@ def test_legacy_layer_type_names_read_as_transformers_5s() -> None:
     hf.get_text_config = lambda decoder=True: hf
     assert ModelConfig(hf).layer_types == ["linear_attention", "full_attention",
                                            "linear_attention"]
+
+
+def test_lora_flags_take_vllms_and_sglangs_names_and_defaults() -> None:
+    """--lora-modules (vLLM) and --max-loras-per-batch (SGLang) are our --lora-paths and
+    --max-loras; --enable-lora alone makes vLLM's one slot of rank 16."""
+    import argparse
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args(
+        ["--lora-modules", "a=/x", "b=/y", "--max-loras-per-batch", "3", "--device", "cpu"]))
+    assert args.lora_paths == ["a=/x", "b=/y"] and args.max_loras == 3
+    alone = ServerArgs.from_cli_args(parser.parse_args(["--enable-lora", "--device", "cpu"]))
+    alone.resolve()
+    assert (alone.max_loras, alone.max_lora_rank, alone.lora_enabled()) == (1, 16, True)

@@ -31,6 +31,9 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
                           "(native lora_path, OpenAI model); requests share cached prefixes "
                           "with their own adapter's only",
                    None),
+    "enable_lora": (MODEL, "serve LoRA adapters (vLLM's flag): without --lora-paths, "
+                           "--max-loras defaults to 1 and --max-lora-rank to 16 (vLLM's "
+                           "defaults) for adapters loaded at run time", None),
     "max_loras": (MODEL, "LoRA adapter slots: adapters loaded at once, those of --lora-paths "
                          "and those loaded at run time (POST /load_lora_adapter); default: "
                          "as many as --lora-paths", None),
@@ -180,6 +183,11 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
 }
 
 
+# other projects' names for the same flags, accepted beside ours (vLLM's, SGLang's)
+ALIASES: dict[str, tuple[str, ...]] = {"lora_paths": ("--lora-modules",),
+                                       "max_loras": ("--max-loras-per-batch",)}
+
+
 def _type_of(field: dataclasses.Field) -> Any:
     name = str(field.type).replace(" | None", "")
     return {"int": int, "float": float}.get(name, str)
@@ -199,13 +207,14 @@ def add_flags(parser: argparse.ArgumentParser, fields: Iterable[dataclasses.Fiel
         group, text, choices = FLAGS[field.name]
         if group not in sections:
             continue
-        flag = "--" + field.name.replace("_", "-")
+        flags = ("--" + field.name.replace("_", "-"), *ALIASES.get(field.name, ()))
         default = field.default
         if isinstance(default, bool):
-            sections[group].add_argument(flag, action="store_true", default=default, help=text)
+            sections[group].add_argument(*flags, action="store_true", default=default,
+                                         help=text)
             continue
         nargs = "+" if str(field.type).startswith("list[") else None
-        sections[group].add_argument(flag, type=_type_of(field), default=default, nargs=nargs,
+        sections[group].add_argument(*flags, type=_type_of(field), default=default, nargs=nargs,
                                      choices=choices, help=_with_default(text, default))
 
 

@@ -72,7 +72,8 @@ def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
 
 # flags every tensor-parallel rank must be started with alike (the scheduler runs on every rank)
 RANK_SHARED_FLAGS = ("tp_size", "nnodes", "load_format", "kv_cache_dtype", "quantization",
-                     "lora_paths", "max_loras", "max_lora_rank", "lora_target_modules",
+                     "lora_paths", "enable_lora", "max_loras", "max_lora_rank",
+                     "lora_target_modules",
                      "max_total_tokens", "max_running_requests", "max_prefill_tokens",
                      "chunked_prefill_size", "enable_mixed_chunk", "schedule_policy",
                      "admission_plan", "schedule_conservativeness",
