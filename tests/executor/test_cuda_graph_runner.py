@@ -211,7 +211,7 @@ def test_replay_matches_eager(tmp_path: Path, dtype: str) -> None:
     table = runner.req_to_token_pool.req_to_token
     # every size's logits are the first rows of one buffer (one size's own output would stay
     # allocated for the graph's life); a smaller batch after a larger one reads its own rows
-    assert {graphs.outputs[bs][0].data_ptr() for bs in graphs.batch_sizes} == \
+    assert {graphs.outputs[bs, False][0].data_ptr() for bs in graphs.batch_sizes} == \
         {graphs.logits_out.data_ptr()}
     # RADIXSERVE_GRAPH_BF16_LOGITS=1: in the compute dtype (forward_logits converts)
     assert graphs.logits_out.dtype == (getattr(torch, dtype) if LOGITS_IN_MODEL_DTYPE

@@ -7,6 +7,9 @@ import torch
 
 from radixserve.layers.kernels.lora_rows import K_CHUNK, add_lora_rows
 
+# the Triton interpreter on the CPU (conftest), the compiled kernels on a GPU
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def reference(x, a, b, slots, width, out):
     want = out.double().clone()
@@ -26,13 +29,14 @@ def reference(x, a, b, slots, width, out):
 def test_each_row_gets_its_own_slots_delta(dtype, tokens, in_features, out_features, width,
                                            num_slots) -> None:
     gen = torch.Generator().manual_seed(tokens * 7 + width)
-    x = torch.randn(tokens, in_features, generator=gen).to(dtype)
-    a = (torch.randn(num_slots * width, in_features, generator=gen) * 0.1).to(dtype)
-    b = (torch.randn(out_features, num_slots * width, generator=gen) * 0.1).to(dtype)
+    x = torch.randn(tokens, in_features, generator=gen).to(DEVICE, dtype)
+    a = (torch.randn(num_slots * width, in_features, generator=gen) * 0.1).to(DEVICE, dtype)
+    b = (torch.randn(out_features, num_slots * width, generator=gen) * 0.1).to(DEVICE, dtype)
     slots = torch.tensor([(t % (num_slots + 1)) - 1 for t in range(tokens)], dtype=torch.int64)
     if tokens == 1:
         slots[0] = 0
-    out = torch.randn(tokens, out_features, generator=gen).to(dtype)
+    slots = slots.to(DEVICE)
+    out = torch.randn(tokens, out_features, generator=gen).to(DEVICE, dtype)
     want = reference(x, a, b, slots, width, out)
     before = out.clone()
     add_lora_rows(x, a, b, slots, width, out)
@@ -48,12 +52,12 @@ def test_rows_of_a_wider_tensor_and_int32_slots() -> None:
     int32 as a graph's input row may hold them."""
     gen = torch.Generator().manual_seed(3)
     width, in_features, out_features = 16, K_CHUNK + 40, 70
-    x = torch.randn(4, in_features + 30, generator=gen)[:, :in_features]
-    a = torch.randn(2 * width, in_features, generator=gen) * 0.1
-    b = torch.randn(out_features, 2 * width, generator=gen) * 0.1
-    out_buffer = torch.randn(4, out_features + 10, generator=gen)
+    x = torch.randn(4, in_features + 30, generator=gen).to(DEVICE)[:, :in_features]
+    a = (torch.randn(2 * width, in_features, generator=gen) * 0.1).to(DEVICE)
+    b = (torch.randn(out_features, 2 * width, generator=gen) * 0.1).to(DEVICE)
+    out_buffer = torch.randn(4, out_features + 10, generator=gen).to(DEVICE)
     out = out_buffer[:, :out_features]
-    slots = torch.tensor([1, -1, 0, 1], dtype=torch.int32)
+    slots = torch.tensor([1, -1, 0, 1], dtype=torch.int32, device=DEVICE)
     want = reference(x, a, b, slots, width, out)
     tail = out_buffer[:, out_features:].clone()
     add_lora_rows(x, a, b, slots, width, out)
@@ -69,14 +73,14 @@ def test_every_form_of_a_pass_adds_the_same_deltas() -> None:
     from radixserve.layers.lora import LoRABatch, add_lora, attach_lora
 
     gen = torch.Generator().manual_seed(11)
-    layer = ReplicatedLinear(40, 24)
+    layer = ReplicatedLinear(40, 24).to(DEVICE)
     batch = LoRABatch()
-    stacks = attach_lora(layer, 3, 4, (None,), batch, torch.float32, torch.device("cpu"))
+    stacks = attach_lora(layer, 3, 4, (None,), batch, torch.float32, torch.device(DEVICE))
     stacks.a.copy_(torch.randn(stacks.a.shape, generator=gen))
     stacks.b.copy_(torch.randn(stacks.b.shape, generator=gen))
-    x = torch.randn(9, 40, generator=gen)
-    out = torch.randn(9, 24, generator=gen)
-    slots = torch.tensor([2, -1, 0, 0, 1, -1, 2, 1, 0])
+    x = torch.randn(9, 40, generator=gen).to(DEVICE)
+    out = torch.randn(9, 24, generator=gen).to(DEVICE)
+    slots = torch.tensor([2, -1, 0, 0, 1, -1, 2, 1, 0], device=DEVICE)
     want = reference(x, stacks.a, stacks.b, slots, 4, out)
     groups = [(s, (slots == s).nonzero().flatten()) for s in range(3)]
     for use in (lambda: batch.use_groups(groups),

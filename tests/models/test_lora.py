@@ -244,9 +244,12 @@ def test_mla_adapters_with_kv_b_proj_match_their_merged_models(checkpoint, tmp_p
 ])
 def test_other_families_match_their_merged_models(checkpoint, modules, skip, tmp_path) -> None:
     hf_model = make_checkpoint(checkpoint, tmp_path / "base")
-    pairs = write_adapter(tmp_path / "adapter", hf_model, modules, rank=4, alpha=8.0, seed=6,
+    # Gemma-2's final soft cap saturates the logits of a model moved far from its own (ties a
+    # GPU's summation order breaks another way than transformers on the CPU): a gentler one
+    alpha = 2.0 if checkpoint.startswith("gemma2") else 8.0
+    pairs = write_adapter(tmp_path / "adapter", hf_model, modules, rank=4, alpha=alpha, seed=6,
                           skip=skip)
-    tuned = merged(hf_model, pairs, 2.0)
+    tuned = merged(hf_model, pairs, alpha / 4)
     engine = radixserve.Engine(str(tmp_path / "base"), skip_tokenizer_init=True,
                                dtype="float32", device=DEVICE, max_total_tokens=1000,
                                lora_paths=[f"x={tmp_path / 'adapter'}"])
