@@ -74,8 +74,7 @@ def _check(x, weights) -> float:
 def _candidates(m: int, default: int4_gemm.GemmShape) -> list[int4_gemm.GemmShape]:
     """The launch shapes --sweep times for m rows: at one row the GEMV (codes through the
     exponent bits, shifted or in place, or converted); else the tensor-core kernel's tiles,
-    split K, one or two spans a step, zero points and scales before or after (fold) each
-    tile's product."""
+    split K, one or two spans a step."""
     shape = int4_gemm.GemmShape
     if m == 1:
         rows = [shape(1, block_n, split, warps, 3, magic=True, step_spans=spans,
@@ -83,10 +82,8 @@ def _candidates(m: int, default: int4_gemm.GemmShape) -> list[int4_gemm.GemmShap
                 for block_n, split, warps, spans, in_place in itertools.product(
                     (8, 16), (1,), (1, 2, 4), (4, 8), (False, True))]
         return rows + [shape(1, 16, 1, 4, 3, step_spans=8)]  # codes converted
-    return [shape(default.block_m, block_n, split, 4, 3, magic=True, step_spans=spans,
-                  fold=fold)
-            for block_n, split, spans, fold in itertools.product(
-                (32, 64, 128), (1, 2, 4), (1, 2), (False, True))]
+    return [shape(default.block_m, block_n, split, 4, 3, magic=True, step_spans=spans)
+            for block_n, split, spans in itertools.product((32, 64, 128), (1, 2, 4), (1, 2))]
 
 
 def main() -> int:

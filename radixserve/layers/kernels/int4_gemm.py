@@ -21,7 +21,6 @@ scales [N, G] and zero points [N, G] (uint8, or none: 8) over groups of `group_k
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -31,11 +30,6 @@ import triton.language as tl
 from radixserve.layers.quantization.int4 import dequantize_packed
 
 DEQUANT_MIN_ROWS = 256  # from here on: dequantise, then cuBLAS (vLLM's AWQ threshold too)
-# 2-255 rows of half-precision activations: RADIXSERVE_INT4_FOLD=1 applies zero points and
-# scales after each tile's product (_int4_gemm_kernel FOLD: 35% fewer SASS instructions a step
-# at 16 x 128 tiles, compiled here for sm_90) instead of dequantising each tile before it. Off
-# until timed on a GPU (written when session 48's device time had run out: out/p48f.sh)
-FOLD_BY_DEFAULT = os.environ.get("RADIXSERVE_INT4_FOLD", "0") == "1"
 BLOCK_KS = (128, 64, 32, 16)  # K steps tried, widest first: each must divide K and the group
 
 
@@ -119,18 +113,6 @@ def _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups, gr
 
 
 @triton.jit
-def _biased_code_tile(qw_ptr, offs_n, mask_n, k0, k_words, BLOCK_K: tl.constexpr,
-                      BLOCK_N: tl.constexpr, FOLD_BITS: tl.constexpr, DTYPE: tl.constexpr):
-    """The weight's [BLOCK_K, BLOCK_N] tile at k0 (transposed, word-major rows) as base + q in
-    DTYPE, exactly: each code OR-ed into the mantissa of the base's bit pattern FOLD_BITS
-    (bf16 0x4300: 128; fp16 0x6400: 1024) and the low 16 bits read as DTYPE. A shift and one
-    AND-OR per code; the zero point and scale wait for the product (_int4_gemm_kernel FOLD)."""
-    bits = (_word_nibbles(qw_ptr, offs_n, mask_n, k0, k_words, BLOCK_K) & 0xF) | FOLD_BITS
-    tile = bits.to(tl.int16).to(DTYPE, bitcast=True)
-    return tl.reshape(tile, (BLOCK_K, BLOCK_N))
-
-
-@triton.jit
 def _nibbles_in_place(words, a_ptr, x_offs, zero, nibble_mask):
     """sum over the 8 nibbles of each word of (q - z) * x, float32 (the shape of words), codes
     read where they lie: nibble j (j < 4) of words and of words >> 16, masked in place and
@@ -201,17 +183,11 @@ def _int4_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K, k_w
                       stride_am, groups, group_k, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                       IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                      MAGIC: tl.constexpr, STEP_SPANS: tl.constexpr,
-                      FOLD: tl.constexpr = False, FOLD_BITS: tl.constexpr = 0,
-                      FOLD_BASE: tl.constexpr = 0.0):
+                      MAGIC: tl.constexpr, STEP_SPANS: tl.constexpr):
     """c = a @ dequant(w).T (+ bias); with SPLIT_K > 1, c is float32 [SPLIT_K, M, N]
     partial sums (no bias). Each K step takes STEP_SPANS tiles of BLOCK_K features.
-
-    FOLD (half-precision activations): the tensor cores multiply base + q (_biased_code_tile)
-    and each tile's product P becomes (P - sum(a) (base + z)) * s, per row and column: the
-    unpacking is a shift and an AND-OR per code, and the zero point and scale cost a
-    multiply-add per output instead of two float operations per code. The base's multiple is
-    cancelled in float32 (base / 8 = 16 or 128 times the codes' spread: 4-7 bits of its 24)."""
+    (Zero points and scales applied after each tile's product instead, on base + q tiles,
+    lost on an H100: 0.49-0.58x of cuBLAS at 8-32 rows against 0.70-0.96x; session 49.)"""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -226,20 +202,12 @@ def _int4_gemm_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K, k_w
             k0 = k_step + j * BLOCK_K
             a = tl.load(a_ptr + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :],
                         mask=mask_m[:, None], other=0.0)
-            if FOLD:
-                part = tl.dot(a, _biased_code_tile(qw_ptr, offs_n, mask_n, k0, k_words, BLOCK_K,
-                                                   BLOCK_N, FOLD_BITS, a.dtype))
-                scale, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, mask_n, k0 // group_k,
-                                                groups, HAS_ZEROS)
-                a_sum = tl.sum(a.to(tl.float32), axis=1)
-                acc += (part - a_sum[:, None] * (zero + FOLD_BASE)[None, :]) * scale[None, :]
+            w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups,
+                               group_k, HAS_ZEROS, BLOCK_K, BLOCK_N, MAGIC).to(a.dtype)
+            if IEEE:
+                acc += tl.dot(a, w, input_precision="ieee")
             else:
-                w = _unpacked_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, k_words, groups,
-                                   group_k, HAS_ZEROS, BLOCK_K, BLOCK_N, MAGIC).to(a.dtype)
-                if IEEE:
-                    acc += tl.dot(a, w, input_precision="ieee")
-                else:
-                    acc += tl.dot(a, w)
+                acc += tl.dot(a, w)
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -295,7 +263,6 @@ class GemmShape(NamedTuple):
     magic: bool = False  # codes to float32 through the exponent bits (_code_values)
     step_spans: int = 1  # row-major GEMV, tensor cores: BLOCK_K-feature spans per K step
     in_place: bool = False  # the row-major GEMV: _nibbles_in_place
-    fold: bool = False  # tensor cores, half precision: _int4_gemm_kernel's FOLD
 
 
 def _gemm_shape(m: int, n: int, k: int, block_k: int, sms: int) -> GemmShape:
@@ -304,7 +271,7 @@ def _gemm_shape(m: int, n: int, k: int, block_k: int, sms: int) -> GemmShape:
     (gate|up) 16 rows, 4 spans and one warp; the best of benchmarks/gpu_int4.py --sweep on an
     H100 at Llama-3.1-8B's products (q|k|v 13.3, o 10.1, gate|up 39.9, down 28.8 us). More
     rows: tensor-core tiles (the sweep's best at 16 rows, within 5%), codes through the exponent
-    bits, or with FOLD_BY_DEFAULT the zero points and scales after each tile's product."""
+    bits."""
     if m == 1:
         wide = n >= 16384
         spans = next(s for s in ((4, 2, 1) if wide else (8, 4, 2, 1)) if k % (block_k * s) == 0)
@@ -320,19 +287,7 @@ def _gemm_shape(m: int, n: int, k: int, block_k: int, sms: int) -> GemmShape:
     while tiles * split < 2 * sms and split * 2 <= steps // 4 and split < 16:
         split *= 2  # fill the SMs twice over, keeping at least 4 K steps per program
     return GemmShape(block_m, block_n, split, warps, magic=True, step_spans=spans,
-                     in_place=m == 1, fold=m > 1 and FOLD_BY_DEFAULT)
-
-
-# FOLD's base per activation dtype: its bit pattern (a code OR-ed in is base + code) and value
-FOLD_BASES = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
-
-
-def _fold_args(fold: bool, dtype: torch.dtype) -> dict:
-    """_int4_gemm_kernel's FOLD arguments: on for half-precision activations when asked."""
-    if not fold or dtype not in FOLD_BASES:
-        return dict(FOLD=False)
-    bits, base = FOLD_BASES[dtype]
-    return dict(FOLD=True, FOLD_BITS=bits, FOLD_BASE=base)
+                     in_place=m == 1)
 
 
 def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -368,7 +323,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return torch.nn.functional.linear(x, weight, bias)
     if shape is None:
         shape = _gemm_shape(m, n, k, block_k, _sm_count(x.device))
-    block_m, block_n, split, warps, stages, magic, spans, in_place, fold = shape
+    block_m, block_n, split, warps, stages, magic, spans, in_place = shape
     assert k % (block_k * spans) == 0, "a K step's spans must divide K"
     assert block_m > 1 or m == 1, "the GEMV takes one row"
     out_dtype = x.dtype if split == 1 else torch.float32
@@ -387,7 +342,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         _int4_gemm_kernel[grid](x2, qweight, scales, zeros_or_any, bias_or_any, out, m, n, k,
                                 k // 8, x2.stride(0), scales.shape[1], group_k,
                                 IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
-                                BLOCK_K=block_k, **common, **_fold_args(fold, x.dtype))
+                                BLOCK_K=block_k, **common)
     if split > 1:
         summed = out.sum(dim=0)
         if bias is not None:
