@@ -1,6 +1,6 @@
 """Routes of the OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions,
-/v1/responses, /v1/embeddings (with SGLang's /encode), and vLLM's /tokenize, /detokenize and
-/version."""
+/v1/responses (and GET / DELETE of stored ones), /v1/embeddings (with SGLang's /encode), and
+vLLM's /tokenize, /detokenize and /version."""
 from __future__ import annotations
 
 from typing import Any
@@ -58,6 +58,19 @@ def openai_router(ctx: OpenAIContext, context_len: int) -> APIRouter:
         if ctx.is_embedding:
             raise APIError(NOT_A_GENERATION_MODEL, param="model")
         return await create_response(ctx, request, await read_json(request))
+
+    @router.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> JSONResponse:
+        found = ctx.responses.response(response_id)
+        if found is None:
+            raise APIError(f"no stored response {response_id!r}", status_code=404)
+        return JSONResponse(found)
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> JSONResponse:
+        if not ctx.responses.delete(response_id):
+            raise APIError(f"no stored response {response_id!r}", status_code=404)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     @router.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:

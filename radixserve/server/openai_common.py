@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 import orjson
@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 from radixserve.server.errors import APIError, ClientDisconnected
 from radixserve.server.reasoning import ReasoningFormat
 from radixserve.server.request_state import GenerateRequest, ReqOutput
+from radixserve.server.responses_store import ResponseStore
 from radixserve.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,8 @@ class OpenAIContext:
     exclude_tools_when_tool_choice_none: bool = False  # --exclude-tools-when-tool-choice-none
     reasoning: ReasoningFormat | None = None  # --reasoning-parser
     is_embedding: bool = False  # --is-embedding: /v1/embeddings serves, generation does not
+    # /v1/responses kept for previous_response_id and GET / DELETE (responses_store.py)
+    responses: ResponseStore = field(default_factory=ResponseStore)
 
     def check_model(self, requested: str | None) -> str:
         """The model a request names: the base model (its name or an alias), or a LoRA

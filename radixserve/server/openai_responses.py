@@ -25,8 +25,9 @@ from radixserve.server.openai_chat import (build_requests, chat_finish_reason, c
                                            logprob_content, output_text, reasoning_of)
 from radixserve.server.openai_common import OpenAIContext, now_s, sse, sse_response, usage_of
 from radixserve.server.openai_protocol import ChatCompletionRequest, parse_model
-from radixserve.server.openai_responses_input import chat_body, renamed
+from radixserve.server.openai_responses_input import chat_body, input_messages, renamed
 from radixserve.server.reasoning import ReasoningSplit, ReasoningStream
+from radixserve.server.responses_store import ResponseStore, assistant_turn
 from radixserve.server.request_state import GenerateRequest, ReqOutput
 from radixserve.server.openai_tools import ToolPlan
 from radixserve.server.tool_parsers.streaming import ToolCallStream
@@ -70,10 +71,20 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str,
 
 
 class ResponseShape:
-    """The fields a response echoes from its request, and its id and time."""
+    """The fields a response echoes from its request, its id and time, and where it is
+    stored once done (`store`: the conversation it continues and its input, to which
+    `done` adds its answer)."""
 
-    def __init__(self, raw: dict[str, Any], model: str) -> None:
+    def __init__(self, raw: dict[str, Any], model: str, store: ResponseStore | None = None,
+                 conversation: list[dict[str, Any]] | None = None) -> None:
         self.id, self.created_at, self.model, self.raw = _id("resp"), now_s(), model, raw
+        self.store, self.conversation = store, conversation or []
+
+    def done(self, response: dict[str, Any]) -> dict[str, Any]:
+        """The finished response, kept in the store (when the request asked for it)."""
+        if self.store is not None:
+            self.store.put(response, self.conversation + [assistant_turn(response["output"])])
+        return response
 
     def build(self, status: str, output: list[dict[str, Any]],
               usage: dict[str, Any] | None, reason: str | None = None) -> dict[str, Any]:
@@ -85,10 +96,10 @@ class ResponseShape:
             "instructions": raw.get("instructions"),
             "max_output_tokens": raw.get("max_output_tokens"), "model": self.model,
             "output": output, "parallel_tool_calls": raw.get("parallel_tool_calls", True),
-            "previous_response_id": None,
+            "previous_response_id": raw.get("previous_response_id"),
             "reasoning": {"effort": (raw.get("reasoning") or {}).get("effort"),
                           "summary": None},
-            "store": False, "temperature": raw.get("temperature"),
+            "store": self.store is not None, "temperature": raw.get("temperature"),
             "text": raw.get("text") or {"format": {"type": "text"}},
             "tool_choice": raw.get("tool_choice", "auto"), "tools": raw.get("tools") or [],
             "top_p": raw.get("top_p"), "truncation": raw.get("truncation", "disabled"),
@@ -118,11 +129,14 @@ def _status(finish_reason: str | None) -> tuple[str, str | None]:
 async def create_response(ctx: OpenAIContext, request: Request, raw: Any) -> Response:
     tm = ctx.tokenizer_manager
     lane = await tm.lanes.lane_for(request, raw)
+    history = previous_conversation(ctx.responses, raw)
     try:
         chat: ChatCompletionRequest = await tm.lanes.offload(
-            lambda: parse_model(ChatCompletionRequest, chat_body(raw)), lane=lane)
+            lambda: parse_model(ChatCompletionRequest, chat_body(raw, history)), lane=lane)
         chat.check_unsupported()
-        shape = ResponseShape(raw, ctx.check_model(chat.model))
+        keep = ctx.responses if raw.get("store", True) is not False else None
+        shape = ResponseShape(raw, ctx.check_model(chat.model), keep,
+                              (history or []) + input_messages(raw))
         reqs, plan, split = await tm.lanes.offload(build_requests, ctx, chat, lane=lane)
     except APIError as exc:
         raise renamed(exc) from None
@@ -144,9 +158,23 @@ async def create_response(ctx: OpenAIContext, request: Request, raw: Any) -> Res
         output.append(call_item(_id("fc"), call["id"], call["function"]["name"],
                                 call["function"]["arguments"]))
     status, reason = _status(choice["finish_reason"])
-    return JSONResponse(shape.build(status, with_status(output, status),
-                                    responses_usage(out, _token_count(tm.tokenizer, thought)),
-                                    reason))
+    return JSONResponse(shape.done(shape.build(
+        status, with_status(output, status),
+        responses_usage(out, _token_count(tm.tokenizer, thought)), reason)))
+
+
+def previous_conversation(store: ResponseStore, raw: Any) -> list[dict[str, Any]] | None:
+    """The conversation a request's previous_response_id continues (None without one); a
+    response this server does not keep (any more) is a 404."""
+    previous = raw.get("previous_response_id") if isinstance(raw, dict) else None
+    if previous is None:
+        return None
+    conversation = store.conversation(previous) if isinstance(previous, str) else None
+    if conversation is None:
+        raise APIError(f"no stored response {previous!r}: this server keeps the newest "
+                       f"{store.capacity} responses stored (store true) in its memory",
+                       status_code=404, param="previous_response_id")
+    return conversation
 
 
 class _Items:
@@ -321,4 +349,5 @@ async def stream_response(ctx: OpenAIContext, shape: ResponseShape, chat: ChatCo
     status, reason = _status(chat_finish_reason(final, called))
     usage = responses_usage(final, _token_count(tm.tokenizer, thoughts))
     yield event("response.completed" if status == "completed" else "response.incomplete",
-                response=shape.build(status, with_status(items.items, status), usage, reason))
+                response=shape.done(shape.build(status, with_status(items.items, status), usage,
+                                                reason)))

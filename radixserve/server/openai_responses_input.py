@@ -18,9 +18,10 @@ checked and refused by name where they mean something this server does not do.
   include ["message.output_text.logprobs"] / top_logprobs -> logprobs / top_logprobs (each
                           output_text part's logprobs, as chat's)
 
-Stored responses are not kept: previous_response_id, conversation and background are refused
-(400); store and metadata are accepted (metadata is echoed back), truncation "disabled" /
-"auto" and the other include values are accepted and change nothing.
+previous_response_id continues a stored response's conversation (responses_store.py: kept in
+this server's memory, the newest ones); conversation and background are refused (400);
+metadata is echoed back; truncation "disabled" / "auto" and the other include values are
+accepted and change nothing.
 """
 from __future__ import annotations
 
@@ -42,8 +43,7 @@ CHAT_EXTENSIONS = frozenset({
     "spaces_between_special_tokens", "stop_token_ids", "include_stop_str_in_output",
     "chat_template_kwargs", "separate_reasoning", "add_generation_prompt",
     "continue_final_message", "priority"})
-REFUSED = {"previous_response_id": "stored responses are not kept",
-           "conversation": "stored conversations are not kept",
+REFUSED = {"conversation": "stored conversations are not kept",
            "background": "background responses are not supported"}
 
 
@@ -64,16 +64,21 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = []
+def _instructions(body: dict[str, Any]) -> list[dict[str, Any]]:
     instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise APIError("instructions must be a string", param="instructions")
-        messages.append({"role": "system", "content": instructions})
+    if instructions is None:
+        return []
+    if not isinstance(instructions, str):
+        raise APIError("instructions must be a string", param="instructions")
+    return [{"role": "system", "content": instructions}]
+
+
+def input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chat turns of a Responses body's `input` (not its instructions)."""
+    messages: list[dict[str, Any]] = []
     items = body.get("input")
     if isinstance(items, str):
-        return messages + [{"role": "user", "content": items}]
+        return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise APIError("input must be a string or a non-empty list of items", param="input")
     for i, item in enumerate(items):
@@ -160,9 +165,10 @@ def _effort(reasoning: Any) -> Any:
     return reasoning.get("effort")
 
 
-def chat_body(body: Any) -> dict[str, Any]:
+def chat_body(body: Any, history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The chat completion request (a raw body for ChatCompletionRequest) of a Responses
-    body."""
+    body; `history`: the conversation of its previous_response_id, between the instructions
+    (a previous response's are not carried over, as OpenAI's) and the input."""
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     for name, why in REFUSED.items():
@@ -174,7 +180,7 @@ def chat_body(body: Any) -> dict[str, Any]:
     if body.get("truncation") not in (None, "disabled", "auto"):
         raise APIError("truncation must be \"disabled\" or \"auto\"", param="truncation")
     chat = {k: v for k, v in body.items() if k in CHAT_EXTENSIONS}
-    chat["messages"] = _messages(body)
+    chat["messages"] = _instructions(body) + list(history or []) + input_messages(body)
     extra: dict[str, Any] = {
         "tools": _tools(body.get("tools")), "tool_choice": _tool_choice(body.get("tool_choice")),
         "response_format": _response_format(body.get("text")),

@@ -3,8 +3,9 @@ server (bundled SmolLM2-135M, CPU, --reasoning-parser qwen3): its answers are th
 for the same conversation (greedy), whole or streamed as OpenAI's event sequence; forced
 function calls come back as function_call items (and stream their arguments), function
 call outputs go back in as tool turns, text.format constrains the text, the reasoning of a
-continued <think> block is a reasoning item, and what the server does not do is a 400
-naming the field."""
+continued <think> block is a reasoning item, stored responses continue by
+previous_response_id (and are read and deleted by id), and what the server does not do is a
+400 naming the field."""
 from __future__ import annotations
 
 import json
@@ -162,7 +163,7 @@ def test_a_continued_think_block_is_a_reasoning_item(openai_client: Any,
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input"),
@@ -218,3 +219,43 @@ def test_a_stream_refused_before_its_first_output_keeps_its_status_and_later_err
     kinds = [json.loads(chunk.split(b"data: ", 1)[1])["type"] for chunk in run(2)]
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-2:] == ["error", "response.failed"]
+
+
+def test_previous_response_id_continues_the_stored_conversation(openai_client: Any,
+                                                                model_name: str) -> None:
+    """A second turn by previous_response_id is the chat route's answer to the whole
+    conversation (the first input, the first answer, the new input); stored responses are
+    read and deleted by id; store false keeps nothing; an unknown id is a 404."""
+    args = dict(model=model_name, max_output_tokens=8, temperature=0)
+    first = openai_client.responses.create(input=CHAT[1]["content"], **args)
+    turns = [CHAT[1], {"role": "assistant", "content": first.output_text},
+             {"role": "user", "content": "And two more?"}]
+    chat = _chat_text(openai_client, model_name, turns, 8)
+    second = openai_client.responses.create(input="And two more?",
+                                            previous_response_id=first.id, **args)
+    assert second.previous_response_id == first.id
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert openai_client.responses.retrieve(first.id).output_text == first.output_text
+    openai_client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        openai_client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError, match="no stored response"):
+        openai_client.responses.create(input="Hi", previous_response_id=first.id, **args)
+    unkept = openai_client.responses.create(input="Hi", store=False, **args)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        openai_client.responses.retrieve(unkept.id)
+
+
+def test_the_store_keeps_the_newest_responses_and_their_answers_as_turns() -> None:
+    from radixserve.server.responses_store import ResponseStore, assistant_turn
+    store = ResponseStore(capacity=2)
+    for i in range(3):
+        store.put({"id": f"r{i}", "output": []}, [{"role": "user", "content": str(i)}])
+    assert store.response("r0") is None and store.conversation("r2")[0]["content"] == "2"
+    output = [{"type": "reasoning", "content": []},
+              {"type": "message", "content": [{"type": "output_text", "text": "Hi"}]},
+              {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]
+    assert assistant_turn(output) == {"role": "assistant", "content": "Hi", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
