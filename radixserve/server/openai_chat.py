@@ -78,7 +78,7 @@ def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest
         return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
         return_text_in_logprobs=True, stream=body.stream, param="messages",
         grammar_param="tool_choice" if plan.forced_ebnf else body.grammar_field(),
-        field_names=OPENAI_FIELD_NAMES, lora_name=ctx.lora_name(body.model),
+        field_names=OPENAI_FIELD_NAMES, lora_name=ctx.adapter_of(body),
         priority=body.priority)
     return sample_copies(req, body.n), plan, split
 

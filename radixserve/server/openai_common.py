@@ -43,6 +43,17 @@ class OpenAIContext:
                        f"`{self.model_name}`.", status_code=404, param="model",
                        code="model_not_found")
 
+    def adapter_of(self, body: Any) -> str | None:
+        """A request's LoRA adapter: its `model` naming one (vLLM's way), or SGLang's
+        `lora_path` extra field with the base model's name (both naming different ones is a
+        400)."""
+        by_model = self.lora_name(body.model)
+        by_field = getattr(body, "lora_path", None)
+        if by_field is not None and by_model is not None and by_field != by_model:
+            raise APIError(f"model names the LoRA adapter {by_model!r} and lora_path "
+                           f"{by_field!r}: give one", param="lora_path")
+        return by_model or by_field
+
     def lora_name(self, requested: str | None) -> str | None:
         """The LoRA adapter a request's `model` names, or None (the base model, whose names
         win over an adapter named alike, as in check_model). Not checked against the loaded

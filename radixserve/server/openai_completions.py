@@ -33,7 +33,7 @@ def build_requests(ctx: OpenAIContext, body: CompletionRequest) -> list[Generate
             top_logprobs_num=body.logprobs or 0, return_text_in_logprobs=True,
             stream=body.stream, param="prompt",
             grammar_param=body.grammar_field(),
-            field_names=OPENAI_FIELD_NAMES, lora_name=ctx.lora_name(body.model),
+            field_names=OPENAI_FIELD_NAMES, lora_name=ctx.adapter_of(body),
             priority=body.priority)
         reqs.extend(sample_copies(req, body.n))
     return reqs

@@ -10,7 +10,8 @@ Policy for fields (never silently wrong):
   prediction, modalities): accepted and ignored (logged once at DEBUG). reasoning_effort
   (OpenAI's none, minimal, low, medium, high; anything else is a 400): low, medium and high
   go to the chat template, which gpt-oss's reads (others ignore it).
-- Extensions (vLLM/SGLang style, send them with the SDK's extra_body): top_k, min_p,
+- Extensions (vLLM/SGLang style, send them with the SDK's extra_body): priority, lora_path
+  (SGLang's way to name a LoRA adapter; `model` names one too, as vLLM), top_k, min_p,
   repetition_penalty, min_tokens, ignore_eos, skip_special_tokens,
   spaces_between_special_tokens, stop_token_ids, include_stop_str_in_output (vLLM's: keep
   the matched stop string or stop token's text), regex, ebnf (constrained decoding; also by
@@ -98,6 +99,7 @@ class SamplingFields(StrictModel):
     user: StrictStr | None = None
     # extensions
     priority: StrictInt | None = None  # vLLM's, with --enable-priority-scheduling
+    lora_path: StrictStr | None = None  # SGLang's: a LoRA adapter by name (or `model`)
     top_k: StrictInt | None = None
     min_p: Number | None = None
     repetition_penalty: Number | None = None

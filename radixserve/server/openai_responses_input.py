@@ -42,7 +42,7 @@ CHAT_EXTENSIONS = frozenset({
     "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
     "spaces_between_special_tokens", "stop_token_ids", "include_stop_str_in_output",
     "chat_template_kwargs", "separate_reasoning", "add_generation_prompt",
-    "continue_final_message", "priority"})
+    "continue_final_message", "priority", "lora_path"})
 REFUSED = {"conversation": "stored conversations are not kept",
            "background": "background responses are not supported"}
 

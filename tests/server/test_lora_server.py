@@ -64,6 +64,25 @@ def test_the_adapter_is_listed_and_served_by_both_apis(lora_server) -> None:
     assert state["memory_check_ok"] and state["leaked_tokens"] == 0
 
 
+def test_sglangs_lora_path_names_the_adapter_on_the_openai_routes(lora_server) -> None:
+    """lora_path (extra body) with the base model's name serves the adapter as `model` does;
+    a lora_path naming another adapter than `model`, or none loaded, is a 400."""
+    proc, _, _ = lora_server
+    client = openai.OpenAI(base_url=proc.url("/v1"), api_key="none", max_retries=0)
+    base_name = next(m.id for m in client.models.list().data if m.id != "tuned")
+    args = dict(prompt=list(range(20, 30)), max_tokens=6, temperature=0,
+                extra_body={"ignore_eos": True})
+    by_model = client.completions.create(model="tuned", **args).choices[0].text
+    by_field = client.completions.create(model=base_name, **{
+        **args, "extra_body": {"ignore_eos": True, "lora_path": "tuned"}})
+    assert by_field.choices[0].text == by_model and by_field.model == base_name
+    for model, lora_path, message in (("tuned", "other", "give one"),
+                                      (base_name, "nope", "unknown LoRA adapter 'nope'")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.chat.completions.create(model=model, max_tokens=2, messages=[
+                {"role": "user", "content": "Hi"}], extra_body={"lora_path": lora_path})
+
+
 def test_unknown_adapters_are_refused_by_name(lora_server) -> None:
     proc, _, _ = lora_server
     client = openai.OpenAI(base_url=proc.url("/v1"), api_key="none", max_retries=0)
