@@ -39,6 +39,10 @@ class LoRAUpdatesMixin:
             return name
         return lora.cache_ids.get(name, name)
 
+    def _note_loaded_adapters(self, lora: Any) -> None:
+        """Requests may name the adapters the runner's slots hold, in their load order."""
+        self.limits = dataclasses.replace(self.limits, lora_names=tuple(lora.slots))
+
     def load_lora(self, name: str, path: str) -> LoRAUpdateReply:
         from radixserve.executor.lora_manager import LoRALoadError
         lora = getattr(self.runner, "lora", None)
@@ -48,8 +52,7 @@ class LoRAUpdatesMixin:
             lora.load(name, path)
         except LoRALoadError as exc:
             return LoRAUpdateReply(False, str(exc))
-        self.limits = dataclasses.replace(self.limits,
-                                          lora_names=(*self.limits.lora_names, name))
+        self._note_loaded_adapters(lora)
         return LoRAUpdateReply(True, f"LoRA adapter {name!r} loaded")
 
     def unload_lora(self, name: str) -> LoRAUpdateReply:
@@ -67,6 +70,5 @@ class LoRAUpdatesMixin:
             lora.unload(name)
         except LoRALoadError as exc:
             return LoRAUpdateReply(False, str(exc))
-        self.limits = dataclasses.replace(
-            self.limits, lora_names=tuple(n for n in self.limits.lora_names if n != name))
+        self._note_loaded_adapters(lora)
         return LoRAUpdateReply(True, f"LoRA adapter {name!r} unloaded")

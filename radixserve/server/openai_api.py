@@ -3,7 +3,7 @@
 vLLM's /tokenize, /detokenize and /version."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
@@ -41,23 +41,19 @@ def openai_router(ctx: OpenAIContext, context_len: int) -> APIRouter:
     async def get_model(model_id: str) -> JSONResponse:
         return JSONResponse(model_card(ctx.check_model(model_id)))
 
-    @router.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        if ctx.is_embedding:
-            raise APIError(NOT_A_GENERATION_MODEL, param="model")
-        return await create_completion(ctx, request, await read_json(request))
+    def generation_route(create: Callable[..., Awaitable[Response]]
+                         ) -> Callable[[Request], Awaitable[Response]]:
+        """A generating route: refused on an embedding model, else `create`'s answer."""
+        async def route(request: Request) -> Response:
+            if ctx.is_embedding:
+                raise APIError(NOT_A_GENERATION_MODEL, param="model")
+            return await create(ctx, request, await read_json(request))
+        return route
 
-    @router.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        if ctx.is_embedding:
-            raise APIError(NOT_A_GENERATION_MODEL, param="model")
-        return await create_chat_completion(ctx, request, await read_json(request))
-
-    @router.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        if ctx.is_embedding:
-            raise APIError(NOT_A_GENERATION_MODEL, param="model")
-        return await create_response(ctx, request, await read_json(request))
+    for path, create in (("/v1/completions", create_completion),
+                         ("/v1/chat/completions", create_chat_completion),
+                         ("/v1/responses", create_response)):
+        router.add_api_route(path, generation_route(create), methods=["POST"])
 
     @router.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> JSONResponse:
