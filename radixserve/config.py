@@ -52,6 +52,8 @@ class ServerArgs:
     max_request_bytes: int = 64 << 20  # larger bodies are answered 413 before being read
     shutdown_timeout: float = 5.0  # seconds running requests get to finish on shutdown
     api_key: str | None = None
+    # a folder whose files requests may name as images (file:// URLs, paths); None: none
+    allowed_local_media_path: str | None = None
     served_model_name: str | None = None
     log_level: str = "info"
     log_requests: bool = False

@@ -36,6 +36,9 @@ from radixserve.scheduler.replicated import ReplicatedScheduler
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server.tp_follower_process import (FollowerWatch, cpu_threads_per_rank,
                                                    start_tp_followers)
+from radixserve.server.image_inputs import (ImageReader, conversation_images,
+                                           per_prompt_images)
+from radixserve.server.openai_protocol import ImageRendering
 from radixserve.server.incremental_detokenizer import IncrementalDetokenizer, stop_match
 
 logger = logging.getLogger(__name__)
@@ -122,6 +125,8 @@ class Engine:
         self.scheduler: Any = scheduler if self.server_args.tp_size == 1 else \
             ReplicatedScheduler(scheduler, get_tp_group())
         self.tokenizer = self.scheduler.tokenizer
+        vision = scheduler.model_info.get("vision")  # a model that reads images
+        self._images = ImageReader(vision, trust_local_paths=True) if vision else None
         self.generation_defaults = dict(self._runner.source.generation_defaults)
         self._ids = itertools.count()
         self._closed = False
@@ -137,8 +142,8 @@ class Engine:
     def _make_reqs(self, prompt: str | list[str] | None, input_ids: Any, sampling_params: Any,
                    return_logprob: bool, logprob_start_len: int, top_logprobs_num: int,
                    stream: bool, lora_path: str | list[str | None] | None = None,
-                   priority: int | list[int | None] | None = None
-                   ) -> list[TokenizedGenerateReq]:
+                   priority: int | list[int | None] | None = None,
+                   image_data: Any = None) -> list[TokenizedGenerateReq]:
         if (prompt is None) == (input_ids is None):
             raise InvalidRequestError("give exactly one of prompt and input_ids")
         single = _is_single(prompt, input_ids)
@@ -163,6 +168,9 @@ class Engine:
         if len(loras) != n_items or len(priorities) != n_items:
             raise InvalidRequestError("lora_path and priority lists must match the number of "
                                       "prompts")
+        images = per_prompt_images(image_data, None if single else n_items)
+        if self._images is None and any(images):
+            raise InvalidRequestError("this model reads no images", param="image_data")
         limits = self.scheduler.limits  # its LoRA adapters of the moment
         reqs: list[TokenizedGenerateReq] = []
         for i in range(n_items):
@@ -174,6 +182,10 @@ class Engine:
                 ids = self.tokenizer.encode(text)
             else:
                 ids = ids_list[i]
+            mm_inputs = None
+            if self._images is not None:
+                ids, mm_inputs = self._images.prepare(ids, [
+                    self._images.read_source(source, k) for k, source in enumerate(images[i])])
             # the server's rules (core/request_validation.py): the same request is refused or
             # accepted alike by both
             validate_request(ids, params, limits, logprob_start_len, top_logprobs_num,
@@ -185,7 +197,8 @@ class Engine:
                     sampling_params=params.for_sample(j),
                     return_logprob=return_logprob,
                     logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                    stream=stream, lora_name=loras[i], priority=priorities[i]))
+                    stream=stream, lora_name=loras[i], priority=priorities[i],
+                    mm_inputs=mm_inputs))
         return reqs
 
     def _submit(self, reqs: list[TokenizedGenerateReq]) -> dict[str, _Pending]:
@@ -260,16 +273,19 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None,
                  return_logprob: bool = False, logprob_start_len: int = -1,
                  top_logprobs_num: int = 0, lora_path: str | list[str | None] | None = None,
-                 priority: int | list[int | None] | None = None
+                 priority: int | list[int | None] | None = None, image_data: Any = None
                  ) -> dict[str, Any] | list[dict[str, Any]]:
         """Run to completion. One prompt -> one dict (a list when n > 1); a list -> a list.
         lora_path: a --lora-paths adapter's name for every prompt, or one per prompt (None:
-        the base model); priority (--enable-priority-scheduling) likewise. Safe from several
-        threads (their requests share the batch)."""
+        the base model); priority (--enable-priority-scheduling) likewise. image_data (a
+        model that reads images): a prompt's image (PIL image, path, URL, data URL, base64) or
+        list of them, one such item per prompt for a list of prompts; the prompt holds a
+        placeholder for each (LLaVA's <image>). Safe from several threads (their requests
+        share the batch)."""
         self._check_open()
         reqs = self._make_reqs(prompt, input_ids, sampling_params, return_logprob,
                                logprob_start_len, top_logprobs_num, stream=False,
-                               lora_path=lora_path, priority=priority)
+                               lora_path=lora_path, priority=priority, image_data=image_data)
         pending = self._submit(reqs)
         try:
             while not all(p.finished for p in pending.values()):
@@ -308,12 +324,15 @@ class Engine:
         if not conversations or not all(isinstance(c, list) and c for c in conversations):
             raise InvalidRequestError("messages must be a list of message dicts, or a list of "
                                       "such lists")
-        ids = []
+        ids, images = [], []
+        marker = None if self._images is None else self._images.spec.image_marker
+        rendering = ImageRendering.for_template(str(self.tokenizer.chat_template), marker or "")
         for conversation in conversations:
-            _check_text_only(conversation)
+            messages, sources = conversation_images(conversation, marker, rendering.as_parts)
+            images.append(sources)
             try:
                 text = self.tokenizer.apply_chat_template(
-                    conversation, tools=tools, tokenize=False,
+                    messages, tools=tools, tokenize=False,
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
                     **(chat_template_kwargs or {}))
@@ -321,6 +340,8 @@ class Engine:
                 raise InvalidRequestError(f"the chat template rejected the messages: {exc}") \
                     from exc
             ids.append(list(self.tokenizer.encode(text, add_special_tokens=False)))
+        if any(images):
+            generate_kwargs["image_data"] = images[0] if single else images
         return self.generate(input_ids=ids[0] if single else ids,
                              sampling_params=sampling_params, **generate_kwargs)
 
@@ -404,19 +425,6 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _check_text_only(conversation: list[Any]) -> None:
-    """Content parts other than text (images, audio) are refused, as the server's chat route
-    refuses them: the models served read text only, and a chat template would drop such a part
-    or write a bare marker for it (Gemma-3's <start_of_image>) without the image."""
-    for message in conversation:
-        content = message.get("content") if isinstance(message, dict) else None
-        for part in content if isinstance(content, list) else ():
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in (None, "text"):
-                raise InvalidRequestError(f"content parts of type {kind!r} are not supported; "
-                                          "only text")
 
 
 def _is_single(prompt: Any, input_ids: Any) -> bool:

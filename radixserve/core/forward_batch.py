@@ -65,6 +65,9 @@ class ModelWorkerBatch:
     state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
     # per request, its LoRA adapter's name or None (empty: none in the pass)
     lora_names: list[str | None] = field(default_factory=list)
+    # EXTEND / MIXED: per request, the images of its prompt (core.multimodal.ImageInput) whose
+    # placeholders this pass may cover (empty: no request of the pass has images)
+    mm_inputs: list[list[Any]] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -115,6 +118,9 @@ class ForwardBatch:
     logits_in_model_dtype: bool = False
     # ModelWorkerBatch.state_snapshots (host list)
     state_snapshots: list[tuple[int, int, int]] | None = None
+    # ModelWorkerBatch.mm_inputs (host list of core.multimodal.ImageInput per request), or
+    # None when no request of the pass has images
+    mm_inputs: list[list[Any]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -160,5 +166,6 @@ class ForwardBatch:
             top_logprobs_nums=batch.top_logprobs_nums,
             extend_logprob_start_lens=batch.extend_logprob_start_lens,
             state_snapshots=batch.state_snapshots or None,
+            mm_inputs=batch.mm_inputs if any(batch.mm_inputs) else None,
             **ext,
         )

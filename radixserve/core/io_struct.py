@@ -25,6 +25,9 @@ class TokenizedGenerateReq:
     stream: bool = False
     lora_name: str | None = None  # a --lora-paths adapter, or the base model
     priority: int | None = None  # with --enable-priority-scheduling
+    # the prompt's images (core.multimodal.ImageInput), their placeholders expanded in
+    # input_ids
+    mm_inputs: list[Any] | None = None
 
 
 @dataclass

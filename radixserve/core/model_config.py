@@ -107,6 +107,7 @@ class ModelConfig:
 
     def __init__(self, hf_config: Any) -> None:
         self.hf = text_config = hf_config.get_text_config(decoder=True)
+        self.hf_top = hf_config  # the whole model's config (a multimodal one's vision_config)
         archs = getattr(hf_config, "architectures", None) or \
             _architectures_of(getattr(hf_config, "model_type", None) or None)
         self.architecture: str = archs[0]
@@ -134,7 +135,9 @@ class ModelConfig:
             # Qwen3.5's multimodal configs tie by their top-level flag (transformers saves
             # text_config's as false beside a tied model's true)
             self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        default_bias = self.architecture.startswith("Qwen2")  # Qwen2: bias on q/k/v
+        # Qwen2 (also as a LLaVA's language model): bias on q/k/v
+        default_bias = self.architecture.startswith("Qwen2") or \
+            getattr(text_config, "model_type", None) == "qwen2"
         self.attention_bias: bool = bool(get("attention_bias", get("qkv_bias", default_bias)))
         # Llama and Qwen3 put attention_bias on o_proj too; Qwen2's and GLM-4.5's q/k/v bias
         # stops there
@@ -148,7 +151,7 @@ class ModelConfig:
         self.eos_token_ids: list[int] = [] if eos is None else \
             ([eos] if isinstance(eos, int) else list(eos))
         window = get("sliding_window", None)
-        if self.architecture.startswith("Qwen2") and not get("use_sliding_window", False):
+        if default_bias and not get("use_sliding_window", False):
             window = None  # Qwen2 configs name a window they do not use
         self.sliding_window: int | None = int(window) if window else None
         # older configs (Granite-4.0-H's, Bamba's) and transformers releases before the

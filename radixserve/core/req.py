@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from radixserve.core.finish_reason import FinishReason
+from radixserve.core.multimodal import ImageInput, image_key_tokens
 from radixserve.core.sampling_params import SamplingParams
 
 # meta_info's key for the wall-clock time (time.time()) the request's first output token was
@@ -45,12 +46,16 @@ class Req:
                  input_text: str | None = None, return_logprob: bool = False,
                  logprob_start_len: int = -1, top_logprobs_num: int = 0,
                  stream: bool = False, lora_name: str | None = None,
-                 lora_cache_id: str | None = None) -> None:
+                 lora_cache_id: str | None = None,
+                 mm_inputs: list[ImageInput] | None = None) -> None:
         self.rid = rid
         self.lora_name = lora_name  # its LoRA adapter (--lora-paths), or None: the base model
         # its cached prefixes' key: the adapter's name, or a loaded adapter's own id
         self._key_offset = lora_key_offset(lora_cache_id or lora_name)
         self._shifted_prompt: list[int] = []  # cache_key's memo: the prompt, moved
+        # the prompt's images, in order (core/multimodal.py), kept for a recompute after a
+        # retraction
+        self.mm_inputs: list[ImageInput] = list(mm_inputs or ())
         self.origin_input_text = input_text
         self.origin_input_ids = list(input_ids)
         self.sampling_params = sampling_params
@@ -121,12 +126,16 @@ class Req:
         """The prefix cache's key for `token_ids`, a prefix of this request's all_ids(): the
         tokens themselves, or with a LoRA adapter each moved past every token id by the
         adapter's offset, so that requests share KV only with requests of the same adapter
-        (or none). The prompt's part is moved once (prompts never change; outputs may, as
-        jump-forward replaces a last token)."""
-        if not self._key_offset:
+        (or none); an image's placeholders are keys of its pixels (two prompts share KV past
+        an image only when it is the same image). The prompt's part is made once (prompts
+        never change; outputs may, as jump-forward replaces a last token)."""
+        if not self._key_offset and not self.mm_inputs:
             return token_ids
         if not self._shifted_prompt:
-            self._shifted_prompt = [token + self._key_offset for token in self.origin_input_ids]
+            key = list(self.origin_input_ids)
+            for image in self.mm_inputs:
+                key[image.offset:image.end] = image_key_tokens(image)
+            self._shifted_prompt = [token + self._key_offset for token in key]
         prompt_len = len(self._shifted_prompt)
         if len(token_ids) <= prompt_len:
             return self._shifted_prompt[:len(token_ids)]

@@ -74,6 +74,9 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
     "trust_remote_code": (MODEL, "accepted for compatibility; remote code is never run", None),
     "host": (SERVING, "address to listen on", None),
     "port": (SERVING, "port to listen on", None),
+    "allowed_local_media_path": (SERVING, "a folder whose files requests may name as "
+                                          "images (file:// URLs or paths; vLLM's flag); "
+                                          "default: none", None),
     "max_request_bytes": (SERVING, "larger request bodies are refused (413) unread", None),
     "shutdown_timeout": (SERVING, "seconds running requests get to finish on SIGINT/SIGTERM; "
                                   "then their streams end with an error event", None),

@@ -17,6 +17,7 @@ from radixserve.attention.base import AttentionBackend, AttentionContext
 from radixserve.attention.registry import create_attention_backend
 from radixserve.config import ServerArgs, resolve_dtype
 from radixserve.core.model_config import ModelConfig
+from radixserve.core.multimodal import vision_spec
 from radixserve.core.forward_batch import (ForwardBatch, ForwardMode, ForwardOutput,
                                            ModelWorkerBatch)
 from radixserve.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
@@ -104,6 +105,9 @@ class ModelRunner:
                                                   server_args.load_format,
                                                   server_args.model_overrides())
         self.model_config: ModelConfig = self.source.model_config
+        # the placeholders of the images the model reads (None: text only)
+        self.vision_spec = vision_spec(getattr(self.model_config, "hf_top", None),
+                                       self.model_config.architecture)
         self.fp8 = fp8_config(self.source.hf_config.get("quantization_config"),
                               server_args.quantization)
         if self.fp8 is not None and self.fp8.online and self.source.weights is None:

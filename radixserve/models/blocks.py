@@ -327,10 +327,16 @@ class DecoderModel(nn.Module):
         self.embed_scale = embed_scale
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                forward_batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:  # Gemma: the scale rounded to the activations' dtype
-            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+                forward_batch: ForwardBatch, input_embeds: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """input_embeds: the first layer's input as it is (a multimodal model's text and image
+        rows), in place of the embedded (and scaled) input_ids."""
+        if input_embeds is not None:
+            hidden = input_embeds
+        else:
+            hidden = self.embed_tokens(input_ids)
+            if self.embed_scale is not None:  # Gemma: the scale rounded to the activations' dtype
+                hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, forward_batch)

@@ -9,7 +9,7 @@ through `req.kv_len`; extend writes [prefix_len, prefix_len + extend_len), decod
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -104,6 +104,7 @@ class BatchBuilder:
             return_logprob=return_logprob,
             top_logprobs_nums=[r.top_logprobs_num for r in reqs],
             lora_names=[r.lora_name for r in reqs],
+            mm_inputs=images_in_pass(reqs, extend_lens),
         )
         if return_logprob:
             self._add_input_logprob_targets(batch, reqs)
@@ -168,4 +169,15 @@ def merge_mixed(extend: ModelWorkerBatch, decode: ModelWorkerBatch,
         top_logprobs_nums=extend.top_logprobs_nums + decode.top_logprobs_nums,
         state_snapshots=extend.state_snapshots,  # the extend requests keep their indices
         lora_names=extend.lora_names + decode.lora_names,
+        mm_inputs=extend.mm_inputs + [[]] * decode.batch_size if extend.mm_inputs else [],
     )
+
+
+def images_in_pass(reqs: list[Req], extend_lens: list[int]) -> list[list[Any]]:
+    """Per request, its images whose placeholders the pass's tokens cover (all empty: [])."""
+    images: list[list[Any]] = []
+    for req, ext_len in zip(reqs, extend_lens):
+        start = len(req.prefix_indices)
+        images.append([image for image in req.mm_inputs
+                       if image.offset < start + ext_len and image.end > start])
+    return images if any(images) else []

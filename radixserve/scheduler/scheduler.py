@@ -21,6 +21,7 @@ from typing import Any
 
 from radixserve.config import ServerArgs
 from radixserve.core.finish_reason import FinishReason
+from radixserve.core.multimodal import check_images
 from radixserve.core.io_struct import (BatchTokenIDOut, FlushCacheReply, ReqError,
                                        TokenizedGenerateReq)
 from radixserve.core.req import Detokenizer, Req
@@ -66,6 +67,8 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesM
         self.max_running_requests = min(self.args.max_running_requests or model_runner.max_num_reqs,
                                          model_runner.max_num_reqs)
         self.tree_cache = self._make_cache()
+        # what the model's images look like in a prompt (core/multimodal.py), None: no images
+        self.vision = getattr(model_runner, "vision_spec", None)
         self.limits = RequestLimits.from_model_info(self.model_info)  # LoRA: lora_updates.py
         self.priority_order = PriorityOrder(self.args.schedule_low_priority_values_first,
                                             self.args.priority_scheduling_preemption_threshold) \
@@ -136,7 +139,9 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesM
                 "lora_adapters": list(self.args.lora_adapters()),
                 "lora_paths": self.args.lora_adapters(), "max_prefill_tokens":
                 None if self.args.chunked_prefill_enabled else self.args.max_prefill_tokens,
-                "priority_scheduling": self.args.enable_priority_scheduling}
+                "priority_scheduling": self.args.enable_priority_scheduling,
+                "vision": None if self.vision is None else
+                dict(dataclasses.asdict(self.vision), model_path=self.runner.source.model_path)}
 
     # ---- requests in ----
     def add_request(self, msg: TokenizedGenerateReq) -> ReqError | None:
@@ -156,7 +161,7 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesM
                                          min_new_tokens=min(params.min_new_tokens, most))
         req = Req(msg.rid, msg.input_ids, params, msg.input_text, msg.return_logprob,
                   msg.logprob_start_len, msg.top_logprobs_num, msg.stream, msg.lora_name,
-                  self.lora_cache_id(msg.lora_name))
+                  self.lora_cache_id(msg.lora_name), msg.mm_inputs)
         req.priority = msg.priority or 0
         error = self.grammars.on_add(req)
         if error is not None:
@@ -170,6 +175,7 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesM
         try:
             check_prompt(msg.input_ids, self.limits)
             check_lora_name(msg.lora_name, self.limits)
+            check_images(msg.input_ids, msg.mm_inputs or [], self.vision)
         except InvalidRequestError as exc:
             return str(exc)
         return None

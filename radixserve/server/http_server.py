@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.server.asgi_guards import BodyLimitMiddleware, CatchAllMiddleware
+from radixserve.core.sampling_params import InvalidRequestError
 from radixserve.server.errors import APIError, ClientDisconnected, status_phrase
 from radixserve.server.http_metrics import HTTPMetricsMiddleware
 from radixserve.server.http_utils import check_api_key
@@ -87,6 +88,10 @@ def build_app(tm: TokenizerManager, api_key: str | None, model_name: str,
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, exc: APIError) -> Response:
         return exc.to_response()
+
+    @app.exception_handler(InvalidRequestError)
+    async def on_invalid_request(_: Request, exc: InvalidRequestError) -> Response:
+        return APIError(str(exc), param=exc.param).to_response()
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_: Request, exc: RequestValidationError) -> Response:

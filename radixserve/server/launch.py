@@ -295,7 +295,8 @@ def _serve(server_args: ServerArgs, port_args: PortArgs, group: ProcessGroup,
                           log_requests=server_args.log_requests,
                           router=DataParallelRouter(server_args.dp_size,
                                                     server_args.load_balance_method),
-                          generation_defaults=generation_defaults)
+                          generation_defaults=generation_defaults,
+                          allowed_local_media_path=server_args.allowed_local_media_path)
     aliases = accepted_model_names(server_args, model_name)
 
     def server_info() -> dict[str, Any]:

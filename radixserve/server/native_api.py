@@ -44,7 +44,7 @@ def is_warm_up(scope: Scope, is_ready: Callable[[], bool]) -> bool:
 
 
 UNSUPPORTED_NATIVE_FIELDS = (
-    "input_embeds", "image_data", "audio_data", "video_data", "modalities",
+    "input_embeds", "audio_data", "video_data", "modalities",
     "lora_id", "session_params", "custom_logit_processor", "return_hidden_states",
     "token_ids_logprob", "data_parallel_rank", "bootstrap_host", "bootstrap_port",
     "bootstrap_room")
@@ -64,6 +64,8 @@ class GenerateReqInput(StrictModel):
     # SGLang's other GenerateReqInput fields, for features this server does not have: clients
     # send them as null or at their default, which passes; any other value is a 400 naming it
     input_embeds: Any = None
+    # a model that reads images: a prompt's image (URL, data URL, path in
+    # --allowed-local-media-path, base64) or list of them; a batch: one such item per prompt
     image_data: Any = None
     audio_data: Any = None
     video_data: Any = None
@@ -109,10 +111,24 @@ class GenerateReqInput(StrictModel):
             raise APIError(f"{name} has {len(value)} items for {size} prompts", param=name)
         return value[i]
 
+    def image_sources(self) -> list[list[Any]]:
+        """Each prompt's images (a batch's image_data holds one item per prompt)."""
+        size = self.batch_size()
+        data = self.image_data
+        if size is None:
+            data = [data]
+        elif data is not None and (not isinstance(data, list) or len(data) != size):
+            raise APIError(f"image_data must hold one item per prompt ({size})",
+                           param="image_data")
+        items = data if data is not None else [None] * size  # type: ignore[operator]
+        return [[] if item is None else list(item) if isinstance(item, list) else [item]
+                for item in items]
 
-def build_requests(tm: TokenizerManager, obj: GenerateReqInput) -> tuple[list[GenerateRequest],
-                                                                          bool]:
-    """The scheduler requests of one /generate call, and whether the answer is a list."""
+
+def build_requests(tm: TokenizerManager, obj: GenerateReqInput,
+                   images: list[list[Any]] | None = None) -> tuple[list[GenerateRequest], bool]:
+    """The scheduler requests of one /generate call, and whether the answer is a list
+    (`images`: each prompt's, fetched)."""
     obj.check_unsupported()
     size = obj.batch_size()
     is_batch = size is not None
@@ -131,8 +147,14 @@ def build_requests(tm: TokenizerManager, obj: GenerateReqInput) -> tuple[list[Ge
         params = dataclasses.replace(params, n=1) if isinstance(n, int) else params
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
             raise APIError(f"n must be an integer in [1, {MAX_N}], got {n!r}", param="n")
+        text, input_ids = obj.item("text", i, size or 1), obj.item("input_ids", i, size or 1)
+        mm_inputs = None
+        if tm.images is not None:  # placeholders expanded (and checked) before validation
+            ids = input_ids if input_ids is not None else tm.tokenize(text) if text else None
+            if ids is not None:
+                input_ids, mm_inputs = tm.images.prepare(ids, images[i] if images else [])
         req = tm.make_request(
-            text=obj.item("text", i, size or 1), input_ids=obj.item("input_ids", i, size or 1),
+            text=text, input_ids=input_ids, mm_inputs=mm_inputs,
             sampling_params=params, rid=obj.item("rid", i, size or 1),
             return_logprob=obj.item("return_logprob", i, size or 1),
             logprob_start_len=obj.item("logprob_start_len", i, size or 1),
@@ -183,7 +205,8 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
         lane = await tm.lanes.lane_for(request, raw)
         obj: GenerateReqInput = await tm.lanes.offload(parse_model, GenerateReqInput, raw,
                                                        lane=lane)
-        reqs, is_batch = await tm.lanes.offload(build_requests, tm, obj, lane=lane)
+        images = [await tm.fetch_images(sources, "image_data") for sources in obj.image_sources()]
+        reqs, is_batch = await tm.lanes.offload(build_requests, tm, obj, images, lane=lane)
         if is_warm_up(request.scope, is_ready):
             # the server's own warm-up (launch.py): not a request the metrics count
             reqs = [dataclasses.replace(r, internal=True) for r in reqs]

@@ -16,7 +16,7 @@ from radixserve.server.harmony import CONSTRAINED_ANSWER, HARMONY_ASSISTANT, wit
 from radixserve.server.openai_common import (OpenAIContext, finish_reason_of, new_id, now_s,
                                              sample_copies, sse, sse_response, usage_of)
 from radixserve.server.openai_protocol import (OPENAI_FIELD_NAMES, ChatCompletionRequest,
-                                               parse_model)
+                                               ImageRendering, parse_model)
 from radixserve.server.openai_tools import (ToolPlan, kept_special_tokens, plan_tools,
                                             render_conversation, tool_message)
 from radixserve.server.reasoning import (ReasoningFormat, ReasoningSplit, ReasoningStream,
@@ -28,6 +28,7 @@ from radixserve.server.request_state import GenerateRequest, ReqOutput
 
 def render_prompt(ctx: OpenAIContext, body: ChatCompletionRequest) -> tuple[str, list[int],
                                                                            ToolPlan]:
+    """The prompt's text and ids (images' markers not yet expanded) and its tool plan."""
     tokenizer = ctx.tokenizer_manager.tokenizer
     if tokenizer is None:
         raise APIError("chat needs a tokenizer; the server runs with --skip-tokenizer-init")
@@ -37,7 +38,10 @@ def render_prompt(ctx: OpenAIContext, body: ChatCompletionRequest) -> tuple[str,
     template = template if isinstance(template, str) else json.dumps(template)
     plan = plan_tools(body, ctx.tool_call_parser, template,
                       ctx.exclude_tools_when_tool_choice_none)
-    messages = render_conversation(body, plan, template)
+    reader = ctx.tokenizer_manager.images
+    images = None if reader is None else \
+        ImageRendering.for_template(template, reader.spec.image_marker)
+    messages = render_conversation(body, plan, template, images)
     tools = plan.tools if plan.tools and "tools" in template else None
     try:
         prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
@@ -49,9 +53,10 @@ def render_prompt(ctx: OpenAIContext, body: ChatCompletionRequest) -> tuple[str,
     return prompt, list(tokenizer.encode(prompt, add_special_tokens=False)), plan
 
 
-def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest
+def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest, images: list[Any] = ()
                    ) -> tuple[list[GenerateRequest], ToolPlan, ReasoningSplit | None]:
-    """The request's samples, its tool plan and how its output splits into reasoning."""
+    """The request's samples, its tool plan and how its output splits into reasoning
+    (`images`: the conversation's, fetched)."""
     tm = ctx.tokenizer_manager
     prompt, input_ids, plan = render_prompt(ctx, body)
     reasoning = reasoning_of(ctx, body)
@@ -60,6 +65,9 @@ def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest
         # gpt-oss with response_format: the final message, constrained from its start
         prompt += CONSTRAINED_ANSWER
         input_ids = list(tm.tokenizer.encode(prompt, add_special_tokens=False))
+    mm_inputs = None
+    if tm.images is not None:
+        input_ids, mm_inputs = tm.images.prepare(input_ids, list(images))
     max_tokens = body.requested_max_tokens
     if max_tokens is None:  # OpenAI: up to the context length (or what the KV cache holds)
         max_tokens = max(tm.limits.max_sequence_tokens - len(input_ids), 0)
@@ -79,7 +87,7 @@ def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest
         return_text_in_logprobs=True, stream=body.stream, param="messages",
         grammar_param="tool_choice" if plan.forced_ebnf else body.grammar_field(),
         field_names=OPENAI_FIELD_NAMES, lora_name=ctx.adapter_of(body),
-        priority=body.priority)
+        priority=body.priority, mm_inputs=mm_inputs)
     return sample_copies(req, body.n), plan, split
 
 
@@ -170,8 +178,9 @@ async def create_chat_completion(ctx: OpenAIContext, request: Request, raw: Any)
                                                    lane=lane)
     body.check_unsupported()
     model = ctx.check_model(body.model)
-    # template + tokenizer off the loop
-    reqs, plan, split = await tm.lanes.offload(build_requests, ctx, body, lane=lane)
+    images = await tm.fetch_images(body.image_sources(), "messages")
+    # template + tokenizer (and images' pixels) off the loop
+    reqs, plan, split = await tm.lanes.offload(build_requests, ctx, body, images, lane=lane)
     if body.stream:
         return await sse_response(stream_events(ctx, body, plan, split, model, reqs,
                                                 request))

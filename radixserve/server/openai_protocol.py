@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
@@ -236,6 +238,21 @@ class CompletionRequest(SamplingFields):
         return prompt_list(self.prompt)
 
 
+@dataclass(frozen=True)
+class ImageRendering:
+    """How a chat template gets a conversation's images: every message's content as a list
+    of parts ({"type": "image"} for an image) where the template reads parts, else text with
+    `marker` where an image goes."""
+    marker: str
+    as_parts: bool
+
+    @classmethod
+    def for_template(cls, template: str, marker: str) -> "ImageRendering":
+        reads_parts = re.search(r"""\[['"]type['"]\]|\.type\b|selectattr\(['"]type""",
+                                template) is not None
+        return cls(marker, reads_parts)
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: StrictStr
@@ -257,20 +274,54 @@ class ChatMessage(StrictModel):
     audio: None = None
     function_call: None = None
 
-    def text(self) -> str:
+    def text(self, image_marker: str | None = None) -> str:
+        """The content as one text; image parts become `image_marker` (None: refused)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
         for part in self.content:
-            if part.type != "text":
-                raise APIError(f"content parts of type {part.type!r} are not supported; "
-                               "only text", param="messages")
-            if part.text is None:
-                raise APIError("a content part of type 'text' needs its text", param="messages")
-            parts.append(part.text)
+            if part.type == "image_url" and image_marker is not None:
+                parts.append(image_marker)
+            else:
+                parts.append(_part_text(part))
         return "".join(parts)
+
+    def content_parts(self) -> list[dict[str, Any]]:
+        """The content as the parts multimodal chat templates iterate over: text parts, and
+        {"type": "image"} where an image goes."""
+        if not isinstance(self.content, list):
+            return [{"type": "text", "text": self.content or ""}]
+        return [{"type": "image"} if part.type == "image_url" else
+                {"type": "text", "text": _part_text(part)} for part in self.content]
+
+    def image_sources(self) -> list[Any]:
+        """The URLs of its image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        sources = []
+        for part in self.content:
+            if part.type != "image_url":
+                continue
+            image = getattr(part, "image_url", None)
+            url = image.get("url") if isinstance(image, dict) else image
+            if not isinstance(url, str) or not url:
+                raise APIError("an image_url part needs image_url.url", param="messages")
+            sources.append(url)
+        return sources
+
+
+def _part_text(part: ContentPart) -> str:
+    if part.type == "image_url":
+        raise APIError("this model reads no images (a content part of type 'image_url')",
+                       param="messages")
+    if part.type != "text":
+        raise APIError(f"content parts of type {part.type!r} are not supported; only text "
+                       "and image_url", param="messages")
+    if part.text is None:
+        raise APIError("a content part of type 'text' needs its text", param="messages")
+    return part.text
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -347,13 +398,20 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
 
-    def conversation(self) -> list[dict[str, Any]]:
+    def image_sources(self) -> list[Any]:
+        """Every image of the conversation, in order."""
+        return [url for m in self.messages for url in m.image_sources()]
+
+    def conversation(self, images: ImageRendering | None = None) -> list[dict[str, Any]]:
         """Messages for tokenizer.apply_chat_template ("developer" is sent as "system"); tool
-        turns keep their tool_call_id, assistant turns their tool_calls and reasoning."""
+        turns keep their tool_call_id, assistant turns their tool_calls and reasoning. Image
+        parts are refused without `images`, else rendered as it says."""
         out: list[dict[str, Any]] = []
         for m in self.messages:
+            content: Any = m.content_parts() if images is not None and images.as_parts \
+                else m.text(None if images is None else images.marker)
             message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                                       "content": m.text()}
+                                       "content": content}
             if m.tool_call_id is not None:
                 message["tool_call_id"] = m.tool_call_id
             if m.tool_calls:

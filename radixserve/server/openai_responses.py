@@ -137,7 +137,9 @@ async def create_response(ctx: OpenAIContext, request: Request, raw: Any) -> Res
         keep = ctx.responses if raw.get("store", True) is not False else None
         shape = ResponseShape(raw, ctx.check_model(chat.model), keep,
                               (history or []) + input_messages(raw))
-        reqs, plan, split = await tm.lanes.offload(build_requests, ctx, chat, lane=lane)
+        images = await tm.fetch_images(chat.image_sources(), "messages")
+        reqs, plan, split = await tm.lanes.offload(build_requests, ctx, chat, images,
+                                                   lane=lane)
     except APIError as exc:
         raise renamed(exc) from None
     if chat.stream:

@@ -47,21 +47,31 @@ REFUSED = {"conversation": "stored conversations are not kept",
            "background": "background responses are not supported"}
 
 
-def _text_of(content: Any, where: str) -> str:
-    """A message item's content: a string or input_text / output_text parts."""
+def _text_of(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message item's content: a string or input_text / output_text parts as one string;
+    with input_image parts, the chat route's parts (text and image_url)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise APIError(f"{where}.content must be a string or a list of parts", param="input")
-    texts = []
+    parts: list[dict[str, Any]] = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise APIError(f"{where}: an input_image part needs its image_url (file_id "
+                               "is not supported)", param="input")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+            continue
         if kind not in ("input_text", "output_text", "text") or \
                 not isinstance(part.get("text"), str):
             raise APIError(f"{where}: content parts of type {kind!r} are not supported; only "
-                           "input_text and output_text", param="input")
-        texts.append(part["text"])
-    return "".join(texts)
+                           "input_text, output_text and input_image", param="input")
+        parts.append({"type": "text", "text": part["text"]})
+    if any(part["type"] == "image_url" for part in parts):
+        return parts
+    return "".join(part["text"] for part in parts)
 
 
 def _instructions(body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.server.errors import APIError
-from radixserve.server.openai_protocol import ChatCompletionRequest
+from radixserve.server.openai_protocol import ChatCompletionRequest, ImageRendering
 from radixserve.server.tokenizer_utils import special_token_ids
 from radixserve.server.tool_parsers.base import ToolCall, ToolCallParser
 from radixserve.server.tool_parsers.grammar import forced_call_ebnf
@@ -129,10 +129,11 @@ def kept_special_tokens(plan: ToolPlan, tokenizer: Any) -> tuple[str, ...]:
     return tuple(m for m in plan.parser.special_markers if m in specials)
 
 
-def render_conversation(body: ChatCompletionRequest, plan: ToolPlan,
-                        chat_template: str) -> list[dict[str, Any]]:
-    """The messages for apply_chat_template, adapted to what the template knows."""
-    messages = body.conversation()
+def render_conversation(body: ChatCompletionRequest, plan: ToolPlan, chat_template: str,
+                        images: ImageRendering | None = None) -> list[dict[str, Any]]:
+    """The messages for apply_chat_template, adapted to what the template knows (`images`:
+    how it gets the images; None: they are refused)."""
+    messages = body.conversation(images)
     knows_calls = "tool_calls" in chat_template
     arguments_as_text = _ARGUMENTS_CONCATENATED.search(chat_template) is not None
     for i, message in enumerate(messages):
@@ -148,15 +149,23 @@ def render_conversation(body: ChatCompletionRequest, plan: ToolPlan,
                               else json.loads(c.arguments)}}
                 for call, c in zip(calls, parsed)]
         else:
-            text = plan.parser.format_calls(parsed)
-            message["content"] = f"{message['content']}\n{text}" if message["content"] else text
+            _append_text(message, plan.parser.format_calls(parsed), "\n")
     if plan.tools and "tools" not in chat_template:
         prompt = plan.parser.system_prompt(plan.tools)
         if messages and messages[0]["role"] == "system":
-            messages[0]["content"] = f"{messages[0]['content']}\n\n{prompt}"
+            _append_text(messages[0], prompt, "\n\n")
         else:
             messages.insert(0, {"role": "system", "content": prompt})
     return messages
+
+
+def _append_text(message: dict[str, Any], text: str, separator: str) -> None:
+    """Text added after a message's content (a string, or a list of parts)."""
+    content = message["content"]
+    if isinstance(content, list):
+        content.append({"type": "text", "text": separator + text if content else text})
+    else:
+        message["content"] = f"{content}{separator}{text}" if content else text
 
 
 def _history_call(call: Any, param: str) -> ToolCall:

@@ -37,6 +37,8 @@ class GenerateRequest:
     stream: bool = False
     lora_name: str | None = None  # a --lora-paths adapter, or the base model
     priority: int | None = None  # with --enable-priority-scheduling
+    # the prompt's images (core.multimodal.ImageInput), placeholders expanded in input_ids
+    mm_inputs: list[Any] | None = None
     # the server's own request (n > 1's shared-prefix prefill): no client asked, so the
     # request metrics leave it out
     internal: bool = False

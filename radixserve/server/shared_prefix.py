@@ -15,7 +15,8 @@ PromptKey = tuple  # (LoRA adapter or None, prompt ids...): KV is shared within 
 
 
 def prompt_key(req: GenerateRequest) -> PromptKey:
-    return (req.lora_name, *req.input_ids)
+    images = tuple(image.hash for image in req.mm_inputs or ())
+    return (req.lora_name, images, *req.input_ids)
 
 
 def plan_warmups(reqs: list[GenerateRequest]) -> dict[PromptKey, GenerateRequest]:

@@ -26,6 +26,7 @@ from starlette.requests import Request
 from radixserve.core.io_struct import (AbortReq, BatchStrOut, FlushCacheReply, FlushCacheReq,
                                        GetInternalStateReq, InternalState, LoRAUpdateReply,
                                        ReqError, SchedulerStateUpdate, TokenizedGenerateReq)
+from radixserve.core.multimodal import ImageInput
 from radixserve.core.req import FIRST_TOKEN_TIME_KEY
 from radixserve.core.request_validation import RequestLimits, validate_request
 from radixserve.core.sampling_params import (GRAMMAR_KINDS, MAX_N, InvalidRequestError,
@@ -33,6 +34,7 @@ from radixserve.core.sampling_params import (GRAMMAR_KINDS, MAX_N, InvalidReques
 from radixserve.scheduler.grammar.validation import check_grammar
 from radixserve.server.dp_router import DataParallelRouter
 from radixserve.server.errors import APIError, ClientDisconnected
+from radixserve.server.image_inputs import ImageReader
 from radixserve.server.ipc import PortArgs, pull_socket, push_socket
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.request_lanes import RequestLanes
@@ -49,11 +51,15 @@ class TokenizerManager:
     def __init__(self, port_args: PortArgs, tokenizer: Any | None, model_info: dict[str, Any],
                  metrics: ServerMetrics, log_requests: bool = False,
                  router: DataParallelRouter | None = None,
-                 generation_defaults: dict[str, Any] | None = None) -> None:
+                 generation_defaults: dict[str, Any] | None = None,
+                 allowed_local_media_path: str | None = None) -> None:
         self.port_args = port_args
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.limits = RequestLimits.from_model_info(model_info)
+        # a model that reads images: its image processor and placeholders (image_inputs.py)
+        vision = model_info.get("vision")
+        self.images = None if not vision else ImageReader(vision, allowed_local_media_path)
         # sampling parameters requests get when they leave them unset (the model's
         # generation_config.json, as vLLM does)
         self.generation_defaults = dict(generation_defaults or {})
@@ -116,7 +122,8 @@ class TokenizerManager:
                      grammar_param: str | None = None,
                      field_names: Mapping[str, str] | None = None,
                      lora_name: str | None = None,
-                     priority: int | None = None) -> GenerateRequest:
+                     priority: int | None = None,
+                     mm_inputs: list[ImageInput] | None = None) -> GenerateRequest:
         """Validate everything (core/request_validation.py, as the Engine does; a grammar's
         syntax too) and tokenize; raises APIError(400) for bad input (`grammar_param` names
         the field a bad grammar came from, when not the sampling parameter's own name;
@@ -148,7 +155,19 @@ class TokenizerManager:
             sampling_params=sampling_params, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             return_text_in_logprobs=return_text_in_logprobs, stream=stream,
-            lora_name=lora_name, priority=priority)
+            lora_name=lora_name, priority=priority, mm_inputs=mm_inputs)
+
+    async def fetch_images(self, sources: list[Any], param: str) -> list[Any]:
+        """A request's images as bytes, downloaded where they are URLs; a model that reads no
+        images refuses any (400s name the request's field `param`, and the bad image)."""
+        if not sources:
+            return []
+        if self.images is None:
+            raise APIError("this model reads no images", param=param)
+        try:
+            return await self.images.fetch(sources)
+        except InvalidRequestError as exc:
+            raise APIError(str(exc), param=param) from None
 
     # ---- generation ----
     async def generate(self, req: GenerateRequest,
@@ -384,7 +403,8 @@ class TokenizerManager:
             rid=req.rid, input_text=req.input_text, input_ids=req.input_ids,
             sampling_params=req.sampling_params, return_logprob=req.return_logprob,
             logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num,
-            stream=req.stream, lora_name=req.lora_name, priority=req.priority))
+            stream=req.stream, lora_name=req.lora_name, priority=req.priority,
+            mm_inputs=req.mm_inputs))
         return state
 
     async def _wait(self, state: ReqState) -> None:

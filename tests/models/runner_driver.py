@@ -1,6 +1,8 @@
 """Drive a ModelRunner directly (no scheduler): allocate slots and build worker batches."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from radixserve.core.forward_batch import ForwardMode, ModelWorkerBatch
@@ -16,8 +18,10 @@ class RunnerDriver:
         self.lens: dict[int, int] = {}
 
     def extend(self, tokens_by_req: dict[int, list[int]],
-               forward_mode: ForwardMode | None = None) -> torch.Tensor:
-        """Append tokens to each request (new requests start empty); last-token logits."""
+               forward_mode: ForwardMode | None = None,
+               mm_inputs: dict[int, list[Any]] | None = None) -> torch.Tensor:
+        """Append tokens to each request (new requests start empty); last-token logits.
+        mm_inputs: per request key, the images (core.multimodal.ImageInput) of its prompt."""
         runner = self.runner
         prefix_lens, ext_lens, input_ids, rows = [], [], [], []
         for key, tokens in tokens_by_req.items():
@@ -42,5 +46,6 @@ class RunnerDriver:
             forward_mode=forward_mode,
             input_ids=input_ids, req_pool_indices=rows,
             seq_lens=[self.lens[k] for k in tokens_by_req], out_cache_loc=out_loc,
-            extend_seq_lens=ext_lens, extend_prefix_lens=prefix_lens)
+            extend_seq_lens=ext_lens, extend_prefix_lens=prefix_lens,
+            mm_inputs=[mm_inputs.get(k, []) for k in tokens_by_req] if mm_inputs else [])
         return runner.forward_logits(batch).next_token_logits

@@ -265,9 +265,34 @@ CONFIGS = {
         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 
-# multimodal checkpoints, served text-only; kept out of CONFIGS, every entry of which
-# test_llama_vs_hf.py runs reading vocab_size from the config's top level (here text_config's)
+# multimodal checkpoints, served text-only (LLaVA's: with their images); kept out of CONFIGS,
+# every entry of which test_llama_vs_hf.py runs reading vocab_size from the config's top level
+# (here text_config's)
 MULTIMODAL_CONFIGS = {
+    # LLaVA-1.5 (LlavaForConditionalGeneration): a CLIP tower (class token, pre_layrnorm,
+    # quick_gelu) of 3 layers read after its second (vision_feature_layer -2, the third never
+    # runs), 16 patches of 7x7 ("default": the class token dropped), a Llama decoder with a
+    # vocabulary holding the image token, the projector with biases
+    "llava": (transformers.LlavaConfig, dict(
+        text_config=dict(BASE, model_type="llama", vocab_size=300, num_key_value_heads=2,
+                         tie_word_embeddings=False),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32,
+                           intermediate_size=48, num_hidden_layers=3, num_attention_heads=2,
+                           image_size=28, patch_size=7, projection_dim=16),
+        image_token_id=299, vision_feature_layer=-2, vision_feature_select_strategy="default",
+        projector_hidden_act="gelu", tie_word_embeddings=False)),
+    # the same with a SigLIP tower (conv bias, no class token, gelu_pytorch_tanh, a pooling
+    # head the features never use) read after its last layer, 36 patches of 4x4 all kept
+    # ("full"), a Qwen2 decoder (q/k/v bias), a projector without biases
+    "llava_siglip": (transformers.LlavaConfig, dict(
+        text_config=dict(BASE, model_type="qwen2", vocab_size=300, num_key_value_heads=2,
+                         tie_word_embeddings=False),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32,
+                           intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=24, patch_size=4),
+        image_token_id=299, vision_feature_layer=-1, vision_feature_select_strategy="full",
+        projector_hidden_act="gelu_pytorch_tanh", multimodal_projector_bias=False,
+        tie_word_embeddings=False)),
     # Gemma-3 4b-27b (Gemma3ForConditionalGeneration, what AutoModelForCausalLM makes of a
     # Gemma3Config): the language model in text_config (five sliding layers, window 24, then a
     # full one whose rope is linearly scaled, as the 4b-27b configs' rope_scaling), a tiny

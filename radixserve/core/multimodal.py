@@ -1,0 +1,129 @@
+"""Images in a prompt, as every layer below the server sees them.
+
+The server turns each image of a request into an `ImageInput`: its pixels (the checkpoint's
+image processor's output) and the run of placeholder tokens it fills in the prompt (`offset`,
+`num_tokens`). The scheduler keeps them on the request and hands the ones of an extend pass to
+the model, which runs its vision encoder on them and writes the image's features over the
+placeholders' embeddings. `hash` keys both the prefix cache (two prompts share cached KV
+through an image only if it is the same image) and the model's cache of encoded images (a
+prompt chunked over several passes encodes each image once).
+
+`VisionSpec` reads from a checkpoint's config what the server needs to expand a prompt's
+image markers: the placeholder token and how many of them one image fills."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixserve.core.sampling_params import InvalidRequestError
+
+
+@dataclass
+class ImageInput:
+    pixel_values: torch.Tensor  # [3, height, width] float32, as the image processor made it
+    offset: int  # the prompt position of its first placeholder token
+    num_tokens: int  # placeholder tokens it fills, from offset on
+    hash: int  # 63-bit digest of its pixels
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+
+def pixels_hash(pixel_values: torch.Tensor) -> int:
+    """A 63-bit digest of an image's pixels (and shape): equal images, equal hashes."""
+    data = pixel_values.detach().to(torch.float32).contiguous().cpu()
+    digest = hashlib.blake2b(data.numpy().tobytes(), digest_size=8)
+    digest.update(repr(tuple(data.shape)).encode())
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def image_key_tokens(image: ImageInput) -> list[int]:
+    """The prefix cache's key for an image's placeholders: ids far past every token id (and
+    apart from LoRA's offsets, multiples of 2**32 below 2**97), one per position within the
+    image, unique to its pixels."""
+    base = ((image.hash + 1) << 100) + (1 << 31)
+    return [base + i for i in range(image.num_tokens)]
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What a multimodal checkpoint's config says about its image placeholders."""
+    image_token_id: int  # the token each image's features replace
+    tokens_per_image: int  # how many of them one image fills
+    image_marker: str  # the text a chat template writes for one image (expanded by the server)
+
+
+def vision_spec(hf_config: Any, architecture: str) -> VisionSpec | None:
+    """The spec of a checkpoint whose images are served (LLaVA-1.5 style: one fixed-size image
+    = a grid of patch features), None for any other."""
+    if architecture != "LlavaForConditionalGeneration":
+        return None
+    vision = hf_config.vision_config
+    patches = (vision.image_size // vision.patch_size) ** 2
+    strategy = getattr(hf_config, "vision_feature_select_strategy", "default")
+    class_token = 1 if getattr(vision, "model_type", "clip_vision_model") == \
+        "clip_vision_model" else 0
+    # the tower's sequence (patches, CLIP's class token first); "default" drops its first
+    tokens = patches + class_token - (1 if strategy == "default" else 0)
+    image_token = getattr(hf_config, "image_token_id", None)
+    if image_token is None:
+        image_token = getattr(hf_config, "image_token_index", 32000)
+    return VisionSpec(int(image_token), tokens, "<image>")
+
+
+def expand_image_placeholders(input_ids: list[int], spec: VisionSpec, num_images: int
+                              ) -> tuple[list[int], list[int]]:
+    """The prompt with each image's placeholder run at full length, and each run's offset.
+
+    A run of the image token that is a whole number of images long is taken as written
+    (prompts whose placeholders are expanded already); any other run is that many markers of
+    one token each (a chat template's or a tokenizer's "<image>"), each made
+    `tokens_per_image` long. The runs must be as many as the images."""
+    image, size = spec.image_token_id, spec.tokens_per_image
+    out: list[int] = []
+    offsets: list[int] = []
+    i = 0
+    while i < len(input_ids):
+        if input_ids[i] != image:
+            out.append(input_ids[i])
+            i += 1
+            continue
+        end = i
+        while end < len(input_ids) and input_ids[end] == image:
+            end += 1
+        run = end - i
+        for _ in range(run // size if run % size == 0 else run):
+            offsets.append(len(out))
+            out.extend([image] * size)
+        i = end
+    if len(offsets) != num_images:
+        raise InvalidRequestError(
+            f"the prompt has {len(offsets)} image placeholder(s) ({spec.image_marker!r}) for "
+            f"{num_images} image(s)", param="prompt")
+    return out, offsets
+
+
+def check_images(input_ids: list[int], images: list[ImageInput],
+                 spec: VisionSpec | None) -> None:
+    """A request's images against its prompt: a model that reads images, each image's run of
+    placeholders where it says, in order, and no placeholder without its image."""
+    if not images and (spec is None or spec.image_token_id not in input_ids):
+        return
+    if spec is None:
+        raise InvalidRequestError("the model reads no images", param="image_data")
+    end = 0
+    for image in images:
+        if image.offset < end or image.num_tokens != spec.tokens_per_image or \
+                image.end > len(input_ids) or \
+                input_ids[image.offset:image.end].count(spec.image_token_id) != image.num_tokens:
+            raise InvalidRequestError("an image's placeholder tokens are not where it says",
+                                      param="image_data")
+        end = image.end
+    if input_ids.count(spec.image_token_id) != spec.tokens_per_image * len(images):
+        raise InvalidRequestError(
+            f"the prompt has image placeholder tokens ({spec.image_token_id}) without their "
+            "image", param="prompt")

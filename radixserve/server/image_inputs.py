@@ -1,0 +1,227 @@
+"""A request's images, from what the client sent to the `ImageInput`s the scheduler takes.
+
+Sources, as OpenAI's and vLLM's APIs take them: `data:image/...;base64,` URLs, http(s) URLs
+(fetched on the event loop with a timeout and a size cap, `RADIXSERVE_IMAGE_FETCH_TIMEOUT`
+seconds, default 10), local files (`file://` URLs or paths) only inside
+`--allowed-local-media-path`, bare base64 (SGLang's image_data), and for the offline Engine
+PIL images and any local path. Each image is decoded with Pillow, turned into pixels by the
+checkpoint's own image processor (transformers' AutoImageProcessor of its folder), and its
+placeholder in the prompt expanded to the tokens its features fill (core/multimodal.py).
+Anything unreadable is a 400 naming the image."""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+from radixserve.core.multimodal import (ImageInput, VisionSpec, expand_image_placeholders,
+                                        pixels_hash)
+from radixserve.core.sampling_params import InvalidRequestError
+
+MAX_IMAGE_BYTES = 32 << 20
+MAX_IMAGE_PIXELS = 64 << 20  # decoded width x height
+
+
+def fetch_timeout_s() -> float:
+    return float(os.environ.get("RADIXSERVE_IMAGE_FETCH_TIMEOUT", "10"))
+
+
+class ImageReader:
+    """The model's image processor and placeholder spec, and the rules for image sources."""
+
+    def __init__(self, vision: dict[str, Any], allowed_local_media_path: str | None = None,
+                 trust_local_paths: bool = False) -> None:
+        from transformers import AutoImageProcessor
+
+        self.spec = VisionSpec(vision["image_token_id"], vision["tokens_per_image"],
+                               vision["image_marker"])
+        try:
+            self.processor = AutoImageProcessor.from_pretrained(vision["model_path"])
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"the model reads images but its folder {vision['model_path']} "
+                             f"has no usable image processor: {exc}") from exc
+        self.local_root = None if allowed_local_media_path is None else \
+            Path(allowed_local_media_path).resolve()
+        self.trust_local_paths = trust_local_paths  # the offline Engine: any local file
+
+    # ---- sources -> bytes ----
+    async def fetch(self, sources: list[Any]) -> list[Any]:
+        """Each source as bytes (or a PIL image as given); http(s) URLs fetched here."""
+        out = []
+        for index, source in enumerate(sources):
+            if isinstance(source, str) and source.startswith(("http://", "https://")):
+                out.append(await _download(source, index))
+            else:
+                out.append(self.read_source(source, index))
+        return out
+
+    def read_source(self, source: Any, index: int) -> Any:
+        """A source that needs no network: bytes, or a PIL image unchanged."""
+        if hasattr(source, "convert") and hasattr(source, "size"):  # a PIL image
+            return source
+        if isinstance(source, (bytes, bytearray)):
+            return bytes(source)
+        if not isinstance(source, str) or not source:
+            raise _bad(index, "an image must be a URL, a data URL, a path or base64 text")
+        if source.startswith("data:"):
+            head, _, data = source.partition(",")
+            if not head.endswith(";base64"):
+                raise _bad(index, "a data URL must be base64 (data:image/...;base64,...)")
+            return _b64(data, index)
+        if source.startswith(("http://", "https://")):
+            return _download_sync(source, index)
+        if source.startswith("file://"):
+            return self._local(source.removeprefix("file://"), index)
+        # a path that exists (base64 text may start with "/": JPEG's "/9j/")
+        if len(source) < 4096 and os.path.exists(os.path.expanduser(source)):
+            return self._local(os.path.expanduser(source), index)
+        return _b64(source, index)
+
+    def _local(self, path: str, index: int) -> bytes:
+        resolved = Path(path).resolve()
+        if not self.trust_local_paths and (self.local_root is None or
+                                           not resolved.is_relative_to(self.local_root)):
+            raise _bad(index, "local files are read only inside --allowed-local-media-path")
+        try:
+            if resolved.stat().st_size > MAX_IMAGE_BYTES:
+                raise _bad(index, f"the file is larger than {MAX_IMAGE_BYTES} bytes")
+            return resolved.read_bytes()
+        except OSError as exc:
+            raise _bad(index, f"cannot read {path}: {exc.strerror}") from None
+
+    # ---- bytes -> pixels, placeholders ----
+    def prepare(self, input_ids: list[int], images: list[Any]
+                ) -> tuple[list[int], list[ImageInput]]:
+        """The prompt with its image placeholders expanded, and each image's input."""
+        ids, offsets = expand_image_placeholders(input_ids, self.spec, len(images))
+        inputs = []
+        for index, (image, offset) in enumerate(zip(images, offsets)):
+            pixels = self.pixels(self.decode(image, index))
+            inputs.append(ImageInput(pixels, offset, self.spec.tokens_per_image,
+                                     pixels_hash(pixels)))
+        return ids, inputs
+
+    def decode(self, image: Any, index: int) -> Any:
+        from PIL import Image, UnidentifiedImageError
+
+        if not isinstance(image, (bytes, bytearray)):
+            return image.convert("RGB")
+        try:
+            with Image.open(io.BytesIO(image)) as opened:
+                if opened.width * opened.height > MAX_IMAGE_PIXELS:
+                    raise _bad(index, f"{opened.width}x{opened.height} is more than "
+                                      f"{MAX_IMAGE_PIXELS} pixels")
+                return opened.convert("RGB")
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) \
+                as exc:
+            if isinstance(exc, InvalidRequestError):
+                raise
+            raise _bad(index, f"not a readable image ({type(exc).__name__})") from None
+
+    def pixels(self, image: Any) -> Any:
+        import torch
+
+        values = self.processor(images=[image], return_tensors="pt")["pixel_values"]
+        return torch.as_tensor(values)[0].to(torch.float32).contiguous()
+
+
+def _bad(index: int, why: str) -> InvalidRequestError:
+    return InvalidRequestError(f"image {index}: {why}", param="image")
+
+
+def _b64(data: str, index: int) -> bytes:
+    try:
+        raw = base64.b64decode(data.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise _bad(index, "not a URL, a readable path or base64 image data") from None
+    if len(raw) > MAX_IMAGE_BYTES:
+        raise _bad(index, f"larger than {MAX_IMAGE_BYTES} bytes")
+    return raw
+
+
+async def _download(url: str, index: int) -> bytes:
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=fetch_timeout_s())
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.get(url) as response:
+                if response.status != 200:
+                    raise _bad(index, f"fetching {url} answered HTTP {response.status}")
+                data = await response.content.read(MAX_IMAGE_BYTES + 1)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise _bad(index, f"cannot fetch {url}: {type(exc).__name__} {exc}".strip()) from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise _bad(index, f"{url} is larger than {MAX_IMAGE_BYTES} bytes")
+    return data
+
+
+def _download_sync(url: str, index: int) -> bytes:
+    """The offline Engine's fetch (no event loop)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=fetch_timeout_s()) as response:
+            data = response.read(MAX_IMAGE_BYTES + 1)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise _bad(index, f"cannot fetch {url}: {exc}") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise _bad(index, f"{url} is larger than {MAX_IMAGE_BYTES} bytes")
+    return data
+
+
+def per_prompt_images(image_data: Any, num_prompts: int | None) -> list[list[Any]]:
+    """SGLang's image_data: for one prompt (`num_prompts` None) an image or a list of them;
+    for a batch one such item per prompt."""
+    items = [image_data] if num_prompts is None else image_data
+    if num_prompts is not None and image_data is None:
+        items = [None] * num_prompts
+    elif num_prompts is not None and (not isinstance(image_data, list) or
+                                      len(image_data) != num_prompts):
+        raise InvalidRequestError(f"image_data must hold one item per prompt ({num_prompts})",
+                                  param="image_data")
+    return [[] if item is None else list(item) if isinstance(item, list) else [item]
+            for item in items]
+
+
+def conversation_images(conversation: list[Any], marker: str | None, as_parts: bool
+                        ) -> tuple[list[Any], list[Any]]:
+    """An offline chat's messages as the template takes them, and their images in order.
+    Image parts are OpenAI's {"type": "image_url", "image_url": {"url"}} and vLLM's
+    {"type": "image_pil", "image_pil": <PIL image>} / {"type": "image", "image": ...}; each
+    becomes {"type": "image"} (`as_parts`) or `marker` in the text; `marker` None: the model
+    reads no images and any image part is refused."""
+    images: list[Any] = []
+    messages = []
+    for message in conversation:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str) and as_parts and marker is not None:
+            content = [{"type": "text", "text": content}]
+        if not isinstance(content, list):
+            messages.append(message)
+            continue
+        parts: list[dict[str, Any]] = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("image_url", "image_pil", "image"):
+                if marker is None:
+                    raise InvalidRequestError("this model reads no images (a content part "
+                                              f"of type {kind!r})")
+                image = part.get(kind)
+                images.append(image.get("url") if isinstance(image, dict) else image)
+                parts.append({"type": "image"} if as_parts else {"type": "text", "text": marker})
+            elif kind in (None, "text"):
+                parts.append(part)
+            else:
+                raise InvalidRequestError(f"content parts of type {kind!r} are not supported; "
+                                          "only text and images")
+        if not as_parts:  # text templates: the parts joined
+            parts_text = "".join(str(p.get("text", "")) for p in parts)
+            messages.append({**message, "content": parts_text})
+        else:
+            messages.append({**message, "content": parts})
+    return messages, images
