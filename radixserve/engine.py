@@ -36,7 +36,7 @@ from radixserve.scheduler.replicated import ReplicatedScheduler
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server.tp_follower_process import (FollowerWatch, cpu_threads_per_rank,
                                                    start_tp_followers)
-from radixserve.server.image_inputs import (ImageReader, conversation_images,
+from radixserve.server.image_inputs import (conversation_images, image_reader,
                                            per_prompt_images)
 from radixserve.server.openai_protocol import ImageRendering
 from radixserve.server.incremental_detokenizer import IncrementalDetokenizer, stop_match
@@ -125,8 +125,8 @@ class Engine:
         self.scheduler: Any = scheduler if self.server_args.tp_size == 1 else \
             ReplicatedScheduler(scheduler, get_tp_group())
         self.tokenizer = self.scheduler.tokenizer
-        vision = scheduler.model_info.get("vision")  # a model that reads images
-        self._images = ImageReader(vision, trust_local_paths=True) if vision else None
+        # a model that reads images: its image processor, placeholders, sources
+        self._images = image_reader(scheduler.model_info.get("vision"), trust_local_paths=True)
         self.generation_defaults = dict(self._runner.source.generation_defaults)
         self._ids = itertools.count()
         self._closed = False
@@ -179,7 +179,8 @@ class Engine:
             if text is not None:
                 if self.tokenizer is None:
                     raise InvalidRequestError("text prompts need a tokenizer; pass input_ids")
-                ids = self.tokenizer.encode(text)
+                ids = self.tokenizer.encode(text if self._images is None else
+                                            self._images.expand_text(text, len(images[i])))
             else:
                 ids = ids_list[i]
             mm_inputs = None
@@ -339,6 +340,8 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - the template's verdict on the input
                 raise InvalidRequestError(f"the chat template rejected the messages: {exc}") \
                     from exc
+            if self._images is not None:
+                text = self._images.expand_text(text, len(sources))
             ids.append(list(self.tokenizer.encode(text, add_special_tokens=False)))
         if any(images):
             generate_kwargs["image_data"] = images[0] if single else images

@@ -106,8 +106,9 @@ class CPUAttnBackend(TorchNativeAttnBackend):
             if rope is not None:
                 q, k = rope.rotary(rope.positions, q, k)
             self.kv_pool.store_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        if self._token_rows is not None:
+        if self._token_rows is not None and not _window_past_limit(layer, forward_batch):
             return self._kernel_decode(q, layer, *self._token_rows)
+        self._ensure_parts(forward_batch)
         outs = []
         for part in self.parts:
             q_part = q[part.token_start:part.token_end]
@@ -140,7 +141,8 @@ class CPUAttnBackend(TorchNativeAttnBackend):
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: "RadixAttention", forward_batch: ForwardBatch) -> torch.Tensor:
-        if self._token_rows is None or not self._kernel_ok(q, layer):
+        if self._token_rows is None or not self._kernel_ok(q, layer) or \
+                _window_past_limit(layer, forward_batch):
             self._ensure_parts(forward_batch)
             return super().forward_extend(q, k, v, layer, forward_batch)
         self.kv_pool.store_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
@@ -152,15 +154,27 @@ class CPUAttnBackend(TorchNativeAttnBackend):
             super().init_forward_metadata(forward_batch)
 
 
+def _window_past_limit(layer: "RadixAttention", forward_batch: ForwardBatch) -> bool:
+    """A windowed layer in a pass whose tokens see past themselves: the kernel would count the
+    window back from the last key a token sees, not from the token (torch_native's parts
+    serve it)."""
+    return bool(layer.sliding_window) and forward_batch.extend_causal_limit is not None
+
+
 def _per_token_rows(forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token of an extend pass as a one-token request: its request's req_to_token row
-    and its causal length (prefix + its index in the new run + 1)."""
+    and its causal length (prefix + its index in the new run + 1; past it to its limit where
+    the pass has ForwardBatch.extend_causal_limit)."""
     ext_lens = forward_batch.extend_seq_lens
     num_tokens = forward_batch.num_tokens
     rows = torch.repeat_interleave(forward_batch.req_pool_indices, ext_lens,
                                    output_size=num_tokens)
     prefix_minus_start = forward_batch.seq_lens - ext_lens - forward_batch.extend_start_loc
     first = torch.repeat_interleave(prefix_minus_start, ext_lens, output_size=num_tokens)
+    if forward_batch.extend_causal_limit is not None:  # keys up to each token's limit
+        prefix = torch.repeat_interleave(forward_batch.seq_lens - ext_lens, ext_lens,
+                                         output_size=num_tokens)
+        return rows, prefix + forward_batch.extend_causal_limit.to(torch.int64) + 1
     return rows, first + torch.arange(1, num_tokens + 1, device=rows.device)
 
 

@@ -72,10 +72,18 @@ def _build_part(forward_batch: ForwardBatch, req_to_token: torch.Tensor, req_sta
     kv_indices = torch.where(kv_valid, rows[:, :max_kv_len].to(torch.int64), 0)
     # query i of a request sits at absolute position prefix_len + i = seq_len - q_len + i
     q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q_len, device=device)[None, :]
-    # every row, padded ones included, may see position 0, so softmax stays finite
-    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
     q_valid = torch.arange(max_q_len, device=device)[None, :] < q_lens[:, None]
     flat = torch.arange(len(q_lens_cpu) * max_q_len, device=device).view(-1, max_q_len)
+    # the last position each query sees: its own, or past it (ForwardBatch.extend_causal_limit)
+    q_last = q_pos
+    limits = forward_batch.extend_causal_limit
+    if limits is not None and max_q_len > 1:
+        own = torch.arange(max_q_len, device=device)[None, :].expand(len(q_lens_cpu), -1)
+        q_last = q_pos.clone()
+        q_last.view(-1)[flat[q_valid]] += \
+            limits[token_start:token_start + sum(q_lens_cpu)].to(torch.int64) - own[q_valid]
+    # every row, padded ones included, may see position 0, so softmax stays finite
+    mask = (kv_pos[None, None, :] <= q_last[:, :, None]) & kv_valid[:, None, :]
     return PaddedPart(token_start, token_start + sum(q_lens_cpu), kv_indices, mask[:, None],
                       flat[q_valid], max_q_len, q_pos, q_valid, {})
 

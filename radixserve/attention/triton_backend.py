@@ -226,7 +226,8 @@ class TritonAttnBackend(AttentionBackend):
             forward_batch.req_pool_indices, forward_batch.extend_start_loc,
             forward_batch.extend_seq_lens, forward_batch.extend_prefix_lens,
             max(forward_batch.extend_seq_lens_cpu, default=0))
-        if self.long_extend_enabled:
+        # cuDNN's runs are causal: a pass with images seen both ways stays in one Triton launch
+        if self.long_extend_enabled and forward_batch.extend_causal_limit is None:
             self._plan_long_runs(self.extend_metadata, forward_batch)
 
     def _plan_long_runs(self, meta: ExtendMetadata, forward_batch: ForwardBatch) -> None:
@@ -323,6 +324,7 @@ class TritonAttnBackend(AttentionBackend):
                                  triton_meta.max_extend_len, layer.scaling,
                                  self.extend_config, sliding_window=_window(layer),
                                  logit_cap=layer.logit_cap, sinks=layer.sinks,
+                                 causal_limit=forward_batch.extend_causal_limit,
                                  **self._scale_args(layer))
         return out.view(-1, num_heads * head_dim)
 

@@ -121,6 +121,10 @@ class ForwardBatch:
     # ModelWorkerBatch.mm_inputs (host list of core.multimodal.ImageInput per request), or
     # None when no request of the pass has images
     mm_inputs: list[list[Any]] | None = None
+    # [T] int32 on the device: per token of an extend pass, the index (within its request's
+    # extend tokens) of the last new token it may attend to; None: causal. Set by the runner
+    # for images seen both ways (core.multimodal.image_attention_limits, Gemma-3)
+    extend_causal_limit: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

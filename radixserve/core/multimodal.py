@@ -54,12 +54,29 @@ class VisionSpec:
     """What a multimodal checkpoint's config says about its image placeholders."""
     image_token_id: int  # the token each image's features replace
     tokens_per_image: int  # how many of them one image fills
-    image_marker: str  # the text a chat template writes for one image (expanded by the server)
+    image_marker: str  # the text a chat template writes for one image
+    # Gemma-3: the marker is a token of its own (<start_of_image>) that the processor's text
+    # replaces, before tokenizing, by `image_text` (the marker, the run of image tokens, an end
+    # token, newlines around); from ids, a marker not followed by its run gets the run and
+    # `end_token_id` after it. None: the marker is the image token itself (LLaVA's <image>)
+    marker_token_id: int | None = None
+    image_text: str | None = None
+    end_token_id: int | None = None
+    # an image's tokens attend to each other both ways, the rest causally (Gemma-3): an
+    # extend pass must hold the whole image (image_attention_limits)
+    bidirectional: bool = False
 
 
 def vision_spec(hf_config: Any, architecture: str) -> VisionSpec | None:
     """The spec of a checkpoint whose images are served (LLaVA-1.5 style: one fixed-size image
-    = a grid of patch features), None for any other."""
+    = a grid of patch features; Gemma-3: a pooled grid between its markers), None for any
+    other."""
+    if architecture == "Gemma3ForConditionalGeneration":
+        tokens = int(hf_config.mm_tokens_per_image)
+        image, boi, eoi = "<image_soft_token>", "<start_of_image>", "<end_of_image>"
+        return VisionSpec(int(hf_config.image_token_id), tokens, boi,
+                          int(hf_config.boi_token_id), f"\n\n{boi}{image * tokens}{eoi}\n\n",
+                          int(hf_config.eoi_token_id), bidirectional=True)
     if architecture != "LlavaForConditionalGeneration":
         return None
     vision = hf_config.vision_config
@@ -80,23 +97,35 @@ def expand_image_placeholders(input_ids: list[int], spec: VisionSpec, num_images
     """The prompt with each image's placeholder run at full length, and each run's offset.
 
     A run of the image token that is a whole number of images long is taken as written
-    (prompts whose placeholders are expanded already); any other run is that many markers of
-    one token each (a chat template's or a tokenizer's "<image>"), each made
-    `tokens_per_image` long. The runs must be as many as the images."""
-    image, size = spec.image_token_id, spec.tokens_per_image
+    (prompts whose placeholders are expanded already); any other run is, where the image token
+    is the marker (LLaVA), that many markers of one token each, each made `tokens_per_image`
+    long. Where the marker is a token of its own (Gemma-3), a marker not followed by a run gets
+    one and the end token after it. The images must be as many as the runs."""
+    image, size, marker = spec.image_token_id, spec.tokens_per_image, spec.marker_token_id
     out: list[int] = []
     offsets: list[int] = []
     i = 0
     while i < len(input_ids):
-        if input_ids[i] != image:
-            out.append(input_ids[i])
+        token = input_ids[i]
+        if token == marker and input_ids[i + 1:i + 1 + size] != [image] * size:
+            out.append(token)
+            offsets.append(len(out))
+            out.extend([image] * size)
+            if spec.end_token_id is not None:
+                out.append(spec.end_token_id)
+            i += 1
+            continue
+        if token != image:
+            out.append(token)
             i += 1
             continue
         end = i
         while end < len(input_ids) and input_ids[end] == image:
             end += 1
         run = end - i
-        for _ in range(run // size if run % size == 0 else run):
+        if run % size and marker is not None:  # no marker: check_images refuses it
+            out.extend(input_ids[i:end])
+        for _ in range(run // size if run % size == 0 else 0 if marker is not None else run):
             offsets.append(len(out))
             out.extend([image] * size)
         i = end
@@ -127,3 +156,22 @@ def check_images(input_ids: list[int], images: list[ImageInput],
         raise InvalidRequestError(
             f"the prompt has image placeholder tokens ({spec.image_token_id}) without their "
             "image", param="prompt")
+
+
+def image_attention_limits(mm_inputs: list[list[ImageInput]], prefix_lens: list[int],
+                           extend_lens: list[int]) -> list[int]:
+    """For models whose image tokens see their whole image (Gemma-3: causal, or within the
+    same image): per token of an extend pass, the last of its request's new tokens it may
+    attend to, as an index into that request's extend tokens (its own index when causal; an
+    image token's: its image's last). A pass never ends inside such an image (the scheduler's
+    chunks stop before or after one)."""
+    limits: list[int] = []
+    for images, prefix_len, extend_len in zip(mm_inputs, prefix_lens, extend_lens):
+        own = list(range(extend_len))
+        for image in images:
+            first = max(image.offset - prefix_len, 0)
+            last = min(image.end - prefix_len, extend_len) - 1
+            if first <= last:  # (an image wholly before or after the pass: nothing)
+                own[first:last + 1] = [last] * (last + 1 - first)
+        limits.extend(own)
+    return limits

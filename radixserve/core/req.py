@@ -56,6 +56,9 @@ class Req:
         # the prompt's images, in order (core/multimodal.py), kept for a recompute after a
         # retraction
         self.mm_inputs: list[ImageInput] = list(mm_inputs or ())
+        # prompt spans [start, end) a prefill chunk may not end inside (images whose tokens see
+        # each other both ways: Gemma-3's), set by the scheduler
+        self.whole_spans: list[tuple[int, int]] = []
         self.origin_input_text = input_text
         self.origin_input_ids = list(input_ids)
         self.sampling_params = sampling_params

@@ -17,7 +17,7 @@ from radixserve.attention.base import AttentionBackend, AttentionContext
 from radixserve.attention.registry import create_attention_backend
 from radixserve.config import ServerArgs, resolve_dtype
 from radixserve.core.model_config import ModelConfig
-from radixserve.core.multimodal import vision_spec
+from radixserve.core.multimodal import image_attention_limits, vision_spec
 from radixserve.core.forward_batch import (ForwardBatch, ForwardMode, ForwardOutput,
                                            ModelWorkerBatch)
 from radixserve.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
@@ -441,6 +441,11 @@ class ModelRunner:
         """The eager pass's ForwardBatch, its decode slots recorded and the backend's
         metadata built (`input_ids` on the device replaces the batch's)."""
         fb = ForwardBatch.from_worker_batch(batch, self.device, self.attn_backend)
+        if fb.mm_inputs is not None and self.vision_spec is not None and \
+                self.vision_spec.bidirectional and fb.forward_mode.is_extend():
+            fb.extend_causal_limit = torch.tensor(image_attention_limits(
+                fb.mm_inputs, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu),
+                dtype=torch.int32).to(self.device, non_blocking=True)
         if input_ids is not None:
             fb.input_ids = input_ids
         if self.lora is not None:

@@ -3,8 +3,9 @@
   CLIP    patches by a bias-free conv, a learned class token in front of them, position
           embeddings, `pre_layrnorm`, then pre-norm encoder layers
   SigLIP  patches by a conv with bias, position embeddings, the same encoder layers; its
-          `post_layernorm` and attention-pooling `head` serve transformers' last_hidden_state
-          and pooler output, which a LLaVA model never reads (it reads hidden_states)
+          `post_layernorm` makes transformers' last_hidden_state (Gemma-3's features; a LLaVA
+          model reads hidden_states, before it), its attention-pooling `head` the pooler
+          output, which no model here reads
 
 Encoder layer: x + attn(layer_norm1(x)), then + mlp(layer_norm2(.)); attention is bidirectional
 over the image's tokens (torch's scaled_dot_product_attention), q/k/v/out projections with bias,
@@ -12,10 +13,12 @@ the MLP fc1 -> hidden_act -> fc2.
 
 `VisionTower` returns the hidden states a LLaVA model feeds its projector: those after the
 configured layers (hidden_states[0] is the embeddings' output, after CLIP's pre_layrnorm;
-hidden_states[i] the output of layer i), several concatenated on the feature dimension. Layers
-past the deepest one asked for are neither built nor run; their checkpoint tensors are skipped
-(`skip_weight`). Parameters are plain, replicated on every tensor-parallel rank, and named as in
-the checkpoint under `vision_tower.vision_model.`, so the generic loader copies them whole.
+hidden_states[i] the output of layer i), several concatenated on the feature dimension; or,
+with `post_layernorm`, SigLIP's last_hidden_state (Gemma-3). Layers past the deepest one asked
+for are neither built nor run; their checkpoint tensors are skipped (`skip_weight`), as are the
+pooling head's and the post-norm's where the features do not go through it. Parameters are
+plain, replicated on every tensor-parallel rank, and named as in the checkpoint under
+`vision_tower.vision_model.`, so the generic loader copies them whole.
 """
 from __future__ import annotations
 
@@ -141,31 +144,40 @@ class VisionEncoder(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    """The checkpoint's `vision_model`: embeddings, CLIP's pre_layrnorm, the first layers."""
+    """The checkpoint's `vision_model`: embeddings, CLIP's pre_layrnorm, the first layers,
+    SigLIP's post_layernorm where asked for."""
 
-    def __init__(self, cfg: Any, num_layers: int) -> None:
+    def __init__(self, cfg: Any, num_layers: int, post_layernorm: bool = False) -> None:
         super().__init__()
         clip = cfg.model_type == "clip_vision_model"
         self.embeddings = VisionEmbeddings(cfg, clip)
         self.pre_layrnorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps) \
             if clip else None
         self.encoder = VisionEncoder(cfg, num_layers)
+        self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps) \
+            if post_layernorm else None
 
 
 class VisionTower(nn.Module):
     """A CLIP or SigLIP vision transformer (`vision_config.model_type`), run up to the deepest of
     `feature_layers` (indices into transformers' hidden_states, `hidden_state_indices`)."""
 
-    def __init__(self, vision_config: Any, feature_layers: list[int]) -> None:
+    def __init__(self, vision_config: Any, feature_layers: list[int],
+                 post_layernorm: bool = False) -> None:
+        """post_layernorm: the features are SigLIP's last_hidden_state, its last layer's output
+        through `post_layernorm` (Gemma-3's); feature_layers must then be that layer alone."""
         super().__init__()
         kind = getattr(vision_config, "model_type", None)
         if kind not in TOWER_KINDS:
             raise ValueError(f"vision tower {kind!r} is not supported (supported: "
                              f"{', '.join(TOWER_KINDS)})")
+        if post_layernorm and (kind != "siglip_vision_model" or
+                               list(feature_layers) != [vision_config.num_hidden_layers]):
+            raise ValueError("the post-norm's features are a SigLIP tower's last layer's")
         self.feature_layers = list(feature_layers)
         self.num_layers = max(self.feature_layers)
         self.hidden_size: int = vision_config.hidden_size
-        self.vision_model = VisionTransformer(vision_config, self.num_layers)
+        self.vision_model = VisionTransformer(vision_config, self.num_layers, post_layernorm)
 
     @property
     def feature_size(self) -> int:
@@ -174,10 +186,13 @@ class VisionTower(nn.Module):
 
     def skip_weight(self, name: str) -> bool:
         """Checkpoint tensors (named below `vision_model.`) the features never use: layers past
-        the deepest feature layer, the post-norm and the pooling head."""
+        the deepest feature layer, the pooling head, the post-norm unless the features go
+        through it."""
         name = name.removeprefix("vision_model.")
-        if name.startswith(("post_layernorm.", "head.")) or name == "embeddings.position_ids":
+        if name.startswith("head.") or name == "embeddings.position_ids":
             return True
+        if name.startswith("post_layernorm."):
+            return self.vision_model.post_layernorm is None
         if name.startswith("encoder.layers."):
             return int(name.split(".")[2]) >= self.num_layers
         return False
@@ -193,5 +208,7 @@ class VisionTower(nn.Module):
             hidden = layer(hidden)
             if i in self.feature_layers:
                 states[i] = hidden
+        if vit.post_layernorm is not None:
+            return vit.post_layernorm(hidden)
         selected = [states[i] for i in self.feature_layers]
         return selected[0] if len(selected) == 1 else torch.cat(selected, dim=-1)

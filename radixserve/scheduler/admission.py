@@ -176,7 +176,7 @@ class PrefillAdder:
         take = req.extend_input_len
         if self.rem_chunk_tokens is not None:
             take = min(take, self.rem_chunk_tokens)
-        take = min(take, self.rem_input_tokens)
+        take = whole_span_take(req, min(take, self.rem_input_tokens))
         self._admit(req, take, newly_locked=False)
         self.continues_chunked_req = True
 
@@ -195,6 +195,8 @@ class PrefillAdder:
         take = req.extend_input_len
         if self.rem_chunk_tokens is not None:
             take = min(take, self.rem_chunk_tokens, self.rem_input_tokens)
+            if take > 0:
+                take = whole_span_take(req, take)
         elif take > self.rem_input_tokens and self.can_run:
             take = 0  # too long for what is left of this batch: next turn
         if take <= 0:
@@ -227,3 +229,15 @@ class PrefillAdder:
             self.rem_total_tokens -= take
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= take
+
+
+def whole_span_take(req: Req, take: int) -> int:
+    """A chunk of `take` prompt tokens moved so it ends outside the request's whole spans
+    (Req.whole_spans: an image whose tokens see each other both ways needs them in one pass):
+    back to the span's start, or on to its end where the chunk starts inside it or at it."""
+    start = len(req.prefix_indices)
+    end = start + take
+    for first, last in req.whole_spans:
+        if first < end < last:
+            return first - start if first > start else last - start
+    return take

@@ -163,6 +163,8 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesM
                   msg.logprob_start_len, msg.top_logprobs_num, msg.stream, msg.lora_name,
                   self.lora_cache_id(msg.lora_name), msg.mm_inputs)
         req.priority = msg.priority or 0
+        if self.vision is not None and self.vision.bidirectional:
+            req.whole_spans = [(image.offset, image.end) for image in req.mm_inputs]
         error = self.grammars.on_add(req)
         if error is not None:
             return ReqError(msg.rid, error)

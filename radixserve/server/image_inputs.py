@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import io
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,8 @@ from typing import Any
 from radixserve.core.multimodal import (ImageInput, VisionSpec, expand_image_placeholders,
                                         pixels_hash)
 from radixserve.core.sampling_params import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 MAX_IMAGE_BYTES = 32 << 20
 MAX_IMAGE_PIXELS = 64 << 20  # decoded width x height
@@ -36,8 +40,8 @@ class ImageReader:
                  trust_local_paths: bool = False) -> None:
         from transformers import AutoImageProcessor
 
-        self.spec = VisionSpec(vision["image_token_id"], vision["tokens_per_image"],
-                               vision["image_marker"])
+        self.spec = VisionSpec(**{field.name: vision[field.name]
+                                  for field in dataclasses.fields(VisionSpec)})
         try:
             self.processor = AutoImageProcessor.from_pretrained(vision["model_path"])
         except (OSError, ValueError) as exc:
@@ -92,7 +96,16 @@ class ImageReader:
         except OSError as exc:
             raise _bad(index, f"cannot read {path}: {exc.strerror}") from None
 
-    # ---- bytes -> pixels, placeholders ----
+    # ---- text, bytes -> pixels, placeholders ----
+    def expand_text(self, text: str, num_images: int) -> str:
+        """A prompt's text as the checkpoint's processor writes it before tokenizing: Gemma-3's
+        markers become the image's whole sequence (markers, run, newlines around); others are
+        expanded on the ids (`prepare`). Text without images stays as it is."""
+        if not num_images or self.spec.image_text is None:
+            return text
+        return text.replace(self.spec.image_marker, self.spec.image_text)
+
+
     def prepare(self, input_ids: list[int], images: list[Any]
                 ) -> tuple[list[int], list[ImageInput]]:
         """The prompt with its image placeholders expanded, and each image's input."""
@@ -126,6 +139,19 @@ class ImageReader:
 
         values = self.processor(images=[image], return_tensors="pt")["pixel_values"]
         return torch.as_tensor(values)[0].to(torch.float32).contiguous()
+
+
+def image_reader(vision: dict[str, Any] | None, allowed_local_media_path: str | None = None,
+                 trust_local_paths: bool = False) -> ImageReader | None:
+    """The model's ImageReader, or None where it reads no images, or where its folder lacks
+    the image processor: then it is served text-only (images refused), said in the log."""
+    if not vision:
+        return None
+    try:
+        return ImageReader(vision, allowed_local_media_path, trust_local_paths)
+    except ValueError as exc:
+        logger.warning("%s; serving it text-only (requests with images are refused)", exc)
+        return None
 
 
 def _bad(index: int, why: str) -> InvalidRequestError:

@@ -150,9 +150,11 @@ def build_requests(tm: TokenizerManager, obj: GenerateReqInput,
         text, input_ids = obj.item("text", i, size or 1), obj.item("input_ids", i, size or 1)
         mm_inputs = None
         if tm.images is not None:  # placeholders expanded (and checked) before validation
-            ids = input_ids if input_ids is not None else tm.tokenize(text) if text else None
+            given = images[i] if images else []
+            ids = input_ids if input_ids is not None else \
+                tm.tokenize(tm.images.expand_text(text, len(given))) if text else None
             if ids is not None:
-                input_ids, mm_inputs = tm.images.prepare(ids, images[i] if images else [])
+                input_ids, mm_inputs = tm.images.prepare(ids, given)
         req = tm.make_request(
             text=text, input_ids=input_ids, mm_inputs=mm_inputs,
             sampling_params=params, rid=obj.item("rid", i, size or 1),

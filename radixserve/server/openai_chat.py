@@ -38,7 +38,7 @@ def render_prompt(ctx: OpenAIContext, body: ChatCompletionRequest) -> tuple[str,
     template = template if isinstance(template, str) else json.dumps(template)
     plan = plan_tools(body, ctx.tool_call_parser, template,
                       ctx.exclude_tools_when_tool_choice_none)
-    reader = ctx.tokenizer_manager.images
+    reader = getattr(ctx.tokenizer_manager, "images", None)  # (a stand-in may have none)
     images = None if reader is None else \
         ImageRendering.for_template(template, reader.spec.image_marker)
     messages = render_conversation(body, plan, template, images)
@@ -49,6 +49,8 @@ def render_prompt(ctx: OpenAIContext, body: ChatCompletionRequest) -> tuple[str,
     except Exception as exc:  # noqa: BLE001 - template errors are the caller's input errors
         raise APIError(f"the chat template rejected the messages: {exc}",
                        param="messages") from exc
+    if reader is not None:
+        prompt = reader.expand_text(prompt, len(body.image_sources()))
     # the template writes BOS itself where the model wants one
     return prompt, list(tokenizer.encode(prompt, add_special_tokens=False)), plan
 
@@ -66,8 +68,9 @@ def build_requests(ctx: OpenAIContext, body: ChatCompletionRequest, images: list
         prompt += CONSTRAINED_ANSWER
         input_ids = list(tm.tokenizer.encode(prompt, add_special_tokens=False))
     mm_inputs = None
-    if tm.images is not None:
-        input_ids, mm_inputs = tm.images.prepare(input_ids, list(images))
+    reader = getattr(tm, "images", None)
+    if reader is not None:
+        input_ids, mm_inputs = reader.prepare(input_ids, list(images))
     max_tokens = body.requested_max_tokens
     if max_tokens is None:  # OpenAI: up to the context length (or what the KV cache holds)
         max_tokens = max(tm.limits.max_sequence_tokens - len(input_ids), 0)

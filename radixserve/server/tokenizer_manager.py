@@ -34,7 +34,7 @@ from radixserve.core.sampling_params import (GRAMMAR_KINDS, MAX_N, InvalidReques
 from radixserve.scheduler.grammar.validation import check_grammar
 from radixserve.server.dp_router import DataParallelRouter
 from radixserve.server.errors import APIError, ClientDisconnected
-from radixserve.server.image_inputs import ImageReader
+from radixserve.server.image_inputs import image_reader
 from radixserve.server.ipc import PortArgs, pull_socket, push_socket
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.request_lanes import RequestLanes
@@ -58,8 +58,7 @@ class TokenizerManager:
         self.model_info = model_info
         self.limits = RequestLimits.from_model_info(model_info)
         # a model that reads images: its image processor and placeholders (image_inputs.py)
-        vision = model_info.get("vision")
-        self.images = None if not vision else ImageReader(vision, allowed_local_media_path)
+        self.images = image_reader(model_info.get("vision"), allowed_local_media_path)
         # sampling parameters requests get when they leave them unset (the model's
         # generation_config.json, as vLLM does)
         self.generation_defaults = dict(generation_defaults or {})

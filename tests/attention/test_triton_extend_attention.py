@@ -237,3 +237,33 @@ def test_extend_sinks(window: int) -> None:
                           dtype=torch.float32, config=TALL, seed=25, q_scale=2.0,
                           sliding_window=window)
     assert not torch.allclose(ref, plain, atol=1e-2)
+
+
+def image_limits(extend_lens: list[int], prefix_lens: list[int],
+                 images: list[list[tuple[int, int]]]) -> torch.Tensor:
+    """Each new token's limit where runs of positions (offset, length) see themselves whole,
+    as the runner makes them for Gemma-3's images (core.multimodal.image_attention_limits)."""
+    from radixserve.core.multimodal import ImageInput, image_attention_limits
+    inputs = [[ImageInput(torch.zeros(1), offset, length, 0) for offset, length in runs]
+              for runs in images]
+    return torch.tensor(image_attention_limits(inputs, prefix_lens, extend_lens),
+                        dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("window", [-1, 9, 40])
+@pytest.mark.parametrize("config", [SMALL, TALL], ids=["16x16", "32x16"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_extend_with_images_seen_both_ways(window: int, config: ExtendKernelConfig,
+                                           dtype: torch.dtype) -> None:
+    """Runs of new tokens that attend to each other both ways (Gemma-3's images): one inside a
+    query block, one spanning blocks past the query block, one starting in the cached prefix
+    side of the pass's first block; the rest causal; with and without a window."""
+    prefix_lens, extend_lens = [0, 7, 3], [50, 41, 20]
+    limits = image_limits(extend_lens, prefix_lens, [[(4, 6), (20, 25)], [(7, 30)], []])
+    out, ref = run_extend(prefix_lens, extend_lens, 2, 2, 64, dtype, config,
+                          sliding_window=window, causal_limit=limits)
+    torch.testing.assert_close(out, ref, **tolerance(dtype))
+    causal_out, _ = run_extend(prefix_lens, extend_lens, 2, 2, 64, dtype, config,
+                               sliding_window=window)
+    assert not torch.allclose(out[4:10], causal_out[4:10])  # the limits change the image rows
+    torch.testing.assert_close(out[:4], causal_out[:4], **tolerance(dtype))

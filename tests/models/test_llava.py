@@ -49,7 +49,7 @@ def pair(checkpoint) -> tuple[torch.nn.Module, ModelRunner]:
 class Counted:
     """Wraps the model's encode_images, recording the batch size of each call."""
 
-    def __init__(self, model: LlavaForConditionalGeneration) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         self.model, self.original, self.calls = model, model.encode_images, []
 
     def __enter__(self) -> "Counted":

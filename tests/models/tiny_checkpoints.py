@@ -265,9 +265,9 @@ CONFIGS = {
         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 
-# multimodal checkpoints, served text-only (LLaVA's: with their images); kept out of CONFIGS,
-# every entry of which test_llama_vs_hf.py runs reading vocab_size from the config's top level
-# (here text_config's)
+# multimodal checkpoints, served text-only (LLaVA's and Gemma-3's: with their images); kept out
+# of CONFIGS, every entry of which test_llama_vs_hf.py runs reading vocab_size from the config's
+# top level (here text_config's)
 MULTIMODAL_CONFIGS = {
     # LLaVA-1.5 (LlavaForConditionalGeneration): a CLIP tower (class token, pre_layrnorm,
     # quick_gelu) of 3 layers read after its second (vision_feature_layer -2, the third never
@@ -296,15 +296,17 @@ MULTIMODAL_CONFIGS = {
     # Gemma-3 4b-27b (Gemma3ForConditionalGeneration, what AutoModelForCausalLM makes of a
     # Gemma3Config): the language model in text_config (five sliding layers, window 24, then a
     # full one whose rope is linearly scaled, as the 4b-27b configs' rope_scaling), a tiny
-    # SigLIP vision tower and the projector beside it, the EOS ids [1, 106] at the top level
-    # only (text_config's default is 1), tied as the whole model says
+    # SigLIP vision tower (8x8 patches of 4x4 pixels, a pooling head the features never use)
+    # and the projector beside it (the grid pooled 2x2: 16 tokens an image, which fit in the
+    # window), the EOS ids [1, 106] at the top level only (text_config's default is 1), tied
+    # as the whole model says; the image ids are test_gemma3_multimodal.py's tokenizer's
     "gemma3_multimodal": (transformers.Gemma3Config, dict(
         text_config=dict(BASE, num_hidden_layers=6, num_key_value_heads=2, head_dim=16,
                          query_pre_attn_scalar=16, sliding_window=24,
                          rope_scaling={"rope_type": "linear", "factor": 8.0}),
-        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                           num_attention_heads=2, image_size=28, patch_size=7),
-        mm_tokens_per_image=4, boi_token_index=157, eoi_token_index=158, image_token_index=159,
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=32, patch_size=4),
+        mm_tokens_per_image=16, boi_token_index=157, eoi_token_index=158, image_token_index=159,
         eos_token_id=[1, 106], tie_word_embeddings=True)),
     # Mistral Small 3.1 / 3.2 (Mistral3ForConditionalGeneration): a Mistral decoder in
     # text_config (GQA, head_dim not hidden / heads, untied), a tiny Pixtral vision tower and

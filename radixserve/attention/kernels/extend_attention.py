@@ -26,8 +26,13 @@ Logit soft-capping with cap c > 0 (Gemma-2): each score s = (q . k) * sm_scale b
 c * tanh(s / c) before the softmax, applied to the natural-unit score before the conversion to
 base-2 units (see decode_attention.soft_cap_log2).
 
-Both are compile-time switches (SLIDING_WINDOW <= 0, LOGIT_CAP <= 0: off); the default kernel is
-the same code as without them.
+A causal limit per new token (Gemma-3's images, whose tokens see their whole image): new token
+i attends the new tokens j <= limit[i] (limit[i] >= i) instead of j <= i, the window still
+counted from i. The diagonal pass then runs on to the block holding the query block's largest
+limit, masked.
+
+All three are compile-time switches (SLIDING_WINDOW <= 0, LOGIT_CAP <= 0, HAS_LIMIT false: off);
+the default kernel is the same code as without them.
 """
 from __future__ import annotations
 
@@ -100,14 +105,15 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, mask, sm_scale_log2e,
 @triton.jit
 def _extend_kernel(
     Q, K_Extend, V_Extend, O, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices,
-    Extend_start_loc, Extend_seq_lens, Extend_prefix_lens, Sinks, sm_scale_log2e, k_scale,
+    Extend_start_loc, Extend_seq_lens, Extend_prefix_lens, Sinks, Causal_limit,
+    sm_scale_log2e, k_scale,
     v_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_ket, stride_keh, stride_vet,
     stride_veh,
     stride_kbt, stride_kbh, stride_vbt, stride_vbh, stride_req_row,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr, KV_FP8: tl.constexpr,
-    FP8_AS_FP16: tl.constexpr, HAS_SINKS: tl.constexpr,
+    FP8_AS_FP16: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LIMIT: tl.constexpr,
 ):
     head = tl.program_id(0)
     req = tl.program_id(1)
@@ -197,8 +203,14 @@ def _extend_kernel(
                                                  sm_scale_log2e, False, DOT_PRECISION,
                                                  LOGIT_CAP, False)
 
-        # 2b. diagonal blocks, causal (and windowed)
+        # 2b. diagonal blocks, causal (and windowed); with limits, on to the last limit's block
         block_end = tl.minimum(block_start + BLOCK_M, ext_len)
+        if HAS_LIMIT:  # padding rows: every key (finite softmax; never stored)
+            limit = tl.load(Causal_limit + start_loc + offs_m, mask=m_mask,
+                            other=1 << 30).to(tl.int32)
+            block_end = tl.maximum(block_end,
+                                   tl.minimum(tl.max(tl.where(m_mask, limit, 0), 0) + 1,
+                                              ext_len))
         for n_start in range(block_start, block_end, BLOCK_N):
             pos = n_start + offs_n
             pos_mask = pos < ext_len
@@ -206,7 +218,10 @@ def _extend_kernel(
             kv_mask = pos_mask[:, None] & d_mask[None, :]
             k = tl.load(ke_base + rows * stride_ket, mask=kv_mask, other=0.0)
             v = tl.load(ve_base + rows * stride_vet, mask=kv_mask, other=0.0)
-            causal = (offs_m[:, None] >= pos[None, :]) & pos_mask[None, :]
+            if HAS_LIMIT:
+                causal = (limit[:, None] >= pos[None, :]) & pos_mask[None, :]
+            else:
+                causal = (offs_m[:, None] >= pos[None, :]) & pos_mask[None, :]
             if WINDOWED:
                 causal = causal & (pos[None, :] > offs_m[:, None] - SLIDING_WINDOW)
             m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, causal,
@@ -231,7 +246,8 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
                          sm_scale: float, config: ExtendKernelConfig | None = None, *,
                          sliding_window: int = -1, logit_cap: float = 0.0,
                          k_scale: float = 1.0, v_scale: float = 1.0,
-                         sinks: torch.Tensor | None = None) -> None:
+                         sinks: torch.Tensor | None = None,
+                         causal_limit: torch.Tensor | None = None) -> None:
     """Write extend attention into out ([T, H, D]).
 
     q: [T, H, D]; k/v_extend: [T, Hkv, D], this pass's new tokens packed request after request
@@ -241,6 +257,8 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
     sliding_window W > 0: the token at position p attends only keys p - W < j <= p.
     logit_cap c > 0: scores s become c * tanh(s / c). Both are compile-time constants; <= 0 is off.
     sinks [H] float32 (gpt-oss): each head's logit joins its softmax's sum with no value.
+    causal_limit [T] int32 (Gemma-3's images): new token i attends new tokens j <= limit[i]
+    (an index into its request's new tokens, >= i) instead of j <= i.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_extend.shape[1]
@@ -257,7 +275,8 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
     _extend_kernel[grid](
         q, k_extend, v_extend, out, k_buffer, v_buffer, req_to_token, req_pool_indices,
         extend_start_loc, extend_seq_lens, extend_prefix_lens,
-        sinks if sinks is not None else extend_seq_lens, sm_scale * LOG2E,
+        sinks if sinks is not None else extend_seq_lens,
+        causal_limit if causal_limit is not None else extend_seq_lens, sm_scale * LOG2E,
         float(k_scale), float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_extend.stride(0), k_extend.stride(1), v_extend.stride(0), v_extend.stride(1),
@@ -268,5 +287,6 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(k_extend.dtype), SLIDING_WINDOW=window, LOGIT_CAP=cap,
         KV_FP8=is_fp8(k_buffer.dtype), FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16),
-        HAS_SINKS=sinks is not None, num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_SINKS=sinks is not None, HAS_LIMIT=causal_limit is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -22,10 +22,12 @@ def _gather_kv(buffer: torch.Tensor, req_to_token: torch.Tensor, req_slot: int,
 
 
 def _attention_mask(query_pos: torch.Tensor, key_pos: torch.Tensor,
-                    sliding_window: int) -> torch.Tensor:
-    """[Tq, Tk] True = attend: causal, and within the last sliding_window keys if it is > 0."""
+                    sliding_window: int, last_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """[Tq, Tk] True = attend: causal (up to `last_pos` where given), and within the last
+    sliding_window keys (counted from the query) if it is > 0."""
+    last = (query_pos if last_pos is None else last_pos)[:, None]
     query_pos, key_pos = query_pos[:, None], key_pos[None, :]
-    mask = key_pos <= query_pos
+    mask = key_pos <= last
     if sliding_window > 0:
         mask &= key_pos > query_pos - sliding_window
     return mask
@@ -78,8 +80,11 @@ def extend_attention_reference(q: torch.Tensor, k_extend: torch.Tensor, v_extend
                                extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor,
                                sm_scale: float, *, sliding_window: int = -1,
                                logit_cap: float = 0.0,
-                               sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [T, H, D], k/v_extend: [T, Hkv, D], tokens packed request after request.
+                               sinks: torch.Tensor | None = None,
+                               causal_limit: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, H, D], k/v_extend: [T, Hkv, D], tokens packed request after request;
+    causal_limit [T]: new token i sees new tokens up to its limit (an index among its
+    request's new tokens) instead of up to itself.
 
     Request i's new tokens attend to its cached prefix (positions 0..prefix_len-1, read from the
     pool) and causally to its own new tokens (read from k/v_extend); with sliding_window W > 0
@@ -95,8 +100,11 @@ def extend_attention_reference(q: torch.Tensor, k_extend: torch.Tensor, v_extend
                        k_extend[start:end].float()))
         v = torch.cat((_gather_kv(v_buffer, req_to_token, req_slot, prefix_len),
                        v_extend[start:end].float()))
+        last = None if causal_limit is None else \
+            causal_limit[start:end].cpu().long() + prefix_len
         mask = _attention_mask(torch.arange(prefix_len, prefix_len + ext_len),
-                               torch.arange(prefix_len + ext_len), sliding_window).to(q.device)
+                               torch.arange(prefix_len + ext_len), sliding_window,
+                               last).to(q.device)
         out[start:end] = _attend(q[start:end].float(), k, v, sm_scale, mask,
                                  logit_cap, sinks).to(q.dtype)
         start = end
