@@ -172,21 +172,25 @@ class Engine:
         if self._images is None and any(images):
             raise InvalidRequestError("this model reads no images", param="image_data")
         limits = self.scheduler.limits  # its LoRA adapters of the moment
+        id_lists: list[list[int]] = []
+        for i in range(n_items):
+            text = prompts[i] if prompts is not None else None
+            if text is None:
+                id_lists.append(ids_list[i])
+                continue
+            if self.tokenizer is None:
+                raise InvalidRequestError("text prompts need a tokenizer; pass input_ids")
+            id_lists.append(self.tokenizer.encode(
+                text if self._images is None else self._images.expand_text(text, len(images[i]))))
+        # every prompt's images at once (processed in threads): ids expanded, ImageInputs
+        prepared = None if self._images is None else self._images.prepare_many([
+            (ids, [self._images.read_source(source, k) for k, source in enumerate(sources)])
+            for ids, sources in zip(id_lists, images)])
         reqs: list[TokenizedGenerateReq] = []
         for i in range(n_items):
             params = _to_params(params_list[i], self.generation_defaults)
             text = prompts[i] if prompts is not None else None
-            if text is not None:
-                if self.tokenizer is None:
-                    raise InvalidRequestError("text prompts need a tokenizer; pass input_ids")
-                ids = self.tokenizer.encode(text if self._images is None else
-                                            self._images.expand_text(text, len(images[i])))
-            else:
-                ids = ids_list[i]
-            mm_inputs = None
-            if self._images is not None:
-                ids, mm_inputs = self._images.prepare(ids, [
-                    self._images.read_source(source, k) for k, source in enumerate(images[i])])
+            ids, mm_inputs = prepared[i] if prepared is not None else (id_lists[i], None)
             # the server's rules (core/request_validation.py): the same request is refused or
             # accepted alike by both
             validate_request(ids, params, limits, logprob_start_len, top_logprobs_num,

@@ -36,8 +36,15 @@ class ImageInput:
 def pixels_hash(pixel_values: torch.Tensor) -> int:
     """A 63-bit digest of an image's pixels (and shape): equal images, equal hashes."""
     data = pixel_values.detach().to(torch.float32).contiguous().cpu()
-    digest = hashlib.blake2b(data.numpy().tobytes(), digest_size=8)
-    digest.update(repr(tuple(data.shape)).encode())
+    return bytes_hash(data.numpy().tobytes(), tuple(data.shape))
+
+
+def bytes_hash(data: bytes, shape: tuple[Any, ...]) -> int:
+    """A 63-bit digest of an image's bytes (decoded, before the image processor: far fewer
+    than its float32 pixels, 1 MB against 9.6 MB for a 640 x 480 photo at Gemma-3's 896 x 896)
+    and their shape."""
+    digest = hashlib.blake2b(data, digest_size=8)
+    digest.update(repr(shape).encode())
     return int.from_bytes(digest.digest(), "little") >> 1
 
 
