@@ -126,7 +126,8 @@ class Engine:
             ReplicatedScheduler(scheduler, get_tp_group())
         self.tokenizer = self.scheduler.tokenizer
         # a model that reads images: its image processor, placeholders, sources
-        self._images = image_reader(scheduler.model_info.get("vision"), trust_local_paths=True)
+        self._images = image_reader(scheduler.model_info.get("vision"), trust_local_paths=True,
+                                    tokenizer=self.tokenizer)
         self.generation_defaults = dict(self._runner.source.generation_defaults)
         self._ids = itertools.count()
         self._closed = False

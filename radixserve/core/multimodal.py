@@ -25,12 +25,29 @@ from radixserve.core.sampling_params import InvalidRequestError
 class ImageInput:
     pixel_values: torch.Tensor  # [3, height, width] float32, as the image processor made it
     offset: int  # the prompt position of its first placeholder token
-    num_tokens: int  # placeholder tokens it fills, from offset on
+    num_tokens: int  # placeholder tokens it spans, from offset on
     hash: int  # 63-bit digest of its pixels
+    # Pixtral's layout (Mistral3): (rows, cols) of feature tokens, the span then being each
+    # row's cols image tokens and a break token, the last row's an end token; None: every
+    # token of the span is a feature row
+    grid: tuple[int, int] | None = None
 
     @property
     def end(self) -> int:
         return self.offset + self.num_tokens
+
+    @property
+    def num_features(self) -> int:
+        """Feature rows the image has (its image tokens)."""
+        return self.num_tokens if self.grid is None else self.grid[0] * self.grid[1]
+
+    def feature_index(self, position: int) -> int | None:
+        """The feature row at prompt `position` of the span, None at a break / end token."""
+        j = position - self.offset
+        if self.grid is None:
+            return j
+        row, col = divmod(j, self.grid[1] + 1)
+        return None if col == self.grid[1] else row * self.grid[1] + col
 
 
 def pixels_hash(pixel_values: torch.Tensor) -> int:
@@ -72,6 +89,11 @@ class VisionSpec:
     # an image's tokens attend to each other both ways, the rest causally (Gemma-3): an
     # extend pass must hold the whole image (image_attention_limits)
     bidirectional: bool = False
+    # Pixtral's layout (Mistral3): an image's size decides its grid of feature tokens, one per
+    # grid_patch x grid_patch pixels (the patch times the spatial merge), each row followed by
+    # a break token, the last by `end_token_id` (tokens_per_image 0: it varies)
+    grid_patch: int | None = None
+    break_token_id: int | None = None
 
 
 def vision_spec(hf_config: Any, architecture: str) -> VisionSpec | None:
@@ -84,6 +106,17 @@ def vision_spec(hf_config: Any, architecture: str) -> VisionSpec | None:
         return VisionSpec(int(hf_config.image_token_id), tokens, boi,
                           int(hf_config.boi_token_id), f"\n\n{boi}{image * tokens}{eoi}\n\n",
                           int(hf_config.eoi_token_id), bidirectional=True)
+    if architecture == "Mistral3ForConditionalGeneration":
+        if getattr(hf_config.get_text_config(), "model_type", "mistral") != "mistral":
+            return None  # Mistral Small 4's decoder: served text-only
+        merge = int(getattr(hf_config, "spatial_merge_size", 1) or 1)
+        image = getattr(hf_config, "image_token_id", None)
+        image = getattr(hf_config, "image_token_index", 10) if image is None else image
+        # [IMG_BREAK] and [IMG_END] of Mistral's tekken tokenizer (the reader takes the
+        # tokenizer's own where it has one)
+        return VisionSpec(int(image), 0, "[IMG]", end_token_id=13,
+                          grid_patch=int(hf_config.vision_config.patch_size) * merge,
+                          break_token_id=12)
     if architecture != "LlavaForConditionalGeneration":
         return None
     vision = hf_config.vision_config
@@ -99,7 +132,8 @@ def vision_spec(hf_config: Any, architecture: str) -> VisionSpec | None:
     return VisionSpec(int(image_token), tokens, "<image>")
 
 
-def expand_image_placeholders(input_ids: list[int], spec: VisionSpec, num_images: int
+def expand_image_placeholders(input_ids: list[int], spec: VisionSpec, num_images: int,
+                              grids: list[tuple[int, int]] | None = None
                               ) -> tuple[list[int], list[int]]:
     """The prompt with each image's placeholder run at full length, and each run's offset.
 
@@ -107,7 +141,11 @@ def expand_image_placeholders(input_ids: list[int], spec: VisionSpec, num_images
     (prompts whose placeholders are expanded already); any other run is, where the image token
     is the marker (LLaVA), that many markers of one token each, each made `tokens_per_image`
     long. Where the marker is a token of its own (Gemma-3), a marker not followed by a run gets
-    one and the end token after it. The images must be as many as the runs."""
+    one and the end token after it. Pixtral's layout (`spec.grid_patch`): each image token is
+    one image's marker, made its grid's rows (`grids`, in order) of image tokens and breaks.
+    The images must be as many as the runs."""
+    if spec.grid_patch is not None:
+        return _expand_grids(input_ids, spec, num_images, grids or [])
     image, size, marker = spec.image_token_id, spec.tokens_per_image, spec.marker_token_id
     out: list[int] = []
     offsets: list[int] = []
@@ -136,11 +174,44 @@ def expand_image_placeholders(input_ids: list[int], spec: VisionSpec, num_images
             offsets.append(len(out))
             out.extend([image] * size)
         i = end
-    if len(offsets) != num_images:
-        raise InvalidRequestError(
-            f"the prompt has {len(offsets)} image placeholder(s) ({spec.image_marker!r}) for "
-            f"{num_images} image(s)", param="prompt")
+    _check_count(len(offsets), num_images, spec)
     return out, offsets
+
+
+def grid_tokens(spec: VisionSpec, grid: tuple[int, int]) -> list[int]:
+    """Pixtral's span of one image: each row's image tokens and a break, the last an end."""
+    rows, cols = grid
+    assert spec.break_token_id is not None and spec.end_token_id is not None
+    tokens = ([spec.image_token_id] * cols + [spec.break_token_id]) * rows
+    tokens[-1] = spec.end_token_id
+    return tokens
+
+
+def _expand_grids(input_ids: list[int], spec: VisionSpec, num_images: int,
+                  grids: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    image = spec.image_token_id
+    markers = [i for i, token in enumerate(input_ids) if token == image]
+    _check_count(len(markers), num_images, spec)
+    if spec.break_token_id in input_ids or spec.end_token_id in input_ids:
+        raise InvalidRequestError(f"write one {spec.image_marker!r} per image: the server lays "
+                                  "out its rows", param="prompt")
+    out: list[int] = []
+    offsets: list[int] = []
+    start = 0
+    for marker, grid in zip(markers, grids):
+        out.extend(input_ids[start:marker])
+        offsets.append(len(out))
+        out.extend(grid_tokens(spec, grid))
+        start = marker + 1
+    out.extend(input_ids[start:])
+    return out, offsets
+
+
+def _check_count(found: int, num_images: int, spec: VisionSpec) -> None:
+    if found != num_images:
+        raise InvalidRequestError(
+            f"the prompt has {found} image placeholder(s) ({spec.image_marker!r}) for "
+            f"{num_images} image(s)", param="prompt")
 
 
 def check_images(input_ids: list[int], images: list[ImageInput],
@@ -153,13 +224,15 @@ def check_images(input_ids: list[int], images: list[ImageInput],
         raise InvalidRequestError("the model reads no images", param="image_data")
     end = 0
     for image in images:
-        if image.offset < end or image.num_tokens != spec.tokens_per_image or \
-                image.end > len(input_ids) or \
-                input_ids[image.offset:image.end].count(spec.image_token_id) != image.num_tokens:
+        expected = spec.tokens_per_image if spec.grid_patch is None else \
+            (image.grid[0] * (image.grid[1] + 1) if image.grid else -1)
+        if image.offset < end or image.num_tokens != expected or image.end > len(input_ids) or \
+                input_ids[image.offset:image.end].count(spec.image_token_id) != \
+                image.num_features:
             raise InvalidRequestError("an image's placeholder tokens are not where it says",
                                       param="image_data")
         end = image.end
-    if input_ids.count(spec.image_token_id) != spec.tokens_per_image * len(images):
+    if input_ids.count(spec.image_token_id) != sum(image.num_features for image in images):
         raise InvalidRequestError(
             f"the prompt has image placeholder tokens ({spec.image_token_id}) without their "
             "image", param="prompt")

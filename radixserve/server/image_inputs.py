@@ -39,11 +39,12 @@ class ImageReader:
     """The model's image processor and placeholder spec, and the rules for image sources."""
 
     def __init__(self, vision: dict[str, Any], allowed_local_media_path: str | None = None,
-                 trust_local_paths: bool = False) -> None:
+                 trust_local_paths: bool = False, tokenizer: Any | None = None) -> None:
         from transformers import AutoImageProcessor
 
-        self.spec = VisionSpec(**{field.name: vision[field.name]
-                                  for field in dataclasses.fields(VisionSpec)})
+        self.spec = _with_tokenizer_ids(VisionSpec(**{
+            field.name: vision[field.name] for field in dataclasses.fields(VisionSpec)}),
+            tokenizer)
         try:
             self.processor = AutoImageProcessor.from_pretrained(vision["model_path"])
         except (OSError, ValueError) as exc:
@@ -117,28 +118,32 @@ class ImageReader:
                      ) -> list[tuple[list[int], list[ImageInput]]]:
         """`prepare` for several prompts, their images decoded and processed in threads (Pillow
         and numpy release the GIL: an image processor's resize of a photo to 896 x 896 is tens
-        of milliseconds of one core)."""
-        expanded = [expand_image_placeholders(ids, self.spec, len(images))
-                    for ids, images in prompts]
+        of milliseconds of one core); then each prompt's markers expanded (Pixtral's spans by
+        the processed images' grids)."""
         flat = [(index, image) for _, images in prompts for index, image in enumerate(images)]
         if len(flat) > 1:
             processed = list(_pool().map(lambda item: self._pixels_and_key(*item), flat))
         else:
             processed = [self._pixels_and_key(*item) for item in flat]
         out, taken = [], 0
-        for (ids, offsets), (_, images) in zip(expanded, prompts):
-            inputs = [ImageInput(pixels, offset, self.spec.tokens_per_image, key)
-                      for (pixels, key), offset in zip(processed[taken:taken + len(images)],
-                                                       offsets)]
+        for ids, images in prompts:
+            mine = processed[taken:taken + len(images)]
             taken += len(images)
-            out.append((ids, inputs))
+            grids = [grid for _, grid, _ in mine if grid is not None]
+            ids, offsets = expand_image_placeholders(ids, self.spec, len(images), grids)
+            out.append((ids, [
+                ImageInput(pixels, offset, self.spec.tokens_per_image if grid is None
+                           else grid[0] * (grid[1] + 1), key, grid)
+                for (pixels, grid, key), offset in zip(mine, offsets)]))
         return out
 
-    def _pixels_and_key(self, index: int, image: Any) -> tuple[Any, int]:
+    def _pixels_and_key(self, index: int, image: Any) -> tuple[Any, tuple[int, int] | None,
+                                                                int]:
         decoded = self.decode(image, index)
+        pixels, grid = self.pixels(decoded)
         # keyed by the decoded image (the processor is deterministic), hashed before it grows
         # into float32 pixels
-        return self.pixels(decoded), bytes_hash(decoded.tobytes(), (decoded.mode, decoded.size))
+        return pixels, grid, bytes_hash(decoded.tobytes(), (decoded.mode, decoded.size))
 
     def decode(self, image: Any, index: int) -> Any:
         from PIL import Image, UnidentifiedImageError
@@ -157,11 +162,20 @@ class ImageReader:
                 raise
             raise _bad(index, f"not a readable image ({type(exc).__name__})") from None
 
-    def pixels(self, image: Any) -> Any:
+    def pixels(self, image: Any) -> tuple[Any, tuple[int, int] | None]:
+        """An image's pixels [3, H, W] float32, and for Pixtral's layout its grid of feature
+        tokens (the processor sizes the image to whole grid cells of patch x merge pixels)."""
         import torch
 
-        values = self.processor(images=[image], return_tensors="pt")["pixel_values"]
-        return torch.as_tensor(values)[0].to(torch.float32).contiguous()
+        patch = self.spec.grid_patch
+        if patch is None:
+            values = self.processor(images=[image], return_tensors="pt")["pixel_values"]
+            return torch.as_tensor(values)[0].to(torch.float32).contiguous(), None
+        out = self.processor(images=[image], return_tensors="pt",
+                             patch_size={"height": patch, "width": patch})
+        height, width = (int(v) for v in out["image_sizes"][0])
+        pixels = torch.as_tensor(out["pixel_values"])[0, :, :height, :width]
+        return pixels.to(torch.float32).contiguous(), (height // patch, width // patch)
 
 
 @functools.lru_cache(maxsize=1)
@@ -171,14 +185,26 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
         max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="image-prep")
 
 
+def _with_tokenizer_ids(spec: VisionSpec, tokenizer: Any | None) -> VisionSpec:
+    """Pixtral's break and end tokens as the model's tokenizer numbers them, where it has
+    them (the config does not say)."""
+    if spec.grid_patch is None or tokenizer is None:
+        return spec
+    ids = [tokenizer.convert_tokens_to_ids(name) for name in ("[IMG_BREAK]", "[IMG_END]")]
+    if any(not isinstance(i, int) or i == tokenizer.unk_token_id for i in ids):
+        return spec
+    return dataclasses.replace(spec, break_token_id=ids[0], end_token_id=ids[1])
+
+
 def image_reader(vision: dict[str, Any] | None, allowed_local_media_path: str | None = None,
-                 trust_local_paths: bool = False) -> ImageReader | None:
+                 trust_local_paths: bool = False, tokenizer: Any | None = None
+                 ) -> ImageReader | None:
     """The model's ImageReader, or None where it reads no images, or where its folder lacks
     the image processor: then it is served text-only (images refused), said in the log."""
     if not vision:
         return None
     try:
-        return ImageReader(vision, allowed_local_media_path, trust_local_paths)
+        return ImageReader(vision, allowed_local_media_path, trust_local_paths, tokenizer)
     except ValueError as exc:
         logger.warning("%s; serving it text-only (requests with images are refused)", exc)
         return None

@@ -248,9 +248,13 @@ class ImageRendering:
 
     @classmethod
     def for_template(cls, template: str, marker: str) -> "ImageRendering":
-        reads_parts = re.search(r"""\[['"]type['"]\]|\.type\b|selectattr\(['"]type""",
-                                template) is not None
-        return cls(marker, reads_parts)
+        """Parts where the template iterates over a message's content (`for x in
+        message['content']`, `message.content | selectattr('type', ...)`), else text."""
+        return cls(marker, _ITERATES_CONTENT.search(template) is not None)
+
+
+_ITERATES_CONTENT = re.compile(
+    r"""in\s+\w+(\[['"]content['"]\]|\.content)|content['"]?\]?\s*\|\s*selectattr""")
 
 
 class ContentPart(BaseModel):

@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
+from radixserve.core.multimodal import expand_image_placeholders
 from radixserve.server.errors import APIError
 from radixserve.server.openai_chat import render_prompt
 from radixserve.server.openai_common import OpenAIContext
@@ -65,6 +66,10 @@ def tokenize(ctx: OpenAIContext, raw: Any) -> dict[str, Any]:
         prompt, ids, _ = render_prompt(ctx, chat_body)
         if body.add_special_tokens:
             ids = list(tokenizer.encode(prompt, add_special_tokens=True))
+        reader = getattr(ctx.tokenizer_manager, "images", None)
+        if reader is not None:  # as the chat route sends it: each image's run at full length
+            ids, _ = expand_image_placeholders(ids, reader.spec,
+                                               len(chat_body.image_sources()))
     else:
         ids = list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
     return {"count": len(ids), "max_model_len": ctx.tokenizer_manager.limits.context_len,

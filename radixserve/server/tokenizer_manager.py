@@ -58,7 +58,8 @@ class TokenizerManager:
         self.model_info = model_info
         self.limits = RequestLimits.from_model_info(model_info)
         # a model that reads images: its image processor and placeholders (image_inputs.py)
-        self.images = image_reader(model_info.get("vision"), allowed_local_media_path)
+        self.images = image_reader(model_info.get("vision"), allowed_local_media_path,
+                                   tokenizer=tokenizer)
         # sampling parameters requests get when they leave them unset (the model's
         # generation_config.json, as vLLM does)
         self.generation_defaults = dict(generation_defaults or {})

@@ -76,6 +76,11 @@ def test_chat_reads_images_from_data_and_http_urls(served) -> None:
                 {"type": "text", "text": "w8"}]}])
         assert chat.choices[0].message.content == want
         assert chat.usage.prompt_tokens == 4 + 2 * TOKENS_PER_IMAGE
+    counted = requests.post(served["proc"].url("/tokenize"), timeout=60, json={
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(images[0])}},
+            {"type": "text", "text": "w7"}]}]}).json()
+    assert counted["count"] == 3 + TOKENS_PER_IMAGE  # as the chat route sends it
 
 
 def test_responses_and_generate_read_images(served) -> None:
