@@ -32,6 +32,12 @@ class ImageInput:
     # token of the span is a feature row
     grid: tuple[int, int] | None = None
 
+    def __post_init__(self) -> None:
+        if self.grid is not None and self.num_tokens != self.grid[0] * (self.grid[1] + 1):
+            raise ValueError(f"a {self.grid[0]} x {self.grid[1]} grid spans "
+                             f"{self.grid[0] * (self.grid[1] + 1)} tokens, not "
+                             f"{self.num_tokens}")
+
     @property
     def end(self) -> int:
         return self.offset + self.num_tokens

@@ -1,20 +1,23 @@
-"""What the models that read images share (LLaVA, Gemma-3): `ReadsImages`, a mixin in front of a
-CausalLM with a vision tower and a projector.
+"""What the models that read images share (LLaVA, Gemma-3, Mistral3): `ReadsImages`, a mixin in
+front of a CausalLM with a vision tower and a projector.
 
 An extend pass embeds its tokens as the language model does (scaled where it scales; image ids
-past the vocabulary embedded as token 0), then writes over the rows of the placeholders it
+past the vocabulary embedded as token 0), then writes over the rows of the image tokens it
 covers the image's feature rows for those positions (`image_spans`: request i's tokens are its
-prompt positions [prefix_len, prefix_len + extend_len), packed request after request; feature
-row j of an image belongs at prompt position offset + j). A prompt chunked over several passes
-encodes each image once: features are kept by image hash, the `CACHED_IMAGES` most recently
-used. Passes without images, decode among them, run as the CausalLM's.
+prompt positions [prefix_len, prefix_len + extend_len), packed request after request; the
+feature row at prompt position p is `ImageInput.feature_index(p)`: p - offset, or in Pixtral's
+layout (`ImageInput.grid`) the row-major index of p's cell, its break / end tokens keeping their
+text embeddings). A prompt chunked over several passes encodes each image once: features are
+kept by image hash, the `CACHED_IMAGES` most recently used. Passes without images, decode among
+them, run as the CausalLM's.
 
 Checkpoint layouts (`CHECKPOINT_PREFIXES`): the hub's (`language_model.model.*`,
 `language_model.lm_head.*`, `vision_tower.vision_model.*`, `multi_modal_projector.*`), what
 transformers 5 saves (the same with the tower's tensors straight under `vision_tower.`) and its
 module names (`model.language_model.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`,
-`lm_head.*`). The tower and projector are plain modules, replicated on every tensor-parallel
-rank and loaded whole under their own names."""
+`lm_head.*`); a model whose tower has no `vision_model` level (Pixtral) sets its own. The tower
+and projector are plain modules, replicated on every tensor-parallel rank and loaded whole under
+their own names."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -41,11 +44,26 @@ CHECKPOINT_PREFIXES = {
 
 
 class ImageSpan(NamedTuple):
-    """The rows of one image's placeholders that a pass covers."""
+    """The tokens of one image's span that a pass covers."""
     image: ImageInput
     row: int  # the first of them among the pass's tokens
-    feature_row: int  # the image's feature row that goes there
+    start: int  # its place in the image's span (prompt position - offset)
     length: int
+
+    def placement(self, device: torch.device) -> tuple[slice | torch.Tensor,
+                                                       slice | torch.Tensor]:
+        """(rows among the pass's tokens, the image's feature rows that go there): slices
+        where every token of the span is a feature row, else index tensors over the image
+        tokens alone (`ImageInput.feature_index`, vectorised)."""
+        if self.image.grid is None:
+            return (slice(self.row, self.row + self.length),
+                    slice(self.start, self.start + self.length))
+        cols = self.image.grid[1]
+        within = torch.arange(self.start, self.start + self.length, device=device)
+        cell_row, cell_col = within // (cols + 1), within % (cols + 1)
+        image_tokens = cell_col < cols
+        return ((within - self.start + self.row)[image_tokens],
+                (cell_row * cols + cell_col)[image_tokens])
 
 
 def image_spans(forward_batch: ForwardBatch) -> list[ImageSpan]:
@@ -98,7 +116,8 @@ class ReadsImages:
         return None
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[n, 3, H, W] pixels -> [n, tokens_per_image, hidden] features in the model's dtype."""
+        """[n, 3, H, W] pixels (images of one size) -> [n, features, hidden] in the model's
+        dtype, `ImageInput.num_features` rows an image."""
         raise NotImplementedError
 
     def image_features(self, images: list[ImageInput]) -> dict[int, torch.Tensor]:
@@ -137,12 +156,13 @@ class ReadsImages:
         embeds = self.text_embeds(input_ids)
         spans = image_spans(forward_batch)
         features = self.image_features([span.image for span in spans])
-        for image, row, feature_row, length in spans:
-            rows = features[image.hash]
-            if rows.shape[0] != image.num_tokens:
-                raise ValueError(f"an image fills {image.num_tokens} placeholders; its "
+        for span in spans:
+            image, rows = span.image, features[span.image.hash]
+            if rows.shape[0] != image.num_features:
+                raise ValueError(f"an image has {image.num_features} image tokens; its "
                                  f"features are {rows.shape[0]} rows")
-            embeds[row:row + length] = rows[feature_row:feature_row + length].to(embeds.dtype)
+            into, taken = span.placement(embeds.device)
+            embeds[into] = rows[taken].to(embeds.dtype)
         return embeds
 
     def decoder_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,

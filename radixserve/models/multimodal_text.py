@@ -1,11 +1,11 @@
-"""The language model of a multimodal checkpoint, served text-only (Mistral Small 3.1 / 3.2 and
-4, Qwen3.5; LLaVA's and Gemma-3's images are read, models/image_features.py, with these
-prefixes for their language models): `ModelConfig.hf` is its `text_config`; the checkpoint
-names the decoder `language_model.model.*` (the hub's layout, which transformers still saves)
-or `model.language_model.*` (transformers' module names, which some fine-tunes saved), an
-untied LM head `language_model.lm_head.weight` or `lm_head.weight`; the vision tower and the
-multimodal projector (under `model.` or not) have no place here. Requests with images are
-refused where they arrive (the chat route's and Engine.chat's content parts, /generate's
+"""The language model of a multimodal checkpoint, served text-only (Mistral Small 4, Qwen3.5;
+LLaVA's, Gemma-3's and Mistral Small 3.1 / 3.2's images are read, models/image_features.py,
+with these prefixes for their language models): `ModelConfig.hf` is its `text_config`; the
+checkpoint names the decoder `language_model.model.*` (the hub's layout, which transformers
+still saves) or `model.language_model.*` (transformers' module names, which some fine-tunes
+saved), an untied LM head `language_model.lm_head.weight` or `lm_head.weight`; the vision tower
+and the multimodal projector (under `model.` or not) have no place here. Requests with images
+are refused where they arrive (the chat route's and Engine.chat's content parts, /generate's
 image_data)."""
 from __future__ import annotations
 

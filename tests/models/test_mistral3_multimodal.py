@@ -1,8 +1,10 @@
-"""Mistral Small 3.1 / 3.2 checkpoints (Mistral3ForConditionalGeneration) served text-only,
+"""Mistral Small 3.1 / 3.2 checkpoints (Mistral3ForConditionalGeneration) on text prompts,
 against transformers' Mistral3ForConditionalGeneration on a tiny random checkpoint it saved
 itself (tests/models/tiny_checkpoints.py "mistral3_multimodal", fp32): the language model's
-config, its tensors loaded and the vision ones skipped, greedy generation through the Engine
-(radix cache, chunked prefill) equal to transformers' full forward argmax'ed token by token."""
+config, greedy generation through the Engine (radix cache, chunked prefill) equal to
+transformers' full forward argmax'ed token by token; Mistral Small 4's decoder under the same
+architecture (served text-only). Images: test_mistral3_images.py (the vision tensors are
+loaded and checked there), test_mistral3_serving.py."""
 from __future__ import annotations
 
 import torch

@@ -265,9 +265,9 @@ CONFIGS = {
         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 
-# multimodal checkpoints, served text-only (LLaVA's and Gemma-3's: with their images); kept out
-# of CONFIGS, every entry of which test_llama_vs_hf.py runs reading vocab_size from the config's
-# top level (here text_config's)
+# multimodal checkpoints, served text-only (LLaVA's, Gemma-3's, Mistral Small 3.1's: with their
+# images); kept out of CONFIGS, every entry of which test_llama_vs_hf.py runs reading vocab_size
+# from the config's top level (here text_config's)
 MULTIMODAL_CONFIGS = {
     # LLaVA-1.5 (LlavaForConditionalGeneration): a CLIP tower (class token, pre_layrnorm,
     # quick_gelu) of 3 layers read after its second (vision_feature_layer -2, the third never
@@ -309,15 +309,17 @@ MULTIMODAL_CONFIGS = {
         mm_tokens_per_image=16, boi_token_index=157, eoi_token_index=158, image_token_index=159,
         eos_token_id=[1, 106], tie_word_embeddings=True)),
     # Mistral Small 3.1 / 3.2 (Mistral3ForConditionalGeneration): a Mistral decoder in
-    # text_config (GQA, head_dim not hidden / heads, untied), a tiny Pixtral vision tower and
-    # the projector beside it
+    # text_config (GQA, head_dim not hidden / heads, untied), a tiny Pixtral vision tower (2
+    # layers, silu as the hub's, 8x8 patches, images up to 64 pixels a side) and the projector
+    # beside it (patches merged 2x2: one image token per 16x16 pixels)
     "mistral3_multimodal": (transformers.Mistral3Config, dict(
         text_config=dict(BASE, model_type="mistral", num_key_value_heads=2, head_dim=24,
                          sliding_window=None, rope_theta=1000000000.0,
                          tie_word_embeddings=False),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, image_size=32, patch_size=8, head_dim=16),
-        image_token_index=159, tie_word_embeddings=False)),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=64, patch_size=8, head_dim=16,
+                           hidden_act="silu"),
+        spatial_merge_size=2, image_token_index=159, tie_word_embeddings=False)),
     # Mistral Small 4 (Mistral3ForConditionalGeneration around a Mistral-4 decoder: MLA, MoE
     # with stacked experts, rope over adjacent pairs), the tiny Pixtral tower beside it
     "mistral4_multimodal": (transformers.Mistral3Config, dict(
