@@ -20,6 +20,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
+# images one prompt may carry without --limit-mm-per-prompt (each costs its tower's pass and
+# its pixels' memory until the request ends)
+DEFAULT_MAX_IMAGES = 64
+
+
 @dataclass
 class ServerArgs:
     model_path: str = DEFAULT_MODEL_NAME
@@ -54,6 +59,8 @@ class ServerArgs:
     api_key: str | None = None
     # a folder whose files requests may name as images (file:// URLs, paths); None: none
     allowed_local_media_path: str | None = None
+    # vLLM's '{"image": N}': the most images one prompt may carry (max_images_per_prompt)
+    limit_mm_per_prompt: str | None = None
     served_model_name: str | None = None
     log_level: str = "info"
     log_requests: bool = False
@@ -139,6 +146,7 @@ class ServerArgs:
             self.model_path = _with_revision(self.model_path, self.revision)
             self.revision = None  # now part of model_path, which every loader resolves
         self.model_overrides()  # a bad value fails here, before any child starts
+        self.max_images_per_prompt()
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         on_gpu = self.device.startswith("cuda")
@@ -270,6 +278,26 @@ class ServerArgs:
             raise ValueError("--json-model-override-args must be a JSON object, e.g. "
                              "'{\"num_hidden_layers\": 5}'")
         return overrides
+
+    def max_images_per_prompt(self) -> int:
+        """--limit-mm-per-prompt's image count (vLLM's JSON, e.g. '{"image": 4}'; 0 refuses
+        images), DEFAULT_MAX_IMAGES without it; ValueError for anything else."""
+        if not self.limit_mm_per_prompt:
+            return DEFAULT_MAX_IMAGES
+        try:
+            limits = json.loads(self.limit_mm_per_prompt)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--limit-mm-per-prompt is not JSON: {exc}") from None
+        if not isinstance(limits, dict) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for v in limits.values()):
+            raise ValueError("--limit-mm-per-prompt must be a JSON object of counts >= 0, "
+                             "e.g. '{\"image\": 4}'")
+        unknown = sorted(set(limits) - {"image", "video", "audio"})
+        if unknown:
+            raise ValueError(f"--limit-mm-per-prompt: unknown modality {unknown[0]!r} (image, "
+                             "video, audio)")
+        return int(limits.get("image", DEFAULT_MAX_IMAGES))
 
     def _check_sizes(self) -> None:
         """Sizes that must be positive when given (None: the default), and the memory

@@ -127,7 +127,8 @@ class Engine:
         self.tokenizer = self.scheduler.tokenizer
         # a model that reads images: its image processor, placeholders, sources
         self._images = image_reader(scheduler.model_info.get("vision"), trust_local_paths=True,
-                                    tokenizer=self.tokenizer)
+                                    tokenizer=self.tokenizer,
+                                    max_images=self.server_args.max_images_per_prompt())
         self.generation_defaults = dict(self._runner.source.generation_defaults)
         self._ids = itertools.count()
         self._closed = False
@@ -184,9 +185,14 @@ class Engine:
             id_lists.append(self.tokenizer.encode(
                 text if self._images is None else self._images.expand_text(text, len(images[i]))))
         # every prompt's images at once (processed in threads): ids expanded, ImageInputs
-        prepared = None if self._images is None else self._images.prepare_many([
-            (ids, [self._images.read_source(source, k) for k, source in enumerate(sources)])
-            for ids, sources in zip(id_lists, images)])
+        prepared = None
+        if self._images is not None:
+            reader = self._images
+            for sources in images:  # before any is read
+                reader.check_count(len(sources))
+            prepared = reader.prepare_many([
+                (ids, [reader.read_source(source, k) for k, source in enumerate(sources)])
+                for ids, sources in zip(id_lists, images)])
         reqs: list[TokenizedGenerateReq] = []
         for i in range(n_items):
             params = _to_params(params_list[i], self.generation_defaults)

@@ -23,7 +23,8 @@ from radixserve.core.sampling_params import InvalidRequestError
 
 @dataclass
 class ImageInput:
-    pixel_values: torch.Tensor  # [3, height, width] float32, as the image processor made it
+    # [3, height, width] as the image processor made it, in the model's dtype
+    pixel_values: torch.Tensor
     offset: int  # the prompt position of its first placeholder token
     num_tokens: int  # placeholder tokens it spans, from offset on
     hash: int  # 63-bit digest of its pixels

@@ -77,6 +77,9 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
     "allowed_local_media_path": (SERVING, "a folder whose files requests may name as "
                                           "images (file:// URLs or paths; vLLM's flag); "
                                           "default: none", None),
+    "limit_mm_per_prompt": (SERVING, "the most images one prompt may carry, as vLLM's JSON "
+                                     "'{\"image\": 4}' (0: images refused); default 64",
+                            None),
     "max_request_bytes": (SERVING, "larger request bodies are refused (413) unread", None),
     "shutdown_timeout": (SERVING, "seconds running requests get to finish on SIGINT/SIGTERM; "
                                   "then their streams end with an error event", None),

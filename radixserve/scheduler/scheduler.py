@@ -141,7 +141,8 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesM
                 None if self.args.chunked_prefill_enabled else self.args.max_prefill_tokens,
                 "priority_scheduling": self.args.enable_priority_scheduling,
                 "vision": None if self.vision is None else
-                dict(dataclasses.asdict(self.vision), model_path=self.runner.source.model_path)}
+                dict(dataclasses.asdict(self.vision), model_path=self.runner.source.model_path,
+                     dtype=str(self.runner.dtype).removeprefix("torch."))}
 
     # ---- requests in ----
     def add_request(self, msg: TokenizedGenerateReq) -> ReqError | None:

@@ -21,6 +21,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from radixserve.config import DEFAULT_MAX_IMAGES
 from radixserve.core.multimodal import (ImageInput, VisionSpec, bytes_hash,
                                         expand_image_placeholders)
 from radixserve.core.sampling_params import InvalidRequestError
@@ -39,7 +42,8 @@ class ImageReader:
     """The model's image processor and placeholder spec, and the rules for image sources."""
 
     def __init__(self, vision: dict[str, Any], allowed_local_media_path: str | None = None,
-                 trust_local_paths: bool = False, tokenizer: Any | None = None) -> None:
+                 trust_local_paths: bool = False, tokenizer: Any | None = None,
+                 max_images: int = DEFAULT_MAX_IMAGES) -> None:
         from transformers import AutoImageProcessor
 
         self.spec = _with_tokenizer_ids(VisionSpec(**{
@@ -50,13 +54,26 @@ class ImageReader:
         except (OSError, ValueError) as exc:
             raise ValueError(f"the model reads images but its folder {vision['model_path']} "
                              f"has no usable image processor: {exc}") from exc
+        # pixels travel and wait in the model's dtype, which its tower casts them to anyway
+        # (bf16: half of float32's 9.6 MB for a Gemma-3 image)
+        self.pixel_dtype: torch.dtype = getattr(torch, vision.get("dtype") or "float32")
         self.local_root = None if allowed_local_media_path is None else \
             Path(allowed_local_media_path).resolve()
         self.trust_local_paths = trust_local_paths  # the offline Engine: any local file
+        self.max_images = max_images  # a prompt's (--limit-mm-per-prompt)
+
+    def check_count(self, count: int) -> None:
+        """A prompt's images within --limit-mm-per-prompt."""
+        if count > self.max_images:
+            raise InvalidRequestError(
+                "images are refused (--limit-mm-per-prompt)" if not self.max_images else
+                f"{count} images in one prompt; at most {self.max_images} "
+                "(--limit-mm-per-prompt)", param="image")
 
     # ---- sources -> bytes ----
     async def fetch(self, sources: list[Any]) -> list[Any]:
         """Each source as bytes (or a PIL image as given); http(s) URLs fetched here."""
+        self.check_count(len(sources))
         out = []
         for index, source in enumerate(sources):
             if isinstance(source, str) and source.startswith(("http://", "https://")):
@@ -120,6 +137,8 @@ class ImageReader:
         and numpy release the GIL: an image processor's resize of a photo to 896 x 896 is tens
         of milliseconds of one core); then each prompt's markers expanded (Pixtral's spans by
         the processed images' grids)."""
+        for _, images in prompts:
+            self.check_count(len(images))
         flat = [(index, image) for _, images in prompts for index, image in enumerate(images)]
         if len(flat) > 1:
             processed = list(_pool().map(lambda item: self._pixels_and_key(*item), flat))
@@ -163,19 +182,18 @@ class ImageReader:
             raise _bad(index, f"not a readable image ({type(exc).__name__})") from None
 
     def pixels(self, image: Any) -> tuple[Any, tuple[int, int] | None]:
-        """An image's pixels [3, H, W] float32, and for Pixtral's layout its grid of feature
-        tokens (the processor sizes the image to whole grid cells of patch x merge pixels)."""
-        import torch
-
+        """An image's pixels [3, H, W] in the model's dtype, and for Pixtral's layout its grid
+        of feature tokens (the processor sizes the image to whole grid cells of patch x merge
+        pixels)."""
         patch = self.spec.grid_patch
         if patch is None:
             values = self.processor(images=[image], return_tensors="pt")["pixel_values"]
-            return torch.as_tensor(values)[0].to(torch.float32).contiguous(), None
+            return torch.as_tensor(values)[0].to(self.pixel_dtype).contiguous(), None
         out = self.processor(images=[image], return_tensors="pt",
                              patch_size={"height": patch, "width": patch})
         height, width = (int(v) for v in out["image_sizes"][0])
         pixels = torch.as_tensor(out["pixel_values"])[0, :, :height, :width]
-        return pixels.to(torch.float32).contiguous(), (height // patch, width // patch)
+        return pixels.to(self.pixel_dtype).contiguous(), (height // patch, width // patch)
 
 
 @functools.lru_cache(maxsize=1)
@@ -197,14 +215,15 @@ def _with_tokenizer_ids(spec: VisionSpec, tokenizer: Any | None) -> VisionSpec:
 
 
 def image_reader(vision: dict[str, Any] | None, allowed_local_media_path: str | None = None,
-                 trust_local_paths: bool = False, tokenizer: Any | None = None
-                 ) -> ImageReader | None:
+                 trust_local_paths: bool = False, tokenizer: Any | None = None,
+                 max_images: int = DEFAULT_MAX_IMAGES) -> ImageReader | None:
     """The model's ImageReader, or None where it reads no images, or where its folder lacks
     the image processor: then it is served text-only (images refused), said in the log."""
     if not vision:
         return None
     try:
-        return ImageReader(vision, allowed_local_media_path, trust_local_paths, tokenizer)
+        return ImageReader(vision, allowed_local_media_path, trust_local_paths, tokenizer,
+                           max_images)
     except ValueError as exc:
         logger.warning("%s; serving it text-only (requests with images are refused)", exc)
         return None

@@ -296,7 +296,8 @@ def _serve(server_args: ServerArgs, port_args: PortArgs, group: ProcessGroup,
                           router=DataParallelRouter(server_args.dp_size,
                                                     server_args.load_balance_method),
                           generation_defaults=generation_defaults,
-                          allowed_local_media_path=server_args.allowed_local_media_path)
+                          allowed_local_media_path=server_args.allowed_local_media_path,
+                          max_images_per_prompt=server_args.max_images_per_prompt())
     aliases = accepted_model_names(server_args, model_name)
 
     def server_info() -> dict[str, Any]:

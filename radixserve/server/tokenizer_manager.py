@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 from starlette.requests import Request
 
+from radixserve.config import DEFAULT_MAX_IMAGES
 from radixserve.core.io_struct import (AbortReq, BatchStrOut, FlushCacheReply, FlushCacheReq,
                                        GetInternalStateReq, InternalState, LoRAUpdateReply,
                                        ReqError, SchedulerStateUpdate, TokenizedGenerateReq)
@@ -52,14 +53,15 @@ class TokenizerManager:
                  metrics: ServerMetrics, log_requests: bool = False,
                  router: DataParallelRouter | None = None,
                  generation_defaults: dict[str, Any] | None = None,
-                 allowed_local_media_path: str | None = None) -> None:
+                 allowed_local_media_path: str | None = None,
+                 max_images_per_prompt: int = DEFAULT_MAX_IMAGES) -> None:
         self.port_args = port_args
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.limits = RequestLimits.from_model_info(model_info)
         # a model that reads images: its image processor and placeholders (image_inputs.py)
         self.images = image_reader(model_info.get("vision"), allowed_local_media_path,
-                                   tokenizer=tokenizer)
+                                   tokenizer=tokenizer, max_images=max_images_per_prompt)
         # sampling parameters requests get when they leave them unset (the model's
         # generation_config.json, as vLLM does)
         self.generation_defaults = dict(generation_defaults or {})

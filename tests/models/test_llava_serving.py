@@ -10,6 +10,7 @@ import base64
 import pytest
 
 import radixserve
+from radixserve.config import ServerArgs
 from radixserve.core.sampling_params import InvalidRequestError
 from tests.models.llava_folder import (expanded, hf_greedy_with_images, noise_image,
                                        png_bytes, write_llava_folder)
@@ -125,3 +126,26 @@ def test_images_at_tp2_generate_as_transformers(llava) -> None:
         engine.shutdown()
     assert out[0]["output_ids"] == reference(llava, prompts[0], images[:1])
     assert out[1]["output_ids"] == reference(llava, prompts[1], images)
+
+
+def test_images_per_prompt_are_limited(llava) -> None:
+    """--limit-mm-per-prompt (vLLM's JSON): more images than it allows, or any with 0, are
+    refused before they are read; a bad value is refused at start."""
+    folder = llava[1]
+    engine = radixserve.Engine(str(folder), dtype="float32", max_total_tokens=1024,
+                               limit_mm_per_prompt='{"image": 1}')
+    try:
+        engine.generate("w1 <image>", GREEDY, image_data=noise_image(1))
+        with pytest.raises(InvalidRequestError, match=r"2 images in one prompt; at most 1"):
+            engine.generate("w1 <image> <image>", GREEDY, image_data=[noise_image(1)] * 2)
+        assert ServerArgs(limit_mm_per_prompt='{"image": 0}').max_images_per_prompt() == 0
+        engine._images.max_images = 0  # as '{"image": 0}' makes it
+        with pytest.raises(InvalidRequestError, match=r"images are refused"):
+            engine.generate("w1 <image>", GREEDY, image_data=noise_image(1))
+        assert engine.generate("w1 w2", GREEDY)["output_ids"]  # text still served
+    finally:
+        engine.shutdown()
+    for bad, match in (('{"image": -1}', "counts >= 0"), ('{"pictures": 2}', "unknown modality"),
+                       ("[3]", "JSON object"), ("{", "not JSON")):
+        with pytest.raises(ValueError, match=match):
+            ServerArgs(model_path=str(folder), limit_mm_per_prompt=bad).resolve()
