@@ -145,3 +145,18 @@ def test_placeholder_mismatch_is_a_400_and_nothing_leaks(served) -> None:
     assert response.status_code == 400 and "one item per prompt" in response.text
     info = proc.wait_idle_memory_check()
     assert info["internal_state"]["memory_check_ok"] is True
+
+
+@pytest.mark.parametrize("mode,fmt,size", [("L", "PNG", (5, 3)), ("RGBA", "PNG", (60, 90)),
+                                           ("P", "GIF", (30, 30)), ("RGB", "JPEG", (1, 1)),
+                                           ("CMYK", "JPEG", (300, 17))])
+def test_any_pillow_image_is_read(served, mode: str, fmt: str, size: tuple) -> None:
+    """Grey, transparent, palette, one pixel, CMYK: converted to RGB and answered."""
+    import io
+    buffer = io.BytesIO()
+    noise_image(3, size).convert(mode).save(buffer, format=fmt)
+    url = f"data:image/{fmt.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
+    chat = client(served).chat.completions.create(
+        model="model", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}]}])
+    assert chat.usage.prompt_tokens == 2 + TOKENS_PER_IMAGE
