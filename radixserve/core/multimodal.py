@@ -127,6 +127,11 @@ def vision_spec(hf_config: Any, architecture: str) -> VisionSpec | None:
     if architecture != "LlavaForConditionalGeneration":
         return None
     vision = hf_config.vision_config
+    if getattr(vision, "model_type", None) == "pixtral":  # pixtral-12b: Pixtral's layout
+        image = getattr(hf_config, "image_token_id", None)
+        image = getattr(hf_config, "image_token_index", 10) if image is None else image
+        return VisionSpec(int(image), 0, "[IMG]", end_token_id=13,
+                          grid_patch=int(vision.patch_size), break_token_id=12)
     patches = (vision.image_size // vision.patch_size) ** 2
     strategy = getattr(hf_config, "vision_feature_select_strategy", "default")
     class_token = 1 if getattr(vision, "model_type", "clip_vision_model") == \

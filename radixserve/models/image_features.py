@@ -15,9 +15,9 @@ Checkpoint layouts (`CHECKPOINT_PREFIXES`): the hub's (`language_model.model.*`,
 `language_model.lm_head.*`, `vision_tower.vision_model.*`, `multi_modal_projector.*`), what
 transformers 5 saves (the same with the tower's tensors straight under `vision_tower.`) and its
 module names (`model.language_model.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`,
-`lm_head.*`); a model whose tower has no `vision_model` level (Pixtral) sets its own. The tower
-and projector are plain modules, replicated on every tensor-parallel rank and loaded whole under
-their own names."""
+`lm_head.*`); a tower without the `vision_model` level (Pixtral's) takes `FLAT_TOWER_PREFIXES`,
+its tensors straight under `vision_tower.`. The tower and projector are plain modules,
+replicated on every tensor-parallel rank and loaded whole under their own names."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -39,6 +39,14 @@ CHECKPOINT_PREFIXES = {
     "model.vision_tower.": _VISION,
     _VISION: _VISION,
     "vision_tower.": _VISION,
+    "model.multi_modal_projector.": "multi_modal_projector.",
+}
+# a tower named straight under vision_tower. (Pixtral: no vision_model level)
+FLAT_TOWER_PREFIXES = {
+    **LanguageModelOfMultimodal.checkpoint_prefixes,
+    "vision_tower.": "vision_tower.",
+    "multi_modal_projector.": "multi_modal_projector.",
+    "model.vision_tower.": "vision_tower.",
     "model.multi_modal_projector.": "multi_modal_projector.",
 }
 

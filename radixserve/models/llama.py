@@ -20,9 +20,8 @@ import torch
 
 from radixserve.core.model_config import ModelConfig
 from radixserve.models.blocks import CausalLM, DecoderLayer, DecoderModel
-from radixserve.models.image_features import ReadsImages
+from radixserve.models.image_features import FLAT_TOWER_PREFIXES, ReadsImages
 from radixserve.models.mistral3_projector import Mistral3Projector
-from radixserve.models.multimodal_text import LanguageModelOfMultimodal
 from radixserve.models.pixtral_vision import PixtralVisionTower
 from radixserve.models.vision_towers import hidden_state_indices
 
@@ -36,11 +35,7 @@ class Mistral3ForConditionalGeneration(ReadsImages, LlamaForCausalLM):
     """Mistral Small 3.1 / 3.2: the language model, the Pixtral tower and the projector."""
 
     # the tower's tensors lie straight under vision_tower. (no vision_model level)
-    checkpoint_prefixes = {**LanguageModelOfMultimodal.checkpoint_prefixes,
-                           "vision_tower.": "vision_tower.",
-                           "multi_modal_projector.": "multi_modal_projector.",
-                           "model.vision_tower.": "vision_tower.",
-                           "model.multi_modal_projector.": "multi_modal_projector."}
+    checkpoint_prefixes = FLAT_TOWER_PREFIXES
 
     def __init__(self, config: ModelConfig) -> None:
         top = config.hf_top

@@ -293,6 +293,19 @@ MULTIMODAL_CONFIGS = {
         image_token_id=299, vision_feature_layer=-1, vision_feature_select_strategy="full",
         projector_hidden_act="gelu_pytorch_tanh", multimodal_projector_bias=False,
         tie_word_embeddings=False)),
+    # pixtral-12b (LlavaForConditionalGeneration around a Pixtral tower): "mistral3_multimodal"'s
+    # Mistral decoder and tiny tower (8x8 patches, no merge: one image token per patch, images
+    # up to 64 pixels a side) read after its last layer, every patch kept ("full"), LLaVA's
+    # projector with biases
+    "llava_pixtral": (transformers.LlavaConfig, dict(
+        text_config=dict(BASE, model_type="mistral", num_key_value_heads=2, head_dim=24,
+                         sliding_window=None, rope_theta=1000000000.0,
+                         tie_word_embeddings=False),
+        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=2, image_size=64,
+                           patch_size=8, head_dim=16, hidden_act="silu"),
+        image_token_index=159, vision_feature_layer=-1, vision_feature_select_strategy="full",
+        projector_hidden_act="gelu", tie_word_embeddings=False)),
     # Gemma-3 4b-27b (Gemma3ForConditionalGeneration, what AutoModelForCausalLM makes of a
     # Gemma3Config): the language model in text_config (five sliding layers, window 24, then a
     # full one whose rope is linearly scaled, as the 4b-27b configs' rope_scaling), a tiny
