@@ -87,3 +87,19 @@ def test_chat_writes_the_image_sequence(gemma3) -> None:
     ids = expanded(engine.tokenizer.encode(text, add_special_tokens=False),
                    hf_model.config.mm_tokens_per_image)
     assert out["output_ids"] == hf_greedy(hf_model, folder, ids, [image])
+
+
+def test_images_at_tp2_generate_as_transformers(gemma3) -> None:
+    """Tensor parallel over gloo: each rank's runner gives its pass the same attention limits,
+    each rank's scheduler cuts chunks at the same image boundaries."""
+    hf_model, folder, _ = gemma3
+    engine = radixserve.Engine(str(folder), dtype="float32", max_total_tokens=2048,
+                               chunked_prefill_size=8, tp_size=2)
+    try:
+        image = noise_image(81)
+        prompt = "w30 w31 <start_of_image> w32 w33 w34"
+        out = engine.generate(prompt, GREEDY, image_data=image)
+        ids = expanded(engine.tokenizer.encode(prompt), hf_model.config.mm_tokens_per_image)
+    finally:
+        engine.shutdown()
+    assert out["output_ids"] == hf_greedy(hf_model, folder, ids, [image])
