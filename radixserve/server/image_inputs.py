@@ -10,6 +10,7 @@ placeholder in the prompt expanded to the tokens its features fill (core/multimo
 Anything unreadable is a 400 naming the image."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import concurrent.futures
@@ -72,14 +73,15 @@ class ImageReader:
 
     # ---- sources -> bytes ----
     async def fetch(self, sources: list[Any]) -> list[Any]:
-        """Each source as bytes (or a PIL image as given); http(s) URLs fetched here."""
+        """Each source as bytes (or a PIL image as given); http(s) URLs fetched here, the rest
+        (base64 decoding, files) read in a thread, off the event loop."""
         self.check_count(len(sources))
         out = []
         for index, source in enumerate(sources):
             if isinstance(source, str) and source.startswith(("http://", "https://")):
                 out.append(await _download(source, index))
             else:
-                out.append(self.read_source(source, index))
+                out.append(await asyncio.to_thread(self.read_source, source, index))
         return out
 
     def read_source(self, source: Any, index: int) -> Any:
@@ -124,7 +126,6 @@ class ImageReader:
         if not num_images or self.spec.image_text is None:
             return text
         return text.replace(self.spec.image_marker, self.spec.image_text)
-
 
     def prepare(self, input_ids: list[int], images: list[Any]
                 ) -> tuple[list[int], list[ImageInput]]:
