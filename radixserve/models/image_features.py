@@ -32,6 +32,10 @@ from radixserve.layers.logits import LogitsOutput, compute_logits, pooled_last_t
 from radixserve.models.multimodal_text import LanguageModelOfMultimodal
 
 CACHED_IMAGES = 16  # encoded images kept per model, least recently used dropped first
+# images a tower call takes at most: a pass's images beyond it are encoded in several calls, so
+# the tower's activations stay bounded (a Gemma-3 image is 4,096 patches through SigLIP; the
+# memory budget reserves none for it)
+ENCODE_BATCH = 8
 _VISION = "vision_tower.vision_model."
 CHECKPOINT_PREFIXES = {
     **LanguageModelOfMultimodal.checkpoint_prefixes,
@@ -129,8 +133,8 @@ class ReadsImages:
         raise NotImplementedError
 
     def image_features(self, images: list[ImageInput]) -> dict[int, torch.Tensor]:
-        """Features by image hash: cached ones, the rest encoded (one batch per pixel shape)
-        and cached."""
+        """Features by image hash: cached ones, the rest encoded (batches of one pixel shape,
+        at most ENCODE_BATCH images) and cached."""
         found: dict[int, torch.Tensor] = {}
         missing: dict[tuple[int, ...], dict[int, ImageInput]] = {}
         for image in images:
@@ -140,12 +144,16 @@ class ReadsImages:
             else:
                 missing.setdefault(tuple(image.pixel_values.shape), {})[image.hash] = image
         for group in missing.values():
-            pixels = torch.stack([image.pixel_values for image in group.values()])
-            for key, features in zip(group, self.encode_images(pixels)):
-                # a copy: a view would keep the whole batch alive while one image stays cached
-                found[key] = self.image_cache[key] = features.clone()
-                if len(self.image_cache) > CACHED_IMAGES:
-                    self.image_cache.popitem(last=False)
+            keys = list(group)
+            for start in range(0, len(keys), ENCODE_BATCH):
+                batch = keys[start:start + ENCODE_BATCH]
+                pixels = torch.stack([group[key].pixel_values for key in batch])
+                for key, features in zip(batch, self.encode_images(pixels)):
+                    # a copy: a view would keep the whole batch alive while one image stays
+                    # cached
+                    found[key] = self.image_cache[key] = features.clone()
+                    if len(self.image_cache) > CACHED_IMAGES:
+                        self.image_cache.popitem(last=False)
         return found
 
     def text_embeds(self, input_ids: torch.Tensor) -> torch.Tensor:
