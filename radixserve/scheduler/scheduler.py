@@ -29,7 +29,8 @@ from radixserve.core.request_validation import RequestLimits, check_lora_name, c
 from radixserve.core.sampling_params import InvalidRequestError
 from radixserve.mem.base_cache import BasePrefixCache
 from radixserve.scheduler.admission import PrefillAdder
-from radixserve.scheduler.batch import BatchBuilder, merge_mixed, wants_prompt_logprobs
+from radixserve.scheduler.batch import (BatchBuilder, images_in_pass, merge_mixed,
+                                        wants_prompt_logprobs)
 from radixserve.scheduler.cohort_gate import CohortGate
 from radixserve.scheduler.grammar.manager import GrammarManager
 from radixserve.scheduler.in_batch_prefix import InBatchPrefixIndex
@@ -352,9 +353,11 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesM
                 self.stats.num_recomputed_tokens += max(0, min(
                     start + req.extend_input_len, req.computed_before_retraction) - start)
         self.chunked_req = adder.new_chunked_req
+        images = images_in_pass(adder.can_run, [r.extend_input_len for r in adder.can_run])
         self.stats.log_prefill(len(adder.can_run), adder.new_input_tokens,
                                adder.new_cached_tokens, self.token_usage(), len(running),
-                               len(self.waiting_queue), self.chunked_req is not None)
+                               len(self.waiting_queue), self.chunked_req is not None,
+                               sum(map(len, images)))
         return adder.can_run
 
     def _end_failed_grammars(self) -> None:

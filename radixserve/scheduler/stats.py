@@ -37,13 +37,17 @@ class SchedulerStats:
         return self.total_cached_tokens / self.total_input_tokens if self.total_input_tokens else 0.0
 
     def log_prefill(self, num_reqs: int, new_tokens: int, cached_tokens: int, token_usage: float,
-                    num_running: int, num_queued: int, chunked: bool) -> None:
+                    num_running: int, num_queued: int, chunked: bool,
+                    num_images: int = 0) -> None:
+        """`num_images`: the images whose placeholders the batch's new tokens cover."""
         self.total_input_tokens += new_tokens + cached_tokens
         self.total_cached_tokens += cached_tokens
         logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, "
-                    "cache hit rate: %.2f%%, token usage: %.2f, #running-req: %d, #queue-req: %d%s",
-                    num_reqs, new_tokens, cached_tokens, 100 * self.cache_hit_rate, token_usage,
-                    num_running, num_queued, ", chunked" if chunked else "")
+                    "cache hit rate: %.2f%%, token usage: %.2f, #running-req: %d, #queue-req: "
+                    "%d%s%s", num_reqs, new_tokens, cached_tokens, 100 * self.cache_hit_rate,
+                    token_usage, num_running, num_queued,
+                    f", #image: {num_images}" if num_images else "",
+                    ", chunked" if chunked else "")
 
     def on_verify_step(self, num_reqs: int, proposed: int, accepted: int) -> None:
         """A speculative step (`num_reqs`: those with drafts): before on_decode_step, which

@@ -47,6 +47,9 @@ class ServerMetrics:
         self.lora_generation_tokens = Counter(PREFIX + "lora_generation_tokens",
                                               "Tokens generated on each LoRA adapter",
                                               labels + ["lora_name"], registry=reg)
+        self.image_inputs = Counter(PREFIX + "image_inputs", "Images of finished requests",
+                                    labels, registry=reg)
+        self.image_inputs.labels(model_name)  # the series exists from the start, at 0
         # streamed requests as their tokens arrive; non-streamed ones (whose tokens reach this
         # process at their end) from the scheduler's time of their first token
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
@@ -102,8 +105,10 @@ class ServerMetrics:
 
     def observe_finish(self, finish_type: str, prompt_tokens: int, completion_tokens: int,
                        cached_tokens: int, e2e_latency: float,
-                       lora_name: str | None = None) -> None:
+                       lora_name: str | None = None, num_images: int = 0) -> None:
         name = self.model_name
+        if num_images:
+            self.image_inputs.labels(name).inc(num_images)
         if lora_name is not None:
             self.lora_requests.labels(name, lora_name).inc()
             self.lora_generation_tokens.labels(name, lora_name).inc(completion_tokens)

@@ -481,7 +481,7 @@ class TokenizerManager:
                     str((meta.get("finish_reason") or {}).get("type", "unknown")),
                     len(state.req.input_ids), len(state.output_ids),
                     int(meta.get("cached_tokens", 0) or 0), now - state.created_time,
-                    state.req.lora_name)
+                    state.req.lora_name, len(state.req.mm_inputs or ()))
             state.event.set()
 
     def _token_text_fn(self, state: ReqState) -> Any:

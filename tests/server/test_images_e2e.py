@@ -145,6 +145,19 @@ def test_placeholder_mismatch_is_a_400_and_nothing_leaks(served) -> None:
     assert response.status_code == 400 and "one item per prompt" in response.text
     info = proc.wait_idle_memory_check()
     assert info["internal_state"]["memory_check_ok"] is True
+    before = images_counted(proc)
+    requests.post(proc.url("/generate"), timeout=60, json={
+        "text": "w1 <image> <image>", "image_data": [data_url(served["images"][0])] * 2,
+        "sampling_params": {"max_new_tokens": 1}}).raise_for_status()
+    assert images_counted(proc) == before + 2
+
+
+def images_counted(proc: ServerProcess) -> float:
+    """/metrics' radixserve:image_inputs_total."""
+    metrics = requests.get(proc.url("/metrics"), timeout=30).text
+    line = next(line for line in metrics.splitlines()
+                if line.startswith("radixserve:image_inputs_total{"))
+    return float(line.rsplit(" ", 1)[1])
 
 
 @pytest.mark.parametrize("mode,fmt,size", [("L", "PNG", (5, 3)), ("RGBA", "PNG", (60, 90)),
