@@ -85,6 +85,14 @@ def test_chat_reads_images_from_data_and_http_urls(served) -> None:
             {"type": "text", "text": "w8"}]}])
     assert "".join(chunk.choices[0].delta.content or "" for chunk in stream
                    if chunk.choices) == want
+    twice = client(served).chat.completions.create(  # n > 1: the warm-up carries the images
+        model="model", max_tokens=NEW_TOKENS, temperature=0, n=2,
+        extra_body={"ignore_eos": True}, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(images[0])}},
+            {"type": "text", "text": "w7"},
+            {"type": "image_url", "image_url": {"url": data_url(images[1])}},
+            {"type": "text", "text": "w8"}]}])
+    assert [choice.message.content for choice in twice.choices] == [want, want]
     counted = requests.post(served["proc"].url("/tokenize"), timeout=60, json={
         "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": data_url(images[0])}},
