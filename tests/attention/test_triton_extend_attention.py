@@ -252,7 +252,8 @@ def image_limits(extend_lens: list[int], prefix_lens: list[int],
 
 @pytest.mark.parametrize("window", [-1, 9, 40])
 @pytest.mark.parametrize("config", [SMALL, TALL], ids=["16x16", "32x16"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float16, marks=pytest.mark.slow),
+                                   torch.float32])
 def test_extend_with_images_seen_both_ways(window: int, config: ExtendKernelConfig,
                                            dtype: torch.dtype) -> None:
     """Runs of new tokens that attend to each other both ways (Gemma-3's images): one inside a

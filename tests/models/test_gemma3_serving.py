@@ -89,6 +89,7 @@ def test_chat_writes_the_image_sequence(gemma3) -> None:
     assert out["output_ids"] == hf_greedy(hf_model, folder, ids, [image])
 
 
+@pytest.mark.slow  # (CI keeps LLaVA's tp 2 images test)
 def test_images_at_tp2_generate_as_transformers(gemma3) -> None:
     """Tensor parallel over gloo: each rank's runner gives its pass the same attention limits,
     each rank's scheduler cuts chunks at the same image boundaries."""
