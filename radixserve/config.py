@@ -61,6 +61,8 @@ class ServerArgs:
     allowed_local_media_path: str | None = None
     # vLLM's '{"image": N}': the most images one prompt may carry (max_images_per_prompt)
     limit_mm_per_prompt: str | None = None
+    # the only hosts image URLs may name (vLLM's flag); None: any
+    allowed_media_domains: list[str] | None = None
     served_model_name: str | None = None
     log_level: str = "info"
     log_requests: bool = False

@@ -36,8 +36,8 @@ from radixserve.scheduler.replicated import ReplicatedScheduler
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server.tp_follower_process import (FollowerWatch, cpu_threads_per_rank,
                                                    start_tp_followers)
-from radixserve.server.image_inputs import (conversation_images, image_reader,
-                                           per_prompt_images)
+from radixserve.server.image_inputs import (ImageOptions, conversation_images,
+                                           image_reader, per_prompt_images)
 from radixserve.server.openai_protocol import ImageRendering
 from radixserve.server.incremental_detokenizer import IncrementalDetokenizer, stop_match
 
@@ -126,9 +126,9 @@ class Engine:
             ReplicatedScheduler(scheduler, get_tp_group())
         self.tokenizer = self.scheduler.tokenizer
         # a model that reads images: its image processor, placeholders, sources
-        self._images = image_reader(scheduler.model_info.get("vision"), trust_local_paths=True,
-                                    tokenizer=self.tokenizer,
-                                    max_images=self.server_args.max_images_per_prompt())
+        self._images = image_reader(scheduler.model_info.get("vision"),
+                                    ImageOptions.of(self.server_args, trust_local_paths=True),
+                                    self.tokenizer)
         self.generation_defaults = dict(self._runner.source.generation_defaults)
         self._ids = itertools.count()
         self._closed = False

@@ -80,6 +80,9 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
     "limit_mm_per_prompt": (SERVING, "the most images one prompt may carry, as vLLM's JSON "
                                      "'{\"image\": 4}' (0: images refused); default 64",
                             None),
+    "allowed_media_domains": (SERVING, "the only hosts image URLs may name (vLLM's flag; "
+                                       "redirects are then not followed); default: any",
+                              None),
     "max_request_bytes": (SERVING, "larger request bodies are refused (413) unread", None),
     "shutdown_timeout": (SERVING, "seconds running requests get to finish on SIGINT/SIGTERM; "
                                   "then their streams end with an error event", None),

@@ -19,12 +19,14 @@ import functools
 import io
 import logging
 import os
+import urllib.parse
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from radixserve.config import DEFAULT_MAX_IMAGES
+from radixserve.config import DEFAULT_MAX_IMAGES, ServerArgs
 from radixserve.core.multimodal import (ImageInput, VisionSpec, bytes_hash,
                                         expand_image_placeholders)
 from radixserve.core.sampling_params import InvalidRequestError
@@ -39,12 +41,28 @@ def fetch_timeout_s() -> float:
     return float(os.environ.get("RADIXSERVE_IMAGE_FETCH_TIMEOUT", "10"))
 
 
+@dataclass(frozen=True)
+class ImageOptions:
+    """The rules for a request's images: --allowed-local-media-path, --limit-mm-per-prompt,
+    --allowed-media-domains; the offline Engine trusts any local path."""
+    allowed_local_media_path: str | None = None
+    max_images: int = DEFAULT_MAX_IMAGES
+    allowed_domains: frozenset[str] | None = None
+    trust_local_paths: bool = False
+
+    @classmethod
+    def of(cls, args: ServerArgs, trust_local_paths: bool = False) -> "ImageOptions":
+        domains = args.allowed_media_domains
+        return cls(args.allowed_local_media_path, args.max_images_per_prompt(),
+                   None if domains is None else frozenset(d.lower() for d in domains),
+                   trust_local_paths)
+
+
 class ImageReader:
     """The model's image processor and placeholder spec, and the rules for image sources."""
 
-    def __init__(self, vision: dict[str, Any], allowed_local_media_path: str | None = None,
-                 trust_local_paths: bool = False, tokenizer: Any | None = None,
-                 max_images: int = DEFAULT_MAX_IMAGES) -> None:
+    def __init__(self, vision: dict[str, Any], options: ImageOptions = ImageOptions(),
+                 tokenizer: Any | None = None) -> None:
         from transformers import AutoImageProcessor
 
         self.spec = _with_tokenizer_ids(VisionSpec(**{
@@ -58,10 +76,11 @@ class ImageReader:
         # pixels travel and wait in the model's dtype, which its tower casts them to anyway
         # (bf16: half of float32's 9.6 MB for a Gemma-3 image)
         self.pixel_dtype: torch.dtype = getattr(torch, vision.get("dtype") or "float32")
-        self.local_root = None if allowed_local_media_path is None else \
-            Path(allowed_local_media_path).resolve()
-        self.trust_local_paths = trust_local_paths  # the offline Engine: any local file
-        self.max_images = max_images  # a prompt's (--limit-mm-per-prompt)
+        self.local_root = None if options.allowed_local_media_path is None else \
+            Path(options.allowed_local_media_path).resolve()
+        self.trust_local_paths = options.trust_local_paths  # the offline Engine: any file
+        self.max_images = options.max_images  # a prompt's (--limit-mm-per-prompt)
+        self.allowed_domains = options.allowed_domains  # None: any host
 
     def check_count(self, count: int) -> None:
         """A prompt's images within --limit-mm-per-prompt."""
@@ -79,7 +98,8 @@ class ImageReader:
         out = []
         for index, source in enumerate(sources):
             if isinstance(source, str) and source.startswith(("http://", "https://")):
-                out.append(await _download(source, index))
+                self._check_host(source, index)
+                out.append(await _download(source, index, self.allowed_domains is None))
             else:
                 out.append(await asyncio.to_thread(self.read_source, source, index))
         return out
@@ -98,6 +118,7 @@ class ImageReader:
                 raise _bad(index, "a data URL must be base64 (data:image/...;base64,...)")
             return _b64(data, index)
         if source.startswith(("http://", "https://")):
+            self._check_host(source, index)
             return _download_sync(source, index)
         if source.startswith("file://"):
             return self._local(source.removeprefix("file://"), index)
@@ -105,6 +126,12 @@ class ImageReader:
         if len(source) < 4096 and os.path.exists(os.path.expanduser(source)):
             return self._local(os.path.expanduser(source), index)
         return _b64(source, index)
+
+    def _check_host(self, url: str, index: int) -> None:
+        """An image URL's host among --allowed-media-domains, where it is given."""
+        host = (urllib.parse.urlsplit(url).hostname or "").lower()
+        if self.allowed_domains is not None and host not in self.allowed_domains:
+            raise _bad(index, f"{host or url!r} is not among --allowed-media-domains")
 
     def _local(self, path: str, index: int) -> bytes:
         resolved = Path(path).resolve()
@@ -215,16 +242,14 @@ def _with_tokenizer_ids(spec: VisionSpec, tokenizer: Any | None) -> VisionSpec:
     return dataclasses.replace(spec, break_token_id=ids[0], end_token_id=ids[1])
 
 
-def image_reader(vision: dict[str, Any] | None, allowed_local_media_path: str | None = None,
-                 trust_local_paths: bool = False, tokenizer: Any | None = None,
-                 max_images: int = DEFAULT_MAX_IMAGES) -> ImageReader | None:
+def image_reader(vision: dict[str, Any] | None, options: ImageOptions = ImageOptions(),
+                 tokenizer: Any | None = None) -> ImageReader | None:
     """The model's ImageReader, or None where it reads no images, or where its folder lacks
     the image processor: then it is served text-only (images refused), said in the log."""
     if not vision:
         return None
     try:
-        return ImageReader(vision, allowed_local_media_path, trust_local_paths, tokenizer,
-                           max_images)
+        return ImageReader(vision, options, tokenizer)
     except ValueError as exc:
         logger.warning("%s; serving it text-only (requests with images are refused)", exc)
         return None
@@ -244,13 +269,13 @@ def _b64(data: str, index: int) -> bytes:
     return raw
 
 
-async def _download(url: str, index: int) -> bytes:
+async def _download(url: str, index: int, follow_redirects: bool = True) -> bytes:
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=fetch_timeout_s())
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            async with session.get(url) as response:
+            async with session.get(url, allow_redirects=follow_redirects) as response:
                 if response.status != 200:
                     raise _bad(index, f"fetching {url} answered HTTP {response.status}")
                 data = await response.content.read(MAX_IMAGE_BYTES + 1)

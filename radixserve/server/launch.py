@@ -37,6 +37,7 @@ from radixserve.server.native_api import WARM_UP_HEADER
 from radixserve.server.process_group import ChildFailedError, ProcessGroup
 from radixserve.server.process_utils import configure_logging
 from radixserve.server.tokenizer_manager import TokenizerManager
+from radixserve.server.image_inputs import ImageOptions
 from radixserve.server.tokenizer_utils import load_tokenizer
 from radixserve.server.tp_follower_process import run_headless_node
 from radixserve.server.cpu_priority import yield_to_compute
@@ -296,8 +297,7 @@ def _serve(server_args: ServerArgs, port_args: PortArgs, group: ProcessGroup,
                           router=DataParallelRouter(server_args.dp_size,
                                                     server_args.load_balance_method),
                           generation_defaults=generation_defaults,
-                          allowed_local_media_path=server_args.allowed_local_media_path,
-                          max_images_per_prompt=server_args.max_images_per_prompt())
+                          image_options=ImageOptions.of(server_args))
     aliases = accepted_model_names(server_args, model_name)
 
     def server_info() -> dict[str, Any]:

@@ -23,7 +23,6 @@ import zmq
 import zmq.asyncio
 from starlette.requests import Request
 
-from radixserve.config import DEFAULT_MAX_IMAGES
 from radixserve.core.io_struct import (AbortReq, BatchStrOut, FlushCacheReply, FlushCacheReq,
                                        GetInternalStateReq, InternalState, LoRAUpdateReply,
                                        ReqError, SchedulerStateUpdate, TokenizedGenerateReq)
@@ -35,7 +34,7 @@ from radixserve.core.sampling_params import (GRAMMAR_KINDS, MAX_N, InvalidReques
 from radixserve.scheduler.grammar.validation import check_grammar
 from radixserve.server.dp_router import DataParallelRouter
 from radixserve.server.errors import APIError, ClientDisconnected
-from radixserve.server.image_inputs import image_reader
+from radixserve.server.image_inputs import ImageOptions, image_reader
 from radixserve.server.ipc import PortArgs, pull_socket, push_socket
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.request_lanes import RequestLanes
@@ -53,15 +52,13 @@ class TokenizerManager:
                  metrics: ServerMetrics, log_requests: bool = False,
                  router: DataParallelRouter | None = None,
                  generation_defaults: dict[str, Any] | None = None,
-                 allowed_local_media_path: str | None = None,
-                 max_images_per_prompt: int = DEFAULT_MAX_IMAGES) -> None:
+                 image_options: ImageOptions = ImageOptions()) -> None:
         self.port_args = port_args
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.limits = RequestLimits.from_model_info(model_info)
         # a model that reads images: its image processor and placeholders (image_inputs.py)
-        self.images = image_reader(model_info.get("vision"), allowed_local_media_path,
-                                   tokenizer=tokenizer, max_images=max_images_per_prompt)
+        self.images = image_reader(model_info.get("vision"), image_options, tokenizer)
         # sampling parameters requests get when they leave them unset (the model's
         # generation_config.json, as vLLM does)
         self.generation_defaults = dict(generation_defaults or {})

@@ -130,12 +130,18 @@ def test_images_at_tp2_generate_as_transformers(llava) -> None:
 
 def test_images_per_prompt_are_limited(llava) -> None:
     """--limit-mm-per-prompt (vLLM's JSON): more images than it allows, or any with 0, are
-    refused before they are read; a bad value is refused at start."""
+    refused before they are read; a bad value is refused at start. --allowed-media-domains:
+    a URL of another host is refused before it is fetched."""
     folder = llava[1]
     engine = radixserve.Engine(str(folder), dtype="float32", max_total_tokens=1024,
-                               limit_mm_per_prompt='{"image": 1}')
+                               limit_mm_per_prompt='{"image": 1}',
+                               allowed_media_domains=["Images.Example.org"])
     try:
         engine.generate("w1 <image>", GREEDY, image_data=noise_image(1))
+        with pytest.raises(InvalidRequestError, match="'127.0.0.1' is not among "
+                                                      "--allowed-media-domains"):
+            engine.generate("w1 <image>", GREEDY, image_data="http://127.0.0.1:9/x.png")
+        assert engine._images.allowed_domains == {"images.example.org"}
         with pytest.raises(InvalidRequestError, match=r"2 images in one prompt; at most 1"):
             engine.generate("w1 <image> <image>", GREEDY, image_data=[noise_image(1)] * 2)
         assert ServerArgs(limit_mm_per_prompt='{"image": 0}').max_images_per_prompt() == 0
