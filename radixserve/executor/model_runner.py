@@ -106,8 +106,7 @@ class ModelRunner:
                                                   server_args.model_overrides())
         self.model_config: ModelConfig = self.source.model_config
         # the placeholders of the images the model reads (None: text only)
-        self.vision_spec = vision_spec(getattr(self.model_config, "hf_top", None),
-                                       self.model_config.architecture)
+        self.vision_spec = vision_spec(self.model_config.hf_top, self.model_config.architecture)
         self.fp8 = fp8_config(self.source.hf_config.get("quantization_config"),
                               server_args.quantization)
         if self.fp8 is not None and self.fp8.online and self.source.weights is None:

@@ -30,6 +30,7 @@ from radixserve.config import DEFAULT_MAX_IMAGES, ServerArgs
 from radixserve.core.multimodal import (ImageInput, VisionSpec, bytes_hash,
                                         expand_image_placeholders)
 from radixserve.core.sampling_params import InvalidRequestError
+from radixserve.server.errors import APIError
 
 logger = logging.getLogger(__name__)
 
@@ -240,6 +241,21 @@ def _with_tokenizer_ids(spec: VisionSpec, tokenizer: Any | None) -> VisionSpec:
     if any(not isinstance(i, int) or i == tokenizer.unk_token_id for i in ids):
         return spec
     return dataclasses.replace(spec, break_token_id=ids[0], end_token_id=ids[1])
+
+
+async def fetch_images(reader: ImageReader | None, sources: list[Any],
+                       param: str) -> list[Any]:
+    """A request's images as bytes, downloaded where they are URLs; a model that reads no
+    images (`reader` None) refuses any (400s name the request's field `param`, and the bad
+    image)."""
+    if not sources:
+        return []
+    if reader is None:
+        raise APIError("this model reads no images", param=param)
+    try:
+        return await reader.fetch(sources)
+    except InvalidRequestError as exc:
+        raise APIError(str(exc), param=param) from None
 
 
 def image_reader(vision: dict[str, Any] | None, options: ImageOptions = ImageOptions(),

@@ -25,6 +25,7 @@ from starlette.types import Scope
 from radixserve.core.sampling_params import MAX_N, InvalidRequestError, SamplingParams
 from radixserve.server.errors import APIError
 from radixserve.server.http_utils import read_json
+from radixserve.server.image_inputs import fetch_images
 from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.openai_common import sample_copies, sse, sse_response
 from radixserve.server.openai_embeddings import NOT_A_GENERATION_MODEL
@@ -207,7 +208,8 @@ def native_router(tm: TokenizerManager, server_info: Callable[[], dict[str, Any]
         lane = await tm.lanes.lane_for(request, raw)
         obj: GenerateReqInput = await tm.lanes.offload(parse_model, GenerateReqInput, raw,
                                                        lane=lane)
-        images = [await tm.fetch_images(sources, "image_data") for sources in obj.image_sources()]
+        images = [await fetch_images(tm.images, sources, "image_data")
+                  for sources in obj.image_sources()]
         reqs, is_batch = await tm.lanes.offload(build_requests, tm, obj, images, lane=lane)
         if is_warm_up(request.scope, is_ready):
             # the server's own warm-up (launch.py): not a request the metrics count

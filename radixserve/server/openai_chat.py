@@ -13,6 +13,7 @@ from starlette.requests import Request
 
 from radixserve.server.errors import APIError
 from radixserve.server.harmony import CONSTRAINED_ANSWER, HARMONY_ASSISTANT, with_call_end
+from radixserve.server.image_inputs import fetch_images
 from radixserve.server.openai_common import (OpenAIContext, finish_reason_of, new_id, now_s,
                                              sample_copies, sse, sse_response, usage_of)
 from radixserve.server.openai_protocol import (OPENAI_FIELD_NAMES, ChatCompletionRequest,
@@ -181,7 +182,7 @@ async def create_chat_completion(ctx: OpenAIContext, request: Request, raw: Any)
                                                    lane=lane)
     body.check_unsupported()
     model = ctx.check_model(body.model)
-    images = await tm.fetch_images(body.image_sources(), "messages")
+    images = await fetch_images(tm.images, body.image_sources(), "messages")
     # template + tokenizer (and images' pixels) off the loop
     reqs, plan, split = await tm.lanes.offload(build_requests, ctx, body, images, lane=lane)
     if body.stream:

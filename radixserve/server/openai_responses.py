@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
 from radixserve.server.errors import APIError
+from radixserve.server.image_inputs import fetch_images
 from radixserve.server.openai_chat import (build_requests, chat_finish_reason, choice_of,
                                            logprob_content, output_text, reasoning_of)
 from radixserve.server.openai_common import OpenAIContext, now_s, sse, sse_response, usage_of
@@ -137,7 +138,7 @@ async def create_response(ctx: OpenAIContext, request: Request, raw: Any) -> Res
         keep = ctx.responses if raw.get("store", True) is not False else None
         shape = ResponseShape(raw, ctx.check_model(chat.model), keep,
                               (history or []) + input_messages(raw))
-        images = await tm.fetch_images(chat.image_sources(), "messages")
+        images = await fetch_images(tm.images, chat.image_sources(), "messages")
         reqs, plan, split = await tm.lanes.offload(build_requests, ctx, chat, images,
                                                    lane=lane)
     except APIError as exc:

@@ -156,18 +156,6 @@ class TokenizerManager:
             return_text_in_logprobs=return_text_in_logprobs, stream=stream,
             lora_name=lora_name, priority=priority, mm_inputs=mm_inputs)
 
-    async def fetch_images(self, sources: list[Any], param: str) -> list[Any]:
-        """A request's images as bytes, downloaded where they are URLs; a model that reads no
-        images refuses any (400s name the request's field `param`, and the bad image)."""
-        if not sources:
-            return []
-        if self.images is None:
-            raise APIError("this model reads no images", param=param)
-        try:
-            return await self.images.fetch(sources)
-        except InvalidRequestError as exc:
-            raise APIError(str(exc), param=param) from None
-
     # ---- generation ----
     async def generate(self, req: GenerateRequest,
                        http_request: Request | None = None) -> AsyncIterator[ReqOutput]:
