@@ -2,7 +2,8 @@
 image each (its placeholders in the prompt) and as text of the same length, on random weights
 of a config folder holding the checkpoint's preprocessor_config.json (default: Gemma-3 4B's,
 benchmarks/configs/gemma-3-4b-it: 896 x 896 SigLIP-So400m, 256 tokens an image, seen both
-ways); and the vision tower + projector alone per image.
+ways; or benchmarks/configs/qwen2.5-vl-7b-instruct: a 640 x 480 photo is 46 x 34 patches of
+14, 391 tokens at 3-D rope positions); and the vision tower + projector alone per image.
 
     python3 benchmarks/image_throughput.py --num-requests 64 --output-len 32     # a GPU
 """
@@ -66,33 +67,33 @@ def main() -> None:
     half = args.text_len // 2
     with_images = [text(half) + [marker] + text(args.text_len - half)
                    for _ in range(args.num_requests)]
-    extra = spec.tokens_per_image + (2 if spec.end_token_id is not None else 0)
+    reader = engine._images  # the host's part: decode, the image processor, the pixels' hash
+    # the marker's expansion for one 640 x 480 photo (all the same size): the image's span
+    # and its markers
+    _, sample = reader.prepare([marker], noise_images(1, 98))
+    extra = sample[0].num_tokens + (2 if spec.end_token_id is not None else 0)
     as_text = [text(args.text_len + extra) for _ in range(args.num_requests)]
     timed_generate(engine, as_text[:4], 4, None)  # warm-up: kernels, graphs, the tower
     timed_generate(engine, with_images[:4], 4, noise_images(4, 99))
     text_s = timed_generate(engine, as_text, args.output_len, None)
     image_s = timed_generate(engine, with_images, args.output_len,
                              noise_images(args.num_requests, 1))
-    reader = engine._images  # the host's part: decode, the image processor, the pixels' hash
     start = time.perf_counter()
-    for image in noise_images(8, 2):
-        reader.prepare([marker], [image])
+    batch = [reader.prepare([marker], [image])[1][0] for image in noise_images(8, 2)]
     prepare_ms = (time.perf_counter() - start) / 8 * 1e3
     model = engine._runner.model
-    side = config.hf_top.vision_config.image_size
-    pixels = torch.randn(8, 3, side, side)
-    model.encode_images(pixels)
+    model.encode_group(batch)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     start = time.perf_counter()
     for _ in range(3):
-        model.encode_images(pixels)
+        model.encode_group(batch)
     sync()
     encode_ms = (time.perf_counter() - start) / 24 * 1e3
     engine.shutdown()
     out_tokens = args.num_requests * args.output_len
     result = {"num_requests": args.num_requests, "prompt_tokens": args.text_len + extra,
-              "tokens_per_image": spec.tokens_per_image, "output_len": args.output_len,
+              "tokens_per_image": sample[0].num_tokens, "output_len": args.output_len,
               "text_only_s": round(text_s, 3), "with_images_s": round(image_s, 3),
               "text_only_out_tok_per_s": round(out_tokens / text_s, 1),
               "with_images_out_tok_per_s": round(out_tokens / image_s, 1),

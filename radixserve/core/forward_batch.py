@@ -68,6 +68,11 @@ class ModelWorkerBatch:
     # EXTEND / MIXED: per request, the images of its prompt (core.multimodal.ImageInput) whose
     # placeholders this pass may cover (empty: no request of the pass has images)
     mm_inputs: list[list[Any]] = field(default_factory=list)
+    # per request, what its positions add to its token indices (empty: 0 for all): M-RoPE
+    # models place the tokens after an image at their index plus the images' rope deltas
+    # (core.multimodal.ImageInput.rope_delta; for an extend pass, those of the images that
+    # end before its first token, the model placing the rest by `mrope_positions`)
+    position_offsets: list[int] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -125,6 +130,8 @@ class ForwardBatch:
     # extend tokens) of the last new token it may attend to; None: causal. Set by the runner
     # for images seen both ways (core.multimodal.image_attention_limits, Gemma-3)
     extend_causal_limit: torch.Tensor | None = None
+    # ModelWorkerBatch.position_offsets (host list), None when all are 0
+    position_offsets: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -137,13 +144,15 @@ class ForwardBatch:
             return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
         seq_lens = batch.seq_lens
+        offsets = batch.position_offsets or [0] * len(seq_lens)
         if batch.forward_mode.is_decode():
-            positions_cpu = [s - 1 for s in seq_lens]
+            positions_cpu = [s - 1 + shift for s, shift in zip(seq_lens, offsets)]
             ext = dict()
         else:
             positions_cpu = []
-            for prefix_len, ext_len in zip(batch.extend_prefix_lens, batch.extend_seq_lens):
-                positions_cpu.extend(range(prefix_len, prefix_len + ext_len))
+            for prefix_len, ext_len, shift in zip(batch.extend_prefix_lens,
+                                                  batch.extend_seq_lens, offsets):
+                positions_cpu.extend(range(prefix_len + shift, prefix_len + ext_len + shift))
             starts = [0]
             for ext_len in batch.extend_seq_lens[:-1]:
                 starts.append(starts[-1] + ext_len)
@@ -171,5 +180,7 @@ class ForwardBatch:
             extend_logprob_start_lens=batch.extend_logprob_start_lens,
             state_snapshots=batch.state_snapshots or None,
             mm_inputs=batch.mm_inputs if any(batch.mm_inputs) else None,
+            position_offsets=list(batch.position_offsets) if any(batch.position_offsets)
+            else None,
             **ext,
         )

@@ -23,6 +23,9 @@ ARCHITECTURE_MODEL_TYPES = {
     "Gemma3ForCausalLM": "gemma3_text",
     # multimodal Gemma-3 (4b-27b): served text-only, its language model (`text_config`)
     "Gemma3ForConditionalGeneration": "gemma3",
+    # Qwen2-VL / Qwen2.5-VL: a Qwen2 language model with multimodal rope, and their images
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",

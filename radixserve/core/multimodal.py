@@ -13,6 +13,7 @@ image markers: the placeholder token and how many of them one image fills."""
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,9 @@ class ImageInput:
     # row's cols image tokens and a break token, the last row's an end token; None: every
     # token of the span is a feature row
     grid: tuple[int, int] | None = None
+    # M-RoPE models (Qwen2-VL, Qwen2.5-VL): (frames, rows, cols) of its feature tokens, which
+    # fill the span row-major and take 3-D rope positions (`mrope_positions`); None elsewhere
+    thw: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.grid is not None and self.num_tokens != self.grid[0] * (self.grid[1] + 1):
@@ -42,6 +46,14 @@ class ImageInput:
     @property
     def end(self) -> int:
         return self.offset + self.num_tokens
+
+    @property
+    def rope_delta(self) -> int:
+        """How far the positions of the tokens after the image trail their index: an M-RoPE
+        image spans max(rows, cols) positions for its rows x cols tokens (0 elsewhere)."""
+        if self.thw is None:
+            return 0
+        return max(self.thw[1], self.thw[2]) - self.num_tokens
 
     @property
     def num_features(self) -> int:
@@ -80,6 +92,12 @@ def image_key_tokens(image: ImageInput) -> list[int]:
     return [base + i for i in range(image.num_tokens)]
 
 
+QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration",
+                         "Qwen2_5_VLForConditionalGeneration")
+# what Qwen2-VL's and Qwen2.5-VL's chat templates write for an image
+QWEN_VL_IMAGE_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
 @dataclass(frozen=True)
 class VisionSpec:
     """What a multimodal checkpoint's config says about its image placeholders."""
@@ -101,6 +119,15 @@ class VisionSpec:
     # a break token, the last by `end_token_id` (tokens_per_image 0: it varies)
     grid_patch: int | None = None
     break_token_id: int | None = None
+    # M-RoPE (Qwen2-VL, Qwen2.5-VL): the image token is one image's marker, made a run of
+    # rows x cols image tokens, one per mrope_merge x mrope_merge patches of the processed
+    # image (tokens_per_image 0: it varies); its tokens take 3-D rope positions
+    mrope_merge: int | None = None
+
+    @property
+    def sized_by_image(self) -> bool:
+        """An image's span follows its processed size (Pixtral's rows, M-RoPE's grid)."""
+        return self.grid_patch is not None or self.mrope_merge is not None
 
 
 def vision_spec(hf_config: Any, architecture: str) -> VisionSpec | None:
@@ -124,6 +151,9 @@ def vision_spec(hf_config: Any, architecture: str) -> VisionSpec | None:
         return VisionSpec(int(image), 0, "[IMG]", end_token_id=13,
                           grid_patch=int(hf_config.vision_config.patch_size) * merge,
                           break_token_id=12)
+    if architecture in QWEN_VL_ARCHITECTURES:
+        return VisionSpec(int(hf_config.image_token_id), 0, QWEN_VL_IMAGE_MARKER,
+                          mrope_merge=int(hf_config.vision_config.spatial_merge_size))
     if architecture != "LlavaForConditionalGeneration":
         return None
     vision = hf_config.vision_config
@@ -156,7 +186,7 @@ def expand_image_placeholders(input_ids: list[int], spec: VisionSpec, num_images
     one and the end token after it. Pixtral's layout (`spec.grid_patch`): each image token is
     one image's marker, made its grid's rows (`grids`, in order) of image tokens and breaks.
     The images must be as many as the runs."""
-    if spec.grid_patch is not None:
+    if spec.sized_by_image:
         return _expand_grids(input_ids, spec, num_images, grids or [])
     image, size, marker = spec.image_token_id, spec.tokens_per_image, spec.marker_token_id
     out: list[int] = []
@@ -191,8 +221,11 @@ def expand_image_placeholders(input_ids: list[int], spec: VisionSpec, num_images
 
 
 def grid_tokens(spec: VisionSpec, grid: tuple[int, int]) -> list[int]:
-    """Pixtral's span of one image: each row's image tokens and a break, the last an end."""
+    """Pixtral's span of one image: each row's image tokens and a break, the last an end; an
+    M-RoPE image's: rows x cols image tokens."""
     rows, cols = grid
+    if spec.mrope_merge is not None:
+        return [spec.image_token_id] * (rows * cols)
     assert spec.break_token_id is not None and spec.end_token_id is not None
     tokens = ([spec.image_token_id] * cols + [spec.break_token_id]) * rows
     tokens[-1] = spec.end_token_id
@@ -204,7 +237,8 @@ def _expand_grids(input_ids: list[int], spec: VisionSpec, num_images: int,
     image = spec.image_token_id
     markers = [i for i, token in enumerate(input_ids) if token == image]
     _check_count(len(markers), num_images, spec)
-    if spec.break_token_id in input_ids or spec.end_token_id in input_ids:
+    if spec.grid_patch is not None and (spec.break_token_id in input_ids or
+                                        spec.end_token_id in input_ids):
         raise InvalidRequestError(f"write one {spec.image_marker!r} per image: the server lays "
                                   "out its rows", param="prompt")
     out: list[int] = []
@@ -236,8 +270,12 @@ def check_images(input_ids: list[int], images: list[ImageInput],
         raise InvalidRequestError("the model reads no images", param="image_data")
     end = 0
     for image in images:
-        expected = spec.tokens_per_image if spec.grid_patch is None else \
-            (image.grid[0] * (image.grid[1] + 1) if image.grid else -1)
+        if spec.mrope_merge is not None:
+            expected = math.prod(image.thw) if image.thw else -1
+        elif spec.grid_patch is not None:
+            expected = image.grid[0] * (image.grid[1] + 1) if image.grid else -1
+        else:
+            expected = spec.tokens_per_image
         if image.offset < end or image.num_tokens != expected or image.end > len(input_ids) or \
                 input_ids[image.offset:image.end].count(spec.image_token_id) != \
                 image.num_features:
@@ -267,3 +305,32 @@ def image_attention_limits(mm_inputs: list[list[ImageInput]], prefix_lens: list[
                 own[first:last + 1] = [last] * (last + 1 - first)
         limits.extend(own)
     return limits
+
+
+def mrope_positions(mm_inputs: list[list[ImageInput]], prefix_lens: list[int],
+                    extend_lens: list[int], offsets: list[int]) -> torch.Tensor:
+    """M-RoPE's (temporal, row, column) positions [3, T] of an extend pass's tokens (Qwen2-VL's
+    `get_rope_index`): a text token at prompt index p sits at p plus the `rope_delta` of every
+    image before it (the same in all three rows); an image's token at (t, r, c) of its grid at
+    the image's start position plus t, r and c. `offsets[i]`: request i's shift at the pass's
+    first token (the deltas of its images that end before it, `ForwardBatch.position_offsets`);
+    `mm_inputs[i]`: its images the pass covers (with `thw`)."""
+    parts = []
+    for images, prefix_len, extend_len, shift in zip(mm_inputs or [[]] * len(prefix_lens),
+                                                      prefix_lens, extend_lens, offsets):
+        own = (torch.arange(prefix_len, prefix_len + extend_len) + shift).expand(3, -1).clone()
+        for image in sorted(images, key=lambda image: image.offset):
+            if image.thw is None:
+                continue
+            start = image.offset + shift  # the position of its first token
+            first, end = max(image.offset, prefix_len), min(image.end, prefix_len + extend_len)
+            if first < end:
+                _, rows, cols = image.thw
+                within = torch.arange(first - image.offset, end - image.offset)
+                own[0, first - prefix_len:end - prefix_len] = start + within // (rows * cols)
+                own[1, first - prefix_len:end - prefix_len] = start + within // cols % rows
+                own[2, first - prefix_len:end - prefix_len] = start + within % cols
+            own[:, max(image.end - prefix_len, 0):] += image.rope_delta
+            shift += image.rope_delta
+        parts.append(own)
+    return torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.int64)

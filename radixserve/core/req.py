@@ -148,6 +148,12 @@ class Req:
     def all_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
 
+    def rope_shift(self, start: int) -> int:
+        """What the rope position of this request's token at index `start` adds to the index,
+        up to the images that reach into it: the `rope_delta` of each image that ends at or
+        before it (0 but for M-RoPE models' images)."""
+        return sum(image.rope_delta for image in self.mm_inputs if image.end <= start)
+
     def init_next_round_input(self) -> None:
         """Before (re)admission: everything so far must be in the KV cache after prefill."""
         self.fill_ids = self.all_ids()

@@ -9,7 +9,8 @@ attention backend applies it (the Triton backend through the KV pool's fused rop
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from contextlib import contextmanager
+from typing import Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -87,6 +88,63 @@ class RotaryEmbedding(nn.Module):
         if rest.shape[-1]:  # partial rotary: the dims past rotary_dim pass through
             out = torch.cat((out, rest), dim=-1)
         return out.reshape(shape)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rope (Qwen2-VL, Qwen2.5-VL; `mrope_section` of the rope parameters): the
+    rotary pairs are cut into three sections, rotated by a token's temporal, row and column
+    positions; contiguous sections (t | h | w, as transformers' `apply_multimodal_rotary_pos_emb`)
+    or, `interleaved`, pair i by i mod 3 within 3 x each section (Qwen3-VL's). Text tokens have
+    all three equal, which is plain rope at that position: decode and passes without images
+    use the tables as they are (their 1-D positions carry the images' shifts,
+    `ForwardBatch.position_offsets`). A pass with images runs inside `per_token_tables`."""
+
+    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor,
+                 sections: list[int], interleaved: bool = False) -> None:
+        super().__init__(head_dim, max_position, inv_freq)
+        pairs = inv_freq.numel()
+        if sum(sections) != pairs or len(sections) != 3:
+            raise ValueError(f"mrope_section {sections} must be three sections summing to the "
+                             f"{pairs} rotary pairs")
+        axis = torch.zeros(pairs, dtype=torch.int64)
+        if interleaved:
+            index = torch.arange(pairs)
+            for row in (1, 2):
+                axis[(index % 3 == row) & (index < 3 * sections[row])] = row
+        else:
+            axis[sections[0]:sections[0] + sections[1]] = 1
+            axis[sections[0] + sections[1]:] = 2
+        # which position row rotates each of the rotary_dim columns (both halves alike)
+        self.register_buffer("column_axis", torch.cat((axis, axis)), persistent=False)
+
+    @contextmanager
+    def per_token_tables(self, positions_3d: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Within: `cos_cache` / `sin_cache` are the pass's own rows [T, rotary_dim] (column j of
+        token i at its position in row `column_axis[j]` of `positions_3d` [3, T]), and the
+        positions to hand the layers (the yielded [T] arange) index them. Every backend and
+        fused rope kernel reads the tables through this module, so none needs to know."""
+        cos_cache, sin_cache = self.cos_cache, self.sin_cache
+        columns = torch.arange(self.rotary_dim, device=cos_cache.device)
+        rows = positions_3d.to(cos_cache.device)[self.column_axis].t()  # [T, rotary_dim]
+        try:
+            self.cos_cache = cos_cache[rows, columns].contiguous()
+            self.sin_cache = sin_cache[rows, columns].contiguous()
+            yield torch.arange(rows.shape[0], device=cos_cache.device)
+        finally:
+            self.cos_cache, self.sin_cache = cos_cache, sin_cache
+
+
+def rotary_from_config(config: ModelConfig) -> RotaryEmbedding:
+    """The model's rope table: multimodal where its rope parameters name `mrope_section`."""
+    sections = config.rope_parameters.get("mrope_section")
+    if not sections:
+        return RotaryEmbedding.from_config(config)
+    inv_freq, factor = rope_frequencies(config)
+    if factor != 1.0:
+        raise ValueError("mrope_section with a scaled rope is not supported")
+    return MRotaryEmbedding(config.head_dim, config.rope_positions, inv_freq,
+                            [int(s) for s in sections],
+                            bool(config.rope_parameters.get("mrope_interleaved", False)))
 
 
 class QKNorm(NamedTuple):

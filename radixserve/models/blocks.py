@@ -31,7 +31,7 @@ from radixserve.layers.logits import LogitsOutput, compute_logits, pooled_last_t
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.quantization.fp8 import Fp8Rows
 from radixserve.layers.radix_attention import RadixAttention
-from radixserve.layers.rotary import QKNorm, RopeInput, RotaryEmbedding
+from radixserve.layers.rotary import QKNorm, RopeInput, RotaryEmbedding, rotary_from_config
 from radixserve.mem.kv_pool import KVCacheSpec
 
 if TYPE_CHECKING:
@@ -320,7 +320,7 @@ class DecoderModel(nn.Module):
                  norm_cls: type[nn.Module] = RMSNorm, embed_scale: float | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding.from_config(config)
+        self.rotary = rotary_from_config(config)
         self.layers = nn.ModuleList(make_layer(config, i, self.rotary)
                                     for i in range(config.num_hidden_layers))
         self.norm = norm_cls(config.hidden_size, config.rms_norm_eps)

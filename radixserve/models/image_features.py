@@ -132,23 +132,28 @@ class ReadsImages:
         dtype, `ImageInput.num_features` rows an image."""
         raise NotImplementedError
 
+    def encode_group(self, images: list[ImageInput]) -> torch.Tensor:
+        """Images of one pixel shape and grid -> [n, features, hidden] (`encode_images` of
+        their stacked pixels; a tower that needs their grid reads it here)."""
+        return self.encode_images(torch.stack([image.pixel_values for image in images]))
+
     def image_features(self, images: list[ImageInput]) -> dict[int, torch.Tensor]:
         """Features by image hash: cached ones, the rest encoded (batches of one pixel shape,
         at most ENCODE_BATCH images) and cached."""
         found: dict[int, torch.Tensor] = {}
-        missing: dict[tuple[int, ...], dict[int, ImageInput]] = {}
+        missing: dict[tuple[Any, ...], dict[int, ImageInput]] = {}
         for image in images:
             if image.hash in self.image_cache:
                 self.image_cache.move_to_end(image.hash)
                 found[image.hash] = self.image_cache[image.hash]
             else:
-                missing.setdefault(tuple(image.pixel_values.shape), {})[image.hash] = image
+                shape = (tuple(image.pixel_values.shape), image.grid, image.thw)
+                missing.setdefault(shape, {})[image.hash] = image
         for group in missing.values():
             keys = list(group)
             for start in range(0, len(keys), ENCODE_BATCH):
                 batch = keys[start:start + ENCODE_BATCH]
-                pixels = torch.stack([group[key].pixel_values for key in batch])
-                for key, features in zip(batch, self.encode_images(pixels)):
+                for key, features in zip(batch, self.encode_group([group[k] for k in batch])):
                     # a copy: a view would keep the whole batch alive while one image stays
                     # cached
                     found[key] = self.image_cache[key] = features.clone()

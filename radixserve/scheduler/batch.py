@@ -105,6 +105,7 @@ class BatchBuilder:
             top_logprobs_nums=[r.top_logprobs_num for r in reqs],
             lora_names=[r.lora_name for r in reqs],
             mm_inputs=images_in_pass(reqs, extend_lens),
+            position_offsets=rope_shifts(reqs, [len(r.prefix_indices) for r in reqs]),
         )
         if return_logprob:
             self._add_input_logprob_targets(batch, reqs)
@@ -150,6 +151,7 @@ class BatchBuilder:
             return_logprob=any(r.return_logprob for r in reqs),
             top_logprobs_nums=[r.top_logprobs_num for r in reqs],
             lora_names=[r.lora_name for r in reqs],
+            position_offsets=rope_shifts(reqs, [r.kv_len for r in reqs]),
         )
 
 
@@ -170,7 +172,19 @@ def merge_mixed(extend: ModelWorkerBatch, decode: ModelWorkerBatch,
         state_snapshots=extend.state_snapshots,  # the extend requests keep their indices
         lora_names=extend.lora_names + decode.lora_names,
         mm_inputs=extend.mm_inputs + [[]] * decode.batch_size if extend.mm_inputs else [],
+        position_offsets=(extend.position_offsets or [0] * extend.batch_size) +
+        (decode.position_offsets or [0] * decode.batch_size)
+        if extend.position_offsets or decode.position_offsets else [],
     )
+
+
+def rope_shifts(reqs: list[Req], starts: list[int]) -> list[int]:
+    """Per request, the shift of its rope positions at token index `starts[i]`
+    (`Req.rope_shift`); empty when every one is 0 (no M-RoPE image among them)."""
+    if not any(r.mm_inputs for r in reqs):
+        return []
+    shifts = [r.rope_shift(start) for r, start in zip(reqs, starts)]
+    return shifts if any(shifts) else []
 
 
 def images_in_pass(reqs: list[Req], extend_lens: list[int]) -> list[list[Any]]:

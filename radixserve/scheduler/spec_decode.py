@@ -32,7 +32,7 @@ import torch
 
 from radixserve.core.forward_batch import ForwardMode, ModelWorkerBatch
 from radixserve.core.req import Req
-from radixserve.scheduler.batch import BatchBuilder, alloc_kv
+from radixserve.scheduler.batch import BatchBuilder, alloc_kv, rope_shifts
 from radixserve.scheduler.ngram_draft import NgramProposer
 
 if TYPE_CHECKING:
@@ -124,6 +124,7 @@ def prepare_verify(builder: BatchBuilder, reqs: list[Req], drafts: list[list[int
         sampling_info=info,
         return_logprob=any(r.return_logprob for r in reqs),
         top_logprobs_nums=[r.top_logprobs_num for r in row_reqs],
+        position_offsets=rope_shifts(row_reqs, [p + 1 for p in positions]),
     )
 
 

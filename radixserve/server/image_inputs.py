@@ -179,11 +179,17 @@ class ImageReader:
             taken += len(images)
             grids = [grid for _, grid, _ in mine if grid is not None]
             ids, offsets = expand_image_placeholders(ids, self.spec, len(images), grids)
-            out.append((ids, [
-                ImageInput(pixels, offset, self.spec.tokens_per_image if grid is None
-                           else grid[0] * (grid[1] + 1), key, grid)
-                for (pixels, grid, key), offset in zip(mine, offsets)]))
+            out.append((ids, [self._image_input(pixels, grid, key, offset)
+                              for (pixels, grid, key), offset in zip(mine, offsets)]))
         return out
+
+    def _image_input(self, pixels: Any, grid: tuple[int, int] | None, key: int,
+                     offset: int) -> ImageInput:
+        if grid is None:
+            return ImageInput(pixels, offset, self.spec.tokens_per_image, key)
+        if self.spec.mrope_merge is not None:  # rows x cols tokens at 3-D positions
+            return ImageInput(pixels, offset, grid[0] * grid[1], key, thw=(1, *grid))
+        return ImageInput(pixels, offset, grid[0] * (grid[1] + 1), key, grid)
 
     def _pixels_and_key(self, index: int, image: Any) -> tuple[Any, tuple[int, int] | None,
                                                                 int]:
@@ -214,6 +220,8 @@ class ImageReader:
         """An image's pixels [3, H, W] in the model's dtype, and for Pixtral's layout its grid
         of feature tokens (the processor sizes the image to whole grid cells of patch x merge
         pixels)."""
+        if self.spec.mrope_merge is not None:
+            return self._patches(image)
         patch = self.spec.grid_patch
         if patch is None:
             values = self.processor(images=[image], return_tensors="pt")["pixel_values"]
@@ -223,6 +231,17 @@ class ImageReader:
         height, width = (int(v) for v in out["image_sizes"][0])
         pixels = torch.as_tensor(out["pixel_values"])[0, :, :height, :width]
         return pixels.to(self.pixel_dtype).contiguous(), (height // patch, width // patch)
+
+    def _patches(self, image: Any) -> tuple[Any, tuple[int, int]]:
+        """Qwen2-VL's processor: the image resized to whole merge blocks of patches, as rows
+        [patches, 3 * temporal_patch * patch * patch], and its grid of image tokens (the patch
+        grid over the merge)."""
+        out = self.processor(images=[image], return_tensors="pt")
+        frames, height, width = (int(v) for v in out["image_grid_thw"][0])
+        merge = self.spec.mrope_merge
+        assert merge is not None and frames == 1, "a still image is one temporal patch"
+        pixels = torch.as_tensor(out["pixel_values"]).to(self.pixel_dtype).contiguous()
+        return pixels, (height // merge, width // merge)
 
 
 @functools.lru_cache(maxsize=1)

@@ -19,9 +19,12 @@ class RunnerDriver:
 
     def extend(self, tokens_by_req: dict[int, list[int]],
                forward_mode: ForwardMode | None = None,
-               mm_inputs: dict[int, list[Any]] | None = None) -> torch.Tensor:
+               mm_inputs: dict[int, list[Any]] | None = None,
+               position_offsets: dict[int, int] | None = None) -> torch.Tensor:
         """Append tokens to each request (new requests start empty); last-token logits.
-        mm_inputs: per request key, the images (core.multimodal.ImageInput) of its prompt."""
+        mm_inputs: per request key, the images (core.multimodal.ImageInput) of its prompt;
+        position_offsets: per request key, what its positions add to its token indices
+        (ModelWorkerBatch.position_offsets; M-RoPE images' shifts)."""
         runner = self.runner
         prefix_lens, ext_lens, input_ids, rows = [], [], [], []
         for key, tokens in tokens_by_req.items():
@@ -47,5 +50,7 @@ class RunnerDriver:
             input_ids=input_ids, req_pool_indices=rows,
             seq_lens=[self.lens[k] for k in tokens_by_req], out_cache_loc=out_loc,
             extend_seq_lens=ext_lens, extend_prefix_lens=prefix_lens,
-            mm_inputs=[mm_inputs.get(k, []) for k in tokens_by_req] if mm_inputs else [])
+            mm_inputs=[mm_inputs.get(k, []) for k in tokens_by_req] if mm_inputs else [],
+            position_offsets=[position_offsets.get(k, 0) for k in tokens_by_req]
+            if position_offsets else [])
         return runner.forward_logits(batch).next_token_logits

@@ -344,6 +344,29 @@ MULTIMODAL_CONFIGS = {
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2, image_size=32, patch_size=8, head_dim=16),
         image_token_index=159, tie_word_embeddings=False)),
+    # Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration): a Qwen2 decoder (q/k/v bias, untied)
+    # whose rope is multimodal (sections 2 / 3 / 3 of its 8 rotary pairs), a tiny tower of
+    # 4x4 patches merged 2x2, windows of 16 pixels (2x2 image tokens) in every block but the
+    # second; the image ids are test_qwen2_vl_images.py's tokenizer's
+    "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, dict(
+        text_config=dict(BASE, num_key_value_heads=2, tie_word_embeddings=False,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+                         rope_theta=10000.0),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
+                           out_hidden_size=64, patch_size=4, temporal_patch_size=2,
+                           spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1]),
+        image_token_id=159, video_token_id=156, vision_start_token_id=157,
+        vision_end_token_id=158, tie_word_embeddings=False)),
+    # Qwen2-VL (Qwen2VLForConditionalGeneration): the same decoder, the older tower (LayerNorms,
+    # an fc1 / fc2 quick_gelu MLP, every block over the whole image)
+    "qwen2_vl": (transformers.Qwen2VLConfig, dict(
+        text_config=dict(BASE, num_key_value_heads=2, tie_word_embeddings=False,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+                         rope_theta=10000.0),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2,
+                           patch_size=4, temporal_patch_size=2, spatial_merge_size=2),
+        image_token_id=159, video_token_id=156, vision_start_token_id=157,
+        vision_end_token_id=158, tie_word_embeddings=False)),
     # Qwen3.5-MoE (Qwen3_5MoeForConditionalGeneration): the hybrid decoder with experts top-2
     # of 4 (always renormalised) and a gated shared expert, a tiny vision tower beside it;
     # tied by the top-level flag (transformers saves text_config's as false)

@@ -1,0 +1,267 @@
+"""The vision transformers of Qwen2-VL and Qwen2.5-VL (`visual.*` of their checkpoints).
+
+An image arrives as its image processor made it: [patches, 3 x temporal_patch x patch x patch]
+rows (a still image is its frame twice), the patches of each merge x merge block adjacent, and
+its patch grid (t, h, w). The tower:
+
+  patch_embed   a bias-free Conv3d over each patch's pixels (a product here: its stride is its
+                kernel)
+  rope          2-D: the first half of each head's rotary pairs turns by the patch's row, the
+                second by its column (inv_freq over head_dim / 2, base 10000), in float32
+  blocks        pre-norm: x + attn(norm1(x)), then + mlp(norm2(.)); attention bidirectional,
+                qkv and proj with bias.
+                Qwen2-VL: LayerNorms, an fc1 -> act (quick_gelu) -> fc2 MLP, every block over
+                the whole image.
+                Qwen2.5-VL: RMSNorms, a gated MLP (gate / up / down with bias, silu), and every
+                block but `fullatt_block_indexes` inside windows of window_size pixels a side
+                (the patches reordered window by window in units of merge blocks, as
+                transformers' `get_vision_window_index`; the order is undone after the merger)
+  merger        the norm `ln_q` per patch, each merge x merge block concatenated, then
+                Linear -> GELU -> Linear to the language model's width: one row per image
+                token, row-major over the (h / merge) x (w / merge) grid
+
+Parameters are plain, replicated on every tensor-parallel rank, named as in the checkpoint under
+`visual.`. A call encodes images of one grid together (`ReadsImages` groups them so)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.models.vision_towers import activation
+
+
+class VisionRMSNorm(nn.Module):
+    """transformers' Qwen2RMSNorm: float32 statistics, the weight applied in the input dtype."""
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def _norm(windowed: bool, size: int) -> nn.Module:
+    return VisionRMSNorm(size) if windowed else nn.LayerNorm(size, eps=1e-6)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: Any, width: int) -> None:
+        super().__init__()
+        kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        self.proj = nn.Conv3d(getattr(cfg, "in_channels", 3), width, kernel, kernel, bias=False)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        """[N, 3 * t * p * p] -> [N, width]."""
+        weight = self.proj.weight
+        return patches.to(weight.dtype) @ weight.reshape(weight.shape[0], -1).t()
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, width // heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segments: "Segments") -> torch.Tensor:
+        """x [N, width] of images (or windows) laid end to end, `segments` of them attending
+        within themselves."""
+        tokens = x.shape[0]
+        q, k, v = self.qkv(x).view(tokens, 3, self.heads, self.head_dim).unbind(1)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        out = segments.attend(q, k, v)  # [N, heads, head_dim]
+        return self.proj(out.reshape(tokens, -1))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rotate_half rope in float32 (as transformers' vision rope), back to x's dtype."""
+    x32 = x.float()
+    half = x32.shape[-1] // 2
+    rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
+    return (x32 * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+class Segments:
+    """Runs of tokens [N] that attend within themselves: `lengths` in
+    order. Equal runs attend as one batch; unequal ones are padded to the longest and masked."""
+
+    def __init__(self, lengths: list[int], device: torch.device) -> None:
+        self.lengths = lengths
+        self.index: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+        longest = max(lengths)
+        if any(n != longest for n in lengths):
+            starts = torch.tensor([0] + lengths[:-1], device=device).cumsum(0)
+            within = torch.arange(longest, device=device)
+            counts = torch.tensor(lengths, device=device)
+            self.mask = within[None, :] < counts[:, None]  # [segments, longest]
+            self.index = torch.where(self.mask, starts[:, None] + within[None, :], 0)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k, v [N, heads, D] -> [N, heads, D]."""
+        if self.index is None:
+            count = len(self.lengths)
+
+            def split(t: torch.Tensor) -> torch.Tensor:  # -> [segments, heads, len, D]
+                return t.view(count, -1, *t.shape[1:]).transpose(1, 2)
+
+            out = F.scaled_dot_product_attention(split(q), split(k), split(v))
+            return out.transpose(1, 2).reshape(q.shape)
+        assert self.mask is not None
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            return t[self.index].transpose(1, 2)  # [segments, heads, longest, D]
+
+        out = F.scaled_dot_product_attention(gather(q), gather(k), gather(v),
+                                             attn_mask=self.mask[:, None, None, :])
+        return out.transpose(1, 2)[self.mask]  # the real rows, in order
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, width: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(width, hidden)
+        self.up_proj = nn.Linear(width, hidden)
+        self.down_proj = nn.Linear(hidden, width)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class PlainMLP(nn.Module):
+    def __init__(self, width: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, width: int, heads: int, mlp: nn.Module, windowed: bool) -> None:
+        super().__init__()
+        self.norm1 = _norm(windowed, width)
+        self.norm2 = _norm(windowed, width)
+        self.attn = VisionAttention(width, heads)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segments: Segments) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, width: int, out_size: int, merge: int, windowed: bool) -> None:
+        super().__init__()
+        self.merged = width * merge * merge
+        self.ln_q = _norm(windowed, width)
+        self.mlp = nn.Sequential(nn.Linear(self.merged, self.merged), nn.GELU(),
+                                 nn.Linear(self.merged, out_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.merged))
+
+
+class QwenVisionTower(nn.Module):
+    """Qwen2-VL's tower (`windowed` False) or Qwen2.5-VL's (True)."""
+
+    def __init__(self, cfg: Any, windowed: bool) -> None:
+        super().__init__()
+        self.windowed = windowed
+        width = cfg.hidden_size if windowed else cfg.embed_dim
+        out_size = cfg.out_hidden_size if windowed else cfg.hidden_size
+        heads = cfg.num_heads
+        self.merge = int(cfg.spatial_merge_size)
+        self.patch_size = int(cfg.patch_size)
+        self.window = int(getattr(cfg, "window_size", 0) or 0)
+        self.full_blocks = set(getattr(cfg, "fullatt_block_indexes", None) or ())
+        self.patch_embed = PatchEmbed(cfg, width)
+        act = getattr(cfg, "hidden_act", "silu" if windowed else "quick_gelu")
+
+        def mlp() -> nn.Module:
+            if windowed:
+                return GatedMLP(width, cfg.intermediate_size, act)
+            return PlainMLP(width, int(width * cfg.mlp_ratio), act)
+
+        self.blocks = nn.ModuleList(VisionBlock(width, heads, mlp(), windowed)
+                                    for _ in range(cfg.depth))
+        self.merger = PatchMerger(width, out_size, self.merge, windowed)
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        theta = float(rope.get("rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
+        quarter = (width // heads) // 2
+        self.register_buffer("inv_freq", 1.0 / theta ** (
+            torch.arange(0, quarter, 2, dtype=torch.float32) / quarter), persistent=False)
+
+    def rope_tables(self, h: int, w: int, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [h * w, head_dim] float32 of one frame's patches in merge-block order."""
+        m = self.merge
+        rows = torch.arange(h, device=device)[:, None].expand(h, w)
+        cols = torch.arange(w, device=device)[None, :].expand(h, w)
+
+        def blocks(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(h // m, m, w // m, m).transpose(1, 2).flatten()
+
+        inv_freq = self.inv_freq.to(device=device, dtype=torch.float32)
+        freqs = torch.cat((blocks(rows)[:, None].float() * inv_freq,
+                           blocks(cols)[:, None].float() * inv_freq), dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def window_order(self, t: int, h: int, w: int) -> tuple[torch.Tensor, list[int]]:
+        """Qwen2.5-VL's windows of one image: the merge blocks' order window by window
+        (`get_vision_window_index`) and each window's patch count."""
+        side = self.window // self.merge // self.patch_size
+        bh, bw = h // self.merge, w // self.merge
+        index = torch.arange(t * bh * bw).reshape(t, bh, bw)
+        pad_h, pad_w = (-bh) % side, (-bw) % side
+        padded = F.pad(index, (0, pad_w, 0, pad_h), value=-1)
+        nh, nw = (bh + pad_h) // side, (bw + pad_w) // side
+        padded = padded.reshape(t, nh, side, nw, side).permute(0, 1, 3, 2, 4)
+        padded = padded.reshape(t * nh * nw, side * side)
+        counts = (padded >= 0).sum(1)
+        order = padded[padded >= 0]
+        unit = self.merge * self.merge
+        return order, [int(c) * unit for c in counts if c > 0]
+
+    def forward(self, pixel_values: torch.Tensor, thw: tuple[int, int, int]) -> torch.Tensor:
+        """[n, patches, 3 * t * p * p] pixels of n images with the patch grid `thw` ->
+        [n, patches / merge², out_size], row-major over the image's token grid."""
+        n, patches, _ = pixel_values.shape
+        t, h, w = thw
+        device = pixel_values.device
+        x = self.patch_embed(pixel_values.reshape(n * patches, -1))
+        cos, sin = self.rope_tables(h, w, device)
+        cos, sin = cos.repeat(n * t, 1), sin.repeat(n * t, 1)
+        full = Segments([patches] * n, device)
+        windows = full
+        unit = self.merge * self.merge
+        reorder = None
+        if self.windowed:
+            order, lengths = self.window_order(t, h, w)
+            blocks_per_image = patches // unit
+            order = (order[None, :] + blocks_per_image * torch.arange(n)[:, None]).flatten()
+            reorder = order.to(device)
+            x = x.view(-1, unit, x.shape[-1])[reorder].reshape(x.shape)
+            cos = cos.view(-1, unit, cos.shape[-1])[reorder].reshape(cos.shape)
+            sin = sin.view(-1, unit, sin.shape[-1])[reorder].reshape(sin.shape)
+            windows = Segments(lengths * n, device)
+        for i, block in enumerate(self.blocks):
+            use_full = not self.windowed or i in self.full_blocks
+            x = block(x, cos, sin, full if use_full else windows)
+        merged = self.merger(x)
+        if reorder is not None:
+            merged = merged[torch.argsort(reorder)]
+        return merged.view(n, patches // unit, -1)

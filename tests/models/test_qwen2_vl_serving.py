@@ -1,0 +1,71 @@
+"""Qwen2.5-VL's images through the offline Engine (tiny random Qwen2_5_VLForConditionalGeneration,
+tests/models/qwen_vl_folder.py): each <|image_pad|> becomes its image's grid of pads by the
+processed size, and the scheduler's passes place the tokens after an image at their index plus
+its rope delta. A small chunked-prefill size cuts prompts inside images; greedy tokens equal
+transformers' with its own 3-D positions, for prompts with images of different sizes, the chat
+route's image parts, a prompt served again from the radix cache, and the same prompt with
+another image (no cached tokens past the image)."""
+from __future__ import annotations
+
+
+import pytest
+
+import radixserve
+from radixserve.core.sampling_params import InvalidRequestError
+from tests.models.llava_folder import noise_image
+from tests.models.qwen_vl_folder import IMAGE_PAD, MARKER, hf_greedy, write_qwen_vl_folder
+
+NEW_TOKENS = 6
+GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def qwen_vl(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen2_5_vl_serving")
+    hf_model = write_qwen_vl_folder(folder, "qwen2_5_vl")
+    engine = radixserve.Engine(str(folder), dtype="float32", max_total_tokens=4096,
+                               chunked_prefill_size=8)
+    yield hf_model, folder, engine
+    engine.shutdown()
+
+
+def test_images_of_any_size_generate_as_transformers(qwen_vl) -> None:
+    hf_model, _, engine = qwen_vl
+    images = [noise_image(71, (45, 30)), noise_image(72, (40, 64)), noise_image(73, (20, 20))]
+    prompts = [f"w20 {MARKER} w21 w22", f"w23 {MARKER} w24 {MARKER} w25 w26"]
+    out = engine.generate(prompts, GREEDY, image_data=[images[0], images[1:]])
+    for result, prompt, pics in zip(out, prompts, ([images[0]], images[1:])):
+        assert result["output_ids"] == hf_greedy(hf_model, engine.tokenizer.encode(prompt),
+                                                 pics, NEW_TOKENS)
+    turns = [{"role": "user", "content": [{"type": "image_pil", "image_pil": images[1]},
+                                          {"type": "text", "text": "w26"}]}]
+    text = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w26"}]}],
+        tokenize=False, add_generation_prompt=True)
+    assert engine.chat(turns, GREEDY)["output_ids"] == hf_greedy(
+        hf_model, engine.tokenizer.encode(text, add_special_tokens=False), [images[1]],
+        NEW_TOKENS)
+
+
+def test_cached_prompt_and_another_image(qwen_vl) -> None:
+    """The same prompt and image again reuses the cached prefix through the image and gives
+    the same tokens; another image in the same prompt reuses nothing past its start."""
+    hf_model, _, engine = qwen_vl
+    prompt = f"w30 w31 w32 w33 w34 w35 w36 w37 w38 {MARKER} w39 w40 w41"
+    first, second = noise_image(81, (48, 40)), noise_image(82, (48, 40))
+    cold = engine.generate(prompt, GREEDY, image_data=first)
+    warm = engine.generate(prompt, GREEDY, image_data=first)
+    other = engine.generate(prompt, GREEDY, image_data=second)
+    ids = engine.tokenizer.encode(prompt)
+    assert warm["output_ids"] == cold["output_ids"] == hf_greedy(hf_model, ids, [first],
+                                                                   NEW_TOKENS)
+    image_start = ids.index(IMAGE_PAD)
+    assert warm["meta_info"]["cached_tokens"] > image_start + 20  # past the image's pads
+    assert other["meta_info"]["cached_tokens"] <= image_start
+    assert other["output_ids"] == hf_greedy(hf_model, ids, [second], NEW_TOKENS)
+
+
+def test_placeholders_without_their_image_are_refused(qwen_vl) -> None:
+    engine = qwen_vl[2]
+    with pytest.raises(InvalidRequestError, match="image placeholder"):
+        engine.generate(f"w20 {MARKER} w21 {MARKER}", GREEDY, image_data=noise_image(1))
