@@ -37,14 +37,14 @@ _VISUAL = "visual."
 
 class Qwen2VLForConditionalGeneration(ReadsImages, CausalLM):
     checkpoint_prefixes = {"model.language_model.": "model.", "model.visual.": _VISUAL}
-    windowed = False  # Qwen2.5-VL's tower attends in windows
+    tower_kind = "qwen2_vl"  # models/qwen2_vl_vision.py TOWER_KINDS
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, DecoderModel(config, DecoderLayer))
         if not isinstance(self.model.rotary, MRotaryEmbedding):
             raise ValueError(f"{config.architecture} without mrope_section in its rope "
                              "parameters is not supported")
-        self.visual = QwenVisionTower(config.hf_top.vision_config, self.windowed)
+        self.visual = QwenVisionTower(config.hf_top.vision_config, self.tower_kind)
 
     def skip_weight(self, name: str) -> bool:
         return not name.startswith(_VISUAL) and CausalLM.skip_weight(self, name)
@@ -83,7 +83,7 @@ class Qwen2VLForConditionalGeneration(ReadsImages, CausalLM):
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
-    windowed = True
+    tower_kind = "qwen2_5_vl"
 
 
 EntryClass = [Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration]

@@ -24,6 +24,7 @@ Parameters are plain, replicated on every tensor-parallel rank, named as in the 
 `visual.`. A call encodes images of one grid together (`ReadsImages` groups them so)."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -52,15 +53,16 @@ def _norm(windowed: bool, size: int) -> nn.Module:
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, cfg: Any, width: int) -> None:
+    def __init__(self, cfg: Any, width: int, bias: bool = False) -> None:
         super().__init__()
         kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(getattr(cfg, "in_channels", 3), width, kernel, kernel, bias=False)
+        self.proj = nn.Conv3d(getattr(cfg, "in_channels", 3), width, kernel, kernel, bias=bias)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         """[N, 3 * t * p * p] -> [N, width]."""
         weight = self.proj.weight
-        return patches.to(weight.dtype) @ weight.reshape(weight.shape[0], -1).t()
+        return F.linear(patches.to(weight.dtype), weight.reshape(weight.shape[0], -1),
+                        self.proj.bias)
 
 
 class VisionAttention(nn.Module):
@@ -148,6 +150,19 @@ class PlainMLP(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+class LinearFcMLP(nn.Module):
+    """Qwen3-VL's / Qwen3.5's names for the same MLP."""
+
+    def __init__(self, width: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(width, hidden)
+        self.linear_fc2 = nn.Linear(hidden, width)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
 class VisionBlock(nn.Module):
     def __init__(self, width: int, heads: int, mlp: nn.Module, windowed: bool) -> None:
         super().__init__()
@@ -174,49 +189,89 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.merged))
 
 
-class QwenVisionTower(nn.Module):
-    """Qwen2-VL's tower (`windowed` False) or Qwen2.5-VL's (True)."""
+class LinearFcMerger(nn.Module):
+    """Qwen3-VL's / Qwen3.5's merger: `norm` per patch, then linear_fc1 -> GELU -> linear_fc2
+    over each merge block."""
 
-    def __init__(self, cfg: Any, windowed: bool) -> None:
+    def __init__(self, width: int, out_size: int, merge: int) -> None:
         super().__init__()
-        self.windowed = windowed
-        width = cfg.hidden_size if windowed else cfg.embed_dim
-        out_size = cfg.out_hidden_size if windowed else cfg.hidden_size
+        self.merged = width * merge * merge
+        self.norm = nn.LayerNorm(width, eps=1e-6)
+        self.linear_fc1 = nn.Linear(self.merged, self.merged)
+        self.linear_fc2 = nn.Linear(self.merged, out_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(self.norm(x).view(-1, self.merged))))
+
+
+# the towers: Qwen2-VL's, Qwen2.5-VL's (windows, RMSNorms, a gated MLP) and Qwen3.5's (learned
+# position embeddings resampled to the image's grid, a patch conv with bias, linear_fc names)
+TOWER_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_5")
+
+
+class QwenVisionTower(nn.Module):
+    def __init__(self, cfg: Any, kind: str) -> None:
+        super().__init__()
+        assert kind in TOWER_KINDS, kind
+        self.windowed = windowed = kind == "qwen2_5_vl"
+        width = cfg.embed_dim if kind == "qwen2_vl" else cfg.hidden_size
+        out_size = cfg.hidden_size if kind == "qwen2_vl" else cfg.out_hidden_size
         heads = cfg.num_heads
         self.merge = int(cfg.spatial_merge_size)
         self.patch_size = int(cfg.patch_size)
         self.window = int(getattr(cfg, "window_size", 0) or 0)
         self.full_blocks = set(getattr(cfg, "fullatt_block_indexes", None) or ())
-        self.patch_embed = PatchEmbed(cfg, width)
+        self.patch_embed = PatchEmbed(cfg, width, bias=kind == "qwen3_5")
         act = getattr(cfg, "hidden_act", "silu" if windowed else "quick_gelu")
 
         def mlp() -> nn.Module:
-            if windowed:
+            if kind == "qwen2_5_vl":
                 return GatedMLP(width, cfg.intermediate_size, act)
+            if kind == "qwen3_5":
+                return LinearFcMLP(width, cfg.intermediate_size, act)
             return PlainMLP(width, int(width * cfg.mlp_ratio), act)
 
         self.blocks = nn.ModuleList(VisionBlock(width, heads, mlp(), windowed)
                                     for _ in range(cfg.depth))
-        self.merger = PatchMerger(width, out_size, self.merge, windowed)
+        self.merger: nn.Module
+        if kind == "qwen3_5":
+            self.merger = LinearFcMerger(width, out_size, self.merge)
+            self.pos_embed: nn.Embedding | None = nn.Embedding(cfg.num_position_embeddings, width)
+            self.grid_side = math.isqrt(cfg.num_position_embeddings)
+        else:
+            self.merger = PatchMerger(width, out_size, self.merge, windowed)
+            self.pos_embed = None
         rope = getattr(cfg, "rope_parameters", None) or {}
         theta = float(rope.get("rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
         quarter = (width // heads) // 2
         self.register_buffer("inv_freq", 1.0 / theta ** (
             torch.arange(0, quarter, 2, dtype=torch.float32) / quarter), persistent=False)
 
+    def in_blocks(self, grid: torch.Tensor) -> torch.Tensor:
+        """[h, w, ...] -> [h * w, ...] in merge-block order (each merge x merge block's patches
+        adjacent, row-major within it, blocks row-major), the processor's patch order."""
+        h, w, m = grid.shape[0], grid.shape[1], self.merge
+        return grid.reshape(h // m, m, w // m, m, *grid.shape[2:]).transpose(1, 2) \
+            .reshape(h * w, *grid.shape[2:])
+
+    def position_embeddings(self, h: int, w: int) -> torch.Tensor:
+        """Qwen3.5: the learned side x side table resampled to h x w (bilinear, corners
+        aligned, as transformers' `get_vision_interpolation_indices_and_weights`), in float32,
+        [h * w, width] in merge-block order."""
+        assert self.pos_embed is not None
+        table = self.pos_embed.weight.float().view(self.grid_side, self.grid_side, -1)
+        resampled = F.interpolate(table.permute(2, 0, 1)[None], size=(h, w), mode="bilinear",
+                                  align_corners=True)[0].permute(1, 2, 0)
+        return self.in_blocks(resampled)
+
     def rope_tables(self, h: int, w: int, device: torch.device
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [h * w, head_dim] float32 of one frame's patches in merge-block order."""
-        m = self.merge
         rows = torch.arange(h, device=device)[:, None].expand(h, w)
         cols = torch.arange(w, device=device)[None, :].expand(h, w)
-
-        def blocks(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(h // m, m, w // m, m).transpose(1, 2).flatten()
-
         inv_freq = self.inv_freq.to(device=device, dtype=torch.float32)
-        freqs = torch.cat((blocks(rows)[:, None].float() * inv_freq,
-                           blocks(cols)[:, None].float() * inv_freq), dim=-1)
+        freqs = torch.cat((self.in_blocks(rows)[:, None].float() * inv_freq,
+                           self.in_blocks(cols)[:, None].float() * inv_freq), dim=-1)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
@@ -243,6 +298,8 @@ class QwenVisionTower(nn.Module):
         t, h, w = thw
         device = pixel_values.device
         x = self.patch_embed(pixel_values.reshape(n * patches, -1))
+        if self.pos_embed is not None:
+            x = x + self.position_embeddings(h, w).repeat(n * t, 1).to(x.dtype)
         cos, sin = self.rope_tables(h, w, device)
         cos, sin = cos.repeat(n * t, 1), sin.repeat(n * t, 1)
         full = Segments([patches] * n, device)
