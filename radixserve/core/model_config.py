@@ -37,7 +37,7 @@ ARCHITECTURE_MODEL_TYPES = {
     "Mistral4ForCausalLM": "mistral4",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
-    # hybrid linear + full attention; Qwen3.5 ships multimodal, served text-only
+    # hybrid linear + full attention; Qwen3.5 ships multimodal (its images are read)
     "OlmoHybridForCausalLM": "olmo_hybrid",
     "NemotronHForCausalLM": "nemotron_h",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",

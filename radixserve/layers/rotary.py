@@ -94,7 +94,8 @@ class MRotaryEmbedding(RotaryEmbedding):
     """Multimodal rope (Qwen2-VL, Qwen2.5-VL; `mrope_section` of the rope parameters): the
     rotary pairs are cut into three sections, rotated by a token's temporal, row and column
     positions; contiguous sections (t | h | w, as transformers' `apply_multimodal_rotary_pos_emb`)
-    or, `interleaved`, pair i by i mod 3 within 3 x each section (Qwen3-VL's). Text tokens have
+    or, `interleaved`, pair i by i mod 3 within 3 x each section (Qwen3-VL's, Qwen3.5's;
+    sections past the rotary pairs are cut short, as there). Text tokens have
     all three equal, which is plain rope at that position: decode and passes without images
     use the tables as they are (their 1-D positions carry the images' shifts,
     `ForwardBatch.position_offsets`). A pass with images runs inside `per_token_tables`."""
@@ -103,7 +104,7 @@ class MRotaryEmbedding(RotaryEmbedding):
                  sections: list[int], interleaved: bool = False) -> None:
         super().__init__(head_dim, max_position, inv_freq)
         pairs = inv_freq.numel()
-        if sum(sections) != pairs or len(sections) != 3:
+        if len(sections) != 3 or (not interleaved and sum(sections) != pairs):
             raise ValueError(f"mrope_section {sections} must be three sections summing to the "
                              f"{pairs} rotary pairs")
         axis = torch.zeros(pairs, dtype=torch.int64)
@@ -134,9 +135,18 @@ class MRotaryEmbedding(RotaryEmbedding):
             self.cos_cache, self.sin_cache = cos_cache, sin_cache
 
 
+# language models whose rope transformers always makes multimodal, interleaved (sections
+# [11, 11, 10] where the config names none): Qwen3-VL's and Qwen3.5's
+INTERLEAVED_MROPE_TYPES = ("qwen3_vl_text", "qwen3_vl_moe_text", "qwen3_5_text",
+                           "qwen3_5_moe_text")
+
+
 def rotary_from_config(config: ModelConfig) -> RotaryEmbedding:
-    """The model's rope table: multimodal where its rope parameters name `mrope_section`."""
-    sections = config.rope_parameters.get("mrope_section")
+    """The model's rope table: multimodal where its rope parameters name `mrope_section` (and
+    always for Qwen3-VL's and Qwen3.5's language models, as transformers builds them)."""
+    interleaved = getattr(config.hf, "model_type", None) in INTERLEAVED_MROPE_TYPES
+    sections = config.rope_parameters.get("mrope_section") or \
+        ([11, 11, 10] if interleaved else None)
     if not sections:
         return RotaryEmbedding.from_config(config)
     inv_freq, factor = rope_frequencies(config)
@@ -144,7 +154,7 @@ def rotary_from_config(config: ModelConfig) -> RotaryEmbedding:
         raise ValueError("mrope_section with a scaled rope is not supported")
     return MRotaryEmbedding(config.head_dim, config.rope_positions, inv_freq,
                             [int(s) for s in sections],
-                            bool(config.rope_parameters.get("mrope_interleaved", False)))
+                            bool(config.rope_parameters.get("mrope_interleaved", interleaved)))
 
 
 class QKNorm(NamedTuple):

@@ -1,4 +1,4 @@
-"""The language model of a multimodal checkpoint, served text-only (Mistral Small 4, Qwen3.5;
+"""The language model of a multimodal checkpoint, served text-only (Mistral Small 4;
 LLaVA's, Gemma-3's and Mistral Small 3.1 / 3.2's images are read, models/image_features.py,
 with these prefixes for their language models): `ModelConfig.hf` is its `text_config`; the
 checkpoint names the decoder `language_model.model.*` (the hub's layout, which transformers

@@ -35,23 +35,31 @@ from radixserve.models.qwen2_vl_vision import QwenVisionTower
 _VISUAL = "visual."
 
 
-class Qwen2VLForConditionalGeneration(ReadsImages, CausalLM):
+class QwenVLImages(ReadsImages):
+    """Mixin in front of a CausalLM whose DecoderModel's rope is multimodal: the Qwen VL tower
+    (`tower_kind`), its checkpoint names, the images' 3-D positions in a pass with images."""
+
     checkpoint_prefixes = {"model.language_model.": "model.", "model.visual.": _VISUAL}
     tower_kind = "qwen2_vl"  # models/qwen2_vl_vision.py TOWER_KINDS
+    visual: QwenVisionTower
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config, DecoderModel(config, DecoderLayer))
+    def __init__(self, config: ModelConfig, *args: Any) -> None:
+        super().__init__(config, *args)
         if not isinstance(self.model.rotary, MRotaryEmbedding):
             raise ValueError(f"{config.architecture} without mrope_section in its rope "
                              "parameters is not supported")
         self.visual = QwenVisionTower(config.hf_top.vision_config, self.tower_kind)
 
     def skip_weight(self, name: str) -> bool:
-        return not name.startswith(_VISUAL) and CausalLM.skip_weight(self, name)
+        # the CausalLM's own rules (past ReadsImages', which are LLaVA's names)
+        return not name.startswith(_VISUAL) and super(ReadsImages, self).skip_weight(name)
 
     def weight_target(self, name: str) -> tuple[str, object] | None:
-        """The tower's tensors load whole under their own names."""
-        return (name, None) if name.startswith(_VISUAL) else None
+        """The tower's tensors load whole under their own names; the rest as the CausalLM's."""
+        if name.startswith(_VISUAL):
+            return name, None
+        parent = getattr(super(ReadsImages, self), "weight_target", None)
+        return parent(name) if parent is not None else None
 
     @torch.no_grad()
     def encode_group(self, images: list[ImageInput]) -> torch.Tensor:
@@ -80,6 +88,11 @@ class Qwen2VLForConditionalGeneration(ReadsImages, CausalLM):
         with rotary.per_token_tables(positions_3d) as table_rows:
             hidden = self.model(input_ids, table_rows, forward_batch, input_embeds=embeds)
         return self.final_hidden(hidden)
+
+
+class Qwen2VLForConditionalGeneration(QwenVLImages, CausalLM):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config, DecoderModel(config, DecoderLayer))
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):

@@ -10,9 +10,10 @@
 Every RMSNorm of the stream is (1 + weight) in float32 (Gemma's). The MLP is dense (Qwen3.5)
 or Qwen2-MoE's sparse block with a sigmoid-gated shared expert (Qwen3-Next, Qwen3.5-MoE).
 
-Qwen3.5 ships as Qwen3_5(Moe)ForConditionalGeneration (a vision tower beside the language
-model), served text-only: with one position for text tokens its multimodal rope (mrope) is
-ordinary rope. The checkpoints' multi-token-prediction tensors (`mtp.*`) are skipped.
+Qwen3.5 ships as Qwen3_5(Moe)ForConditionalGeneration, a vision tower beside the language
+model: its images are read as Qwen2.5-VL's are (models/qwen2_vl.py `QwenVLImages`), their tokens
+at 3-D positions of the interleaved multimodal rope (text alone: ordinary rope). The
+checkpoints' multi-token-prediction tensors (`mtp.*`) are skipped.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from radixserve.layers.rotary import RopeInput, RotaryEmbedding
 from radixserve.models.blocks import (CausalLM, DecoderModel, KVForAttentionLayers,
                                       PreNormMixerLayer, dense_mlp, hybrid_layer_types,
                                       index_among_type)
-from radixserve.models.multimodal_text import LanguageModelOfMultimodal
+from radixserve.models.qwen2_vl import QwenVLImages
 from radixserve.models.qwen_moe import qwen_mlp
 
 
@@ -108,11 +109,10 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     }
 
 
-class Qwen3_5ForConditionalGeneration(LanguageModelOfMultimodal, Qwen3_5ForCausalLM):
-    """Qwen3.5 and Qwen3.5-MoE releases, text-only (the vision tower is `model.visual`)."""
-
-    def skip_weight(self, name: str) -> bool:
-        return name.removeprefix("model.").startswith("visual.") or super().skip_weight(name)
+class Qwen3_5ForConditionalGeneration(QwenVLImages, Qwen3_5ForCausalLM):
+    """Qwen3.5 and Qwen3.5-MoE releases with their images (models/qwen2_vl.py: the tower is
+    `model.visual`, resampled position embeddings; interleaved multimodal rope)."""
+    tower_kind = "qwen3_5"
 
 
 EntryClass = [Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration]

@@ -55,17 +55,20 @@ def write_qwen_vl_folder(folder: Path, name: str) -> torch.nn.Module:
     return hf_model
 
 
-def hf_positions(hf_model: torch.nn.Module, ids: list[int],
-                 grids: torch.Tensor | None) -> torch.Tensor:
+def hf_positions(hf_model: torch.nn.Module, ids: list[int], grids: torch.Tensor | None,
+                 prompt_len: int | None = None) -> torch.Tensor:
     """transformers' 3-D positions [3, 1, len] of a prompt (its own get_rope_index; releases
-    before 5.25 find the image tokens without mm_token_type_ids)."""
+    before 5.25 find the image tokens without mm_token_type_ids), the image pads among the
+    first `prompt_len` ids (all: None) the images' (a generated pad id is text)."""
     input_ids = torch.tensor([ids])
     if grids is None:
         return torch.arange(len(ids)).view(1, 1, -1).expand(3, 1, -1)
     get_rope_index = hf_model.model.get_rope_index
     kwargs: dict[str, Any] = {"image_grid_thw": grids}
     if "mm_token_type_ids" in inspect.signature(get_rope_index).parameters:
-        kwargs["mm_token_type_ids"] = (input_ids == IMAGE_PAD).int()
+        images = input_ids == IMAGE_PAD
+        images[0, len(ids) if prompt_len is None else prompt_len:] = False
+        kwargs["mm_token_type_ids"] = images.int()
     positions, _ = get_rope_index(input_ids, **kwargs)
     return positions
 
@@ -80,14 +83,28 @@ def expand(ids: list[int], grids: torch.Tensor | None, merge: int = 2) -> list[i
     return out
 
 
-def hf_logits(hf_model: torch.nn.Module, ids: list[int], pixels: Any) -> torch.Tensor:
-    """transformers' logits [len, vocab] of an expanded prompt and the processor's output."""
-    grids = None if pixels is None else pixels["image_grid_thw"]
-    extra = {} if pixels is None else {"pixel_values": pixels["pixel_values"],
-                                       "image_grid_thw": grids}
+def hf_logits(hf_model: torch.nn.Module, ids: list[int], pixels: Any,
+              prompt_len: int | None = None) -> torch.Tensor:
+    """transformers' logits [len, vocab] of an expanded prompt (its first `prompt_len` ids;
+    all: None) and what follows, the processor's output for its images: the embeddings with the
+    prompt's pads replaced by `get_image_features`, at `hf_positions` (a generated pad id stays
+    a token)."""
+    input_ids = torch.tensor([ids])
+    prompt_len = len(ids) if prompt_len is None else prompt_len
     with torch.no_grad():
-        return hf_model(input_ids=torch.tensor([ids]),
-                        position_ids=hf_positions(hf_model, ids, grids), **extra).logits[0]
+        embeds = hf_model.get_input_embeddings()(input_ids)
+        grids = None
+        if pixels is not None:
+            grids = pixels["image_grid_thw"]
+            features = hf_model.model.get_image_features(
+                pixel_values=pixels["pixel_values"], image_grid_thw=grids,
+                return_dict=True).pooler_output
+            if isinstance(features, (list, tuple)):
+                features = torch.cat(list(features))
+            pads = (input_ids[0] == IMAGE_PAD) & (torch.arange(len(ids)) < prompt_len)
+            embeds[0, pads] = features.to(embeds.dtype)
+        return hf_model(inputs_embeds=embeds,
+                        position_ids=hf_positions(hf_model, ids, grids, prompt_len)).logits[0]
 
 
 def hf_greedy(hf_model: torch.nn.Module, prompt_ids: list[int], images: list[Any],
@@ -96,8 +113,9 @@ def hf_greedy(hf_model: torch.nn.Module, prompt_ids: list[int], images: list[Any
     forward per token."""
     pixels = image_processor()(images=images, return_tensors="pt") if images else None
     ids = expand(prompt_ids, None if pixels is None else pixels["image_grid_thw"])
+    prompt_len = len(ids)
     out: list[int] = []
     for _ in range(new_tokens):
-        out.append(int(hf_logits(hf_model, ids, pixels)[-1].argmax()))
+        out.append(int(hf_logits(hf_model, ids, pixels, prompt_len)[-1].argmax()))
         ids.append(out[-1])
     return out

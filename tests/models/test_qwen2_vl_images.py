@@ -29,7 +29,7 @@ from tests.models.qwen_vl_folder import (IMAGE_PAD, VISION_END, VISION_START, hf
                                          hf_positions, image_processor, write_qwen_vl_folder)
 from tests.models.runner_driver import RunnerDriver
 
-NAMES = ["qwen2_5_vl", "qwen2_vl"]
+NAMES = ["qwen2_5_vl", "qwen2_vl", "qwen3_5_vl"]
 ATOL = 2e-5
 # (height, width): processed to patch grids 8x12, 12x10, 10x10 (5x5 image tokens: windows
 # of 2, 2 and 1), 4x16

@@ -1,5 +1,6 @@
-"""Qwen2.5-VL's images through the offline Engine (tiny random Qwen2_5_VLForConditionalGeneration,
-tests/models/qwen_vl_folder.py): each <|image_pad|> becomes its image's grid of pads by the
+"""Qwen2.5-VL's and Qwen3.5's images through the offline Engine (tiny random
+Qwen2_5_VLForConditionalGeneration and Qwen3_5ForConditionalGeneration, a hybrid of linear and
+full attention whose prefix cache keeps recurrent states; tests/models/qwen_vl_folder.py): each <|image_pad|> becomes its image's grid of pads by the
 processed size, and the scheduler's passes place the tokens after an image at their index plus
 its rope delta. A small chunked-prefill size cuts prompts inside images; greedy tokens equal
 transformers' with its own 3-D positions, for prompts with images of different sizes, the chat
@@ -19,10 +20,10 @@ NEW_TOKENS = 6
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def qwen_vl(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen2_5_vl_serving")
-    hf_model = write_qwen_vl_folder(folder, "qwen2_5_vl")
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_5_vl"])
+def qwen_vl(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"{request.param}_serving")
+    hf_model = write_qwen_vl_folder(folder, request.param)
     engine = radixserve.Engine(str(folder), dtype="float32", max_total_tokens=4096,
                                chunked_prefill_size=8)
     yield hf_model, folder, engine

@@ -367,6 +367,25 @@ MULTIMODAL_CONFIGS = {
                            patch_size=4, temporal_patch_size=2, spatial_merge_size=2),
         image_token_id=159, video_token_id=156, vision_start_token_id=157,
         vision_end_token_id=158, tie_word_embeddings=False)),
+    # Qwen3.5 with its images (Qwen3_5ForConditionalGeneration): the hybrid decoder (two full
+    # attention layers of four) whose rope covers half of each 32-wide head, interleaved over
+    # sections 2 / 3 / 3 of its 8 pairs; a tiny tower of 4x4 patches merged 2x2 with a 4x4
+    # table of position embeddings (resampled to each image's grid), untied
+    "qwen3_5_vl": (transformers.Qwen3_5Config, dict(
+        text_config=dict(BASE, num_hidden_layers=4, num_key_value_heads=2, head_dim=32,
+                         linear_num_key_heads=2, linear_num_value_heads=2,
+                         linear_key_head_dim=16, linear_value_head_dim=16,
+                         linear_conv_kernel_dim=4,
+                         layer_types=["linear_attention", "full_attention"] * 2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "partial_rotary_factor": 0.5,
+                                          "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                           patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                           out_hidden_size=64, num_position_embeddings=16),
+        image_token_id=159, video_token_id=156, vision_start_token_id=157,
+        vision_end_token_id=158, tie_word_embeddings=False)),
     # Qwen3.5-MoE (Qwen3_5MoeForConditionalGeneration): the hybrid decoder with experts top-2
     # of 4 (always renormalised) and a gated shared expert, a tiny vision tower beside it;
     # tied by the top-level flag (transformers saves text_config's as false)
