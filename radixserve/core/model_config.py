@@ -26,6 +26,8 @@ ARCHITECTURE_MODEL_TYPES = {
     # Qwen2-VL / Qwen2.5-VL: a Qwen2 language model with multimodal rope, and their images
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",

@@ -94,9 +94,11 @@ def image_key_tokens(image: ImageInput) -> list[int]:
 
 QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration",
                          "Qwen2_5_VLForConditionalGeneration",
+                         "Qwen3VLForConditionalGeneration",
+                         "Qwen3VLMoeForConditionalGeneration",
                          "Qwen3_5ForConditionalGeneration",
                          "Qwen3_5MoeForConditionalGeneration")
-# what Qwen2-VL's, Qwen2.5-VL's and Qwen3.5's chat templates write for an image
+# what Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's and Qwen3.5's chat templates write for an image
 QWEN_VL_IMAGE_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 

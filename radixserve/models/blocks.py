@@ -327,10 +327,13 @@ class DecoderModel(nn.Module):
         self.embed_scale = embed_scale
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                forward_batch: ForwardBatch, input_embeds: torch.Tensor | None = None
+                forward_batch: ForwardBatch, input_embeds: torch.Tensor | None = None,
+                layer_additions: list[tuple[torch.Tensor, torch.Tensor]] | None = None
                 ) -> torch.Tensor:
         """input_embeds: the first layer's input as it is (a multimodal model's text and image
-        rows), in place of the embedded (and scaled) input_ids."""
+        rows), in place of the embedded (and scaled) input_ids. layer_additions[i]: (rows,
+        values) added to those rows of the residual stream after layer i (Qwen3-VL's
+        DeepStack features)."""
         if input_embeds is not None:
             hidden = input_embeds
         else:
@@ -338,8 +341,11 @@ class DecoderModel(nn.Module):
             if self.embed_scale is not None:  # Gemma: the scale rounded to the activations' dtype
                 hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, forward_batch)
+            if layer_additions is not None and i < len(layer_additions):
+                rows, values = layer_additions[i]  # the stream is hidden (+ residual)
+                hidden = hidden.index_add(0, rows, values.to(hidden.dtype))
         if residual is None:
             return self.norm(hidden)
         hidden, _ = self.norm(hidden, residual)

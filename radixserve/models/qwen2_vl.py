@@ -29,7 +29,7 @@ from radixserve.core.model_config import ModelConfig
 from radixserve.core.multimodal import ImageInput, mrope_positions
 from radixserve.layers.rotary import MRotaryEmbedding
 from radixserve.models.blocks import CausalLM, DecoderLayer, DecoderModel
-from radixserve.models.image_features import ReadsImages, has_images
+from radixserve.models.image_features import ReadsImages, has_images, image_spans
 from radixserve.models.qwen2_vl_vision import QwenVisionTower
 
 _VISUAL = "visual."
@@ -77,7 +77,7 @@ class QwenVLImages(ReadsImages):
         tokens at their 3-D positions."""
         if not has_images(forward_batch):
             return self.final_hidden(self.model(input_ids, positions, forward_batch))
-        embeds = self.input_embeds(input_ids, forward_batch)
+        embeds, additions = self.embeds_and_deepstack(input_ids, forward_batch)
         assert forward_batch.extend_prefix_lens_cpu is not None
         assert forward_batch.extend_seq_lens_cpu is not None
         offsets = forward_batch.position_offsets or [0] * forward_batch.batch_size
@@ -86,8 +86,32 @@ class QwenVLImages(ReadsImages):
                                        forward_batch.extend_seq_lens_cpu, offsets)
         rotary: Any = self.model.rotary
         with rotary.per_token_tables(positions_3d) as table_rows:
-            hidden = self.model(input_ids, table_rows, forward_batch, input_embeds=embeds)
+            hidden = self.model(input_ids, table_rows, forward_batch, input_embeds=embeds,
+                                layer_additions=additions)
         return self.final_hidden(hidden)
+
+    def embeds_and_deepstack(self, input_ids: torch.Tensor, forward_batch: ForwardBatch
+                             ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]
+                                        | None]:
+        """The pass's embeddings with the images' features written over their pads, and for a
+        tower with DeepStack layers (Qwen3-VL) what each of the first decoder layers adds to
+        those rows (the features' further column blocks, in order)."""
+        if not self.visual.deepstack_layers:
+            return self.input_embeds(input_ids, forward_batch), None
+        embeds = self.text_embeds(input_ids)
+        width = embeds.shape[-1]
+        spans = image_spans(forward_batch)
+        features = self.image_features([span.image for span in spans])
+        rows, extras = [], []
+        for span in spans:
+            into, taken = span.placement(embeds.device)
+            own = features[span.image.hash][taken]
+            embeds[into] = own[:, :width].to(embeds.dtype)
+            rows.append(torch.arange(embeds.shape[0], device=embeds.device)[into])
+            extras.append(own[:, width:])
+        at, values = torch.cat(rows), torch.cat(extras)
+        return embeds, [(at, values[:, i * width:(i + 1) * width])
+                        for i in range(len(self.visual.deepstack_layers))]
 
 
 class Qwen2VLForConditionalGeneration(QwenVLImages, CausalLM):

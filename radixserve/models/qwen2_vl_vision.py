@@ -190,23 +190,30 @@ class PatchMerger(nn.Module):
 
 
 class LinearFcMerger(nn.Module):
-    """Qwen3-VL's / Qwen3.5's merger: `norm` per patch, then linear_fc1 -> GELU -> linear_fc2
-    over each merge block."""
+    """Qwen3-VL's / Qwen3.5's merger: `norm` per patch (`after_shuffle`: over each merge block's
+    concatenation, Qwen3-VL's DeepStack mergers), then linear_fc1 -> GELU -> linear_fc2 over
+    each merge block."""
 
-    def __init__(self, width: int, out_size: int, merge: int) -> None:
+    def __init__(self, width: int, out_size: int, merge: int, after_shuffle: bool = False
+                 ) -> None:
         super().__init__()
         self.merged = width * merge * merge
-        self.norm = nn.LayerNorm(width, eps=1e-6)
+        self.after_shuffle = after_shuffle
+        self.norm = nn.LayerNorm(self.merged if after_shuffle else width, eps=1e-6)
         self.linear_fc1 = nn.Linear(self.merged, self.merged)
         self.linear_fc2 = nn.Linear(self.merged, out_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.gelu(self.linear_fc1(self.norm(x).view(-1, self.merged))))
+        blocks = x.view(-1, self.merged)
+        normed = self.norm(blocks) if self.after_shuffle else self.norm(x).view(-1, self.merged)
+        return self.linear_fc2(F.gelu(self.linear_fc1(normed)))
 
 
-# the towers: Qwen2-VL's, Qwen2.5-VL's (windows, RMSNorms, a gated MLP) and Qwen3.5's (learned
+# the towers: Qwen2-VL's, Qwen2.5-VL's (windows, RMSNorms, a gated MLP), Qwen3.5's (learned
 # position embeddings resampled to the image's grid, a patch conv with bias, linear_fc names)
-TOWER_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_5")
+# and Qwen3-VL's (Qwen3.5's with DeepStack: the outputs of `deepstack_visual_indexes` blocks
+# merged by their own mergers, for the first decoder layers)
+TOWER_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_vl")
 
 
 class QwenVisionTower(nn.Module):
@@ -221,20 +228,27 @@ class QwenVisionTower(nn.Module):
         self.patch_size = int(cfg.patch_size)
         self.window = int(getattr(cfg, "window_size", 0) or 0)
         self.full_blocks = set(getattr(cfg, "fullatt_block_indexes", None) or ())
-        self.patch_embed = PatchEmbed(cfg, width, bias=kind == "qwen3_5")
+        learned = kind in ("qwen3_5", "qwen3_vl")  # position table, conv bias, linear_fc names
+        self.patch_embed = PatchEmbed(cfg, width, bias=learned)
         act = getattr(cfg, "hidden_act", "silu" if windowed else "quick_gelu")
 
         def mlp() -> nn.Module:
             if kind == "qwen2_5_vl":
                 return GatedMLP(width, cfg.intermediate_size, act)
-            if kind == "qwen3_5":
+            if learned:
                 return LinearFcMLP(width, cfg.intermediate_size, act)
             return PlainMLP(width, int(width * cfg.mlp_ratio), act)
 
         self.blocks = nn.ModuleList(VisionBlock(width, heads, mlp(), windowed)
                                     for _ in range(cfg.depth))
         self.merger: nn.Module
-        if kind == "qwen3_5":
+        self.deepstack_layers: list[int] = list(getattr(cfg, "deepstack_visual_indexes", None)
+                                                or ()) if kind == "qwen3_vl" else []
+        if self.deepstack_layers:
+            self.deepstack_merger_list = nn.ModuleList(
+                LinearFcMerger(width, out_size, self.merge, after_shuffle=True)
+                for _ in self.deepstack_layers)
+        if learned:
             self.merger = LinearFcMerger(width, out_size, self.merge)
             self.pos_embed: nn.Embedding | None = nn.Embedding(cfg.num_position_embeddings, width)
             self.grid_side = math.isqrt(cfg.num_position_embeddings)
@@ -293,7 +307,8 @@ class QwenVisionTower(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, thw: tuple[int, int, int]) -> torch.Tensor:
         """[n, patches, 3 * t * p * p] pixels of n images with the patch grid `thw` ->
-        [n, patches / merge², out_size], row-major over the image's token grid."""
+        [n, patches / merge², out_size], row-major over the image's token grid (Qwen3-VL:
+        out_size x (1 + its DeepStack layers), the main features first)."""
         n, patches, _ = pixel_values.shape
         t, h, w = thw
         device = pixel_values.device
@@ -315,10 +330,15 @@ class QwenVisionTower(nn.Module):
             cos = cos.view(-1, unit, cos.shape[-1])[reorder].reshape(cos.shape)
             sin = sin.view(-1, unit, sin.shape[-1])[reorder].reshape(sin.shape)
             windows = Segments(lengths * n, device)
+        deepstack = []
         for i, block in enumerate(self.blocks):
             use_full = not self.windowed or i in self.full_blocks
             x = block(x, cos, sin, full if use_full else windows)
+            if i in self.deepstack_layers:
+                deepstack.append(self.deepstack_merger_list[self.deepstack_layers.index(i)](x))
         merged = self.merger(x)
+        if deepstack:  # Qwen3-VL: [main | DeepStack 0 | DeepStack 1 | ...] on the feature dim
+            merged = torch.cat([merged, *deepstack], dim=-1)
         if reorder is not None:
             merged = merged[torch.argsort(reorder)]
         return merged.view(n, patches // unit, -1)

@@ -26,6 +26,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
     "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl", "Qwen3VLMoeForConditionalGeneration"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen_moe", "Qwen3MoeForCausalLM"),

@@ -93,18 +93,35 @@ def hf_logits(hf_model: torch.nn.Module, ids: list[int], pixels: Any,
     prompt_len = len(ids) if prompt_len is None else prompt_len
     with torch.no_grad():
         embeds = hf_model.get_input_embeddings()(input_ids)
-        grids = None
+        grids, deepstack = None, {}
         if pixels is not None:
             grids = pixels["image_grid_thw"]
-            features = hf_model.model.get_image_features(
-                pixel_values=pixels["pixel_values"], image_grid_thw=grids,
-                return_dict=True).pooler_output
-            if isinstance(features, (list, tuple)):
-                features = torch.cat(list(features))
+            features, extra = hf_image_features(hf_model, pixels)
             pads = (input_ids[0] == IMAGE_PAD) & (torch.arange(len(ids)) < prompt_len)
             embeds[0, pads] = features.to(embeds.dtype)
-        return hf_model(inputs_embeds=embeds,
-                        position_ids=hf_positions(hf_model, ids, grids, prompt_len)).logits[0]
+            if extra:  # Qwen3-VL: what the first layers add at the image's tokens
+                deepstack = {"visual_pos_masks": pads[None], "deepstack_visual_embeds": extra}
+        positions = hf_positions(hf_model, ids, grids, prompt_len)
+        if not deepstack:
+            return hf_model(inputs_embeds=embeds, position_ids=positions).logits[0]
+        hidden = hf_model.model.language_model(inputs_embeds=embeds, position_ids=positions,
+                                               **deepstack).last_hidden_state
+        return hf_model.lm_head(hidden)[0]
+
+
+def hf_image_features(hf_model: torch.nn.Module, pixels: Any
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """transformers' features of the processor's images, every image's rows in order, and
+    Qwen3-VL's DeepStack rows per layer (empty elsewhere)."""
+    out = hf_model.model.get_image_features(pixel_values=pixels["pixel_values"],
+                                            image_grid_thw=pixels["image_grid_thw"],
+                                            return_dict=True)
+
+    def rows(value: Any) -> torch.Tensor:
+        return torch.cat(list(value)) if isinstance(value, (list, tuple)) else value
+
+    extra = getattr(out, "deepstack_features", None) or []
+    return rows(out.pooler_output), [rows(layer) for layer in extra]
 
 
 def hf_greedy(hf_model: torch.nn.Module, prompt_ids: list[int], images: list[Any],

@@ -25,11 +25,12 @@ from radixserve.core.multimodal import ImageInput, mrope_positions, pixels_hash
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.executor.model_runner import ModelRunner
-from tests.models.qwen_vl_folder import (IMAGE_PAD, VISION_END, VISION_START, hf_logits,
-                                         hf_positions, image_processor, write_qwen_vl_folder)
+from tests.models.qwen_vl_folder import (IMAGE_PAD, VISION_END, VISION_START,
+                                         hf_image_features, hf_logits, hf_positions,
+                                         image_processor, write_qwen_vl_folder)
 from tests.models.runner_driver import RunnerDriver
 
-NAMES = ["qwen2_5_vl", "qwen2_vl", "qwen3_5_vl"]
+NAMES = ["qwen2_5_vl", "qwen2_vl", "qwen3_5_vl", "qwen3_vl"]
 ATOL = 2e-5
 # (height, width): processed to patch grids 8x12, 12x10, 10x10 (5x5 image tokens: windows
 # of 2, 2 and 1), 4x16
@@ -94,10 +95,8 @@ def test_towers_equal_transformers(pair) -> None:
     for seed, size in enumerate(SIZES):
         prompt = Prompt([size], [1, 1], seed)
         with torch.no_grad():
-            want = hf_model.model.get_image_features(
-                pixel_values=prompt.pixels["pixel_values"],
-                image_grid_thw=prompt.pixels["image_grid_thw"], return_dict=True).pooler_output
-        want = want[0] if isinstance(want, (list, tuple)) else want
+            features, deepstack = hf_image_features(hf_model, prompt.pixels)
+        want = torch.cat([features, *deepstack], dim=-1)  # Qwen3-VL's DeepStack rows after
         got = runner.model.encode_group(prompt.images)[0]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 

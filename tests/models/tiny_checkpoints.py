@@ -367,6 +367,20 @@ MULTIMODAL_CONFIGS = {
                            patch_size=4, temporal_patch_size=2, spatial_merge_size=2),
         image_token_id=159, video_token_id=156, vision_start_token_id=157,
         vision_end_token_id=158, tie_word_embeddings=False)),
+    # Qwen3-VL (Qwen3VLForConditionalGeneration): a Qwen3 decoder (q/k norms) with interleaved
+    # multimodal rope (sections 2 / 3 / 3 of 8 pairs), Qwen3.5's tiny tower with DeepStack
+    # mergers after its first two blocks, added after the first two decoder layers
+    "qwen3_vl": (transformers.Qwen3VLConfig, dict(
+        text_config=dict(BASE, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
+                           patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                           out_hidden_size=64, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0, 1]),
+        image_token_id=159, video_token_id=156, vision_start_token_id=157,
+        vision_end_token_id=158, tie_word_embeddings=False)),
     # Qwen3.5 with its images (Qwen3_5ForConditionalGeneration): the hybrid decoder (two full
     # attention layers of four) whose rope covers half of each 32-wide head, interleaved over
     # sections 2 / 3 / 3 of its 8 pairs; a tiny tower of 4x4 patches merged 2x2 with a 4x4
