@@ -64,8 +64,8 @@ def routing_config(config: ModelConfig) -> RoutingConfig:
                              num_groups=hf.n_group if grouped else 1,
                              topk_group=hf.topk_group if grouped else 1,
                              scaling_factor=float(hf.routed_scaling_factor))
-    # Qwen3.5-MoE's router always renormalises, whatever its config says
-    renormalize = getattr(hf, "model_type", "").startswith("qwen3_5_moe") or \
+    # Qwen3.5-MoE's and Qwen3-VL-MoE's routers always renormalise, whatever the config says
+    renormalize = getattr(hf, "model_type", "").startswith(("qwen3_5_moe", "qwen3_vl_moe")) or \
         bool(getattr(hf, "norm_topk_prob", False))
     return RoutingConfig(hf.num_experts, hf.num_experts_per_tok, renormalize=renormalize)
 

@@ -30,7 +30,7 @@ from tests.models.qwen_vl_folder import (IMAGE_PAD, VISION_END, VISION_START,
                                          image_processor, write_qwen_vl_folder)
 from tests.models.runner_driver import RunnerDriver
 
-NAMES = ["qwen2_5_vl", "qwen2_vl", "qwen3_5_vl", "qwen3_vl"]
+NAMES = ["qwen2_5_vl", "qwen2_vl", "qwen3_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 ATOL = 2e-5
 # (height, width): processed to patch grids 8x12, 12x10, 10x10 (5x5 image tokens: windows
 # of 2, 2 and 1), 4x16
@@ -178,11 +178,13 @@ def test_requests_with_and_without_images_in_one_pass(pair) -> None:
 
 
 def test_hub_layout_loads(pair, tmp_path) -> None:
-    """The hub's names (`visual.*`, the language model under `model.`) load the same model."""
+    """The hub's names (`visual.*`, the language model under `model.`; Qwen3-VL-MoE's expert
+    stacks [E, H, 2I] and [E, I, H], transposed from transformers 5's) load the same model."""
     hf_model, _, folder = pair
     tensors = load_file(str(folder / "model.safetensors"))
     renamed = {name.replace("model.language_model.", "model.").replace("model.visual.",
-                                                                       "visual."): tensor
+                                                                       "visual."):
+               tensor.transpose(1, 2).contiguous() if ".experts." in name else tensor
                for name, tensor in tensors.items()}
     assert any(name.startswith("visual.blocks.") for name in renamed)
     for path in folder.iterdir():

@@ -381,6 +381,21 @@ MULTIMODAL_CONFIGS = {
                            deepstack_visual_indexes=[0, 1]),
         image_token_id=159, video_token_id=156, vision_start_token_id=157,
         vision_end_token_id=158, tie_word_embeddings=False)),
+    # Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration): the same with a Qwen3-MoE decoder,
+    # experts top-2 of 4, stored stacked (experts.gate_up_proj / experts.down_proj)
+    "qwen3_vl_moe": (transformers.Qwen3VLMoeConfig, dict(
+        text_config=dict(BASE, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                         decoder_sparse_step=1,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
+                           patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                           out_hidden_size=64, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0, 1]),
+        image_token_id=159, video_token_id=156, vision_start_token_id=157,
+        vision_end_token_id=158, tie_word_embeddings=False)),
     # Qwen3.5 with its images (Qwen3_5ForConditionalGeneration): the hybrid decoder (two full
     # attention layers of four) whose rope covers half of each 32-wide head, interleaved over
     # sections 2 / 3 / 3 of its 8 pairs; a tiny tower of 4x4 patches merged 2x2 with a 4x4

@@ -241,10 +241,14 @@ class FusedMoE(nn.Module):
 
     def _load_stack(self, param: nn.Parameter, loaded: torch.Tensor,
                     piece: str) -> set[tuple[int, str]]:
-        """Every expert's gate|up [E, 2I, H] or down [E, H, I] from one tensor."""
+        """Every expert's gate|up [E, 2I, H] or down [E, H, I] from one tensor; or the same
+        transposed, [E, H, 2I] / [E, I, H], as Qwen3-VL-MoE's hub checkpoints store them
+        (transformers transposes a stack whose shape is not its own, as here)."""
         full = self.intermediate_size * self.tp_size
         want = (self.num_experts, 2 * full, self.hidden_size) if piece == "w13" else \
             (self.num_experts, self.hidden_size, full)
+        if tuple(loaded.shape) != want and tuple(loaded.transpose(1, 2).shape) == want:
+            loaded = loaded.transpose(1, 2)
         if tuple(loaded.shape) != want:
             raise ValueError(f"stacked experts {piece} of shape {tuple(loaded.shape)}, "
                              f"expected {want}")
