@@ -168,6 +168,7 @@ def test_splits_the_layers_cannot_make_are_refused(tmp_path) -> None:
         radixserve.Engine(str(tmp_path), tp_size=0)
 
 
+@pytest.mark.slow  # 10 s; a tp 2 server's follower stopped: test_turn_watchdog.py, in CI
 def test_server_with_tp2_serves_and_a_dead_rank_takes_it_down(tmp_path) -> None:
     make_checkpoint("qwen3_qk_norm", tmp_path)
     server = ServerProcess("--model-path", str(tmp_path), "--tp-size", "2", "--dtype",
@@ -298,6 +299,7 @@ def test_constrained_outputs_at_tp2_equal_tp1(tmp_path) -> None:
     assert json.loads(texts[2][1])["id"] in (7, 42), texts[2][1]
 
 
+@pytest.mark.slow  # 11 s; the identity check itself: test_rendezvous.py, in CI
 def test_nodes_started_with_different_models_are_refused(tmp_path) -> None:
     """Node 1 given another checkpoint of the same shapes: both nodes fail at start-up with
     what differs, in one line (ranks of different weights would otherwise meet and serve
