@@ -70,3 +70,20 @@ def test_placeholders_without_their_image_are_refused(qwen_vl) -> None:
     engine = qwen_vl[2]
     with pytest.raises(InvalidRequestError, match="image placeholder"):
         engine.generate(f"w20 {MARKER} w21 {MARKER}", GREEDY, image_data=noise_image(1))
+
+
+@pytest.mark.slow  # 10 s: two gloo ranks
+def test_images_at_tp2_generate_as_transformers(qwen_vl) -> None:
+    """Tensor parallel over gloo: every rank gets the images and the passes' position offsets,
+    runs its own (replicated) tower and its half of the decoder; tokens as transformers'."""
+    hf_model, folder, _ = qwen_vl
+    engine = radixserve.Engine(str(folder), dtype="float32", max_total_tokens=2048,
+                               chunked_prefill_size=8, tp_size=2)
+    try:
+        images = [noise_image(91, (40, 44)), noise_image(92, (24, 48))]
+        prompt = f"w20 {MARKER} w21 {MARKER} w22"
+        out = engine.generate(prompt, GREEDY, image_data=images)
+    finally:
+        engine.shutdown()
+    assert out["output_ids"] == hf_greedy(hf_model, engine.tokenizer.encode(prompt), images,
+                                          NEW_TOKENS)
