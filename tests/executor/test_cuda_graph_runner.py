@@ -21,7 +21,7 @@ from radixserve.executor.cuda_graph_runner import (INPUT_IDS, LOGITS_IN_MODEL_DT
                                                    capture_batch_sizes, fill_padded_inputs,
                                                    pick_graph_batch_size)
 from radixserve.attention.base import AttentionContext
-from radixserve.core.forward_batch import ForwardMode, ModelWorkerBatch
+from radixserve.core.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
 from radixserve.mem.kv_pool import KVCacheSpec, make_kv_pool
 from radixserve.mem.req_to_token_pool import ReqToTokenPool
 
@@ -85,6 +85,18 @@ def test_fill_padded_inputs_real_and_padding_rows() -> None:
     assert staging[SEQ_LENS, :4].tolist() == [9, 1, 30, 1]
     assert staging[OUT_CACHE_LOC, :4].tolist() == [101, 55, 77, 0]
     assert (staging[:, 4:] == -99).all()  # columns past graph_bs untouched
+
+
+def test_fill_padded_inputs_carry_the_position_offsets() -> None:
+    """M-RoPE requests decode at their length - 1 plus their images' shift (as
+    ForwardBatch.from_worker_batch places them without a graph)."""
+    batch = decode_batch([11, 12], [5, 2], [90, 30], [101, 55])
+    batch.position_offsets = [-40, 0]
+    staging = torch.zeros((NUM_INPUT_ROWS, 4), dtype=torch.int64)
+    fill_padded_inputs(batch, 4, seq_len_fill=1, padding_row=31, out=staging)
+    assert staging[POSITIONS, :4].tolist() == [49, 29, 0, 0]
+    eager = ForwardBatch.from_worker_batch(batch, torch.device("cpu"), None)
+    assert eager.positions.tolist() == [49, 29]
 
 
 def test_fill_padded_inputs_fill_value_and_exact_fit() -> None:
