@@ -8,7 +8,8 @@ its patch grid (t, h, w). The tower:
                 kernel)
   rope          2-D: the first half of each head's rotary pairs turns by the patch's row, the
                 second by its column (inv_freq over head_dim / 2, base 10000), in float32
-  blocks        pre-norm: x + attn(norm1(x)), then + mlp(norm2(.)); attention bidirectional,
+  blocks        pre-norm: x + attn(norm1(x)), then + mlp(norm2(.)); attention bidirectional
+                within each image or window (`Segments`: no padding, no masks),
                 qkv and proj with bias.
                 Qwen2-VL: LayerNorms, an fc1 -> act (quick_gelu) -> fc2 MLP, every block over
                 the whole image.
@@ -92,39 +93,41 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Segments:
-    """Runs of tokens [N] that attend within themselves: `lengths` in
-    order. Equal runs attend as one batch; unequal ones are padded to the longest and masked."""
+    """Runs of tokens [N] that attend within themselves: `lengths` in order. Runs of one
+    length attend as one batch, without a mask (so SDPA keeps its fused kernels): all of them
+    by a reshape where every run has the same length (a whole image; windows of a grid that is
+    whole windows), else each length's runs gathered into their own batch (a grid's edge
+    windows are shorter) and scattered back."""
 
     def __init__(self, lengths: list[int], device: torch.device) -> None:
         self.lengths = lengths
-        self.index: torch.Tensor | None = None
-        self.mask: torch.Tensor | None = None
-        longest = max(lengths)
-        if any(n != longest for n in lengths):
-            starts = torch.tensor([0] + lengths[:-1], device=device).cumsum(0)
-            within = torch.arange(longest, device=device)
-            counts = torch.tensor(lengths, device=device)
-            self.mask = within[None, :] < counts[:, None]  # [segments, longest]
-            self.index = torch.where(self.mask, starts[:, None] + within[None, :], 0)
+        # per distinct length: the token indices [runs, length] of its runs
+        self.groups: list[torch.Tensor] = []
+        if any(n != lengths[0] for n in lengths):
+            starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+            sizes = torch.tensor(lengths)
+            for length in sorted(set(lengths)):
+                first = starts[sizes == length]
+                self.groups.append((first[:, None] + torch.arange(length)[None, :]).to(device))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q, k, v [N, heads, D] -> [N, heads, D]."""
-        if self.index is None:
+        if not self.groups:
             count = len(self.lengths)
 
-            def split(t: torch.Tensor) -> torch.Tensor:  # -> [segments, heads, len, D]
+            def split(t: torch.Tensor) -> torch.Tensor:  # -> [runs, heads, len, D]
                 return t.view(count, -1, *t.shape[1:]).transpose(1, 2)
 
             out = F.scaled_dot_product_attention(split(q), split(k), split(v))
             return out.transpose(1, 2).reshape(q.shape)
-        assert self.mask is not None
+        out = torch.empty_like(q)
+        for index in self.groups:
+            def gather(t: torch.Tensor) -> torch.Tensor:
+                return t[index].transpose(1, 2)  # [runs, heads, length, D]
 
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            return t[self.index].transpose(1, 2)  # [segments, heads, longest, D]
-
-        out = F.scaled_dot_product_attention(gather(q), gather(k), gather(v),
-                                             attn_mask=self.mask[:, None, None, :])
-        return out.transpose(1, 2)[self.mask]  # the real rows, in order
+            attended = F.scaled_dot_product_attention(gather(q), gather(k), gather(v))
+            out[index] = attended.transpose(1, 2)
+        return out
 
 
 class GatedMLP(nn.Module):
