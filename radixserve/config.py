@@ -63,6 +63,9 @@ class ServerArgs:
     limit_mm_per_prompt: str | None = None
     # the only hosts image URLs may name (vLLM's flag); None: any
     allowed_media_domains: list[str] | None = None
+    # vLLM's JSON object of overrides for the checkpoint's image processor, e.g. Qwen-VL's
+    # '{"max_pixels": 1003520}' (image_processor_overrides)
+    mm_processor_kwargs: str | None = None
     served_model_name: str | None = None
     log_level: str = "info"
     log_requests: bool = False
@@ -149,6 +152,7 @@ class ServerArgs:
             self.revision = None  # now part of model_path, which every loader resolves
         self.model_overrides()  # a bad value fails here, before any child starts
         self.max_images_per_prompt()
+        self.image_processor_overrides()
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         on_gpu = self.device.startswith("cuda")
@@ -300,6 +304,21 @@ class ServerArgs:
             raise ValueError(f"--limit-mm-per-prompt: unknown modality {unknown[0]!r} (image, "
                              "video, audio)")
         return int(limits.get("image", DEFAULT_MAX_IMAGES))
+
+    def image_processor_overrides(self) -> dict[str, Any]:
+        """--mm-processor-kwargs (vLLM's JSON object): what the image processor is built with
+        in place of its preprocessor_config.json's values (Qwen-VL's max_pixels / min_pixels
+        bound an image's tokens); {} without it; ValueError for anything but an object."""
+        if not self.mm_processor_kwargs:
+            return {}
+        try:
+            overrides = json.loads(self.mm_processor_kwargs)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--mm-processor-kwargs is not JSON: {exc}") from None
+        if not isinstance(overrides, dict):
+            raise ValueError("--mm-processor-kwargs must be a JSON object, e.g. "
+                             "'{\"max_pixels\": 1003520}'")
+        return overrides
 
     def _check_sizes(self) -> None:
         """Sizes that must be positive when given (None: the default), and the memory

@@ -83,6 +83,9 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
     "allowed_media_domains": (SERVING, "the only hosts image URLs may name (vLLM's flag; "
                                        "redirects are then not followed); default: any",
                               None),
+    "mm_processor_kwargs": (SERVING, "overrides for the image processor, as vLLM's JSON, e.g. "
+                                     "'{\"max_pixels\": 1003520}' (Qwen-VL: fewer tokens an "
+                                     "image); default: the checkpoint's", None),
     "max_request_bytes": (SERVING, "larger request bodies are refused (413) unread", None),
     "shutdown_timeout": (SERVING, "seconds running requests get to finish on SIGINT/SIGTERM; "
                                   "then their streams end with an error event", None),

@@ -45,18 +45,21 @@ def fetch_timeout_s() -> float:
 @dataclass(frozen=True)
 class ImageOptions:
     """The rules for a request's images: --allowed-local-media-path, --limit-mm-per-prompt,
-    --allowed-media-domains; the offline Engine trusts any local path."""
+    --allowed-media-domains, --mm-processor-kwargs; the offline Engine trusts any local
+    path."""
     allowed_local_media_path: str | None = None
     max_images: int = DEFAULT_MAX_IMAGES
     allowed_domains: frozenset[str] | None = None
     trust_local_paths: bool = False
+    # --mm-processor-kwargs: the image processor built with these in place of its config's
+    processor_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, args: ServerArgs, trust_local_paths: bool = False) -> "ImageOptions":
         domains = args.allowed_media_domains
         return cls(args.allowed_local_media_path, args.max_images_per_prompt(),
                    None if domains is None else frozenset(d.lower() for d in domains),
-                   trust_local_paths)
+                   trust_local_paths, args.image_processor_overrides())
 
 
 class ImageReader:
@@ -70,8 +73,9 @@ class ImageReader:
             field.name: vision[field.name] for field in dataclasses.fields(VisionSpec)}),
             tokenizer)
         try:
-            self.processor = AutoImageProcessor.from_pretrained(vision["model_path"])
-        except (OSError, ValueError) as exc:
+            self.processor = AutoImageProcessor.from_pretrained(
+                vision["model_path"], **options.processor_overrides)
+        except (OSError, ValueError, TypeError) as exc:
             raise ValueError(f"the model reads images but its folder {vision['model_path']} "
                              f"has no usable image processor: {exc}") from exc
         # pixels travel and wait in the model's dtype, which its tower casts them to anyway

@@ -87,3 +87,25 @@ def test_images_at_tp2_generate_as_transformers(qwen_vl) -> None:
         engine.shutdown()
     assert out["output_ids"] == hf_greedy(hf_model, engine.tokenizer.encode(prompt), images,
                                           NEW_TOKENS)
+
+
+def test_processor_overrides_bound_an_images_tokens(qwen_vl) -> None:
+    """--mm-processor-kwargs (vLLM's JSON): the image processor built with max_pixels 256
+    makes a 48x40 image 8x16 pixels, 1x2 tokens (5x6 without it: 2x2 patches of 4 pixels
+    a token)."""
+    hf_model, folder, engine = qwen_vl
+    if hf_model.config.model_type != "qwen2_5_vl":
+        pytest.skip("the processor is the same for every Qwen VL model")
+    prompt, image = f"w20 {MARKER} w21", noise_image(83, (48, 40))
+    wide = engine.generate(prompt, GREEDY, image_data=image)
+    small = radixserve.Engine(str(folder), dtype="float32", max_total_tokens=1024,
+                              mm_processor_kwargs='{"max_pixels": 256}')
+    try:
+        out = small.generate(prompt, GREEDY, image_data=image)
+    finally:
+        small.shutdown()
+    text_tokens = len(engine.tokenizer.encode(prompt)) - 1
+    assert wide["meta_info"]["prompt_tokens"] == text_tokens + 30
+    assert out["meta_info"]["prompt_tokens"] == text_tokens + 2
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        radixserve.Engine(str(folder), mm_processor_kwargs="[1]")
