@@ -6,12 +6,16 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
+
 from tests.models.tiny_checkpoints import make_checkpoint
 from tests.server.server_process import ServerProcess, pid_alive, wait_gone
 
 HANG_GUARD_S = 60
 
 
+@pytest.mark.slow  # 16 s: four model processes on CI's two cores; a follower's death
+# taking the server down is test_turn_watchdog.py's (tp 2), in CI
 def test_server_info_lists_every_replicas_followers(tmp_path) -> None:
     make_checkpoint("llama_gqa_llama3_rope", tmp_path)  # 4 heads, 2 KV heads
     server = ServerProcess("--model-path", str(tmp_path), "--dp-size", "2", "--tp-size", "2",

@@ -499,7 +499,10 @@ def test_a_chunk_whose_memory_the_decodes_took_makes_them_step_aside():
 
 
 
-@pytest.mark.parametrize("chunk,overlap,decoded", [(2, False, 40), (2, True, 300),
+# CI runs the overlapped case; --run-slow the others (8 s each)
+@pytest.mark.parametrize("chunk,overlap,decoded", [pytest.param(2, False, 40,
+                                                                marks=pytest.mark.slow),
+                                                   (2, True, 300),
                                                     pytest.param(3, True, 300,
                                                                  marks=pytest.mark.slow)])
 def test_a_request_being_chunked_steps_aside_for_a_running_request_that_must_grow(

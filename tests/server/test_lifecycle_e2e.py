@@ -154,6 +154,7 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # 10 s; a scheduler's start-up failure in one line: the checkpoint test
 def test_startup_failure_reports_child_traceback() -> None:
     """A failure inside the scheduler process (here: a KV cache too small to serve, found once
     the model is loaded) is reported with the child's traceback."""

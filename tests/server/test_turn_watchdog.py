@@ -38,7 +38,7 @@ def test_a_stopped_rank_takes_the_server_down_with_an_error(tmp_path) -> None:
     make_checkpoint("qwen3_qk_norm", tmp_path)
     server = ServerProcess("--model-path", str(tmp_path), "--tp-size", "2", "--dtype",
                            "float32", "--skip-tokenizer-init", "--max-total-tokens", "1024",
-                           "--watchdog-timeout", "5")
+                           "--watchdog-timeout", "5", "--shutdown-timeout", "1")
     follower = None
     try:
         body = {"input_ids": list(range(1, 30)),
