@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from radixserve.core.multimodal import expand_image_placeholders
+from radixserve.core.sampling_params import InvalidRequestError
 from radixserve.server.errors import APIError
 from radixserve.server.openai_chat import render_prompt
 from radixserve.server.openai_common import OpenAIContext
@@ -68,13 +69,27 @@ def tokenize(ctx: OpenAIContext, raw: Any) -> dict[str, Any]:
             ids = list(tokenizer.encode(prompt, add_special_tokens=True))
         reader = getattr(ctx.tokenizer_manager, "images", None)
         if reader is not None:  # as the chat route sends it: each image's run at full length
-            ids, _ = expand_image_placeholders(ids, reader.spec,
-                                               len(chat_body.image_sources()))
+            ids = _with_image_runs(reader, ids, chat_body.image_sources())
     else:
         ids = list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
     return {"count": len(ids), "max_model_len": ctx.tokenizer_manager.limits.context_len,
             "tokens": ids, "token_strs": tokenizer.convert_ids_to_tokens(ids)
             if body.return_token_strs else None}
+
+
+def _with_image_runs(reader: Any, ids: list[int], sources: list[Any]) -> list[int]:
+    """A chat prompt's ids with each image's placeholders at full length. Where an image's
+    size decides its run (Pixtral's rows, Qwen-VL's grid) the images are read (in this
+    request-building thread; a URL downloaded as the offline Engine does) and processed, as
+    the chat route would; elsewhere the run is fixed."""
+    if not (sources and reader.spec.sized_by_image):
+        return expand_image_placeholders(ids, reader.spec, len(sources))[0]
+    try:
+        reader.check_count(len(sources))
+        images = [reader.read_source(source, i) for i, source in enumerate(sources)]
+        return reader.prepare(ids, images)[0]
+    except InvalidRequestError as exc:
+        raise APIError(str(exc), param="messages") from None
 
 
 def detokenize(ctx: OpenAIContext, raw: Any) -> dict[str, Any]:
