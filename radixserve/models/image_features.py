@@ -174,17 +174,33 @@ class ReadsImages:
     def input_embeds(self, input_ids: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         """The pass's token embeddings, the rows of image placeholders replaced by the images'
         features."""
+        return self.embeds_and_extra_columns(input_ids, forward_batch)[0]
+
+    def embeds_and_extra_columns(self, input_ids: torch.Tensor, forward_batch: ForwardBatch
+                                 ) -> tuple[torch.Tensor, torch.Tensor | None,
+                                            torch.Tensor | None]:
+        """`input_embeds`, and where the features are wider than the embeddings (Qwen3-VL's
+        DeepStack rows after its main features) the pass's rows they went to [R] and their
+        further columns [R, extra]; None, None otherwise."""
         embeds = self.text_embeds(input_ids)
+        width = embeds.shape[-1]
         spans = image_spans(forward_batch)
         features = self.image_features([span.image for span in spans])
+        at, extras = [], []
         for span in spans:
             image, rows = span.image, features[span.image.hash]
             if rows.shape[0] != image.num_features:
                 raise ValueError(f"an image has {image.num_features} image tokens; its "
                                  f"features are {rows.shape[0]} rows")
             into, taken = span.placement(embeds.device)
-            embeds[into] = rows[taken].to(embeds.dtype)
-        return embeds
+            own = rows[taken]
+            embeds[into] = own[:, :width].to(embeds.dtype)
+            if own.shape[1] > width:
+                at.append(torch.arange(embeds.shape[0], device=embeds.device)[into])
+                extras.append(own[:, width:])
+        if not extras:
+            return embeds, None, None
+        return embeds, torch.cat(at), torch.cat(extras)
 
     def decoder_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        forward_batch: ForwardBatch) -> torch.Tensor:

@@ -29,7 +29,7 @@ from radixserve.core.model_config import ModelConfig
 from radixserve.core.multimodal import ImageInput, mrope_positions
 from radixserve.layers.rotary import MRotaryEmbedding
 from radixserve.models.blocks import CausalLM, DecoderLayer, DecoderModel
-from radixserve.models.image_features import ReadsImages, has_images, image_spans
+from radixserve.models.image_features import ReadsImages, has_images
 from radixserve.models.qwen2_vl_vision import QwenVisionTower
 
 _VISUAL = "visual."
@@ -96,21 +96,11 @@ class QwenVLImages(ReadsImages):
         """The pass's embeddings with the images' features written over their pads, and for a
         tower with DeepStack layers (Qwen3-VL) what each of the first decoder layers adds to
         those rows (the features' further column blocks, in order)."""
-        if not self.visual.deepstack_layers:
-            return self.input_embeds(input_ids, forward_batch), None
-        embeds = self.text_embeds(input_ids)
+        embeds, at, extra = self.embeds_and_extra_columns(input_ids, forward_batch)
+        if at is None or extra is None:
+            return embeds, None
         width = embeds.shape[-1]
-        spans = image_spans(forward_batch)
-        features = self.image_features([span.image for span in spans])
-        rows, extras = [], []
-        for span in spans:
-            into, taken = span.placement(embeds.device)
-            own = features[span.image.hash][taken]
-            embeds[into] = own[:, :width].to(embeds.dtype)
-            rows.append(torch.arange(embeds.shape[0], device=embeds.device)[into])
-            extras.append(own[:, width:])
-        at, values = torch.cat(rows), torch.cat(extras)
-        return embeds, [(at, values[:, i * width:(i + 1) * width])
+        return embeds, [(at, extra[:, i * width:(i + 1) * width])
                         for i in range(len(self.visual.deepstack_layers))]
 
 
