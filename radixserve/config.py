@@ -25,6 +25,22 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_IMAGES = 64
 
 
+def _json_value(text: str, flag: str) -> Any:
+    """A flag's JSON value; ValueError naming the flag where it is not JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag} is not JSON: {exc}") from None
+
+
+def _json_object(text: str, flag: str, example: str) -> dict[str, Any]:
+    """A flag's JSON object; ValueError naming the flag (and an example) for anything else."""
+    value = _json_value(text, flag)
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, e.g. '{example}'")
+    return value
+
+
 @dataclass
 class ServerArgs:
     model_path: str = DEFAULT_MODEL_NAME
@@ -276,24 +292,15 @@ class ServerArgs:
         JSON object."""
         if not self.json_model_override_args:
             return {}
-        try:
-            overrides = json.loads(self.json_model_override_args)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--json-model-override-args is not JSON: {exc}") from None
-        if not isinstance(overrides, dict):
-            raise ValueError("--json-model-override-args must be a JSON object, e.g. "
-                             "'{\"num_hidden_layers\": 5}'")
-        return overrides
+        return _json_object(self.json_model_override_args, "--json-model-override-args",
+                            '{"num_hidden_layers": 5}')
 
     def max_images_per_prompt(self) -> int:
         """--limit-mm-per-prompt's image count (vLLM's JSON, e.g. '{"image": 4}'; 0 refuses
         images), DEFAULT_MAX_IMAGES without it; ValueError for anything else."""
         if not self.limit_mm_per_prompt:
             return DEFAULT_MAX_IMAGES
-        try:
-            limits = json.loads(self.limit_mm_per_prompt)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--limit-mm-per-prompt is not JSON: {exc}") from None
+        limits = _json_value(self.limit_mm_per_prompt, "--limit-mm-per-prompt")
         if not isinstance(limits, dict) or not all(
                 isinstance(v, int) and not isinstance(v, bool) and v >= 0
                 for v in limits.values()):
@@ -311,14 +318,8 @@ class ServerArgs:
         bound an image's tokens); {} without it; ValueError for anything but an object."""
         if not self.mm_processor_kwargs:
             return {}
-        try:
-            overrides = json.loads(self.mm_processor_kwargs)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--mm-processor-kwargs is not JSON: {exc}") from None
-        if not isinstance(overrides, dict):
-            raise ValueError("--mm-processor-kwargs must be a JSON object, e.g. "
-                             "'{\"max_pixels\": 1003520}'")
-        return overrides
+        return _json_object(self.mm_processor_kwargs, "--mm-processor-kwargs",
+                            '{"max_pixels": 1003520}')
 
     def _check_sizes(self) -> None:
         """Sizes that must be positive when given (None: the default), and the memory
