@@ -78,6 +78,13 @@ class ModelWorkerBatch:
     def batch_size(self) -> int:
         return len(self.req_pool_indices)
 
+    def decode_positions(self) -> list[int]:
+        """DECODE: each row's position, the one after its cache (its length - 1), plus its
+        offset; the eager pass and the CUDA graphs' inputs both take these."""
+        if not self.position_offsets:
+            return [s - 1 for s in self.seq_lens]
+        return [s - 1 + shift for s, shift in zip(self.seq_lens, self.position_offsets)]
+
 
 class ForwardOutput(NamedTuple):
     """What a forward pass returns to the scheduler: host lists, one entry per request."""
@@ -144,12 +151,12 @@ class ForwardBatch:
             return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
         seq_lens = batch.seq_lens
-        offsets = batch.position_offsets or [0] * len(seq_lens)
         if batch.forward_mode.is_decode():
-            positions_cpu = [s - 1 + shift for s, shift in zip(seq_lens, offsets)]
+            positions_cpu = batch.decode_positions()
             ext = dict()
         else:
             positions_cpu = []
+            offsets = batch.position_offsets or [0] * len(seq_lens)
             for prefix_len, ext_len, shift in zip(batch.extend_prefix_lens,
                                                   batch.extend_seq_lens, offsets):
                 positions_cpu.extend(range(prefix_len + shift, prefix_len + ext_len + shift))

@@ -102,9 +102,7 @@ def fill_padded_inputs(batch: ModelWorkerBatch, graph_bs: int, seq_len_fill: int
     rows = out.numpy()  # shares memory: numpy takes Python lists without per-element tensors
     rows[INPUT_IDS, :bs] = batch.input_ids
     rows[SEQ_LENS, :bs] = batch.seq_lens
-    rows[POSITIONS, :bs] = rows[SEQ_LENS, :bs] - 1  # decode writes the position after the cache
-    if batch.position_offsets:  # M-RoPE images' shifts (ModelWorkerBatch.position_offsets)
-        rows[POSITIONS, :bs] += batch.position_offsets
+    rows[POSITIONS, :bs] = batch.decode_positions()  # with M-RoPE images' shifts
     rows[REQ_POOL_INDICES, :bs] = batch.req_pool_indices
     rows[OUT_CACHE_LOC, :bs] = batch.out_cache_loc.numpy()
     rows[:, bs:graph_bs] = 0
