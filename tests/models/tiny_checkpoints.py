@@ -268,6 +268,29 @@ CONFIGS = {
 # multimodal checkpoints, served text-only (LLaVA's, Gemma-3's, Mistral Small 3.1's: with their
 # images); kept out of CONFIGS, every entry of which test_llama_vs_hf.py runs reading vocab_size
 # from the config's top level (here text_config's)
+# the Qwen VL checkpoints' vision token ids (tests/models/qwen_vl_folder.py's tokenizer's),
+# untied
+QWEN_VL_IDS = dict(image_token_id=159, video_token_id=156, vision_start_token_id=157,
+                   vision_end_token_id=158, tie_word_embeddings=False)
+
+
+def qwen3_vl(**text_extra: object) -> dict[str, object]:
+    """Qwen3-VL's tiny checkpoint (Qwen3-VL-MoE's with its experts in `text_extra`): a Qwen3
+    decoder with interleaved multimodal rope (sections 2 / 3 / 3 of 8 pairs), Qwen3.5's tiny
+    tower with DeepStack mergers after its first two blocks, added after the first two decoder
+    layers."""
+    return dict(
+        text_config=dict(BASE, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}, **text_extra),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
+                           patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                           out_hidden_size=64, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0, 1]),
+        **QWEN_VL_IDS)
+
+
 MULTIMODAL_CONFIGS = {
     # LLaVA-1.5 (LlavaForConditionalGeneration): a CLIP tower (class token, pre_layrnorm,
     # quick_gelu) of 3 layers read after its second (vision_feature_layer -2, the third never
@@ -355,8 +378,7 @@ MULTIMODAL_CONFIGS = {
         vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
                            out_hidden_size=64, patch_size=4, temporal_patch_size=2,
                            spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1]),
-        image_token_id=159, video_token_id=156, vision_start_token_id=157,
-        vision_end_token_id=158, tie_word_embeddings=False)),
+        **QWEN_VL_IDS)),
     # Qwen2-VL (Qwen2VLForConditionalGeneration): the same decoder, the older tower (LayerNorms,
     # an fc1 / fc2 quick_gelu MLP, every block over the whole image)
     "qwen2_vl": (transformers.Qwen2VLConfig, dict(
@@ -365,37 +387,14 @@ MULTIMODAL_CONFIGS = {
                          rope_theta=10000.0),
         vision_config=dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2,
                            patch_size=4, temporal_patch_size=2, spatial_merge_size=2),
-        image_token_id=159, video_token_id=156, vision_start_token_id=157,
-        vision_end_token_id=158, tie_word_embeddings=False)),
-    # Qwen3-VL (Qwen3VLForConditionalGeneration): a Qwen3 decoder (q/k norms) with interleaved
-    # multimodal rope (sections 2 / 3 / 3 of 8 pairs), Qwen3.5's tiny tower with DeepStack
-    # mergers after its first two blocks, added after the first two decoder layers
-    "qwen3_vl": (transformers.Qwen3VLConfig, dict(
-        text_config=dict(BASE, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [2, 3, 3],
-                                          "mrope_interleaved": True}),
-        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
-                           patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
-                           out_hidden_size=64, num_position_embeddings=16,
-                           deepstack_visual_indexes=[0, 1]),
-        image_token_id=159, video_token_id=156, vision_start_token_id=157,
-        vision_end_token_id=158, tie_word_embeddings=False)),
+        **QWEN_VL_IDS)),
+    # Qwen3-VL (Qwen3VLForConditionalGeneration; `qwen3_vl` says what it holds)
+    "qwen3_vl": (transformers.Qwen3VLConfig, qwen3_vl()),
     # Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration): the same with a Qwen3-MoE decoder,
     # experts top-2 of 4, stored stacked (experts.gate_up_proj / experts.down_proj)
-    "qwen3_vl_moe": (transformers.Qwen3VLMoeConfig, dict(
-        text_config=dict(BASE, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                         decoder_sparse_step=1,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [2, 3, 3],
-                                          "mrope_interleaved": True}),
-        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
-                           patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
-                           out_hidden_size=64, num_position_embeddings=16,
-                           deepstack_visual_indexes=[0, 1]),
-        image_token_id=159, video_token_id=156, vision_start_token_id=157,
-        vision_end_token_id=158, tie_word_embeddings=False)),
+    "qwen3_vl_moe": (transformers.Qwen3VLMoeConfig, qwen3_vl(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        decoder_sparse_step=1)),
     # Qwen3.5 with its images (Qwen3_5ForConditionalGeneration): the hybrid decoder (two full
     # attention layers of four) whose rope covers half of each 32-wide head, interleaved over
     # sections 2 / 3 / 3 of its 8 pairs; a tiny tower of 4x4 patches merged 2x2 with a 4x4
@@ -413,8 +412,7 @@ MULTIMODAL_CONFIGS = {
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
                            patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
                            out_hidden_size=64, num_position_embeddings=16),
-        image_token_id=159, video_token_id=156, vision_start_token_id=157,
-        vision_end_token_id=158, tie_word_embeddings=False)),
+        **QWEN_VL_IDS)),
     # Qwen3.5-MoE (Qwen3_5MoeForConditionalGeneration): the hybrid decoder with experts top-2
     # of 4 (always renormalised) and a gated shared expert, a tiny vision tower beside it;
     # tied by the top-level flag (transformers saves text_config's as false)
