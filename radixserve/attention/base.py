@@ -20,8 +20,9 @@ Padding requests of a replay have seq_len `get_cuda_graph_seq_len_fill_value()`,
 in slot 0, the padding sink, and their outputs are dropped.
 
 Each layer (a RadixAttention) carries its scaling, its attention window (`sliding_window`, None:
-full; keys p - W < j <= p for a query at position p) and its logit soft-cap (`logit_cap`, 0:
-none); every backend honours both.
+full; keys p - W < j <= p for a query at position p) or chunks (`attention_chunk`, None: none;
+keys (p // C) * C <= j <= p) and its logit soft-cap (`logit_cap`, 0: none); every backend
+honours them.
 
 MLA (DeepSeek-V2, an "mla" pool of latent entries) uses two more entry points:
   * `forward_mla_extend(q, entries, decompress, layer, batch)`: store this pass's latent

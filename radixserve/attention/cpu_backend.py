@@ -3,7 +3,8 @@
   * decode (and the one-token tail of a MIXED pass): one kernel per layer reads each request's
     K/V straight from the pool through its req_to_token row (no gather, no padding, no mask);
     task (request, KV head) serves the KV head's whole group of query heads (GQA), scores,
-    softmax and the weighted sum of V in fp32; windows and logit soft-caps are honoured;
+    softmax and the weighted sum of V in fp32; windows, attention chunks and logit soft-caps
+    are honoured;
   * rope: one kernel rotates q and k in place and copies rotated k and v into the pool at
     `out_cache_loc` (instead of ~20 small ops and two index_put's per layer);
   * fp32 extend (and MIXED) passes whose longest new run is at most EXTEND_KERNEL_MAX_TOKENS:
@@ -128,7 +129,7 @@ class CPUAttnBackend(TorchNativeAttnBackend):
         self.ops.decode_attention(q.view(bs, num_heads, layer.head_dim), k_buf, v_buf, out,
                                   self.req_to_token_pool.req_to_token, req_pool_indices,
                                   seq_lens, layer.scaling, float(layer.logit_cap),
-                                  layer.sliding_window or 0)
+                                  layer.sliding_window or 0, layer.attention_chunk or 0)
         return out.view(bs, num_heads * layer.v_head_dim)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -155,10 +156,11 @@ class CPUAttnBackend(TorchNativeAttnBackend):
 
 
 def _window_past_limit(layer: "RadixAttention", forward_batch: ForwardBatch) -> bool:
-    """A windowed layer in a pass whose tokens see past themselves: the kernel would count the
-    window back from the last key a token sees, not from the token (torch_native's parts
-    serve it)."""
-    return bool(layer.sliding_window) and forward_batch.extend_causal_limit is not None
+    """A windowed (or chunked) layer in a pass whose tokens see past themselves: the kernel
+    would count the window back from the last key a token sees, not from the token
+    (torch_native's parts serve it)."""
+    return bool(layer.sliding_window or layer.attention_chunk) and \
+        forward_batch.extend_causal_limit is not None
 
 
 def _per_token_rows(forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,8 +6,9 @@ parts as one SDPA call per part with each KV head's query group as the query len
 batch splits into its extend head and its decode tail, so one long chunk does not pad every
 decode request to the chunk's length.
 
-A layer's attention window narrows the mask (keys p - W < j <= p); masks are built once per
-pass for each distinct window. A layer with a logit soft-cap (Gemma-2) runs the scores through
+A layer's attention window narrows the mask (keys p - W < j <= p), and so do its attention
+chunks (keys (p // C) * C <= j <= p); masks are built once per pass for each distinct window
+or chunk size. A layer with a logit soft-cap (Gemma-2) runs the scores through
 explicit matmuls, since SDPA cannot cap them.
 """
 from __future__ import annotations
@@ -38,24 +39,36 @@ class PaddedPart:
     max_q_len: int
     q_pos: torch.Tensor  # [bs, max_q_len] absolute position of each (padded) query
     q_valid: torch.Tensor  # [bs, max_q_len] False on padding rows
-    window_masks: dict[int, torch.Tensor]  # sliding window -> attn_mask narrowed to it
+    # ("window", W) or ("chunk", C) -> attn_mask narrowed to it
+    window_masks: dict[tuple[str, int], torch.Tensor]
 
     @property
     def batch_size(self) -> int:
         return int(self.kv_indices.shape[0])
 
-    def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """The mask of a layer with this window (None: full causal)."""
-        if sliding_window is None or sliding_window >= self.kv_indices.shape[1]:
+    def mask(self, sliding_window: int | None,
+             attention_chunk: int | None = None) -> torch.Tensor:
+        """The mask of a layer with this window or these chunks (None: full causal)."""
+        max_kv_len = self.kv_indices.shape[1]
+        if attention_chunk:
+            key = ("chunk", attention_chunk)
+        elif sliding_window and sliding_window < max_kv_len:
+            key = ("window", sliding_window)
+        else:
             return self.attn_mask
-        found = self.window_masks.get(sliding_window)
+        found = self.window_masks.get(key)
         if found is None:
-            kv_pos = torch.arange(self.kv_indices.shape[1], device=self.q_pos.device)
-            in_window = kv_pos[None, None, :] > self.q_pos[:, :, None] - sliding_window
+            kv_pos = torch.arange(max_kv_len, device=self.q_pos.device)[None, None, :]
+            q_pos = self.q_pos[:, :, None]
+            if attention_chunk:  # keys of the query's own chunk
+                in_window = kv_pos >= torch.div(q_pos, attention_chunk,
+                                                rounding_mode="floor") * attention_chunk
+            else:
+                in_window = kv_pos > q_pos - sliding_window
             # padding rows keep position 0 only, so their softmax stays finite
             in_window |= ~self.q_valid[:, :, None]
             found = self.attn_mask & in_window[:, None]
-            self.window_masks[sliding_window] = found
+            self.window_masks[key] = found
         return found
 
 
@@ -165,7 +178,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         q_pad = q_pad.view(bs, part.max_q_len, num_heads, head_dim).transpose(1, 2)
         keys = self._gather(k_buf, part, q.dtype, k_scale).transpose(1, 2)  # [bs, Hkv, L, D]
         values = self._gather(v_buf, part, q.dtype, v_scale).transpose(1, 2)
-        mask = part.mask(layer.sliding_window)
+        mask = part.mask(layer.sliding_window, layer.attention_chunk)
         if layer.logit_cap > 0 or layer.sinks is not None:
             sinks = None if layer.sinks is None else layer.sinks.view(1, num_heads, 1, 1)
             out = _explicit_attention(q_pad, keys, values, mask, layer.scaling,
@@ -190,7 +203,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         values = self._gather(v_buf, part, q.dtype, v_scale).transpose(1, 2)
         # query head h uses KV head h // group: [bs, Hkv, group, D]
         grouped_q = q.reshape(bs, num_kv_heads, group, head_dim)
-        mask = part.mask(layer.sliding_window).view(bs, 1, 1, -1)
+        mask = part.mask(layer.sliding_window, layer.attention_chunk).view(bs, 1, 1, -1)
         if layer.logit_cap > 0 or layer.sinks is not None:
             sinks = None if layer.sinks is None else layer.sinks.view(1, num_kv_heads, group, 1)
             out = _explicit_attention(grouped_q, keys, values, mask, layer.scaling,

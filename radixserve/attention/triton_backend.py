@@ -109,9 +109,10 @@ class DecodeWorkspace:
 
 
 def _cudnn_serves(layer: "RadixAttention", dtype: torch.dtype) -> bool:
-    """cuDNN's attention applies to this layer: no window, no soft-cap, no sinks, one head
-    width of at most 128, half-precision activations."""
-    return _window(layer) < 0 and not layer.logit_cap > 0 and layer.sinks is None and \
+    """cuDNN's attention applies to this layer: no window or chunks, no soft-cap, no sinks,
+    one head width of at most 128, half-precision activations."""
+    return _window(layer) < 0 and not layer.attention_chunk and not layer.logit_cap > 0 and \
+        layer.sinks is None and \
         layer.head_dim <= 128 and \
         layer.v_head_dim == layer.head_dim and dtype in (torch.bfloat16, torch.float16)
 
@@ -325,6 +326,7 @@ class TritonAttnBackend(AttentionBackend):
                                  self.extend_config, sliding_window=_window(layer),
                                  logit_cap=layer.logit_cap, sinks=layer.sinks,
                                  causal_limit=forward_batch.extend_causal_limit,
+                                 attention_chunk=layer.attention_chunk or 0,
                                  **self._scale_args(layer))
         return out.view(-1, num_heads * head_dim)
 
@@ -344,6 +346,7 @@ class TritonAttnBackend(AttentionBackend):
                              meta.req_pool_indices, meta.seq_lens, meta.mid_out, meta.mid_lse,
                              layer.scaling, meta.config, sliding_window=_window(layer),
                              logit_cap=layer.logit_cap, sinks=layer.sinks,
+                             attention_chunk=layer.attention_chunk or 0,
                              **self._scale_args(layer))
         return out.view(-1, num_heads * head_dim)
 

@@ -3,7 +3,9 @@
 Models pass q, k, v straight from the projection and the rope as a `RopeInput`; the backend
 rotates q/k (fused with its KV-cache store where it can) before attending. Per layer it carries
 what the backends must honour: the scaling, an attention window (`sliding_window`, None: full;
-a query at position p sees keys p - W < j <= p, as transformers defines it) and the attention
+a query at position p sees keys p - W < j <= p, as transformers defines it) or attention chunks
+(`attention_chunk`, None: none; a query at p sees only keys of its own chunk of C positions,
+(p // C) * C <= j <= p: Llama-4's local layers) and the attention
 logit soft-cap (`logit_cap`, 0: none; scores s become cap * tanh(s / cap), Gemma-2), and
 per-head attention sinks (`sinks`, None: none; gpt-oss): a learned logit per query head that
 joins each row's softmax with no value, so a row's weights sum to less than one.
@@ -25,8 +27,11 @@ __all__ = ["RadixAttention", "RopeInput"]
 class RadixAttention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int,
                  layer_id: int, sliding_window: int | None = None,
-                 logit_cap: float = 0.0, v_head_dim: int | None = None) -> None:
+                 logit_cap: float = 0.0, v_head_dim: int | None = None,
+                 attention_chunk: int | None = None) -> None:
         """v_head_dim: the value's (and output's) head width when not head_dim (MLA)."""
+        if sliding_window and attention_chunk:
+            raise ValueError("a layer has either a sliding window or attention chunks")
         super().__init__()
         self.tp_q_head_num = num_heads
         self.tp_k_head_num = num_kv_heads
@@ -36,6 +41,7 @@ class RadixAttention(nn.Module):
         self.scaling = scaling
         self.layer_id = layer_id
         self.sliding_window = sliding_window
+        self.attention_chunk = attention_chunk
         self.logit_cap = logit_cap
         self.sinks: torch.Tensor | None = None  # [this rank's query heads] float32, the model's
 

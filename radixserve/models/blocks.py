@@ -41,13 +41,16 @@ if TYPE_CHECKING:
 class DecoderAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding | None,
                  scaling: float | None = None, logit_cap: float = 0.0,
-                 qk_norm: bool = False) -> None:
-        """rotary None: no positional encoding (Nemotron-H's attention layers)."""
+                 qk_norm: bool = False,
+                 qkv_linear: type[QKVParallelLinear] = QKVParallelLinear,
+                 attention_chunk: int | None = None) -> None:
+        """rotary None: no positional encoding (Nemotron-H's attention layers). qkv_linear:
+        the q|k|v projection's class (Llama-4's permutes rope pairs at load);
+        attention_chunk: RadixAttention's (Llama-4's local layers)."""
         super().__init__()
         head_dim = config.head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim,
-                                          config.num_attention_heads,
-                                          config.num_key_value_heads, bias=config.attention_bias)
+        self.qkv_proj = qkv_linear(config.hidden_size, head_dim, config.num_attention_heads,
+                                   config.num_key_value_heads, bias=config.attention_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
                                         bias=config.o_proj_bias)
         self.head_dim = head_dim
@@ -59,7 +62,7 @@ class DecoderAttention(nn.Module):
                                    scaling if scaling is not None else head_dim ** -0.5,
                                    self.qkv_proj.num_kv_heads, layer_id,
                                    sliding_window=config.layer_sliding_window(layer_id),
-                                   logit_cap=logit_cap)
+                                   logit_cap=logit_cap, attention_chunk=attention_chunk)
 
     def forward(self, positions: torch.Tensor, hidden: "torch.Tensor | Fp8Rows",
                 forward_batch: ForwardBatch) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The language model of a multimodal checkpoint, served text-only (Mistral Small 4;
+"""The language model of a multimodal checkpoint, served text-only (Mistral Small 4, Llama-4;
 LLaVA's, Gemma-3's and Mistral Small 3.1 / 3.2's images are read, models/image_features.py,
 with these prefixes for their language models): `ModelConfig.hf` is its `text_config`; the
 checkpoint names the decoder `language_model.model.*` (the hub's layout, which transformers
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 # a multimodal checkpoint's tensors that are not its language model's (after an optional
 # "model.")
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+VISION_PREFIXES = ("vision_tower.", "vision_model.", "multi_modal_projector.")
 
 
 class LanguageModelOfMultimodal:

@@ -16,6 +16,8 @@ from radixserve.mem.kv_pool import KVCacheSpec, spec_bytes_per_token
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
+    "Llama4ForConditionalGeneration": ("llama4", "Llama4ForConditionalGeneration"),
     "Mistral3ForConditionalGeneration": ("llama", "Mistral3ForConditionalGeneration"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),

@@ -28,9 +28,11 @@ DTYPES = [torch.float32, torch.bfloat16]
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
-@pytest.mark.parametrize("window,cap", [(0, 0.0), (5, 0.0), (0, 30.0)])
+@pytest.mark.parametrize("window,cap,chunk", [(0, 0.0, 0), (5, 0.0, 0), (0, 30.0, 0),
+                                              (0, 0.0, 16)])
 def test_decode_kernel_matches_reference(dtype: torch.dtype, num_heads: int,
-                                         num_kv_heads: int, window: int, cap: float) -> None:
+                                         num_kv_heads: int, window: int, cap: float,
+                                         chunk: int) -> None:
     seq_lens = [1, 7, 33, 64, 2]
     pool = random_pool(seq_lens, num_kv_heads, 64, dtype, torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
@@ -39,10 +41,11 @@ def test_decode_kernel_matches_reference(dtype: torch.dtype, num_heads: int,
     q = qkv[:, :num_heads * 64].view(len(seq_lens), num_heads, 64)
     out = torch.empty(len(seq_lens), num_heads, 64, dtype=dtype)
     ops.decode_attention(q, pool.k_buffer, pool.v_buffer, out, pool.req_to_token,
-                         pool.req_pool_indices, pool.seq_lens, 0.125, cap, window)
+                         pool.req_pool_indices, pool.seq_lens, 0.125, cap, window, chunk)
     ref = decode_attention_reference(q, pool.k_buffer, pool.v_buffer, pool.req_to_token,
                                      pool.req_pool_indices, pool.seq_lens, 0.125,
-                                     sliding_window=window or -1, logit_cap=cap)
+                                     sliding_window=window or -1, logit_cap=cap,
+                                     attention_chunk=chunk)
     torch.testing.assert_close(out, ref, **tolerance(dtype))
 
 

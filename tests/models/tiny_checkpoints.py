@@ -48,6 +48,26 @@ CONFIGS = {
     "mixtral_moe": (transformers.MixtralConfig, dict(
         BASE, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
         tie_word_embeddings=False)),
+    # Llama-4 Scout's layout: every layer MoE (top-1 of 4 by a sigmoid router whose weight
+    # scales the expert's input, plus a shared expert), rope over adjacent pairs with llama3
+    # scaling, q/k L2 norms and chunks of 8 positions on rope layers; the fourth layer NoPE
+    # over the whole context with the query temperature from position 3 on (floor_scale 4)
+    "llama4_scout": (transformers.Llama4TextConfig, dict(
+        BASE, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+        interleave_moe_layer_step=1, attention_chunk_size=8, floor_scale=4, attn_scale=0.5,
+        use_qk_norm=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64})),
+    # Llama-4 Maverick's layout: MoE on every other layer (dense SwiGLU of
+    # intermediate_size_mlp between), no q/k norms, plain rope, chunks of 16
+    "llama4_maverick": (transformers.Llama4TextConfig, dict(
+        BASE, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=4,
+        num_key_value_heads=1, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+        interleave_moe_layer_step=2, attention_chunk_size=16, floor_scale=8, attn_scale=0.5,
+        use_qk_norm=False, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     # Qwen2-MoE: q/k/v bias, top-2 of 6 not renormalised, a gated shared expert, layer 0 dense
     "qwen2_moe_shared": (transformers.Qwen2MoeConfig, dict(
         BASE, num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
@@ -292,6 +312,16 @@ def qwen3_vl(**text_extra: object) -> dict[str, object]:
 
 
 MULTIMODAL_CONFIGS = {
+    # Llama-4's released layout (Llama4ForConditionalGeneration): "llama4_scout"'s decoder
+    # under language_model.*, a one-layer vision tower and projector beside it (served
+    # text-only: their tensors are skipped)
+    "llama4_multimodal": (transformers.Llama4Config, dict(
+        text_config=CONFIGS["llama4_scout"][1],
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=48, image_size=28, patch_size=14,
+                           vision_output_dim=32, projector_input_dim=32,
+                           projector_output_dim=64, pixel_shuffle_ratio=0.5),
+        image_token_index=159, tie_word_embeddings=False)),
     # LLaVA-1.5 (LlavaForConditionalGeneration): a CLIP tower (class token, pre_layrnorm,
     # quick_gelu) of 3 layers read after its second (vision_feature_layer -2, the third never
     # runs), 16 patches of 7x7 ("default": the class token dropped), a Llama decoder with a

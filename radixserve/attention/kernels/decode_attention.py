@@ -5,10 +5,12 @@ Stage 1 runs one program per (request, KV head, split). The query heads that sha
 whole group with `tl.dot`, the group padded to at least 16 rows. Each program writes its
 normalised partial output and log-sum-exp (base 2) to fixed workspaces. Stage 2 merges splits.
 
-The query is the request's last token, at position seq_len - 1. It attends to the window
-[first, seq_len): first = 0, or with a sliding window of W > 0 keys (Hugging Face's
+The query is the request's last token, at position p = seq_len - 1. It attends to the window
+[first, seq_len): first = 0; with a sliding window of W > 0 keys (Hugging Face's
 `kv_idx > q_idx - sliding_window`) first = max(0, seq_len - W), so the window holds
-win_len = seq_len - first = min(seq_len, W) positions, the query's own among them.
+win_len = seq_len - first = min(seq_len, W) positions, the query's own among them; with
+chunked attention of C > 0 positions (Llama-4's local layers: a key is seen only from its own
+chunk, `kv_idx // C == q_idx // C`) first = (p // C) * C. `first_key` gives both.
 
 Split plan, computed on the device from seq_len so a CUDA graph can replay it for any lengths:
   split_len = max(round_up(cdiv(win_len, num_kv_splits), SPLIT_ALIGN), SPLIT_ALIGN)
@@ -23,9 +25,9 @@ Logit soft-capping (Gemma-2) with cap c > 0 turns each score s = (q . k) * sm_sc
 c * tanh(s / c) before the softmax. The kernels keep scores in base-2 units (times log2(e));
 the cap is applied to the natural-unit score, so in base-2 units it is c * log2(e).
 
-Both are compile-time switches (SLIDING_WINDOW <= 0 and LOGIT_CAP <= 0 switch them off): the
-default kernels are the same code as without them, and a model compiles one variant per distinct
-(window, cap) pair its layers use.
+All three are compile-time switches (SLIDING_WINDOW <= 0, ATTN_CHUNK <= 0 and LOGIT_CAP <= 0
+switch them off): the default kernels are the same code as without them, and a model compiles one
+variant per distinct (window, chunk, cap) its layers use.
 """
 from __future__ import annotations
 
@@ -81,11 +83,23 @@ LAZY_MAX_BITS = 8.0
 
 
 @triton.jit
-def _window_len(seq_len, SLIDING_WINDOW: tl.constexpr):
-    """Positions the query attends to: the last min(seq_len, W) ones, or all seq_len."""
-    win_len = seq_len
+def first_key(pos, SLIDING_WINDOW: tl.constexpr, ATTN_CHUNK: tl.constexpr):
+    """The first key position a query at position `pos` sees (keys first..pos): pos - W + 1
+    (at least 0) in a window of W, the start of its chunk of C positions, else 0."""
+    first = pos * 0
     if SLIDING_WINDOW > 0:
-        win_len = tl.minimum(seq_len, SLIDING_WINDOW)
+        first = tl.maximum(pos - SLIDING_WINDOW + 1, 0)
+    if ATTN_CHUNK > 0:
+        first = pos // ATTN_CHUNK * ATTN_CHUNK
+    return first
+
+
+@triton.jit
+def _window_len(seq_len, SLIDING_WINDOW: tl.constexpr, ATTN_CHUNK: tl.constexpr):
+    """Positions the query (at seq_len - 1) attends to: seq_len - its first key."""
+    win_len = seq_len
+    if SLIDING_WINDOW > 0 or ATTN_CHUNK > 0:
+        win_len = seq_len - first_key(seq_len - 1, SLIDING_WINDOW, ATTN_CHUNK)
     return win_len
 
 
@@ -166,7 +180,8 @@ def _decode_split_kernel(
     stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h, stride_ob, stride_oh,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, SLIDING_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, SLIDING_WINDOW: tl.constexpr, ATTN_CHUNK: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,
     USE_PDL: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_FP16: tl.constexpr,
     EARLY_V: tl.constexpr, LAZY_RESCALE: tl.constexpr, LAZY_BITS: tl.constexpr,
     EARLY_KV: tl.constexpr, HAS_SINKS: tl.constexpr,
@@ -187,10 +202,10 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(Seq_lens + batch).to(tl.int32)
-    win_len = _window_len(seq_len, SLIDING_WINDOW)
+    win_len = _window_len(seq_len, SLIDING_WINDOW, ATTN_CHUNK)
     split_len = _split_len(win_len, num_kv_splits, BLOCK_N)
     start = split * split_len
-    if SLIDING_WINDOW > 0:  # the window's first position (0 without a window)
+    if SLIDING_WINDOW > 0 or ATTN_CHUNK > 0:  # the window's first position (else 0)
         start += seq_len - win_len
     end = tl.minimum(start + split_len, seq_len)
     offs_g = tl.arange(0, BLOCK_H)
@@ -281,7 +296,8 @@ def _decode_merge_kernel(
     Mid_out, Mid_lse, O, Seq_lens, Sinks, num_kv_splits,
     stride_mid_b, stride_mid_h, stride_mid_s, stride_lse_b, stride_lse_h, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_ALIGN: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr, USE_PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, ATTN_CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
+    EARLY_LAUNCH: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
     """EARLY_LAUNCH (batch 1): the next kernel (o_proj) may launch while the split kernel
@@ -293,7 +309,7 @@ def _decode_merge_kernel(
     batch = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(Seq_lens + batch).to(tl.int32)
-    win_len = _window_len(seq_len, SLIDING_WINDOW)  # the plan of the split kernel
+    win_len = _window_len(seq_len, SLIDING_WINDOW, ATTN_CHUNK)  # the split kernel's plan
     num_used_splits = tl.cdiv(win_len, _split_len(win_len, num_kv_splits, SPLIT_ALIGN))
 
     offs_d = tl.arange(0, BLOCK_D)
@@ -352,12 +368,16 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def normalize_window_and_cap(sliding_window: int, logit_cap: float) -> tuple[int, float]:
-    """The kernels' compile-time (SLIDING_WINDOW, LOGIT_CAP): every "off" value maps to one
-    variant, -1 and 0.0, so they compile no more kernels than needed."""
+def normalize_window_and_cap(sliding_window: int | None, logit_cap: float | None,
+                             attention_chunk: int | None = None) -> tuple[int, float, int]:
+    """The kernels' compile-time (SLIDING_WINDOW, LOGIT_CAP, ATTN_CHUNK): every "off" value
+    maps to one variant, -1, 0.0 and 0, so they compile no more kernels than needed."""
     window = int(sliding_window) if sliding_window is not None and sliding_window > 0 else -1
     cap = float(logit_cap) if logit_cap is not None and logit_cap > 0 else 0.0
-    return window, cap
+    chunk = int(attention_chunk) if attention_chunk is not None and attention_chunk > 0 else 0
+    if window > 0 and chunk > 0:
+        raise ValueError("a layer has either a sliding window or attention chunks, not both")
+    return window, cap, chunk
 
 
 def decode_workspace_shapes(batch_size: int, num_heads: int, num_kv_splits: int,
@@ -373,13 +393,15 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                          config: DecodeKernelConfig = DecodeKernelConfig(), *,
                          sliding_window: int = -1, logit_cap: float = 0.0,
                          k_scale: float = 1.0, v_scale: float = 1.0,
-                         sinks: torch.Tensor | None = None) -> None:
+                         sinks: torch.Tensor | None = None, attention_chunk: int = 0) -> None:
     """Write attention of q ([bs, H, D]) over each request's first seq_len positions into out.
 
     k/v_buffer: [slots, Hkv, D] (one layer of the pool). mid_out [bs, H, S, D] and mid_lse
     [bs, H, S] are float32 workspaces; S (their third dim) is the maximum number of splits.
     sliding_window W > 0: attend only the last W positions (the query's own included).
-    logit_cap c > 0: scores s become c * tanh(s / c). Both are compile-time constants; <= 0 is off.
+    attention_chunk C > 0: attend only the positions of the query's chunk of C (p // C * C on).
+    logit_cap c > 0: scores s become c * tanh(s / c). All three are compile-time constants;
+    <= 0 is off.
     sinks [H] float32 (gpt-oss): each head's logit joins its softmax's sum with no value.
     FP8 buffers (float8_e4m3fn / e5m2) hold value / scale: the scores are scaled by k_scale and
     the output by v_scale (the codes themselves enter the products unscaled).
@@ -395,7 +417,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     block_d = triton.next_power_of_2(head_dim)
     kv_fp8 = is_fp8(k_buffer.dtype)
     sm_scale_log2e = sm_scale * LOG2E * (float(k_scale) if kv_fp8 else 1.0)
-    window, cap = normalize_window_and_cap(sliding_window, logit_cap)
+    window, cap, chunk = normalize_window_and_cap(sliding_window, logit_cap, attention_chunk)
 
     single_split = num_kv_splits == 1
     _decode_split_kernel[(batch_size, num_kv_heads, num_kv_splits)](
@@ -408,7 +430,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         GROUP_SIZE=group_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(q.dtype), SINGLE_SPLIT=single_split,
-        SLIDING_WINDOW=window, LOGIT_CAP=cap, KV_FP8=kv_fp8,
+        SLIDING_WINDOW=window, ATTN_CHUNK=chunk, LOGIT_CAP=cap, KV_FP8=kv_fp8,
         FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16), EARLY_V=config.early_v,
         LAZY_RESCALE=config.lazy_rescale, LAZY_BITS=LAZY_MAX_BITS, EARLY_KV=config.early_kv,
         HAS_SINKS=sinks is not None, num_warps=config.num_warps, num_stages=config.num_stages,
@@ -422,6 +444,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         num_kv_splits, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT_ALIGN=config.block_n, SLIDING_WINDOW=window,
+        ATTN_CHUNK=chunk,
         EARLY_LAUNCH=MERGE_EARLY_LAUNCH and batch_size == 1, HAS_SINKS=sinks is not None,
         num_warps=4 if block_d >= 256 else 2, num_stages=1, **pdl_launch_args(q),
     )

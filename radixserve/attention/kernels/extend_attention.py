@@ -26,12 +26,18 @@ Logit soft-capping with cap c > 0 (Gemma-2): each score s = (q . k) * sm_scale b
 c * tanh(s / c) before the softmax, applied to the natural-unit score before the conversion to
 base-2 units (see decode_attention.soft_cap_log2).
 
+Chunked attention of C > 0 positions (Llama-4's local layers, `kv_idx // C == q_idx // C`):
+the token at position p attends only keys (p // C) * C <= j <= p. Like a window, the first key a
+query sees (`decode_attention.first_key`) never decreases along the block, so the same skipping
+and masking serve both.
+
 A causal limit per new token (Gemma-3's images, whose tokens see their whole image): new token
 i attends the new tokens j <= limit[i] (limit[i] >= i) instead of j <= i, the window still
 counted from i. The diagonal pass then runs on to the block holding the query block's largest
 limit, masked.
 
-All three are compile-time switches (SLIDING_WINDOW <= 0, LOGIT_CAP <= 0, HAS_LIMIT false: off);
+All are compile-time switches (SLIDING_WINDOW <= 0, ATTN_CHUNK <= 0, LOGIT_CAP <= 0, HAS_LIMIT
+false: off);
 the default kernel is the same code as without them.
 """
 from __future__ import annotations
@@ -42,8 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.attention.kernels.decode_attention import (LOG2E, dot_precision, is_fp8,
-                                                           normalize_window_and_cap,
+from radixserve.attention.kernels.decode_attention import (LOG2E, dot_precision, first_key,
+                                                           is_fp8, normalize_window_and_cap,
                                                            soft_cap_log2)
 
 
@@ -112,8 +118,9 @@ def _extend_kernel(
     stride_kbt, stride_kbh, stride_vbt, stride_vbh, stride_req_row,
     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr, LOGIT_CAP: tl.constexpr, KV_FP8: tl.constexpr,
-    FP8_AS_FP16: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, ATTN_CHUNK: tl.constexpr, LOGIT_CAP: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_AS_FP16: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
 ):
     head = tl.program_id(0)
     req = tl.program_id(1)
@@ -140,7 +147,10 @@ def _extend_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-        WINDOWED: tl.constexpr = SLIDING_WINDOW > 0
+        # a window or chunks: each query sees keys from first_key(its position) on
+        WINDOWED: tl.constexpr = SLIDING_WINDOW > 0 or ATTN_CHUNK > 0
+        # the first key of each query, relative to the new tokens (prefix: negative)
+        first_m = first_key(prefix_len + offs_m, SLIDING_WINDOW, ATTN_CHUNK) - prefix_len
 
         # 1. cached prefix, through the pool. FP8 codes enter the products unscaled (fp16, or
         # q's float32): k_scale folds into the score scale, v_scale into the weighted sum
@@ -152,7 +162,7 @@ def _extend_kernel(
                 q_prefix = q.to(tl.float16)
         prefix_start = 0
         if WINDOWED:  # skip the blocks before the window of the block's first query
-            prefix_start = (tl.maximum(prefix_len + block_start - SLIDING_WINDOW + 1, 0)
+            prefix_start = (first_key(prefix_len + block_start, SLIDING_WINDOW, ATTN_CHUNK)
                             // BLOCK_N * BLOCK_N)
         for n_start in range(prefix_start, prefix_len, BLOCK_N):
             pos = n_start + offs_n
@@ -168,8 +178,8 @@ def _extend_kernel(
                 k = k.to(q_prefix.dtype)
                 v = v.to(q_prefix.dtype)
             mask = pos_mask[None, :]
-            if WINDOWED:  # key j > query position - W
-                mask = mask & (pos[None, :] > prefix_len + offs_m[:, None] - SLIDING_WINDOW)
+            if WINDOWED:  # key j >= the query's first key
+                mask = mask & (pos[None, :] - prefix_len >= first_m[:, None])
             m_i, l_i, acc = _online_softmax_step(q_prefix, k, v, m_i, l_i, acc, mask,
                                                  prefix_scale_log2e, True, DOT_PRECISION,
                                                  LOGIT_CAP, WINDOWED, v_scale, KV_FP8)
@@ -180,18 +190,21 @@ def _extend_kernel(
         unmasked_start = 0
         if WINDOWED:
             # blocks before the first query's window are skipped; those before the last
-            # query's window (it starts at last_query + 1 - W) need the window mask, the rest none
+            # query's window (its first key) need the window mask, the rest none
             last_query = tl.minimum(block_start + BLOCK_M, ext_len) - 1
-            window_start = tl.maximum(block_start - SLIDING_WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+            window_start = tl.maximum(
+                first_key(prefix_len + block_start, SLIDING_WINDOW, ATTN_CHUNK) - prefix_len,
+                0) // BLOCK_N * BLOCK_N
+            last_first = first_key(prefix_len + last_query, SLIDING_WINDOW, ATTN_CHUNK) \
+                - prefix_len
             unmasked_start = tl.minimum(
-                tl.cdiv(tl.maximum(last_query + 1 - SLIDING_WINDOW, 0), BLOCK_N) * BLOCK_N,
-                block_start)
+                tl.cdiv(tl.maximum(last_first, 0), BLOCK_N) * BLOCK_N, block_start)
             for n_start in range(window_start, unmasked_start, BLOCK_N):
                 pos = n_start + offs_n
                 rows = start_loc + pos[:, None]
                 k = tl.load(ke_base + rows * stride_ket, mask=d_mask[None, :], other=0.0)
                 v = tl.load(ve_base + rows * stride_vet, mask=d_mask[None, :], other=0.0)
-                in_window = pos[None, :] > offs_m[:, None] - SLIDING_WINDOW
+                in_window = pos[None, :] >= first_m[:, None]
                 m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, in_window,
                                                      sm_scale_log2e, True, DOT_PRECISION,
                                                      LOGIT_CAP, True)
@@ -223,7 +236,7 @@ def _extend_kernel(
             else:
                 causal = (offs_m[:, None] >= pos[None, :]) & pos_mask[None, :]
             if WINDOWED:
-                causal = causal & (pos[None, :] > offs_m[:, None] - SLIDING_WINDOW)
+                causal = causal & (pos[None, :] >= first_m[:, None])
             m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, causal,
                                                  sm_scale_log2e, True, DOT_PRECISION,
                                                  LOGIT_CAP, WINDOWED)
@@ -247,7 +260,8 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
                          sliding_window: int = -1, logit_cap: float = 0.0,
                          k_scale: float = 1.0, v_scale: float = 1.0,
                          sinks: torch.Tensor | None = None,
-                         causal_limit: torch.Tensor | None = None) -> None:
+                         causal_limit: torch.Tensor | None = None,
+                         attention_chunk: int = 0) -> None:
     """Write extend attention into out ([T, H, D]).
 
     q: [T, H, D]; k/v_extend: [T, Hkv, D], this pass's new tokens packed request after request
@@ -255,7 +269,9 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
     holding each request's prefix. max_extend_len is a host int (>= every extend_seq_len) that
     sizes the grid, so no host sync is needed.
     sliding_window W > 0: the token at position p attends only keys p - W < j <= p.
-    logit_cap c > 0: scores s become c * tanh(s / c). Both are compile-time constants; <= 0 is off.
+    attention_chunk C > 0: the token at position p attends only keys (p // C) * C <= j <= p.
+    logit_cap c > 0: scores s become c * tanh(s / c). All three are compile-time constants;
+    <= 0 is off.
     sinks [H] float32 (gpt-oss): each head's logit joins its softmax's sum with no value.
     causal_limit [T] int32 (Gemma-3's images): new token i attends new tokens j <= limit[i]
     (an index into its request's new tokens, >= i) instead of j <= i.
@@ -270,7 +286,7 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
     batch_size = extend_seq_lens.shape[0]
     if num_tokens == 0 or batch_size == 0:
         return
-    window, cap = normalize_window_and_cap(sliding_window, logit_cap)
+    window, cap, chunk = normalize_window_and_cap(sliding_window, logit_cap, attention_chunk)
     grid = (num_heads, batch_size, triton.cdiv(max_extend_len, config.block_m))
     _extend_kernel[grid](
         q, k_extend, v_extend, out, k_buffer, v_buffer, req_to_token, req_pool_indices,
@@ -285,8 +301,9 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
         GROUP_SIZE=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        DOT_PRECISION=dot_precision(k_extend.dtype), SLIDING_WINDOW=window, LOGIT_CAP=cap,
-        KV_FP8=is_fp8(k_buffer.dtype), FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16),
+        DOT_PRECISION=dot_precision(k_extend.dtype), SLIDING_WINDOW=window, ATTN_CHUNK=chunk,
+        LOGIT_CAP=cap, KV_FP8=is_fp8(k_buffer.dtype),
+        FP8_AS_FP16=q.dtype in (torch.float16, torch.bfloat16),
         HAS_SINKS=sinks is not None, HAS_LIMIT=causal_limit is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

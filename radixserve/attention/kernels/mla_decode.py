@@ -135,6 +135,7 @@ def mla_decode_attention_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, out: torc
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=latent_dim, BLOCK_D=latent_dim, SPLIT_ALIGN=block_n, SLIDING_WINDOW=-1,
+        ATTN_CHUNK=0,
         # the latent output's next kernel is a torch product, not a GEMV
         HAS_SINKS=False, EARLY_LAUNCH=False,
         num_warps=4, num_stages=1, **pdl_launch_args(q),

@@ -7,7 +7,9 @@ meant for tests and for checking a kernel on a new shape, not for serving.
 Options, as in Hugging Face transformers: sliding_window W > 0 lets the query at absolute position
 p attend only keys at p - W < j <= p (`masking_utils.sliding_window_overlay`); logit_cap c > 0
 turns each score s = (q . k) * sm_scale into c * tanh(s / c) before the softmax (Gemma-2);
-sinks [H] (gpt-oss) add each head's logit to its softmax with no value.
+sinks [H] (gpt-oss) add each head's logit to its softmax with no value; attention_chunk C > 0
+lets the query at p attend only keys of its own chunk, (p // C) * C <= j <= p
+(`masking_utils.chunked_overlay`, Llama-4's local layers).
 """
 from __future__ import annotations
 
@@ -22,14 +24,18 @@ def _gather_kv(buffer: torch.Tensor, req_to_token: torch.Tensor, req_slot: int,
 
 
 def _attention_mask(query_pos: torch.Tensor, key_pos: torch.Tensor,
-                    sliding_window: int, last_pos: torch.Tensor | None = None) -> torch.Tensor:
-    """[Tq, Tk] True = attend: causal (up to `last_pos` where given), and within the last
-    sliding_window keys (counted from the query) if it is > 0."""
+                    sliding_window: int, last_pos: torch.Tensor | None = None,
+                    attention_chunk: int = 0) -> torch.Tensor:
+    """[Tq, Tk] True = attend: causal (up to `last_pos` where given), within the last
+    sliding_window keys (counted from the query) if it is > 0, and within the query's chunk
+    if attention_chunk is > 0."""
     last = (query_pos if last_pos is None else last_pos)[:, None]
     query_pos, key_pos = query_pos[:, None], key_pos[None, :]
     mask = key_pos <= last
     if sliding_window > 0:
         mask &= key_pos > query_pos - sliding_window
+    if attention_chunk > 0:
+        mask &= key_pos // attention_chunk == query_pos // attention_chunk
     return mask
 
 
@@ -57,18 +63,20 @@ def decode_attention_reference(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer
                                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                                seq_lens: torch.Tensor, sm_scale: float, *,
                                sliding_window: int = -1, logit_cap: float = 0.0,
-                               sinks: torch.Tensor | None = None) -> torch.Tensor:
+                               sinks: torch.Tensor | None = None,
+                               attention_chunk: int = 0) -> torch.Tensor:
     """q: [bs, H, D]; every request's query, at position seq_len - 1, attends to its positions
-    0..seq_len-1 (only the last sliding_window of them if that is > 0). -> [bs, H, D]."""
+    0..seq_len-1 (only the last sliding_window of them if that is > 0, only those of its chunk
+    if attention_chunk is > 0). -> [bs, H, D]."""
     out = torch.empty_like(q)
     for i in range(q.shape[0]):
         req_slot, seq_len = int(req_pool_indices[i]), int(seq_lens[i])
         k = _gather_kv(k_buffer, req_to_token, req_slot, seq_len)
         v = _gather_kv(v_buffer, req_to_token, req_slot, seq_len)
         mask = None
-        if sliding_window > 0:
+        if sliding_window > 0 or attention_chunk > 0:
             mask = _attention_mask(torch.tensor([seq_len - 1]), torch.arange(seq_len),
-                                   sliding_window).to(q.device)
+                                   sliding_window, None, attention_chunk).to(q.device)
         out[i] = _attend(q[i:i + 1].float(), k, v, sm_scale, mask, logit_cap,
                          sinks)[0].to(q.dtype)
     return out
@@ -81,7 +89,8 @@ def extend_attention_reference(q: torch.Tensor, k_extend: torch.Tensor, v_extend
                                sm_scale: float, *, sliding_window: int = -1,
                                logit_cap: float = 0.0,
                                sinks: torch.Tensor | None = None,
-                               causal_limit: torch.Tensor | None = None) -> torch.Tensor:
+                               causal_limit: torch.Tensor | None = None,
+                               attention_chunk: int = 0) -> torch.Tensor:
     """q: [T, H, D], k/v_extend: [T, Hkv, D], tokens packed request after request;
     causal_limit [T]: new token i sees new tokens up to its limit (an index among its
     request's new tokens) instead of up to itself.
@@ -104,7 +113,7 @@ def extend_attention_reference(q: torch.Tensor, k_extend: torch.Tensor, v_extend
             causal_limit[start:end].cpu().long() + prefix_len
         mask = _attention_mask(torch.arange(prefix_len, prefix_len + ext_len),
                                torch.arange(prefix_len + ext_len), sliding_window,
-                               last).to(q.device)
+                               last, attention_chunk).to(q.device)
         out[start:end] = _attend(q[start:end].float(), k, v, sm_scale, mask,
                                  logit_cap, sinks).to(q.dtype)
         start = end

@@ -208,7 +208,8 @@ template <typename T, typename Index>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                            at::Tensor& out, const at::Tensor& req_to_token,
                            const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                           double scaling, double logit_cap, int64_t sliding_window) {
+                           double scaling, double logit_cap, int64_t sliding_window,
+                           int64_t attention_chunk) {
   const int64_t bs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_buf.size(1), v_dim = v_buf.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -237,7 +238,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_buf, const a
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t len = lens[b];
-      const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      // the query (at len - 1) sees keys of its window, or of its chunk, or all
+      const int64_t start = attention_chunk > 0 ? (len - 1) / attention_chunk * attention_chunk
+          : sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
       const int64_t n = len - start;
       const Index* row = table + rows[b] * table_stride + start;
       if (fixed != nullptr) {
@@ -482,7 +485,8 @@ void check_cpu(const at::Tensor& t, const char* name) {
 void decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                       at::Tensor& out, const at::Tensor& req_to_token,
                       const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                      double scaling, double logit_cap, int64_t sliding_window) {
+                      double scaling, double logit_cap, int64_t sliding_window,
+                      int64_t attention_chunk) {
   for (auto* t : {&q, &k_buf, &v_buf, &req_to_token, &req_pool_indices, &seq_lens})
     check_cpu(*t, "decode_attention input");
   TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3 && out.dim() == 3);
@@ -499,11 +503,11 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
     if (req_to_token.scalar_type() == at::kInt)
       decode_attention_impl<scalar_t, int32_t>(q, k_buf, v_buf, out, req_to_token,
                                                req_pool_indices, seq_lens, scaling, logit_cap,
-                                               sliding_window);
+                                               sliding_window, attention_chunk);
     else
       decode_attention_impl<scalar_t, int64_t>(q, k_buf, v_buf, out, req_to_token,
                                                req_pool_indices, seq_lens, scaling, logit_cap,
-                                               sliding_window);
+                                               sliding_window, attention_chunk);
   });
 }
 
@@ -642,7 +646,7 @@ std::vector<int64_t> pin_threads(at::IntArrayRef cores) {
 TORCH_LIBRARY(radixserve_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor(a!) out, "
         "Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, float scaling, "
-        "float logit_cap, int sliding_window) -> ()");
+        "float logit_cap, int sliding_window, int attention_chunk) -> ()");
   m.def("rope_store(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos_cache, "
         "Tensor sin_cache, int head_dim, Tensor(c!) k_buf, Tensor(d!) v_buf, Tensor loc, "
         "bool store_kv) -> ()");

@@ -45,19 +45,28 @@ _EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale|q
                           r"|weight_g_idx|bias)$")
 
 
-def expert_weight_target(name: str) -> tuple[str, tuple[int | str, str]] | None:
+# shard kind of a stack stored inputs first: [E, H, 2I] / [E, I, H] (Llama-4's, always)
+STACKED_INPUTS_FIRST = "all_inputs_first"
+
+
+def expert_weight_target(name: str, inputs_first: bool = False
+                         ) -> tuple[str, tuple[int | str, str]] | None:
     """'...mlp.experts.3.gate_proj.weight' -> ('...mlp.experts.w13_weight', (3, 'w1')); an FP8
     checkpoint's '...gate_proj.weight_scale' -> '...w13_weight_scale'; all experts in one
     tensor, as transformers saves models it has no per-expert mapping for (Mistral-4):
     '...mlp.experts.gate_up_proj' [E, 2I, H] (gate rows then up) -> (w13_weight,
-    ('all', 'w13')), '...mlp.experts.down_proj' [E, H, I] -> (w2_weight, ('all', 'w2'))."""
+    ('all', 'w13')), '...mlp.experts.down_proj' [E, H, I] -> (w2_weight, ('all', 'w2')).
+    inputs_first: the family stores its stacks transposed, [E, H, 2I] / [E, I, H], whatever
+    their sizes (STACKED_INPUTS_FIRST; 'all' guesses from the shapes, which square stacks
+    leave open)."""
     prefix, _, leaf = name.rpartition(".")
     if prefix.endswith(".experts"):
         projection = leaf.removesuffix("_inv").removesuffix("_scale")  # FP8's scales
         if projection in ("gate_up_proj", "down_proj"):
             piece = "w13" if projection == "gate_up_proj" else "w2"
             suffix = "_scale" if projection != leaf else ""
-            return f"{prefix}.{piece}_weight{suffix}", ("all", piece)
+            kind = STACKED_INPUTS_FIRST if inputs_first and not suffix else "all"
+            return f"{prefix}.{piece}_weight{suffix}", (kind, piece)
     found = _EXPERT_NAME.match(name)
     if found is None or found.group(3) not in _PIECES:
         return None
@@ -219,8 +228,9 @@ class FusedMoE(nn.Module):
         in one tensor (returns the (expert, piece) shards it loaded, for the loader's check)."""
         if not isinstance(shard_id, tuple):
             raise ValueError("expert weights load per expert: shard_id is (expert, piece)")
-        if shard_id[0] == "all":
-            return self._load_stack(param, loaded, shard_id[1])
+        if shard_id[0] in ("all", STACKED_INPUTS_FIRST):
+            return self._load_stack(param, loaded, shard_id[1],
+                                    inputs_first=shard_id[0] == STACKED_INPUTS_FIRST)
         expert, piece = shard_id
         size, rank = self.intermediate_size, self.tp_rank
         if piece == "w2":
@@ -239,15 +249,17 @@ class FusedMoE(nn.Module):
             self._w2_row_amax[expert] = row_amax(loaded)
         target.copy_(part)
 
-    def _load_stack(self, param: nn.Parameter, loaded: torch.Tensor,
-                    piece: str) -> set[tuple[int, str]]:
+    def _load_stack(self, param: nn.Parameter, loaded: torch.Tensor, piece: str,
+                    inputs_first: bool = False) -> set[tuple[int, str]]:
         """Every expert's gate|up [E, 2I, H] or down [E, H, I] from one tensor; or the same
         transposed, [E, H, 2I] / [E, I, H], as Qwen3-VL-MoE's hub checkpoints store them
-        (transformers transposes a stack whose shape is not its own, as here)."""
+        (transformers transposes a stack whose shape is not its own, as here) and Llama-4's
+        always do (`inputs_first`)."""
         full = self.intermediate_size * self.tp_size
         want = (self.num_experts, 2 * full, self.hidden_size) if piece == "w13" else \
             (self.num_experts, self.hidden_size, full)
-        if tuple(loaded.shape) != want and tuple(loaded.transpose(1, 2).shape) == want:
+        if inputs_first or (tuple(loaded.shape) != want and
+                            tuple(loaded.transpose(1, 2).shape) == want):
             loaded = loaded.transpose(1, 2)
         if tuple(loaded.shape) != want:
             raise ValueError(f"stacked experts {piece} of shape {tuple(loaded.shape)}, "

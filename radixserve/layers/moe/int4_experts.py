@@ -121,7 +121,7 @@ def load_int4_piece(moe: "FusedMoE", kind: str, param: nn.Parameter, loaded: tor
     config = moe.int4
     assert config is not None and isinstance(shard_id, tuple)
     expert, piece = shard_id
-    if expert == "all" or kind == "stacked":
+    if expert in ("all", "all_inputs_first") or kind == "stacked":
         raise ValueError("int4 experts stored all in one tensor are not supported")
     stack = "w2" if piece == "w2" else "w13"
     rows_rank, k_rank, k_full = _stack_shapes(moe)[stack]
