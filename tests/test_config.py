@@ -99,6 +99,21 @@ def test_a_context_past_the_models_positions_is_refused_unless_allowed(monkeypat
     assert cfg.context_length == 4096
 
 
+def test_a_ten_million_position_model_serves_a_million_by_default() -> None:
+    """Llama-4 Scout's 10,485,760 positions: the default context and the rope tables stop at
+    DEFAULT_CONTEXT_CAP; a longer context is served when asked for."""
+    from radixserve.core.model_config import DEFAULT_CONTEXT_CAP, ModelConfig
+    cfg = ModelConfig.from_hf_dict({**_hf("LlamaForCausalLM"),
+                                    "max_position_embeddings": 10485760})
+    cfg.resolve_context_length(None)
+    assert cfg.context_length == cfg.rope_positions == DEFAULT_CONTEXT_CAP == 1 << 20
+    cfg.resolve_context_length(2_000_000)
+    assert cfg.context_length == cfg.rope_positions == 2_000_000
+    small = ModelConfig.from_hf_dict(_hf("LlamaForCausalLM"))
+    small.resolve_context_length(None)
+    assert small.context_length == small.rope_positions == small.max_position_embeddings
+
+
 @pytest.mark.parametrize("rope, ok", [
     (None, True),
     ({"rope_type": "linear", "factor": 2.0}, True),

@@ -31,8 +31,8 @@ from typing import Callable, NamedTuple
 import torch
 
 from radixserve.bench.cli_support import BenchError, run_command
-from radixserve.bench.param_counts import (ParamCounts, attention_flops_per_key, param_counts,
-                                          recurrent_state_bytes)
+from radixserve.bench.param_counts import (ParamCounts, attended_keys, attention_flops_per_key,
+                                           param_counts, recurrent_state_bytes)
 from radixserve.core.model_config import ModelConfig
 
 __all__ = ["ParamCounts", "param_counts", "attention_flops_per_key"]
@@ -99,13 +99,14 @@ def decode_step_bytes(cfg: ModelConfig, batch: int, context: float,
                       dtype: torch.dtype | str, linear_dtype: torch.dtype | float | None = None,
                       kv_dtype: torch.dtype | None = None) -> float:
     """One decode step of `batch` sequences that each attend to `context` tokens (the new one
-    included): weights + KV read of batch x context tokens + KV written for batch tokens (+ a
-    hybrid model's recurrent states, read and written once per sequence).
+    included; in windowed or chunked layers only the keys they see, `attended_keys`):
+    weights + KV read of batch x context tokens + KV written for batch tokens (+ a hybrid
+    model's recurrent states, read and written once per sequence).
     linear_dtype / kv_dtype: FP8 weights / KV cache."""
     kv = kv_bytes_per_token(cfg, dtype, kv_dtype)
     states = 2 * batch * recurrent_state_bytes(cfg, as_dtype(dtype).itemsize)
     return weight_bytes_per_forward(cfg, dtype, batch, linear_dtype) + \
-        batch * context * kv + batch * kv + states
+        batch * attended_keys(cfg, context) * kv + batch * kv + states
 
 
 def prefill_bytes(cfg: ModelConfig, batch: int, input_len: int,

@@ -71,6 +71,9 @@ def _moe_shape(cfg: ModelConfig) -> _Moe | None:
     if arch in ("MixtralForCausalLM", "MiniMaxM2ForCausalLM"):  # every layer, no shared
         return _Moe(hf.num_local_experts, hf.num_experts_per_tok, cfg.intermediate_size, 0,
                     False)
+    if arch.startswith("Llama4"):  # moe_layers; a shared expert of the routed ones' size
+        return _Moe(hf.num_local_experts, hf.num_experts_per_tok, hf.intermediate_size,
+                    hf.intermediate_size, False)
     if arch == "GptOssForCausalLM":  # every layer; the experts' biases are not counted
         return _Moe(hf.num_local_experts, hf.num_experts_per_tok, cfg.intermediate_size, 0,
                     False)
@@ -89,6 +92,8 @@ def _moe_shape(cfg: ModelConfig) -> _Moe | None:
 
 def _is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
     hf = cfg.hf
+    if cfg.architecture.startswith("Llama4"):
+        return layer_id in hf.moe_layers
     if cfg.architecture.startswith(("DeepseekV2", "DeepseekV3", "Glm4Moe", "Mistral4")) or \
             getattr(hf, "model_type", None) == "mistral4":
         layer_types = getattr(hf, "mlp_layer_types", None)  # GLM-4.7-Flash lists them
@@ -154,8 +159,10 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     mixers = {"attention": (attn_linear, attn_other)}
     if "linear_attention" in kinds:
         mixers["linear_attention"] = _linear_attention_params(cfg)
-    dense_mlp = 3 * h * cfg.intermediate_size
-    dense_bias = 2 * cfg.intermediate_size + h if cfg.mlp_bias else 0
+    # Llama-4's dense layers are wider than its experts
+    dense_size = getattr(cfg.hf, "intermediate_size_mlp", None) or cfg.intermediate_size
+    dense_mlp = 3 * h * dense_size
+    dense_bias = 2 * dense_size + h if cfg.mlp_bias else 0
     moe = _moe_shape(cfg)
     layers = linear = active = moe_layers = 0
     for layer_id in range(cfg.num_hidden_layers):
@@ -179,6 +186,25 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     return ParamCounts(embedding, layers, h, lm_head, linear, total, active,
                        3 * h * moe.expert_size if moe else 0, moe_layers,
                        moe.num_experts if moe else 0, moe.top_k if moe else 0)
+
+
+def attended_keys(cfg: ModelConfig, context: float) -> float:
+    """Keys the query at position context - 1 attends to, averaged over the attention layers:
+    the whole context in full layers, at most W in a window of W, the positions of its own
+    chunk in Llama-4's chunked layers."""
+    kinds = _layer_kinds(cfg)
+    layers = [i for i, kind in enumerate(kinds) if kind == "attention"]
+    chunk = getattr(cfg.hf, "attention_chunk_size", None)
+    total = 0.0
+    for layer_id in layers:
+        keys = context
+        window = cfg.layer_sliding_window(layer_id)
+        if window:
+            keys = min(context, window)
+        if chunk and (cfg.layer_types or [None] * len(kinds))[layer_id] == "chunked_attention":
+            keys = (context - 1) % chunk + 1
+        total += keys
+    return total / max(len(layers), 1)
 
 
 def attention_flops_per_key(cfg: ModelConfig, absorbed: bool = False) -> float:

@@ -221,8 +221,16 @@ class ModelConfig:
     def resolve_context_length(self, requested: int | None) -> None:
         """--context-length, at most the model's max_position_embeddings: a longer one is
         refused (as vLLM and SGLang do) unless RADIXSERVE_ALLOW_LONGER_CONTEXT=1 allows
-        positions the model was not trained on."""
+        positions the model was not trained on. Without the flag, the model's positions up to
+        DEFAULT_CONTEXT_CAP (Llama-4 Scout allows 10M, whose request table and rope tables
+        alone would take ~20 GB; a longer context is asked for by the flag)."""
         limit = self.max_position_embeddings
+        if not requested and limit > DEFAULT_CONTEXT_CAP:
+            logger.info("%s allows %d positions; serving a context of %d "
+                        "(--context-length for another)", self.architecture, limit,
+                        DEFAULT_CONTEXT_CAP)
+            self.context_length = DEFAULT_CONTEXT_CAP
+            return
         if requested and requested > limit:
             if os.environ.get("RADIXSERVE_ALLOW_LONGER_CONTEXT") != "1":
                 raise ValueError(f"--context-length {requested} exceeds the model's "
@@ -235,9 +243,14 @@ class ModelConfig:
 
     @property
     def rope_positions(self) -> int:
-        """Positions the rope tables cover: the model's, or the context where
-        RADIXSERVE_ALLOW_LONGER_CONTEXT let it run past them."""
-        return max(self.max_position_embeddings, self.context_length)
+        """Positions the rope tables cover: the model's (at most DEFAULT_CONTEXT_CAP), or the
+        context where it is longer (asked for, or let past the model's by
+        RADIXSERVE_ALLOW_LONGER_CONTEXT)."""
+        return max(min(self.max_position_embeddings, DEFAULT_CONTEXT_CAP), self.context_length)
+
+
+# the context of a model allowing more positions, unless --context-length asks for another
+DEFAULT_CONTEXT_CAP = 1 << 20
 
 
 _POSITIVE_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",

@@ -15,7 +15,8 @@ from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig,
                           Qwen3NextConfig, Qwen3NextForCausalLM, NemotronHConfig,
                           NemotronHForCausalLM, GraniteMoeHybridConfig,
                           GraniteMoeHybridForCausalLM, BambaConfig, BambaForCausalLM,
-                          FalconH1Config, FalconH1ForCausalLM)
+                          FalconH1Config, FalconH1ForCausalLM, Llama4TextConfig,
+                          Llama4ForCausalLM, MistralConfig)
 
 from radixserve.bench import hardware
 from radixserve.core.model_config import ModelConfig
@@ -94,6 +95,12 @@ def _models() -> list[tuple[str, PretrainedConfig, type]]:
             ("bamba", BambaConfig(**SHAPE, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
                                   mamba_d_head=16, attn_layer_indices=[1],
                                   tie_word_embeddings=False), BambaForCausalLM),
+            # MoE on every other layer (a shared expert beside top-1 routing), wider dense
+            # layers between, weightless q/k norms
+            ("llama4", Llama4TextConfig(**SHAPE, head_dim=16, intermediate_size_mlp=128,
+                                        num_local_experts=4, num_experts_per_tok=1,
+                                        interleave_moe_layer_step=2,
+                                        tie_word_embeddings=False), Llama4ForCausalLM),
             ("falcon-h1", FalconH1Config(**SHAPE, mamba_d_ssm=96, mamba_n_heads=6,
                                          mamba_n_groups=2, mamba_d_state=16,
                                          mamba_rms_norm=True, projectors_bias=True,
@@ -163,6 +170,22 @@ def test_moe_reads_only_the_experts_a_batch_uses() -> None:
     assert counts.active_linear == counts.linear - 6 * counts.moe_layers * counts.routed_expert
     assert hardware.weight_bytes_per_forward(cfg, torch.bfloat16, num_tokens=4096) == \
         pytest.approx(everything, rel=1e-6)
+
+
+def test_decode_reads_only_the_keys_windows_and_chunks_leave() -> None:
+    """Llama-4's chunked layers see the positions of the query's own chunk (its NoPE layers
+    the whole context); a sliding window at most W keys."""
+    llama4 = ModelConfig.from_hf_dict({**Llama4TextConfig(
+        **{**SHAPE, "num_hidden_layers": 4}, attention_chunk_size=8).to_dict(),
+        "architectures": ["Llama4ForCausalLM"]})
+    assert hardware.attended_keys(llama4, 20) == (3 * 4 + 20) / 4  # 16..19 of 20
+    assert hardware.attended_keys(llama4, 16) == (3 * 8 + 16) / 4
+    mistral = ModelConfig.from_hf_dict({**MistralConfig(**SHAPE, sliding_window=5).to_dict(),
+                                        "architectures": ["MistralForCausalLM"]})
+    assert (hardware.attended_keys(mistral, 20), hardware.attended_keys(mistral, 3)) == (5, 3)
+    kv = hardware.kv_bytes_per_token(mistral, "bfloat16")
+    weights = hardware.weight_bytes_per_forward(mistral, "bfloat16", 2)
+    assert hardware.decode_step_bytes(mistral, 2, 20, "bfloat16") == weights + 2 * 5 * kv + 2 * kv
 
 
 def test_roofline_picks_the_slower_side() -> None:
