@@ -142,7 +142,8 @@ FLAGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
                                     "decoding, so outputs can differ", None),
     "tool_call_parser": (SERVING, "format of the model's tool calls (default: from the chat "
                                   "template, else hermes)",
-                         ("hermes", "qwen25", "qwen3", "llama3", "mistral", "deepseek_v3",
+                         ("hermes", "qwen25", "qwen3", "llama3", "llama3_json",
+                          "llama4_json", "pythonic", "llama4_pythonic", "mistral", "deepseek_v3",
                           "deepseekv3", "deepseek_v31", "deepseekv31", "glm45", "glm47",
                           "minimax_m2", "minimax-m2", "qwen3_coder", "openai", "harmony")),
     "exclude_tools_when_tool_choice_none": (SERVING, "tool_choice \"none\" leaves the tools out "

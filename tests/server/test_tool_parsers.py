@@ -119,6 +119,18 @@ CASES = [
     ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
                     "<parameter=n>\n5\n</function>\n</tool_call>", "",
      [("get_weather", {"city": "Paris", "n": 5})]),
+    # pythonic (Llama-3.2 / Llama-4): a list of calls, Python literals in either quotes,
+    # brackets and quotes inside values, JSON's true, a tuple, Llama-4's tags
+    ("pythonic", '[get_weather(city="Paris, (FR)", unit=\'c\'), get_time(zone="UTC", '
+                 'flag=True, opts={"k": [1, None]}, pair=(1, 2), raw=true)]', "",
+     [("get_weather", {"city": "Paris, (FR)", "unit": "c"}),
+      ("get_time", {"zone": "UTC", "flag": True, "opts": {"k": [1, None]}, "pair": [1, 2],
+                    "raw": True})]),
+    ("llama4_pythonic", '<|python_start|>[get_time(zone="it\'s \\"x\\"")]<|python_end|>',
+     "", [("get_time", {"zone": "it's \"x\""})]),
+    ("pythonic", "[1, 2] are numbers", "[1, 2] are numbers", []),
+    ("pythonic", "Call me [maybe](later)", "Call me [maybe](later)", []),
+    ("pythonic", "[get_time]", "[get_time]", []),
     ("qwen3_coder", "Ok.\n<tool_call>\n<function=get_time>\n<parameter=zone>\n"
                     "U</parameter>TC\n</parameter>\n<parameter=flag>\nTrue\n</parameter>\n"
                     "<parameter=opts>\n{'k': None}\n</parameter>\n</tool_call>", "Ok.",
@@ -219,7 +231,7 @@ TWO_CALLS = ONE_CALL + [ToolCall("get_time", '{"zone": "UTC"}')]
 @pytest.mark.parametrize("parallel", [False, True], ids=["single", "parallel"])
 @pytest.mark.parametrize("name", ["hermes", "llama3", "mistral", "deepseek_v3",
                                   "deepseek_v31", "glm45", "glm47", "minimax_m2",
-                                  "qwen3_coder"])
+                                  "qwen3_coder", "pythonic"])
 def test_forced_call_grammar_accepts_what_the_parser_reads(name: str, parallel: bool) -> None:
     parser = get_parser(name)
     ebnf = forced_call_ebnf(parser, [WEATHER, TIME], parallel)
@@ -234,7 +246,7 @@ def test_forced_call_grammar_accepts_what_the_parser_reads(name: str, parallel: 
                                           ("llama3", False), ("deepseek_v3", True),
                                           ("deepseek_v31", True), ("glm45", True),
                                           ("glm47", True), ("minimax_m2", True),
-                                          ("qwen3_coder", True)])
+                                          ("qwen3_coder", True), ("pythonic", True)])
 def test_forced_grammar_allows_several_calls_only_when_parallel(name: str,
                                                                 several: bool) -> None:
     """hermes (one <tool_call> block per call), mistral (one JSON array) and deepseek (one
@@ -249,7 +261,8 @@ def test_forced_grammar_allows_several_calls_only_when_parallel(name: str,
     between = text[:text.index("get_time") - len('{"name": "')]
     if name.startswith("deepseek"):  # the first call's end marker, the section's end missing
         between = text[:text.rindex("<｜tool▁call▁begin｜>")]
-    if name.startswith(("glm", "minimax", "qwen3")):  # the first call whole, the second's
+    if name.startswith(("glm", "minimax", "qwen3", "pythonic")):  # the first call whole,
+        # the second's
         # tag begun
         between = text[:text.rindex("get_time")]
     assert not _accepts(forced_call_ebnf(parser, [WEATHER, TIME], parallel=True), between)
@@ -337,3 +350,42 @@ def test_multi_turn_history_renders_through_the_template(smollm_tokenizer) -> No
         in prompt
     assert "<|im_start|>tool\n21 degrees<|im_end|>" in prompt
     assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_pythonic_forced_call_orders_required_arguments_first() -> None:
+    """Required keyword arguments always, then any optional ones, commas only between them,
+    values as JSON of their schema (JSON's true read as True); a tool without required
+    parameters may be called bare."""
+    book = {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": {"late": {"type": "boolean"},
+                                         "code": {"type": "string"},
+                                         "nights": {"type": "integer"}},
+        "required": ["code", "nights"]}}}
+    ping = {"type": "function", "function": {"name": "ping", "parameters": {
+        "type": "object", "properties": {"verbose": {"type": "boolean"},
+                                         "host": {"type": "string"}}}}}
+    parser = get_parser("pythonic")
+    ebnf = forced_call_ebnf(parser, [book, ping], parallel=True)
+    for text in ('[book(code="A1", nights=2)]', '[book(code="A1", nights=2, late=true)]',
+                 '[ping()]', '[ping(host="h")]', '[ping(verbose=false, host="h")]',
+                 '[ping(), book(code="B", nights=1)]'):
+        assert _accepts(ebnf, text), text
+    for text in ('[book(nights=2, code="A1")]', '[book(code="A1")]', '[ping(, host="h")]',
+                 '[book(code="A1", nights=2, )]', '[book(code=A1, nights=2)]'):
+        assert not _accepts(ebnf, text), text
+    _, calls = parser.parse('[book(code="A1", nights=2, late=true)]')
+    assert json.loads(calls[0].arguments) == {"code": "A1", "nights": 2, "late": True}
+    assert parser.format_calls(calls) == '[book(code="A1", nights=2, late=True)]'
+
+
+def test_pythonic_answer_becomes_the_chat_messages_tool_calls() -> None:
+    plan = plan_tools(_chat(tools=[WEATHER, TIME]), "llama4_pythonic", "")
+    message, called = tool_message(
+        plan, '<|python_start|>[get_weather(city="Oslo", unit="c"), get_time(zone="CET")]'
+              '<|python_end|>')
+    assert called and message["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in message["tool_calls"]] == [("get_weather", {"city": "Oslo", "unit": "c"}),
+                                                ("get_time", {"zone": "CET"})]
+    message, called = tool_message(plan, "It is sunny in Oslo.")
+    assert not called and message["content"] == "It is sunny in Oslo."

@@ -82,6 +82,13 @@ class ToolCallParser(ABC):
     grammar_between: str | None = None
 
     markers: tuple[str, ...] = ()  # all the format's tags, where it has more than `marker`
+    # key / value formats (`argument_pairs`): a string argument is written as bare text (GLM,
+    # MiniMax, Qwen3-Coder); False: as a quoted literal (pythonic calls)
+    text_values: bool = True
+    # key / value formats: text between two pairs (and none after the last) of a forced call,
+    # whose pairs then come required first (pythonic calls: ", "); None: `argument_pairs`'
+    # own literals after every pair
+    pair_separator: str | None = None
 
     @property
     def special_markers(self) -> tuple[str, ...]:

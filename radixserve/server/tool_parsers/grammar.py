@@ -64,8 +64,10 @@ def _call_grammar(parser: ToolCallParser, tools: list[dict[str, Any]]) -> Any:
     pairs = parser.argument_pairs()
     options = []
     for tool, (before, after) in zip(tools, literals):  # type: ignore[misc]
-        if pairs is not None:
-            arguments = _pairs_grammar(tool, pairs)
+        if pairs is not None and parser.pair_separator is not None:
+            arguments = _separated_pairs_grammar(tool, pairs[1], parser.pair_separator)
+        elif pairs is not None:
+            arguments = _pairs_grammar(tool, pairs, parser.text_values)
         else:
             arguments = xgrammar.Grammar.from_json_schema(
                 json.dumps(tool["function"].get("parameters") or _ANY_OBJECT),
@@ -75,17 +77,21 @@ def _call_grammar(parser: ToolCallParser, tools: list[dict[str, Any]]) -> Any:
     return options[0] if len(options) == 1 else xgrammar.Grammar.union(*options)
 
 
-def _pairs_grammar(tool: dict[str, Any], pairs: tuple[str, str, str]) -> Any:
+def _pairs_grammar(tool: dict[str, Any], pairs: tuple[str, str, str],
+                   text_values: bool = True) -> Any:
     """The key / value pairs of one call's arguments: one per property of the tool's
     parameters schema, in its order, the required ones always and the others optionally;
-    a schema without properties takes any keys with text values."""
+    a schema without properties takes any keys with text values (none where the format
+    writes no text values: pythonic calls)."""
     import xgrammar
 
     key_before, key_after, value_after = pairs
-    text_value = text_without(value_after.strip())
+    text_value = text_without(value_after.strip()) if text_values else None
     schema = tool["function"].get("parameters") or _ANY_OBJECT
     properties = schema.get("properties") or {}
     if not properties:
+        if text_value is None:
+            return _literal_grammar("")
         return xgrammar.Grammar.from_ebnf(
             f"root ::= ({_literal(key_before)} [^<]+ {_literal(key_after)} {text_value} "
             f"{_literal(value_after)})*")
@@ -98,6 +104,47 @@ def _pairs_grammar(tool: dict[str, Any], pairs: tuple[str, str, str]) -> Any:
         parts.append(pair if key in required else
                      xgrammar.Grammar.union(pair, _literal_grammar("")))
     return parts[0] if len(parts) == 1 else xgrammar.Grammar.concat(*parts)
+
+
+def _separated_pairs_grammar(tool: dict[str, Any], key_after: str, separator: str) -> Any:
+    """Keyword arguments `key<key_after><JSON value>` with `separator` between them (pythonic
+    calls): the required properties first, in the schema's order, then each optional one or
+    not; none for a schema without properties."""
+    import xgrammar
+
+    schema = tool["function"].get("parameters") or _ANY_OBJECT
+    properties = schema.get("properties") or {}
+    required = set(schema.get("required") or ())
+
+    def pair(key: str) -> Any:
+        value = properties[key]
+        return xgrammar.Grammar.concat(_literal_grammar(key + key_after), xgrammar.Grammar.
+                                       from_json_schema(json.dumps(
+                                           value if isinstance(value, dict) else _ANY_OBJECT),
+                                           **JSON_SCHEMA_OPTIONS))
+
+    def optional(*parts: Any) -> Any:
+        return xgrammar.Grammar.union(xgrammar.Grammar.concat(*parts) if len(parts) > 1
+                                      else parts[0], _literal_grammar(""))
+
+    firsts = [key for key in properties if key in required]
+    optionals = [key for key in properties if key not in required]
+    separated = [xgrammar.Grammar.concat(_literal_grammar(separator), pair(key))
+                 for key in optionals]
+    if firsts:
+        parts = [pair(firsts[0])]
+        parts += [xgrammar.Grammar.concat(_literal_grammar(separator), pair(key))
+                  for key in firsts[1:]]
+        parts += [optional(part) for part in separated]
+        return parts[0] if len(parts) == 1 else xgrammar.Grammar.concat(*parts)
+    if not optionals:
+        return _literal_grammar("")
+    # no required one: the first present optional one has no separator before it
+    choices = [_literal_grammar("")]
+    for i, key in enumerate(optionals):
+        rest = [optional(part) for part in separated[i + 1:]]
+        choices.append(xgrammar.Grammar.concat(pair(key), *rest) if rest else pair(key))
+    return xgrammar.Grammar.union(*choices)
 
 
 # a length-bounded string argument's text, counted in units: anything but "</" and a final
@@ -124,12 +171,13 @@ def _class_char(char: str) -> str:
     return "\\" + char if char in "\\]^-" else char
 
 
-def _value_grammar(schema: Any, text_value: str) -> Any:
-    """One argument's value: for a parameter written as text (glm.is_text_parameter) its text,
-    one of those listed where the schema lists them, else JSON of its schema."""
+def _value_grammar(schema: Any, text_value: str | None) -> Any:
+    """One argument's value: for a parameter written as text (glm.is_text_parameter, where the
+    format writes text values: `text_value` given) its text, one of those listed where the
+    schema lists them, else JSON of its schema."""
     import xgrammar
 
-    if is_text_parameter(schema):
+    if text_value is not None and is_text_parameter(schema):
         values = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
         if values:
             return xgrammar.Grammar.union(*(_literal_grammar(v) for v in values))

@@ -13,7 +13,9 @@ Qwen3-Coder's, Qwen3.5's and Nemotron-3's templates write `<function=` inside `<
 `<tool_call>`, so they are told apart from hermes' first): glm45 where a newline separates
 `</arg_key>` from `<arg_value>` (GLM-4.5 / 4.6), glm47 where nothing does (GLM-4.7).
 gpt-oss's (`<|channel|>`) is openai (tool_parsers/harmony.py, vLLM's name; also `harmony`).
-MiniMax-M2's (`<minimax:tool_call>`) is minimax_m2."""
+MiniMax-M2's (`<minimax:tool_call>`) is minimax_m2. Pythonic calls (Llama-3.2's and
+Llama-4's `[f(a=1)]`, tool_parsers/pythonic.py) are named by the flag only (`pythonic`, or
+vLLM's `llama4_pythonic`); vLLM's `llama3_json` / `llama4_json` name llama3's JSON calls."""
 from __future__ import annotations
 
 import re
@@ -28,11 +30,14 @@ from radixserve.server.tool_parsers.hermes import HermesParser
 from radixserve.server.tool_parsers.llama3 import Llama3JsonParser
 from radixserve.server.tool_parsers.minimax import BLOCK_BEGIN, MiniMaxM2Parser
 from radixserve.server.tool_parsers.mistral import MistralParser
+from radixserve.server.tool_parsers.pythonic import PythonicParser
 from radixserve.server.tool_parsers.qwen3_coder import FUNCTION_BEGIN, Qwen3CoderParser
 
 PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesParser, "qwen25": HermesParser, "qwen3": HermesParser,
-    "llama3": Llama3JsonParser, "mistral": MistralParser,
+    "llama3": Llama3JsonParser, "llama3_json": Llama3JsonParser,
+    "llama4_json": Llama3JsonParser, "mistral": MistralParser,
+    "pythonic": PythonicParser, "llama4_pythonic": PythonicParser,
     "deepseek_v3": DeepSeekV3Parser, "deepseekv3": DeepSeekV3Parser,
     "deepseek_v31": DeepSeekV31Parser, "deepseekv31": DeepSeekV31Parser,
     "glm45": Glm45Parser, "glm47": Glm47Parser,
