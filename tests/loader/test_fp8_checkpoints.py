@@ -207,3 +207,42 @@ def test_stacked_fp8_experts_match_their_dequantised_twin(tmp_path) -> None:
         (tmp_path / label / "config.json").write_text(json.dumps({**config, **extra}))
     for got, want in zip(_logits(tmp_path / "fp8"), _logits(tmp_path / "twin")):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_llama4_fp8_release_layout_matches_its_dequantised_twin(tmp_path) -> None:
+    """Llama-4's FP8 release (compressed-tensors, per-channel weights, dynamic per-token
+    activations): experts one by one (`feed_forward.experts.{e}.gate_proj.weight`, ...), the
+    router and the LM head unquantised; q and k's per-channel scales are permuted with their
+    rows at load (rope pairs to halves), so the logits are the dequantised twin's."""
+    make_checkpoint("llama4_scout", tmp_path / "base")
+    tensors = load_file(str(tmp_path / "base" / "model.safetensors"))
+    fp8, twin = {}, {}
+
+    def put(name: str, weight: torch.Tensor) -> None:
+        pieces, dequant = _quantize(weight.float(), "channel")
+        twin[name] = dequant.contiguous()
+        fp8.update({name[:-len("weight")] + suffix: piece.contiguous()
+                    for suffix, piece in pieces.items()})
+
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            prefix = name.rsplit(".", 1)[0]
+            for expert, matrix in enumerate(t.transpose(1, 2)):  # [2I, H] / [H, I]
+                if name.endswith("gate_up_proj"):
+                    gate, up = matrix.chunk(2)
+                    put(f"{prefix}.{expert}.gate_proj.weight", gate)
+                    put(f"{prefix}.{expert}.up_proj.weight", up)
+                else:
+                    put(f"{prefix}.{expert}.down_proj.weight", matrix)
+        elif name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEARS:
+            put(name, t)
+        else:
+            fp8[name] = twin[name] = t
+    config = json.loads((tmp_path / "base" / "config.json").read_text())
+    quant = {**_quant_config("channel"), "ignore": ["lm_head", "re:.*router"]}
+    for label, state, extra in (("fp8", fp8, {"quantization_config": quant}), ("twin", twin, {})):
+        (tmp_path / label).mkdir()
+        save_file(state, str(tmp_path / label / "model.safetensors"))
+        (tmp_path / label / "config.json").write_text(json.dumps({**config, **extra}))
+    for got, want in zip(_logits(tmp_path / "fp8"), _logits(tmp_path / "twin")):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
