@@ -216,6 +216,7 @@ class ProcessGroup:
             for child in wave:
                 if child.process.is_alive():
                     child.process.terminate()
+                    _continue(child.process.pid)
             deadline = time.monotonic() + timeout_s
             for child in wave:
                 child.process.join(timeout=max(deadline - time.monotonic(), 0.1))
@@ -224,3 +225,15 @@ class ProcessGroup:
                     child.process.kill()
                     child.process.join(timeout=5)
         self.port_args.cleanup()
+
+
+def _continue(pid: int | None) -> None:
+    """SIGCONT after SIGTERM, as shells do for stopped jobs: a child stopped by SIGSTOP (a
+    debugger, a test) acts on the SIGTERM only once continued, instead of waiting out the grace
+    period for SIGKILL."""
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -48,8 +48,7 @@ DECODE_LENS = [1, 15, 16, 17, 33, 64, 75]
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("chunk", [4, 16, 24])
-@pytest.mark.parametrize("num_kv_splits", [1, 4])
+@pytest.mark.parametrize("chunk,num_kv_splits", [(4, 4), (16, 1), (24, 4)])
 def test_decode_kernel_chunked(chunk: int, num_kv_splits: int) -> None:
     config_cls, decode, shapes, _, _ = _triton_kernels()
     dtype = torch.float32
@@ -96,8 +95,7 @@ def _run_extend(prefix_lens: list[int], extend_lens: list[int], chunk: int,
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("chunk", [4, 16, 40, 1000])  # 1000: longer than every context
-@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("chunk,block_m", [(4, 32), (16, 16), (40, 32), (1000, 16)])
 def test_extend_kernel_chunked(chunk: int, block_m: int) -> None:
     """Prefixes ending inside, at and past chunk boundaries; runs of new tokens within one
     chunk and across several (the blocks before a query's chunk skipped, the boundary block

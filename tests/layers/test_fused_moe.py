@@ -66,6 +66,8 @@ def test_alignment_sorts_pairs_by_expert_in_padded_blocks() -> None:
     (1, 4, 2, torch.float32), (5, 8, 2, torch.float32), (40, 6, 3, torch.float16)])
 def test_fused_experts_match_reference(num_tokens, num_experts, top_k, dtype,
                                        moe_path) -> None:
+    if moe_path == "gemv" and num_tokens > 16:  # the GEMVs serve decode's few tokens; 40
+        num_tokens = 12  # tokens' 120 pairs took 26 s in the interpreter
     x, w13, w2, weights, ids = _problem(num_tokens, num_experts, top_k, 32, 48, dtype)
     got = fused_experts(x, w13, w2, weights, ids).float()
     ref = fused_experts_reference(x, w13, w2, weights, ids)
