@@ -390,9 +390,15 @@ class RowParallelLinear(LinearBase):
         return out if self.bias is None else out + self.bias
 
 
+# the shard id of a checkpoint tensor holding every piece of a merged layer, stacked in the
+# layer's order (Phi-3's qkv_proj and gate_up_proj): the loaders split it into its pieces
+ALL_PIECES = "all_pieces"
+
+
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several checkpoint weights stacked along the output dim (gate|up): `shard_id` is the
-    index of the piece in `output_sizes` (full sizes, before the rank split)."""
+    index of the piece in `output_sizes` (full sizes, before the rank split), or ALL_PIECES
+    for one tensor holding them all."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  tp_rank: int | None = None, tp_size: int | None = None) -> None:
@@ -400,6 +406,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
 
     def full_rows(self, shard_id: object = None) -> int:
+        if shard_id == ALL_PIECES:
+            return sum(self.output_sizes)
         return self.output_sizes[shard_id]  # type: ignore[index]
 
     def _piece(self, shard_id: int) -> tuple[int, int]:
@@ -408,7 +416,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return offset, self.output_sizes[shard_id] // self.tp_size
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: object = None) -> None:
+                      shard_id: object = None) -> set[object] | None:
+        if shard_id == ALL_PIECES:
+            return _load_pieces(self, param, loaded,
+                                dict(enumerate(self.output_sizes)))  # type: ignore[arg-type]
         if shard_id is None:  # a checkpoint that stores the pieces merged already
             raise ValueError("merged layers load their pieces one by one (give a shard_id)")
         offset, size = self._piece(shard_id)  # type: ignore[arg-type]
@@ -447,6 +458,8 @@ class QKVParallelLinear(ColumnParallelLinear):
                             tp_rank, tp_size)
 
     def full_rows(self, shard_id: object = None) -> int:
+        if shard_id == ALL_PIECES:
+            return self.full_rows("q") + 2 * self.full_rows("k")
         if shard_id == "q":
             return self.num_heads * self.tp_size * self.q_rows_per_head
         return self.total_num_kv_heads * self.head_dim
@@ -467,7 +480,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         return (self.tp_rank // self.kv_head_replicas) * self.num_kv_heads
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: object = None) -> None:
+                      shard_id: object = None) -> set[object] | None:
+        if shard_id == ALL_PIECES:
+            return _load_pieces(self, param, loaded, {piece: self.full_rows(piece)
+                                                      for piece in ("q", "k", "v")})
         head_rows = self.q_rows_per_head if shard_id == "q" else self.head_dim
         if shard_id == "q":
             offset, size = 0, self.q_size
@@ -483,3 +499,18 @@ class QKVParallelLinear(ColumnParallelLinear):
                              f"{total_heads} heads x {head_rows}")
         rows = loaded.narrow(0, head_index * head_rows, size)
         default_weight_loader(param.data.narrow(0, offset, size), rows)  # type: ignore[arg-type]
+
+
+def _load_pieces(layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor,
+                 rows: dict[object, int]) -> set[object]:
+    """A tensor holding every piece of a merged layer (ALL_PIECES), stacked in `rows`' order
+    (piece -> its full rows), loaded piece by piece through the layer's own loader; the pieces
+    it covered, for the loader's check."""
+    if loaded.shape[0] != sum(rows.values()):
+        raise ValueError(f"merged pieces of {loaded.shape[0]} rows, expected "
+                         f"{sum(rows.values())}")
+    start = 0
+    for piece, size in rows.items():
+        layer.weight_loader(param, loaded.narrow(0, start, size), piece)
+        start += size
+    return set(rows)

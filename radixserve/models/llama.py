@@ -1,4 +1,5 @@
-"""The Llama family: Llama 2/3/3.1, Mistral (sliding window), Qwen2 (q/k/v bias), SmolLM; and
+"""The Llama family: Llama 2/3/3.1, Mistral (sliding window), Qwen2 (q/k/v bias), SmolLM, Phi-3 /
+Phi-4 (merged checkpoint tensors); and
 Mistral Small 3.1 / 3.2's multimodal checkpoints (Mistral3ForConditionalGeneration): a Pixtral
 vision tower (models/pixtral_vision.py) and Mistral3's projector (models/mistral3_projector.py)
 beside a Mistral language model (`text_config`, ModelConfig.hf) built as Llama's.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from radixserve.core.model_config import ModelConfig
+from radixserve.layers.linear import ALL_PIECES
 from radixserve.models.blocks import CausalLM, DecoderLayer, DecoderModel
 from radixserve.models.image_features import FLAT_TOWER_PREFIXES, ReadsImages
 from radixserve.models.mistral3_projector import Mistral3Projector
@@ -29,6 +31,19 @@ from radixserve.models.vision_towers import hidden_state_indices
 class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, DecoderModel(config, DecoderLayer))
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3, Phi-3.5-mini and Phi-4: Llama's layer, its checkpoints storing q|k|v
+    (`self_attn.qkv_proj`) and gate|up (`mlp.gate_up_proj`) as one tensor each, loaded piece
+    by piece (linear.ALL_PIECES; FP8 scales alike). Windows as the config names them
+    (Phi-3-mini's 2047); the long-context releases' `longrope` scaling is refused by the
+    config check."""
+
+    def weight_target(self, name: str) -> tuple[str, object] | None:
+        if name.rsplit(".", 2)[-2] in ("qkv_proj", "gate_up_proj"):
+            return name, ALL_PIECES
+        return None
 
 
 class Mistral3ForConditionalGeneration(ReadsImages, LlamaForCausalLM):
@@ -72,4 +87,4 @@ class Mistral3ForConditionalGeneration(ReadsImages, LlamaForCausalLM):
         return self.multi_modal_projector(patches, height // patch, width // patch)
 
 
-EntryClass = [LlamaForCausalLM, Mistral3ForConditionalGeneration]
+EntryClass = [LlamaForCausalLM, Phi3ForCausalLM, Mistral3ForConditionalGeneration]

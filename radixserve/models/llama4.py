@@ -62,10 +62,10 @@ class RopePairsQKV(QKVParallelLinear):
     `pairs_to_halves`."""
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: object = None) -> None:
+                      shard_id: object = None) -> set[object] | None:
         if shard_id in ("q", "k"):
             loaded = pairs_to_halves(loaded, self.head_dim)
-        super().weight_loader(param, loaded, shard_id)
+        return super().weight_loader(param, loaded, shard_id)
 
 
 class UnitRMSNorm(RMSNorm):

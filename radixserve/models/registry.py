@@ -16,6 +16,7 @@ from radixserve.mem.kv_pool import KVCacheSpec, spec_bytes_per_token
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Phi3ForCausalLM": ("llama", "Phi3ForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "Llama4ForConditionalGeneration": ("llama4", "Llama4ForConditionalGeneration"),
     "Mistral3ForConditionalGeneration": ("llama", "Mistral3ForConditionalGeneration"),

@@ -78,7 +78,11 @@ def _run(folder: str, tp_size: int, prompts: list[list[int]], **engine_args: obj
                                   "granite_hybrid_moe",
                                   pytest.param("nemotron_h_moe", marks=pytest.mark.slow),
                                   "nemotron_h_latent_moe", "falcon_h1",
-                                  pytest.param("falcon_h1_expand", marks=pytest.mark.slow)])
+                                  pytest.param("falcon_h1_expand", marks=pytest.mark.slow),
+                                  # merged q|k|v and gate|up split by piece, then by rank
+                                  pytest.param("phi3_merged_window", marks=pytest.mark.slow),
+                                  # rope pairs permuted per head, then heads split
+                                  pytest.param("llama4_maverick", marks=pytest.mark.slow)])
 def test_tp2_matches_tp1_and_transformers(name: str, tmp_path) -> None:
     hf_model = make_checkpoint(name, tmp_path)
     prompts = _prompts(hf_model.config.vocab_size)

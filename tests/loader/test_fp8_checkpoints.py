@@ -21,6 +21,7 @@ from tests.models.runner_driver import RunnerDriver
 from tests.models.tiny_checkpoints import make_checkpoint
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "qkv_proj", "gate_up_proj",  # stored merged (Phi-3)
            "w1", "w2", "w3", "kv_a_proj_with_mqa", "kv_b_proj",  # Mixtral experts, MLA
            "q_a_proj", "q_b_proj",  # MLA with q compression (DeepSeek-V3's FP8 release)
            # Gated DeltaNet: Qwen3-Next's grouped projections, Qwen3.5's separate ones
@@ -121,7 +122,9 @@ def _logits(folder: Path, **kwargs: object) -> list[torch.Tensor]:
                                        ("block", "minimax_m2_qk_norm"),
                                        ("block", "qwen3_next_hybrid"),
                                        ("channel", "qwen3_next_hybrid"),
-                                       ("block", "qwen3_5_dense")])
+                                       ("block", "qwen3_5_dense"),
+                                       ("block", "phi3_merged_window"),
+                                       ("channel", "phi3_merged_window")])
 def test_fp8_checkpoint_matches_its_dequantised_twin(fmt: str, model: str, tmp_path) -> None:
     fp8_folder, twin_folder = _write_pair(tmp_path, fmt, model)
     for got, want in zip(_logits(fp8_folder), _logits(twin_folder)):

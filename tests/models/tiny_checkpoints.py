@@ -48,6 +48,11 @@ CONFIGS = {
     "mixtral_moe": (transformers.MixtralConfig, dict(
         BASE, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
         tie_word_embeddings=False)),
+    # Phi-3 / Phi-4: Llama's layer, q|k|v and gate|up each stored as one tensor, a window
+    # (as Phi-3-mini's 2047) shorter than the longer prompts
+    "phi3_merged_window": (transformers.Phi3Config, dict(
+        BASE, num_key_value_heads=2, sliding_window=48, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Llama-4 Scout's layout: every layer MoE (top-1 of 4 by a sigmoid router whose weight
     # scales the expert's input, plus a shared expert), rope over adjacent pairs with llama3
     # scaling, q/k L2 norms and chunks of 8 positions on rope layers; the fourth layer NoPE

@@ -50,7 +50,7 @@ def add_fp8_params(layer: "LinearBase", config: Fp8Config) -> None:
 
 
 def load_scale(layer: "LinearBase", param: nn.Parameter, loaded: torch.Tensor,
-               shard_id: object = None) -> None:
+               shard_id: object = None) -> object:
     """Expand a checkpoint scale to the rows of its piece (and a block scale's columns to this
     rank's groups), then place its rows as the weights' are."""
     assert layer.fp8 is not None
@@ -60,7 +60,7 @@ def load_scale(layer: "LinearBase", param: nn.Parameter, loaded: torch.Tensor,
         k_offset = layer.tp_rank * layer.input_size if layer.input_is_split else 0
         expanded = rank_block_columns(expanded, block, layer.group_k, k_offset,
                                       layer.input_size)
-    layer.weight_loader(param, expanded.contiguous(), shard_id)
+    return layer.weight_loader(param, expanded.contiguous(), shard_id)
 
 
 def load_input_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
