@@ -32,40 +32,18 @@ from torch import nn
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.core.model_config import ModelConfig
 from radixserve.distributed.parallel_state import get_tp_group
-from radixserve.layers.linear import QKVParallelLinear, ReplicatedLinear
+from radixserve.layers.linear import ReplicatedLinear
 from radixserve.layers.moe.experts import FusedMoE, expert_weight_target
 from radixserve.layers.moe.router import RoutingConfig, TopK, select_experts
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.quantization.int4 import current_int4_config
+from radixserve.layers.rope_pairs import RopePairsQKV
 from radixserve.layers.rotary import RotaryEmbedding
 from radixserve.models.blocks import (CausalLM, DecoderAttention, DecoderLayer, DecoderModel,
                                       dense_mlp, renamed_target)
 from radixserve.models.multimodal_text import LanguageModelOfMultimodal
 
 RENAMES = ((".feed_forward.", ".mlp."),)
-
-
-def pairs_to_halves(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Each head's rows (dim 0) reordered from pairs (2i, 2i + 1) to halves (i, i + D/2):
-    rows 0, 2, 4, ..., then 1, 3, 5, ... of every head_dim-row head."""
-    order = torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
-    heads = rows.shape[0] // head_dim
-    index = (order[None, :] + head_dim * torch.arange(heads)[:, None]).reshape(-1)
-    data = rows.view(torch.uint8) if rows.element_size() == 1 else rows  # FP8 codes
-    moved = data.index_select(0, index.to(rows.device))
-    return moved.view(rows.dtype) if rows.element_size() == 1 else moved
-
-
-class RopePairsQKV(QKVParallelLinear):
-    """q|k|v of a checkpoint whose rope rotates adjacent pairs: q's and k's rows (weights, a
-    bias, FP8 scales expanded to rows, LoRA B) reach the usual loader permuted per head by
-    `pairs_to_halves`."""
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: object = None) -> set[object] | None:
-        if shard_id in ("q", "k"):
-            loaded = pairs_to_halves(loaded, self.head_dim)
-        return super().weight_loader(param, loaded, shard_id)
 
 
 class UnitRMSNorm(RMSNorm):

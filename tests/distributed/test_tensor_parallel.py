@@ -82,7 +82,9 @@ def _run(folder: str, tp_size: int, prompts: list[list[int]], **engine_args: obj
                                   # merged q|k|v and gate|up split by piece, then by rank
                                   pytest.param("phi3_merged_window", marks=pytest.mark.slow),
                                   # rope pairs permuted per head, then heads split
-                                  pytest.param("llama4_maverick", marks=pytest.mark.slow)])
+                                  pytest.param("llama4_maverick", marks=pytest.mark.slow),
+                                  # per-head q / k norms cut to each rank's heads
+                                  pytest.param("cohere_qk_norm", marks=pytest.mark.slow)])
 def test_tp2_matches_tp1_and_transformers(name: str, tmp_path) -> None:
     hf_model = make_checkpoint(name, tmp_path)
     prompts = _prompts(hf_model.config.vocab_size)

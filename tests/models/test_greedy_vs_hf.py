@@ -34,7 +34,9 @@ def hf_greedy(hf_model, ids: list[int], new_tokens: int) -> list[int]:
                                   "deepseek_v3_noaux", "glm4_moe_partial_rope",
                                   "glm4_moe_lite_mla", "gpt_oss_sinks_window",
                                   "mistral4_mla_halves", "olmo2_post_norm",
-                                  "olmo3_window", "minimax_m2_qk_norm"])
+                                  "olmo3_window", "minimax_m2_qk_norm",
+                                  pytest.param("cohere2_window", marks=pytest.mark.slow),
+                                  pytest.param("phi3_merged_window", marks=pytest.mark.slow)])
 def test_greedy_outputs_equal_transformers(name: str, tmp_path) -> None:
     hf_model = make_checkpoint(name, tmp_path)
     gen = torch.Generator().manual_seed(7)

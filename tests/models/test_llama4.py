@@ -15,7 +15,7 @@ import radixserve
 from radixserve.core.model_config import ModelConfig
 from radixserve.layers.quantization.fp8 import FP8_DTYPE
 from radixserve.loader.model_source import load_model_source
-from radixserve.models.llama4 import pairs_to_halves
+from radixserve.layers.rope_pairs import pairs_to_halves
 from tests.models.test_greedy_vs_hf import hf_greedy
 from tests.models.tiny_checkpoints import make_checkpoint
 

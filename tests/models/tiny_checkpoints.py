@@ -53,6 +53,17 @@ CONFIGS = {
     "phi3_merged_window": (transformers.Phi3Config, dict(
         BASE, num_key_value_heads=2, sliding_window=48, tie_word_embeddings=False,
         pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Command-R+ (CohereForCausalLM): parallel attention and MLP behind one LayerNorm, rope
+    # over adjacent pairs after per-head q / k LayerNorms, scaled logits, a tied head
+    "cohere_qk_norm": (transformers.CohereConfig, dict(
+        BASE, num_key_value_heads=2, use_qk_norm=True, logit_scale=0.5, layer_norm_eps=1e-5,
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Command-R7B / Command-A (Cohere2ForCausalLM): windows of 24 with rope on three layers
+    # of four, the fourth over the whole context without rope
+    "cohere2_window": (transformers.Cohere2Config, dict(
+        BASE, num_hidden_layers=4, num_key_value_heads=2, sliding_window=24,
+        logit_scale=0.25, layer_norm_eps=1e-5, tie_word_embeddings=True, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)),
     # Llama-4 Scout's layout: every layer MoE (top-1 of 4 by a sigmoid router whose weight
     # scales the expert's input, plus a shared expert), rope over adjacent pairs with llama3
     # scaling, q/k L2 norms and chunks of 8 positions on rope layers; the fourth layer NoPE
