@@ -18,11 +18,12 @@ from torch import nn
 
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.core.model_config import ModelConfig
+from radixserve.layers.linear import ALL_PIECES
 from radixserve.layers.mamba2_mixer import Mamba2Mixer
 from radixserve.layers.moe.experts import expert_weight_target
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.rotary import RotaryEmbedding
-from radixserve.models.blocks import (CausalLM, DecoderAttention, DecoderModel, GatedMLP,
+from radixserve.models.blocks import (CausalLM, DecoderAttention, DecoderModel,
                                       KVForAttentionLayers, PreNormMixerLayer, dense_mlp,
                                       hybrid_layer_types, index_among_type, renamed_target)
 from radixserve.models.moe_blocks import SparseMoeBlock
@@ -33,26 +34,24 @@ _RENAMES = ((".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj
             (".block_sparse_moe.router.layer.", ".mlp.gate."),
             (".shared_mlp.output_linear.", ".shared_mlp.down_proj."),
             (".shared_mlp.input_linear.", ".shared_mlp.gate_up_proj."))
-_BOTH = "gate|up"  # the shard id of a gate|up tensor holding both pieces
 # Bamba's (and Falcon-H1's) MLP and its norm
 BAMBA_RENAMES = ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."))
 
 
-def _merged_gate_up(mlp: GatedMLP) -> GatedMLP:
-    """gate|up arriving as one tensor (gate rows, then up rows) loads as its two pieces."""
-    linear = mlp.gate_up_proj
-    piecewise = linear.weight_loader
-
-    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
-             ) -> set[int] | None:
-        if shard_id != _BOTH:
-            return piecewise(param, loaded, shard_id)
-        for piece, part in enumerate(loaded.chunk(2, dim=0)):
-            piecewise(param, part, piece)
-        return {0, 1}
-
-    linear.weight.weight_loader = load  # type: ignore[attr-defined]
-    return mlp
+def granite_weight_target(name: str, shared_in_block: bool) -> tuple[str, object] | None:
+    """Granite's checkpoint names of experts and the shared MLP (`_RENAMES`) -> ours: the
+    shared MLP inside the MoE block (`shared_in_block`, where the model has experts) or the
+    layer's whole MLP; its gate|up stored merged loads as both pieces (linear.ALL_PIECES);
+    None for names Granite shares with Llama."""
+    for old, new in _RENAMES:
+        if old in name:
+            name = name.replace(old, new)
+            name = name.replace(".shared_mlp.", ".mlp.shared_mlp." if shared_in_block
+                                else ".mlp.")
+            if name.endswith(".gate_up_proj.weight"):
+                return name, ALL_PIECES
+            return expert_weight_target(name) or (name, None)
+    return None
 
 
 class GraniteHybridLayer(PreNormMixerLayer):
@@ -77,9 +76,8 @@ class GraniteHybridLayer(PreNormMixerLayer):
         if getattr(hf, "num_local_experts", 0):  # the shared MLP in the block, reduced once
             self.mlp: nn.Module = SparseMoeBlock(config, config.intermediate_size, shared,
                                                  shared_name="shared_mlp")
-            _merged_gate_up(self.mlp.shared_mlp)
         elif shared is not None:
-            self.mlp = _merged_gate_up(dense_mlp(config, shared))
+            self.mlp = dense_mlp(config, shared)
         else:  # Bamba: gate and up stored apart
             self.mlp = dense_mlp(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -110,16 +108,7 @@ class GraniteMoeHybridForCausalLM(KVForAttentionLayers, CausalLM):
         return getattr(config.hf, "position_embedding_type", None) == "rope"
 
     def weight_target(self, name: str) -> tuple[str, object] | None:
-        for old, new in _RENAMES:
-            if old in name:
-                name = name.replace(old, new)
-                # the shared MLP: inside the MoE block, or the layer's whole MLP
-                name = name.replace(".shared_mlp.", ".mlp.shared_mlp."
-                                    if self.config.hf.num_local_experts else ".mlp.")
-                if name.endswith(".gate_up_proj.weight"):
-                    return name, _BOTH
-                return expert_weight_target(name) or (name, None)
-        return None
+        return granite_weight_target(name, bool(self.config.hf.num_local_experts))
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         # logits / logits_scaling, through the LM head

@@ -26,7 +26,8 @@ def routing_config(config: ModelConfig) -> RoutingConfig:
     """Each family's routing from its HF config fields."""
     hf = config.hf
     arch = config.architecture
-    if arch in ("MixtralForCausalLM", "GraniteMoeHybridForCausalLM"):  # top-k softmax
+    if arch in ("MixtralForCausalLM", "GraniteMoeHybridForCausalLM", "GraniteMoeForCausalLM",
+                "GraniteMoeSharedForCausalLM"):  # top-k softmax
         return RoutingConfig(hf.num_local_experts, hf.num_experts_per_tok, renormalize=True)
     if arch == "MiniMaxM2ForCausalLM":  # sigmoid + correction bias, renormalised, no groups
         scoring = getattr(hf, "scoring_func", None) or "sigmoid"

@@ -84,7 +84,8 @@ def _run(folder: str, tp_size: int, prompts: list[list[int]], **engine_args: obj
                                   # rope pairs permuted per head, then heads split
                                   pytest.param("llama4_maverick", marks=pytest.mark.slow),
                                   # per-head q / k norms cut to each rank's heads
-                                  pytest.param("cohere_qk_norm", marks=pytest.mark.slow)])
+                                  pytest.param("cohere_qk_norm", marks=pytest.mark.slow),
+                                  pytest.param("granitemoe_shared", marks=pytest.mark.slow)])
 def test_tp2_matches_tp1_and_transformers(name: str, tmp_path) -> None:
     hf_model = make_checkpoint(name, tmp_path)
     prompts = _prompts(hf_model.config.vocab_size)

@@ -64,6 +64,18 @@ CONFIGS = {
         BASE, num_hidden_layers=4, num_key_value_heads=2, sliding_window=24,
         logit_scale=0.25, layer_norm_eps=1e-5, tie_word_embeddings=True, pad_token_id=0,
         bos_token_id=1, eos_token_id=2)),
+    # Granite 3.x dense: Llama's layer with the embedding, attention, residual and logit
+    # multipliers (values far from 1, so each one matters)
+    "granite_multipliers": (transformers.GraniteConfig, dict(
+        BASE, num_key_value_heads=2, embedding_multiplier=6.0, attention_multiplier=0.05,
+        residual_multiplier=0.4, logits_scaling=4.0, tie_word_embeddings=True)),
+    # Granite 3.x MoE with a shared MLP (GraniteMoeSharedForCausalLM): top-2 of 4 experts
+    # stacked as input_linear / output_linear, the shared gate|up merged, the multipliers
+    "granitemoe_shared": (transformers.GraniteMoeSharedConfig, dict(
+        BASE, num_key_value_heads=2, intermediate_size=32, num_local_experts=4,
+        num_experts_per_tok=2, shared_intermediate_size=48, embedding_multiplier=6.0,
+        attention_multiplier=0.05, residual_multiplier=0.4, logits_scaling=4.0,
+        tie_word_embeddings=False)),
     # Llama-4 Scout's layout: every layer MoE (top-1 of 4 by a sigmoid router whose weight
     # scales the expert's input, plus a shared expert), rope over adjacent pairs with llama3
     # scaling, q/k L2 norms and chunks of 8 positions on rope layers; the fourth layer NoPE
