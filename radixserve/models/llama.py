@@ -1,5 +1,5 @@
 """The Llama family: Llama 2/3/3.1, Mistral (sliding window), Qwen2 (q/k/v bias), SmolLM, Phi-3 /
-Phi-4 (merged checkpoint tensors); and
+Phi-4 (merged checkpoint tensors), SmolLM3 (NoPE layers); and
 Mistral Small 3.1 / 3.2's multimodal checkpoints (Mistral3ForConditionalGeneration): a Pixtral
 vision tower (models/pixtral_vision.py) and Mistral3's projector (models/mistral3_projector.py)
 beside a Mistral language model (`text_config`, ModelConfig.hf) built as Llama's.
@@ -17,11 +17,14 @@ images). Ministral 3's checkpoints share the architecture with another language 
 decoder) take deepseek_v2's class (registry.model_class), served text-only."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from radixserve.core.model_config import ModelConfig
 from radixserve.layers.linear import ALL_PIECES
-from radixserve.models.blocks import CausalLM, DecoderLayer, DecoderModel
+from radixserve.layers.rotary import RotaryEmbedding
+from radixserve.models.blocks import CausalLM, DecoderAttention, DecoderLayer, DecoderModel
 from radixserve.models.image_features import FLAT_TOWER_PREFIXES, ReadsImages
 from radixserve.models.mistral3_projector import Mistral3Projector
 from radixserve.models.pixtral_vision import PixtralVisionTower
@@ -31,6 +34,21 @@ from radixserve.models.vision_towers import hidden_state_indices
 class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, DecoderModel(config, DecoderLayer))
+
+
+def _smollm3_attention(config: ModelConfig, layer_id: int,
+                       rotary: RotaryEmbedding) -> DecoderAttention:
+    """SmolLM3: `no_rope_layers[i]` is 1 where layer i uses rope (every fourth does not)."""
+    uses_rope = bool(config.hf.no_rope_layers[layer_id])
+    return DecoderAttention(config, layer_id, rotary if uses_rope else None)
+
+
+class SmolLM3ForCausalLM(CausalLM):
+    """SmolLM3: Llama's layer, without positional encoding on every fourth layer (NoPE)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config, DecoderModel(config, functools.partial(
+            DecoderLayer, make_attention=_smollm3_attention)))
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -87,4 +105,5 @@ class Mistral3ForConditionalGeneration(ReadsImages, LlamaForCausalLM):
         return self.multi_modal_projector(patches, height // patch, width // patch)
 
 
-EntryClass = [LlamaForCausalLM, Phi3ForCausalLM, Mistral3ForConditionalGeneration]
+EntryClass = [LlamaForCausalLM, SmolLM3ForCausalLM, Phi3ForCausalLM,
+              Mistral3ForConditionalGeneration]

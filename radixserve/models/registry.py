@@ -17,6 +17,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Phi3ForCausalLM": ("llama", "Phi3ForCausalLM"),
+    "SmolLM3ForCausalLM": ("llama", "SmolLM3ForCausalLM"),
     "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "GraniteMoeForCausalLM": ("granite", "GraniteMoeForCausalLM"),

@@ -64,6 +64,10 @@ CONFIGS = {
         BASE, num_hidden_layers=4, num_key_value_heads=2, sliding_window=24,
         logit_scale=0.25, layer_norm_eps=1e-5, tie_word_embeddings=True, pad_token_id=0,
         bos_token_id=1, eos_token_id=2)),
+    # SmolLM3: Llama's layer, no rope on every fourth layer, tied
+    "smollm3_nope": (transformers.SmolLM3Config, dict(
+        BASE, num_hidden_layers=4, num_key_value_heads=2, tie_word_embeddings=True,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Granite 3.x dense: Llama's layer with the embedding, attention, residual and logit
     # multipliers (values far from 1, so each one matters)
     "granite_multipliers": (transformers.GraniteConfig, dict(
