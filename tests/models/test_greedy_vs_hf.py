@@ -36,7 +36,11 @@ def hf_greedy(hf_model, ids: list[int], new_tokens: int) -> list[int]:
                                   "mistral4_mla_halves", "olmo2_post_norm",
                                   "olmo3_window", "minimax_m2_qk_norm",
                                   pytest.param("cohere2_window", marks=pytest.mark.slow),
-                                  pytest.param("phi3_merged_window", marks=pytest.mark.slow)])
+                                  pytest.param("phi3_merged_window", marks=pytest.mark.slow),
+                                  pytest.param("cohere_qk_norm", marks=pytest.mark.slow),
+                                  pytest.param("granite_multipliers", marks=pytest.mark.slow),
+                                  pytest.param("granitemoe_shared", marks=pytest.mark.slow),
+                                  pytest.param("smollm3_nope", marks=pytest.mark.slow)])
 def test_greedy_outputs_equal_transformers(name: str, tmp_path) -> None:
     hf_model = make_checkpoint(name, tmp_path)
     gen = torch.Generator().manual_seed(7)
