@@ -95,7 +95,7 @@ def _run_extend(prefix_lens: list[int], extend_lens: list[int], chunk: int,
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("chunk,block_m", [(4, 32), (16, 16), (40, 32), (1000, 16)])
+@pytest.mark.parametrize("chunk,block_m", [(4, 32), (16, 16), (40, 32), (1000, 32)])
 def test_extend_kernel_chunked(chunk: int, block_m: int) -> None:
     """Prefixes ending inside, at and past chunk boundaries; runs of new tokens within one
     chunk and across several (the blocks before a query's chunk skipped, the boundary block
