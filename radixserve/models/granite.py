@@ -17,8 +17,10 @@ from torch import nn
 
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.core.model_config import ModelConfig
+from radixserve.layers.norm import RMSNorm
 from radixserve.layers.rotary import RotaryEmbedding
-from radixserve.models.blocks import CausalLM, DecoderAttention, DecoderLayer, DecoderModel
+from radixserve.models.blocks import (CausalLM, DecoderAttention, DecoderModel, MLPFactory,
+                                      PreNormMixerLayer, dense_mlp)
 from radixserve.models.granite_hybrid import granite_weight_target
 from radixserve.models.moe_blocks import SparseMoeBlock
 
@@ -34,30 +36,22 @@ def _experts(config: ModelConfig, _layer_id: int) -> nn.Module:
                           shared_name="shared_mlp")
 
 
-class GraniteLayer(DecoderLayer):
-    """DecoderLayer with both outputs scaled by the residual multiplier before their adds.
-    The fused decode rows add residuals in the products' epilogues, unscaled: this layer
-    keeps to the unfused path."""
+class GraniteLayer(PreNormMixerLayer):
+    """Llama's pre-norm layer whose attention and MLP outputs are scaled by the residual
+    multiplier before their adds (PreNormMixerLayer's `multiplier`, as Granite-4.0-H's)."""
 
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
-                 make_mlp: "object | None" = None) -> None:
-        super().__init__(config, layer_id, rotary, make_mlp=make_mlp,  # type: ignore[arg-type]
-                         make_attention=_attention)
+                 make_mlp: "MLPFactory | None" = None) -> None:
+        super().__init__()
         self.multiplier = float(config.hf.residual_multiplier)
+        self.self_attn = _attention(config, layer_id, rotary)
+        self.mlp = make_mlp(config, layer_id) if make_mlp else dense_mlp(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def _dense_swiglu(self) -> bool:
-        return False
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None, forward_batch: ForwardBatch
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, forward_batch) * self.multiplier
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden) * self.multiplier, residual
+    def mix(self, positions: torch.Tensor, normed: torch.Tensor,
+            forward_batch: ForwardBatch) -> torch.Tensor:
+        return self.self_attn(positions, normed, forward_batch)
 
 
 class GraniteForCausalLM(CausalLM):
