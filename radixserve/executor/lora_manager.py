@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from radixserve.core.forward_batch import ModelWorkerBatch
-from radixserve.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+from radixserve.layers.linear import LinearBase
+from radixserve.layers.merged_linear import MergedColumnParallelLinear, QKVParallelLinear
 from radixserve.layers.lora import LoRABatch, attach_lora, clear_lora_slot, load_lora_piece
 from radixserve.loader.checkpoint_error import CheckpointError
 from radixserve.loader.lora_adapter import LoRAAdapter, read_lora_adapter

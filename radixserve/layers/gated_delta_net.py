@@ -23,8 +23,9 @@ from torch import nn
 
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.layers.gated_delta_rule import chunked, conv_step, prepare_qk, recurrent_step
-from radixserve.layers.linear import (MergedColumnParallelLinear, RowParallelLinear,
-                                      _rank_and_size, _shard, default_weight_loader)
+from radixserve.layers.linear import (RowParallelLinear, _rank_and_size, _shard,
+                                      default_weight_loader)
+from radixserve.layers.merged_linear import MergedColumnParallelLinear
 from radixserve.layers.recurrent_mixer import (TRITON_ON, PiecewiseConv, RankPieces,
                                               RecurrentMixer, extend_kernels)
 from radixserve.mem.recurrent_state_pool import RecurrentStateSpec

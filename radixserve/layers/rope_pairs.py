@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixserve.layers.linear import QKVParallelLinear
+from radixserve.layers.merged_linear import QKVParallelLinear
 
 
 def pair_order(head_dim: int) -> torch.Tensor:

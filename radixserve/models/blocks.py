@@ -25,9 +25,9 @@ from radixserve.core.forward_batch import ForwardBatch
 from radixserve.layers.activation import SiluAndMul, gated_activation
 from radixserve.distributed.parallel_state import get_tp_group
 from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from radixserve.layers.linear import (MAX_FUSED_ROWS, MergedColumnParallelLinear,
-                                      QKVParallelLinear, RowParallelLinear)
+from radixserve.layers.linear import MAX_FUSED_ROWS, RowParallelLinear
 from radixserve.layers.logits import LogitsOutput, compute_logits, pooled_last_token
+from radixserve.layers.merged_linear import MergedColumnParallelLinear, QKVParallelLinear
 from radixserve.layers.norm import RMSNorm
 from radixserve.layers.quantization.fp8 import Fp8Rows
 from radixserve.layers.radix_attention import RadixAttention

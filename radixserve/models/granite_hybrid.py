@@ -18,7 +18,7 @@ from torch import nn
 
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.core.model_config import ModelConfig
-from radixserve.layers.linear import ALL_PIECES
+from radixserve.layers.merged_linear import ALL_PIECES
 from radixserve.layers.mamba2_mixer import Mamba2Mixer
 from radixserve.layers.moe.experts import expert_weight_target
 from radixserve.layers.norm import RMSNorm
@@ -41,7 +41,7 @@ BAMBA_RENAMES = ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_atte
 def granite_weight_target(name: str, shared_in_block: bool) -> tuple[str, object] | None:
     """Granite's checkpoint names of experts and the shared MLP (`_RENAMES`) -> ours: the
     shared MLP inside the MoE block (`shared_in_block`, where the model has experts) or the
-    layer's whole MLP; its gate|up stored merged loads as both pieces (linear.ALL_PIECES);
+    layer's whole MLP; its gate|up stored merged loads as both pieces (merged_linear.ALL_PIECES);
     None for names Granite shares with Llama."""
     for old, new in _RENAMES:
         if old in name:

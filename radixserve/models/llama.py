@@ -22,7 +22,7 @@ import functools
 import torch
 
 from radixserve.core.model_config import ModelConfig
-from radixserve.layers.linear import ALL_PIECES
+from radixserve.layers.merged_linear import ALL_PIECES
 from radixserve.layers.rotary import RotaryEmbedding
 from radixserve.models.blocks import CausalLM, DecoderAttention, DecoderLayer, DecoderModel
 from radixserve.models.image_features import FLAT_TOWER_PREFIXES, ReadsImages
@@ -54,7 +54,7 @@ class SmolLM3ForCausalLM(CausalLM):
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3, Phi-3.5-mini and Phi-4: Llama's layer, its checkpoints storing q|k|v
     (`self_attn.qkv_proj`) and gate|up (`mlp.gate_up_proj`) as one tensor each, loaded piece
-    by piece (linear.ALL_PIECES; FP8 scales alike). Windows as the config names them
+    by piece (merged_linear.ALL_PIECES; FP8 scales alike). Windows as the config names them
     (Phi-3-mini's 2047); the long-context releases' `longrope` scaling is refused by the
     config check."""
 

@@ -23,7 +23,8 @@ from torch import nn
 from radixserve.core.forward_batch import ForwardBatch
 from radixserve.core.model_config import ModelConfig
 from radixserve.layers.gated_delta_net import GatedDeltaNet
-from radixserve.layers.linear import QKVParallelLinear, RowParallelLinear
+from radixserve.layers.linear import RowParallelLinear
+from radixserve.layers.merged_linear import QKVParallelLinear
 from radixserve.layers.norm import OlmoRMSNorm
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary import RopeInput, RotaryEmbedding

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from benchmarks.model_shapes import decode_product_shapes
-from radixserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                      RowParallelLinear)
+from radixserve.layers.linear import RowParallelLinear
+from radixserve.layers.merged_linear import MergedColumnParallelLinear, QKVParallelLinear
 
 CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from radixserve.layers.linear import RowParallelLinear
+from radixserve.layers.merged_linear import MergedColumnParallelLinear
 from radixserve.layers.moe import experts as experts_module
 from radixserve.layers.quantization.fp8 import (FP8_DTYPE, Fp8Config, dequantize_weight,
                                                 fp8_linears, rank_group_k)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                      RowParallelLinear)
+from radixserve.layers.linear import RowParallelLinear
+from radixserve.layers.merged_linear import MergedColumnParallelLinear, QKVParallelLinear
 from radixserve.layers.quantization import int4_linear
 from radixserve.layers.quantization.int4 import int4_config, int4_linears
 from tests.layers.test_fp8_tp_scales import _Group

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from radixserve.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
-                                      QKVParallelLinear, RowParallelLinear)
+from radixserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from radixserve.layers.merged_linear import MergedColumnParallelLinear, QKVParallelLinear
 from radixserve.loader.weight_loading import load_weights
 
 HIDDEN, HEAD_DIM = 8, 2

@@ -12,8 +12,9 @@ pytest.importorskip("triton")
 import radixserve  # noqa: E402
 from radixserve.layers import linear as linear_module  # noqa: E402
 from radixserve.layers.activation import SiluAndMul  # noqa: E402
-from radixserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,  # noqa: E402
-                                      RowParallelLinear)
+from radixserve.layers.linear import RowParallelLinear  # noqa: E402
+from radixserve.layers.merged_linear import (MergedColumnParallelLinear,  # noqa: E402
+                                             QKVParallelLinear)
 from radixserve.layers.norm import RMSNorm  # noqa: E402
 from radixserve.layers.quantization.fp8 import Fp8Config, fp8_linears  # noqa: E402
 from radixserve.models import blocks  # noqa: E402

@@ -17,7 +17,8 @@ from radixserve.layers.activation import SiluAndMul  # noqa: E402
 from radixserve.layers.kernels import gemm_tables  # noqa: E402
 from radixserve.layers.kernels.fused_rows import RowsConfig, fused_rows, rows_config  # noqa: E402
 from radixserve.layers.kernels.gemv import RowFusion  # noqa: E402
-from radixserve.layers.linear import QKVParallelLinear, RowParallelLinear  # noqa: E402
+from radixserve.layers.linear import RowParallelLinear  # noqa: E402
+from radixserve.layers.merged_linear import QKVParallelLinear  # noqa: E402
 from radixserve.layers.norm import RMSNorm  # noqa: E402
 from radixserve.layers.quantization.fp8 import Fp8Config, fp8_linears  # noqa: E402
 from radixserve.models import blocks  # noqa: E402
