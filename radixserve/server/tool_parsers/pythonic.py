@@ -66,12 +66,8 @@ class PythonicParser(ToolCallParser):
             pos = skip_blanks(text, pos)
             name_match = _IDENTIFIER.match(text, pos)
             if name_match is None or not text.startswith("(", skip_blanks(text, name_match.end())):
-                if not scan.calls and name_match is None and pos < len(text) and \
-                        text[pos] != "]":
+                if not scan.calls and _no_call(text, pos, name_match):
                     scan.content_end = len(text)  # "[" and then no call: a plain answer
-                elif not scan.calls and name_match is not None and \
-                        skip_blanks(text, name_match.end()) < len(text):
-                    scan.content_end = len(text)  # a name not called: a plain answer
                 break
             name = name_match.group(0)
             pairs, pos, complete = _arguments(text, skip_blanks(text, name_match.end()) + 1)
@@ -109,6 +105,15 @@ class PythonicParser(ToolCallParser):
         return ("You may call functions. The available functions, one JSON object a line:\n"
                 f"{specs}\nTo call them, answer with nothing but a Python list of calls with "
                 "keyword arguments, e.g.\n[function_name(argument=\"value\")]")
+
+
+def _no_call(text: str, pos: int, name_match: "re.Match[str] | None") -> bool:
+    """The text at `pos` (after "[" or a call's ",") can no longer begin a call: a name then
+    anything but "(", or anything but a name or "]"; False while the text ends where it still
+    could."""
+    if name_match is None:
+        return pos < len(text) and text[pos] != "]"
+    return skip_blanks(text, name_match.end()) < len(text)
 
 
 def _call_text(name: str, arguments: dict[str, Any]) -> str:
