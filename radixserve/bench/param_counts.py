@@ -201,7 +201,7 @@ def attended_keys(cfg: ModelConfig, context: float) -> float:
         window = cfg.layer_sliding_window(layer_id)
         if window:
             keys = min(context, window)
-        if chunk and (cfg.layer_types or [None] * len(kinds))[layer_id] == "chunked_attention":
+        if chunk and cfg.layer_types and cfg.layer_types[layer_id] == "chunked_attention":
             keys = (context - 1) % chunk + 1
         total += keys
     return total / max(len(layers), 1)

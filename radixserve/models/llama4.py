@@ -60,8 +60,8 @@ class Llama4Attention(DecoderAttention):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         hf = config.hf
         uses_rope = bool(hf.no_rope_layers[layer_id])
-        chunked = (config.layer_types or [None] * (layer_id + 1))[layer_id] == \
-            "chunked_attention"
+        chunked = bool(config.layer_types) and \
+            config.layer_types[layer_id] == "chunked_attention"
         super().__init__(config, layer_id, rotary if uses_rope else None,
                          qkv_linear=RopePairsQKV,
                          attention_chunk=hf.attention_chunk_size if chunked else None)
