@@ -71,7 +71,8 @@ class ModelWorkerBatch:
     # per request, what its positions add to its token indices (empty: 0 for all): M-RoPE
     # models place the tokens after an image at their index plus the images' rope deltas
     # (core.multimodal.ImageInput.rope_delta; for an extend pass, those of the images that
-    # end before its first token, the model placing the rest by `mrope_positions`)
+    # end before its first token, the model placing the rest by `mrope_positions`); a request
+    # on LongRoPE's long table adds the table's first row (core/long_rope.py)
     position_offsets: list[int] = field(default_factory=list)
 
     @property

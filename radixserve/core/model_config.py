@@ -54,8 +54,9 @@ ARCHITECTURE_MODEL_TYPES = {
 # layer-type names of older configs -> transformers 5's
 _LEGACY_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
 # rope scaling kinds implemented (layers/rotary.py computes them with transformers' own
-# frequency functions); anything else is refused rather than run with the wrong positions
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# frequency functions; longrope's two tables and their switch: core/long_rope.py); anything
+# else is refused rather than run with the wrong positions
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def _architectures_of(model_type: str | None) -> list[str]:
@@ -184,6 +185,9 @@ class ModelConfig:
             if kind not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"{self.architecture}: rope scaling {kind!r} is not "
                                  f"supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        if "longrope" in kinds[1:]:  # one rope for every layer only (core/long_rope.py)
+            raise ValueError(f"{self.architecture}: rope scaling 'longrope' per layer type is "
+                             "not supported")
 
     def layer_sliding_window(self, layer_id: int) -> int | None:
         """The attention window of one layer (None: full attention). Mistral v0.1 windows every

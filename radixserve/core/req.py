@@ -32,6 +32,11 @@ class Detokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+# a prefix cache key's shift for KV rotated with LongRoPE's long table: past every token id and
+# below LoRA's offsets (multiples of 2**32), so each adapter's keys stay apart too
+LONG_ROPE_KEY_OFFSET = 1 << 31
+
+
 def lora_key_offset(lora_name: str | None) -> int:
     """0 for the base model; for an adapter a multiple of 2**32 (past every token id) from a
     64-bit digest of its name, the same in every process (tensor-parallel ranks agree)."""
@@ -53,6 +58,9 @@ class Req:
         # its cached prefixes' key: the adapter's name, or a loaded adapter's own id
         self._key_offset = lora_key_offset(lora_cache_id or lora_name)
         self._shifted_prompt: list[int] = []  # cache_key's memo: the prompt, moved
+        # LongRoPE (core/long_rope.py): what this request's rope positions add to pick the
+        # rotary tables' long rows (0: the short rows, or a model with one table)
+        self.rope_table_shift = 0
         # the prompt's images, in order (core/multimodal.py), kept for a recompute after a
         # retraction
         self.mm_inputs: list[ImageInput] = list(mm_inputs or ())
@@ -129,21 +137,29 @@ class Req:
         """The prefix cache's key for `token_ids`, a prefix of this request's all_ids(): the
         tokens themselves, or with a LoRA adapter each moved past every token id by the
         adapter's offset, so that requests share KV only with requests of the same adapter
-        (or none); an image's placeholders are keys of its pixels (two prompts share KV past
+        (or none), and keys of KV rotated with LongRoPE's long table moved past those of the
+        short one; an image's placeholders are keys of its pixels (two prompts share KV past
         an image only when it is the same image). The prompt's part is made once (prompts
         never change; outputs may, as jump-forward replaces a last token)."""
-        if not self._key_offset and not self.mm_inputs:
+        offset = self._key_offset + (LONG_ROPE_KEY_OFFSET if self.rope_table_shift else 0)
+        if not offset and not self.mm_inputs:
             return token_ids
         if not self._shifted_prompt:
             key = list(self.origin_input_ids)
             for image in self.mm_inputs:
                 key[image.offset:image.end] = image_key_tokens(image)
-            self._shifted_prompt = [token + self._key_offset for token in key]
+            self._shifted_prompt = [token + offset for token in key]
         prompt_len = len(self._shifted_prompt)
         if len(token_ids) <= prompt_len:
             return self._shifted_prompt[:len(token_ids)]
-        return self._shifted_prompt + [token + self._key_offset
-                                       for token in token_ids[prompt_len:]]
+        return self._shifted_prompt + [token + offset for token in token_ids[prompt_len:]]
+
+    def use_rope_table(self, shift: int) -> None:
+        """Move a request with no KV to the rope table whose rows start at `shift`
+        (core/long_rope.py); its prefix cache keys move with it."""
+        if shift != self.rope_table_shift:
+            self.rope_table_shift = shift
+            self._shifted_prompt = []
 
     def all_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
@@ -151,8 +167,9 @@ class Req:
     def rope_shift(self, start: int) -> int:
         """What the rope position of this request's token at index `start` adds to the index,
         up to the images that reach into it: the `rope_delta` of each image that ends at or
-        before it (0 but for M-RoPE models' images)."""
-        return sum(image.rope_delta for image in self.mm_inputs if image.end <= start)
+        before it (0 but for M-RoPE models' images), plus its rope table's first row."""
+        return self.rope_table_shift + sum(image.rope_delta for image in self.mm_inputs
+                                           if image.end <= start)
 
     def init_next_round_input(self) -> None:
         """Before (re)admission: everything so far must be in the KV cache after prefill."""

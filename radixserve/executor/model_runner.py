@@ -17,6 +17,7 @@ from radixserve.attention.base import AttentionBackend, AttentionContext
 from radixserve.attention.registry import create_attention_backend
 from radixserve.config import ServerArgs, resolve_dtype
 from radixserve.core.model_config import ModelConfig
+from radixserve.core.long_rope import LongRopeSwitch
 from radixserve.core.multimodal import image_attention_limits, vision_spec
 from radixserve.core.forward_batch import (ForwardBatch, ForwardMode, ForwardOutput,
                                            ModelWorkerBatch)
@@ -107,6 +108,7 @@ class ModelRunner:
         self.model_config: ModelConfig = self.source.model_config
         # the placeholders of the images the model reads (None: text only)
         self.vision_spec = vision_spec(self.model_config.hf_top, self.model_config.architecture)
+        self.long_rope = LongRopeSwitch.from_config(self.model_config)  # core/long_rope.py
         self.fp8 = fp8_config(self.source.hf_config.get("quantization_config"),
                               server_args.quantization)
         if self.fp8 is not None and self.fp8.online and self.source.weights is None:

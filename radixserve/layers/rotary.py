@@ -15,6 +15,7 @@ from typing import Iterator, NamedTuple
 import torch
 from torch import nn
 
+from radixserve.core.long_rope import LongRopeSwitch
 from radixserve.core.model_config import ModelConfig
 from radixserve.layers.norm import RMSNorm
 
@@ -33,8 +34,11 @@ def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
     "dynamic" rescales only past max_position_embeddings, which the context does not exceed
     (unless RADIXSERVE_ALLOW_LONGER_CONTEXT lets it: past them these tables keep the unscaled
     frequencies, where transformers rescales per sequence length), so its frequencies are
-    the default ones. yarn's attention factor multiplies cos and sin."""
+    the default ones. yarn's attention factor multiplies cos and sin. longrope's two tables
+    are RotaryEmbedding.from_config's alone."""
     kind = config.rope_type
+    if kind == "longrope":
+        raise ValueError("rope scaling 'longrope' is only supported on a model's one table")
     if kind != "default":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[kind](config.hf, "cpu")
@@ -60,8 +64,28 @@ class RotaryEmbedding(nn.Module):
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> "RotaryEmbedding":
+        switch = LongRopeSwitch.from_config(config)
+        if switch is not None:
+            return cls.long_rope(config, switch)
         inv_freq, attention_factor = rope_frequencies(config)
         return cls(config.head_dim, config.rope_positions, inv_freq, attention_factor)
+
+    @classmethod
+    def long_rope(cls, config: ModelConfig, switch: LongRopeSwitch) -> "RotaryEmbedding":
+        """LongRoPE's tables (core/long_rope.py): the short factors' rows, then the long
+        factors' from row `switch.long_table_row`; transformers' frequencies for both (the
+        long ones as it computes them for a sequence past the original context) and its one
+        attention factor."""
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        frequencies = ROPE_INIT_FUNCTIONS["longrope"]
+        short, factor = frequencies(config.hf, "cpu")
+        long, _ = frequencies(config.hf, "cpu", seq_len=switch.original_positions + 1)
+        rows = switch.long_table_row
+        table = cls(config.head_dim, rows, short.float(), float(factor))
+        long_table = cls(config.head_dim, rows, long.float(), float(factor))
+        table.cos_cache = torch.cat((table.cos_cache, long_table.cos_cache))
+        table.sin_cache = torch.cat((table.sin_cache, long_table.sin_cache))
+        return table
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

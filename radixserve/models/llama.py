@@ -55,8 +55,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3, Phi-3.5-mini and Phi-4: Llama's layer, its checkpoints storing q|k|v
     (`self_attn.qkv_proj`) and gate|up (`mlp.gate_up_proj`) as one tensor each, loaded piece
     by piece (merged_linear.ALL_PIECES; FP8 scales alike). Windows as the config names them
-    (Phi-3-mini's 2047); the long-context releases' `longrope` scaling is refused by the
-    config check."""
+    (Phi-3-mini's 2047); the long-context releases' `longrope` tables and their switch per
+    request: core/long_rope.py."""
 
     def weight_target(self, name: str) -> tuple[str, object] | None:
         if name.rsplit(".", 2)[-2] in ("qkv_proj", "gate_up_proj"):

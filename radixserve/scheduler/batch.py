@@ -180,8 +180,9 @@ def merge_mixed(extend: ModelWorkerBatch, decode: ModelWorkerBatch,
 
 def rope_shifts(reqs: list[Req], starts: list[int]) -> list[int]:
     """Per request, the shift of its rope positions at token index `starts[i]`
-    (`Req.rope_shift`); empty when every one is 0 (no M-RoPE image among them)."""
-    if not any(r.mm_inputs for r in reqs):
+    (`Req.rope_shift`); empty when every one is 0 (no M-RoPE image among them, none on
+    LongRoPE's long table)."""
+    if not any(r.mm_inputs or r.rope_table_shift for r in reqs):
         return []
     shifts = [r.rope_shift(start) for r, start in zip(reqs, starts)]
     return shifts if any(shifts) else []

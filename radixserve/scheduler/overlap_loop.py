@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from radixserve.core.long_rope import LongRopeSwitch, long_rope_due
 from radixserve.core.req import Req
 from radixserve.scheduler.overlap import (DecodeLauncher, InflightDecode, InflightPrefill,
                                           ends_after_next_token)
@@ -22,6 +23,7 @@ class OverlapLoopMixin:
     tree_cache: "BasePrefixCache"
     inflight: InflightDecode | None
     inflight_prefill: InflightPrefill | None
+    long_rope: LongRopeSwitch | None
 
     if TYPE_CHECKING:
         def _ensure_decode_memory(self, extra_tokens: int = 0) -> None: ...
@@ -40,7 +42,8 @@ class OverlapLoopMixin:
         output. The last step launched stays in flight across the turn (`self.inflight`); a
         prefill, a retraction, an abort or a synchronous step settles it first (`_settle`).
 
-        Step k+1 leaves out requests whose step-k token is their last by length; a request that
+        Step k+1 leaves out requests whose step-k token is their last by length (or makes them
+        move to LongRoPE's long table: they go back to the queue when it is read); a request that
         stops on a token (EOS, stop string) is found one step late: its step-k+1 token is
         dropped and the KV slot that step wrote goes back with the request's other slots.
 
@@ -82,7 +85,8 @@ class OverlapLoopMixin:
         else:
             in_step = {id(r) for r in self.inflight.reqs}
             reqs = [r for r in self.inflight.reqs if not r.finished
-                    and not ends_after_next_token(r, self.context_len)]
+                    and not ends_after_next_token(r, self.context_len)
+                    and not long_rope_due(self.long_rope, r, ahead=1)]
             reqs += [r for r in self.running if id(r) not in in_step]
             if not self._decode_memory_available(len(reqs)):
                 return []

@@ -22,6 +22,7 @@ from typing import Any
 from radixserve.config import ServerArgs
 from radixserve.core.finish_reason import FinishReason
 from radixserve.core.multimodal import check_images
+from radixserve.core.long_rope import long_rope_due, place_on_rope_table
 from radixserve.core.io_struct import (BatchTokenIDOut, FlushCacheReply, ReqError,
                                        TokenizedGenerateReq)
 from radixserve.core.req import Detokenizer, Req
@@ -70,6 +71,7 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesM
         self.tree_cache = self._make_cache()
         # what the model's images look like in a prompt (core/multimodal.py), None: no images
         self.vision = getattr(model_runner, "vision_spec", None)
+        self.long_rope = getattr(model_runner, "long_rope", None)  # core/long_rope.py
         self.limits = RequestLimits.from_model_info(self.model_info)  # LoRA: lora_updates.py
         self.priority_order = PriorityOrder(self.args.schedule_low_priority_values_first,
                                             self.args.priority_scheduling_preemption_threshold) \
@@ -165,6 +167,7 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesM
                   msg.logprob_start_len, msg.top_logprobs_num, msg.stream, msg.lora_name,
                   self.lora_cache_id(msg.lora_name), msg.mm_inputs)
         req.priority = msg.priority or 0
+        place_on_rope_table(self.long_rope, req)
         if self.vision is not None and self.vision.bidirectional:
             req.whole_spans = [(image.offset, image.end) for image in req.mm_inputs]
         error = self.grammars.on_add(req)
@@ -434,14 +437,16 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesM
                 self.running.append(req)
 
     def _take_token(self, req: Req, i: int, out: Any) -> bool:
-        """Append row i's sampled token, then end the request or requeue it (jump-forward) as
-        the token says; True when it decodes on."""
+        """Append row i's sampled token, then end the request or requeue it (jump-forward,
+        LongRoPE's long table due) as the token says; True when it decodes on."""
         jumped = self._append_token(req, i, out)
         if req.finished:
             self._finish(req)
-        elif jumped:
+        elif jumped or long_rope_due(self.long_rope, req):
             self._requeue_for_extend(req)
-        return not (req.finished or jumped)
+        else:
+            return True
+        return False
 
     def _append_token(self, req: Req, i: int, out: Any) -> int:
         """Append a sampled token; returns how many jump-forward added (`_requeue_for_extend`)."""
@@ -463,10 +468,12 @@ class Scheduler(OverlapLoopMixin, KVPressureMixin, SpecDecodeMixin, LoRAUpdatesM
         return jumped
 
     def _requeue_for_extend(self, req: Req) -> None:
-        """Jump-forward appended tokens without KV: back to the queue's front with its KV cached
-        (a retraction that does not count as one); its next prefill extends and samples on."""
+        """Jump-forward appended tokens without KV, or LongRoPE's long table is due: back to the
+        queue's front with its KV cached (a retraction that does not count as one); its next
+        prefill extends (on the table its length asks for) and samples on."""
         self.tree_cache.cache_finished_req(req, token_ids=req.all_ids()[:req.kv_len])
         req.kv_len = 0
+        place_on_rope_table(self.long_rope, req)
         self.waiting_queue.insert(0, req)
 
     # ---- decode ----

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from radixserve.core.forward_batch import ForwardMode, ModelWorkerBatch
+from radixserve.core.long_rope import LongRopeSwitch, long_rope_due
 from radixserve.core.req import Req
 from radixserve.scheduler.batch import BatchBuilder, alloc_kv, rope_shifts
 from radixserve.scheduler.ngram_draft import NgramProposer
@@ -137,6 +138,7 @@ class SpecDecodeMixin:
     stats: "SchedulerStats"
     speculator: NgramProposer | None
     context_len: int
+    long_rope: LongRopeSwitch | None
 
     if TYPE_CHECKING:
         def _ensure_decode_memory(self, extra_tokens: int = 0) -> None: ...
@@ -144,6 +146,7 @@ class SpecDecodeMixin:
         def _append_token(self, req: Req, i: int, out: Any) -> int: ...
         def _finish(self, req: Req, reason: Any = None, release: bool = True) -> None: ...
         def _after_decode_step(self, batch_size: int, still_running: list[Req]) -> None: ...
+        def _requeue_for_extend(self, req: Req) -> None: ...
 
     def _drafts_for(self, req: Req) -> list[int]:
         assert self.speculator is not None
@@ -151,6 +154,8 @@ class SpecDecodeMixin:
             return []
         # every kept row appends a token: stay within max_new_tokens and the context
         limit = min(req.remaining_new_tokens(), self.context_len - req.seqlen) - 1
+        if self.long_rope is not None:  # a verify pass stays on the request's rope table
+            limit = min(limit, self.long_rope.draft_room(req))
         return self.speculator.propose(req, limit)
 
     def _run_spec_decode_step(self) -> None:
@@ -195,6 +200,8 @@ class SpecDecodeMixin:
                 req.kv_len -= rows - kept
             if req.finished:
                 self._finish(req)
+            elif long_rope_due(self.long_rope, req):
+                self._requeue_for_extend(req)
             else:
                 still_running.append(req)
             row += rows

@@ -53,6 +53,15 @@ CONFIGS = {
     "phi3_merged_window": (transformers.Phi3Config, dict(
         BASE, num_key_value_heads=2, sliding_window=48, tie_word_embeddings=False,
         pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Phi-3.5-mini / Phi-4-mini (longrope): short factors up to a 64-token original context,
+    # long ones past it (far apart, so the table matters), Phi-4-mini's partial rotary (12 of
+    # 16 dimensions)
+    "phi3_longrope": (transformers.Phi3Config, dict(
+        BASE, num_key_value_heads=2, original_max_position_embeddings=64,
+        partial_rotary_factor=0.75, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, rope_scaling={
+            "rope_type": "longrope", "short_factor": [1.0, 1.02, 1.05, 1.1, 1.3, 1.6],
+            "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]})),
     # Command-R+ (CohereForCausalLM): parallel attention and MLP behind one LayerNorm, rope
     # over adjacent pairs after per-head q / k LayerNorms, scaled logits, a tied head
     "cohere_qk_norm": (transformers.CohereConfig, dict(
