@@ -53,7 +53,22 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The LM head of an untied model: the same row split as the embedding."""
+    """The LM head of an untied model: the same row split as the embedding, with an optional
+    bias split alike (PhiMoE's)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.rows_per_rank), requires_grad=False)
+            self.bias.weight_loader = self._bias_loader  # type: ignore[attr-defined]
+
+    def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape != (self.num_embeddings,):
+            raise ValueError(f"checkpoint LM head bias of shape {tuple(loaded.shape)}, "
+                             f"expected ({self.num_embeddings},)")
+        rows = loaded[self.vocab_start:self.vocab_end]
+        param.data[:rows.shape[0]].copy_(rows)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("an LM head is applied with project(), not looked up")
@@ -64,11 +79,14 @@ def project_to_vocab(hidden: torch.Tensor, head: VocabParallelEmbedding,
     """Logits [T, vocab] over the whole vocabulary: this rank's range, gathered. float32, or
     with keep_dtype the product's own dtype (the compute dtype). With `out` ([>= T, vocab], of
     the result's dtype) they are written into its first T rows, which are returned; with one
-    rank and keep_dtype the product writes them there itself (`linear_into`)."""
+    rank and keep_dtype the product writes them there itself (`linear_into`). The head's bias,
+    where it has one, is added to this rank's range."""
     rows = hidden.shape[0]
+    bias = getattr(head, "bias", None)
     if out is not None and keep_dtype and head.tp_size == 1:
-        return linear_into(hidden, head.weight, out[:rows])
-    logits = linear(hidden, head.weight)
+        logits = linear_into(hidden, head.weight, out[:rows])
+        return logits if bias is None else logits.add_(bias)
+    logits = linear(hidden, head.weight, bias)
     if head.tp_size > 1:
         logits = get_tp_group().all_gather(logits)[..., :head.num_embeddings]
     if out is None:

@@ -51,6 +51,26 @@ class RMSNorm(nn.Module):
         return quantize_rows(out), residual
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm with a weight and a bias over the last dim (PhiMoE's), taking the residual
+    as RMSNorm does: with it, (norm(x + residual), x + residual)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = torch.nn.functional.layer_norm(x, x.shape[-1:], self.weight.to(x.dtype),
+                                             self.bias.to(x.dtype), self.variance_epsilon)
+        return out if residual is None else (out, residual)
+
+
 def _cpu_kernel_fits(x: torch.Tensor, weight: torch.Tensor,
                      residual: torch.Tensor | None) -> bool:
     """The compiled CPU kernel (core/cpu_kernels) applies: 2-D rows, one dtype throughout."""

@@ -74,15 +74,18 @@ class RotaryEmbedding(nn.Module):
     def long_rope(cls, config: ModelConfig, switch: LongRopeSwitch) -> "RotaryEmbedding":
         """LongRoPE's tables (core/long_rope.py): the short factors' rows, then the long
         factors' from row `switch.long_table_row`; transformers' frequencies for both (the
-        long ones as it computes them for a sequence past the original context) and its one
-        attention factor."""
+        long ones as it computes them for a sequence past the original context), each table
+        scaled by its `short_mscale` / `long_mscale` where the rope parameters give them
+        (PhiMoE's), else by transformers' one attention factor."""
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         frequencies = ROPE_INIT_FUNCTIONS["longrope"]
         short, factor = frequencies(config.hf, "cpu")
         long, _ = frequencies(config.hf, "cpu", seq_len=switch.original_positions + 1)
-        rows = switch.long_table_row
-        table = cls(config.head_dim, rows, short.float(), float(factor))
-        long_table = cls(config.head_dim, rows, long.float(), float(factor))
+        params, rows = config.rope_parameters, switch.long_table_row
+        table = cls(config.head_dim, rows, short.float(),
+                    float(params.get("short_mscale") or factor))
+        long_table = cls(config.head_dim, rows, long.float(),
+                         float(params.get("long_mscale") or factor))
         table.cos_cache = torch.cat((table.cos_cache, long_table.cos_cache))
         table.sin_cache = torch.cat((table.sin_cache, long_table.sin_cache))
         return table

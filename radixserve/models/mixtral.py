@@ -10,14 +10,14 @@ from radixserve.models.blocks import CausalLM, DecoderLayer, DecoderModel
 from radixserve.models.moe_blocks import SparseMoeBlock
 
 
-def _moe(config: ModelConfig, layer_id: int) -> SparseMoeBlock:
+def mixtral_moe(config: ModelConfig, layer_id: int) -> SparseMoeBlock:
     return SparseMoeBlock(config, config.intermediate_size)
 
 
 class MixtralForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, DecoderModel(config, functools.partial(DecoderLayer,
-                                                                         make_mlp=_moe)))
+                                                                         make_mlp=mixtral_moe)))
 
     @staticmethod
     def weight_target(name: str) -> tuple[str, object] | None:

@@ -7,7 +7,7 @@
                   once.
 Checkpoint names stay the families' own: Qwen and DeepSeek `mlp.gate`, `mlp.experts.{e}.*`
 (DeepSeek-V3's float32 `mlp.gate.e_score_correction_bias` beside the router weight);
-Mixtral's `block_sparse_moe` is renamed to `mlp` by `mixtral.py`.
+Mixtral's and PhiMoE's `block_sparse_moe` is renamed to `mlp` by `mixtral.py`.
 """
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ def routing_config(config: ModelConfig) -> RoutingConfig:
     if arch in ("MixtralForCausalLM", "GraniteMoeHybridForCausalLM", "GraniteMoeForCausalLM",
                 "GraniteMoeSharedForCausalLM"):  # top-k softmax
         return RoutingConfig(hf.num_local_experts, hf.num_experts_per_tok, renormalize=True)
+    if arch == "PhimoeForCausalLM":  # sparsemixer: two masked softmaxes, top-2
+        return RoutingConfig(hf.num_local_experts, hf.num_experts_per_tok,
+                             scoring="sparsemixer", jitter_eps=float(hf.router_jitter_noise))
     if arch == "MiniMaxM2ForCausalLM":  # sigmoid + correction bias, renormalised, no groups
         scoring = getattr(hf, "scoring_func", None) or "sigmoid"
         if scoring != "sigmoid":

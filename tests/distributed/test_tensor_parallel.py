@@ -81,6 +81,10 @@ def _run(folder: str, tp_size: int, prompts: list[list[int]], **engine_args: obj
                                   pytest.param("falcon_h1_expand", marks=pytest.mark.slow),
                                   # merged q|k|v and gate|up split by piece, then by rank
                                   pytest.param("phi3_merged_window", marks=pytest.mark.slow),
+                                  # LongRoPE: the 90-token prompt on the long table
+                                  pytest.param("phi3_longrope", marks=pytest.mark.slow),
+                                  # PhiMoE: the LM head's bias split by vocabulary rows
+                                  pytest.param("phimoe_longrope", marks=pytest.mark.slow),
                                   # rope pairs permuted per head, then heads split
                                   pytest.param("llama4_maverick", marks=pytest.mark.slow),
                                   # per-head q / k norms cut to each rank's heads

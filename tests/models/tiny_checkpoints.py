@@ -62,6 +62,19 @@ CONFIGS = {
         eos_token_id=2, rope_scaling={
             "rope_type": "longrope", "short_factor": [1.0, 1.02, 1.05, 1.1, 1.3, 1.6],
             "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]})),
+    # Phi-3.5-MoE (PhimoeForCausalLM): sparsemixer top-2 of 4 (a jitter wide enough that the
+    # masks keep some experts and drop others), LayerNorms with biases, biases on q/k/v/o
+    # and the head, LongRoPE with its own scale per table (transformers' PhiMoE keeps the
+    # short factors past the original context: the tests stay within its 256 positions)
+    "phimoe_longrope": (transformers.PhimoeConfig, dict(
+        BASE, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        router_jitter_noise=0.3, attention_bias=True, lm_head_bias=True,
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        rope_scaling={
+            "rope_type": "longrope", "original_max_position_embeddings": 256,
+            "short_factor": [1.0, 1.02, 1.05, 1.1, 1.3, 1.6, 1.8, 2.0],
+            "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0, 30.0, 40.0],
+            "short_mscale": 1.1, "long_mscale": 1.3})),
     # Command-R+ (CohereForCausalLM): parallel attention and MLP behind one LayerNorm, rope
     # over adjacent pairs after per-head q / k LayerNorms, scaled logits, a tied head
     "cohere_qk_norm": (transformers.CohereConfig, dict(

@@ -38,12 +38,17 @@ class RoutingConfig:
     num_groups: int = 1  # group-limited routing when topk_group < num_groups
     topk_group: int = 1
     scaling_factor: float = 1.0
-    scoring: str = "softmax"  # or "sigmoid" (DeepSeek-V3's noaux_tc, with a correction bias)
+    # or "sigmoid" (DeepSeek-V3's noaux_tc, with a correction bias), or "sparsemixer"
+    # (PhiMoE's two masked softmaxes, top-2 only)
+    scoring: str = "softmax"
     group_score: str = "max"  # softmax groups ranked by their "max" or "top2_sum" (Mistral-4)
+    jitter_eps: float = 0.0  # sparsemixer: the relative gap past which an expert is masked
 
     def __post_init__(self) -> None:
-        if self.scoring not in ("softmax", "sigmoid"):
+        if self.scoring not in ("softmax", "sigmoid", "sparsemixer"):
             raise ValueError(f"unknown MoE scoring function {self.scoring!r}")
+        if self.scoring == "sparsemixer" and (self.top_k != 2 or self.num_groups != 1):
+            raise ValueError("sparsemixer routing takes the top 2 experts, ungrouped")
         if self.group_score not in ("max", "top2_sum"):
             raise ValueError(f"unknown MoE group score {self.group_score!r}")
         if self.num_experts % self.num_groups:
@@ -61,6 +66,8 @@ def select_experts(router_logits: torch.Tensor, config: RoutingConfig,
     On CUDA, ungrouped softmax routing and sigmoid routing are one Triton kernel each
     (layers/kernels/moe_router.py)."""
     grouped = config.num_groups > 1 and config.topk_group < config.num_groups
+    if config.scoring == "sparsemixer":
+        return _sparsemixer_top2(router_logits, config.jitter_eps)
     if config.scoring == "sigmoid":
         kernel = _router_kernel("sigmoid_grouped_topk", router_logits)
         if kernel is not None:
@@ -105,6 +112,24 @@ def _sigmoid_topk(router_logits: torch.Tensor, config: RoutingConfig,
                                    float("-inf"))
     ids = torch.topk(choice, config.top_k, dim=-1, sorted=False).indices
     return _weighted(scores.gather(1, ids), ids, config, eps=1e-20)
+
+
+def _sparsemixer_top2(router_logits: torch.Tensor, jitter_eps: float) -> TopK:
+    """PhiMoE's routing at inference (transformers' `sparsemixer`, eval mode): the best expert,
+    weighted by its softmax over the experts whose score lies within 2 * jitter_eps of it
+    (relative to max(|score|, best)); then the best of the rest, weighted the same way among
+    the rest. In float32."""
+    scores = router_logits.float()
+    weights, ids = [], []
+    masked = scores
+    for _ in range(2):
+        best, best_id = masked.max(dim=-1, keepdim=True)
+        far = (best - scores) / scores.abs().clamp(min=best) > 2 * jitter_eps
+        gates = torch.softmax(masked.masked_fill(far, float("-inf")), dim=-1)
+        weights.append(gates.gather(-1, best_id))
+        ids.append(best_id)
+        masked = masked.scatter(-1, best_id, float("-inf"))
+    return TopK(torch.cat(weights, dim=-1), torch.cat(ids, dim=-1).to(torch.int32))
 
 
 def _weighted(weights: torch.Tensor, ids: torch.Tensor, config: RoutingConfig,
