@@ -19,8 +19,10 @@ DEFAULT_MODEL = Path(__file__).resolve().parent / "configs" / "llama-3.1-8b"
 
 def decode_product_shapes(model_path: str | Path = DEFAULT_MODEL, tp_size: int = 1
                           ) -> dict[str, tuple[int, int]]:
-    """{"qkv", "o", "gate_up", "down", "lm_head"} -> (N, K) on one of tp_size ranks."""
+    """{"qkv", "o", "gate_up", "down", "lm_head"} -> (N, K) on one of tp_size ranks (MoE
+    models: gate_up / down are those of `intermediate_size`, Llama-4's shared expert)."""
     config = json.loads((Path(model_path) / "config.json").read_text())
+    config = config.get("text_config") or config  # a multimodal checkpoint's language model
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
     kv_heads = kv_heads or heads

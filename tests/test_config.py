@@ -122,7 +122,8 @@ def test_a_ten_million_position_model_serves_a_million_by_default() -> None:
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
       "original_max_position_embeddings": 256}, True),
     ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
-      "original_max_position_embeddings": 256}, False),
+      "original_max_position_embeddings": 256}, True),
+    ({"rope_type": "proportional", "factor": 2.0}, False),
 ])
 def test_rope_scaling_kinds_are_supported_or_refused(rope: dict | None, ok: bool) -> None:
     from radixserve.core.model_config import ModelConfig

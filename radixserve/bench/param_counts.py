@@ -68,7 +68,7 @@ class _Moe(NamedTuple):
 def _moe_shape(cfg: ModelConfig) -> _Moe | None:
     hf = cfg.hf
     arch = cfg.architecture
-    if arch in ("MixtralForCausalLM", "MiniMaxM2ForCausalLM"):  # every layer, no shared
+    if arch in ("MixtralForCausalLM", "MiniMaxM2ForCausalLM", "PhimoeForCausalLM"):  # no shared
         return _Moe(hf.num_local_experts, hf.num_experts_per_tok, cfg.intermediate_size, 0,
                     False)
     if arch.startswith("Llama4"):  # moe_layers; a shared expert of the routed ones' size

@@ -16,6 +16,9 @@ class RunnerDriver:
         self.runner = runner
         self.rows: dict[int, int] = {}  # request key -> req pool row
         self.lens: dict[int, int] = {}
+        # LongRoPE (core/long_rope.py): request key -> its table's first row, chosen by its
+        # length after its first extend (the driver moves no request between tables)
+        self.rope_tables: dict[int, int] = {}
 
     def extend(self, tokens_by_req: dict[int, list[int]],
                forward_mode: ForwardMode | None = None,
@@ -42,6 +45,8 @@ class RunnerDriver:
                                            out_loc[offset:offset + ext_len])
             self.lens[key] += ext_len
             offset += ext_len
+        offsets = {k: (position_offsets or {}).get(k, 0) + self._rope_table(k)
+                   for k in tokens_by_req}
         single_token = all(n == 1 for n in ext_lens) and all(p > 0 for p in prefix_lens)
         if forward_mode is None:
             forward_mode = ForwardMode.DECODE if single_token else ForwardMode.EXTEND
@@ -51,6 +56,18 @@ class RunnerDriver:
             seq_lens=[self.lens[k] for k in tokens_by_req], out_cache_loc=out_loc,
             extend_seq_lens=ext_lens, extend_prefix_lens=prefix_lens,
             mm_inputs=[mm_inputs.get(k, []) for k in tokens_by_req] if mm_inputs else [],
-            position_offsets=[position_offsets.get(k, 0) for k in tokens_by_req]
-            if position_offsets else [])
+            position_offsets=[offsets[k] for k in tokens_by_req] if any(offsets.values())
+            else [])
         return runner.forward_logits(batch).next_token_logits
+
+    def _rope_table(self, key: int) -> int:
+        """The LongRoPE table shift of a request at its current length (0 without LongRoPE)."""
+        switch = self.runner.long_rope
+        if switch is None:
+            return 0
+        if key not in self.rope_tables:
+            self.rope_tables[key] = switch.long_table_row if switch.wants_long(self.lens[key]) \
+                else 0
+        if not self.rope_tables[key] and switch.wants_long(self.lens[key]):
+            raise ValueError("the driver does not move a request to LongRoPE's long table")
+        return self.rope_tables[key]
