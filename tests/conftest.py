@@ -5,7 +5,8 @@ CI runs the README's test command on a 2-core machine and must stay under 15 min
 long end-to-end cases (each starts its own server or runs a model for tens of seconds, and each
 covers a path that a faster case also reaches) are marked `slow` and skipped by default. Run
 them with `bash scripts/test.sh --run-slow` (or RADIXSERVE_RUN_SLOW=1); `-m slow` selects them
-alone.
+alone. `slow_interpreted` marks the Triton cases that are slow only under the CPU interpreter
+(larger shapes, whole Engine runs): skipped like `slow` where there is no GPU, run on one.
 """
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if _slow_wanted(config):
         return
     skip = pytest.mark.skip(reason="slow: run with --run-slow")
+    interpreted = not torch.cuda.is_available()
     for item in items:
-        if "slow" in item.keywords:
+        if "slow" in item.keywords or (interpreted and "slow_interpreted" in item.keywords):
             item.add_marker(skip)
 
 

@@ -78,8 +78,9 @@ def test_decode_early_v_load_matches_reference(num_kv_splits: int) -> None:
     torch.testing.assert_close(out, ref, **tolerance(torch.float16))
 
 
+# the 3-split cases: 2.6 s each interpreted
 @pytest.mark.parametrize("q_scale", [1.0, 8.0])
-@pytest.mark.parametrize("num_kv_splits", [1, 3])
+@pytest.mark.parametrize("num_kv_splits", [1, pytest.param(3, marks=pytest.mark.slow_interpreted)])
 @pytest.mark.parametrize("dtype", VARIANT_DTYPES)
 def test_decode_lazy_rescale_matches_reference(q_scale: float, num_kv_splits: int,
                                                dtype: torch.dtype) -> None:
@@ -95,8 +96,11 @@ def test_decode_lazy_rescale_matches_reference(q_scale: float, num_kv_splits: in
         torch.testing.assert_close(out, ref, **tolerance(dtype))
 
 
-# 3 splits already leave the shortest requests' later splits empty; 8 runs with --run-slow
-@pytest.mark.parametrize("num_kv_splits", [1, 3, pytest.param(8, marks=pytest.mark.slow)])
+# 3 splits already leave the shortest requests' later splits empty; 8 runs with --run-slow,
+# 3 on a GPU (3.9 s interpreted)
+@pytest.mark.parametrize("num_kv_splits", [1,
+                                           pytest.param(3, marks=pytest.mark.slow_interpreted),
+                                           pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", VARIANT_DTYPES)
 def test_decode_early_kv_matches_reference(num_kv_splits: int, dtype: torch.dtype) -> None:
     """The first block of each split gathered before the PDL wait, this step's own position
@@ -293,7 +297,8 @@ def test_decode_large_batch(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("num_kv_splits", [1, 4])
-@pytest.mark.parametrize("window", [-1, 37])
+# without a window on a GPU (2.3 s interpreted at 4 splits)
+@pytest.mark.parametrize("window", [pytest.param(-1, marks=pytest.mark.slow_interpreted), 37])
 def test_decode_sinks(num_kv_splits: int, window: int) -> None:
     """gpt-oss's sinks: each head's logit joins its softmax with no value, in the only split's
     output and in the merge of several; with a window too."""

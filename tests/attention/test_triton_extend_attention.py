@@ -250,8 +250,10 @@ def image_limits(extend_lens: list[int], prefix_lens: list[int],
                         dtype=torch.int32, device=DEVICE)
 
 
-@pytest.mark.parametrize("window", [-1, 9, 40])
-@pytest.mark.parametrize("config", [SMALL, TALL], ids=["16x16", "32x16"])
+# 2-3.4 s each interpreted: CI runs the windowless and the 9-window cases on 16x16 tiles
+@pytest.mark.parametrize("window", [-1, 9, pytest.param(40, marks=pytest.mark.slow_interpreted)])
+@pytest.mark.parametrize("config", [SMALL, pytest.param(TALL, marks=pytest.mark.slow_interpreted)],
+                         ids=["16x16", "32x16"])
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float16, marks=pytest.mark.slow),
                                    torch.float32])
 def test_extend_with_images_seen_both_ways(window: int, config: ExtendKernelConfig,

@@ -74,10 +74,11 @@ def _server_outputs(checkpoint: str, method: str) -> tuple[list[list[int]], dict
         assert server.stop() == 0
 
 
-# every method routes through the same replicas; CI runs cache_aware, --run-slow all three
+# every method routes through the same replicas; --run-slow runs all three (19 s each); the
+# routing itself: the tests above, in CI
 @pytest.mark.parametrize("method", [pytest.param("round_robin", marks=pytest.mark.slow),
                                     pytest.param("shortest_queue", marks=pytest.mark.slow),
-                                    "cache_aware"])
+                                    pytest.param("cache_aware", marks=pytest.mark.slow)])
 def test_dp2_gives_dp1_outputs(checkpoint: str, method: str) -> None:
     engine = radixserve.Engine(checkpoint, dtype="float32", skip_tokenizer_init=True,
                                max_total_tokens=2048)

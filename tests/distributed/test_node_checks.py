@@ -21,6 +21,7 @@ def test_nnodes_below_one_is_refused_as_such(nnodes: int) -> None:
         ServerArgs(nnodes=nnodes, device="cpu").resolve()
 
 
+@pytest.mark.slow  # 9 s
 def test_headless_node_refuses_a_split_the_model_cannot_make() -> None:
     """The bundled model has 9 attention heads: --tp-size 2 cannot split them, on any node."""
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))

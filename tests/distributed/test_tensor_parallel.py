@@ -60,24 +60,26 @@ def _run(folder: str, tp_size: int, prompts: list[list[int]], **engine_args: obj
                                   pytest.param("qwen2_bias", marks=pytest.mark.slow),
                                   pytest.param("gemma2_softcap_window",
                                                marks=pytest.mark.slow),
-                                  "qwen2_moe_shared",
+                                  pytest.param("qwen2_moe_shared", marks=pytest.mark.slow),
                                   pytest.param("deepseek_v2_lite_mla", marks=pytest.mark.slow),
                                   "deepseek_v3_noaux",
                                   pytest.param("glm4_moe_partial_rope", marks=pytest.mark.slow),
-                                  "gpt_oss_sinks_window",
+                                  pytest.param("gpt_oss_sinks_window", marks=pytest.mark.slow),
                                   pytest.param("mistral4_mla_halves", marks=pytest.mark.slow),
                                   "qwen3_next_hybrid",
                                   pytest.param("qwen3_5_dense", marks=pytest.mark.slow),
                                   # qwen3_next_hybrid's Gated DeltaNet covers OLMo-Hybrid's
                                   pytest.param("olmo_hybrid", marks=pytest.mark.slow),
                                   pytest.param("olmo2_post_norm", marks=pytest.mark.slow),
-                                  "minimax_m2_qk_norm",
+                                  pytest.param("minimax_m2_qk_norm", marks=pytest.mark.slow),
                                   pytest.param("nemotron_h", marks=pytest.mark.slow),
                                   # granite_hybrid_moe's one B/C group covers its case
                                   pytest.param("nemotron_h_one_group", marks=pytest.mark.slow),
-                                  "granite_hybrid_moe",
+                                  pytest.param("granite_hybrid_moe", marks=pytest.mark.slow),
                                   pytest.param("nemotron_h_moe", marks=pytest.mark.slow),
-                                  "nemotron_h_latent_moe", "falcon_h1",
+                                  pytest.param("nemotron_h_latent_moe",
+                                               marks=pytest.mark.slow),
+                                  pytest.param("falcon_h1", marks=pytest.mark.slow),
                                   pytest.param("falcon_h1_expand", marks=pytest.mark.slow),
                                   # merged q|k|v and gate|up split by piece, then by rank
                                   pytest.param("phi3_merged_window", marks=pytest.mark.slow),
@@ -107,8 +109,8 @@ def _assert_same_outputs(two: dict, one: dict) -> None:
     assert two["sampled"] == one["sampled"]
 
 
-# the MoE cases run with --run-slow: tests/layers/test_fp8_tp_scales.py checks the experts' loading
-@pytest.mark.parametrize("name", ["llama_gqa_llama3_rope",
+# with --run-slow (12 s): tests/layers/test_fp8_tp_scales.py checks the split scales in CI
+@pytest.mark.parametrize("name", [pytest.param("llama_gqa_llama3_rope", marks=pytest.mark.slow),
                                   pytest.param("qwen3_moe", marks=pytest.mark.slow)])
 def test_fp8_blocks_split_inside_a_block_at_tp2(name: str, tmp_path) -> None:
     """Blocks of 32 columns: at tp 2 each rank holds 48 of the dense down projection's 96
@@ -121,7 +123,7 @@ def test_fp8_blocks_split_inside_a_block_at_tp2(name: str, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("method,act_order,model", [
-    ("gptq", True, "llama_gqa_llama3_rope"),
+    pytest.param("gptq", True, "llama_gqa_llama3_rope", marks=pytest.mark.slow),  # 11 s
     pytest.param("awq", False, "llama_gqa_llama3_rope", marks=pytest.mark.slow),
     pytest.param("compressed-tensors", False, "qwen3_moe", marks=pytest.mark.slow)])
 def test_int4_checkpoints_at_tp2(method: str, act_order: bool, model: str, tmp_path) -> None:
@@ -208,6 +210,7 @@ def test_server_with_tp2_serves_and_a_dead_rank_takes_it_down(tmp_path) -> None:
 
 
 
+@pytest.mark.slow  # 25 s; the nodes' rendezvous and checks: test_rendezvous.py, in CI
 def test_two_node_launch_on_one_host(tmp_path) -> None:
     """--nnodes 2: node 0 serves HTTP with rank 0, node 1 (a second launch) runs rank 1
     headless; outputs equal one rank's; node 1 ends cleanly (exit status 0) when node 0 is
@@ -249,6 +252,7 @@ def test_two_node_launch_on_one_host(tmp_path) -> None:
     assert "exit code" not in node1_log and "Traceback" not in node1_log, node1_log
 
 
+@pytest.mark.slow  # 16 s
 def test_an_engine_never_shut_down_exits_cleanly(tmp_path) -> None:
     """A script that leaves a tp 2 Engine to the interpreter's exit: multiprocessing ends the
     followers then, which the follower watch must not take for a rank's death (it logged
@@ -274,6 +278,7 @@ def test_an_engine_never_shut_down_exits_cleanly(tmp_path) -> None:
     assert "died" not in done.stderr
 
 
+@pytest.mark.slow  # 14 s; grammars on one rank: tests/e2e/test_constrained_engine.py, in CI
 def test_constrained_outputs_at_tp2_equal_tp1(tmp_path) -> None:
     """Grammars at tp 2 over gloo: each rank compiles its own, rank 0 says when they are ready
     (scheduler/replicated.py), and the ranks' masks and samples agree with one rank's."""
@@ -377,7 +382,8 @@ def test_embeddings_at_tp2_equal_tp1(tmp_path) -> None:
 
 @pytest.mark.parametrize("name,at_run_time", [("llama_gqa_llama3_rope", False),
                                                ("gemma_mqa", True),
-                                               ("deepseek_v2_lite_mla", False)])
+                                               pytest.param("deepseek_v2_lite_mla", False,
+                                                            marks=pytest.mark.slow)])
 def test_lora_adapters_at_tp2_match_the_merged_models(name: str, at_run_time: bool,
                                                       tmp_path) -> None:
     """LoRA at tp 2 over gloo: column-parallel layers hold B's rows of their rank (q|k|v by

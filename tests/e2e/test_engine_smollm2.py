@@ -144,6 +144,7 @@ def reference_outputs():
     return outs
 
 
+@pytest.mark.slow  # 27 s; retraction's outputs on tiny checkpoints: tests/scheduler, in CI
 def test_tiny_kv_pool_forces_retraction_with_identical_outputs(reference_outputs):
     """Requests that may stop at EOS are admitted on the ratio estimate, which a low
     conservativeness makes over-admit (ignore_eos requests pass the exact peak check and are
@@ -157,6 +158,7 @@ def test_tiny_kv_pool_forces_retraction_with_identical_outputs(reference_outputs
         assert len(out) == 40 or out[-1] in eos
 
 
+@pytest.mark.slow  # 18 s; the cache off: tests/scheduler/test_scheduler.py, in CI
 def test_radix_cache_off_gives_identical_outputs(reference_outputs):
     outs, eng = _greedy_outputs(disable_radix_cache=True, chunked_prefill_size=-1)
     assert eng.scheduler.stats.total_cached_tokens == 0

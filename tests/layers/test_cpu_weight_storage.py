@@ -18,7 +18,10 @@ PROMPTS = [[5, 9, 13, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6], [8] * 3, [11, 12], [20, 2
 PARAMS = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module", params=["qwen2_bias", "llama_tied_mha", "deepseek_v2_lite_mla"])
+@pytest.fixture(scope="module", params=["qwen2_bias", "llama_tied_mha",
+                                        # 12 s; --run-slow
+                                        pytest.param("deepseek_v2_lite_mla",
+                                                     marks=pytest.mark.slow)])
 def bf16_checkpoint(request, tmp_path_factory) -> tuple[str, str]:
     folder = tmp_path_factory.mktemp(request.param)
     make_checkpoint(request.param, folder).to(torch.bfloat16).save_pretrained(folder)

@@ -32,7 +32,8 @@ def _weights(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, seed
     (MoeGemvConfigs(GemvConfig(4, 32, 4, 1), GemvConfig(8, 16, 4, 2)), 64, 48),
     (MoeGemvConfigs(GemvConfig(2, 32, 2, 1, vec=8), GemvConfig(4, 32, 4, 1, vec=4)), 64, 48),
     # K tails: 72 = 2 x 32 + 8 and 40 = 32 + 8 columns (masked last steps)
-    (MoeGemvConfigs(GemvConfig(4, 32, 4, 1), GemvConfig(2, 32, 4, 2, vec=4)), 72, 40)])
+    pytest.param(MoeGemvConfigs(GemvConfig(4, 32, 4, 1), GemvConfig(2, 32, 4, 2, vec=4)), 72, 40,
+                 marks=pytest.mark.slow_interpreted)])  # 9 s interpreted
 def test_gemv_experts_match_the_reference_with_shared_experts(configs, hidden, inter) -> None:
     """Three tokens, top 3 of 5 experts, two tokens sharing experts; weights not renormalised
     (the routing weight is the down kernel's per-choice scale)."""
@@ -55,8 +56,9 @@ def test_gemv_experts_match_the_reference_with_shared_experts(configs, hidden, i
     # 72 = 64 + 8), vec 1 and 16
     pytest.param(64, 200, 72, MoeGemvConfigs(GemvConfig(4, 32, 4, 1), GemvConfig(2, 32, 4, 1)),
                  marks=pytest.mark.slow),  # the vec-16 case below takes the same steps
-    (64, 200, 72, MoeGemvConfigs(GemvConfig(4, 32, 4, 1, vec=16),
-                                 GemvConfig(2, 32, 4, 1, vec=16))),
+    pytest.param(64, 200, 72, MoeGemvConfigs(GemvConfig(4, 32, 4, 1, vec=16),
+                                             GemvConfig(2, 32, 4, 1, vec=16)),
+                 marks=pytest.mark.slow_interpreted),  # 24 s interpreted
     # steps over 2 and 4 whole groups (a 128-column block's checkpoint has 128-wide ones),
     # the last step's groups past K scaled by 0 (10 s in the interpreter; the GPU runs it)
     pytest.param(64, 200, 72, MoeGemvConfigs(GemvConfig(4, 128, 4, 1),

@@ -96,6 +96,7 @@ def test_fp8_quantisation_of_mxfp4_experts(tmp_path: Path) -> None:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # 10 s
 def test_mxfp4_checkpoint_at_tp2_matches_tp1(tmp_path: Path) -> None:
     """Each rank dequantises the experts and keeps its part of the intermediate size."""
     from tests.distributed.test_tensor_parallel import _prompts, _run

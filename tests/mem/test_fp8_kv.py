@@ -76,7 +76,8 @@ def _logits(runner: ModelRunner, ids: list[int]) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("backend", ["torch_native", "triton"])
+@pytest.mark.parametrize("backend", ["torch_native",
+                                     pytest.param("triton", marks=pytest.mark.slow_interpreted)])
 def test_tiny_model_with_fp8_kv_stays_close(backend, tmp_path) -> None:
     device = "cpu"
     if backend == "triton":

@@ -54,8 +54,11 @@ def _generate(folder: str, prompts: list[list[int]], **engine_args: object
         engine.shutdown()
 
 
+# the MoE hybrids run with --run-slow (4-6 s each): their MoE blocks are the tested ones
 @pytest.mark.parametrize("name", ["qwen3_next_hybrid", "qwen3_5_dense", "olmo_hybrid",
-                                  "nemotron_h", "nemotron_h_moe", "granite_hybrid_moe",
+                                  "nemotron_h",
+                                  pytest.param("nemotron_h_moe", marks=pytest.mark.slow),
+                                  pytest.param("granite_hybrid_moe", marks=pytest.mark.slow),
                                   pytest.param("granite_hybrid_dense", marks=pytest.mark.slow),
                                   pytest.param("bamba", marks=pytest.mark.slow),
                                   pytest.param("falcon_h1", marks=pytest.mark.slow)])

@@ -112,6 +112,7 @@ def test_a_siglip_llava_generates_as_transformers(tmp_path) -> None:
         engine.shutdown()
 
 
+@pytest.mark.slow  # 11 s
 def test_images_at_tp2_generate_as_transformers(llava) -> None:
     """Tensor parallel over gloo: every rank gets the request's images with it (its own
     vision tower, replicated) and the decoder split as for text; tokens as transformers'."""

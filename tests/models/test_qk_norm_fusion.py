@@ -33,6 +33,8 @@ def _greedy(checkpoint: str, prompts: list[list[int]]) -> tuple[list[list[int]],
             [[lp for lp, _ in out["meta_info"]["output_token_logprobs"]] for out in outs])
 
 
+@pytest.mark.slow_interpreted  # 19 s interpreted; the fused kernel alone:
+# tests/attention/test_rope_through_backend.py, in CI
 def test_fused_qk_norms_decode_as_transformers_and_the_unfused_path(tmp_path,
                                                                      monkeypatch) -> None:
     hf_model = make_checkpoint("qwen3_qk_norm", tmp_path)

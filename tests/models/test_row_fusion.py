@@ -25,8 +25,6 @@ pytestmark = pytest.mark.kernel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.float16
-# ~15 s in the interpreter: CI skips it, the GPU runs it (a no-op mark there)
-SLOW_ON_CPU = pytest.mark.usefixtures() if torch.cuda.is_available() else pytest.mark.slow
 
 
 def _fill(module: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -131,6 +129,8 @@ def _greedy(checkpoint: str, with_logprobs: bool = False, **args):
     return out[0]["output_ids"]
 
 
+@pytest.mark.slow_interpreted  # 14 s interpreted; the fused layer against the unfused one
+# above, in CI
 def test_engine_greedy_outputs_unchanged_by_the_fused_layers(checkpoint, monkeypatch) -> None:
     reference = _greedy(checkpoint)
     calls = []
@@ -147,7 +147,7 @@ def test_engine_greedy_outputs_unchanged_by_the_fused_layers(checkpoint, monkeyp
     assert len(calls) == 2 * 3 or (torch.cuda.is_available() and calls)
 
 
-@SLOW_ON_CPU
+@pytest.mark.slow_interpreted
 def test_engine_greedy_outputs_with_fp8_rows_on_the_tensor_cores(checkpoint, monkeypatch) -> None:
     """FP8 weights: every fused one-row product on kernels/fp8_mma_rows.py (two activation
     terms, K split in two) gives the greedy tokens of the GEMV."""
@@ -201,7 +201,8 @@ def test_a_swept_variant_configuration_is_used(table_dir) -> None:
         plain._replace(block_n=plain.block_n // 2)  # no table: half rows per half
 
 
-@SLOW_ON_CPU  # ~30 s in the interpreter; test_gemv_rope.py checks the product bitwise in CI
+# ~30 s in the interpreter; test_gemv_rope.py checks the product bitwise in CI
+@pytest.mark.slow_interpreted
 def test_engine_greedy_outputs_with_rope_and_store_in_the_qkv_gemv(checkpoint,
                                                                    monkeypatch) -> None:
     """Decode on the Triton backend (the interpreter on CPU; prefill on torch's, through the

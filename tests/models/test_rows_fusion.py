@@ -197,6 +197,7 @@ def _greedy(checkpoint: str) -> list[list[int]]:
                                 dtype="float16" if DEVICE == "cpu" else "bfloat16")
 
 
+@pytest.mark.slow_interpreted  # 7 s interpreted
 def test_engine_greedy_outputs_unchanged_by_the_fused_rows(checkpoint, table_dir,
                                                            monkeypatch) -> None:
     """Three requests decode together (3 rows; 4 in a CUDA graph): with every product of the

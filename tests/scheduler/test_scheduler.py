@@ -554,7 +554,9 @@ def _prompt_logprobs(scheduler, msg) -> list:  # type: ignore[no-untyped-def]
     return got
 
 
-@pytest.mark.parametrize("overlap", [pytest.param(False, marks=pytest.mark.slow), True])
+# 18 s each (thousands of one-step turns); the set-aside itself: the test above, in CI
+@pytest.mark.parametrize("overlap", [pytest.param(False, marks=pytest.mark.slow),
+                                     pytest.param(True, marks=pytest.mark.slow)])
 def test_a_prompt_set_aside_returns_its_prompt_logprobs_once(overlap, monkeypatch) -> None:
     """A chunked prompt asking for prompt logprobs and set aside for a running request
     computes them again from its logprob start: they are returned once (3864 entries came

@@ -7,6 +7,7 @@ import signal
 import threading
 import time
 
+import pytest
 import requests
 
 from radixserve.server.launch import one_line_failure
@@ -40,6 +41,7 @@ def _open_long_streams(server: ServerProcess, count: int) -> tuple[list[threadin
     return threads, events
 
 
+@pytest.mark.slow  # 23 s; a dead scheduler's server-side exit: test_lifecycle_e2e.py, in CI
 def test_summary_counts_the_streams_a_dead_rank_ended() -> None:
     server = ServerProcess()
     try:

@@ -15,6 +15,9 @@ from tests.models.test_greedy_vs_hf import hf_greedy
 from tests.server.bundled_tokenizer_models import save_tiny_model
 from tests.server.server_process import ServerProcess
 
+# 17 s (a server); int4 checkpoints through the Engine: tests/loader/test_int4_checkpoints.py, in CI
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def awq_server(tmp_path_factory) -> Iterator[tuple[ServerProcess, Any]]:

@@ -165,6 +165,8 @@ def test_startup_failure_reports_child_traceback() -> None:
     assert "Traceback" in output and "KV cache too small: 8 tokens" in output
 
 
+@pytest.mark.slow  # 26 s (two servers that fail to start); the one-line start-up errors of a
+# missing model and a busy port stay in CI below
 def test_checkpoint_problems_are_one_line_each(tmp_path) -> None:
     """A model folder without tokenizer files fails before any child loads; a tensor the model
     has no place for fails in the scheduler: each one error line naming it, no traceback."""
@@ -188,6 +190,7 @@ def test_checkpoint_problems_are_one_line_each(tmp_path) -> None:
     assert "'model.layers.0.bogus.weight' has no place in LlamaForCausalLM" in output
 
 
+@pytest.mark.slow  # 12 s; the flag check itself: tests/loader/test_int4_checkpoints.py
 def test_a_quantization_flag_against_the_checkpoint_fails_before_loading(tmp_path) -> None:
     from tests.models.int4_checkpoints import write_int4_pair
     folder, _ = write_int4_pair(tmp_path, "awq")
@@ -243,6 +246,8 @@ def _open_streams(server: ServerProcess, count: int) -> tuple[list, list[list[st
     return threads, events
 
 
+# the two cases below run with --run-slow (25 s with their server); a SIGTERM's drain and
+# clean exit: test_sigterm_to_the_whole_process_group_drains_the_requests, in CI
 @pytest.fixture(scope="module")
 def flagged_server() -> Iterator[ServerProcess]:
     """A server started with non-default flags; the shutdown test below ends it (last)."""
@@ -251,6 +256,7 @@ def flagged_server() -> Iterator[ServerProcess]:
     server.stop()
 
 
+@pytest.mark.slow
 def test_incremental_streaming_output_sends_only_new_pieces(
         flagged_server: ServerProcess) -> None:
     """--incremental-streaming-output: the chunks' texts and ids join into the whole output."""
@@ -266,6 +272,7 @@ def test_incremental_streaming_output_sends_only_new_pieces(
     assert counts == sorted(counts) and counts[-1] == len(full["output_ids"])
 
 
+@pytest.mark.slow
 def test_shutdown_ends_open_streams_with_an_error_event(flagged_server: ServerProcess) -> None:
     """SIGTERM with --shutdown-timeout 1: open streams end with an error event and [DONE]."""
     server = flagged_server

@@ -17,6 +17,9 @@ from tests.models.llava_folder import noise_image, png_bytes
 from tests.models.qwen_vl_folder import IMAGE_PAD, hf_greedy, write_qwen_vl_folder
 from tests.server.server_process import ServerProcess
 
+# 20 s (a server); Qwen-VL's images through the Engine: tests/models/test_qwen2_vl_serving.py, in CI
+pytestmark = pytest.mark.slow
+
 NEW_TOKENS = 5
 
 

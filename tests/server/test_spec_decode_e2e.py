@@ -13,6 +13,9 @@ import requests
 from tests.server.conftest import API_KEY
 from tests.server.server_process import ServerProcess
 
+# 26 s (a server); n-gram drafts through the Engine: tests/scheduler/test_spec_decode.py, in CI
+pytestmark = pytest.mark.slow
+
 TEXT = ("The river town woke slowly in the autumn mornings. Fishermen pushed their boats from "
         "the muddy bank while the baker on the corner lit his ovens, and the smell of bread "
         "drifted down to the water.")

@@ -65,7 +65,10 @@ def _chat_json(client: Any, model: str, name: str, stream: bool) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+# the streamed forms of the next cases run with --run-slow (3-5 s each): streamed constrained
+# output stays in CI through test_forced_tool_call_streamed
+@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["whole", "streamed"])
 def test_json_schema_outputs_validate(openai_client: Any, model_name: str, stream: bool) -> None:
     with ThreadPoolExecutor(len(SCHEMAS)) as pool:  # concurrent: one batch on the server
         results = dict(zip(SCHEMAS, pool.map(
@@ -88,7 +91,8 @@ def test_json_object_on_completions(openai_client: Any, model_name: str) -> None
         assert choice.text.lstrip().startswith("{")
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["whole", "streamed"])
 def test_vllm_guided_fields(openai_client: Any, model_name: str, stream: bool) -> None:
     """vLLM's guided_choice / guided_json / guided_regex through the SDK's extra_body."""
     choices = ["sunny", "rainy", "a \"grey\" day"]
@@ -161,7 +165,8 @@ def test_forced_tool_call(openai_client: Any, model_name: str, tool_choice: Any,
     _check_call(choice.message.tool_calls[0])
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["whole", "streamed"])
 def test_forced_parallel_tool_calls(openai_client: Any, model_name: str, stream: bool) -> None:
     """tool_choice required with parallel_tool_calls absent (true): the grammar allows one or
     more calls; min_tokens keeps EOS out until past the first call, so the grammar's only way
@@ -194,7 +199,8 @@ def test_forced_parallel_tool_calls(openai_client: Any, model_name: str, stream:
         jsonschema.validate(json.loads(call["arguments"]), WEATHER["function"]["parameters"])
 
 
-@pytest.mark.parametrize("max_tokens", [50, 60], ids=["after-a-call", "inside-a-call"])
+@pytest.mark.parametrize("max_tokens", [pytest.param(50, marks=pytest.mark.slow), 60],
+                         ids=["after-a-call", "inside-a-call"])
 def test_tool_calls_cut_by_max_tokens_finish_with_length(openai_client: Any, model_name: str,
                                                          max_tokens: int) -> None:
     """The forced parallel answer of the test above, cut after its first call (50 tokens) or
